@@ -1,0 +1,3 @@
+from guardian.cli import main
+
+main()

@@ -1,0 +1,103 @@
+"""The ``mlx-guardian`` command: every mlx_lm.server flag, plus the guardian's.
+
+``mlx-guardian [mlx_lm.server flags] [--guardian-config FILE] [--log-format
+json|console]`` serves; ``mlx-guardian demo-model PATH`` writes the demo
+model; ``mlx-guardian plugins`` lists plugins and their hooks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import structlog
+
+from guardian import stock
+from guardian.config import ConfigError, load_config
+from guardian.exit_codes import EXIT_USAGE
+from guardian.logs import configure_logging
+
+log = structlog.get_logger("guardian.cli")
+
+
+def add_guardian_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("mlx-guardian")
+    group.add_argument(
+        "--guardian-config",
+        type=Path,
+        default=None,
+        help="TOML file: plugins and their settings (see config/guardian.example.toml)",
+    )
+    group.add_argument(
+        "--log-format",
+        choices=("json", "console"),
+        default=None,
+        help="json lines (default) or console output for people",
+    )
+
+
+def prepare(namespace: argparse.Namespace) -> None:
+    """After stock parsed the flags: logging, config, plugins, demo model."""
+    from guardian.plugin_manager import make_plugin_manager
+
+    configure_logging(namespace.log_format or "json", namespace.log_level)
+    try:
+        config = load_config(namespace.guardian_config)
+        if namespace.log_format is None:
+            configure_logging(config.core.log_format, namespace.log_level)
+        pm = make_plugin_manager(config)
+    except ConfigError as e:
+        log.critical("config_invalid", error_message=str(e))
+        print(f"mlx-guardian: {e}", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE) from None
+    if namespace.model is None:
+        from guardian.demo_model import ensure_demo_model
+
+        namespace.model = str(ensure_demo_model())
+        log.info("demo_model_selected", model=namespace.model)
+    namespace.guardian_runtime = (config, pm)
+
+
+def run(host, port, model_provider, *args, **kwargs):
+    """Replaces stock ``run``; stock ``main()`` calls it after parsing."""
+    from guardian.server import serve
+
+    config, pm = model_provider.cli_args.guardian_runtime
+    raise SystemExit(serve(host, port, model_provider, config, pm))
+
+
+def demo_model_command(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="mlx-guardian demo-model")
+    parser.add_argument("path", type=Path, help="folder to write the model into")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    from guardian.demo_model import write_demo_model
+
+    print(write_demo_model(args.path, seed=args.seed))
+    return 0
+
+
+def plugins_command(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="mlx-guardian plugins")
+    parser.add_argument("--guardian-config", type=Path, default=None)
+    args = parser.parse_args(argv)
+    from guardian.plugin_manager import describe, make_plugin_manager
+
+    try:
+        pm = make_plugin_manager(load_config(args.guardian_config))
+    except ConfigError as e:
+        print(f"mlx-guardian: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    print(json.dumps(describe(pm), indent=2))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    commands = {"demo-model": demo_model_command, "plugins": plugins_command}
+    if argv and argv[0] in commands:
+        raise SystemExit(commands[argv[0]](argv[1:]))
+    sys.argv = ["mlx-guardian", *argv]
+    stock.run_stock_main(run, add_arguments=add_guardian_arguments, after_parse=prepare)

@@ -1,0 +1,116 @@
+"""The TOML file given with ``--guardian-config``.
+
+The ``[guardian]`` table configures the core; every other table belongs to
+the plugin of that name, whose ``Settings`` dataclass says which keys exist,
+their types and defaults. A key nobody declared, or a value of the wrong
+type, stops the server at start with a message naming the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib
+
+
+class ConfigError(ValueError):
+    """The configuration cannot be used; the message names the key."""
+
+
+@dataclass
+class CoreSettings:
+    # Extra plugins: "package.module" or "package.module:Class".
+    plugins: list = field(default_factory=list)
+    # Built-in plugins to leave out, by name.
+    disabled_plugins: list = field(default_factory=list)
+    log_format: str = field(default="json", metadata={"choices": ("json", "console")})
+    # Seconds a client is told to wait (Retry-After) while the engine restarts.
+    retry_after_s: float = 1.0
+    # How long to keep answering in-flight requests before exiting.
+    exit_grace_s: float = 5.0
+
+
+@dataclass
+class GuardianConfig:
+    core: CoreSettings = field(default_factory=CoreSettings)
+    # Raw plugin tables, keyed by plugin name, validated when plugins load.
+    plugin_tables: dict = field(default_factory=dict)
+    source: Optional[Path] = None
+
+
+def load_config(path: Optional[Path]) -> GuardianConfig:
+    """Read and check the TOML file; no file means every default."""
+    if path is None:
+        return GuardianConfig()
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"guardian config file not found: {path}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    core_table = data.pop("guardian", {})
+    for name, table in data.items():
+        if not isinstance(table, dict):
+            raise ConfigError(f"{path}: top-level key {name!r} must be a [table]")
+    return GuardianConfig(
+        core=parse_settings(CoreSettings, core_table, "guardian"),
+        plugin_tables=data,
+        source=Path(path),
+    )
+
+
+def parse_settings(settings_class, table: dict, section: str):
+    """Build ``settings_class`` from a TOML table, naming any bad key."""
+    if not isinstance(table, dict):
+        raise ConfigError(f"[{section}] must be a table")
+    fields = {f.name: f for f in dataclasses.fields(settings_class)}
+    hints = typing.get_type_hints(settings_class)
+    for key in table:
+        if key not in fields:
+            known = ", ".join(sorted(fields)) or "none"
+            raise ConfigError(f"[{section}] unknown key {key!r} (known keys: {known})")
+    values = {}
+    for key, value in table.items():
+        values[key] = _checked(value, hints[key], fields[key], f"{section}.{key}")
+    return settings_class(**values)
+
+
+def _checked(value: Any, hint: Any, fld: dataclasses.Field, name: str) -> Any:
+    expected = _runtime_types(hint)
+    # TOML integers are fine where a float is wanted; bools are not ints here.
+    if float in expected and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if isinstance(value, bool) and bool not in expected:
+        raise ConfigError(f"{name}: expected {_describe(expected)}, got {value!r}")
+    if not isinstance(value, expected):
+        raise ConfigError(f"{name}: expected {_describe(expected)}, got {value!r}")
+    choices = fld.metadata.get("choices")
+    if choices is not None and value not in choices:
+        raise ConfigError(f"{name}: must be one of {', '.join(map(repr, choices))}, got {value!r}")
+    minimum = fld.metadata.get("min")
+    if minimum is not None and value is not None and value < minimum:
+        raise ConfigError(f"{name}: must be >= {minimum}, got {value!r}")
+    return value
+
+
+def _runtime_types(hint: Any) -> tuple:
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) is typing.Union:
+        return tuple(t for arg in args for t in _runtime_types(arg))
+    origin = typing.get_origin(hint) or hint
+    if hint is type(None):
+        return (type(None),)
+    return (origin,)
+
+
+def _describe(types: tuple) -> str:
+    return " or ".join("none" if t is type(None) else t.__name__ for t in types)

@@ -1,0 +1,122 @@
+"""Errors clients get, in OpenAI's shape, and how engine errors are named."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass
+class GuardianError(Exception):
+    """A request ends with this error instead of a completion.
+
+    It travels on a request's response queue like stock's own exceptions,
+    so stock's consumer code raises it on the HTTP thread.
+    """
+
+    message: str
+    status: int = 503
+    type: str = "server_error"
+    code: Optional[str] = None
+    param: Optional[str] = None
+    retry_after_s: Optional[float] = None
+    extra: dict = field(default_factory=dict)
+    headers: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        super().__init__(self.message)
+
+    def body(self) -> dict:
+        error = {
+            "message": self.message,
+            "type": self.type,
+            "param": self.param,
+            "code": self.code,
+        }
+        error.update(self.extra)
+        return {"error": error}
+
+    def body_bytes(self) -> bytes:
+        return json.dumps(self.body()).encode()
+
+    def response_headers(self) -> dict:
+        headers = dict(self.headers)
+        if self.retry_after_s is not None:
+            headers["Retry-After"] = str(max(1, round(self.retry_after_s)))
+        return headers
+
+
+class EngineStepError(Exception):
+    """An engine step raised inside code that stock guards with ``except``.
+
+    Stock's non-batched path puts every exception on the request's queue and
+    carries on. A failed model step there is the engine's failure, not the
+    request's: the request's record re-raises it so the supervisor sees it.
+    """
+
+    def __init__(self, cause: BaseException):
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.cause = cause
+
+
+class AbortRequest(BaseException):
+    """Carries a GuardianError past stock's ``except Exception`` handler.
+
+    Stock's ``handle_completion`` answers any exception from ``generate()``
+    with a 404; deriving from BaseException (like GeneratorExit) lets the
+    guardian's handler answer with the right status instead.
+    """
+
+    def __init__(self, error: GuardianError):
+        super().__init__(error.message)
+        self.error = error
+
+
+def engine_unavailable(message: str, retry_after_s: float = 1.0) -> GuardianError:
+    return GuardianError(
+        message, status=503, code="engine_unavailable", retry_after_s=retry_after_s
+    )
+
+
+# Exceptions stock puts on a request's queue that are the request's fault.
+_CLIENT_ERRORS = (ValueError, TypeError, KeyError, IndexError, AssertionError)
+
+
+def from_stock_exception(exc: Exception) -> GuardianError:
+    """What to tell a client for an exception stock gave its request."""
+    if isinstance(exc, GuardianError):
+        return exc
+    if type(exc).__name__ == "TemplateError" or isinstance(exc, _CLIENT_ERRORS):
+        return GuardianError(
+            f"{type(exc).__name__}: {exc}",
+            status=400,
+            type="invalid_request_error",
+            code="invalid_request",
+        )
+    if isinstance(exc, (FileNotFoundError,)) or "RepositoryNotFound" in type(
+        exc
+    ).__name__:
+        return GuardianError(
+            f"The model could not be loaded: {exc}",
+            status=404,
+            type="invalid_request_error",
+            code="model_not_found",
+            param="model",
+        )
+    return GuardianError(
+        f"{type(exc).__name__}: {exc}", status=500, code="internal_error"
+    )
+
+
+def classify(exc: BaseException) -> str:
+    """A stable name for an engine exception: what an operator searches for."""
+    text = str(exc)
+    if "Resource limit" in text and "metal" in text:
+        return "metal_resource_limit"
+    if isinstance(exc, MemoryError) or any(
+        marker in text.lower()
+        for marker in ("out of memory", "insufficient memory", "attempting to allocate")
+    ):
+        return "out_of_memory"
+    return "unknown"

@@ -1,0 +1,282 @@
+"""Where every request is, from enqueue to its terminal message.
+
+The stock loop keeps the requests it has taken in local variables, which die
+with it. The ledger is the engine's request queue (``ResponseGenerator
+.requests``) and wraps each request's response queue in a ``RequestRecord``,
+so after a failure the supervisor knows which requests were never taken,
+which were taken but not started, and what each client has received.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import deque
+from enum import Enum
+from queue import Empty, Queue
+from typing import Callable, Optional
+
+from guardian import stock
+from guardian.context import current_request
+from guardian.errors import EngineStepError, GuardianError
+
+
+class Stage(Enum):
+    QUEUED = "queued"
+    TAKEN = "taken"  # the loop has it; no context yet (maybe deferred)
+    STARTED = "started"  # context delivered: prefill or decode under way
+    STREAMING = "streaming"  # a streaming client has been sent tokens
+    DONE = "done"
+
+
+class RequestRecord(Queue):
+    """One request's response queue, as the generation loop sees it.
+
+    Forwards what the loop puts to the queue stock's HTTP side reads, and
+    notes the stage. Non-streaming tokens are held back until the request
+    ends, so a re-run after a failure can start from nothing unseen.
+    """
+
+    _ids = itertools.count()
+
+    def __init__(self, downstream: Queue, item: tuple, *, request_id: str, stream: bool, ledger):
+        super().__init__()
+        self.seq = next(self._ids)
+        self.downstream = downstream
+        self.item = item  # (self, request, args) as the loop takes it
+        self.request_id = request_id
+        self.stream = stream
+        self.ledger = ledger
+        self.stage = Stage.QUEUED
+        self.failures = 0
+        self.isolate = False
+        self.enqueued_at = time.monotonic()
+        self._held: list = []
+        self._first_ctx = None
+        self._current_ctx = None
+        self._lock = threading.Lock()
+
+    @property
+    def request(self):
+        return self.item[1]
+
+    @property
+    def args(self):
+        return self.item[2]
+
+    def put(self, item, block=True, timeout=None):
+        """Called by the generation loop: forward, hold, or re-raise."""
+        if isinstance(item, EngineStepError):
+            raise item
+        self.ledger.beat()
+        with self._lock:
+            if self.stage is Stage.DONE:
+                return
+            if isinstance(item, stock.GenerationContext):
+                self._on_context(item)
+            elif isinstance(item, stock.Response):
+                self._on_token(item)
+            elif item is None or isinstance(item, BaseException):
+                self._finish(item)
+            else:  # prompt progress: (processed, total)
+                self.downstream.put(item)
+
+    def _on_context(self, ctx):
+        self.stage = Stage.STARTED
+        self._current_ctx = ctx
+        ctx.stop = self._client_gone  # stock calls it when the client goes
+        if self._first_ctx is None:
+            self._first_ctx = ctx
+            self.downstream.put(ctx)
+        # On a re-run stock's handler still holds the first context: the
+        # new one is not sent, only linked through _client_gone.
+
+    def _on_token(self, response):
+        if self.stream:
+            self.stage = Stage.STREAMING
+            self.downstream.put(response)
+        else:
+            self._held.append(response)
+
+    def _finish(self, terminal):
+        for response in self._held:
+            self.downstream.put(response)
+        self._held.clear()
+        self.downstream.put(terminal)
+        self.stage = Stage.DONE
+        self.ledger.finished(self)
+
+    def _client_gone(self):
+        ctx = self._current_ctx
+        stock.GenerationContext.stop(ctx)
+        with self._lock:
+            if self.stage is not Stage.DONE:
+                self.stage = Stage.DONE
+                self.ledger.finished(self)
+
+    def fail(self, error: GuardianError) -> None:
+        """End the request with an error (any thread)."""
+        with self._lock:
+            if self.stage is not Stage.DONE:
+                self._held.clear()
+                self._finish(error)
+
+    def prepare_rerun(self) -> None:
+        """Forget what the failed run produced that the client never saw."""
+        with self._lock:
+            self._held.clear()
+            if self._current_ctx is not None:
+                stock.GenerationContext.stop(self._current_ctx)
+            self.stage = Stage.QUEUED
+
+    @property
+    def client_has_output(self) -> bool:
+        return self.stage is Stage.STREAMING
+
+
+class RequestLedger:
+    """The engine's request queue, and the record of what is in flight.
+
+    Serves the stock loop's ``get(timeout=...)`` and ``get_nowait()``:
+    re-runs first, then new requests. A re-run marked ``isolate`` runs with
+    nothing else in flight, so a request that fails twice among others is
+    tried alone before it is blamed.
+    """
+
+    def __init__(self, beat: Callable[[], None] = lambda: None):
+        self.beat = beat
+        self._cond = threading.Condition()
+        self._incoming: deque[tuple] = deque()
+        self._reruns: deque[RequestRecord] = deque()
+        self._in_flight: dict[int, RequestRecord] = {}
+        self._isolated: Optional[RequestRecord] = None
+        self.closed_error: Optional[GuardianError] = None
+
+    # -- the HTTP side ----------------------------------------------------
+    def put(self, item, block=True, timeout=None):
+        """Stock's ``generate()`` enqueues ``(response_queue, request, args)``."""
+        response_queue, request, args = item
+        info = current_request()
+        record = RequestRecord(
+            response_queue,
+            (None, request, args),
+            request_id=info.request_id,
+            stream=info.stream,
+            ledger=self,
+        )
+        record.item = (record, request, args)
+        with self._cond:
+            refused = self.closed_error
+            if refused is None:
+                self._incoming.append(record.item)
+                self._cond.notify_all()
+        if refused is not None:
+            record.fail(refused)
+
+    # -- the generation loop's side ---------------------------------------
+    def get(self, block=True, timeout=None):
+        self.beat()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while True:
+                item = self._next_item()
+                if item is not None:
+                    return item
+                if not block:
+                    raise Empty
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise Empty
+                self._cond.wait(remaining)
+
+    def get_nowait(self):
+        return self.get(block=False)
+
+    def _next_item(self):
+        # Requests whose client left while they waited are dropped here.
+        while self._incoming and self._incoming[0][0].stage is Stage.DONE:
+            self._incoming.popleft()
+        while self._reruns and self._reruns[0].stage is Stage.DONE:
+            self._reruns.popleft()
+        if self._isolated is not None:
+            return None
+        if self._reruns:
+            record = self._reruns[0]
+            if record.isolate and self._in_flight:
+                return None  # let the current batch drain first
+            self._reruns.popleft()
+            if record.isolate:
+                self._isolated = record
+            return self._take(record.item)
+        if self._incoming:
+            return self._take(self._incoming.popleft())
+        return None
+
+    def _take(self, item):
+        record = item[0]
+        record.stage = Stage.TAKEN
+        self._in_flight[record.seq] = record
+        return item
+
+    def finished(self, record: RequestRecord) -> None:
+        with self._cond:
+            self._in_flight.pop(record.seq, None)
+            if self._isolated is record:
+                self._isolated = None
+            self._cond.notify_all()
+
+    # -- the supervisor's side --------------------------------------------
+    def take_in_flight(self) -> list[RequestRecord]:
+        """Every request the dead loop had taken and not finished, oldest first."""
+        with self._cond:
+            records = sorted(self._in_flight.values(), key=lambda r: r.seq)
+            self._in_flight.clear()
+            self._isolated = None
+            return records
+
+    def rerun(self, records: list[RequestRecord]) -> None:
+        """Queue records ahead of new requests, in their original order."""
+        for record in records:
+            record.prepare_rerun()
+        with self._cond:
+            merged = sorted([*self._reruns, *records], key=lambda r: r.seq)
+            self._reruns = deque(merged)
+            self._cond.notify_all()
+
+    def close(self, error: GuardianError) -> list[RequestRecord]:
+        """Refuse new requests; return every record not yet finished."""
+        with self._cond:
+            self.closed_error = error
+            waiting = [item[0] for item in self._incoming] + list(self._reruns)
+            self._incoming.clear()
+            self._reruns.clear()
+            waiting += self._in_flight.values()
+            self._in_flight.clear()
+            self._isolated = None
+            self._cond.notify_all()
+        return waiting
+
+    def counts(self) -> dict:
+        with self._cond:
+            return {
+                "queued": len(self._incoming),
+                "rerun_queued": len(self._reruns),
+                "in_flight": len(self._in_flight),
+            }
+
+    def in_flight(self) -> list[RequestRecord]:
+        with self._cond:
+            return list(self._in_flight.values())
+
+    def has_work(self) -> bool:
+        with self._cond:
+            return bool(self._incoming or self._reruns or self._in_flight)
+
+    # Stock code and debugging helpers sometimes ask a Queue for its size.
+    def qsize(self) -> int:
+        with self._cond:
+            return len(self._incoming) + len(self._reruns)
+
+    def empty(self) -> bool:
+        return self.qsize() == 0

@@ -1,0 +1,58 @@
+"""Structured logs: JSON lines on stderr, or console output for people.
+
+Guardian events go through structlog; mlx_lm's own ``logging`` records go
+through the same processors (``ProcessorFormatter.foreign_pre_chain``), so
+every line has one shape whichever library wrote it.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import structlog
+
+# Shared by structlog events and stdlib records alike.
+SHARED_PROCESSORS = [
+    # Request ids bound by guardian.context reach every line of that thread.
+    structlog.contextvars.merge_contextvars,
+    structlog.stdlib.add_log_level,
+    structlog.stdlib.add_logger_name,
+    structlog.processors.TimeStamper(fmt="iso", utc=True),
+]
+
+
+def configure_logging(log_format: str = "json", level: str = "INFO") -> None:
+    renderer = (
+        structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
+        if log_format == "console"
+        else structlog.processors.JSONRenderer()
+    )
+    formatter = structlog.stdlib.ProcessorFormatter(
+        foreign_pre_chain=[
+            *SHARED_PROCESSORS,
+            # stdlib messages are sentences; keep them as the event text.
+            structlog.stdlib.ExtraAdder(),
+        ],
+        processors=[
+            structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+            # Tracebacks become one "exception" string field, not raw lines.
+            structlog.processors.format_exc_info,
+            renderer,
+        ],
+    )
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(formatter)
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(getattr(logging, level.upper(), logging.INFO))
+    structlog.configure(
+        processors=[
+            *SHARED_PROCESSORS,
+            structlog.processors.StackInfoRenderer(),
+            structlog.stdlib.ProcessorFormatter.wrap_for_formatter,
+        ],
+        logger_factory=structlog.stdlib.LoggerFactory(),
+        wrapper_class=structlog.stdlib.BoundLogger,
+        cache_logger_on_first_use=True,
+    )

@@ -1,0 +1,116 @@
+"""Serve: load the model, start the engine and the HTTP server, exit cleanly.
+
+The main thread only waits. Signal handlers and the engine ask for an exit
+through ``ExitRequest``; the main thread then drains requests in flight,
+stops the HTTP server and the engine, and returns the exit code.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from http.server import ThreadingHTTPServer
+from typing import Optional
+
+import structlog
+
+from guardian import stock
+from guardian.config import GuardianConfig
+from guardian.engine import GuardianEngine
+from guardian.exit_codes import EXIT_BOOT_ERROR, EXIT_OK
+from guardian.http import GuardianHandler
+
+log = structlog.get_logger("guardian.server")
+
+
+class ExitRequest:
+    """The first exit code asked for wins; the main thread waits on it."""
+
+    def __init__(self):
+        self._event = threading.Event()
+        self.code: Optional[int] = None
+
+    def __call__(self, code: int) -> None:
+        if self.code is None:
+            self.code = code
+        self._event.set()
+
+    def wait(self) -> int:
+        # A timeout keeps the main thread responsive to signals.
+        while not self._event.wait(0.5):
+            pass
+        return self.code
+
+
+def serve(host: str, port: int, model_provider, config: GuardianConfig, pm) -> int:
+    try:
+        model_provider.load_default()
+    except Exception as e:
+        log.critical("model_load_failed", model=model_provider.cli_args.model,
+                     error_type=type(e).__name__, error_message=str(e), exc_info=True)
+        return EXIT_BOOT_ERROR
+
+    exit_request = ExitRequest()
+    prompt_cache = stock.LRUPromptCache(model_provider.cli_args.prompt_cache_size)
+    engine = GuardianEngine(
+        model_provider, prompt_cache, pm=pm, core=config.core, on_exit=exit_request
+    )
+    httpd = make_http_server(host, port, engine)
+    pm.hook.guardian_startup(engine=engine, config=config)
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: exit_request(EXIT_OK))
+
+    threading.Thread(target=httpd.serve_forever, name="http", daemon=True).start()
+    log.info(
+        "server_started",
+        host=host,
+        port=httpd.server_address[1],
+        model=model_provider.cli_args.model,
+        mlx_lm_version=stock.STOCK_VERSION,
+    )
+    code = exit_request.wait()
+    log.info("server_stopping", exit_code=code)
+    drain(httpd, engine, config.core.exit_grace_s)
+    httpd.shutdown()
+    httpd.server_close()
+    stock.stop_generation_thread(engine)
+    pm.hook.guardian_shutdown(engine=engine, exit_code=code)
+    log.info("server_stopped", exit_code=code)
+    return code
+
+
+def make_http_server(host: str, port: int, engine) -> ThreadingHTTPServer:
+    fingerprint = stock.get_system_fingerprint()
+
+    def handler(*args, **kwargs):
+        return GuardianHandler(engine, *args, system_fingerprint=fingerprint, **kwargs)
+
+    httpd = ThreadingHTTPServer((host, port), handler)
+    # Handler threads must not keep a failed process alive past its exit.
+    httpd.daemon_threads = True
+    httpd.completions = CompletionCounter()
+    return httpd
+
+
+class CompletionCounter:
+    """How many completion requests HTTP threads are answering now."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.active = 0
+
+    def __enter__(self):
+        with self._lock:
+            self.active += 1
+
+    def __exit__(self, *exc):
+        with self._lock:
+            self.active -= 1
+
+
+def drain(httpd, engine, grace_s: float) -> None:
+    """Give requests in flight until ``grace_s`` to reach their clients."""
+    deadline = time.monotonic() + grace_s
+    while (engine.ledger.has_work() or httpd.completions.active) and time.monotonic() < deadline:
+        time.sleep(0.02)

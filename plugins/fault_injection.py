@@ -1,0 +1,104 @@
+"""Rehearse the incident: make the engine fail or hang on purpose.
+
+Off by default. Enable it in the TOML file with ``[fault_injection]``
+``enabled = true`` and one or more triggers; the default exception is the
+incident's ``RuntimeError: [metal::malloc] Resource limit (499000)
+exceeded.``, raised inside ``BatchGenerator.next`` as on the Mac.
+"""
+
+from __future__ import annotations
+
+import builtins
+import random
+import threading
+from dataclasses import dataclass, field
+
+import structlog
+
+import guardian
+from guardian.config import ConfigError
+from guardian.plugin_manager import resolve
+
+log = structlog.get_logger("guardian.fault_injection")
+
+INCIDENT_MESSAGE = "[metal::malloc] Resource limit (499000) exceeded."
+
+
+@dataclass
+class FaultInjectionSettings:
+    enabled: bool = False
+    # A builtin exception name, or "package.module:Class".
+    exception: str = "RuntimeError"
+    message: str = INCIDENT_MESSAGE
+    # Raise once, at this engine step (1-based). 0: off.
+    at_step: int = field(default=0, metadata={"min": 0})
+    # Raise at every Nth engine step. 0: off.
+    every_n_steps: int = field(default=0, metadata={"min": 0})
+    # Raise at each step with this probability, from a seeded generator.
+    probability: float = field(default=0.0, metadata={"min": 0.0})
+    seed: int = 0
+    # Raise at every step while a started request's prompt contains this
+    # text: a poison request. Empty: off.
+    poison_marker: str = ""
+    # Stop raising after this many faults. 0: no limit.
+    max_faults: int = field(default=0, metadata={"min": 0})
+    # Block the engine thread at this step, as a native deadlock would. 0: off.
+    hang_at_step: int = field(default=0, metadata={"min": 0})
+    # How long the hang lasts; 0 blocks until shutdown.
+    hang_s: float = field(default=0.0, metadata={"min": 0.0})
+
+
+class FaultInjection:
+    name = "fault_injection"
+    Settings = FaultInjectionSettings
+
+    def __init__(self, settings: FaultInjectionSettings):
+        self.settings = settings
+        self.exception_class = self._exception_class(settings.exception)
+        self.random = random.Random(settings.seed)
+        self.faults = 0
+        self.released = threading.Event()
+
+    @staticmethod
+    def _exception_class(spec: str):
+        cls = getattr(builtins, spec, None) if ":" not in spec else resolve(spec)
+        if not (isinstance(cls, type) and issubclass(cls, BaseException)):
+            raise ConfigError(f"fault_injection.exception: {spec!r} is not an exception class")
+        return cls
+
+    @guardian.hookimpl
+    def guardian_startup(self):
+        if self.settings.enabled:
+            log.warning("fault_injection_enabled", **vars(self.settings))
+
+    @guardian.hookimpl
+    def guardian_shutdown(self):
+        self.released.set()
+
+    @guardian.hookimpl
+    def on_engine_step(self, step, engine):
+        s = self.settings
+        if not s.enabled:
+            return
+        if s.hang_at_step and step == s.hang_at_step:
+            log.warning("fault_injected", kind="hang", step=step)
+            self.released.wait(s.hang_s or None)
+        if s.max_faults and self.faults >= s.max_faults:
+            return
+        reason = self._trigger(step, engine)
+        if reason:
+            self.faults += 1
+            log.warning("fault_injected", kind="raise", step=step, trigger=reason)
+            raise self.exception_class(s.message)
+
+    def _trigger(self, step, engine):
+        s = self.settings
+        if s.at_step and step == s.at_step:
+            return "at_step"
+        if s.every_n_steps and step % s.every_n_steps == 0:
+            return "every_n_steps"
+        if s.probability and self.random.random() < s.probability:
+            return "probability"
+        if s.poison_marker and engine.started_prompt_contains(s.poison_marker):
+            return "poison_marker"
+        return None

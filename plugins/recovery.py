@@ -1,0 +1,49 @@
+"""The default recovery policy: restart, reload, or exit on a crash loop."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import guardian
+from guardian import errors
+
+
+@dataclass
+class RecoverySettings:
+    # More than this many engine failures within window_s: answer what is
+    # in flight and exit non-zero, so launchd or systemd restarts the process.
+    max_failures: int = field(default=5, metadata={"min": 1})
+    window_s: float = field(default=60.0, metadata={"min": 0})
+    # From this many failures within the window on, read the weights again
+    # before restarting (0: never reload, restart on the loaded weights).
+    reload_after_failures: int = field(default=3, metadata={"min": 0})
+    # How often a request the client has seen nothing of is re-run
+    # transparently after a failure.
+    max_reruns: int = field(default=1, metadata={"min": 0})
+
+
+class Recovery:
+    name = "recovery"
+    Settings = RecoverySettings
+
+    def __init__(self, settings: RecoverySettings):
+        self.settings = settings
+
+    @guardian.hookimpl
+    def guardian_startup(self, engine):
+        engine.configure_recovery(
+            window_s=self.settings.window_s, max_reruns=self.settings.max_reruns
+        )
+
+    @guardian.hookimpl(trylast=True)
+    def classify_engine_error(self, error):
+        return errors.classify(error)
+
+    @guardian.hookimpl(trylast=True)
+    def on_engine_error(self, failures_in_window):
+        if failures_in_window > self.settings.max_failures:
+            return "exit"
+        reload_after = self.settings.reload_after_failures
+        if reload_after and failures_in_window >= reload_after:
+            return "reload"
+        return "restart"
