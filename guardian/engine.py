@@ -275,14 +275,19 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
         )
 
     # -- what plugins and endpoints read -----------------------------------
+    def started_records(self) -> list[RequestRecord]:
+        """Requests now prefilling or decoding."""
+        return [r for r in self.ledger.in_flight() if r.stage in (Stage.STARTED, Stage.STREAMING)]
+
+    def started_count(self) -> int:
+        return len(self.started_records())
+
     def started_prompt_contains(self, text: str) -> bool:
         """Whether a request now prefilling or decoding has ``text`` in its prompt."""
-        for record in self.ledger.in_flight():
-            if record.stage in (Stage.STARTED, Stage.STREAMING):
-                request = record.request
-                if text in request.prompt or text in str(request.messages):
-                    return True
-        return False
+        return any(
+            text in r.request.prompt or text in str(r.request.messages)
+            for r in self.started_records()
+        )
 
     def status(self) -> dict:
         return {

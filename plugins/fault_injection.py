@@ -30,7 +30,8 @@ class FaultInjectionSettings:
     # A builtin exception name, or "package.module:Class".
     exception: str = "RuntimeError"
     message: str = INCIDENT_MESSAGE
-    # Raise once, at this engine step (1-based). 0: off.
+    # Raise once, at this engine step (1-based; steps are counted from the
+    # process start, across restarts). 0: off.
     at_step: int = field(default=0, metadata={"min": 0})
     # Raise at every Nth engine step. 0: off.
     every_n_steps: int = field(default=0, metadata={"min": 0})
@@ -40,6 +41,9 @@ class FaultInjectionSettings:
     # Raise at every step while a started request's prompt contains this
     # text: a poison request. Empty: off.
     poison_marker: str = ""
+    # Count steps (for at_step and every_n_steps) only while at least this
+    # many requests are started, e.g. 8 to fail with 8 clients mid-generation.
+    min_started: int = field(default=0, metadata={"min": 0})
     # Stop raising after this many faults. 0: no limit.
     max_faults: int = field(default=0, metadata={"min": 0})
     # Block the engine thread at this step, as a native deadlock would. 0: off.
@@ -57,6 +61,7 @@ class FaultInjection:
         self.exception_class = self._exception_class(settings.exception)
         self.random = random.Random(settings.seed)
         self.faults = 0
+        self.armed_steps = 0
         self.released = threading.Event()
 
     @staticmethod
@@ -93,9 +98,12 @@ class FaultInjection:
 
     def _trigger(self, step, engine):
         s = self.settings
-        if s.at_step and step == s.at_step:
+        if s.min_started and engine.started_count() < s.min_started:
+            return None
+        self.armed_steps += 1
+        if s.at_step and self.armed_steps == s.at_step:
             return "at_step"
-        if s.every_n_steps and step % s.every_n_steps == 0:
+        if s.every_n_steps and self.armed_steps % s.every_n_steps == 0:
             return "every_n_steps"
         if s.probability and self.random.random() < s.probability:
             return "probability"

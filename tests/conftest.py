@@ -1,0 +1,155 @@
+"""Real servers for the tests: ``mlx-guardian`` as a child process on 127.0.0.1.
+
+Every server runs the real stock engine on the CPU with the demo model,
+and is killed at the end of its test. Waiting is always a poll with a
+deadline.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import httpx
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def poll(condition: Callable[[], object], timeout: float, interval: float = 0.02, what: str = ""):
+    """Call ``condition`` until it returns something truthy, or fail at the deadline."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = condition()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what or condition}")
+        time.sleep(interval)
+
+
+class Server:
+    def __init__(self, proc: subprocess.Popen, port: int, log_path: Path):
+        self.proc = proc
+        self.port = port
+        self.log_path = log_path
+        self.url = f"http://127.0.0.1:{port}"
+
+    def logs(self) -> list[dict]:
+        lines = []
+        for line in self.log_path.read_text().splitlines():
+            try:
+                lines.append(json.loads(line))
+            except json.JSONDecodeError:
+                lines.append({"event": "non_json_line", "line": line})
+        return lines
+
+    def events(self, name: str) -> list[dict]:
+        return [line for line in self.logs() if line.get("event") == name]
+
+    def wait_for_event(self, name: str, timeout: float = 10, count: int = 1) -> list[dict]:
+        return poll(lambda: len(self.events(name)) >= count and self.events(name), timeout, what=name)
+
+    def health(self) -> int:
+        try:
+            return httpx.get(self.url + "/health", timeout=2).status_code
+        except httpx.TransportError:
+            return 0
+
+    def wait_healthy(self, timeout: float = 60) -> None:
+        def healthy():
+            if self.proc.poll() is not None:
+                raise AssertionError(f"server exited {self.proc.returncode}:\n{self.log_path.read_text()[-3000:]}")
+            return self.health() == 200
+
+        poll(healthy, timeout, interval=0.05, what="/health 200")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def model_cache(tmp_path_factory) -> Path:
+    """The demo model, built once for the session, shared by every server."""
+    from guardian.demo_model import ensure_demo_model
+
+    cache = tmp_path_factory.mktemp("model-cache")
+    ensure_demo_model(cache)
+    return cache
+
+
+@pytest.fixture
+def start_server(tmp_path, model_cache):
+    servers: list[Server] = []
+
+    def start(config: str = "", *args: str, wait: bool = True, env: Optional[dict] = None) -> Server:
+        port = free_port()
+        config_path = tmp_path / f"guardian-{port}.toml"
+        config_path.write_text(textwrap.dedent(config))
+        log_path = tmp_path / f"server-{port}.log"
+        command = [
+            sys.executable, "-m", "guardian",
+            "--port", str(port),
+            "--guardian-config", str(config_path),
+            *args,
+        ]
+        child_env = {**os.environ, "MLX_GUARDIAN_CACHE": str(model_cache), **(env or {})}
+        with open(log_path, "w") as log_file:
+            proc = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=child_env, cwd=REPO)
+        server = Server(proc, port, log_path)
+        servers.append(server)
+        if wait:
+            server.wait_healthy()
+        return server
+
+    yield start
+    for server in servers:
+        server.stop()
+
+
+def chat_body(content: str = "Tell me a story.", max_tokens: int = 16, stream: bool = False, **extra) -> dict:
+    return {
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "stream": stream,
+        **extra,
+    }
+
+
+def read_stream(client: httpx.Client, url: str, body: dict) -> dict:
+    """Send a streaming request; return its status, data events and whether [DONE] came."""
+    result = {"status": None, "events": [], "done": False, "errors": []}
+    with client.stream("POST", url, json=body) as response:
+        result["status"] = response.status_code
+        if response.status_code != 200:
+            response.read()
+            result["body"] = response.json()
+            return result
+        for line in response.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            data = line[len("data: "):]
+            if data == "[DONE]":
+                result["done"] = True
+                continue
+            event = json.loads(data)
+            result["events"].append(event)
+            if "error" in event:
+                result["errors"].append(event["error"])
+    return result

@@ -1,0 +1,212 @@
+"""The incident, rehearsed: the generation thread raises, the server recovers.
+
+Each test starts a real ``mlx-guardian`` child with the fault-injection
+plugin set to raise the incident's RuntimeError inside the stock engine.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime
+
+import httpx
+import pytest
+
+from conftest import chat_body, poll, read_stream
+
+INCIDENT = "[metal::malloc] Resource limit (499000) exceeded."
+
+
+def faults(**settings) -> str:
+    lines = ["[fault_injection]", "enabled = true"]
+    for key, value in settings.items():
+        lines.append(f"{key} = {value!r}".replace("'", '"') if isinstance(value, str) else f"{key} = {str(value).lower() if isinstance(value, bool) else value}")
+    return "\n".join(lines) + "\n"
+
+
+def completion(client, server, **body):
+    return client.post(server.url + "/v1/chat/completions", json=chat_body(**body))
+
+
+def assert_recovered(server, client):
+    """/health is 200 again and the next request succeeds."""
+    poll(lambda: server.health() == 200, 2, what="/health 200 after the failure")
+    response = completion(client, server, max_tokens=4)
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 4
+
+
+def test_failure_during_decode_is_rerun_transparently(start_server):
+    server = start_server(faults(at_step=10))
+    with httpx.Client(timeout=30) as client:
+        response = completion(client, server, max_tokens=32)
+        assert response.status_code == 200, response.text
+        assert response.json()["usage"]["completion_tokens"] == 32
+        [error] = server.events("engine_error")
+        assert error["classification"] == "metal_resource_limit"
+        assert error["error_type"] == "RuntimeError"
+        assert INCIDENT in error["error_message"]
+        assert "BatchGenerator" in error["traceback"] or "next" in error["traceback"]
+        [restarted] = server.wait_for_event("engine_restarted")
+        assert restarted["duration_ms"] < 2000
+        [rerun] = server.events("request_rerun")
+        assert rerun["request_id"] == response.json()["id"]
+        assert_recovered(server, client)
+
+
+def test_failure_during_prefill_is_rerun(start_server):
+    # A long prompt in 16-token chunks: the first steps are all prefill.
+    server = start_server(faults(at_step=3), "--prefill-step-size", "16")
+    with httpx.Client(timeout=30) as client:
+        response = completion(client, server, content="word " * 200, max_tokens=4)
+        assert response.status_code == 200, response.text
+        assert response.json()["usage"]["prompt_tokens"] > 100
+        [error] = server.events("engine_error")
+        assert error["step"] == 3
+        assert_recovered(server, client)
+
+
+def test_failure_on_the_non_batched_path(start_server):
+    # A request with a seed is served by stock's sequential path, which
+    # catches exceptions itself: the guardian still sees an engine failure.
+    server = start_server(faults(at_step=4))
+    with httpx.Client(timeout=30) as client:
+        response = completion(client, server, max_tokens=8, seed=7)
+        assert response.status_code == 200, response.text
+        assert response.json()["usage"]["completion_tokens"] == 8
+        [error] = server.events("engine_error")
+        assert error["classification"] == "metal_resource_limit"
+        assert_recovered(server, client)
+
+
+def test_streaming_request_before_its_first_token_is_rerun(start_server):
+    server = start_server(faults(at_step=3), "--prefill-step-size", "16")
+    with httpx.Client(timeout=30) as client:
+        result = read_stream(client, server.url + "/v1/chat/completions",
+                             chat_body(content="word " * 200, max_tokens=6, stream=True))
+        assert result["status"] == 200
+        assert result["done"] and not result["errors"]
+        assert result["events"][-1]["choices"][0]["finish_reason"] == "length"
+        assert len(server.events("engine_error")) == 1
+
+
+@pytest.mark.parametrize("rounds", [1])
+def test_eight_clients_mid_generation(start_server, rounds):
+    """The issue's "done when": 8 clients, half streaming, fault mid-decode."""
+    server = start_server(faults(at_step=12, min_started=8))
+    url = server.url + "/v1/chat/completions"
+    finished_at = {}
+
+    def client_call(i):
+        with httpx.Client(timeout=30) as client:
+            stream = i % 2 == 0
+            body = chat_body(content=f"Client {i} says hello.", max_tokens=600, stream=stream)
+            if stream:
+                result = read_stream(client, url, body)
+            else:
+                response = client.post(url, json=body)
+                result = {"status": response.status_code, "body": response.json()}
+            finished_at[i] = time.time()
+            return stream, result
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(client_call, range(8)))
+
+    [error] = server.events("engine_error")
+    failed_at = datetime.fromisoformat(error["timestamp"].replace("Z", "+00:00")).timestamp()
+    streamed_errors = 0
+    for stream, result in results:
+        assert result["status"] == 200, result
+        if stream:
+            # Either rerun before its first token, or cut mid-stream with an
+            # error event; never dropped: [DONE] always arrives.
+            assert result["done"], result
+            if result["errors"]:
+                streamed_errors += 1
+                assert result["errors"][0]["code"] == "engine_restarting"
+                assert result["errors"][0]["type"] == "server_error"
+        else:
+            assert result["body"]["usage"]["completion_tokens"] == 600
+    assert streamed_errors >= 1, "the fault should have hit streams mid-tokens"
+    assert max(finished_at.values()) - failed_at < 3.0
+    # Cut streams are answered at once, within 1 s of the failure.
+    with httpx.Client(timeout=30) as client:
+        assert_recovered(server, client)
+
+
+def test_failure_every_n_steps_over_100_requests(start_server):
+    server = start_server(
+        faults(every_n_steps=60) + "[recovery]\nmax_failures = 1000\nreload_after_failures = 0\n"
+    )
+    url = server.url + "/v1/chat/completions"
+
+    def client_call(i):
+        with httpx.Client(timeout=60) as client:
+            stream = i % 2 == 1
+            body = chat_body(content=f"Request {i}.", max_tokens=8, stream=stream)
+            if stream:
+                return stream, read_stream(client, url, body)
+            response = client.post(url, json=body)
+            return stream, {"status": response.status_code, "body": response.json()}
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(client_call, range(100)))
+
+    assert len(server.events("engine_error")) >= 2
+    for stream, result in results:
+        if stream:
+            assert result["status"] == 200 and result["done"], result
+        else:
+            assert result["status"] == 200, result
+            assert result["body"]["usage"]["completion_tokens"] == 8
+    with httpx.Client(timeout=30) as client:
+        assert_recovered(server, client)
+
+
+def test_poison_request_fails_alone(start_server):
+    server = start_server(faults(poison_marker="POISON"))
+    url = server.url + "/v1/chat/completions"
+
+    def client_call(content):
+        with httpx.Client(timeout=60) as client:
+            return client.post(url, json=chat_body(content=content, max_tokens=24))
+
+    with ThreadPoolExecutor(4) as pool:
+        poison = pool.submit(client_call, "POISON pill")
+        others = [pool.submit(client_call, f"Innocent {i}") for i in range(3)]
+        poison = poison.result()
+        others = [f.result() for f in others]
+
+    assert poison.status_code == 500
+    error = poison.json()["error"]
+    assert error["code"] == "request_failed_repeatedly"
+    assert "metal_resource_limit" in error["message"]
+    for response in others:
+        assert response.status_code == 200, response.text
+        assert response.json()["usage"]["completion_tokens"] == 24
+    with httpx.Client(timeout=30) as client:
+        assert_recovered(server, client)
+
+
+def test_crash_loop_exits_with_documented_code(start_server):
+    from guardian.exit_codes import EXIT_ENGINE_FAILED
+
+    server = start_server(faults(every_n_steps=1) + "[recovery]\nmax_failures = 3\n")
+    with httpx.Client(timeout=30) as client:
+        # Every step fails: the first request is blamed after two failures,
+        # the second is in flight at the fourth, which is one too many.
+        first = completion(client, server, max_tokens=8)
+        assert first.status_code == 500
+        assert first.json()["error"]["code"] == "request_failed_repeatedly"
+        second = completion(client, server, max_tokens=8)
+        assert second.status_code == 503, second.text
+        assert second.headers["content-type"] == "application/json"
+        assert second.headers["retry-after"] == "1"
+        error = second.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"}
+        assert error["code"] == "engine_failed"
+    assert server.proc.wait(timeout=15) == EXIT_ENGINE_FAILED
+    [gave_up] = server.events("engine_gave_up")
+    assert gave_up["exit_code"] == EXIT_ENGINE_FAILED
+    assert len(server.events("engine_error")) == 4
