@@ -1,0 +1,107 @@
+"""The TOML configuration: defaults, documented example, and clear errors."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from guardian.config import ConfigError, load_config
+from guardian.exit_codes import EXIT_USAGE
+from guardian.plugin_manager import make_plugin_manager
+
+REPO = Path(__file__).resolve().parent.parent
+EXAMPLE = REPO / "config" / "guardian.example.toml"
+
+
+def write(tmp_path, text) -> Path:
+    path = tmp_path / "guardian.toml"
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def test_no_file_means_defaults_and_builtin_plugins():
+    pm = make_plugin_manager(load_config(None))
+    names = {name for name, _ in pm.list_name_plugin()}
+    assert {"recovery", "fault_injection"} <= names
+    assert pm.get_plugin("fault_injection").settings.enabled is False
+
+
+def test_example_file_loads_with_every_plugin_section():
+    config = load_config(EXAMPLE)
+    pm = make_plugin_manager(config)
+    assert pm.get_plugin("recovery").settings.max_failures == 5
+
+
+def test_example_documents_every_key():
+    text = EXAMPLE.read_text()
+    pm = make_plugin_manager(load_config(None))
+    import dataclasses
+
+    from guardian.config import CoreSettings
+
+    sections = {"guardian": CoreSettings}
+    for name, plugin in pm.list_name_plugin():
+        if hasattr(plugin, "Settings"):
+            sections[name] = plugin.Settings
+    for section, settings_class in sections.items():
+        assert f"[{section}]" in text, f"[{section}] missing from {EXAMPLE.name}"
+        for f in dataclasses.fields(settings_class):
+            assert f"{f.name} =" in text, f"{section}.{f.name} undocumented in {EXAMPLE.name}"
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("[recovery]\nmax_failurez = 3\n", r"\[recovery\] unknown key 'max_failurez'"),
+        ("[recovery]\nmax_failures = 'three'\n", r"recovery.max_failures: expected int"),
+        ("[recovery]\nmax_failures = 0\n", r"recovery.max_failures: must be >= 1"),
+        ("[guardian]\nlog_format = 'xml'\n", r"guardian.log_format: must be one of"),
+        ("[fault_injection]\nenabled = 1\n", r"fault_injection.enabled: expected bool"),
+        ("[fault_injection]\nexception = 'NoSuchError'\n", r"fault_injection.exception"),
+        ("[nonesuch]\nx = 1\n", r"no loaded plugin reads \[nonesuch\]"),
+        ("[guardian]\nplugins = ['no.such.module']\n", r"cannot load plugin 'no.such.module'"),
+        ("not toml at all [", r"not valid TOML"),
+    ],
+)
+def test_bad_config_names_the_key(tmp_path, text, message):
+    with pytest.raises(ConfigError, match=message):
+        make_plugin_manager(load_config(write(tmp_path, text)))
+
+
+def test_server_refuses_to_start_with_bad_config(tmp_path):
+    path = write(tmp_path, "[recovery]\nbogus = true\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "guardian", "--guardian-config", str(path), "--port", "1"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode == EXIT_USAGE
+    assert "unknown key 'bogus'" in result.stderr
+
+
+def test_third_party_plugin_from_config(tmp_path, monkeypatch):
+    module = tmp_path / "my_guardian_plugin.py"
+    module.write_text(textwrap.dedent('''
+        from dataclasses import dataclass
+        import guardian
+
+        @dataclass
+        class Settings:
+            greeting: str = "hello"
+
+        class Greeter:
+            name = "greeter"
+            Settings = Settings
+            def __init__(self, settings):
+                self.settings = settings
+            @guardian.hookimpl
+            def on_engine_restarted(self, restarts):
+                pass
+    '''))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    path = write(tmp_path, '[guardian]\nplugins = ["my_guardian_plugin:Greeter"]\n[greeter]\ngreeting = "hi"\n')
+    pm = make_plugin_manager(load_config(path))
+    assert pm.get_plugin("greeter").settings.greeting == "hi"

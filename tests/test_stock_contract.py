@@ -1,0 +1,80 @@
+"""The seams into stock mlx_lm still exist in the installed mlx-lm.
+
+If one of these fails after an mlx-lm upgrade, the message names the seam;
+guardian/stock.py is the only module to change.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import mlx_lm.server as server
+import pytest
+
+from guardian import stock
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_installed_mlx_lm_has_every_seam():
+    missing = stock.missing_names()
+    assert not missing, (
+        f"mlx-lm {stock.STOCK_VERSION} changed: mlx_lm.server lacks {missing}; "
+        "update guardian/stock.py"
+    )
+
+
+def test_installed_mlx_lm_is_a_tested_version():
+    assert stock.STOCK_VERSION in stock.TESTED_VERSIONS, (
+        f"mlx-lm {stock.STOCK_VERSION} has not been tested with mlx-guardian "
+        f"(tested: {stock.TESTED_VERSIONS}); run the suite and add it to TESTED_VERSIONS"
+    )
+
+
+def test_a_moved_seam_is_named_at_start(monkeypatch):
+    monkeypatch.delattr(server.ResponseGenerator, "_tokenize")
+    with pytest.raises(stock.StockChanged, match=r"mlx_lm\.server\.ResponseGenerator\._tokenize"):
+        stock.check_stock()
+
+
+def test_generation_loop_is_still_a_method_the_thread_runs():
+    # 0.31 runs Thread(target=self._generate); 0.32 _run_generate calls it.
+    import inspect
+
+    source = inspect.getsource(server.ResponseGenerator.__init__)
+    assert "_generate" in source, "stock no longer starts its thread on _generate"
+
+
+def test_the_loop_looks_up_what_the_guardian_swaps():
+    import inspect
+
+    loop = inspect.getsource(server.ResponseGenerator._generate)
+    assert "BatchGenerator(" in loop, "stock's loop no longer builds BatchGenerator by name"
+    single = inspect.getsource(server.ResponseGenerator._serve_single)
+    assert "stream_generate(" in single, "stock's sequential path no longer calls stream_generate"
+
+
+def _private_mlx_lm_uses(path: Path) -> list[str]:
+    """Imports of mlx_lm.server and private names taken from mlx_lm modules."""
+    tree = ast.parse(path.read_text())
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("mlx_lm"):
+            if node.module == "mlx_lm.server":
+                found.append(f"from mlx_lm.server import ...")
+            found += [f"{node.module}.{a.name}" for a in node.names if a.name.startswith("_")]
+        if isinstance(node, ast.Import):
+            found += [a.name for a in node.names if a.name == "mlx_lm.server"]
+    return found
+
+
+def test_only_stock_py_touches_mlx_lm_server_or_private_names():
+    offenders = {}
+    for path in [*REPO.glob("guardian/*.py"), *REPO.glob("plugins/*.py")]:
+        if path.name == "stock.py":
+            continue
+        uses = _private_mlx_lm_uses(path)
+        if uses:
+            offenders[str(path.relative_to(REPO))] = uses
+    assert not offenders, f"private mlx_lm names outside guardian/stock.py: {offenders}"
