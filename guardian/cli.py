@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+import os
 import sys
 from pathlib import Path
 
@@ -65,7 +67,12 @@ def run(host, port, model_provider, *args, **kwargs):
     from guardian.server import serve
 
     config, pm = model_provider.cli_args.guardian_runtime
-    raise SystemExit(serve(host, port, model_provider, config, pm))
+    code = serve(host, port, model_provider, config, pm)
+    # A loop thread stuck in native code can never be joined, and stock's
+    # own generation thread is not a daemon: leave without waiting for them.
+    logging.shutdown()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def demo_model_command(argv: list[str]) -> int:

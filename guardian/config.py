@@ -39,8 +39,34 @@ class CoreSettings:
 
 
 @dataclass
+class WatchdogSettings:
+    enabled: bool = True
+    # How often the watchdog looks at the engine.
+    interval_s: float = field(default=0.25, metadata={"min": 0.01})
+    # Work waiting and no engine step or prompt progress for this long: a stall.
+    stall_timeout_s: float = field(default=30.0, metadata={"min": 0.05})
+    # A restart or reload that has not produced a working loop after this long
+    # counts as a stall as well (a model reload can take a while).
+    restart_timeout_s: float = field(default=120.0, metadata={"min": 0.05})
+    # What each stall within ladder_window_s does, in order; the last rung
+    # repeats. Rungs: "restart", "reload", "exit".
+    ladder: list = field(default_factory=lambda: ["restart", "reload", "exit"])
+    ladder_window_s: float = field(default=600.0, metadata={"min": 0})
+    # Synthetic 1-token probes while the engine is idle.
+    probe_interval_s: float = field(default=30.0, metadata={"min": 0.05})
+    probe_timeout_s: float = field(default=10.0, metadata={"min": 0.05})
+    # /readyz needs a passed probe at most this old (or visible progress).
+    probe_max_age_s: float = field(default=120.0, metadata={"min": 0.05})
+    resource_interval_s: float = field(default=5.0, metadata={"min": 0.05})
+
+
+LADDER_RUNGS = ("restart", "reload", "exit")
+
+
+@dataclass
 class GuardianConfig:
     core: CoreSettings = field(default_factory=CoreSettings)
+    watchdog: WatchdogSettings = field(default_factory=WatchdogSettings)
     # Raw plugin tables, keyed by plugin name, validated when plugins load.
     plugin_tables: dict = field(default_factory=dict)
     source: Optional[Path] = None
@@ -58,11 +84,17 @@ def load_config(path: Optional[Path]) -> GuardianConfig:
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: not valid TOML: {e}") from None
     core_table = data.pop("guardian", {})
+    watchdog_table = data.pop("watchdog", {})
     for name, table in data.items():
         if not isinstance(table, dict):
             raise ConfigError(f"{path}: top-level key {name!r} must be a [table]")
+    watchdog = parse_settings(WatchdogSettings, watchdog_table, "watchdog")
+    bad_rungs = [r for r in watchdog.ladder if r not in LADDER_RUNGS]
+    if bad_rungs or not watchdog.ladder:
+        raise ConfigError(f"watchdog.ladder: rungs must be {', '.join(LADDER_RUNGS)}; got {watchdog.ladder!r}")
     return GuardianConfig(
         core=parse_settings(CoreSettings, core_table, "guardian"),
+        watchdog=watchdog,
         plugin_tables=data,
         source=Path(path),
     )

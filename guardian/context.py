@@ -11,14 +11,21 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from dataclasses import dataclass
+from typing import Callable, Optional
 
 import structlog
+
+log = structlog.get_logger("guardian.context")
 
 
 @dataclass(frozen=True)
 class RequestInfo:
     request_id: str = "-"
     stream: bool = False
+    # Set only inside request_scope: headers for this request's response
+    # (GuardianHandler.end_headers adds them) and callbacks for its end.
+    response_headers: Optional[dict] = None
+    at_end: Optional[list] = None
 
 
 _current: contextvars.ContextVar[RequestInfo] = contextvars.ContextVar(
@@ -30,11 +37,49 @@ def current_request() -> RequestInfo:
     return _current.get()
 
 
+def add_response_headers(headers: dict) -> None:
+    """Send ``headers`` with the current request's response (no-op outside one)."""
+    info = _current.get()
+    if info.response_headers is not None:
+        info.response_headers.update(headers)
+
+
+def at_request_end(callback: Callable[[], None]) -> bool:
+    """Call ``callback`` when the HTTP thread is done with the current request.
+
+    Returns False outside a request scope: the caller must arrange another way.
+    """
+    info = _current.get()
+    if info.at_end is None:
+        return False
+    info.at_end.append(callback)
+    return True
+
+
+def bind_log_fields(**fields) -> None:
+    """Add fields to every later log line of the current request (no-op outside one)."""
+    if _current.get().at_end is not None:
+        structlog.contextvars.bind_contextvars(**fields)
+
+
 @contextlib.contextmanager
 def request_scope(request_id: str, stream: bool):
-    token = _current.set(RequestInfo(request_id=request_id, stream=stream))
+    info = RequestInfo(request_id=request_id, stream=stream, response_headers={}, at_end=[])
+    token = _current.set(info)
+    # Fields bound during the request must not follow the thread to the
+    # next request of a keep-alive connection.
+    saved_fields = structlog.contextvars.get_contextvars()
     try:
         with structlog.contextvars.bound_contextvars(request_id=request_id):
-            yield
+            try:
+                yield
+            finally:
+                for callback in info.at_end:
+                    try:
+                        callback()
+                    except Exception:
+                        log.exception("request_end_callback_failed")
     finally:
+        structlog.contextvars.clear_contextvars()
+        structlog.contextvars.bind_contextvars(**saved_fields)
         _current.reset(token)

@@ -9,17 +9,29 @@ the loaded weights. Nothing of the loop's own code is copied.
 
 from __future__ import annotations
 
+import functools
 import gc
+import itertools
+import threading
 import time
 import traceback
 from collections import deque
 from enum import Enum
+from queue import Empty, Queue
 from typing import Callable, Optional
 
 import mlx.core as mx
 import structlog
 
 from guardian import stock
+from guardian.admission import Admission, ModelLimits, private_tokenizer, read_model_config
+from guardian.context import (
+    add_response_headers,
+    at_request_end,
+    bind_log_fields,
+    current_request,
+    request_scope,
+)
 from guardian.errors import (
     AbortRequest,
     EngineStepError,
@@ -37,15 +49,43 @@ log = structlog.get_logger("guardian.engine")
 class EngineState(str, Enum):
     STARTING = "starting"
     READY = "ready"
+    STALLED = "stalled"  # no progress with work waiting; being replaced
     RESTARTING = "restarting"
     FAILED = "failed"  # gave up; the process is exiting
     STOPPED = "stopped"
 
 
+class EngineAbandoned(BaseException):
+    """Raised in a loop thread the watchdog has replaced, at its first
+    contact with the guardian after its stuck step returns: it must not
+    touch requests, the prompt cache or the model again. BaseException, so
+    stock's ``except Exception`` handlers let it through."""
+
+
+class GuardianPromptCache(stock.LRUPromptCache):
+    """Stock's prompt cache, closed to probes and to abandoned loop threads."""
+
+    def __init__(self, *args, engine_thread_check: Callable[[], None], **kwargs):
+        super().__init__(*args, **kwargs)
+        self._check_thread = engine_thread_check
+        self.skip_prefixes: list[list[int]] = []
+
+    def insert_cache(self, model, tokens, prompt_cache, **kwargs):
+        self._check_thread()
+        for prefix in self.skip_prefixes:
+            # Stock keys a finished request's cache by the tokens it holds,
+            # which may stop short of the prompt's last token.
+            known = prefix[:-1]
+            if list(tokens[: len(known)]) == known:
+                return  # a synthetic probe must not evict users' caches
+        return super().insert_cache(model, tokens, prompt_cache, **kwargs)
+
+
 class GuardianEngine(stock.SupervisableResponseGenerator):
-    def __init__(self, model_provider, prompt_cache, *, pm, core, on_exit: Callable[[int], None]):
+    def __init__(self, model_provider, prompt_cache_size: int, *, pm, core, on_exit: Callable[[int], None]):
         # Stock's __init__ starts the generation thread: everything the
         # supervisor reads is set before it.
+        prompt_cache = GuardianPromptCache(prompt_cache_size, engine_thread_check=self._check_owner)
         self.pm = pm
         self.core = core
         self.on_exit = on_exit
@@ -60,6 +100,11 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
         self.max_reruns = 1
         self._failed_at: Optional[float] = None
         self._classification: Optional[str] = None
+        # The one loop thread whose work counts; see EngineAbandoned.
+        self._owner: Optional[threading.Thread] = None
+        self._probe_ids = itertools.count(1)
+        self.watchdog = None  # set by the server before it serves
+        stock.observe_engine_steps(self._observe_step)
         super().__init__(model_provider, prompt_cache)
 
     # Stock's __init__ assigns a plain Queue; the engine's queue is the ledger.
@@ -84,8 +129,13 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
     def is_healthy(self) -> bool:
         return self.state is EngineState.READY
 
+    def _check_owner(self) -> None:
+        if threading.current_thread() is not self._owner:
+            raise EngineAbandoned
+
     def _loop_polled(self) -> None:
-        """The stock loop asked for work: it is alive and between steps."""
+        """The stock loop asked for work or reported progress: it is alive."""
+        self._check_owner()
         self.last_beat = time.monotonic()
         if self.state is EngineState.STARTING:
             self.state = EngineState.READY
@@ -97,21 +147,114 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
         self.steps += 1
         self.last_beat = time.monotonic()
         self.pm.hook.on_engine_step(step=self.steps, engine=self)
+        # A step may return long after the watchdog gave up on this thread.
+        self._check_owner()
 
     # -- the HTTP side --------------------------------------------------------
     def generate(self, request, generation_args, progress_callback=None):
         if not self.generation_available():
             raise AbortRequest(engine_unavailable("The engine has stopped; the server is exiting."))
+        admission = self._admit(request, generation_args)
+        if admission is not None:
+            request = admission.request  # a hook may have dropped messages
         try:
-            return super().generate(request, generation_args, progress_callback)
+            ctx, tokens = super().generate(request, generation_args, progress_callback)
+        except BaseException as e:
+            if admission is not None:
+                admission.finish()
+            if isinstance(e, Exception):
+                raise AbortRequest(from_stock_exception(e)) from None
+            raise
+        if admission is not None and not at_request_end(admission.finish):
+            tokens = self._finish_after(tokens, admission)
+        return ctx, tokens
+
+    # The guard's context limit for the served model, for /v1/models; set
+    # by the prompt_guard plugin at start-up (None: the model's config).
+    served_context_length: Optional[int] = None
+
+    # HTTP bodies longer than this get a 413 unread (None: no limit); set
+    # by the prompt_guard plugin at start-up.
+    max_body_bytes: Optional[int] = None
+
+    def _admit(self, request, args) -> Optional[Admission]:
+        """Run the admit_request hooks here, on the HTTP thread, before anything is enqueued.
+
+        Raises AbortRequest when a hook turns the request away. Returns None
+        when the request names a model that is not loaded (stock loads it on
+        the engine thread; its tokenizer does not exist yet).
+        """
+        loaded = stock.loaded_tokenizer(self.model_provider, args)
+        if loaded is None:
+            log.info("admission_skipped", reason="model_not_loaded", model=args.model.model)
+            return None
+        model_key, tokenizer = loaded
+        info = current_request()
+        admission = Admission(
+            request,
+            args,
+            limits=self.model_limits(model_key),
+            tokenize=functools.partial(self._tokenize_for_admission, tokenizer, args=args),
+            request_id=info.request_id,
+            stream=info.stream,
+        )
+        try:
+            error = self.pm.hook.admit_request(admission=admission, engine=self)
+        except GuardianError as e:
+            error = e
+        except Exception:
+            log.exception("admission_failed")
+            error = GuardianError("The server failed to admit the request.", status=500, code="internal_error")
+        if admission.tokenized is not None:
+            admission.log_fields.setdefault("n_prompt_tokens", admission.n_prompt_tokens)
+        bind_log_fields(**admission.log_fields)
+        if error is not None:
+            admission.finish()
+            raise AbortRequest(error)
+        if admission.tokenized is not None:
+            stock.attach_tokens(admission.request, model_key, admission.tokenized)
+        add_response_headers(admission.response_headers)
+        return admission
+
+    def _tokenize_for_admission(self, tokenizer, request, *, args) -> tuple:
+        """Stock's tokenization of ``request``, on a private copy of the tokenizer."""
+        try:
+            with private_tokenizer(tokenizer) as private:
+                return self.tokenize_as_stock(private, request, args)
         except Exception as e:
-            raise AbortRequest(from_stock_exception(e)) from None
+            # What stock would have put on the request's queue: its fault.
+            raise from_stock_exception(e) from e
+
+    def model_limits(self, model_key) -> ModelLimits:
+        """Context length and KV cache sizes of the loaded model, read once per model."""
+        cached = self.__dict__.get("_model_limits")
+        if cached is None or cached[0] != model_key:
+            cli = self.cli_args
+            limits = ModelLimits.of(
+                self.model_provider.model,
+                read_model_config(model_key[0]),
+                kv_bits=getattr(cli, "kv_bits", None),  # 0.31 has no --kv-bits
+                kv_group_size=getattr(cli, "kv_group_size", 64),
+                quantized_kv_start=getattr(cli, "quantized_kv_start", 0),
+            )
+            cached = self.__dict__["_model_limits"] = (model_key, limits)
+        return cached[1]
+
+    @staticmethod
+    def _finish_after(tokens, admission):
+        """Stock's token iterator, ending the admission with it (outside a request scope)."""
+        try:
+            yield from tokens
+        finally:
+            admission.finish()
 
     # -- supervision ----------------------------------------------------------
     def supervise(self, run_stock_loop) -> None:
+        self._owner = threading.current_thread()
         try:
-            with stock.observed_engine_steps(self._observe_step):
-                self._restart_until_stopped(run_stock_loop)
+            self._restart_until_stopped(run_stock_loop)
+        except EngineAbandoned:
+            log.warning("abandoned_loop_exited", thread=threading.current_thread().name)
         except BaseException:
             # A bug here would leave a live process that never generates:
             # exactly the incident. Answer everyone and exit instead.
@@ -222,10 +365,10 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
             restarts=self.restarts,
         )
 
-    def give_up(self, reason: str) -> None:
+    def give_up(self, reason: str, exit_code: int = EXIT_ENGINE_FAILED) -> None:
         """Answer every request, refuse new ones, and ask the process to exit."""
         self.state = EngineState.FAILED
-        log.critical("engine_gave_up", reason=reason, exit_code=EXIT_ENGINE_FAILED)
+        log.critical("engine_gave_up", reason=reason, exit_code=exit_code)
         error = GuardianError(
             f"The engine stopped ({reason}); the server is exiting to be restarted.",
             status=503,
@@ -235,7 +378,57 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
         for record in self.ledger.close(error):
             self.fail(record, error)
         stock.stop_generation_thread(self)
-        self.on_exit(EXIT_ENGINE_FAILED)
+        self.on_exit(exit_code)
+
+    def replace_stuck_loop(self, reason: str, *, reload: bool) -> None:
+        """Abandon the loop thread stuck in a step and start a fresh one.
+
+        Called by the watchdog. The stuck thread cannot be killed; from now
+        on any contact it makes with the guardian raises EngineAbandoned.
+        Its requests are settled as after a failure.
+        """
+        self._owner = None
+        self._failed_at = time.monotonic()
+        self._classification = "stall"
+        self.state = EngineState.RESTARTING
+        self._settle(TimeoutError(reason), "stall")
+        if reload:
+            stock.reset_model_provider(self.model_provider)
+        stock.start_generation_thread(self)
+
+    def probe(self, prompt: str, timeout_s: float) -> dict:
+        """Generate one token through the same queue and loop as users' requests.
+
+        Returns ``{"ok", "duration_ms", "error", "token"}``; never waits
+        longer than ``timeout_s``.
+        """
+        started = time.monotonic()
+        request, args = stock.make_request(prompt, max_tokens=1, cli_args=self.cli_args)
+        responses: Queue = Queue()
+        with request_scope(f"probe-{next(self._probe_ids)}", stream=True):
+            record = self.ledger.put((responses, request, args))
+        result = {"ok": False, "error": None, "token": None}
+        deadline = started + timeout_s
+        try:
+            while True:
+                item = responses.get(timeout=max(0.0, deadline - time.monotonic()))
+                if isinstance(item, BaseException):
+                    result["error"] = f"{type(item).__name__}: {item}"
+                    break
+                if isinstance(item, stock.Response):
+                    result.update(ok=True, token=item.token)
+                if item is None:
+                    break
+        except Empty:
+            result["error"] = f"no token within {timeout_s:g} s"
+            record.cancel()
+        result["duration_ms"] = round((time.monotonic() - started) * 1000, 1)
+        return result
+
+    def remember_probe_prompt(self, prompt: str) -> None:
+        """Keep probe prompts out of the prompt cache."""
+        tokens = self.model_provider.tokenizer.encode(prompt)
+        self.prompt_cache.skip_prefixes.append(list(tokens))
 
     def fail(self, record: RequestRecord, error: GuardianError) -> None:
         record.fail(error)
@@ -288,6 +481,10 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
             text in r.request.prompt or text in str(r.request.messages)
             for r in self.started_records()
         )
+
+    def restarting_for(self, now: float) -> float:
+        """Seconds since the failure or stall that started this restart."""
+        return now - self._failed_at if self._failed_at is not None else 0.0
 
     def status(self) -> dict:
         return {

@@ -32,6 +32,32 @@ def guardian_shutdown(engine, exit_code):
     """
 
 
+# -- admission -------------------------------------------------------------------
+@hookspec(firstresult=True)
+def admit_request(admission, engine):
+    """Let a completion request in, adjust it, or turn it away.
+
+    The HTTP thread serving the request, after stock parsed it and before
+    anything is enqueued, so a refusal reaches the client before any byte
+    (a stream's included). Not called for a request naming a model other
+    than the loaded one: its tokenizer does not exist before the engine
+    thread loads it.
+
+    ``admission`` is a ``guardian.admission.Admission``: the request and its
+    GenerationArguments, ``prompt_tokens`` (tokenized on first use with
+    stock's own code; the engine reuses them, so a request is tokenized
+    once), ``limits`` (the model's context length and KV cache sizes). An
+    implementation may adjust it: lower ``admission.args.max_tokens``,
+    ``adopt()`` a variant with fewer messages, add ``response_headers`` and
+    ``log_fields``, or hold a resource and give it back through
+    ``on_finish()``, which runs when the request ends or is turned away.
+
+    Return a ``GuardianError`` (or raise one) to turn the request away with
+    its status and OpenAI-shaped body; None lets it in. Stops at first
+    non-None result.
+    """
+
+
 # -- engine --------------------------------------------------------------------
 @hookspec
 def on_engine_step(step, engine):
@@ -84,4 +110,55 @@ def on_request_failed(request_id, error, engine):
 
     Any thread. ``error`` is the GuardianError the client receives.
     Return value ignored.
+    """
+
+
+# -- watchdog ------------------------------------------------------------------
+@hookspec
+def probe(engine, timeout_s):
+    """Run a synthetic check of the engine and report how it went.
+
+    A probe thread of the watchdog (periodic, while the engine is idle) or an
+    HTTP thread (``GET /readyz?deep=1``). ``timeout_s`` is the deadline the
+    probe must keep. Return a dict ``{"name": str, "ok": bool, "duration_ms":
+    float, "error": str | None}`` plus any fields of your own; None means this
+    plugin has no probe. Every plugin's result is collected.
+    """
+
+
+@hookspec
+def on_probe_result(results, engine):
+    """A round of probes finished; ``results`` is the list of their dicts.
+
+    The thread that ran the probes. Return value ignored.
+    """
+
+
+@hookspec
+def on_stall(engine, heartbeat_age_s, action):
+    """Work was waiting and the engine made no progress for too long.
+
+    Watchdog thread, before the action is taken. ``action`` is the ladder's
+    rung: ``"restart"`` (abandon the stuck loop thread, start a fresh one on
+    the loaded weights), ``"reload"`` (the same after reading the weights
+    again) or ``"exit"`` (answer everything, exit with EXIT_ENGINE_STALLED).
+    Return value ignored.
+    """
+
+
+@hookspec
+def sample_resources(engine):
+    """Contribute gauges to a resource sample.
+
+    Watchdog thread, every ``resource_interval_s``. Return a flat dict of
+    numbers (for example ``{"active_memory_bytes": ...}``); None contributes
+    nothing. Every plugin's dict is merged into one sample.
+    """
+
+
+@hookspec
+def on_resource_sample(sample, engine):
+    """A resource sample was taken; a plugin may act on it.
+
+    Watchdog thread. ``sample`` is the merged dict. Return value ignored.
     """

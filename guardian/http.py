@@ -9,18 +9,24 @@ an SSE error event followed by ``[DONE]`` once a stream has started.
 
 from __future__ import annotations
 
+import io
 import json
 import time
+from pathlib import Path
 
 import structlog
 
 from guardian import stock
-from guardian.context import request_scope
+from guardian.admission import context_length_of
+from guardian.context import current_request, request_scope
 from guardian.errors import AbortRequest, GuardianError, from_stock_exception
 
 log = structlog.get_logger("guardian.http")
 
 _CLIENT_GONE = (BrokenPipeError, ConnectionResetError, ConnectionAbortedError)
+
+# Stock's completion endpoints: the POST paths that carry a JSON body.
+COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions", "/chat/completions")
 
 
 class GuardianHandler(stock.APIHandler):
@@ -79,22 +85,99 @@ class GuardianHandler(stock.APIHandler):
         self.wfile.write(body)
 
     def do_GET(self):
-        path = self.path.split("?", 1)[0]
+        path, _, query = self.path.partition("?")
         engine = self.response_generator
         if path == "/health":
-            healthy = engine.is_healthy
-            self.send_json(
-                200 if healthy else 503,
-                {"status": "ok" if healthy else "unavailable", "state": engine.state.value},
-            )
+            self.send_health(engine)
         elif path == "/livez":
             self.send_json(200, {"status": "ok"})
+        elif path == "/readyz":
+            self.send_readiness(engine, deep="deep=1" in query.split("&"))
         elif path == "/guardian/status":
-            self.send_json(200, engine.status())
+            self.send_json(200, {**engine.status(), **engine.watchdog.status()})
+        elif path.startswith("/v1/models"):
+            self.send_models(engine)
         else:
             super().do_GET()
+
+    def send_models(self, engine) -> None:
+        """Stock's listing with each model's ``context_length``; no hub cache is no error."""
+        listing = stock.models_listing(self)
+        served = engine.cli_args.model
+        served_ids = {served, str(Path(served).resolve())} if served else set()
+        for model in listing.get("data", []):
+            if model.get("id") in served_ids and engine.served_context_length:
+                context_length = engine.served_context_length
+            else:
+                context_length = context_length_of(model.get("id", ""))
+            if context_length is not None:
+                model["context_length"] = context_length
+        self.send_json(200, listing)
+
+    def do_POST(self):
+        """Stock's, behind a body guard: 413 unread past max_body_bytes, OpenAI-shaped 400s."""
+        if self.path not in COMPLETION_PATHS:
+            return super().do_POST()  # stock's 404
+        try:
+            length = int(self.headers.get("Content-Length"))
+        except (TypeError, ValueError):
+            return super().do_POST()  # stock's 411 or 400 for the header
+        limit = self.response_generator.max_body_bytes
+        if limit is not None and length > limit:
+            # The body stays unread: this connection cannot carry another request.
+            self.close_connection = True
+            return self.send_error_json(GuardianError(
+                f"The request body is {length} bytes; this server accepts at most {limit} bytes.",
+                status=413, type="invalid_request_error", code="request_too_large",
+                headers={"Connection": "close"},
+            ))
+        raw = self.rfile.read(max(length, 0))
+        problem = _json_object_problem(raw)
+        if problem is not None:
+            return self.send_error_json(GuardianError(
+                problem, status=400, type="invalid_request_error", code="invalid_json",
+            ))
+        # Stock reads the body itself: hand it the bytes already read.
+        rfile, self.rfile = self.rfile, io.BytesIO(raw)
+        try:
+            super().do_POST()
+        finally:
+            self.rfile = rfile
+
+    def end_headers(self):
+        # Headers admission set for this request (X-Guardian-...), whoever
+        # writes the response: stock or the guardian's error path.
+        for name, value in (current_request().response_headers or {}).items():
+            self.send_header(name, value)
+        super().end_headers()
+
+    def send_health(self, engine) -> None:
+        """Stock's path, truthful: 200 only while the engine can generate."""
+        healthy = engine.is_healthy and engine.watchdog.heartbeat_fresh()
+        body = {"status": "ok" if healthy else "unavailable", "state": engine.state.value}
+        self.send_json(200 if healthy else 503, body)
+
+    def send_readiness(self, engine, deep: bool) -> None:
+        watchdog = engine.watchdog
+        if deep and engine.is_healthy and not watchdog.progressing():
+            watchdog.run_probes()
+        ready, reason = watchdog.readiness()
+        body = {"status": "ready" if ready else "unavailable", "reason": reason,
+                "state": engine.state.value, "last_probe": watchdog.status()["last_probe"]}
+        self.send_json(200 if ready else 503, body)
 
     def log_message(self, format, *args):
         # BaseHTTPRequestHandler writes access lines straight to stderr;
         # route them through structlog so every line is JSON.
         log.info("http_access", client=self.client_address[0], line=format % args)
+
+
+def _json_object_problem(raw: bytes):
+    """Why stock would refuse this body with a 400, or None when it is a JSON object."""
+    try:
+        body = json.loads(raw.decode())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        return f"Invalid JSON in request body: {e}"
+    if not isinstance(body, dict):
+        return "Request should be a JSON dictionary"
+    return None

@@ -85,12 +85,12 @@ class RequestRecord(Queue):
     def _on_context(self, ctx):
         self.stage = Stage.STARTED
         self._current_ctx = ctx
-        ctx.stop = self._client_gone  # stock calls it when the client goes
+        ctx.stop = self.cancel  # stock calls it when the client goes
         if self._first_ctx is None:
             self._first_ctx = ctx
             self.downstream.put(ctx)
         # On a re-run stock's handler still holds the first context: the
-        # new one is not sent, only linked through _client_gone.
+        # new one is not sent, only linked through cancel().
 
     def _on_token(self, response):
         if self.stream:
@@ -107,9 +107,10 @@ class RequestRecord(Queue):
         self.stage = Stage.DONE
         self.ledger.finished(self)
 
-    def _client_gone(self):
-        ctx = self._current_ctx
-        stock.GenerationContext.stop(ctx)
+    def cancel(self) -> None:
+        """Nobody waits for this request any more (any thread)."""
+        if self._current_ctx is not None:
+            stock.GenerationContext.stop(self._current_ctx)
         with self._lock:
             if self.stage is not Stage.DONE:
                 self.stage = Stage.DONE
@@ -173,6 +174,7 @@ class RequestLedger:
                 self._cond.notify_all()
         if refused is not None:
             record.fail(refused)
+        return record
 
     # -- the generation loop's side ---------------------------------------
     def get(self, block=True, timeout=None):

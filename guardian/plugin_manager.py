@@ -21,6 +21,9 @@ log = structlog.get_logger("guardian.plugins")
 DEFAULT_PLUGINS = (
     "guardian.plugins.recovery:Recovery",
     "guardian.plugins.fault_injection:FaultInjection",
+    "guardian.plugins.prompt_guard:PromptGuard",
+    "guardian.plugins.generation_probe:GenerationProbe",
+    "guardian.plugins.resources:Resources",
 )
 
 

@@ -20,6 +20,7 @@ from guardian.config import GuardianConfig
 from guardian.engine import GuardianEngine
 from guardian.exit_codes import EXIT_BOOT_ERROR, EXIT_OK
 from guardian.http import GuardianHandler
+from guardian.watchdog import Watchdog
 
 log = structlog.get_logger("guardian.server")
 
@@ -52,12 +53,18 @@ def serve(host: str, port: int, model_provider, config: GuardianConfig, pm) -> i
         return EXIT_BOOT_ERROR
 
     exit_request = ExitRequest()
-    prompt_cache = stock.LRUPromptCache(model_provider.cli_args.prompt_cache_size)
     engine = GuardianEngine(
-        model_provider, prompt_cache, pm=pm, core=config.core, on_exit=exit_request
+        model_provider,
+        model_provider.cli_args.prompt_cache_size,
+        pm=pm,
+        core=config.core,
+        on_exit=exit_request,
     )
+    engine.watchdog = Watchdog(engine, pm, config.watchdog)
     httpd = make_http_server(host, port, engine)
     pm.hook.guardian_startup(engine=engine, config=config)
+    if config.watchdog.enabled:
+        engine.watchdog.start()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: exit_request(EXIT_OK))
 
@@ -71,6 +78,7 @@ def serve(host: str, port: int, model_provider, config: GuardianConfig, pm) -> i
     )
     code = exit_request.wait()
     log.info("server_stopping", exit_code=code)
+    engine.watchdog.stop()
     drain(httpd, engine, config.core.exit_grace_s)
     httpd.shutdown()
     httpd.server_close()

@@ -11,16 +11,26 @@ loudly with the name instead of misbehaving quietly.
 from __future__ import annotations
 
 import argparse
-import contextlib
+import copy
+import io
+import json
+import threading
 import importlib.metadata
 from typing import Callable, Iterator
 
 import mlx_lm.server as server
+from huggingface_hub.utils import CacheNotFound
 
 from guardian.errors import EngineStepError
 
 STOCK_VERSION = importlib.metadata.version("mlx-lm")
 TESTED_VERSIONS = ("0.31.3", "0.32.2")
+
+# Instance attributes set by stock's __init__ (checked by the contract test).
+INSTANCE_ATTRIBUTES = {
+    "_generation_thread": "replaced when a stuck loop is abandoned",
+    "requests": "the engine's request queue, replaced by the ledger",
+}
 
 # (object, attribute) pairs the guardian relies on, with why. The contract
 # test walks this table; so does ``check_stock()`` at start-up.
@@ -42,6 +52,14 @@ REQUIRED = {
     "get_system_fingerprint": "the handler's system_fingerprint",
     "APIHandler._set_completion_headers": "status line with stock's CORS headers",
     "LRUPromptCache": "the prompt cache the engine owns",
+    "ModelProvider._load": "what load() calls with the model key it computed",
+    "APIHandler.handle_models_request": "stock's /v1/models listing, extended",
+    "scan_cache_dir": "module global the listing calls; made safe without a hub cache",
+    "CompletionRequest": "built for synthetic probes",
+    "GenerationArguments": "built for synthetic probes",
+    "ModelDescription": "built for synthetic probes",
+    "SamplingArguments": "built for synthetic probes",
+    "LogitsProcessorArguments": "built for synthetic probes",
 }
 
 class StockChanged(RuntimeError):
@@ -77,6 +95,7 @@ check_stock()
 # The originals, kept before anything swaps the module globals.
 STOCK_BATCH_GENERATOR = server.BatchGenerator
 STOCK_STREAM_GENERATE = server.stream_generate
+STOCK_SCAN_CACHE_DIR = server.scan_cache_dir
 
 ResponseGenerator = server.ResponseGenerator
 ModelProvider = server.ModelProvider
@@ -103,6 +122,110 @@ class SupervisableResponseGenerator(ResponseGenerator):
     def tokenize(self, tokenizer, request, args) -> list[int]:
         """The prompt tokens stock would compute for this request."""
         return self._tokenize(tokenizer, request, args)[0]
+
+    def _tokenize(self, tokenizer, request, args):
+        """Stock's tokenization, unless admission already did it for this request."""
+        reused = reused_tokens(request, self.model_provider.model_key)
+        if reused is not None:
+            return reused
+        return super()._tokenize(tokenizer, request, args)
+
+    def tokenize_as_stock(self, tokenizer, request, args) -> tuple:
+        """Stock's own ``_tokenize``: (prompt, segments, segment types, state[, vision])."""
+        return ResponseGenerator._tokenize(self, tokenizer, request, args)
+
+
+# Where admission leaves a request's tokens for the engine: an attribute of
+# stock's CompletionRequest (a plain dataclass), with the model key they
+# were made for, so a request served by another model is tokenized again.
+_TOKENIZED_ATTRIBUTE = "_guardian_tokenized"
+
+
+def attach_tokens(request, model_key, tokenized: tuple) -> None:
+    setattr(request, _TOKENIZED_ATTRIBUTE, (model_key, tokenized))
+
+
+def reused_tokens(request, model_key):
+    """A fresh copy of the tokens attached for ``model_key``, or None.
+
+    The loop edits the segment lists it is given, and a request re-run
+    after an engine failure is tokenized again: each call gets new lists.
+    """
+    attached = getattr(request, _TOKENIZED_ATTRIBUTE, None)
+    if attached is None or attached[0] != model_key:
+        return None
+    return tuple(_fresh(part) for part in attached[1])
+
+
+def _fresh(part):
+    if not isinstance(part, list):
+        return part
+    return [item[:] if isinstance(item, list) else item for item in part]
+
+
+def requested_model_key(model_provider, model) -> tuple:
+    """The key stock's ``ModelProvider.load()`` computes for a request's model.
+
+    ``load()`` maps "default_model" and friends to the served paths, and the
+    mapping differs between mlx-lm versions; rather than copy it, run stock's
+    own ``load()`` on a shallow copy whose ``_load`` only records the key.
+    """
+    recorded = []
+    probe = copy.copy(model_provider)
+    probe.model_key = _NEVER_LOADED
+    probe._load = lambda *model_key: recorded.append(model_key)
+    probe.load(model.model, model.adapter, model.draft)
+    return recorded[0]
+
+
+_NEVER_LOADED = object()
+
+
+def loaded_tokenizer(model_provider, args):
+    """(model_key, tokenizer) when the request asks for the loaded model, else None.
+
+    Another model would be loaded by the engine thread when the request gets
+    there; its tokenizer does not exist before.
+    """
+    model_key = model_provider.model_key
+    tokenizer = model_provider.tokenizer
+    if model_key is None or tokenizer is None or model_provider.model_key != model_key:
+        return None  # a load is under way
+    if requested_model_key(model_provider, args.model) != model_key:
+        return None
+    return model_key, tokenizer
+
+
+class _EmptyHubCache:
+    repos = frozenset()
+
+
+def _scan_cache_dir_or_empty(*args, **kwargs):
+    """Stock's scan, but no hub cache folder means no hub models, not a crash."""
+    try:
+        return STOCK_SCAN_CACHE_DIR(*args, **kwargs)
+    except CacheNotFound:
+        return _EmptyHubCache()
+
+
+def models_listing(handler) -> dict:
+    """The JSON stock's /v1/models handler would send, not yet sent.
+
+    Stock writes its 200 status line before it scans the hub cache, then
+    raises when there is none: run it against a buffer, with the scan made
+    safe, and let the caller send the result.
+    """
+    server.scan_cache_dir = _scan_cache_dir_or_empty
+    wfile, handler.wfile = handler.wfile, io.BytesIO()
+    log_request = handler.log_request
+    handler.log_request = lambda *args: None  # the caller's response is logged
+    try:
+        handler.handle_models_request()
+        written = handler.wfile.getvalue()
+    finally:
+        handler.wfile = wfile
+        handler.log_request = log_request
+    return json.loads(written.partition(b"\r\n\r\n")[2])
 
 
 def stop_generation_thread(response_generator) -> None:
@@ -147,21 +270,58 @@ def stream_observed(stock_stream_generate, observe: Callable[[], None]):
     return observed_stream_generate
 
 
-@contextlib.contextmanager
-def observed_engine_steps(observe: Callable[[], None]):
+def observe_engine_steps(observe: Callable[[], None]) -> None:
     """Route every engine step of the stock loop through ``observe()``.
 
     The loop looks ``BatchGenerator`` and ``stream_generate`` up in the
     server module's globals at call time, so swapping those globals is how
-    a step can be observed without touching the loop's code.
+    a step can be observed without touching the loop's code. Installed once
+    for the process: a loop thread that is abandoned must not undo it.
     """
-    saved = server.BatchGenerator, server.stream_generate
     server.BatchGenerator = step_observed(STOCK_BATCH_GENERATOR, observe)
     server.stream_generate = stream_observed(STOCK_STREAM_GENERATE, observe)
-    try:
-        yield
-    finally:
-        server.BatchGenerator, server.stream_generate = saved
+
+
+def start_generation_thread(response_generator) -> None:
+    """Run the stock loop on a fresh thread, as stock's __init__ does.
+
+    Used to replace a loop thread that is stuck in a step; the old thread
+    cannot be killed, only abandoned. Daemon, so a thread stuck in native
+    code never holds the process open.
+    """
+    thread = threading.Thread(
+        target=response_generator._generate, name="generation", daemon=True
+    )
+    response_generator._generation_thread = thread
+    thread.start()
+
+
+def make_request(prompt: str, *, max_tokens: int, cli_args) -> tuple:
+    """A text-completion request and its arguments, built as stock's handler does."""
+    request = server.CompletionRequest("text", prompt, [], None, None)
+    args = server.GenerationArguments(
+        model=server.ModelDescription(model="default_model", draft="default_model", adapter=None),
+        sampling=server.SamplingArguments(
+            temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, xtc_probability=0.0, xtc_threshold=0.1
+        ),
+        logits=server.LogitsProcessorArguments(
+            logit_bias=None,
+            repetition_penalty=0.0,
+            repetition_context_size=20,
+            presence_penalty=0.0,
+            presence_context_size=20,
+            frequency_penalty=0.0,
+            frequency_context_size=20,
+        ),
+        stop_words=[],
+        max_tokens=max_tokens,
+        num_draft_tokens=cli_args.num_draft_tokens,
+        logprobs=False,
+        top_logprobs=-1,
+        seed=None,
+        chat_template_kwargs=None,
+    )
+    return request, args
 
 
 def set_completion_headers(handler, status_code: int) -> None:

@@ -50,6 +50,9 @@ class FaultInjectionSettings:
     hang_at_step: int = field(default=0, metadata={"min": 0})
     # How long the hang lasts; 0 blocks until shutdown.
     hang_s: float = field(default=0.0, metadata={"min": 0.0})
+    # Sleep this long before every step: a slow model whose steps still
+    # progress, e.g. a long prefill on a big model.
+    step_delay_s: float = field(default=0.0, metadata={"min": 0.0})
 
 
 class FaultInjection:
@@ -85,6 +88,8 @@ class FaultInjection:
         s = self.settings
         if not s.enabled:
             return
+        if s.step_delay_s:
+            self.released.wait(s.step_delay_s)
         if s.hang_at_step and step == s.hang_at_step:
             log.warning("fault_injected", kind="hang", step=step)
             self.released.wait(s.hang_s or None)

@@ -65,18 +65,23 @@ class Server:
         return poll(lambda: len(self.events(name)) >= count and self.events(name), timeout, what=name)
 
     def health(self) -> int:
+        return self.status("/health")
+
+    def status(self, path: str) -> int:
         try:
-            return httpx.get(self.url + "/health", timeout=2).status_code
+            return httpx.get(self.url + path, timeout=5).status_code
         except httpx.TransportError:
             return 0
 
     def wait_healthy(self, timeout: float = 60) -> None:
-        def healthy():
+        """Wait for /readyz: the model is loaded and the start-up probe passed,
+        so no probe shares the engine with a test's first requests."""
+        def ready():
             if self.proc.poll() is not None:
                 raise AssertionError(f"server exited {self.proc.returncode}:\n{self.log_path.read_text()[-3000:]}")
-            return self.health() == 200
+            return self.status("/readyz") == 200
 
-        poll(healthy, timeout, interval=0.05, what="/health 200")
+        poll(ready, timeout, interval=0.05, what="/readyz 200")
 
     def stop(self) -> None:
         if self.proc.poll() is None:

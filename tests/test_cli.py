@@ -21,7 +21,7 @@ def run(*args, timeout=60):
 def test_help_shows_stock_and_guardian_flags():
     result = run("--help")
     assert result.returncode == 0
-    for flag in ("--model", "--decode-concurrency", "--prompt-cache-bytes", "--kv-bits"):
+    for flag in ("--model", "--decode-concurrency", "--prompt-cache-bytes"):
         assert flag in result.stdout
     assert "--guardian-config" in result.stdout and "--log-format" in result.stdout
 

@@ -41,9 +41,9 @@ def test_example_documents_every_key():
     pm = make_plugin_manager(load_config(None))
     import dataclasses
 
-    from guardian.config import CoreSettings
+    from guardian.config import CoreSettings, WatchdogSettings
 
-    sections = {"guardian": CoreSettings}
+    sections = {"guardian": CoreSettings, "watchdog": WatchdogSettings}
     for name, plugin in pm.list_name_plugin():
         if hasattr(plugin, "Settings"):
             sections[name] = plugin.Settings
@@ -65,6 +65,7 @@ def test_example_documents_every_key():
         ("[nonesuch]\nx = 1\n", r"no loaded plugin reads \[nonesuch\]"),
         ("[guardian]\nplugins = ['no.such.module']\n", r"cannot load plugin 'no.such.module'"),
         ("not toml at all [", r"not valid TOML"),
+        ("[watchdog]\nladder = ['restart', 'pray']\n", r"watchdog.ladder: rungs must be"),
     ],
 )
 def test_bad_config_names_the_key(tmp_path, text, message):

@@ -192,14 +192,14 @@ def test_poison_request_fails_alone(start_server):
 def test_crash_loop_exits_with_documented_code(start_server):
     from guardian.exit_codes import EXIT_ENGINE_FAILED
 
-    server = start_server(faults(every_n_steps=1) + "[recovery]\nmax_failures = 3\n")
+    server = start_server(faults(poison_marker="POISON") + "[recovery]\nmax_failures = 3\n")
     with httpx.Client(timeout=30) as client:
-        # Every step fails: the first request is blamed after two failures,
-        # the second is in flight at the fourth, which is one too many.
-        first = completion(client, server, max_tokens=8)
+        # Every step of a poison request fails: the first is blamed after two
+        # failures, the second is in flight at the fourth, one too many.
+        first = completion(client, server, content="POISON 1", max_tokens=8)
         assert first.status_code == 500
         assert first.json()["error"]["code"] == "request_failed_repeatedly"
-        second = completion(client, server, max_tokens=8)
+        second = completion(client, server, content="POISON 2", max_tokens=8)
         assert second.status_code == 503, second.text
         assert second.headers["content-type"] == "application/json"
         assert second.headers["retry-after"] == "1"

@@ -46,6 +46,14 @@ def test_generation_loop_is_still_a_method_the_thread_runs():
     assert "_generate" in source, "stock no longer starts its thread on _generate"
 
 
+def test_instance_attributes_stock_sets_are_still_set():
+    import inspect
+
+    source = inspect.getsource(server.ResponseGenerator.__init__)
+    for name in stock.INSTANCE_ATTRIBUTES:
+        assert f"self.{name} =" in source, f"stock ResponseGenerator no longer sets self.{name}"
+
+
 def test_the_loop_looks_up_what_the_guardian_swaps():
     import inspect
 

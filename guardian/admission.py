@@ -1,0 +1,376 @@
+"""A request at the door, and what the model it goes to can take.
+
+``Admission`` is what ``admit_request`` hooks see: the request, its prompt
+tokens (computed on the HTTP thread with stock's own ``_tokenize`` and then
+reused by the engine, so a request is tokenized once), and what a hook
+changed: a lower ``max_tokens``, fewer messages, response headers, a
+resource to give back when the request ends.
+
+``ModelLimits`` is what a hook compares it with: the context length from
+the model's config and the bytes of KV cache a request of n tokens needs.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import copy
+import dataclasses
+import functools
+import math
+import os
+import threading
+import weakref
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
+
+import structlog
+
+log = structlog.get_logger("guardian.admission")
+
+
+# -- the request --------------------------------------------------------------
+@dataclasses.dataclass
+class Variant:
+    """The request with other messages, tokenized; see ``Admission.variant``."""
+
+    request: Any
+    tokenized: tuple
+
+    @property
+    def n_prompt_tokens(self) -> int:
+        return len(self.tokenized[0])
+
+
+class Admission:
+    """One request on its way in, as ``admit_request`` hooks see it.
+
+    ``tokenize(request)`` returns stock's ``_tokenize`` tuple for a request;
+    it runs at most once per request (and once per variant), only when a
+    hook asks for tokens.
+    """
+
+    def __init__(self, request, args, *, limits, tokenize: Callable, request_id: str, stream: bool):
+        self.request = request
+        self.args = args
+        self.limits: ModelLimits = limits
+        self.request_id = request_id
+        self.stream = stream
+        # Headers added to this request's response (a clamp, a truncation).
+        self.response_headers: dict[str, str] = {}
+        # Fields added to every later log line of this request.
+        self.log_fields: dict[str, Any] = {}
+        self._tokenize = tokenize
+        self._tokenized: Optional[tuple] = None
+        self._on_finish: list[Callable[[], None]] = []
+        self._finished = False
+        self._lock = threading.Lock()
+
+    @property
+    def is_chat(self) -> bool:
+        return self.request.request_type == "chat"
+
+    @property
+    def tokenized(self) -> Optional[tuple]:
+        """Stock's ``_tokenize`` tuple, or None when no hook asked for tokens."""
+        return self._tokenized
+
+    @property
+    def prompt_tokens(self) -> list[int]:
+        if self._tokenized is None:
+            self._tokenized = self._tokenize(self.request)
+        return self._tokenized[0]
+
+    @property
+    def n_prompt_tokens(self) -> int:
+        return len(self.prompt_tokens)
+
+    def variant(self, messages: list) -> Variant:
+        """The request with ``messages`` instead, tokenized; nothing changes yet.
+
+        Stock's tokenizer code rewrites messages in place (tool-call arguments,
+        content parts), so each variant tokenizes its own copy.
+        """
+        request = dataclasses.replace(self.request, messages=copy.deepcopy(messages))
+        return Variant(request, self._tokenize(request))
+
+    def adopt(self, variant: Variant) -> None:
+        """Send ``variant`` to the engine instead of the request as it came."""
+        self.request = variant.request
+        self._tokenized = variant.tokenized
+
+    def on_finish(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` once when the request ends, however it ends."""
+        with self._lock:
+            finished = self._finished
+            if not finished:
+                self._on_finish.append(callback)
+        if finished:
+            callback()
+
+    def finish(self) -> None:
+        """The request ended (or was refused): run the ``on_finish`` callbacks once."""
+        with self._lock:
+            if self._finished:
+                return
+            self._finished = True
+            callbacks, self._on_finish = self._on_finish, []
+        for callback in callbacks:
+            try:
+                callback()
+            except Exception:
+                log.exception("admission_finish_failed", request_id=self.request_id)
+
+
+# -- private tokenizers ---------------------------------------------------------
+class TokenizerPool:
+    """Private copies of a tokenizer for the HTTP threads.
+
+    A fast tokenizer shared between threads can fail with ``RuntimeError:
+    Already borrowed`` (huggingface/tokenizers#537, transformers#47085); the
+    engine thread tokenizes too (stop words, samplers), and an exception
+    there would kill the loop. So admission never touches the engine's
+    tokenizer: it borrows a deep copy, made on first need, at most ``size``.
+    """
+
+    def __init__(self, tokenizer, size: int):
+        self._original = tokenizer
+        self._size = size
+        self._idle: list = []
+        self._made = 0
+        self._cond = threading.Condition()
+
+    @contextlib.contextmanager
+    def borrow(self) -> Iterator[Any]:
+        with self._cond:
+            while not self._idle and self._made >= self._size:
+                self._cond.wait()
+            if self._idle:
+                tokenizer = self._idle.pop()
+            else:
+                self._made += 1
+                tokenizer = None
+        if tokenizer is None:
+            try:
+                tokenizer = copy.deepcopy(self._original)
+            except BaseException:
+                with self._cond:
+                    self._made -= 1
+                    self._cond.notify()
+                raise
+        try:
+            yield tokenizer
+        finally:
+            with self._cond:
+                self._idle.append(tokenizer)
+                self._cond.notify()
+
+
+_pools: "weakref.WeakKeyDictionary[Any, TokenizerPool]" = weakref.WeakKeyDictionary()
+_pools_lock = threading.Lock()
+
+
+def private_tokenizer(tokenizer) -> contextlib.AbstractContextManager:
+    """Borrow a copy of ``tokenizer`` that no other thread uses meanwhile."""
+    with _pools_lock:
+        pool = _pools.get(tokenizer)
+        if pool is None:
+            pool = _pools[tokenizer] = TokenizerPool(tokenizer, size=min(4, os.cpu_count() or 1))
+    return pool.borrow()
+
+
+# -- the model's limits -----------------------------------------------------------
+# Where configs keep the context length, most common first. ``max_length``
+# is left out on purpose: in many configs it is a generation default (20).
+CONTEXT_LENGTH_KEYS = (
+    "max_position_embeddings",
+    "max_sequence_length",
+    "max_seq_len",
+    "seq_length",
+    "n_positions",
+    "n_ctx",
+)
+
+# mlx_lm's KV caches grow in blocks of this many tokens (KVCache.step).
+KV_ALLOCATION_STEP = 256
+
+
+def read_model_config(model: str) -> dict:
+    """config.json of a local model folder or of a Hugging Face repo in the local cache."""
+    from mlx_lm.utils import hf_repo_to_path, load_config
+
+    path = Path(model)
+    if not path.exists():
+        path = hf_repo_to_path(model)
+    return load_config(path)
+
+
+def text_config(config: dict) -> dict:
+    """The language model's part of a config (vision-language configs nest it)."""
+    nested = config.get("text_config")
+    return {**config, **nested} if isinstance(nested, dict) else config
+
+
+def context_length_from_config(config: dict) -> tuple[Optional[int], Optional[str]]:
+    """The context length and the key it came from, or (None, None)."""
+    config = text_config(config)
+    for key in CONTEXT_LENGTH_KEYS:
+        value = config.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value, key
+    return None, None
+
+
+@functools.lru_cache(maxsize=64)
+def context_length_of(model: str) -> Optional[int]:
+    """The context length in a model's config; None when unknown or unreadable."""
+    try:
+        return context_length_from_config(read_model_config(model))[0]
+    except Exception:
+        return None
+
+
+@dataclasses.dataclass(frozen=True)
+class KVLayer:
+    """One layer's KV cache: bytes per token, and the window it keeps (None: all)."""
+
+    bytes_per_token: float
+    window: Optional[int] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelLimits:
+    context_length: Optional[int]
+    context_length_key: Optional[str]
+    kv_layers: tuple[KVLayer, ...]
+    kv_dtype: str
+    weights_bytes: int
+    # ``--kv-bits``: past quantized_kv_start tokens the cache is quantized,
+    # and each element takes this fraction of its full size.
+    kv_quantized_fraction: Optional[float] = None
+    quantized_kv_start: int = 0
+
+    @classmethod
+    def of(cls, model, config: dict, *, kv_bits: Optional[int] = None,
+           kv_group_size: int = 64, quantized_kv_start: int = 0) -> "ModelLimits":
+        context_length, key = context_length_from_config(config)
+        dtype_name, itemsize = activation_dtype(model)
+        layers = tuple(kv_layers(model, kv_bytes_per_token(config, itemsize)))
+        fraction = quantized_fraction(kv_bits, kv_group_size, itemsize) if kv_bits else None
+        return cls(context_length, key, layers, dtype_name, weights_bytes(model),
+                   fraction, quantized_kv_start)
+
+    @property
+    def kv_bytes_per_token(self) -> float:
+        """Full-precision KV bytes per token, every layer together, before any window."""
+        return sum(layer.bytes_per_token for layer in self.kv_layers)
+
+    def kv_bytes(self, n_tokens: int) -> int:
+        """Bytes of KV cache a sequence of ``n_tokens`` holds at its end."""
+        total = 0.0
+        for layer in self.kv_layers:
+            tokens = n_tokens if layer.window is None else min(n_tokens, layer.window)
+            total += layer.bytes_per_token * _allocated(tokens)
+        if self.kv_quantized_fraction is not None and n_tokens > self.quantized_kv_start:
+            total *= self.kv_quantized_fraction
+        return int(total)
+
+
+def _allocated(tokens: int) -> int:
+    return math.ceil(tokens / KV_ALLOCATION_STEP) * KV_ALLOCATION_STEP
+
+
+def kv_bytes_per_token(config: dict, itemsize: int) -> float:
+    """Keys plus values of one attention layer for one token, from the config."""
+    config = text_config(config)
+    heads = config.get("num_attention_heads") or config.get("n_head") or 1
+    kv_heads = config.get("num_key_value_heads") or config.get("n_kv_heads") or heads
+    if config.get("kv_lora_rank") and config.get("model_type") != "deepseek_v2":
+        # Multi-head latent attention (DeepSeek V3 and kin): mlx_lm caches
+        # the compressed latent and the rope part, shared by every head.
+        return (config["kv_lora_rank"] + config.get("qk_rope_head_dim", 0)) * itemsize
+    if config.get("qk_nope_head_dim") is not None:
+        key_dim = config["qk_nope_head_dim"] + config.get("qk_rope_head_dim", 0)
+        value_dim = config.get("v_head_dim", key_dim)
+        return heads * (key_dim + value_dim) * itemsize
+    head_dim = config.get("head_dim") or (config.get("hidden_size") or config.get("n_embd", 0)) // heads
+    return 2 * kv_heads * head_dim * itemsize
+
+
+def kv_layers(model, bytes_per_token: float) -> Iterator[KVLayer]:
+    """One KVLayer per attention cache the model makes for a sequence.
+
+    The model's own ``make_prompt_cache`` says which layers keep a sliding
+    window (RotatingKVCache) and which keep a fixed-size state that does not
+    grow with the sequence (ArraysCache, for SSM and linear attention).
+    """
+    from mlx_lm.models import cache as caches
+
+    def layers_of(layer_cache) -> Iterator[KVLayer]:
+        if isinstance(layer_cache, caches.CacheList):
+            for inner in layer_cache.caches:
+                yield from layers_of(inner)
+        elif isinstance(layer_cache, caches.ArraysCache):
+            return
+        elif isinstance(layer_cache, caches.RotatingKVCache):
+            yield KVLayer(bytes_per_token, window=layer_cache.max_size)
+        else:
+            yield KVLayer(bytes_per_token)
+
+    for layer_cache in caches.make_prompt_cache(model):
+        yield from layers_of(layer_cache)
+
+
+def quantized_fraction(bits: int, group_size: int, itemsize: int) -> float:
+    """Size of a ``--kv-bits`` cache element relative to a full one.
+
+    Each group of ``group_size`` elements also keeps a scale and a bias.
+    """
+    return (bits / 8 + 2 * itemsize / group_size) / itemsize
+
+
+def activation_dtype(model) -> tuple[str, int]:
+    """The float dtype most of the weights use: the dtype of the KV cache.
+
+    Quantized weights are integers; their scales carry the float dtype.
+    """
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    sizes: collections.Counter = collections.Counter()
+    for _, array in tree_flatten(model.parameters()):
+        if mx.issubdtype(array.dtype, mx.floating):
+            sizes[array.dtype] += array.size
+    if not sizes:
+        return "float16", 2
+    dtype = sizes.most_common(1)[0][0]
+    return str(dtype).removeprefix("mlx.core."), dtype.size
+
+
+def weights_bytes(model) -> int:
+    from mlx.utils import tree_flatten
+
+    return sum(array.nbytes for _, array in tree_flatten(model.parameters()))
+
+
+def device_memory() -> tuple[int, str]:
+    """The memory mlx says the device may use, and where that number came from.
+
+    Metal reports its recommended working set; the CPU backend reports no
+    size, so mlx's memory limit stands in.
+    """
+    import mlx.core as mx
+
+    info = mx.device_info()
+    for key in ("max_recommended_working_set_size", "memory_size"):
+        if info.get(key):
+            return int(info[key]), f"device_info.{key}"
+    return int(mx.get_memory_limit()), "get_memory_limit"
+
+
+def describe_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"

@@ -1,0 +1,198 @@
+"""The watchdog: stall detection, probes, resource samples, systemd pings.
+
+A thread that never takes part in generation. The engine's heartbeat
+(``engine.last_beat``) advances at every engine step, every prompt-progress
+report and every time the idle loop asks for work; when work is waiting and
+the heartbeat stops for ``stall_timeout_s``, the engine is wedged, and the
+watchdog climbs the escalation ladder: replace the loop thread, reload the
+model, exit for the supervisor. Probes prove generation works while idle;
+while busy, progress proves it and probes are skipped.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from typing import Optional
+
+import structlog
+
+from guardian.config import WatchdogSettings
+from guardian.engine import EngineState
+from guardian.exit_codes import EXIT_ENGINE_STALLED
+from guardian.plugin_manager import notify
+from guardian.sd_notify import SystemdNotifier
+
+log = structlog.get_logger("guardian.watchdog")
+
+
+class Watchdog:
+    def __init__(self, engine, pm, settings: WatchdogSettings, notifier: Optional[SystemdNotifier] = None):
+        self.engine = engine
+        self.pm = pm
+        self.settings = settings
+        self.notifier = notifier or SystemdNotifier()
+        self.stalls: deque[float] = deque()
+        self.stall_count = 0
+        self.last_probe: Optional[dict] = None
+        self.last_sample: Optional[dict] = None
+        self._last_probe_at = float("-inf")
+        self._last_sample_at = float("-inf")
+        self._last_ping_at = float("-inf")
+        self._probing = threading.Lock()
+        self._stopped = threading.Event()
+        self._ready_sent = False
+        self._thread = threading.Thread(target=self._run, name="watchdog", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self.notifier.notify("STOPPING=1")
+
+    def _run(self) -> None:
+        while not self._stopped.wait(self.settings.interval_s):
+            try:
+                self.tick(time.monotonic())
+            except Exception:
+                log.exception("watchdog_tick_failed")
+
+    def tick(self, now: float) -> None:
+        """One look at the engine: progress, probes, resources, systemd."""
+        self._check_progress(now)
+        self._maybe_probe(now)
+        self._maybe_sample(now)
+        self._ping_systemd(now)
+
+    # -- stalls -------------------------------------------------------------
+    def _check_progress(self, now: float) -> None:
+        engine = self.engine
+        age = now - engine.last_beat
+        if engine.state is EngineState.READY:
+            if engine.ledger.has_work() and age > self.settings.stall_timeout_s:
+                self._on_stall(age, "no engine step or prompt progress")
+        elif engine.state is EngineState.RESTARTING:
+            if engine.restarting_for(now) > self.settings.restart_timeout_s:
+                self._on_stall(age, "the restarted loop never asked for work")
+
+    def _on_stall(self, heartbeat_age_s: float, why: str) -> None:
+        now = time.monotonic()
+        self.stalls.append(now)
+        while self.stalls and self.stalls[0] < now - self.settings.ladder_window_s:
+            self.stalls.popleft()
+        self.stall_count += 1
+        ladder = self.settings.ladder
+        action = ladder[min(len(self.stalls), len(ladder)) - 1]
+        reason = f"{why} for {heartbeat_age_s:.1f} s"
+        self.engine.state = EngineState.STALLED
+        log.error(
+            "engine_stalled",
+            heartbeat_age_s=round(heartbeat_age_s, 3),
+            reason=reason,
+            action=action,
+            stalls_in_window=len(self.stalls),
+            step=self.engine.steps,
+            **self.engine.ledger.counts(),
+        )
+        notify(self.pm.hook.on_stall, engine=self.engine, heartbeat_age_s=heartbeat_age_s, action=action)
+        if action == "exit":
+            self.engine.give_up(f"the engine stalled: {reason}", exit_code=EXIT_ENGINE_STALLED)
+        else:
+            self.engine.replace_stuck_loop(reason, reload=action == "reload")
+
+    # -- probes -------------------------------------------------------------
+    def _maybe_probe(self, now: float) -> None:
+        if self.engine.state is not EngineState.READY:
+            return
+        if now - self._last_probe_at < self.settings.probe_interval_s:
+            return
+        if self.engine.ledger.has_work():
+            return  # busy: progress is the proof; never queue behind users
+        self._last_probe_at = now
+        threading.Thread(target=self.run_probes, name="probe", daemon=True).start()
+
+    def run_probes(self, timeout_s: Optional[float] = None) -> dict:
+        """Run every plugin's probe now; one round at a time."""
+        timeout_s = timeout_s or self.settings.probe_timeout_s
+        with self._probing:
+            results = [r for r in self.pm.hook.probe(engine=self.engine, timeout_s=timeout_s) if r]
+            outcome = {
+                "ok": all(r["ok"] for r in results),
+                "at": time.time(),
+                "monotonic": time.monotonic(),
+                "results": results,
+            }
+            self.last_probe = outcome
+        log.info("probe_finished", ok=outcome["ok"], results=results)
+        notify(self.pm.hook.on_probe_result, results=results, engine=self.engine)
+        return outcome
+
+    # -- readiness ------------------------------------------------------------
+    def heartbeat_fresh(self) -> bool:
+        return time.monotonic() - self.engine.last_beat < self.settings.stall_timeout_s
+
+    def progressing(self) -> bool:
+        """Work is in flight and the heartbeat moved within a probe's deadline:
+        a probe now would only wait behind it."""
+        engine = self.engine
+        age = time.monotonic() - engine.last_beat
+        window = min(self.settings.stall_timeout_s, self.settings.probe_timeout_s)
+        return engine.ledger.has_work() and age < window
+
+    def readiness(self) -> tuple[bool, str]:
+        """Can this process generate now? (and why not)"""
+        engine = self.engine
+        if engine.state is not EngineState.READY:
+            return False, f"engine {engine.state.value}"
+        age = time.monotonic() - engine.last_beat
+        if age > self.settings.stall_timeout_s:
+            return False, f"no heartbeat for {age:.1f} s"
+        if self.progressing():
+            return True, "generating"
+        probe = self.last_probe
+        if probe is None:
+            return False, "no probe has run yet"
+        if not probe["ok"]:
+            return False, "the last probe failed"
+        if time.monotonic() - probe["monotonic"] > self.settings.probe_max_age_s:
+            return False, "the last passed probe is too old"
+        return True, "probe passed"
+
+    # -- resources ----------------------------------------------------------
+    def _maybe_sample(self, now: float) -> None:
+        if now - self._last_sample_at < self.settings.resource_interval_s:
+            return
+        self._last_sample_at = now
+        sample = {"at": time.time()}
+        for gauges in self.pm.hook.sample_resources(engine=self.engine):
+            sample.update(gauges or {})
+        self.last_sample = sample
+        notify(self.pm.hook.on_resource_sample, sample=sample, engine=self.engine)
+
+    # -- systemd ------------------------------------------------------------
+    def _ping_systemd(self, now: float) -> None:
+        if not self.notifier.enabled:
+            return
+        ready, _ = self.readiness()
+        if ready and not self._ready_sent:
+            self._ready_sent = self.notifier.notify("READY=1")
+        # WATCHDOG=1 only while generation is demonstrably possible: a
+        # wedged engine stops the pings and systemd's WatchdogSec fires.
+        interval = self.notifier.watchdog_interval_s() or self.settings.interval_s
+        if ready and now - self._last_ping_at >= min(interval, 1.0):
+            self._last_ping_at = now
+            self.notifier.notify("WATCHDOG=1")
+
+    def status(self) -> dict:
+        ready, reason = self.readiness()
+        probe = dict(self.last_probe or {})
+        probe.pop("monotonic", None)
+        return {
+            "ready": ready,
+            "ready_reason": reason,
+            "stalls": self.stall_count,
+            "last_probe": probe or None,
+            "last_resource_sample": self.last_sample,
+        }

@@ -1,0 +1,35 @@
+"""The built-in probe: one real token through the engine users' requests use.
+
+Goes through the same request queue, stock loop and BatchGenerator as any
+completion, so it fails when they do. Its prompt is kept out of the prompt
+cache, and it never passes through the HTTP layer or its access log.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import guardian
+
+
+@dataclass
+class GenerationProbeSettings:
+    # A text completion of one token; keep it short, it runs every probe.
+    prompt: str = "mlx-guardian probe"
+
+
+class GenerationProbe:
+    name = "generation_probe"
+    Settings = GenerationProbeSettings
+
+    def __init__(self, settings: GenerationProbeSettings):
+        self.settings = settings
+
+    @guardian.hookimpl
+    def guardian_startup(self, engine):
+        engine.remember_probe_prompt(self.settings.prompt)
+
+    @guardian.hookimpl
+    def probe(self, engine, timeout_s):
+        result = engine.probe(self.settings.prompt, timeout_s)
+        return {"name": "generation", **result}

@@ -1,0 +1,376 @@
+"""Turn away what cannot fit before it reaches the engine.
+
+The incident began with a ~145K-token history sent to a server whose client
+believed the context was 128K; stock checks no length anywhere, and a 13K
+prompt to a 2K model is prefilled for half a minute while small requests
+wait behind it. On by default, this plugin counts a request's tokens
+exactly (stock's own tokenization, done once on the HTTP thread and reused
+by the engine) and, before anything is enqueued:
+
+- answers 400 ``context_length_exceeded`` to a prompt over the context or
+  over ``max_prompt_tokens``;
+- clamps ``max_tokens`` to what fits in the context (or answers 400, with
+  ``on_overflow = "reject"``);
+- optionally drops the oldest messages until the prompt fits;
+- keeps the KV cache of admitted requests within a memory budget: 400
+  ``kv_cache_budget_exceeded`` for one request over it, a bounded wait
+  then 429 with Retry-After when the requests in flight fill it;
+- has the HTTP handler answer 413 to bodies over ``max_body_bytes``.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Optional
+
+import structlog
+
+import guardian
+from guardian.admission import CONTEXT_LENGTH_KEYS, Admission, ModelLimits, describe_bytes, device_memory
+from guardian.errors import GuardianError
+
+log = structlog.get_logger("guardian.prompt_guard")
+
+MiB = 1024 * 1024
+
+# Messages truncation never drops.
+SYSTEM_ROLES = ("system", "developer")
+
+
+@dataclass
+class PromptGuardSettings:
+    enabled: bool = True
+    # Longest prompt plus completion, in tokens. 0: the model's context
+    # length from its config.json (max_position_embeddings or the
+    # architecture's equivalent).
+    max_context_tokens: int = field(default=0, metadata={"min": 0})
+    # Longest prompt alone, in tokens. 0: no limit beyond the context.
+    max_prompt_tokens: int = field(default=0, metadata={"min": 0})
+    # When prompt + max_tokens exceeds the context: "clamp" lowers
+    # max_tokens to what fits and says so in X-Guardian-Clamped-Max-Tokens;
+    # "reject" answers 400 context_length_exceeded.
+    on_overflow: str = field(default="clamp", metadata={"choices": ("clamp", "reject")})
+    # Drop the oldest non-system messages, whole turns at a time, until the
+    # prompt fits; never the last user message. X-Guardian-Truncated-Messages
+    # says how many were dropped.
+    truncate_messages: bool = False
+    # Bytes of KV cache the admitted requests may hold together. 0: the
+    # device memory mlx reports, minus the weights, less kv_budget_margin.
+    kv_budget_bytes: int = field(default=0, metadata={"min": 0})
+    # Fraction of (device memory - weights) kept out of the default budget,
+    # for activations, the prompt cache and everything else.
+    kv_budget_margin: float = field(default=0.25, metadata={"min": 0.0})
+    # Requests that wait for KV budget, at most, and for how long; then 429.
+    max_queued: int = field(default=16, metadata={"min": 0})
+    max_queue_wait_s: float = field(default=30.0, metadata={"min": 0.0})
+    # The Retry-After of that 429, in seconds.
+    retry_after_s: float = field(default=2.0, metadata={"min": 0.0})
+    # Request bodies larger than this get a 413 without being read. 0: no limit.
+    max_body_bytes: int = field(default=32 * MiB, metadata={"min": 0})
+
+
+class KVBudget:
+    """The KV cache bytes admitted requests hold, and a fair wait for the rest.
+
+    Requests are let in first come, first served: a small request does not
+    overtake a large one that waits for room.
+    """
+
+    def __init__(self, total_bytes: int, *, max_queued: int, max_wait_s: float, retry_after_s: float):
+        self.total_bytes = total_bytes
+        self.max_queued = max_queued
+        self.max_wait_s = max_wait_s
+        self.retry_after_s = retry_after_s
+        self.in_use = 0
+        self._waiting: deque[object] = deque()
+        self._cond = threading.Condition()
+
+    def reserve(self, nbytes: int) -> Optional[GuardianError]:
+        """Take ``nbytes``, waiting in line if need be; a 429 when the line is full or too slow."""
+        with self._cond:
+            if not self._waiting and self.in_use + nbytes <= self.total_bytes:
+                self.in_use += nbytes
+                return None
+            if len(self._waiting) >= self.max_queued:
+                return self._busy("the queue for KV cache memory is full", nbytes)
+            ticket = object()
+            self._waiting.append(ticket)
+            log.info("request_queued", kv_cache_bytes=nbytes, queued=len(self._waiting),
+                     kv_in_use_bytes=self.in_use, kv_budget_bytes=self.total_bytes)
+            started = time.monotonic()
+            deadline = started + self.max_wait_s
+            try:
+                while not (self._waiting[0] is ticket and self.in_use + nbytes <= self.total_bytes):
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        return self._busy(
+                            f"no KV cache memory came free within {self.max_wait_s:g} s", nbytes
+                        )
+                    self._cond.wait(remaining)
+                self.in_use += nbytes
+            finally:
+                self._waiting.remove(ticket)
+                self._cond.notify_all()
+        log.info("request_dequeued", waited_ms=round((time.monotonic() - started) * 1000, 1))
+        return None
+
+    def release(self, nbytes: int) -> None:
+        with self._cond:
+            self.in_use -= nbytes
+            self._cond.notify_all()
+
+    def _busy(self, why: str, nbytes: int) -> GuardianError:
+        return GuardianError(
+            f"The server is busy: {why}. This request needs {describe_bytes(nbytes)} of KV cache; "
+            f"{describe_bytes(self.in_use)} of {describe_bytes(self.total_bytes)} are in use. "
+            "Retry later.",
+            status=429,
+            type="rate_limit_error",
+            code="kv_cache_budget_busy",
+            retry_after_s=self.retry_after_s,
+            extra={"kv_cache_bytes": nbytes, "kv_budget_bytes": self.total_bytes},
+        )
+
+
+class PromptGuard:
+    name = "prompt_guard"
+    Settings = PromptGuardSettings
+
+    def __init__(self, settings: PromptGuardSettings):
+        self.settings = settings
+        self.budget: Optional[KVBudget] = None
+
+    # -- start-up -------------------------------------------------------------
+    @guardian.hookimpl
+    def guardian_startup(self, engine):
+        s = self.settings
+        if not s.enabled:
+            log.info("prompt_guard_disabled")
+            return
+        engine.max_body_bytes = s.max_body_bytes or None
+        limits = engine.model_limits(engine.model_provider.model_key)
+        n_ctx = self.context_limit(limits)
+        engine.served_context_length = n_ctx
+        if limits.context_length is None:
+            log.warning(
+                "context_length_unknown",
+                looked_for=list(CONTEXT_LENGTH_KEYS),
+                max_context_tokens=s.max_context_tokens or None,
+                hint="no context length in the model's config.json; "
+                "set max_context_tokens in [prompt_guard] to check prompt lengths",
+            )
+        budget_bytes, budget_source = self.budget_bytes(limits)
+        self.budget = KVBudget(
+            budget_bytes,
+            max_queued=s.max_queued,
+            max_wait_s=s.max_queue_wait_s,
+            retry_after_s=s.retry_after_s,
+        )
+        log.info(
+            "prompt_guard_ready",
+            max_context_tokens=n_ctx,
+            model_context_length=limits.context_length,
+            context_length_key=limits.context_length_key,
+            max_prompt_tokens=s.max_prompt_tokens or None,
+            on_overflow=s.on_overflow,
+            truncate_messages=s.truncate_messages,
+            kv_bytes_per_token=limits.kv_bytes_per_token,
+            kv_dtype=limits.kv_dtype,
+            sliding_window_layers=sum(layer.window is not None for layer in limits.kv_layers),
+            kv_budget_bytes=budget_bytes,
+            kv_budget_source=budget_source,
+            weights_bytes=limits.weights_bytes,
+            max_body_bytes=s.max_body_bytes or None,
+        )
+
+    def context_limit(self, limits: ModelLimits) -> Optional[int]:
+        return self.settings.max_context_tokens or limits.context_length
+
+    def budget_bytes(self, limits: ModelLimits) -> tuple[int, str]:
+        s = self.settings
+        if s.kv_budget_bytes:
+            return s.kv_budget_bytes, "configured"
+        memory, source = device_memory()
+        free = max(0, memory - limits.weights_bytes)
+        return int(free * max(0.0, 1 - s.kv_budget_margin)), source
+
+    # -- admission --------------------------------------------------------------
+    @guardian.hookimpl
+    def admit_request(self, admission: Admission):
+        if not self.settings.enabled:
+            return None
+        n_ctx = self.context_limit(admission.limits)
+        if self.settings.truncate_messages and admission.is_chat:
+            self.truncate(admission, n_ctx)
+        n_prompt = admission.n_prompt_tokens
+        max_tokens = admission.args.max_tokens
+        admission.log_fields.update(n_prompt_tokens=n_prompt, n_ctx=n_ctx, max_tokens=max_tokens)
+        error = self.check_length(admission, n_prompt, n_ctx)
+        if error is None and n_ctx is not None and n_prompt + max_tokens > n_ctx:
+            error = self.overflow(admission, n_prompt, n_ctx)
+        if error is None:
+            error = self.reserve_kv_cache(admission, n_ctx)
+        return error
+
+    def prompt_limit(self, n_ctx: Optional[int]) -> Optional[int]:
+        """The most prompt tokens a request may have: one token must fit after them."""
+        limits = [n for n in (self.settings.max_prompt_tokens, n_ctx and n_ctx - 1) if n]
+        return min(limits) if limits else None
+
+    def check_length(self, admission: Admission, n_prompt: int, n_ctx: Optional[int]):
+        cap = self.prompt_limit(n_ctx)
+        if cap is None or n_prompt <= cap:
+            return None
+        if n_ctx is None:
+            why = (f"This server accepts at most {cap} prompt tokens; "
+                   f"your request has {n_prompt} prompt tokens.")
+        elif cap < n_ctx - 1:
+            why = (f"This model's maximum context length is {n_ctx} tokens; your request has "
+                   f"{n_prompt} prompt tokens, over this server's limit of {cap} prompt tokens.")
+        else:
+            why = (f"This model's maximum context length is {n_ctx} tokens; your request has "
+                   f"{n_prompt} prompt tokens, which leaves no room for the completion.")
+        return context_error(admission, why + f" {shorten(admission)}", n_prompt, n_ctx)
+
+    def overflow(self, admission: Admission, n_prompt: int, n_ctx: int):
+        requested = admission.args.max_tokens
+        fits = n_ctx - n_prompt
+        if self.settings.on_overflow == "reject":
+            return context_error(
+                admission,
+                f"This model's maximum context length is {n_ctx} tokens; your request has "
+                f"{n_prompt} prompt tokens and asks for {requested} completion tokens "
+                f"({n_prompt + requested} in total). Lower max_tokens to {fits} or less, "
+                f"or {shorten(admission).lower()}",
+                n_prompt,
+                n_ctx,
+            )
+        admission.args.max_tokens = fits
+        admission.response_headers["X-Guardian-Clamped-Max-Tokens"] = str(fits)
+        admission.log_fields["max_tokens"] = fits
+        log.info("max_tokens_clamped", requested=requested, clamped=fits,
+                 n_prompt_tokens=n_prompt, n_ctx=n_ctx)
+        return None
+
+    def reserve_kv_cache(self, admission: Admission, n_ctx: Optional[int]):
+        if self.budget is None:
+            return None
+        tokens = admission.n_prompt_tokens + admission.args.max_tokens
+        if n_ctx is not None:
+            tokens = min(tokens, n_ctx)
+        nbytes = admission.limits.kv_bytes(tokens)
+        admission.log_fields["kv_cache_bytes"] = nbytes
+        if nbytes > self.budget.total_bytes:
+            return GuardianError(
+                f"This request needs {describe_bytes(nbytes)} of KV cache "
+                f"({admission.n_prompt_tokens} prompt + {admission.args.max_tokens} completion "
+                f"tokens); this server's KV cache budget is {describe_bytes(self.budget.total_bytes)}. "
+                f"Lower max_tokens, or {shorten(admission).lower()}",
+                status=400,
+                type="invalid_request_error",
+                param=prompt_param(admission),
+                code="kv_cache_budget_exceeded",
+                extra={
+                    "n_prompt_tokens": admission.n_prompt_tokens,
+                    "max_tokens": admission.args.max_tokens,
+                    "kv_cache_bytes": nbytes,
+                    "kv_budget_bytes": self.budget.total_bytes,
+                },
+            )
+        error = self.budget.reserve(nbytes)
+        if error is None:
+            admission.on_finish(lambda: self.budget.release(nbytes))
+        return error
+
+    # -- truncation ---------------------------------------------------------------
+    def truncate(self, admission: Admission, n_ctx: Optional[int]) -> None:
+        """Drop the oldest turns until the prompt fits; keep system messages and the last user turn.
+
+        Cuts fall only before a user message, so what remains starts with a
+        user turn (templates that insist on alternating roles still render)
+        and no tool result loses the call it answers. A binary search over
+        the cuts tokenizes O(log n) variants.
+        """
+        cap = self.prompt_limit(n_ctx)
+        if cap is None:
+            return
+        # Stock's tokenization rewrites messages in place: keep them as they came.
+        messages = copy.deepcopy(admission.request.messages)
+        n_prompt = admission.n_prompt_tokens
+        max_tokens = admission.args.max_tokens
+
+        def fits_with_completion(n: int) -> bool:
+            return n <= cap and (n_ctx is None or n + max_tokens <= n_ctx)
+
+        if fits_with_completion(n_prompt):
+            return
+        cuts = cut_points(messages)
+        variants: dict[int, object] = {}
+
+        def variant(cut: int):
+            if cut not in variants:
+                variants[cut] = admission.variant(without_turns_before(messages, cut))
+            return variants[cut]
+
+        chosen = (first_fitting(cuts, lambda c: fits_with_completion(variant(c).n_prompt_tokens))
+                  or first_fitting(cuts, lambda c: variant(c).n_prompt_tokens <= cap))
+        if chosen is None:
+            if n_prompt > cap and cuts:
+                log.info("truncation_insufficient", n_prompt_tokens=n_prompt,
+                         n_prompt_tokens_min=variant(cuts[-1]).n_prompt_tokens, limit=cap)
+            return
+        dropped = sum(1 for m in messages[:chosen] if m.get("role") not in SYSTEM_ROLES)
+        admission.adopt(variants[chosen])
+        admission.response_headers["X-Guardian-Truncated-Messages"] = str(dropped)
+        admission.log_fields["truncated_messages"] = dropped
+        log.info("messages_truncated", dropped=dropped, n_prompt_tokens_before=n_prompt,
+                 n_prompt_tokens=admission.n_prompt_tokens, n_ctx=n_ctx)
+
+
+def cut_points(messages: list) -> list[int]:
+    """Indices of user messages a conversation may start at after truncation, oldest first."""
+    first_turn = next((i for i, m in enumerate(messages) if m.get("role") not in SYSTEM_ROLES), None)
+    users = [i for i, m in enumerate(messages) if m.get("role") == "user"]
+    if first_turn is None or not users:
+        return []
+    return [i for i in users if i > first_turn]
+
+
+def without_turns_before(messages: list, cut: int) -> list:
+    return [m for m in messages[:cut] if m.get("role") in SYSTEM_ROLES] + messages[cut:]
+
+
+def first_fitting(cuts: list[int], fits) -> Optional[int]:
+    """The earliest cut that fits (fewest messages dropped), or None."""
+    low, high, found = 0, len(cuts) - 1, None
+    while low <= high:
+        middle = (low + high) // 2
+        if fits(cuts[middle]):
+            found, high = cuts[middle], middle - 1
+        else:
+            low = middle + 1
+    return found
+
+
+# -- errors ------------------------------------------------------------------------
+def prompt_param(admission: Admission) -> str:
+    return "messages" if admission.is_chat else "prompt"
+
+
+def shorten(admission: Admission) -> str:
+    return "Shorten the message history." if admission.is_chat else "Shorten the prompt."
+
+
+def context_error(admission: Admission, message: str, n_prompt: int, n_ctx: Optional[int]) -> GuardianError:
+    return GuardianError(
+        message,
+        status=400,
+        type="invalid_request_error",
+        param=prompt_param(admission),
+        code="context_length_exceeded",
+        extra={"n_prompt_tokens": n_prompt, "n_ctx": n_ctx},
+    )

@@ -1,0 +1,175 @@
+"""The watchdog against a real engine: hangs, slow progress, probes, systemd.
+
+A hang is a step that never returns (fault_injection's hang_at_step), as a
+native deadlock would be; slow progress is a delay before every step.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import tempfile
+import threading
+import time
+from datetime import datetime
+from pathlib import Path
+
+import httpx
+
+from conftest import chat_body, poll, read_stream
+from guardian.exit_codes import EXIT_ENGINE_STALLED
+
+
+def stamp(event: dict) -> float:
+    return datetime.fromisoformat(event["timestamp"].replace("Z", "+00:00")).timestamp()
+
+
+def watchdog(**settings) -> str:
+    lines = ["[watchdog]", "interval_s = 0.05"]
+    lines += [f"{k} = {json.dumps(v)}" for k, v in settings.items()]
+    return "\n".join(lines) + "\n"
+
+
+HANG = "[fault_injection]\nenabled = true\nhang_at_step = 5\n"
+
+
+class HealthRecorder:
+    """Polls /health and /readyz in the background; keeps every status seen."""
+
+    def __init__(self, server):
+        self.server = server
+        self.seen = {"/health": set(), "/readyz": set()}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        with httpx.Client(timeout=2) as client:
+            while not self._stop.is_set():
+                for path in self.seen:
+                    try:
+                        self.seen[path].add(client.get(self.server.url + path).status_code)
+                    except httpx.TransportError:
+                        pass
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+def test_hang_is_detected_answered_and_replaced(start_server):
+    server = start_server(HANG + watchdog(stall_timeout_s=1.0))
+    with HealthRecorder(server) as recorder, httpx.Client(timeout=30) as client:
+        response = client.post(server.url + "/v1/chat/completions", json=chat_body(max_tokens=16))
+        # Nothing had reached the client: the request is re-run on the new loop.
+        assert response.status_code == 200, response.text
+        assert response.json()["usage"]["completion_tokens"] == 16
+        [hang] = [e for e in server.events("fault_injected") if e["kind"] == "hang"]
+        [stalled] = server.events("engine_stalled")
+        assert stalled["action"] == "restart"
+        assert 1.0 <= stamp(stalled) - stamp(hang) <= 2.0
+        server.wait_for_event("engine_restarted")
+        poll(lambda: server.health() == 200 and server.status("/readyz") == 200, 5, what="ready again")
+        assert client.post(server.url + "/v1/chat/completions", json=chat_body(max_tokens=4)).status_code == 200
+    assert 503 in recorder.seen["/health"] and 503 in recorder.seen["/readyz"]
+    status = httpx.get(server.url + "/guardian/status").json()
+    assert status["stalls"] == 1 and status["state"] == "ready"
+
+
+def test_hang_mid_stream_ends_the_stream_with_an_error(start_server):
+    server = start_server(HANG.replace("= 5", "= 20") + watchdog(stall_timeout_s=1.0))
+    with httpx.Client(timeout=30) as client:
+        result = read_stream(client, server.url + "/v1/chat/completions", chat_body(max_tokens=64, stream=True))
+    assert result["status"] == 200 and result["done"]
+    assert result["errors"] and result["errors"][0]["code"] == "engine_restarting"
+    assert len(result["events"]) > 1  # tokens came before the hang
+
+
+def test_hang_with_exit_ladder_exits_for_the_supervisor(start_server):
+    server = start_server(HANG + watchdog(stall_timeout_s=1.0, ladder=["exit"]))
+    with httpx.Client(timeout=30) as client:
+        response = client.post(server.url + "/v1/chat/completions", json=chat_body(max_tokens=16))
+    assert response.status_code == 503
+    assert response.json()["error"]["code"] == "engine_failed"
+    assert "Retry-After" in response.headers
+    assert server.proc.wait(timeout=15) == EXIT_ENGINE_STALLED
+
+
+def test_long_progressing_prefill_is_not_a_stall(start_server):
+    # 16-token prefill chunks, each step 0.25 s: a prefill of ~4 s whose
+    # steps all report progress, against a 1 s stall timeout.
+    config = "[fault_injection]\nenabled = true\nstep_delay_s = 0.25\n" + watchdog(stall_timeout_s=1.0)
+    server = start_server(config, "--prefill-step-size", "16")
+    started = time.monotonic()
+    with httpx.Client(timeout=60) as client:
+        response = client.post(server.url + "/v1/chat/completions", json=chat_body(content="word " * 200, max_tokens=2))
+    assert response.status_code == 200, response.text
+    assert time.monotonic() - started > 3.0, "the prefill should have been slow"
+    assert server.events("engine_stalled") == []
+
+
+def test_deep_probe_runs_one_token_and_keeps_the_prompt_cache_clean(start_server):
+    server = start_server(watchdog(resource_interval_s=0.05))
+    response = httpx.get(server.url + "/readyz?deep=1", timeout=30)
+    assert response.status_code == 200
+    body = response.json()
+    [result] = body["last_probe"]["results"]
+    assert result["name"] == "generation" and result["ok"] and result["token"] is not None
+    assert len(server.events("probe_finished")) >= 2  # start-up and this one
+
+    def fresh_sample():
+        sample = httpx.get(server.url + "/guardian/status").json()["last_resource_sample"]
+        return sample if sample and sample["at"] > body["last_probe"]["at"] else None
+
+    sample = poll(fresh_sample, 5, what="a resource sample after the probe")
+    assert sample["prompt_cache_sequences"] == 0
+    assert sample["active_memory_bytes"] > 0
+    # The probe never went through HTTP: only the test's own GETs were logged.
+    assert all("probe" not in e.get("line", "") for e in server.events("http_access"))
+
+
+def test_deep_probe_keeps_its_deadline_on_a_stuck_engine(start_server):
+    config = HANG + watchdog(stall_timeout_s=60, probe_timeout_s=0.5)
+    server = start_server(config)
+    with httpx.Client(timeout=30) as client:
+        with client.stream("POST", server.url + "/v1/chat/completions", json=chat_body(max_tokens=64, stream=True)):
+            poll(lambda: client.get(server.url + "/guardian/status").json()["heartbeat_age_s"] > 0.6, 10,
+                 what="the engine stuck")
+            started = time.monotonic()
+            response = client.get(server.url + "/readyz?deep=1")
+            elapsed = time.monotonic() - started
+            assert response.status_code == 503
+            assert "no token within 0.5 s" in response.json()["last_probe"]["results"][0]["error"]
+            assert elapsed < 1.5
+            assert client.get(server.url + "/health").status_code == 200  # not yet a stall
+
+
+def test_systemd_notify_protocol(start_server):
+    folder = Path(tempfile.mkdtemp(prefix="sd", dir="/tmp"))
+    address = str(folder / "notify")
+    receiver = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    receiver.bind(address)
+    receiver.settimeout(0.2)
+    messages = []
+
+    def received(wanted):
+        try:
+            messages.append(receiver.recv(4096).decode())
+        except socket.timeout:
+            pass
+        return wanted in messages
+
+    try:
+        server = start_server(watchdog(), env={"NOTIFY_SOCKET": address, "WATCHDOG_USEC": "400000"})
+        poll(lambda: received("READY=1"), 10, interval=0, what="READY=1")
+        poll(lambda: received("WATCHDOG=1"), 5, interval=0, what="WATCHDOG=1")
+        server.proc.send_signal(signal.SIGTERM)
+        poll(lambda: received("STOPPING=1"), 10, interval=0, what="STOPPING=1")
+        assert server.proc.wait(timeout=15) == 0
+        assert messages.index("READY=1") < messages.index("WATCHDOG=1") < messages.index("STOPPING=1")
+    finally:
+        receiver.close()
