@@ -157,4 +157,5 @@ def read_stream(client: httpx.Client, url: str, body: dict) -> dict:
             result["events"].append(event)
             if "error" in event:
                 result["errors"].append(event["error"])
+                result["error_at"] = time.time()
     return result

@@ -96,18 +96,16 @@ def test_eight_clients_mid_generation(start_server, rounds):
     """The issue's "done when": 8 clients, half streaming, fault mid-decode."""
     server = start_server(faults(at_step=12, min_started=8))
     url = server.url + "/v1/chat/completions"
-    finished_at = {}
 
     def client_call(i):
         with httpx.Client(timeout=30) as client:
             stream = i % 2 == 0
-            body = chat_body(content=f"Client {i} says hello.", max_tokens=600, stream=stream)
+            body = chat_body(content=f"Client {i} says hello.", max_tokens=1500, stream=stream)
             if stream:
                 result = read_stream(client, url, body)
             else:
                 response = client.post(url, json=body)
                 result = {"status": response.status_code, "body": response.json()}
-            finished_at[i] = time.time()
             return stream, result
 
     with ThreadPoolExecutor(8) as pool:
@@ -127,10 +125,13 @@ def test_eight_clients_mid_generation(start_server, rounds):
                 assert result["errors"][0]["code"] == "engine_restarting"
                 assert result["errors"][0]["type"] == "server_error"
         else:
-            assert result["body"]["usage"]["completion_tokens"] == 600
+            assert result["body"]["usage"]["completion_tokens"] == 1500
     assert streamed_errors >= 1, "the fault should have hit streams mid-tokens"
-    assert max(finished_at.values()) - failed_at < 3.0
-    # Cut streams are answered at once, within 1 s of the failure.
+    # Cut streams are answered at once, within 1 s of the failure; the
+    # re-run ones finish when their full completion has been generated.
+    for stream, result in results:
+        if stream and result["errors"]:
+            assert result["error_at"] - failed_at < 1.0
     with httpx.Client(timeout=30) as client:
         assert_recovered(server, client)
 
