@@ -91,25 +91,29 @@ def test_streaming_request_before_its_first_token_is_rerun(start_server):
         assert len(server.events("engine_error")) == 1
 
 
-@pytest.mark.parametrize("rounds", [1])
-def test_eight_clients_mid_generation(start_server, rounds):
-    """The issue's "done when": 8 clients, half streaming, fault mid-decode."""
-    server = start_server(faults(at_step=12, min_started=8))
+def concurrent_clients(server, count: int, max_tokens: int, timeout: float = 60) -> list:
+    """``count`` chat requests over 8 threads, every other one streaming:
+    a list of (stream, result) in request order."""
     url = server.url + "/v1/chat/completions"
 
     def client_call(i):
-        with httpx.Client(timeout=30) as client:
-            stream = i % 2 == 0
-            body = chat_body(content=f"Client {i} says hello.", max_tokens=1500, stream=stream)
+        stream = i % 2 == 0
+        body = chat_body(content=f"Client {i} says hello.", max_tokens=max_tokens, stream=stream)
+        with httpx.Client(timeout=timeout) as client:
             if stream:
-                result = read_stream(client, url, body)
-            else:
-                response = client.post(url, json=body)
-                result = {"status": response.status_code, "body": response.json()}
-            return stream, result
+                return stream, read_stream(client, url, body)
+            response = client.post(url, json=body)
+            return stream, {"status": response.status_code, "body": response.json()}
 
     with ThreadPoolExecutor(8) as pool:
-        results = list(pool.map(client_call, range(8)))
+        return list(pool.map(client_call, range(count)))
+
+
+def test_eight_clients_mid_generation(start_server):
+    """The issue's "done when": 8 clients, half streaming, fault mid-decode."""
+    server = start_server(faults(at_step=12, min_started=8))
+    # Long completions, so all 8 overlap despite stock's 0.5 s decode slices.
+    results = concurrent_clients(server, 8, max_tokens=1500)
 
     [error] = server.events("engine_error")
     failed_at = datetime.fromisoformat(error["timestamp"].replace("Z", "+00:00")).timestamp()
@@ -140,19 +144,7 @@ def test_failure_every_n_steps_over_100_requests(start_server):
     server = start_server(
         faults(every_n_steps=60) + "[recovery]\nmax_failures = 1000\nreload_after_failures = 0\n"
     )
-    url = server.url + "/v1/chat/completions"
-
-    def client_call(i):
-        with httpx.Client(timeout=60) as client:
-            stream = i % 2 == 1
-            body = chat_body(content=f"Request {i}.", max_tokens=8, stream=stream)
-            if stream:
-                return stream, read_stream(client, url, body)
-            response = client.post(url, json=body)
-            return stream, {"status": response.status_code, "body": response.json()}
-
-    with ThreadPoolExecutor(8) as pool:
-        results = list(pool.map(client_call, range(100)))
+    results = concurrent_clients(server, 100, max_tokens=8)
 
     assert len(server.events("engine_error")) >= 2
     for stream, result in results:
