@@ -16,7 +16,6 @@ from pathlib import Path
 
 import structlog
 
-from guardian import stock
 from guardian.config import ConfigError, load_config
 from guardian.exit_codes import EXIT_USAGE
 from guardian.logs import configure_logging
@@ -106,5 +105,13 @@ def main(argv: list[str] | None = None) -> None:
     commands = {"demo-model": demo_model_command, "plugins": plugins_command}
     if argv and argv[0] in commands:
         raise SystemExit(commands[argv[0]](argv[1:]))
+    if "--supervise" in argv:
+        # Subprocess mode: the supervisor must carry no mlx, so guardian.stock
+        # (which imports mlx_lm) is only imported below, for the engine.
+        from guardian.supervisor import main as supervise
+
+        raise SystemExit(supervise(argv))
+    from guardian import stock
+
     sys.argv = ["mlx-guardian", *argv]
     stock.run_stock_main(run, add_arguments=add_guardian_arguments, after_parse=prepare)

@@ -13,3 +13,6 @@ EXIT_BOOT_ERROR = 3
 EXIT_ENGINE_FAILED = 4
 # The engine stopped making progress and could not be replaced in-process.
 EXIT_ENGINE_STALLED = 5
+# Subprocess mode (--supervise): the child kept dying, more restarts within
+# --supervisor-window than --supervisor-max-restarts allows.
+EXIT_SUPERVISOR_GAVE_UP = 6

@@ -8,7 +8,12 @@ import plistlib
 from pathlib import Path
 
 from guardian import hookspecs
-from guardian.exit_codes import EXIT_BOOT_ERROR, EXIT_ENGINE_FAILED, EXIT_ENGINE_STALLED
+from guardian.exit_codes import (
+    EXIT_BOOT_ERROR,
+    EXIT_ENGINE_FAILED,
+    EXIT_ENGINE_STALLED,
+    EXIT_SUPERVISOR_GAVE_UP,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 README = (REPO / "README.md").read_text()
@@ -39,7 +44,7 @@ def test_readme_starts_with_the_two_commands():
 
 
 def test_exit_codes_are_documented():
-    for code in (EXIT_BOOT_ERROR, EXIT_ENGINE_FAILED, EXIT_ENGINE_STALLED):
+    for code in (EXIT_BOOT_ERROR, EXIT_ENGINE_FAILED, EXIT_ENGINE_STALLED, EXIT_SUPERVISOR_GAVE_UP):
         assert f"| {code} |" in README
 
 

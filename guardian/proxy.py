@@ -1,0 +1,232 @@
+"""The supervisor's public port: every request relayed to the child with httpx.
+
+Imports neither mlx nor mlx_lm: the supervisor stays small. Responses pass
+through as they arrive (SSE events one by one), with the child's status and
+headers. When the child dies under a request, the client still gets an
+answer: a 503 if nothing was sent yet, or an error event and ``[DONE]`` if a
+stream had started. No read from the child needs a timeout: the supervisor
+forgets a child only once it is reaped, and the kernel has then closed the
+child's end of every connection, so every read from it ends.
+"""
+
+from __future__ import annotations
+
+import json
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import urlsplit
+
+import httpx
+import structlog
+
+from guardian.errors import GuardianError
+
+log = structlog.get_logger("guardian.supervisor")
+
+# RFC 9110 §7.6.1: these describe one connection, never the message.
+HOP_BY_HOP = frozenset({
+    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization",
+    "proxy-connection", "te", "trailer", "trailers", "transfer-encoding", "upgrade",
+})
+# httpx writes Host and Content-Length itself; the body is always sent
+# whole, so the child has no 100-continue to give.
+NOT_FORWARDED_UPSTREAM = HOP_BY_HOP | {"host", "content-length", "expect"}
+# Answered by the supervisor whoever the child is.
+LIVENESS_PATH = "/livez"
+STATUS_PATH = "/guardian/supervisor"
+READINESS_PATH = "/readyz"
+HEALTH_PATHS = ("/health", READINESS_PATH)
+SSE_CONTENT_TYPE = "text/event-stream"
+SSE_EVENT_ENDS = (b"\n\n", b"\r\n\r\n")
+SSE_DONE = b"data: [DONE]"
+# An "event" this long with no blank line is not SSE framing: pass it on.
+MAX_HELD_EVENT_BYTES = 1 << 20
+# Our client went away while we wrote to it.
+CLIENT_GONE = (BrokenPipeError, ConnectionResetError, ConnectionAbortedError, TimeoutError)
+
+
+class PublicServer(ThreadingHTTPServer):
+    """The public host:port; one daemon thread per connection."""
+
+    # A failed supervisor must exit without waiting for slow clients.
+    daemon_threads = True
+
+    def __init__(self, address, supervisor):
+        self.supervisor = supervisor
+        super().__init__(address, ProxyHandler)
+
+
+class ProxyHandler(BaseHTTPRequestHandler):
+    """Answers the supervisor's own paths; relays everything else to the child."""
+
+    # Like stock's handler: each response ends its connection, so a stream
+    # of unknown length needs no chunked framing.
+    protocol_version = "HTTP/1.0"
+    server_version = "mlx-guardian-supervisor"
+
+    def do_GET(self):
+        """Every method takes the same route; the child says which it supports."""
+        self.route()
+
+    do_POST = do_PUT = do_PATCH = do_DELETE = do_OPTIONS = do_HEAD = do_GET
+
+    def route(self) -> None:
+        """Pick who answers: the supervisor itself, a 503, or the child."""
+        supervisor = self.server.supervisor
+        path = urlsplit(self.path).path
+        # Read the body first even when refusing: closing a socket with
+        # unread data can reset the connection before the client reads.
+        body = self.read_body()
+        if path == LIVENESS_PATH:
+            return self.send_json(200, {"status": "ok"})
+        if path == STATUS_PATH:
+            return self.send_json(200, supervisor.status())
+        child = supervisor.serving_child(health_check=path in HEALTH_PATHS)
+        if child is None:
+            if path in HEALTH_PATHS:
+                return self.send_json(503, {"status": "unavailable", "state": supervisor.state})
+            return self.send_error_json(supervisor.unavailable_error())
+        if path == READINESS_PATH and not child.has_readyz:
+            # Stock has no /readyz: the supervisor's last check of /health is the answer.
+            return self.send_json(200, {"status": "ready", "state": supervisor.state})
+        with supervisor.in_flight:
+            self.proxy(child, body)
+
+    def read_body(self) -> bytes:
+        """The request body, by Content-Length (stock requires one too)."""
+        try:
+            length = int(self.headers.get("Content-Length") or 0)
+        except ValueError:
+            return b""
+        return self.rfile.read(max(length, 0))
+
+    # -- relaying ---------------------------------------------------------
+    def proxy(self, child, body: bytes) -> None:
+        """Send the request to the child and relay its answer."""
+        parts = urlsplit(self.path)
+        target = parts.path + (f"?{parts.query}" if parts.query else "")
+        try:
+            request = child.client.build_request(
+                self.command, target, headers=self.upstream_headers(), content=body
+            )
+            upstream = child.client.send(request, stream=True)
+        except Exception as e:  # noqa: BLE001 - refused, reset, or the client closed with its child
+            return self.child_lost(child, e, sent=False)
+        try:
+            self.relay(child, upstream)
+        finally:
+            upstream.close()
+
+    def upstream_headers(self) -> list[tuple[str, str]]:
+        """The client's headers minus hop-by-hop ones, plus who the client is."""
+        headers = [(k, v) for k, v in self.headers.items() if k.lower() not in NOT_FORWARDED_UPSTREAM]
+        headers.append(("X-Forwarded-For", self.client_address[0]))
+        return headers
+
+    def relay(self, child, upstream: httpx.Response) -> None:
+        """Status, headers, then the body as it arrives."""
+        # send_response_only: the child's own Server and Date headers follow.
+        self.send_response_only(upstream.status_code, upstream.reason_phrase)
+        for raw_name, raw_value in upstream.headers.raw:  # names as the child spelled them
+            name = raw_name.decode("latin-1")
+            if name.lower() not in HOP_BY_HOP:
+                self.send_header(name, raw_value.decode("latin-1"))
+        self.send_header("Connection", "close")
+        try:
+            self.end_headers()
+            self.log_request(upstream.status_code)
+            is_sse = upstream.headers.get("content-type", "").startswith(SSE_CONTENT_TYPE)
+            cut = self.relay_events(upstream) if is_sse else self.relay_bytes(upstream)
+            if cut is not None:
+                self.child_lost(child, cut, sent=True, stream=is_sse)
+        except CLIENT_GONE:
+            # Closing the upstream response tells the child its client left.
+            log.info("proxy_client_gone", path=self.path, child_pid=child.pid)
+
+    def relay_bytes(self, upstream: httpx.Response):
+        """Pass the body through chunk by chunk; the upstream error if it was cut."""
+        chunks = upstream.iter_raw()
+        while True:
+            chunk, cut = _next_chunk(chunks)
+            if chunk is None:
+                return cut
+            self.wfile.write(chunk)
+
+    def relay_events(self, upstream: httpx.Response):
+        """Pass SSE events on whole, as each ends; the cause if the stream was cut.
+
+        A chunk is forwarded up to its last complete event, so nothing waits
+        on a well-formed stream, and a cut never leaves half an event glued
+        to the error event that follows it. A stream that ends without
+        ``[DONE]`` was cut: both the guardian and stock always send it.
+        """
+        chunks = upstream.iter_raw()
+        held = b""
+        done = False
+        while True:
+            chunk, cut = _next_chunk(chunks)
+            if chunk is None:
+                if cut is None and not done:
+                    cut = EOFError("the stream ended without [DONE]")
+                return cut
+            held += chunk
+            end = _last_event_end(held)
+            if end == 0 and len(held) > MAX_HELD_EVENT_BYTES:
+                end = len(held)
+            if end:
+                block, held = held[:end], held[end:]
+                done = done or SSE_DONE in block
+                self.wfile.write(block)
+
+    def child_lost(self, child, cause: BaseException, sent: bool, stream: bool = False) -> None:
+        """The child failed under this request: answer what can still be answered."""
+        supervisor = self.server.supervisor
+        log.warning("proxy_child_lost", path=self.path, child_pid=child.pid, bytes_sent=sent,
+                    error_type=type(cause).__name__, error_message=str(cause))
+        error = supervisor.lost_child_error()
+        if not sent:
+            return self.send_error_json(error)
+        if stream:
+            payload = json.dumps(error.body())
+            self.wfile.write(f"data: {payload}\n\ndata: [DONE]\n\n".encode())
+        # Otherwise a body of known length stops short: the client sees the
+        # cut; with nothing sent yet it would have had a 503.
+
+    # -- answering ourselves ----------------------------------------------
+    def send_json(self, status: int, payload: dict, headers: dict | None = None) -> None:
+        """A JSON response written by the supervisor."""
+        body = json.dumps(payload).encode()
+        try:
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            for name, value in (headers or {}).items():
+                self.send_header(name, value)
+            self.end_headers()
+            if self.command != "HEAD":
+                self.wfile.write(body)
+        except CLIENT_GONE:
+            pass
+
+    def send_error_json(self, error: GuardianError) -> None:
+        """An OpenAI-shaped error, with Retry-After when it has one."""
+        self.send_json(error.status, error.body(), error.response_headers())
+
+    def log_message(self, format, *args):
+        # The child logs every request it serves; the supervisor's own
+        # access lines are for debugging only, as JSON like the rest.
+        log.debug("proxy_access", client=self.client_address[0], line=format % args)
+
+
+def _next_chunk(chunks):
+    """(chunk, None), (None, None) at the end, or (None, error) when reading failed."""
+    try:
+        return next(chunks), None
+    except StopIteration:
+        return None, None
+    except Exception as e:  # noqa: BLE001 - any failure reading from the child is a cut
+        return None, e
+
+
+def _last_event_end(data: bytes) -> int:
+    """Offset just past the last complete SSE event in ``data``, or 0."""
+    return max((data.rfind(end) + len(end) for end in SSE_EVENT_ENDS if end in data), default=0)

@@ -1,0 +1,607 @@
+"""Subprocess mode: ``mlx-guardian --supervise [any other flag]``.
+
+A small supervisor process owns the public host:port and runs the engine
+as a child on 127.0.0.1 and a private port: the in-process guardian
+(``python -m guardian``) by default, or stock ``mlx_lm server`` unchanged
+with ``--engine stock``. It relays every request to the child
+(``guardian.proxy``), checks the child's health, and replaces a child that
+died, crashed in native code, or stopped answering (even SIGSTOPped).
+
+Modelled on gunicorn's Arbiter: signal handlers only enqueue; the main
+loop waits with a timeout and dispatches; soft kill, then hard kill; the
+log says why a child died; a crash loop makes the supervisor give up with
+a documented exit code. It imports neither mlx nor mlx_lm, so nothing that
+kills an engine can take it down with it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import httpx
+import structlog
+
+from guardian.errors import GuardianError
+from guardian.exit_codes import (
+    EXIT_BOOT_ERROR,
+    EXIT_ENGINE_FAILED,
+    EXIT_ENGINE_STALLED,
+    EXIT_OK,
+    EXIT_SUPERVISOR_GAVE_UP,
+    EXIT_USAGE,
+)
+from guardian.logs import configure_logging
+from guardian.proxy import PublicServer
+from guardian.sd_notify import SystemdNotifier
+
+log = structlog.get_logger("guardian.supervisor")
+
+CHILD_HOST = "127.0.0.1"
+# Stock's defaults for the public address, so --supervise changes nothing there.
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8080
+# A health check answers fast or not at all (a SIGSTOPped child accepts the
+# connection in the kernel and never replies): bound it by the interval.
+HEALTH_TIMEOUT_MIN_S = 0.5
+HEALTH_TIMEOUT_MAX_S = 5.0
+# Until a child is first ready, checks are cheap (refused, or an instant
+# 503) and each one saved shortens the outage of a restart.
+STARTUP_CHECK_INTERVAL_S = 0.1
+# Reaching a local child is immediate or refused. Reads have no timeout: a
+# long generation is not a fault, and a dead child closes its sockets.
+CHILD_CONNECT_TIMEOUT_S = 5.0
+# Clients are told to come back after this long while a child (re)starts.
+RETRY_AFTER_S = 2.0
+# serve_forever's poll: how long closing the public port can take at exit.
+HTTP_POLL_S = 0.1
+# At exit, how long requests still in flight get to reach their clients.
+DRAIN_TIMEOUT_S = 5.0
+# systemd talks to the supervisor (the unit's main pid), never to the child.
+SYSTEMD_ENV = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")
+# Restarting cannot fix bad flags: the child's parser said so.
+NOT_RESTARTABLE = {EXIT_USAGE}
+
+# Python's own exit code for an uncaught exception.
+EXIT_UNCAUGHT = 1
+# Why a child died, gunicorn-style: the signal or exit code, and what it suggests.
+SIGNAL_HINTS = {
+    signal.SIGKILL: "perhaps out of memory?",
+    signal.SIGSEGV: "native crash",
+    signal.SIGBUS: "native crash",
+    signal.SIGILL: "native crash",
+    signal.SIGFPE: "native crash",
+    signal.SIGABRT: "aborted, perhaps a failed native assertion",
+    signal.SIGTERM: "terminated",
+    signal.SIGINT: "interrupted",
+}
+EXIT_MEANINGS = {
+    EXIT_OK: "the child stopped (SIGTERM or SIGINT)",
+    EXIT_UNCAUGHT: "uncaught Python error",
+    EXIT_USAGE: "bad flags or configuration",
+    EXIT_BOOT_ERROR: "the model could not be loaded",
+    EXIT_ENGINE_FAILED: "the engine kept failing",
+    EXIT_ENGINE_STALLED: "the engine stalled and could not be replaced in-process",
+}
+
+
+class State:
+    """What the supervisor is doing; /guardian/supervisor reports it."""
+
+    STARTING = "starting"  # the first child has not answered healthy yet
+    READY = "ready"  # the child answers healthy: requests go to it
+    UNHEALTHY = "unhealthy"  # checks fail, not yet for --supervisor-unhealthy-after
+    RESTARTING = "restarting"  # a child is being stopped, or its successor is not ready yet
+    STOPPING = "stopping"  # SIGTERM/SIGINT: the child is being stopped for good
+    FAILED = "failed"  # gave up: crash loop, or flags the child refuses
+
+
+# Requests go to the child in these states; a briefly unhealthy child still
+# knows best (a guardian child answers 503 itself while it recovers).
+SERVING = (State.READY, State.UNHEALTHY)
+
+
+@dataclass
+class Child:
+    """One engine process and the pooled HTTP client that talks to it."""
+
+    proc: subprocess.Popen
+    port: int
+    generation: int
+    has_readyz: bool
+    client: httpx.Client
+    started_at: float = field(default_factory=time.monotonic)
+    ready_at: Optional[float] = None
+    last_ok: Optional[float] = None
+    last_check_at: Optional[float] = None
+    last_check: str = "not checked yet"
+    kill_reason: Optional[str] = None
+    hard_kill_at: Optional[float] = None
+    hard_killed: bool = False
+
+    @property
+    def pid(self) -> int:
+        """The child's process id."""
+        return self.proc.pid
+
+    def next_check_at(self, interval: float) -> float:
+        """When the next health check is due; often while starting, to serve sooner."""
+        if self.ready_at is None:
+            interval = min(interval, STARTUP_CHECK_INTERVAL_S)
+        return (self.last_check_at or self.started_at) + interval
+
+
+class InFlight:
+    """How many requests the public side is relaying now."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.count = 0
+
+    def __enter__(self):
+        with self._lock:
+            self.count += 1
+
+    def __exit__(self, *exc):
+        with self._lock:
+            self.count -= 1
+
+
+class Supervisor:
+    """Owns the public port and one engine child; replaces it when it fails."""
+
+    def __init__(self, options: argparse.Namespace, child_args: list[str]):
+        self.options = options
+        self.child_args = child_args
+        self.signals: queue.SimpleQueue = queue.SimpleQueue()
+        self.lock = threading.Lock()  # state and child, read by HTTP threads
+        self.state = State.STARTING
+        self.child: Optional[Child] = None
+        self.generation = 0
+        self.restart_times: collections.deque = collections.deque()
+        self.restarts = 0
+        self.last_exit: Optional[dict] = None
+        self.outage_started = time.monotonic()
+        self.exit_code: Optional[int] = None
+        self.in_flight = InFlight()
+        self.httpd: Optional[PublicServer] = None
+        self.notifier = SystemdNotifier()
+        self.ready_sent = False
+        self.watchdog_interval = self.notifier.watchdog_interval_s()
+        self.next_watchdog_ping = time.monotonic()
+        self.health_timeout = min(max(options.supervisor_interval, HEALTH_TIMEOUT_MIN_S),
+                                  HEALTH_TIMEOUT_MAX_S)
+
+    # -- main loop ----------------------------------------------------------
+    def run(self) -> int:
+        """Serve until stopped or given up; return the exit code."""
+        self.install_signal_handlers()
+        try:
+            self.httpd = PublicServer(resolve(self.options.host, self.options.port), self)
+        except OSError as e:
+            log.critical("supervisor_bind_failed", host=self.options.host, port=self.options.port,
+                         error_message=str(e))
+            return EXIT_USAGE
+        threading.Thread(target=self.httpd.serve_forever, args=(HTTP_POLL_S,), name="http",
+                         daemon=True).start()
+        log.info("supervisor_started", host=self.options.host, port=self.httpd.server_address[1],
+                 engine=self.options.engine, pid=os.getpid())
+        self.spawn_child()
+        while not (self.exit_code is not None and self.child is None):
+            for signum in self.wait_for_signals(self.seconds_to_next_duty()):
+                self.handle_signal(signum)
+            self.reap_child()
+            self.tend_child()
+            self.ping_systemd_watchdog()
+        return self.finish()
+
+    def install_signal_handlers(self) -> None:
+        """Handlers only enqueue; the main loop does the work."""
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGCHLD):
+            signal.signal(signum, lambda signum, frame: self.signals.put(signum))
+
+    def wait_for_signals(self, timeout: float) -> list[int]:
+        """Every queued signal, waiting up to ``timeout`` for the first."""
+        try:
+            received = [self.signals.get(timeout=max(timeout, 0.0))]
+        except queue.Empty:
+            return []
+        while not self.signals.empty():
+            received.append(self.signals.get_nowait())
+        return received
+
+    def seconds_to_next_duty(self) -> float:
+        """Until the next health check, hard kill or systemd watchdog ping."""
+        child = self.child
+        due = time.monotonic() + self.options.supervisor_interval
+        if child is not None:
+            due = child.next_check_at(self.options.supervisor_interval)
+            if child.hard_kill_at is not None:
+                due = min(due, child.hard_kill_at)
+        if self.watchdog_interval is not None:
+            due = min(due, self.next_watchdog_ping)
+        return due - time.monotonic()
+
+    def ping_systemd_watchdog(self) -> None:
+        """WATCHDOG=1 from the main loop itself: systemd's WatchdogSec watches the supervisor.
+
+        Only after READY=1: systemd's watchdog starts with the service, and
+        the child's health is the supervisor's business, not systemd's.
+        """
+        if not self.ready_sent or self.watchdog_interval is None:
+            return
+        if time.monotonic() >= self.next_watchdog_ping:
+            self.notifier.notify("WATCHDOG=1")
+            self.next_watchdog_ping = time.monotonic() + self.watchdog_interval
+
+    def handle_signal(self, signum: int) -> None:
+        """SIGCHLD only wakes the loop; SIGTERM/SIGINT stop, a second one hard-kills."""
+        if signum not in (signal.SIGTERM, signal.SIGINT):
+            return
+        name = signal.Signals(signum).name
+        if self.exit_code is None:
+            log.info("supervisor_stopping", signal=name)
+            self.notifier.notify("STOPPING=1")
+            self.exit_code = EXIT_OK
+            self.set_state(State.STOPPING)
+            if self.child is not None:
+                self.soft_kill(f"supervisor received {name}")
+        elif self.child is not None and not self.child.hard_killed:
+            self.hard_kill()
+
+    # -- the child's life ---------------------------------------------------
+    def spawn_child(self) -> None:
+        """Start a child on a free private port."""
+        self.generation += 1
+        port = free_port()
+        stock_engine = self.options.engine == "stock"
+        command = child_command(self.options, self.child_args, port)
+        env = {k: v for k, v in os.environ.items() if k not in SYSTEMD_ENV}
+        proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, env=env)  # stdout, stderr: ours
+        client = httpx.Client(
+            base_url=f"http://{CHILD_HOST}:{port}",
+            timeout=httpx.Timeout(None, connect=CHILD_CONNECT_TIMEOUT_S),
+            # Streams can be many at once; the public side bounds nothing either.
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=20),
+            # Plain HTTP to 127.0.0.1: skip loading CA certificates (~40 ms a restart).
+            verify=False,
+        )
+        child = Child(proc, port, self.generation, has_readyz=not stock_engine, client=client)
+        with self.lock:
+            self.child = child
+        log.info("child_started", pid=proc.pid, port=port, generation=self.generation,
+                 engine=self.options.engine, command=command)
+
+    def reap_child(self) -> None:
+        """Notice a child that exited, say why, and replace it unless stopping."""
+        child = self.child
+        if child is None or child.proc.poll() is None:
+            return
+        reason = exit_reason(child)
+        self.last_exit = {"pid": child.pid, "generation": child.generation,
+                          "returncode": child.proc.returncode, "reason": reason,
+                          "uptime_s": round(time.monotonic() - child.started_at, 3),
+                          "at": time.time()}
+        level = log.info if child.kill_reason else log.error
+        level("child_exited", **self.last_exit)
+        with self.lock:
+            self.child = None
+        if self.exit_code is None:
+            self.set_state(State.RESTARTING)
+        close_quietly(child.client)
+        if self.exit_code is None:
+            self.replace_child(child)
+
+    def replace_child(self, dead: Child) -> None:
+        """Start the next child, or give up on a crash loop or refused flags."""
+        if dead.kill_reason is None and dead.proc.returncode in NOT_RESTARTABLE:
+            return self.give_up(f"the child refused its flags (exit code {dead.proc.returncode})",
+                                dead.proc.returncode)
+        now = time.monotonic()
+        window = self.options.supervisor_window
+        while self.restart_times and now - self.restart_times[0] > window:
+            self.restart_times.popleft()
+        if len(self.restart_times) >= self.options.supervisor_max_restarts:
+            return self.give_up(f"more than {self.options.supervisor_max_restarts} restarts "
+                                f"within {window:g} s", EXIT_SUPERVISOR_GAVE_UP)
+        self.restart_times.append(now)
+        self.restarts += 1
+        self.spawn_child()
+
+    def give_up(self, reason: str, exit_code: int) -> None:
+        """Stop restarting: answer what is in flight, then exit with ``exit_code``."""
+        log.critical("supervisor_gave_up", reason=reason, exit_code=exit_code,
+                     restarts=self.restarts, last_exit=self.last_exit)
+        self.notifier.notify("STOPPING=1")
+        self.exit_code = exit_code
+        self.set_state(State.FAILED)
+
+    def tend_child(self) -> None:
+        """Escalate a pending kill, or check health when it is due."""
+        child = self.child
+        if child is None:
+            return
+        now = time.monotonic()
+        if child.kill_reason is not None:
+            if not child.hard_killed and now >= child.hard_kill_at:
+                self.hard_kill()
+            return
+        if now >= child.next_check_at(self.options.supervisor_interval):
+            self.check_health(child)
+
+    def check_health(self, child: Child) -> None:
+        """One health check; state changes and unhealthy-too-long decided here."""
+        ok = self.probe(child)
+        child.last_check_at = time.monotonic()
+        if ok:
+            child.last_ok = child.last_check_at
+            return self.child_healthy(child)
+        if child.ready_at is None:
+            waited = child.last_check_at - child.started_at
+            if waited > self.options.supervisor_start_timeout:
+                self.soft_kill(f"not ready after {waited:.1f} s (last check: {child.last_check})")
+            return
+        if self.state == State.READY:
+            log.warning("child_unhealthy", pid=child.pid, check=child.last_check)
+            self.set_state(State.UNHEALTHY)
+        failing_for = child.last_check_at - child.last_ok
+        if failing_for >= self.options.supervisor_unhealthy_after:
+            self.soft_kill(f"unhealthy for {failing_for:.1f} s (last check: {child.last_check})")
+
+    def probe(self, child: Child) -> bool:
+        """GET /readyz (guardian) or /health (stock) with a short timeout.
+
+        Stock 0.31.3's /health always answers 200, even after its
+        generation thread died: for a stock child this check only proves
+        the process is alive and answers HTTP.
+        """
+        path = "/readyz" if child.has_readyz else "/health"
+        try:
+            response = child.client.get(path, timeout=self.health_timeout)
+        except httpx.HTTPError as e:
+            child.last_check = f"{path}: {type(e).__name__}"
+            return False
+        child.last_check = f"{path}: HTTP {response.status_code}"
+        return response.status_code == 200
+
+    def child_healthy(self, child: Child) -> None:
+        """A check passed: the first makes the child ready, a later one ends an unhealthy spell."""
+        if child.ready_at is None:
+            child.ready_at = child.last_ok
+            log.info("child_ready", pid=child.pid, generation=child.generation,
+                     startup_s=round(child.ready_at - child.started_at, 3),
+                     downtime_s=round(child.ready_at - self.outage_started, 3))
+            if not self.ready_sent:
+                # Type=notify: the service is up once a child can generate.
+                self.ready_sent = self.notifier.notify("READY=1")
+        elif self.state == State.UNHEALTHY:
+            log.info("child_healthy_again", pid=child.pid)
+        if self.state in (State.STARTING, State.RESTARTING, State.UNHEALTHY):
+            self.set_state(State.READY)
+
+    def soft_kill(self, reason: str) -> None:
+        """SIGTERM (and SIGCONT, so a stopped child can act on it); SIGKILL after the grace."""
+        child = self.child
+        log.warning("child_stopping", pid=child.pid, reason=reason,
+                    grace_s=self.options.supervisor_kill_grace)
+        child.kill_reason = reason
+        child.hard_kill_at = time.monotonic() + self.options.supervisor_kill_grace
+        if self.exit_code is None:
+            self.set_state(State.RESTARTING)
+        # Like systemd: a SIGSTOPped process only sees SIGTERM once continued.
+        for signum in (signal.SIGTERM, signal.SIGCONT):
+            signal_quietly(child.proc, signum)
+
+    def hard_kill(self) -> None:
+        """SIGKILL: the child did not stop within the grace."""
+        child = self.child
+        log.error("child_hard_killed", pid=child.pid, reason=child.kill_reason,
+                  grace_s=self.options.supervisor_kill_grace)
+        child.hard_killed = True
+        signal_quietly(child.proc, signal.SIGKILL)
+
+    def set_state(self, state: str) -> None:
+        """Change state; leaving the serving states starts an outage (logged as downtime)."""
+        with self.lock:
+            if self.state in SERVING and state not in SERVING:
+                self.outage_started = time.monotonic()
+            self.state = state
+
+    # -- exit ------------------------------------------------------------------
+    def finish(self) -> int:
+        """Let in-flight requests reach their clients, close the port, return the code."""
+        deadline = time.monotonic() + DRAIN_TIMEOUT_S
+        while self.in_flight.count and time.monotonic() < deadline:
+            self.wait_for_signals(0.02)  # a bounded pause that still drains the queue
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        log.info("supervisor_stopped", exit_code=self.exit_code, restarts=self.restarts,
+                 unanswered=self.in_flight.count)
+        return self.exit_code
+
+    # -- for the public side (HTTP threads) -------------------------------
+    def serving_child(self, health_check: bool = False) -> Optional[Child]:
+        """The child requests go to, or None while no child can take them.
+
+        Health checks go to a READY child only: one that stopped answering
+        them would leave the caller's check hanging instead of failing.
+        """
+        with self.lock:
+            serving = (State.READY,) if health_check else SERVING
+            return self.child if self.state in serving else None
+
+    def unavailable_error(self) -> GuardianError:
+        """What a request gets while no child can serve it."""
+        state = self.state
+        if state == State.FAILED:
+            return GuardianError("The engine is not running and will not be restarted; "
+                                 "the server is exiting to be restarted.",
+                                 status=503, code="engine_failed", retry_after_s=RETRY_AFTER_S)
+        if state == State.STOPPING:
+            return GuardianError("The server is stopping.", status=503, code="server_stopping",
+                                 retry_after_s=RETRY_AFTER_S)
+        return GuardianError(f"The engine is {state}; retry the request.", status=503,
+                             code="engine_restarting", retry_after_s=RETRY_AFTER_S)
+
+    def lost_child_error(self) -> GuardianError:
+        """What a request gets when the child died under it."""
+        if self.state in (State.STOPPING, State.FAILED):
+            return self.unavailable_error()
+        return GuardianError("The engine process stopped while answering; retry the request.",
+                             status=503, code="engine_restarting", retry_after_s=RETRY_AFTER_S)
+
+    def status(self) -> dict:
+        """/guardian/supervisor: the child, the state, restarts, the last exit."""
+        child = self.child
+        now = time.monotonic()
+        return {
+            "state": self.state,
+            "engine": self.options.engine,
+            "pid": os.getpid(),
+            "child": None if child is None else {
+                "pid": child.pid,
+                "port": child.port,
+                "generation": child.generation,
+                "uptime_s": round(now - child.started_at, 3),
+                "ready": child.ready_at is not None,
+                "last_check": child.last_check,
+                "stopping_because": child.kill_reason,
+            },
+            "restarts": self.restarts,
+            "restarts_in_window": len(self.restart_times),
+            "max_restarts": self.options.supervisor_max_restarts,
+            "last_exit": self.last_exit,
+            "in_flight": self.in_flight.count,
+        }
+
+
+# -- helpers ---------------------------------------------------------------------
+def exit_reason(child: Child) -> str:
+    """Why a child is gone, in words an operator can act on."""
+    code = child.proc.returncode
+    if code < 0:
+        if child.hard_killed and -code == signal.SIGKILL:
+            return f"hard-killed (SIGKILL) by the supervisor after the grace ({child.kill_reason})"
+        described = f"killed by {signal_name(-code)}: {SIGNAL_HINTS.get(-code, 'a signal')}"
+    else:
+        described = f"exit code {code}: {EXIT_MEANINGS.get(code, 'unexpected exit')}"
+    if child.kill_reason:
+        return f"{described}; the supervisor had sent SIGTERM: {child.kill_reason}"
+    return described
+
+
+def signal_name(signum: int) -> str:
+    """SIGSEGV for 11; real-time signals have no name in the enum."""
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def child_command(options: argparse.Namespace, child_args: list[str], port: int) -> list[str]:
+    """The child's command line: the other flags, then the private address."""
+    address = ["--host", CHILD_HOST, "--port", str(port)]
+    if options.log_level is not None:
+        child_args = [*child_args, "--log-level", options.log_level]
+    if options.engine == "stock":
+        # `python -m mlx_lm server` works on 0.31 and 0.32 without
+        # `python -m mlx_lm.server`'s deprecation warning.
+        return [sys.executable, "-m", "mlx_lm", "server", *child_args, *address]
+    if options.log_format is not None:
+        child_args = [*child_args, "--log-format", options.log_format]
+    return [sys.executable, "-m", "guardian", *child_args, *address]
+
+
+def free_port() -> int:
+    """A port free on 127.0.0.1 now (a child that loses the race exits and is replaced)."""
+    with socket.socket() as s:
+        s.bind((CHILD_HOST, 0))
+        return s.getsockname()[1]
+
+
+def resolve(host: str, port: int) -> tuple:
+    """The address to bind, IPv6 included, as stock resolves it."""
+    family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                  flags=socket.AI_PASSIVE)[0]
+    PublicServer.address_family = family
+    return address
+
+
+def signal_quietly(proc: subprocess.Popen, signum: int) -> None:
+    """Send a signal; a child that already exited is no error (reap tells why)."""
+    try:
+        proc.send_signal(signum)
+    except ProcessLookupError:
+        pass
+
+
+def close_quietly(client: httpx.Client) -> None:
+    """Release the pool of a child that is gone; its sockets are already closed."""
+    try:
+        client.close()
+    except Exception:  # noqa: BLE001 - nothing to save in a dead child's pool
+        log.debug("child_client_close_failed", exc_info=True)
+
+
+# -- command line ------------------------------------------------------------------
+def make_parser() -> argparse.ArgumentParser:
+    """Only the supervisor's flags; every other flag goes to the child."""
+    parser = argparse.ArgumentParser(
+        prog="mlx-guardian --supervise",
+        # Exact names only: a prefix of a child's flag must reach the child.
+        allow_abbrev=False,
+        description="Run the engine as a child process on a private port, relay "
+                    "requests to it, and replace it when it dies or stops answering.",
+        epilog="Every other flag is passed to the child: mlx-guardian's and mlx_lm.server's "
+               "(see `mlx-guardian --help`), or with --engine stock, mlx_lm.server's.",
+    )
+    parser.add_argument("--supervise", action="store_true", help="subprocess mode (this)")
+    parser.add_argument("--host", default=DEFAULT_HOST, help="public host (default: %(default)s)")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="public port (default: %(default)s)")
+    parser.add_argument("--engine", choices=("guardian", "stock"), default="guardian",
+                        help="the child: the in-process guardian, or stock mlx_lm server unchanged")
+    parser.add_argument("--supervisor-interval", type=positive, default=1.0, metavar="S",
+                        help="seconds between health checks of the child (default: %(default)s)")
+    parser.add_argument("--supervisor-unhealthy-after", type=positive, default=30.0, metavar="S",
+                        help="replace a child whose checks fail for this long (default: %(default)s)")
+    parser.add_argument("--supervisor-start-timeout", type=positive, default=600.0, metavar="S",
+                        help="replace a child not ready after this long; raise it for a model "
+                             "downloaded at first start (default: %(default)s)")
+    parser.add_argument("--supervisor-kill-grace", type=positive, default=10.0, metavar="S",
+                        help="seconds between SIGTERM and SIGKILL (default: %(default)s)")
+    parser.add_argument("--supervisor-max-restarts", type=int, default=5, metavar="N",
+                        help="give up (exit 6) at restart N+1 within the window (default: %(default)s)")
+    parser.add_argument("--supervisor-window", type=positive, default=300.0, metavar="S",
+                        help="the crash-loop window in seconds (default: %(default)s)")
+    # Read here and passed on: the supervisor logs the way the child does.
+    parser.add_argument("--log-format", choices=("json", "console"), default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--log-level", default=None, help=argparse.SUPPRESS)
+    return parser
+
+
+def positive(text: str) -> float:
+    """An argparse type: a number of seconds above zero."""
+    value = float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive: {text}")
+    return value
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    options, child_args = make_parser().parse_known_args(sys.argv[1:] if argv is None else argv)
+    configure_logging(options.log_format or "json", options.log_level or "INFO")
+    return Supervisor(options, child_args).run()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

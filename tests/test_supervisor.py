@@ -1,0 +1,346 @@
+"""Subprocess mode against real processes: a supervisor, its engine child, real kills.
+
+Every supervisor starts in its own session and its children stay in its
+process group, so cleanup kills the whole group (a SIGSTOPped child too:
+SIGKILL needs no SIGCONT), even when a test fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Optional
+
+import httpx
+import pytest
+
+from conftest import REPO, Server, chat_body, free_port, poll, read_stream
+from guardian.exit_codes import EXIT_BOOT_ERROR, EXIT_OK, EXIT_SUPERVISOR_GAVE_UP, EXIT_USAGE
+
+COMPLETIONS = "/v1/chat/completions"
+# Slow engine steps, so a long generation is surely still running when its child is killed.
+SLOW_STEPS = "[fault_injection]\nenabled = true\nstep_delay_s = 0.01\n"
+
+
+class Supervised(Server):
+    """A supervisor process, its children in its process group."""
+
+    def supervisor(self) -> Optional[dict]:
+        """/guardian/supervisor, or None while the port does not answer."""
+        try:
+            return httpx.get(self.url + "/guardian/supervisor", timeout=5).json()
+        except httpx.TransportError:
+            return None
+
+    def ready_child(self, not_pid: int = 0) -> Optional[int]:
+        """The pid of a ready child other than ``not_pid``, or None."""
+        if self.proc.poll() is not None:
+            raise AssertionError(f"supervisor exited {self.proc.returncode}:\n{self.log_path.read_text()[-3000:]}")
+        status = self.supervisor()
+        child = status and status["child"]
+        if not child:
+            return None
+        return child["pid"] if status["state"] == "ready" and child["pid"] != not_pid else None
+
+    def wait_ready(self, not_pid: int = 0, timeout: float = 60) -> int:
+        """Wait for a ready child (a new one when ``not_pid`` is given); return its pid."""
+        return poll(lambda: self.ready_child(not_pid), timeout, interval=0.05, what="a ready child")
+
+    def supervisor_events(self, name: str) -> list[dict]:
+        return [e for e in self.events(name) if e.get("logger") == "guardian.supervisor"]
+
+    def signal_child(self, pid: int, signum: int) -> None:
+        """Signal ``pid`` if it is still one of this supervisor's children (pids get reused)."""
+        try:
+            if os.getpgid(pid) == self.proc.pid:
+                os.kill(pid, signum)
+        except ProcessLookupError:
+            pass
+
+    def stop(self) -> None:
+        """Kill the supervisor's process group: the supervisor and every child."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(timeout=10)
+
+
+@pytest.fixture
+def start_supervisor(tmp_path, model_cache):
+    started: list[Supervised] = []
+
+    def start(*args: str, wait: bool = True, env: Optional[dict] = None) -> Supervised:
+        port = free_port()
+        log_path = tmp_path / f"supervisor-{port}.log"
+        command = [sys.executable, "-m", "guardian", "--supervise", "--port", str(port), *args]
+        child_env = {**os.environ, "MLX_GUARDIAN_CACHE": str(model_cache), **(env or {})}
+        with open(log_path, "w") as log_file:
+            proc = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=child_env,
+                                    cwd=REPO, start_new_session=True)
+        supervised = Supervised(proc, port, log_path)
+        started.append(supervised)
+        if wait:
+            supervised.wait_ready()
+        return supervised
+
+    yield start
+    for supervised in started:
+        supervised.stop()
+
+
+def slow_steps_config(tmp_path: Path) -> str:
+    path = tmp_path / "slow.toml"
+    path.write_text(SLOW_STEPS)
+    return str(path)
+
+
+def assert_restarting_error(body: dict) -> None:
+    assert set(body["error"]) >= {"message", "type", "param", "code"}
+    assert body["error"]["code"] == "engine_restarting"
+
+
+def test_proxies_completions_and_streams_and_stops_on_sigterm(start_supervisor):
+    folder = Path(tempfile.mkdtemp(prefix="sd", dir="/tmp"))
+    receiver = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    receiver.bind(str(folder / "notify"))
+    receiver.settimeout(0.2)
+    messages: list[str] = []
+
+    def received(wanted: str) -> bool:
+        try:
+            messages.append(receiver.recv(4096).decode())
+        except socket.timeout:
+            pass
+        return wanted in messages
+
+    try:
+        supervised = start_supervisor(env={"NOTIFY_SOCKET": str(folder / "notify"), "WATCHDOG_USEC": "400000"})
+        child_pid = supervised.wait_ready()
+        with httpx.Client(timeout=30) as client:
+            response = client.post(supervised.url + COMPLETIONS, json=chat_body(max_tokens=8))
+            assert response.status_code == 200, response.text
+            assert response.json()["usage"]["completion_tokens"] == 8
+            # The child's headers, stock's CORS ones included, pass through.
+            assert response.headers["content-type"] == "application/json"
+            assert response.headers["access-control-allow-origin"] == "*"
+            result = read_stream(client, supervised.url + COMPLETIONS, chat_body(max_tokens=8, stream=True))
+            assert result["status"] == 200 and result["done"] and not result["errors"]
+            assert len(result["events"]) >= 2
+            assert client.get(supervised.url + "/livez").status_code == 200
+            assert client.get(supervised.url + "/readyz").json()["status"] == "ready"  # the child's own
+        maps = Path(f"/proc/{supervised.proc.pid}/maps")
+        if maps.exists():  # Linux: the supervisor itself never loaded mlx
+            assert "mlx" not in maps.read_text()
+        poll(lambda: received("WATCHDOG=1"), 5, interval=0, what="WATCHDOG=1")
+        supervised.proc.send_signal(signal.SIGTERM)
+        poll(lambda: received("STOPPING=1"), 10, interval=0, what="STOPPING=1")
+        assert supervised.proc.wait(timeout=20) == EXIT_OK
+    finally:
+        receiver.close()
+        shutil.rmtree(folder, ignore_errors=True)
+    # systemd hears from the supervisor only: one READY=1, not a second from the child.
+    assert messages.count("READY=1") == 1
+    assert messages.index("READY=1") < messages.index("WATCHDOG=1") < messages.index("STOPPING=1")
+    assert not pid_alive(child_pid)
+    [exited] = supervised.supervisor_events("child_exited")
+    assert "SIGTERM" in exited["reason"] and exited["returncode"] == 0
+
+
+def test_sigkill_mid_stream_ends_requests_and_restarts(start_supervisor, tmp_path):
+    supervised = start_supervisor("--guardian-config", slow_steps_config(tmp_path))
+    first_pid = supervised.wait_ready()
+    non_stream = {}
+
+    def post_long():
+        with httpx.Client(timeout=60) as client:
+            non_stream["response"] = client.post(supervised.url + COMPLETIONS, json=chat_body(max_tokens=1000))
+
+    waiter = threading.Thread(target=post_long, daemon=True)
+    events, errors, done = [], [], False
+    with httpx.Client(timeout=60) as client:
+        with client.stream("POST", supervised.url + COMPLETIONS, json=chat_body(max_tokens=1000, stream=True)) as response:
+            assert response.status_code == 200
+            lines = (line[len("data: "):] for line in response.iter_lines() if line.startswith("data: "))
+            events = [json.loads(next(lines)) for _ in range(3)]
+            waiter.start()
+            poll(lambda: supervised.supervisor()["in_flight"] >= 2, 10, what="both requests relayed")
+            killed_at = time.monotonic()
+            os.kill(first_pid, signal.SIGKILL)
+            for data in lines:
+                if data == "[DONE]":
+                    done = True
+                else:
+                    errors += [json.loads(data)["error"]] if "error" in json.loads(data) else []
+    assert all("error" not in event for event in events)
+    assert done and len(errors) == 1
+    assert_restarting_error({"error": errors[0]})
+    waiter.join(timeout=30)
+    # The guardian holds a non-streaming answer's headers to the end: nothing
+    # had reached that client, so it gets a proper 503.
+    response = non_stream["response"]
+    assert response.status_code == 503 and "Retry-After" in response.headers
+    assert_restarting_error(response.json())
+    supervised.wait_ready(not_pid=first_pid, timeout=30)
+    print(f"\nmeasured: SIGKILL to a ready new child in {time.monotonic() - killed_at:.2f} s")
+    assert httpx.post(supervised.url + COMPLETIONS, json=chat_body(max_tokens=4), timeout=30).status_code == 200
+    [exited] = supervised.supervisor_events("child_exited")
+    assert exited["reason"] == "killed by SIGKILL: perhaps out of memory?"
+    assert supervised.supervisor()["restarts"] == 1
+
+
+def test_sigsegv_is_logged_as_a_native_crash_and_restarted(start_supervisor):
+    supervised = start_supervisor()
+    first_pid = supervised.wait_ready()
+    os.kill(first_pid, signal.SIGSEGV)
+    supervised.wait_ready(not_pid=first_pid, timeout=30)
+    last_exit = supervised.supervisor()["last_exit"]
+    assert last_exit["pid"] == first_pid and last_exit["returncode"] == -signal.SIGSEGV
+    assert last_exit["reason"] == "killed by SIGSEGV: native crash"
+    [exited] = supervised.supervisor_events("child_exited")
+    assert "SIGSEGV" in exited["reason"] and exited["level"] == "error"
+    assert httpx.post(supervised.url + COMPLETIONS, json=chat_body(max_tokens=4), timeout=30).status_code == 200
+
+
+def test_sigstopped_child_is_detected_and_replaced(start_supervisor):
+    interval, unhealthy_after = 0.25, 2.0
+    supervised = start_supervisor("--supervisor-interval", str(interval),
+                                  "--supervisor-unhealthy-after", str(unhealthy_after),
+                                  "--supervisor-kill-grace", "2")
+    stopped_pid = supervised.wait_ready()
+    stopped_request = {}
+
+    def post_to_stopped_child():
+        with httpx.Client(timeout=60) as client:
+            stopped_request["response"] = client.post(supervised.url + COMPLETIONS, json=chat_body(max_tokens=4))
+
+    try:
+        os.kill(stopped_pid, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        waiter = threading.Thread(target=post_to_stopped_child, daemon=True)
+        waiter.start()
+        poll(lambda: supervised.supervisor()["state"] == "unhealthy", 5, interval=0.02, what="unhealthy")
+        # Health checks are answered at once, never left hanging on the stopped child.
+        health = httpx.get(supervised.url + "/health", timeout=1)
+        assert health.status_code == 503 and health.json()["state"] == "unhealthy"
+
+        def stop_decided():
+            child = supervised.supervisor()["child"]
+            return child is None or child["pid"] != stopped_pid or child["stopping_because"]
+
+        poll(stop_decided, 10, interval=0.02, what="the stopped child detected")
+        detected_s = time.monotonic() - stopped_at
+        print(f"\nmeasured: SIGSTOP detected in {detected_s:.2f} s")
+        # Failing checks for unhealthy-after, one interval to notice, one
+        # check's timeout (0.5 s at least), and a margin for a busy machine.
+        assert detected_s < unhealthy_after + interval + 0.5 + 1.5
+        supervised.wait_ready(not_pid=stopped_pid, timeout=30)
+        # The request sent to the stopped child ended, one way or the other.
+        waiter.join(timeout=15)
+        assert stopped_request["response"].status_code in (200, 503)
+    finally:
+        supervised.signal_child(stopped_pid, signal.SIGKILL)
+    [stopping] = supervised.supervisor_events("child_stopping")
+    assert stopping["reason"].startswith("unhealthy for") and "/readyz" in stopping["reason"]
+    assert httpx.post(supervised.url + COMPLETIONS, json=chat_body(max_tokens=4), timeout=30).status_code == 200
+
+
+def test_sigterm_hard_kills_a_child_that_outlives_the_grace(start_supervisor, tmp_path):
+    # The engine hangs under a request and the child would drain it for 30 s.
+    config = tmp_path / "hang.toml"
+    config.write_text("[guardian]\nexit_grace_s = 30\n"
+                      "[fault_injection]\nenabled = true\nhang_at_step = 8\n"
+                      "[watchdog]\nstall_timeout_s = 60\n")
+    supervised = start_supervisor("--guardian-config", str(config), "--supervisor-kill-grace", "1")
+    child_pid = supervised.wait_ready()
+    hung = {}
+
+    def post_hung():
+        with httpx.Client(timeout=60) as client:
+            hung["response"] = client.post(supervised.url + COMPLETIONS, json=chat_body(max_tokens=32))
+
+    waiter = threading.Thread(target=post_hung, daemon=True)
+    waiter.start()
+    supervised.wait_for_event("fault_injected")
+    supervised.proc.send_signal(signal.SIGTERM)
+    stopped_at = time.monotonic()
+    assert supervised.proc.wait(timeout=20) == EXIT_OK
+    assert time.monotonic() - stopped_at < 1 + 3  # the grace, the kill, the answers
+    assert not pid_alive(child_pid)
+    waiter.join(timeout=10)
+    assert hung["response"].status_code == 503
+    assert hung["response"].json()["error"]["code"] == "server_stopping"
+    [exited] = supervised.supervisor_events("child_exited")
+    assert exited["reason"].startswith("hard-killed (SIGKILL) by the supervisor after the grace")
+    assert supervised.supervisor_events("child_hard_killed")
+
+
+def test_crash_loop_gives_up_with_its_exit_code(start_supervisor):
+    supervised = start_supervisor("--model", "/nonexistent", "--supervisor-max-restarts", "2",
+                                  wait=False, env={"HF_HUB_OFFLINE": "1"})
+
+    def refused_while_restarting():
+        try:
+            response = httpx.post(supervised.url + COMPLETIONS, json=chat_body(), timeout=5)
+        except httpx.TransportError:
+            return None
+        return response
+
+    response = poll(refused_while_restarting, 20, interval=0.05, what="an answer from the supervisor")
+    assert response.status_code == 503 and "Retry-After" in response.headers
+    assert response.json()["error"]["code"] in ("engine_restarting", "engine_failed")
+    assert supervised.proc.wait(timeout=60) == EXIT_SUPERVISOR_GAVE_UP
+    exits = supervised.supervisor_events("child_exited")
+    assert len(exits) == 3  # the first child and two restarts
+    assert all(e["returncode"] == EXIT_BOOT_ERROR and "model could not be loaded" in e["reason"] for e in exits)
+    [gave_up] = supervised.supervisor_events("supervisor_gave_up")
+    assert gave_up["exit_code"] == EXIT_SUPERVISOR_GAVE_UP
+
+
+def test_flags_the_child_refuses_are_not_restarted(start_supervisor):
+    supervised = start_supervisor("--max-tokens", "many", wait=False)
+    assert supervised.proc.wait(timeout=30) == EXIT_USAGE
+    assert len(supervised.supervisor_events("child_exited")) == 1
+
+
+def test_stock_engine_is_proxied_and_restarted(start_supervisor, model_cache):
+    from guardian.demo_model import ensure_demo_model
+
+    model = str(ensure_demo_model(model_cache))
+    supervised = start_supervisor("--engine", "stock", "--model", model)
+    first_pid = supervised.wait_ready()
+    with httpx.Client(timeout=30) as client:
+        assert client.post(supervised.url + COMPLETIONS, json=chat_body(max_tokens=4)).status_code == 200
+        result = read_stream(client, supervised.url + COMPLETIONS, chat_body(max_tokens=4, stream=True))
+        assert result["status"] == 200 and result["done"]
+        os.kill(first_pid, signal.SIGKILL)
+        supervised.wait_ready(not_pid=first_pid, timeout=30)
+        assert client.post(supervised.url + COMPLETIONS, json=chat_body(max_tokens=4)).status_code == 200
+    [started, _] = supervised.supervisor_events("child_started")
+    assert started["command"][1:4] == ["-m", "mlx_lm", "server"]
+    assert supervised.supervisor()["last_exit"]["reason"].startswith("killed by SIGKILL")
+
+
+def test_supervise_help_shows_the_supervisors_flags():
+    result = subprocess.run([sys.executable, "-m", "guardian", "--supervise", "--help"],
+                            capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0
+    assert "--supervisor-unhealthy-after" in result.stdout and "--engine" in result.stdout
+    assert "Every other flag is passed to the child" in result.stdout
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
