@@ -134,7 +134,8 @@ class TokenizerPool:
     """
 
     def __init__(self, tokenizer, size: int):
-        self._original = tokenizer
+        # Weak, so that the pool (a value of _pools) does not keep its key alive.
+        self._original = weakref.ref(tokenizer)
         self._size = size
         self._idle: list = []
         self._made = 0
@@ -152,7 +153,7 @@ class TokenizerPool:
                 tokenizer = None
         if tokenizer is None:
             try:
-                tokenizer = copy.deepcopy(self._original)
+                tokenizer = copy.deepcopy(self._original())
             except BaseException:
                 with self._cond:
                     self._made -= 1

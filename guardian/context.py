@@ -3,7 +3,9 @@
 Stock's handler calls ``ResponseGenerator.generate(request, args)`` with no
 word of the request id or whether the client streams; the guardian's handler
 sets them here first, and structlog's contextvars put the id on every log
-line the thread writes meanwhile.
+line the thread writes meanwhile. Admission, which runs inside that call,
+leaves here what the handler needs later: headers for the response, and
+what to do when the request ends (give back its share of the KV budget).
 """
 
 from __future__ import annotations

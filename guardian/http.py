@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import json
+import socket
 import time
 from pathlib import Path
 
@@ -124,13 +125,15 @@ class GuardianHandler(stock.APIHandler):
             return super().do_POST()  # stock's 411 or 400 for the header
         limit = self.response_generator.max_body_bytes
         if limit is not None and length > limit:
-            # The body stays unread: this connection cannot carry another request.
+            # Answered from the header alone; the body is never read into
+            # memory, and this connection cannot carry another request.
             self.close_connection = True
-            return self.send_error_json(GuardianError(
+            self.send_error_json(GuardianError(
                 f"The request body is {length} bytes; this server accepts at most {limit} bytes.",
                 status=413, type="invalid_request_error", code="request_too_large",
                 headers={"Connection": "close"},
             ))
+            return self.discard_unread_body()
         raw = self.rfile.read(max(length, 0))
         problem = _json_object_problem(raw)
         if problem is not None:
@@ -143,6 +146,24 @@ class GuardianHandler(stock.APIHandler):
             super().do_POST()
         finally:
             self.rfile = rfile
+
+    def discard_unread_body(self, linger_s: float = 2.0) -> None:
+        """Let a client that sent its body anyway read the 413 before the close.
+
+        Closing a socket with unread data sends a reset, which can destroy
+        the response before the client reads it. Like a web server's
+        lingering close: stop writing, then drop what arrives for a moment.
+        """
+        try:
+            self.wfile.flush()
+            self.connection.shutdown(socket.SHUT_WR)
+            deadline = time.monotonic() + linger_s
+            while (remaining := deadline - time.monotonic()) > 0:
+                self.connection.settimeout(remaining)
+                if not self.connection.recv(65536):
+                    return
+        except OSError:
+            return
 
     def end_headers(self):
         # Headers admission set for this request (X-Guardian-...), whoever

@@ -30,7 +30,14 @@ from typing import Optional
 import structlog
 
 import guardian
-from guardian.admission import CONTEXT_LENGTH_KEYS, Admission, ModelLimits, describe_bytes, device_memory
+from guardian.admission import (
+    CONTEXT_LENGTH_KEYS,
+    Admission,
+    ModelLimits,
+    describe_bytes,
+    device_memory,
+    private_tokenizer,
+)
 from guardian.errors import GuardianError
 
 log = structlog.get_logger("guardian.prompt_guard")
@@ -152,6 +159,9 @@ class PromptGuard:
             log.info("prompt_guard_disabled")
             return
         engine.max_body_bytes = s.max_body_bytes or None
+        # The first private tokenizer copy is made now, not on the first request.
+        with private_tokenizer(engine.model_provider.tokenizer):
+            pass
         limits = engine.model_limits(engine.model_provider.model_key)
         n_ctx = self.context_limit(limits)
         engine.served_context_length = n_ctx

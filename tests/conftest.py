@@ -39,7 +39,7 @@ def poll(condition: Callable[[], object], timeout: float, interval: float = 0.02
             return result
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what or condition}")
-        time.sleep(interval)
+        time.sleep(interval)  # the poll loop: bounded by the deadline above
 
 
 class Server:
