@@ -206,6 +206,16 @@ def read_model_config(model: str) -> dict:
     return load_config(path)
 
 
+def served_model_config(model_path: str, model) -> dict:
+    """The served model's config.json; its parsed arguments when that cannot be read."""
+    try:
+        return read_model_config(model_path)
+    except Exception as e:
+        log.warning("model_config_unreadable", model=model_path, error_message=str(e))
+        args = getattr(model, "args", None)
+        return dict(vars(args)) if args is not None and hasattr(args, "__dict__") else {}
+
+
 def text_config(config: dict) -> dict:
     """The language model's part of a config (vision-language configs nest it)."""
     nested = config.get("text_config")

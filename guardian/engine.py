@@ -24,7 +24,7 @@ import mlx.core as mx
 import structlog
 
 from guardian import stock
-from guardian.admission import Admission, ModelLimits, private_tokenizer, read_model_config
+from guardian.admission import Admission, ModelLimits, private_tokenizer, served_model_config
 from guardian.context import (
     add_response_headers,
     at_request_end,
@@ -232,7 +232,7 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
             cli = self.cli_args
             limits = ModelLimits.of(
                 self.model_provider.model,
-                read_model_config(model_key[0]),
+                served_model_config(model_key[0], self.model_provider.model),
                 kv_bits=getattr(cli, "kv_bits", None),  # 0.31 has no --kv-bits
                 kv_group_size=getattr(cli, "kv_group_size", 64),
                 quantized_kv_start=getattr(cli, "quantized_kv_start", 0),

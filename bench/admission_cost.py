@@ -1,0 +1,100 @@
+"""The prompt guard's own cost per request, measured without the network.
+
+End-to-end throughput on a shared 2-CPU machine moves by several percent
+from one round to the next (see bench_prompt_guard.py); the guard's share
+is far below that. This script builds the guardian's engine in-process, as
+``mlx-guardian`` does (stock parses the flags, the plugins load from the
+default configuration, the demo model is served), and times for N chat
+requests of ~110 prompt tokens:
+
+- ``engine._admit``: everything the HTTP thread does before enqueueing,
+  with the ``prompt_guard`` plugin on (tokenize, limits, KV budget);
+- stock's ``_tokenize`` alone, the work stock itself does for the same
+  request on its generation thread, and which admission takes off it.
+
+Usage::
+
+    python bench/admission_cost.py [--requests 2000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+SENTENCE = "The guardian watches a language model server and keeps it alive. "
+
+
+def build_engine():
+    from guardian import cli, stock
+    from guardian.demo_model import ensure_demo_model
+    from guardian.engine import GuardianEngine
+    from guardian.watchdog import Watchdog
+
+    captured = {}
+
+    def capture(host, port, model_provider, *args, **kwargs):
+        captured["model_provider"] = model_provider
+
+    sys.argv = ["mlx-guardian", "--model", str(ensure_demo_model()), "--log-level", "WARNING"]
+    stock.run_stock_main(capture, add_arguments=cli.add_guardian_arguments, after_parse=cli.prepare)
+    model_provider = captured["model_provider"]
+    model_provider.load_default()
+    config, pm = model_provider.cli_args.guardian_runtime
+    engine = GuardianEngine(model_provider, model_provider.cli_args.prompt_cache_size,
+                            pm=pm, core=config.core, on_exit=lambda code: None)
+    engine.watchdog = Watchdog(engine, pm, config.watchdog)
+    pm.hook.guardian_startup(engine=engine, config=config)
+    return engine
+
+
+def chat_request(i: int):
+    from guardian import stock
+
+    return stock.server.CompletionRequest(
+        "chat", "", [{"role": "user", "content": f"Request {i}. " + SENTENCE * 6}], None, None
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=2000)
+    args = parser.parse_args()
+
+    from guardian import stock
+    from guardian.context import request_scope
+
+    engine = build_engine()
+    cli_args = engine.cli_args
+    admit_ms, tokenize_ms = [], []
+    for i in range(args.requests):
+        _, generation_args = stock.make_request("", max_tokens=128, cli_args=cli_args)
+        with request_scope(f"bench-{i}", stream=True):
+            started = time.perf_counter()
+            admission = engine._admit(chat_request(i), generation_args)
+            admit_ms.append((time.perf_counter() - started) * 1000)
+            admission.finish()
+        started = time.perf_counter()
+        engine.tokenize_as_stock(engine.model_provider.tokenizer, chat_request(i), generation_args)
+        tokenize_ms.append((time.perf_counter() - started) * 1000)
+
+    def describe(values):
+        ordered = sorted(values)
+        return (f"median {statistics.median(ordered):.3f} ms, "
+                f"p99 {ordered[int(len(ordered) * 0.99)]:.3f} ms")
+
+    print(f"{args.requests} chat requests of {len(admission.prompt_tokens)} prompt tokens, "
+          f"mlx-lm {stock.STOCK_VERSION}")
+    print(f"admission (prompt_guard on), HTTP thread: {describe(admit_ms)}")
+    print(f"stock _tokenize alone, the generation thread's work it replaces: {describe(tokenize_ms)}")
+    print(f"the guard's own work: {statistics.median(admit_ms) - statistics.median(tokenize_ms):.3f} ms "
+          "a request (median difference)")
+    stock.stop_generation_thread(engine)
+    os._exit(0)  # the engine's threads are daemons of a server that never served
+
+
+if __name__ == "__main__":
+    main()

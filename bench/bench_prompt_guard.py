@@ -1,0 +1,393 @@
+"""What the prompt guard costs and what it saves: stock mlx_lm.server and
+mlx-guardian side by side, in one run, on the same requests.
+
+Three servers serve the offline demo model (context 2048) on 127.0.0.1:
+stock ``mlx_lm.server``, ``mlx-guardian`` as it ships (the prompt guard on),
+and ``mlx-guardian`` with the prompt guard disabled, to tell the guard's own
+cost from the rest of the guardian's. The script measures:
+
+- throughput (completion tokens per second over all clients) and time to
+  first token (p50, p99) of streaming chat requests with 1 and with 8
+  concurrent clients. Every request has a prompt of its own (no prompt
+  cache hits) and the same ``max_tokens``; the demo model never stops early.
+  The servers take turns, round after round, each round in a rotated order,
+  so drift on a shared machine hits all alike; ratios are reported per
+  round, as their median, and over the whole run.
+- the time the guardian takes to answer a ~145K-token chat prompt with its
+  400, alone and while 8 clients stream.
+
+With ``--stock-long-prompt`` it also sends stock a prompt over the context
+(~13K tokens, ``max_tokens=1``) and times how long stock spends on it and
+what a small request sent beside it waits.
+
+Usage::
+
+    python bench/bench_prompt_guard.py            # a markdown report (~2 min)
+    python bench/bench_prompt_guard.py --json     # the raw numbers
+    python bench/bench_prompt_guard.py --rounds 2 # quicker, noisier
+
+It is a benchmark, not a test: it never runs with the test suite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime, timezone
+from pathlib import Path
+
+import httpx
+
+SENTENCE = "The guardian watches a language model server and keeps it alive. "
+INCIDENT_SENTENCES = 8600  # ~146K demo tokens: the incident's ~145K history
+STOCK_LONG_SENTENCES = 770  # ~13K tokens: the measurement in the issue
+MAX_TOKENS = 128
+PROMPT_SENTENCES = 6  # ~110 prompt tokens with the chat template
+START_TIMEOUT_S = 60.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, kind: str, command: list[str], port: int, log_path: Path, env: dict):
+        self.kind = kind
+        self.url = f"http://127.0.0.1:{port}"
+        self.log_path = log_path
+        with open(log_path, "w") as log_file:
+            self.proc = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=env)
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                break
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        tail = "\n".join(self.log_path.read_text(errors="replace").splitlines()[-20:])
+        raise SystemExit(f"{self.kind} did not start:\n{tail}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=10)
+
+
+def start_servers(model: Path, workdir: Path) -> dict[str, Server]:
+    common = ["--model", str(model), "--host", "127.0.0.1"]
+    hf_cache = workdir / "hf-cache"  # stock's /v1/models needs one; nothing is downloaded
+    hf_cache.mkdir()
+    # One hash seed for all: dict and set layouts then differ less between processes.
+    env = {**os.environ, "HF_HUB_CACHE": str(hf_cache), "HF_HUB_OFFLINE": "1", "PYTHONHASHSEED": "0"}
+    unguarded = workdir / "unguarded.toml"
+    unguarded.write_text('[guardian]\ndisabled_plugins = ["prompt_guard"]\n')
+    ports = {kind: free_port() for kind in ("stock", "guardian", "unguarded")}
+    return {
+        "stock": Server("stock", [sys.executable, "-m", "mlx_lm.server", *common,
+                                  "--port", str(ports["stock"])],
+                        ports["stock"], workdir / "stock.log", env),
+        # The default configuration: the prompt guard is on.
+        "guardian": Server("guardian", [sys.executable, "-m", "guardian", *common,
+                                        "--port", str(ports["guardian"])],
+                           ports["guardian"], workdir / "guardian.log", env),
+        # The same without the prompt guard: what the guard itself costs.
+        "unguarded": Server("unguarded", [sys.executable, "-m", "guardian", *common,
+                                          "--guardian-config", str(unguarded),
+                                          "--port", str(ports["unguarded"])],
+                            ports["unguarded"], workdir / "unguarded.log", env),
+    }
+
+
+def chat(content: str, *, max_tokens: int = MAX_TOKENS, stream: bool = True) -> dict:
+    return {"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
+            "stream": stream}
+
+
+def timed_stream(client: httpx.Client, url: str, body: dict) -> dict:
+    """One streaming request: seconds to the first token, to the end, and the token count."""
+    started = time.monotonic()
+    first = None
+    tokens = 0
+    with client.stream("POST", url + "/v1/chat/completions", json=body) as response:
+        if response.status_code != 200:
+            response.read()
+            raise RuntimeError(f"{response.status_code}: {response.text[:200]}")
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[len("data: "):])
+            if event.get("usage") is not None:
+                tokens = event["usage"]["completion_tokens"]
+            delta = event["choices"][0].get("delta", {}) if event.get("choices") else {}
+            if first is None and (delta.get("content") or delta.get("reasoning")):
+                first = time.monotonic() - started
+    return {"ttft_s": first, "duration_s": time.monotonic() - started, "tokens": tokens}
+
+
+def run_load(url: str, prompts: list[str], clients: int) -> dict:
+    """``clients`` clients share the prompts; returns tokens/s and each request's TTFT."""
+    body = lambda prompt: {**chat(prompt), "stream_options": {"include_usage": True}}
+
+    def client_loop(mine: list[str]) -> list[dict]:
+        with httpx.Client(timeout=120) as client:
+            return [timed_stream(client, url, body(p)) for p in mine]
+
+    shares = [prompts[i::clients] for i in range(clients)]
+    started = time.monotonic()
+    with ThreadPoolExecutor(clients) as pool:
+        results = [r for share in pool.map(client_loop, shares) for r in share]
+    wall = time.monotonic() - started
+    tokens = sum(r["tokens"] for r in results)
+    return {"tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
+            "ttft_s": [r["ttft_s"] for r in results]}
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, round(q / 100 * len(ordered) + 0.5) - 1))
+    return ordered[index]
+
+
+def measure_throughput(servers: dict, rounds: int, requests: dict[int, int]) -> dict:
+    """Round after round, each server in turn, on the same prompts."""
+    results = {clients: {kind: [] for kind in servers} for clients in requests}
+    serial = 0
+    for round_index in range(rounds):
+        for clients, count in requests.items():
+            prompts = []
+            for _ in range(count):
+                serial += 1
+                prompts.append(f"Request {serial}. " + SENTENCE * PROMPT_SENTENCES)
+            kinds = list(servers)
+            shift = round_index % len(kinds)
+            for kind in kinds[shift:] + kinds[:shift]:
+                results[clients][kind].append(run_load(servers[kind].url, prompts, clients))
+    return results
+
+
+# Throughput ratios reported: guardian vs stock (the issue's target), and the
+# guard's own cost (the guardian with and without it).
+RATIOS = {
+    "guardian_vs_stock": ("guardian", "stock"),
+    "unguarded_vs_stock": ("unguarded", "stock"),
+    "guard_on_vs_off": ("guardian", "unguarded"),
+}
+
+
+RATIO_LABELS = {
+    "guardian_vs_stock": "guardian / stock",
+    "unguarded_vs_stock": "guardian without the guard / stock",
+    "guard_on_vs_off": "guard on / guard off",
+}
+
+
+def summarize_throughput(results: dict) -> dict:
+    summary = {}
+    for clients, by_kind in results.items():
+        row = {}
+        for kind, runs in by_kind.items():
+            ttfts = [t for run in runs for t in run["ttft_s"]]
+            row[kind] = {
+                "tokens_per_s": sum(r["tokens"] for r in runs) / sum(r["wall_s"] for r in runs),
+                "ttft_p50_ms": 1000 * percentile(ttfts, 50),
+                "ttft_p99_ms": 1000 * percentile(ttfts, 99),
+                "requests": len(ttfts),
+            }
+        for name, (a, b) in RATIOS.items():
+            per_round = [x["tokens_per_s"] / y["tokens_per_s"] for x, y in zip(by_kind[a], by_kind[b])]
+            row[name] = {
+                "median": statistics.median(per_round),
+                "per_round": per_round,
+                "overall": row[a]["tokens_per_s"] / row[b]["tokens_per_s"],
+            }
+        summary[clients] = row
+    return summary
+
+
+def measure_rejection(guardian: Server, trials: int) -> dict:
+    """Seconds to the 400 for a ~145K-token prompt, alone and beside 8 streams."""
+    history = chat(SENTENCE * INCIDENT_SENTENCES, max_tokens=16, stream=False)
+
+    def reject_once(client) -> tuple[float, dict]:
+        started = time.monotonic()
+        response = client.post(guardian.url + "/v1/chat/completions", json=history)
+        elapsed = time.monotonic() - started
+        if response.status_code != 400:
+            raise RuntimeError(f"expected 400, got {response.status_code}: {response.text[:200]}")
+        return elapsed, response.json()["error"]
+
+    with httpx.Client(timeout=60) as client:
+        alone = [reject_once(client) for _ in range(trials)]
+        stop = threading.Event()
+
+        def streamer(i: int) -> int:
+            done = 0
+            with httpx.Client(timeout=120) as streaming:
+                while not stop.is_set():
+                    timed_stream(streaming, guardian.url, chat(f"Busy {i}-{done}. " + SENTENCE * 6))
+                    done += 1
+            return done
+
+        with ThreadPoolExecutor(8) as pool:
+            busy = [pool.submit(streamer, i) for i in range(8)]
+            time.sleep(1.0)  # let the 8 streams get going
+            loaded = [reject_once(client) for _ in range(trials)]
+            stop.set()
+            served_beside = sum(f.result() for f in busy)
+    error = alone[0][1]
+    return {
+        "n_prompt_tokens": error["n_prompt_tokens"],
+        "n_ctx": error["n_ctx"],
+        "code": error["code"],
+        "alone_s": [t for t, _ in alone],
+        "beside_8_streams_s": [t for t, _ in loaded],
+        "streams_served_meanwhile": served_beside,
+    }
+
+
+def measure_stock_long_prompt(stock: Server) -> dict:
+    """Stock on a prompt over the context: accepted, prefilled; a small request waits."""
+    long_body = chat(SENTENCE * STOCK_LONG_SENTENCES, max_tokens=1, stream=False)
+    result = {}
+
+    def send_long():
+        with httpx.Client(timeout=600) as client:
+            started = time.monotonic()
+            response = client.post(stock.url + "/v1/chat/completions", json=long_body)
+            result["long_status"] = response.status_code
+            result["long_s"] = time.monotonic() - started
+            if response.status_code == 200:
+                result["long_prompt_tokens"] = response.json()["usage"]["prompt_tokens"]
+
+    sender = threading.Thread(target=send_long)
+    sender.start()
+    time.sleep(1.0)
+    with httpx.Client(timeout=600) as client:
+        small = timed_stream(client, stock.url, chat("A small request beside it.", max_tokens=8))
+    result["small_ttft_s"] = small["ttft_s"]
+    sender.join()
+    return result
+
+
+def environment() -> str:
+    return (f"mlx-lm {importlib.metadata.version('mlx-lm')}, mlx {importlib.metadata.version('mlx')}, "
+            f"Python {platform.python_version()}, {os.cpu_count()} CPUs ({platform.machine()})")
+
+
+def report(data: dict) -> str:
+    lines = [
+        f"Prompt guard benchmark, {data['when']}: {data['environment']}; demo model "
+        f"(context 2048), streaming chat, ~110 prompt tokens, max_tokens={MAX_TOKENS}, "
+        f"{data['rounds']} rounds, wall time {data['wall_s']:.0f} s.",
+        "",
+        "| clients | server | tokens/s | TTFT p50 / p99 | requests |",
+        "|---|---|---|---|---|",
+    ]
+    for clients, row in data["throughput"].items():
+        for kind in ("stock", "unguarded", "guardian"):
+            k = row[kind]
+            lines.append(f"| {clients} | {LABELS[kind]} | {k['tokens_per_s']:.1f} | "
+                         f"{k['ttft_p50_ms']:.0f} / {k['ttft_p99_ms']:.0f} ms | {k['requests']} |")
+    lines += [
+        "",
+        "| clients | throughput ratio | median of rounds | whole run | rounds (min–max) |",
+        "|---|---|---|---|---|",
+    ]
+    for clients, row in data["throughput"].items():
+        for name in RATIOS:
+            ratio = row[name]
+            lines.append(
+                f"| {clients} | {RATIO_LABELS[name]} | **{ratio['median']:.3f}** | "
+                f"{ratio['overall']:.3f} | {min(ratio['per_round']):.3f}–{max(ratio['per_round']):.3f} |"
+            )
+    r = data["rejection"]
+    lines += [
+        "",
+        f"Guardian, a {r['n_prompt_tokens']}-token chat prompt (n_ctx {r['n_ctx']}): "
+        f"400 `{r['code']}` in {fmt_times(r['alone_s'])} alone; "
+        f"{fmt_times(r['beside_8_streams_s'])} while 8 clients stream "
+        f"({r['streams_served_meanwhile']} streams served meanwhile).",
+    ]
+    if "stock_long_prompt" in data:
+        s = data["stock_long_prompt"]
+        lines.append(
+            f"Stock, a {s.get('long_prompt_tokens', '?')}-token prompt (over the 2048 context): "
+            f"HTTP {s['long_status']} after {s['long_s']:.1f} s of prefill; a small request sent "
+            f"1 s later got its first token after {s['small_ttft_s']:.1f} s."
+        )
+    return "\n".join(lines)
+
+
+LABELS = {
+    "stock": "stock mlx_lm.server",
+    "unguarded": "mlx-guardian, prompt_guard disabled",
+    "guardian": "mlx-guardian (default: prompt_guard on)",
+}
+
+
+def fmt_times(seconds: list[float]) -> str:
+    ms = sorted(1000 * t for t in seconds)
+    return f"{statistics.median(ms):.0f} ms median, {ms[-1]:.0f} ms max of {len(ms)}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--single-requests", type=int, default=24,
+                        help="requests a round with 1 client")
+    parser.add_argument("--concurrent-requests", type=int, default=64,
+                        help="requests a round with 8 clients")
+    parser.add_argument("--rejection-trials", type=int, default=5)
+    parser.add_argument("--stock-long-prompt", action="store_true")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+
+    from guardian.demo_model import ensure_demo_model
+
+    model = ensure_demo_model()
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="bench-prompt-guard-") as workdir:
+        servers = start_servers(model, Path(workdir))
+        try:
+            for server in servers.values():
+                server.wait_ready()
+            for server in servers.values():  # load the weights, warm the caches
+                run_load(server.url, [f"Warm-up {i}. " + SENTENCE for i in range(8)], 8)
+            data = {
+                "when": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                "environment": environment(),
+                "rounds": args.rounds,
+            }
+            raw = measure_throughput(servers, args.rounds,
+                                     {1: args.single_requests, 8: args.concurrent_requests})
+            data["throughput"] = summarize_throughput(raw)
+            data["rejection"] = measure_rejection(servers["guardian"], args.rejection_trials)
+            if args.stock_long_prompt:
+                data["stock_long_prompt"] = measure_stock_long_prompt(servers["stock"])
+        finally:
+            for server in servers.values():
+                server.stop()
+    data["wall_s"] = time.monotonic() - started
+    print(json.dumps(data, indent=2) if args.json else report(data))
+
+
+if __name__ == "__main__":
+    main()
