@@ -7,7 +7,7 @@ is far below that. This script builds the guardian's engine in-process, as
 default configuration, the demo model is served), and times for N chat
 requests of ~110 prompt tokens:
 
-- ``engine._admit``: everything the HTTP thread does before enqueueing,
+- ``engine.gate.admit``: everything the HTTP thread does before enqueueing,
   with the ``prompt_guard`` plugin on (tokenize, limits, KV budget);
 - stock's ``_tokenize`` alone, the work stock itself does for the same
   request on its generation thread, and which admission takes off it.
@@ -74,7 +74,7 @@ def main() -> None:
         _, generation_args = stock.make_request("", max_tokens=128, cli_args=cli_args)
         with request_scope(f"bench-{i}", stream=True):
             started = time.perf_counter()
-            admission = engine._admit(chat_request(i), generation_args)
+            admission = engine.gate.admit(chat_request(i), generation_args)
             admit_ms.append((time.perf_counter() - started) * 1000)
             admission.finish()
         started = time.perf_counter()

@@ -9,7 +9,6 @@ the loaded weights. Nothing of the loop's own code is copied.
 
 from __future__ import annotations
 
-import functools
 import gc
 import itertools
 import threading
@@ -24,14 +23,7 @@ import mlx.core as mx
 import structlog
 
 from guardian import stock
-from guardian.admission import Admission, ModelLimits, private_tokenizer, served_model_config
-from guardian.context import (
-    add_response_headers,
-    at_request_end,
-    bind_log_fields,
-    current_request,
-    request_scope,
-)
+from guardian.context import at_request_end, request_scope
 from guardian.errors import (
     AbortRequest,
     EngineStepError,
@@ -40,6 +32,7 @@ from guardian.errors import (
     from_stock_exception,
 )
 from guardian.exit_codes import EXIT_ENGINE_FAILED
+from guardian.gate import AdmissionGate, finish_after
 from guardian.ledger import RequestLedger, RequestRecord, Stage
 from guardian.plugin_manager import notify
 
@@ -104,6 +97,7 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
         self._owner: Optional[threading.Thread] = None
         self._probe_ids = itertools.count(1)
         self.watchdog = None  # set by the server before it serves
+        self.gate = AdmissionGate(self)
         stock.observe_engine_steps(self._observe_step)
         super().__init__(model_provider, prompt_cache)
 
@@ -154,7 +148,7 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
     def generate(self, request, generation_args, progress_callback=None):
         if not self.generation_available():
             raise AbortRequest(engine_unavailable("The engine has stopped; the server is exiting."))
-        admission = self._admit(request, generation_args)
+        admission = self.gate.admit(request, generation_args)
         if admission is not None:
             request = admission.request  # a hook may have dropped messages
         try:
@@ -166,87 +160,8 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
                 raise AbortRequest(from_stock_exception(e)) from None
             raise
         if admission is not None and not at_request_end(admission.finish):
-            tokens = self._finish_after(tokens, admission)
+            tokens = finish_after(tokens, admission)
         return ctx, tokens
-
-    # The guard's context limit for the served model, for /v1/models; set
-    # by the prompt_guard plugin at start-up (None: the model's config).
-    served_context_length: Optional[int] = None
-
-    # HTTP bodies longer than this get a 413 unread (None: no limit); set
-    # by the prompt_guard plugin at start-up.
-    max_body_bytes: Optional[int] = None
-
-    def _admit(self, request, args) -> Optional[Admission]:
-        """Run the admit_request hooks here, on the HTTP thread, before anything is enqueued.
-
-        Raises AbortRequest when a hook turns the request away. Returns None
-        when the request names a model that is not loaded (stock loads it on
-        the engine thread; its tokenizer does not exist yet).
-        """
-        loaded = stock.loaded_tokenizer(self.model_provider, args)
-        if loaded is None:
-            log.info("admission_skipped", reason="model_not_loaded", model=args.model.model)
-            return None
-        model_key, tokenizer = loaded
-        info = current_request()
-        admission = Admission(
-            request,
-            args,
-            limits=self.model_limits(model_key),
-            tokenize=functools.partial(self._tokenize_for_admission, tokenizer, args=args),
-            request_id=info.request_id,
-            stream=info.stream,
-        )
-        try:
-            error = self.pm.hook.admit_request(admission=admission, engine=self)
-        except GuardianError as e:
-            error = e
-        except Exception:
-            log.exception("admission_failed")
-            error = GuardianError("The server failed to admit the request.", status=500, code="internal_error")
-        if admission.tokenized is not None:
-            admission.log_fields.setdefault("n_prompt_tokens", admission.n_prompt_tokens)
-        bind_log_fields(**admission.log_fields)
-        if error is not None:
-            admission.finish()
-            raise AbortRequest(error)
-        if admission.tokenized is not None:
-            stock.attach_tokens(admission.request, model_key, admission.tokenized)
-        add_response_headers(admission.response_headers)
-        return admission
-
-    def _tokenize_for_admission(self, tokenizer, request, *, args) -> tuple:
-        """Stock's tokenization of ``request``, on a private copy of the tokenizer."""
-        try:
-            with private_tokenizer(tokenizer) as private:
-                return self.tokenize_as_stock(private, request, args)
-        except Exception as e:
-            # What stock would have put on the request's queue: its fault.
-            raise from_stock_exception(e) from e
-
-    def model_limits(self, model_key) -> ModelLimits:
-        """Context length and KV cache sizes of the loaded model, read once per model."""
-        cached = self.__dict__.get("_model_limits")
-        if cached is None or cached[0] != model_key:
-            cli = self.cli_args
-            limits = ModelLimits.of(
-                self.model_provider.model,
-                served_model_config(model_key[0], self.model_provider.model),
-                kv_bits=getattr(cli, "kv_bits", None),  # 0.31 has no --kv-bits
-                kv_group_size=getattr(cli, "kv_group_size", 64),
-                quantized_kv_start=getattr(cli, "quantized_kv_start", 0),
-            )
-            cached = self.__dict__["_model_limits"] = (model_key, limits)
-        return cached[1]
-
-    @staticmethod
-    def _finish_after(tokens, admission):
-        """Stock's token iterator, ending the admission with it (outside a request scope)."""
-        try:
-            yield from tokens
-        finally:
-            admission.finish()
 
     # -- supervision ----------------------------------------------------------
     def supervise(self, run_stock_loop) -> None:

@@ -107,8 +107,8 @@ class GuardianHandler(stock.APIHandler):
         served = engine.cli_args.model
         served_ids = {served, str(Path(served).resolve())} if served else set()
         for model in listing.get("data", []):
-            if model.get("id") in served_ids and engine.served_context_length:
-                context_length = engine.served_context_length
+            if model.get("id") in served_ids and engine.gate.served_context_length:
+                context_length = engine.gate.served_context_length
             else:
                 context_length = context_length_of(model.get("id", ""))
             if context_length is not None:
@@ -123,7 +123,7 @@ class GuardianHandler(stock.APIHandler):
             length = int(self.headers.get("Content-Length"))
         except (TypeError, ValueError):
             return super().do_POST()  # stock's 411 or 400 for the header
-        limit = self.response_generator.max_body_bytes
+        limit = self.response_generator.gate.max_body_bytes
         if limit is not None and length > limit:
             # Answered from the header alone; the body is never read into
             # memory, and this connection cannot carry another request.

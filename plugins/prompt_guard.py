@@ -158,13 +158,13 @@ class PromptGuard:
         if not s.enabled:
             log.info("prompt_guard_disabled")
             return
-        engine.max_body_bytes = s.max_body_bytes or None
+        engine.gate.max_body_bytes = s.max_body_bytes or None
         # The first private tokenizer copy is made now, not on the first request.
         with private_tokenizer(engine.model_provider.tokenizer):
             pass
-        limits = engine.model_limits(engine.model_provider.model_key)
+        limits = engine.gate.model_limits(engine.model_provider.model_key)
         n_ctx = self.context_limit(limits)
-        engine.served_context_length = n_ctx
+        engine.gate.served_context_length = n_ctx
         if limits.context_length is None:
             log.warning(
                 "context_length_unknown",

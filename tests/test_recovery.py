@@ -6,12 +6,10 @@ plugin set to raise the incident's RuntimeError inside the stock engine.
 
 from __future__ import annotations
 
-import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 
 import httpx
-import pytest
 
 from conftest import chat_body, poll, read_stream
 

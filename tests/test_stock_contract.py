@@ -70,7 +70,7 @@ def _private_mlx_lm_uses(path: Path) -> list[str]:
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("mlx_lm"):
             if node.module == "mlx_lm.server":
-                found.append(f"from mlx_lm.server import ...")
+                found.append("from mlx_lm.server import ...")
             found += [f"{node.module}.{a.name}" for a in node.names if a.name.startswith("_")]
         if isinstance(node, ast.Import):
             found += [a.name for a in node.names if a.name == "mlx_lm.server"]

@@ -1,0 +1,103 @@
+"""The gate: ``admit_request`` hooks, run before a request is enqueued.
+
+Runs on the HTTP thread inside the engine's ``generate()``, so a refusal
+reaches the client before any byte (a stream's included), and the prompt is
+tokenized here, once, with stock's own code; the engine reuses the tokens.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import structlog
+
+from guardian import stock
+from guardian.admission import Admission, ModelLimits, private_tokenizer, served_model_config
+from guardian.context import add_response_headers, bind_log_fields, current_request
+from guardian.errors import AbortRequest, GuardianError, from_stock_exception
+
+log = structlog.get_logger("guardian.gate")
+
+
+class AdmissionGate:
+    def __init__(self, engine):
+        self.engine = engine
+        # The guard's context limit for the served model, for /v1/models; set
+        # by the prompt_guard plugin at start-up (None: the model's config).
+        self.served_context_length: Optional[int] = None
+        # HTTP bodies longer than this get a 413 unread (None: no limit); set
+        # by the prompt_guard plugin at start-up.
+        self.max_body_bytes: Optional[int] = None
+        self._limits: Optional[tuple] = None  # (model_key, ModelLimits)
+
+    def admit(self, request, args) -> Optional[Admission]:
+        """Run the admit_request hooks; raise AbortRequest if one turns the request away.
+
+        Returns None when the request names a model that is not loaded
+        (stock loads it on the engine thread; its tokenizer does not exist yet).
+        """
+        engine = self.engine
+        loaded = stock.loaded_tokenizer(engine.model_provider, args)
+        if loaded is None:
+            log.info("admission_skipped", reason="model_not_loaded", model=args.model.model)
+            return None
+        model_key, tokenizer = loaded
+        info = current_request()
+        admission = Admission(
+            request,
+            args,
+            limits=self.model_limits(model_key),
+            tokenize=functools.partial(self._tokenize, tokenizer, args=args),
+            request_id=info.request_id,
+            stream=info.stream,
+        )
+        try:
+            error = engine.pm.hook.admit_request(admission=admission, engine=engine)
+        except GuardianError as e:
+            error = e
+        except Exception:
+            log.exception("admission_failed")
+            error = GuardianError("The server failed to admit the request.", status=500, code="internal_error")
+        if admission.tokenized is not None:
+            admission.log_fields.setdefault("n_prompt_tokens", admission.n_prompt_tokens)
+        bind_log_fields(**admission.log_fields)
+        if error is not None:
+            admission.finish()
+            raise AbortRequest(error)
+        if admission.tokenized is not None:
+            stock.attach_tokens(admission.request, model_key, admission.tokenized)
+        add_response_headers(admission.response_headers)
+        return admission
+
+    def _tokenize(self, tokenizer, request, *, args) -> tuple:
+        """Stock's tokenization of ``request``, on a private copy of the tokenizer."""
+        try:
+            with private_tokenizer(tokenizer) as private:
+                return self.engine.tokenize_as_stock(private, request, args)
+        except Exception as e:
+            # What stock would have put on the request's queue: its fault.
+            raise from_stock_exception(e) from e
+
+    def model_limits(self, model_key) -> ModelLimits:
+        """Context length and KV cache sizes of the loaded model, read once per model."""
+        if self._limits is None or self._limits[0] != model_key:
+            engine = self.engine
+            cli = engine.cli_args
+            limits = ModelLimits.of(
+                engine.model_provider.model,
+                served_model_config(model_key[0], engine.model_provider.model),
+                kv_bits=getattr(cli, "kv_bits", None),  # 0.31 has no --kv-bits
+                kv_group_size=getattr(cli, "kv_group_size", 64),
+                quantized_kv_start=getattr(cli, "quantized_kv_start", 0),
+            )
+            self._limits = (model_key, limits)
+        return self._limits[1]
+
+
+def finish_after(tokens, admission):
+    """Stock's token iterator, ending the admission with it (outside a request scope)."""
+    try:
+        yield from tokens
+    finally:
+        admission.finish()
