@@ -97,6 +97,8 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
         self._owner: Optional[threading.Thread] = None
         self._probe_ids = itertools.count(1)
         self.watchdog = None  # set by the server before it serves
+        # After a stall the new loop is ready only once a probe generated on it.
+        self.awaiting_probe = False
         self.gate = AdmissionGate(self)
         stock.observe_engine_steps(self._observe_step)
         super().__init__(model_provider, prompt_cache)
@@ -134,7 +136,7 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
         if self.state is EngineState.STARTING:
             self.state = EngineState.READY
             log.info("engine_ready", steps=self.steps)
-        elif self.state is EngineState.RESTARTING:
+        elif self.state is EngineState.RESTARTING and not self.awaiting_probe:
             self._restarted()
 
     def _observe_step(self) -> None:
@@ -305,11 +307,18 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
         self._owner = None
         self._failed_at = time.monotonic()
         self._classification = "stall"
+        self.awaiting_probe = True
         self.state = EngineState.RESTARTING
         self._settle(TimeoutError(reason), "stall")
         if reload:
             stock.reset_model_provider(self.model_provider)
         stock.start_generation_thread(self)
+
+    def verified(self) -> None:
+        """A probe generated on the loop that replaced a stuck one."""
+        self.awaiting_probe = False
+        if self.state is EngineState.RESTARTING:
+            self._restarted()
 
     def probe(self, prompt: str, timeout_s: float) -> dict:
         """Generate one token through the same queue and loop as users' requests.

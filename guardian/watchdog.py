@@ -104,6 +104,10 @@ class Watchdog:
 
     # -- probes -------------------------------------------------------------
     def _maybe_probe(self, now: float) -> None:
+        if self.engine.awaiting_probe and not self._probing.locked():
+            # A loop that replaced a stuck one is ready once it generated.
+            threading.Thread(target=self._verify_replacement, name="probe", daemon=True).start()
+            return
         if self.engine.state is not EngineState.READY:
             return
         if now - self._last_probe_at < self.settings.probe_interval_s:
@@ -128,6 +132,12 @@ class Watchdog:
         log.info("probe_finished", ok=outcome["ok"], results=results)
         notify(self.pm.hook.on_probe_result, results=results, engine=self.engine)
         return outcome
+
+    def _verify_replacement(self) -> None:
+        if self.run_probes()["ok"]:
+            self.engine.verified()
+        elif self.engine.awaiting_probe:
+            self._on_stall(time.monotonic() - self.engine.last_beat, "the replacement loop failed its probe")
 
     # -- readiness ------------------------------------------------------------
     def heartbeat_fresh(self) -> bool:

@@ -80,6 +80,20 @@ def test_hang_is_detected_answered_and_replaced(start_server):
     assert status["stalls"] == 1 and status["state"] == "ready"
 
 
+def test_reload_rung_reads_the_weights_again_and_serves(start_server):
+    server = start_server(HANG + watchdog(stall_timeout_s=1.0, ladder=["reload"]))
+    with httpx.Client(timeout=30) as client:
+        response = client.post(server.url + "/v1/chat/completions", json=chat_body(max_tokens=8))
+        assert response.status_code == 200, response.text
+        [stalled] = server.events("engine_stalled")
+        assert stalled["action"] == "reload"
+        # Ready again only after a probe generated on the new loop.
+        [restarted] = server.wait_for_event("engine_restarted")
+        probes = [e for e in server.events("probe_finished") if e["ok"]]
+        assert stamp(probes[-1]) <= stamp(restarted)
+        assert client.post(server.url + "/v1/chat/completions", json=chat_body(max_tokens=4)).status_code == 200
+
+
 def test_hang_mid_stream_ends_the_stream_with_an_error(start_server):
     server = start_server(HANG.replace("= 5", "= 20") + watchdog(stall_timeout_s=1.0))
     with httpx.Client(timeout=30) as client:

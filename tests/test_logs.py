@@ -1,0 +1,31 @@
+"""Logs: JSON lines with snake_case events, stock's records in the same shape."""
+
+from __future__ import annotations
+
+import re
+
+import httpx
+
+from conftest import chat_body
+
+
+def test_every_line_is_json_and_stock_records_carry_the_request_id(start_server):
+    server = start_server()
+    response = httpx.post(server.url + "/v1/chat/completions", json=chat_body(max_tokens=4), timeout=30)
+    request_id = response.json()["id"]
+    lines = server.logs()
+    assert [line for line in lines if line["event"] == "non_json_line"] == []
+    # mlx_lm's own logging (the root logger) went through the same renderer,
+    # and lines written while serving the request name it.
+    stock_lines = [line for line in lines if line.get("logger") == "root"]
+    assert any(line.get("request_id") == request_id for line in stock_lines)
+    guardian_events = {line["event"] for line in lines if line.get("logger", "").startswith("guardian")}
+    assert {"server_started", "engine_ready", "http_access"} <= guardian_events
+    assert all(re.fullmatch(r"[a-z][a-z0-9_]*", event) for event in guardian_events)
+
+
+def test_console_format_is_for_people(start_server):
+    server = start_server("", "--log-format", "console")
+    text = server.log_path.read_text()
+    started = [line for line in text.splitlines() if "server_started" in line]
+    assert started and not started[0].lstrip().startswith("{")
