@@ -119,10 +119,6 @@ class SupervisableResponseGenerator(ResponseGenerator):
     def supervise(self, run_stock_loop: Callable[[], None]) -> None:
         raise NotImplementedError
 
-    def tokenize(self, tokenizer, request, args) -> list[int]:
-        """The prompt tokens stock would compute for this request."""
-        return self._tokenize(tokenizer, request, args)[0]
-
     def _tokenize(self, tokenizer, request, args):
         """Stock's tokenization, unless admission already did it for this request."""
         reused = reused_tokens(request, self.model_provider.model_key)
