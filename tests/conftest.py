@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -87,6 +89,41 @@ class Server:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGKILL)
         self.proc.wait(timeout=10)
+
+
+class NotifyReceiver:
+    """systemd's side of sd_notify: an AF_UNIX datagram socket that keeps what it hears."""
+
+    def __init__(self):
+        # A short folder: AF_UNIX paths are limited to ~108 bytes.
+        self.folder = Path(tempfile.mkdtemp(prefix="sd", dir="/tmp"))
+        self.address = str(self.folder / "notify")
+        self.socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.socket.bind(self.address)
+        self.socket.settimeout(0.2)
+        self.messages: list[str] = []
+
+    def received(self, wanted: str) -> bool:
+        """Read at most one datagram (waiting up to 0.2 s); whether ``wanted`` came yet."""
+        try:
+            self.messages.append(self.socket.recv(4096).decode())
+        except socket.timeout:
+            pass
+        return wanted in self.messages
+
+    def wait_for(self, wanted: str, timeout: float) -> None:
+        poll(lambda: self.received(wanted), timeout, interval=0, what=wanted)
+
+    def close(self) -> None:
+        self.socket.close()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+@pytest.fixture
+def notify_receiver():
+    receiver = NotifyReceiver()
+    yield receiver
+    receiver.close()
 
 
 @pytest.fixture(scope="session")

@@ -9,12 +9,9 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -109,45 +106,30 @@ def assert_restarting_error(body: dict) -> None:
     assert body["error"]["code"] == "engine_restarting"
 
 
-def test_proxies_completions_and_streams_and_stops_on_sigterm(start_supervisor):
-    folder = Path(tempfile.mkdtemp(prefix="sd", dir="/tmp"))
-    receiver = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    receiver.bind(str(folder / "notify"))
-    receiver.settimeout(0.2)
-    messages: list[str] = []
-
-    def received(wanted: str) -> bool:
-        try:
-            messages.append(receiver.recv(4096).decode())
-        except socket.timeout:
-            pass
-        return wanted in messages
-
-    try:
-        supervised = start_supervisor(env={"NOTIFY_SOCKET": str(folder / "notify"), "WATCHDOG_USEC": "400000"})
-        child_pid = supervised.wait_ready()
-        with httpx.Client(timeout=30) as client:
-            response = client.post(supervised.url + COMPLETIONS, json=chat_body(max_tokens=8))
-            assert response.status_code == 200, response.text
-            assert response.json()["usage"]["completion_tokens"] == 8
-            # The child's headers, stock's CORS ones included, pass through.
-            assert response.headers["content-type"] == "application/json"
-            assert response.headers["access-control-allow-origin"] == "*"
-            result = read_stream(client, supervised.url + COMPLETIONS, chat_body(max_tokens=8, stream=True))
-            assert result["status"] == 200 and result["done"] and not result["errors"]
-            assert len(result["events"]) >= 2
-            assert client.get(supervised.url + "/livez").status_code == 200
-            assert client.get(supervised.url + "/readyz").json()["status"] == "ready"  # the child's own
-        maps = Path(f"/proc/{supervised.proc.pid}/maps")
-        if maps.exists():  # Linux: the supervisor itself never loaded mlx
-            assert "mlx" not in maps.read_text()
-        poll(lambda: received("WATCHDOG=1"), 5, interval=0, what="WATCHDOG=1")
-        supervised.proc.send_signal(signal.SIGTERM)
-        poll(lambda: received("STOPPING=1"), 10, interval=0, what="STOPPING=1")
-        assert supervised.proc.wait(timeout=20) == EXIT_OK
-    finally:
-        receiver.close()
-        shutil.rmtree(folder, ignore_errors=True)
+def test_proxies_completions_and_streams_and_stops_on_sigterm(start_supervisor, notify_receiver):
+    env = {"NOTIFY_SOCKET": notify_receiver.address, "WATCHDOG_USEC": "400000"}
+    supervised = start_supervisor(env=env)
+    child_pid = supervised.wait_ready()
+    with httpx.Client(timeout=30) as client:
+        response = client.post(supervised.url + COMPLETIONS, json=chat_body(max_tokens=8))
+        assert response.status_code == 200, response.text
+        assert response.json()["usage"]["completion_tokens"] == 8
+        # The child's headers, stock's CORS ones included, pass through.
+        assert response.headers["content-type"] == "application/json"
+        assert response.headers["access-control-allow-origin"] == "*"
+        result = read_stream(client, supervised.url + COMPLETIONS, chat_body(max_tokens=8, stream=True))
+        assert result["status"] == 200 and result["done"] and not result["errors"]
+        assert len(result["events"]) >= 2
+        assert client.get(supervised.url + "/livez").status_code == 200
+        assert client.get(supervised.url + "/readyz").json()["status"] == "ready"  # the child's own
+    maps = Path(f"/proc/{supervised.proc.pid}/maps")
+    if maps.exists():  # Linux: the supervisor itself never loaded mlx
+        assert "mlx" not in maps.read_text()
+    notify_receiver.wait_for("WATCHDOG=1", 5)
+    supervised.proc.send_signal(signal.SIGTERM)
+    notify_receiver.wait_for("STOPPING=1", 10)
+    assert supervised.proc.wait(timeout=20) == EXIT_OK
+    messages = notify_receiver.messages
     # systemd hears from the supervisor only: one READY=1, not a second from the child.
     assert messages.count("READY=1") == 1
     assert messages.index("READY=1") < messages.index("WATCHDOG=1") < messages.index("STOPPING=1")

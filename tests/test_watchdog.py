@@ -8,12 +8,9 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
-import tempfile
 import threading
 import time
 from datetime import datetime
-from pathlib import Path
 
 import httpx
 
@@ -162,28 +159,13 @@ def test_deep_probe_keeps_its_deadline_on_a_stuck_engine(start_server):
             assert client.get(server.url + "/health").status_code == 200  # not yet a stall
 
 
-def test_systemd_notify_protocol(start_server):
-    folder = Path(tempfile.mkdtemp(prefix="sd", dir="/tmp"))
-    address = str(folder / "notify")
-    receiver = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    receiver.bind(address)
-    receiver.settimeout(0.2)
-    messages = []
-
-    def received(wanted):
-        try:
-            messages.append(receiver.recv(4096).decode())
-        except socket.timeout:
-            pass
-        return wanted in messages
-
-    try:
-        server = start_server(watchdog(), env={"NOTIFY_SOCKET": address, "WATCHDOG_USEC": "400000"})
-        poll(lambda: received("READY=1"), 10, interval=0, what="READY=1")
-        poll(lambda: received("WATCHDOG=1"), 5, interval=0, what="WATCHDOG=1")
-        server.proc.send_signal(signal.SIGTERM)
-        poll(lambda: received("STOPPING=1"), 10, interval=0, what="STOPPING=1")
-        assert server.proc.wait(timeout=15) == 0
-        assert messages.index("READY=1") < messages.index("WATCHDOG=1") < messages.index("STOPPING=1")
-    finally:
-        receiver.close()
+def test_systemd_notify_protocol(start_server, notify_receiver):
+    env = {"NOTIFY_SOCKET": notify_receiver.address, "WATCHDOG_USEC": "400000"}
+    server = start_server(watchdog(), env=env)
+    notify_receiver.wait_for("READY=1", 10)
+    notify_receiver.wait_for("WATCHDOG=1", 5)
+    server.proc.send_signal(signal.SIGTERM)
+    notify_receiver.wait_for("STOPPING=1", 10)
+    assert server.proc.wait(timeout=15) == 0
+    messages = notify_receiver.messages
+    assert messages.index("READY=1") < messages.index("WATCHDOG=1") < messages.index("STOPPING=1")
