@@ -34,7 +34,7 @@ from guardian.errors import (
 from guardian.exit_codes import EXIT_ENGINE_FAILED
 from guardian.gate import AdmissionGate, finish_after
 from guardian.ledger import RequestLedger, RequestRecord, Stage
-from guardian.plugin_manager import notify
+from guardian.plugin_manager import active_hook, notify
 
 log = structlog.get_logger("guardian.engine")
 
@@ -100,6 +100,8 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
         # After a stall the new loop is ready only once a probe generated on it.
         self.awaiting_probe = False
         self.gate = AdmissionGate(self)
+        # Called before every engine step: no plugin call at all by default.
+        self._step_hook = active_hook(pm, "on_engine_step")
         stock.observe_engine_steps(self._observe_step)
         super().__init__(model_provider, prompt_cache)
 
@@ -142,7 +144,8 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
     def _observe_step(self) -> None:
         self.steps += 1
         self.last_beat = time.monotonic()
-        self.pm.hook.on_engine_step(step=self.steps, engine=self)
+        if self._step_hook is not None:
+            self._step_hook(step=self.steps, engine=self)
         # A step may return long after the watchdog gave up on this thread.
         self._check_owner()
 

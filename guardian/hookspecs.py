@@ -64,7 +64,8 @@ def on_engine_step(step, engine):
     """Called before every engine step: a BatchGenerator step or a token of
     the non-batched path.
 
-    Generation thread, on the hot path: keep it cheap. ``step`` counts steps
+    Generation thread, on the hot path: keep it cheap; a plugin object with
+    ``active = False`` (read once at start) is not called. ``step`` counts steps
     since the process started. An exception raised here is an engine failure
     at that step (this is how the fault-injection plugin works). Return value
     ignored.

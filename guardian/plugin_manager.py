@@ -70,6 +70,14 @@ def register(pm: pluggy.PluginManager, plugin, tables: dict, spec: str) -> None:
     pm.register(plugin, name=name)
 
 
+def active_hook(pm: pluggy.PluginManager, name: str):
+    """The hook caller for ``name`` without the plugins that say ``active = False``;
+    None when no implementation is left, so a hot path can skip the call."""
+    inactive = [p for p in pm.get_plugins() if getattr(p, "active", True) is False]
+    caller = pm.subset_hook_caller(name, remove_plugins=inactive)
+    return caller if caller.get_hookimpls() else None
+
+
 def notify(hook, **kwargs) -> None:
     """Call an observer hook; a plugin's exception is logged, not raised."""
     try:

@@ -61,6 +61,8 @@ class FaultInjection:
 
     def __init__(self, settings: FaultInjectionSettings):
         self.settings = settings
+        # Disabled, it stays off the engine's per-step hot path entirely.
+        self.active = settings.enabled
         self.exception_class = self._exception_class(settings.exception)
         self.random = random.Random(settings.seed)
         self.faults = 0

@@ -106,3 +106,12 @@ def test_third_party_plugin_from_config(tmp_path, monkeypatch):
     path = write(tmp_path, '[guardian]\nplugins = ["my_guardian_plugin:Greeter"]\n[greeter]\ngreeting = "hi"\n')
     pm = make_plugin_manager(load_config(path))
     assert pm.get_plugin("greeter").settings.greeting == "hi"
+
+
+def test_engine_step_hook_is_skipped_unless_a_plugin_is_active(tmp_path):
+    from guardian.plugin_manager import active_hook
+
+    assert active_hook(make_plugin_manager(load_config(None)), "on_engine_step") is None
+    enabled = write(tmp_path, "[fault_injection]\nenabled = true\n")
+    hook = active_hook(make_plugin_manager(load_config(enabled)), "on_engine_step")
+    assert [impl.plugin_name for impl in hook.get_hookimpls()] == ["fault_injection"]
