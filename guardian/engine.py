@@ -14,7 +14,6 @@ import itertools
 import threading
 import time
 import traceback
-from collections import deque
 from enum import Enum
 from queue import Empty, Queue
 from typing import Callable, Optional
@@ -23,7 +22,9 @@ import mlx.core as mx
 import structlog
 
 from guardian import stock
+from guardian.admission import private_tokenizer
 from guardian.context import at_request_end, request_scope
+from guardian.counting import RecentEvents
 from guardian.errors import (
     AbortRequest,
     EngineStepError,
@@ -87,9 +88,8 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
         self.steps = 0
         self.last_beat = time.monotonic()
         self.restarts = 0
-        self.failures: deque[float] = deque()
+        self.failures = RecentEvents(window_s=60.0)
         self.last_error: Optional[dict] = None
-        self.window_s = 60.0
         self.max_reruns = 1
         self._failed_at: Optional[float] = None
         self._classification: Optional[str] = None
@@ -115,7 +115,7 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
         pass
 
     def configure_recovery(self, *, window_s: float, max_reruns: int) -> None:
-        self.window_s = window_s
+        self.failures.window_s = window_s
         self.max_reruns = max_reruns
 
     # -- health -------------------------------------------------------------
@@ -205,9 +205,7 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
         cause = exc.cause if isinstance(exc, EngineStepError) else exc
         classification = self.pm.hook.classify_engine_error(error=cause) or "unknown"
         self._classification = classification
-        self.failures.append(self._failed_at)
-        while self.failures and self.failures[0] < self._failed_at - self.window_s:
-            self.failures.popleft()
+        failures_in_window = self.failures.add(self._failed_at)
         self.last_error = {
             "type": type(cause).__name__,
             "message": str(cause),
@@ -222,19 +220,19 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
             classification=classification,
             traceback="".join(traceback.format_exception(cause)),
             step=self.steps,
-            failures_in_window=len(self.failures),
+            failures_in_window=failures_in_window,
             **self.ledger.counts(),
         )
         action = self.pm.hook.on_engine_error(
             error=cause,
             classification=classification,
-            failures_in_window=len(self.failures),
+            failures_in_window=failures_in_window,
             engine=self,
         )
         if action not in ("restart", "reload", "exit"):
             raise RuntimeError(f"on_engine_error returned {action!r}")
         if action == "exit":
-            self.give_up(f"the engine failed {len(self.failures)} times within {self.window_s:g} s")
+            self.give_up(f"the engine failed {failures_in_window} times within {self.failures.window_s:g} s")
         else:
             self._settle(cause, classification)
         return action
@@ -248,7 +246,7 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
         reruns = [r for r in records if r.stage is Stage.TAKEN]
         for record in started:
             if record.client_has_output:
-                self.fail(record, self._mid_stream_error(classification))
+                self.fail(record, self._restarting_error(classification, mid_stream=True))
             elif self.max_reruns == 0:
                 self.fail(record, self._restarting_error(classification))
             elif record.failures <= self.max_reruns:
@@ -354,7 +352,8 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
 
     def remember_probe_prompt(self, prompt: str) -> None:
         """Keep probe prompts out of the prompt cache."""
-        tokens = self.model_provider.tokenizer.encode(prompt)
+        with private_tokenizer(self.model_provider.tokenizer) as tokenizer:
+            tokens = tokenizer.encode(prompt)
         self.prompt_cache.skip_prefixes.append(list(tokens))
 
     def fail(self, record: RequestRecord, error: GuardianError) -> None:
@@ -369,21 +368,14 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
         notify(self.pm.hook.on_request_failed, request_id=record.request_id, error=error, engine=self)
 
     # -- errors clients get -------------------------------------------------
-    def _restarting_error(self, classification: str) -> GuardianError:
+    def _restarting_error(self, classification: str, *, mid_stream: bool = False) -> GuardianError:
+        when = " after this stream had started" if mid_stream else ""
         return GuardianError(
-            f"The engine failed ({classification}) and is restarting; retry the request.",
+            f"The engine failed ({classification}){when}; it is restarting, retry the request.",
             status=503,
             code="engine_restarting",
             retry_after_s=self.core.retry_after_s,
         )
-
-    def _mid_stream_error(self, classification: str) -> GuardianError:
-        error = self._restarting_error(classification)
-        error.message = (
-            f"The engine failed ({classification}) after this stream had started; "
-            "the engine is restarting, retry the request."
-        )
-        return error
 
     def _blamed_error(self, record, cause, classification) -> GuardianError:
         return GuardianError(
@@ -417,7 +409,7 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
         return {
             "state": self.state.value,
             "restarts": self.restarts,
-            "failures_in_window": len(self.failures),
+            "failures_in_window": self.failures.count(),
             "last_error": self.last_error,
             "steps": self.steps,
             "heartbeat_age_s": round(time.monotonic() - self.last_beat, 3),

@@ -51,7 +51,6 @@ class RequestRecord(Queue):
         self.stage = Stage.QUEUED
         self.failures = 0
         self.isolate = False
-        self.enqueued_at = time.monotonic()
         self._held: list = []
         self._first_ctx = None
         self._current_ctx = None

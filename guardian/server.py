@@ -17,6 +17,7 @@ import structlog
 
 from guardian import stock
 from guardian.config import GuardianConfig
+from guardian.counting import ActiveCount
 from guardian.engine import GuardianEngine
 from guardian.exit_codes import EXIT_BOOT_ERROR, EXIT_OK
 from guardian.http import GuardianHandler
@@ -97,24 +98,9 @@ def make_http_server(host: str, port: int, engine) -> ThreadingHTTPServer:
     httpd = ThreadingHTTPServer((host, port), handler)
     # Handler threads must not keep a failed process alive past its exit.
     httpd.daemon_threads = True
-    httpd.completions = CompletionCounter()
+    # Completion requests HTTP threads are answering now, for drain().
+    httpd.completions = ActiveCount()
     return httpd
-
-
-class CompletionCounter:
-    """How many completion requests HTTP threads are answering now."""
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self.active = 0
-
-    def __enter__(self):
-        with self._lock:
-            self.active += 1
-
-    def __exit__(self, *exc):
-        with self._lock:
-            self.active -= 1
 
 
 def drain(httpd, engine, grace_s: float) -> None:

@@ -183,9 +183,8 @@ def loaded_tokenizer(model_provider, args):
     Another model would be loaded by the engine thread when the request gets
     there; its tokenizer does not exist before.
     """
-    model_key = model_provider.model_key
-    tokenizer = model_provider.tokenizer
-    if model_key is None or tokenizer is None or model_provider.model_key != model_key:
+    model_key, tokenizer = model_provider.model_key, model_provider.tokenizer
+    if model_key is None or tokenizer is None:
         return None  # a load is under way
     if requested_model_key(model_provider, args.model) != model_key:
         return None

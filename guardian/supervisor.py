@@ -17,7 +17,6 @@ kills an engine can take it down with it.
 from __future__ import annotations
 
 import argparse
-import collections
 import os
 import queue
 import signal
@@ -32,6 +31,7 @@ from typing import Optional
 import httpx
 import structlog
 
+from guardian.counting import ActiveCount, RecentEvents
 from guardian.errors import GuardianError
 from guardian.exit_codes import (
     EXIT_BOOT_ERROR,
@@ -141,22 +141,6 @@ class Child:
         return (self.last_check_at or self.started_at) + interval
 
 
-class InFlight:
-    """How many requests the public side is relaying now."""
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self.count = 0
-
-    def __enter__(self):
-        with self._lock:
-            self.count += 1
-
-    def __exit__(self, *exc):
-        with self._lock:
-            self.count -= 1
-
-
 class Supervisor:
     """Owns the public port and one engine child; replaces it when it fails."""
 
@@ -168,12 +152,13 @@ class Supervisor:
         self.state = State.STARTING
         self.child: Optional[Child] = None
         self.generation = 0
-        self.restart_times: collections.deque = collections.deque()
+        self.restart_times = RecentEvents(options.supervisor_window)
         self.restarts = 0
         self.last_exit: Optional[dict] = None
         self.outage_started = time.monotonic()
         self.exit_code: Optional[int] = None
-        self.in_flight = InFlight()
+        # Requests the public side is relaying now.
+        self.in_flight = ActiveCount()
         self.httpd: Optional[PublicServer] = None
         self.notifier = SystemdNotifier()
         self.ready_sent = False
@@ -307,14 +292,10 @@ class Supervisor:
         if dead.kill_reason is None and dead.proc.returncode in NOT_RESTARTABLE:
             return self.give_up(f"the child refused its flags (exit code {dead.proc.returncode})",
                                 dead.proc.returncode)
-        now = time.monotonic()
-        window = self.options.supervisor_window
-        while self.restart_times and now - self.restart_times[0] > window:
-            self.restart_times.popleft()
-        if len(self.restart_times) >= self.options.supervisor_max_restarts:
+        if self.restart_times.count() >= self.options.supervisor_max_restarts:
             return self.give_up(f"more than {self.options.supervisor_max_restarts} restarts "
-                                f"within {window:g} s", EXIT_SUPERVISOR_GAVE_UP)
-        self.restart_times.append(now)
+                                f"within {self.restart_times.window_s:g} s", EXIT_SUPERVISOR_GAVE_UP)
+        self.restart_times.add()
         self.restarts += 1
         self.spawn_child()
 
@@ -421,12 +402,12 @@ class Supervisor:
     def finish(self) -> int:
         """Let in-flight requests reach their clients, close the port, return the code."""
         deadline = time.monotonic() + DRAIN_TIMEOUT_S
-        while self.in_flight.count and time.monotonic() < deadline:
+        while self.in_flight.active and time.monotonic() < deadline:
             self.wait_for_signals(0.02)  # a bounded pause that still drains the queue
         self.httpd.shutdown()
         self.httpd.server_close()
         log.info("supervisor_stopped", exit_code=self.exit_code, restarts=self.restarts,
-                 unanswered=self.in_flight.count)
+                 unanswered=self.in_flight.active)
         return self.exit_code
 
     # -- for the public side (HTTP threads) -------------------------------
@@ -478,10 +459,10 @@ class Supervisor:
                 "stopping_because": child.kill_reason,
             },
             "restarts": self.restarts,
-            "restarts_in_window": len(self.restart_times),
+            "restarts_in_window": self.restart_times.count(),
             "max_restarts": self.options.supervisor_max_restarts,
             "last_exit": self.last_exit,
-            "in_flight": self.in_flight.count,
+            "in_flight": self.in_flight.active,
         }
 
 

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import deque
 from typing import Optional
 
 import structlog
 
 from guardian.config import WatchdogSettings
+from guardian.counting import RecentEvents
 from guardian.engine import EngineState
 from guardian.exit_codes import EXIT_ENGINE_STALLED
 from guardian.plugin_manager import notify
@@ -33,7 +33,7 @@ class Watchdog:
         self.pm = pm
         self.settings = settings
         self.notifier = notifier or SystemdNotifier()
-        self.stalls: deque[float] = deque()
+        self.stalls = RecentEvents(settings.ladder_window_s)
         self.stall_count = 0
         self.last_probe: Optional[dict] = None
         self.last_sample: Optional[dict] = None
@@ -78,13 +78,10 @@ class Watchdog:
                 self._on_stall(age, "the restarted loop never asked for work")
 
     def _on_stall(self, heartbeat_age_s: float, why: str) -> None:
-        now = time.monotonic()
-        self.stalls.append(now)
-        while self.stalls and self.stalls[0] < now - self.settings.ladder_window_s:
-            self.stalls.popleft()
+        stalls_in_window = self.stalls.add()
         self.stall_count += 1
         ladder = self.settings.ladder
-        action = ladder[min(len(self.stalls), len(ladder)) - 1]
+        action = ladder[min(stalls_in_window, len(ladder)) - 1]
         reason = f"{why} for {heartbeat_age_s:.1f} s"
         self.engine.state = EngineState.STALLED
         log.error(
@@ -92,7 +89,7 @@ class Watchdog:
             heartbeat_age_s=round(heartbeat_age_s, 3),
             reason=reason,
             action=action,
-            stalls_in_window=len(self.stalls),
+            stalls_in_window=stalls_in_window,
             step=self.engine.steps,
             **self.engine.ledger.counts(),
         )

@@ -1,0 +1,49 @@
+"""Counting what happens now and what happened lately.
+
+The engine counts failures, the watchdog stalls, the supervisor restarts,
+each within a window of seconds; the HTTP servers count requests in flight.
+No mlx here: the supervisor imports it too.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from typing import Optional
+
+
+class RecentEvents:
+    """Times of events within the last ``window_s`` seconds (monotonic clock)."""
+
+    def __init__(self, window_s: float):
+        self.window_s = window_s
+        self._times: deque[float] = deque()
+
+    def add(self, now: Optional[float] = None) -> int:
+        """Record an event; return how many fall within the window, this one included."""
+        now = time.monotonic() if now is None else now
+        self._times.append(now)
+        return self.count(now)
+
+    def count(self, now: Optional[float] = None) -> int:
+        now = time.monotonic() if now is None else now
+        while self._times and self._times[0] < now - self.window_s:
+            self._times.popleft()
+        return len(self._times)
+
+
+class ActiveCount:
+    """How many of something are under way: ``with counter:`` around each."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.active = 0
+
+    def __enter__(self):
+        with self._lock:
+            self.active += 1
+
+    def __exit__(self, *exc):
+        with self._lock:
+            self.active -= 1
