@@ -165,6 +165,23 @@ def start_server(tmp_path, model_cache):
         server.stop()
 
 
+# A tool the demo model's chat template renders into the prompt.
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Get the current weather for a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "description": "The name of the city"}},
+                "required": ["city"],
+            },
+        },
+    }
+]
+
+
 def chat_body(content: str = "Tell me a story.", max_tokens: int = 16, stream: bool = False, **extra) -> dict:
     return {
         "messages": [{"role": "user", "content": content}],

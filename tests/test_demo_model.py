@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import TOOLS
 
 from guardian.demo_model import (
     DEMO_MODEL_NAME,
@@ -25,20 +26,6 @@ pytestmark = pytest.mark.timeout(60)
 MESSAGES = [
     {"role": "system", "content": "You are a helpful assistant."},
     {"role": "user", "content": "What is the weather like today in Paris?"},
-]
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "Get the current weather for a city",
-            "parameters": {
-                "type": "object",
-                "properties": {"city": {"type": "string"}},
-                "required": ["city"],
-            },
-        },
-    }
 ]
 
 

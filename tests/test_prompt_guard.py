@@ -19,25 +19,11 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from conftest import REPO, Server, chat_body, free_port, read_stream
+from conftest import REPO, TOOLS, Server, chat_body, free_port, read_stream
 
 N_CTX = 2048
 # ~17 demo tokens a sentence: 8600 of them are the incident's ~145K tokens.
 SENTENCE = "The guardian watches a language model server and keeps it alive. "
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "Get the current weather for a city",
-            "parameters": {
-                "type": "object",
-                "properties": {"city": {"type": "string", "description": "The name of the city"}},
-                "required": ["city"],
-            },
-        },
-    }
-]
 
 
 def guard(**settings) -> str:
