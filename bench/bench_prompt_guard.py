@@ -40,9 +40,7 @@ import json
 import math
 import os
 import platform
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -52,6 +50,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import httpx
+from servers import Server, free_port
 
 SENTENCE = "The guardian watches a language model server and keeps it alive. "
 INCIDENT_SENTENCES = 8600  # ~146K demo tokens: the incident's ~145K history
@@ -59,40 +58,6 @@ STOCK_LONG_SENTENCES = 770  # ~13K tokens: the measurement in the issue
 MAX_TOKENS = 128
 PROMPT_SENTENCES = 6  # ~110 prompt tokens with the chat template
 START_TIMEOUT_S = 60.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    def __init__(self, kind: str, command: list[str], port: int, log_path: Path, env: dict):
-        self.kind = kind
-        self.url = f"http://127.0.0.1:{port}"
-        self.log_path = log_path
-        with open(log_path, "w") as log_file:
-            self.proc = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=env)
-
-    def wait_ready(self) -> None:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                break
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        tail = "\n".join(self.log_path.read_text(errors="replace").splitlines()[-20:])
-        raise SystemExit(f"{self.kind} did not start:\n{tail}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(timeout=10)
 
 
 KINDS = ("stock", "guardian", "unguarded")
@@ -119,7 +84,9 @@ def start_servers(model: Path, workdir: Path, order: tuple) -> dict[str, Server]
         port = free_port()
         servers[kind] = Server(kind, [*commands[kind], "--port", str(port)], port,
                                workdir / f"{kind}.log", env)
-        servers[kind].wait_ready()  # one at a time, so the start order is what it says
+        # One at a time, so the start order is what it says.
+        if not servers[kind].wait_ready(START_TIMEOUT_S):
+            raise SystemExit(f"{kind} did not start:\n" + "\n".join(servers[kind].log_tail(20)))
     return servers
 
 

@@ -22,8 +22,6 @@ import argparse
 import importlib.metadata
 import json
 import os
-import socket
-import subprocess
 import sys
 import tempfile
 import threading
@@ -35,6 +33,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import httpx
+from servers import Server, free_port, poll_until
 
 INCIDENT = "[metal::malloc] Resource limit (499000) exceeded."
 # The fault fires at the AT_STEP-th engine step counted while at least
@@ -96,75 +95,14 @@ TRIGGERS = {
 }
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def poll_until(condition: Callable[[], object], timeout: float, interval: float = 0.05):
-    """``condition()``'s first truthy result, or None at the deadline."""
-    deadline = time.monotonic() + timeout
-    while True:
-        result = condition()
-        if result or time.monotonic() >= deadline:
-            return result
-        time.sleep(interval)
-
-
-class Server:
-    """A server child process on 127.0.0.1 whose output goes to a log file."""
-
-    def __init__(self, kind: str, command: list[str], port: int, log_path: Path, env: dict):
-        self.kind = kind
-        self.port = port
-        self.url = f"http://127.0.0.1:{port}"
-        self.log_path = log_path
-        with open(log_path, "w") as log_file:
-            self.proc = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=env)
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def health(self) -> int:
-        """/health's status; 0 when nothing answers within a second."""
-        try:
-            return httpx.get(self.url + "/health", timeout=1).status_code
-        except httpx.HTTPError:
-            return 0
-
-    def wait_ready(self) -> bool:
-        return bool(poll_until(lambda: not self.alive() or self.health() == 200, START_TIMEOUT_S)
-                    and self.alive())
-
-    def log_events(self, name: str) -> list[dict]:
-        """JSON log lines with this ``event`` (the guardian's, and the launcher's marker)."""
-        events = []
-        for line in self.log_path.read_text(errors="replace").splitlines():
-            try:
-                event = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # stock's plain-text log lines
-            if isinstance(event, dict) and event.get("event") == name:
-                events.append(event)
-        return events
-
-    def fault_time(self) -> Optional[float]:
-        """Wall time the injected fault was raised, from the server's own log line."""
-        for event in self.log_events("fault_injected"):
-            stamp = event["timestamp"]
-            if isinstance(stamp, (int, float)):
-                return float(stamp)
-            return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
-        return None
-
-    def log_tail(self, lines: int = 15) -> list[str]:
-        return self.log_path.read_text(errors="replace").splitlines()[-lines:]
-
-    def stop(self) -> None:
-        if self.alive():
-            self.proc.kill()
-        self.proc.wait(timeout=10)
+def fault_time(server: Server) -> Optional[float]:
+    """Wall time the injected fault was raised, from the server's own log line."""
+    for event in server.log_events("fault_injected"):
+        stamp = event["timestamp"]
+        if isinstance(stamp, (int, float)):
+            return float(stamp)
+        return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+    return None
 
 
 def start_servers(model: Path, workdir: Path) -> dict[str, Server]:
@@ -304,7 +242,7 @@ def rehearse(server: Server, mlx_lm_version: str) -> dict:
                        for i in range(CLIENTS)]
             clients = [f.result() for f in futures]
         clients_done = time.time()
-        fault = server.fault_time()
+        fault = fault_time(server)
         after = {
             "health": probe(lambda: httpx.get(server.url + "/health", timeout=2)),
             "models": probe(lambda: httpx.get(server.url + "/v1/models", timeout=2)),
@@ -441,7 +379,7 @@ def main() -> None:
         servers = start_servers(model, Path(workdir))
         try:
             for kind, server in servers.items():
-                if not server.wait_ready():
+                if not server.wait_ready(START_TIMEOUT_S):
                     sys.exit(f"{kind} server did not start:\n" + "\n".join(server.log_tail(40)))
             # One after the other: 8 clients at a time on a shared CPU.
             for kind, server in servers.items():
