@@ -94,7 +94,10 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
         self._failed_at: Optional[float] = None
         self._classification: Optional[str] = None
         # The one loop thread whose work counts; see EngineAbandoned.
-        self._owner: Optional[threading.Thread] = None
+        # The loop thread's ident, compared on every token (cheaper than
+        # current_thread()). Idents are unique among live threads, and an
+        # abandoned loop thread is alive: its ident never matches again.
+        self._owner: Optional[int] = None
         self._probe_ids = itertools.count(1)
         self.watchdog = None  # set by the server before it serves
         # After a stall the new loop is ready only once a probe generated on it.
@@ -128,7 +131,7 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
         return self.state is EngineState.READY
 
     def _check_owner(self) -> None:
-        if threading.current_thread() is not self._owner:
+        if threading.get_ident() != self._owner:
             raise EngineAbandoned
 
     def _loop_polled(self) -> None:
@@ -170,7 +173,7 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
 
     # -- supervision ----------------------------------------------------------
     def supervise(self, run_stock_loop) -> None:
-        self._owner = threading.current_thread()
+        self._owner = threading.get_ident()
         try:
             self._restart_until_stopped(run_stock_loop)
         except EngineAbandoned:

@@ -30,7 +30,7 @@ class Stage(Enum):
     DONE = "done"
 
 
-class RequestRecord(Queue):
+class RequestRecord:
     """One request's response queue, as the generation loop sees it.
 
     Forwards what the loop puts to the queue stock's HTTP side reads, and
@@ -41,7 +41,6 @@ class RequestRecord(Queue):
     _ids = itertools.count()
 
     def __init__(self, downstream: Queue, item: tuple, *, request_id: str, stream: bool, ledger):
-        super().__init__()
         self.seq = next(self._ids)
         self.downstream = downstream
         self.item = item  # (self, request, args) as the loop takes it
@@ -72,10 +71,11 @@ class RequestRecord(Queue):
         with self._lock:
             if self.stage is Stage.DONE:
                 return
-            if isinstance(item, stock.GenerationContext):
-                self._on_context(item)
-            elif isinstance(item, stock.Response):
+            # Tokens first: they are nearly every call.
+            if isinstance(item, stock.Response):
                 self._on_token(item)
+            elif isinstance(item, stock.GenerationContext):
+                self._on_context(item)
             elif item is None or isinstance(item, BaseException):
                 self._finish(item)
             else:  # prompt progress: (processed, total)

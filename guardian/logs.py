@@ -48,6 +48,9 @@ def configure_logging(log_format: str = "json", level: str = "INFO") -> None:
     root.setLevel(getattr(logging, level.upper(), logging.INFO))
     structlog.configure(
         processors=[
+            # Drop events below the level before any work is done on them
+            # (a debug line per request costs nothing at INFO).
+            structlog.stdlib.filter_by_level,
             *SHARED_PROCESSORS,
             structlog.processors.StackInfoRenderer(),
             structlog.stdlib.ProcessorFormatter.wrap_for_formatter,
