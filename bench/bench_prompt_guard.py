@@ -1,23 +1,30 @@
 """What the prompt guard costs and what it saves: stock mlx_lm.server and
 mlx-guardian side by side, in one run, on the same requests.
 
-Three servers serve the offline demo model (context 2048) on 127.0.0.1:
-stock ``mlx_lm.server``, ``mlx-guardian`` as it ships (the prompt guard on),
-and ``mlx-guardian`` with the prompt guard disabled, to tell the guard's own
-cost from the rest of the guardian's. The script measures:
+Servers serve the offline demo model (context 2048) on 127.0.0.1: stock
+``mlx_lm.server``, ``mlx-guardian`` as it ships (the prompt guard on), and
+``mlx-guardian`` with the prompt guard disabled, to tell the guard's own cost
+from the rest of the guardian's. The script measures:
 
 - throughput (completion tokens per second over all clients) and time to
   first token (p50, p99) of streaming chat requests with 1 and with 8
-  concurrent clients. Every request has a prompt of its own (no prompt
-  cache hits) and the same ``max_tokens``; the demo model never stops early.
-  Each comparison (guardian vs stock, guard on vs off) runs as a pair of
-  servers, twice: once with each started first, because the process started
-  first measured 5-7 % slower in A/A runs here. In a session the two take
-  turns, round after round, in alternating order; the reported ratio is the
-  geometric mean of the two sessions' medians, which cancels the start-order
-  bias.
+  concurrent clients. Every request has a prompt of its own (no prompt cache
+  hits) and the same ``max_tokens``; the demo model never stops early.
+  Each comparison runs as a pair of servers that take turns, round after
+  round, in alternating order; a round's ratio compares two bursts run back
+  to back, so slow drifts of the machine cancel. Each pair runs twice, once
+  with each server started first, and the ratio reported is the geometric
+  mean over both sessions' rounds with a 95 % bootstrap interval. A control
+  pair of two identical stock servers shows what this method can resolve.
 - the time the guardian takes to answer a ~145K-token chat prompt with its
   400, alone and while 8 clients stream.
+
+By default (Linux, 2+ CPUs) the servers of a comparison share one CPU and the
+load-generating client gets the others: on a 2-core machine the client
+otherwise competes with the servers for CPU, and the scatter of A/A round
+ratios measured here fell from 11 % to 4.6 % when pinned. A pinned server is
+CPU-bound, so its throughput is the inverse of its CPU time per token, which
+is what the guardian adds to. ``--no-pin`` measures the unpinned machine.
 
 With ``--stock-long-prompt`` it also sends stock a prompt over the context
 (~13K tokens, ``max_tokens=1``) and times how long stock spends on it and
@@ -25,9 +32,9 @@ what a small request sent beside it waits.
 
 Usage::
 
-    python bench/bench_prompt_guard.py            # a markdown report (~2 min)
-    python bench/bench_prompt_guard.py --json     # the raw numbers
-    python bench/bench_prompt_guard.py --rounds 2 # quicker, noisier
+    python bench/bench_prompt_guard.py              # a markdown report (~13 min)
+    python bench/bench_prompt_guard.py --json       # the raw numbers
+    python bench/bench_prompt_guard.py --rounds 4   # quicker, wider intervals
 
 It is a benchmark, not a test: it never runs with the test suite.
 """
@@ -40,6 +47,7 @@ import json
 import math
 import os
 import platform
+import random
 import statistics
 import sys
 import tempfile
@@ -59,11 +67,38 @@ MAX_TOKENS = 128
 PROMPT_SENTENCES = 6  # ~110 prompt tokens with the chat template
 START_TIMEOUT_S = 60.0
 
+# Throughput comparisons: (measured, baseline). The control pair is two
+# identical stock servers: its interval is the method's resolution.
+PAIRS = {
+    "guardian_vs_stock": ("guardian", "stock"),
+    "guard_on_vs_off": ("guardian", "unguarded"),
+    "control_stock_vs_stock": ("stock_b", "stock"),
+}
 
-KINDS = ("stock", "guardian", "unguarded")
+PAIR_LABELS = {
+    "guardian_vs_stock": "guardian / stock",
+    "guard_on_vs_off": "guard on / guard off",
+    "control_stock_vs_stock": "stock / stock (control)",
+}
+
+LABELS = {
+    "stock": "stock mlx_lm.server",
+    "unguarded": "mlx-guardian, prompt_guard disabled",
+    "guardian": "mlx-guardian (default: prompt_guard on)",
+}
 
 
-def start_servers(model: Path, workdir: Path, order: tuple) -> dict[str, Server]:
+def cpu_split() -> tuple[set[int], set[int]] | None:
+    """(the servers' CPU, the client's CPUs), or None where pinning is not possible."""
+    if not hasattr(os, "sched_setaffinity"):
+        return None
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        return None
+    return {cpus[-1]}, set(cpus[:-1])
+
+
+def start_servers(model: Path, workdir: Path, order: tuple, cpus: set[int] | None = None) -> dict[str, Server]:
     """The servers named in ``order``, started one after the other in that order."""
     common = ["--model", str(model), "--host", "127.0.0.1"]
     hf_cache = workdir / "hf-cache"  # stock's /v1/models needs one; nothing is downloaded
@@ -72,8 +107,10 @@ def start_servers(model: Path, workdir: Path, order: tuple) -> dict[str, Server]
     env = {**os.environ, "HF_HUB_CACHE": str(hf_cache), "HF_HUB_OFFLINE": "1", "PYTHONHASHSEED": "0"}
     unguarded = workdir / "unguarded.toml"
     unguarded.write_text('[guardian]\ndisabled_plugins = ["prompt_guard"]\n')
+    stock = [sys.executable, "-m", "mlx_lm.server", *common]
     commands = {
-        "stock": [sys.executable, "-m", "mlx_lm.server", *common],
+        "stock": stock,
+        "stock_b": stock,
         # The default configuration: the prompt guard is on.
         "guardian": [sys.executable, "-m", "guardian", *common],
         # The same without the prompt guard: what the guard itself costs.
@@ -83,7 +120,7 @@ def start_servers(model: Path, workdir: Path, order: tuple) -> dict[str, Server]
     for kind in order:
         port = free_port()
         servers[kind] = Server(kind, [*commands[kind], "--port", str(port)], port,
-                               workdir / f"{kind}.log", env)
+                               workdir / f"{kind}.log", env, cpus=cpus)
         # One at a time, so the start order is what it says.
         if not servers[kind].wait_ready(START_TIMEOUT_S):
             raise SystemExit(f"{kind} did not start:\n" + "\n".join(servers[kind].log_tail(20)))
@@ -157,53 +194,50 @@ def measure_throughput(servers: dict, rounds: int, requests: dict[int, int]) -> 
     return results
 
 
-# Throughput ratios reported: guardian vs stock (the issue's target), and the
-# guard's own cost (the guardian with and without it). Each pair is measured
-# on its own, twice: once with each server started first. Measured here: of
-# two identical guardian processes, the one started first served 5-7 % fewer
-# tokens/s at 8 clients in every A/A run, which swamps what is measured. The
-# geometric mean of the two sessions' ratios cancels that bias.
-RATIOS = {
-    "guardian_vs_stock": ("guardian", "stock"),
-    "guard_on_vs_off": ("guardian", "unguarded"),
-}
-
-
-RATIO_LABELS = {
-    "guardian_vs_stock": "guardian / stock",
-    "guard_on_vs_off": "guard on / guard off",
-}
+def geometric_mean_interval(ratios: list[float], resamples: int = 10000) -> tuple[float, float, float]:
+    """The geometric mean of ``ratios`` and its 95 % percentile-bootstrap interval."""
+    logs = [math.log(r) for r in ratios]
+    rng = random.Random(0)  # the same data gives the same interval
+    means = sorted(statistics.fmean(rng.choices(logs, k=len(logs))) for _ in range(resamples))
+    low, high = means[int(0.025 * resamples)], means[int(0.975 * resamples) - 1]
+    return math.exp(statistics.fmean(logs)), math.exp(low), math.exp(high)
 
 
 def summarize_throughput(sessions: dict) -> dict:
-    """Per server: tokens/s and TTFT over every session; per pair: the balanced ratio.
+    """Per server: tokens/s and TTFT over every session; per pair: the round ratios.
 
     ``sessions`` maps (pair name, kind started first) to measure_throughput's result.
     """
     summary = {}
     clients_list = next(iter(sessions.values())).keys()
     for clients in clients_list:
-        row = {}
-        for kind in KINDS:
-            runs = [r for result in sessions.values() for r in result[clients].get(kind, [])]
+        row = {"servers": {}, "pairs": {}}
+        for kind in LABELS:
+            runs = [r for (name, _), result in sessions.items() if name != "control_stock_vs_stock"
+                    for r in result[clients].get(kind, [])]
             ttfts = [t for run in runs for t in run["ttft_s"]]
-            row[kind] = {
+            row["servers"][kind] = {
                 "tokens_per_s": sum(r["tokens"] for r in runs) / sum(r["wall_s"] for r in runs),
                 "ttft_p50_ms": 1000 * percentile(ttfts, 50),
                 "ttft_p99_ms": 1000 * percentile(ttfts, 99),
                 "requests": len(ttfts),
             }
-        for name, (a, b) in RATIOS.items():
-            medians, per_round = {}, []
+        for name, (a, b) in PAIRS.items():
+            by_first = {}
             for first in (a, b):
+                if (name, first) not in sessions:
+                    continue
                 by_kind = sessions[(name, first)][clients]
-                rounds = [x["tokens_per_s"] / y["tokens_per_s"] for x, y in zip(by_kind[a], by_kind[b])]
-                medians[first] = statistics.median(rounds)
-                per_round += rounds
-            row[name] = {
-                "balanced": math.sqrt(medians[a] * medians[b]),
-                "started_first": medians,
-                "per_round": per_round,
+                by_first[first] = [x["tokens_per_s"] / y["tokens_per_s"] for x, y in zip(by_kind[a], by_kind[b])]
+            if not by_first:
+                continue
+            ratios = [r for rounds in by_first.values() for r in rounds]
+            mean, low, high = geometric_mean_interval(ratios)
+            row["pairs"][name] = {
+                "ratio": mean,
+                "interval_95": [low, high],
+                "by_started_first": {k: statistics.geometric_mean(v) for k, v in by_first.items()},
+                "rounds": ratios,
             }
         summary[clients] = row
     return summary
@@ -280,36 +314,38 @@ def environment() -> str:
 
 
 def report(data: dict) -> str:
+    pinned = (f"servers pinned to CPU {data['pinning']['servers']}, client on CPUs {data['pinning']['client']}"
+              if data["pinning"] else "unpinned")
     lines = [
         f"Prompt guard benchmark, {data['when']}: {data['environment']}; demo model "
-        f"(context 2048), streaming chat, ~110 prompt tokens, max_tokens={MAX_TOKENS}, "
-        f"2 pairs x 2 start orders x {data['rounds']} rounds, wall time {data['wall_s']:.0f} s.",
+        f"(context 2048), streaming chat, ~110 prompt tokens, max_tokens={MAX_TOKENS}; "
+        f"{len(PAIRS)} pairs x 2 start orders x {data['rounds']} rounds, {pinned}; "
+        f"wall time {data['wall_s'] / 60:.0f} min.",
+        "",
+        "| clients | comparison | ratio (geometric mean) | 95 % interval | each start order | rounds (min–max) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for clients, row in data["throughput"].items():
+        for name, ratio in row["pairs"].items():
+            orders = ", ".join(f"{v:.3f}" for v in ratio["by_started_first"].values())
+            low, high = ratio["interval_95"]
+            lines.append(
+                f"| {clients} | {PAIR_LABELS[name]} | **{ratio['ratio']:.3f}** | {low:.3f}–{high:.3f} | "
+                f"{orders} | {min(ratio['rounds']):.3f}–{max(ratio['rounds']):.3f} |"
+            )
+    lines += [
         "",
         "| clients | server | tokens/s | TTFT p50 / p99 | requests |",
         "|---|---|---|---|---|",
     ]
     for clients, row in data["throughput"].items():
-        for kind in ("stock", "unguarded", "guardian"):
-            k = row[kind]
+        for kind, k in row["servers"].items():
             lines.append(f"| {clients} | {LABELS[kind]} | {k['tokens_per_s']:.1f} | "
                          f"{k['ttft_p50_ms']:.0f} / {k['ttft_p99_ms']:.0f} ms | {k['requests']} |")
-    lines += [
-        "",
-        "| clients | throughput ratio | balanced | median, first started first | median, second started first | rounds (min–max) |",
-        "|---|---|---|---|---|---|",
-    ]
-    for clients, row in data["throughput"].items():
-        for name, (a, b) in RATIOS.items():
-            ratio = row[name]
-            lines.append(
-                f"| {clients} | {RATIO_LABELS[name]} | **{ratio['balanced']:.3f}** | "
-                f"{ratio['started_first'][a]:.3f} | {ratio['started_first'][b]:.3f} | "
-                f"{min(ratio['per_round']):.3f}–{max(ratio['per_round']):.3f} |"
-            )
     r = data["rejection"]
     lines += [
         "",
-        f"Guardian, a {r['n_prompt_tokens']}-token chat prompt (n_ctx {r['n_ctx']}): "
+        f"Guardian (unpinned), a {r['n_prompt_tokens']}-token chat prompt (n_ctx {r['n_ctx']}): "
         f"400 `{r['code']}` in {fmt_times(r['alone_s'])} alone; "
         f"{fmt_times(r['beside_8_streams_s'])} while 8 clients stream "
         f"({r['streams_served_meanwhile']} streams served meanwhile).",
@@ -324,13 +360,6 @@ def report(data: dict) -> str:
     return "\n".join(lines)
 
 
-LABELS = {
-    "stock": "stock mlx_lm.server",
-    "unguarded": "mlx-guardian, prompt_guard disabled",
-    "guardian": "mlx-guardian (default: prompt_guard on)",
-}
-
-
 def fmt_times(seconds: list[float]) -> str:
     ms = sorted(1000 * t for t in seconds)
     return f"{statistics.median(ms):.0f} ms median, {ms[-1]:.0f} ms max of {len(ms)}"
@@ -338,12 +367,15 @@ def fmt_times(seconds: list[float]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=3,
-                        help="rounds in each of the 4 sessions (2 pairs x 2 start orders)")
-    parser.add_argument("--single-requests", type=int, default=24,
-                        help="requests a round with 1 client")
-    parser.add_argument("--concurrent-requests", type=int, default=64,
-                        help="requests a round with 8 clients")
+    parser.add_argument("--rounds", type=int, default=12,
+                        help="rounds in each session (3 pairs x 2 start orders)")
+    parser.add_argument("--single-requests", type=int, default=12,
+                        help="requests a burst with 1 client")
+    parser.add_argument("--concurrent-requests", type=int, default=48,
+                        help="requests a burst with 8 clients")
+    parser.add_argument("--no-pin", action="store_true",
+                        help="let servers and client share every CPU")
+    parser.add_argument("--no-control", action="store_true", help="skip the stock / stock pair")
     parser.add_argument("--rejection-trials", type=int, default=5)
     parser.add_argument("--stock-long-prompt", action="store_true")
     parser.add_argument("--json", action="store_true")
@@ -353,17 +385,24 @@ def main() -> None:
 
     model = ensure_demo_model()
     started = time.monotonic()
+    split = None if args.no_pin else cpu_split()
+    server_cpus = None
+    if split is not None:
+        server_cpus, client_cpus = split
+        os.sched_setaffinity(0, client_cpus)  # threads started from now on inherit it
     data = {
         "when": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "environment": environment(),
         "rounds": args.rounds,
+        "pinning": {"servers": sorted(split[0]), "client": sorted(split[1])} if split else None,
     }
     requests = {1: args.single_requests, 8: args.concurrent_requests}
     sessions = {}
-    for name, pair in RATIOS.items():
+    pairs = {k: v for k, v in PAIRS.items() if not (args.no_control and k == "control_stock_vs_stock")}
+    for name, pair in pairs.items():
         for order in (pair, pair[::-1]):
             with tempfile.TemporaryDirectory(prefix="bench-prompt-guard-") as workdir:
-                servers = start_servers(model, Path(workdir), order)
+                servers = start_servers(model, Path(workdir), order, server_cpus)
                 try:
                     for server in servers.values():  # load the weights, warm the caches
                         run_load(server.url, [f"Warm-up {i}. " + SENTENCE for i in range(8)], 8)
@@ -372,6 +411,8 @@ def main() -> None:
                     for server in servers.values():
                         server.stop()
     data["throughput"] = summarize_throughput(sessions)
+    if split is not None:
+        os.sched_setaffinity(0, split[0] | split[1])
     with tempfile.TemporaryDirectory(prefix="bench-prompt-guard-") as workdir:
         kinds = ("guardian", "stock") if args.stock_long_prompt else ("guardian",)
         servers = start_servers(model, Path(workdir), kinds)

@@ -7,11 +7,12 @@ scripts (``python bench/NAME.py``), so this folder is on their import path.
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 import httpx
 
@@ -37,13 +38,17 @@ def poll_until(condition: Callable[[], object], timeout: float, interval: float 
 class Server:
     """A server child process on 127.0.0.1 whose output goes to a log file."""
 
-    def __init__(self, kind: str, command: list[str], port: int, log_path: Path, env: dict):
+    def __init__(self, kind: str, command: list[str], port: int, log_path: Path, env: dict,
+                 cpus: Optional[set[int]] = None):
+        """``cpus``: run the server on these CPUs only (Linux), threads it starts included."""
         self.kind = kind
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = log_path
+        pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
         with open(log_path, "w") as log_file:
-            self.proc = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=env)
+            self.proc = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=env,
+                                         preexec_fn=pin)
 
     def alive(self) -> bool:
         return self.proc.poll() is None
