@@ -37,8 +37,9 @@ class GuardianError(Exception):
         error.update(self.extra)
         return {"error": error}
 
-    def body_bytes(self) -> bytes:
-        return json.dumps(self.body()).encode()
+    def sse_bytes(self) -> bytes:
+        """The error as the last event of a stream that has started: the event, then [DONE]."""
+        return f"data: {json.dumps(self.body())}\n\ndata: [DONE]\n\n".encode()
 
     def response_headers(self) -> dict:
         headers = dict(self.headers)

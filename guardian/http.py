@@ -14,6 +14,7 @@ import json
 import socket
 import time
 from pathlib import Path
+from typing import Optional
 
 import structlog
 
@@ -31,7 +32,12 @@ COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions", "/chat/completion
 
 
 class GuardianHandler(stock.APIHandler):
+    # Where responses go while stock's do_POST has not yet dispatched (see do_POST).
+    _client_wfile = None
+
     def handle_completion(self, request, stop_words):
+        # Stock accepted the body: from here on it writes to the client.
+        self.resume_client_output()
         with self.server.completions, request_scope(self.request_id, bool(self.stream)):
             started = time.monotonic()
             try:
@@ -55,35 +61,31 @@ class GuardianHandler(stock.APIHandler):
             self._headers_buffer = []
             self.send_error_json(error)
             return
-        payload = json.dumps(error.body())
         try:
-            self.wfile.write(f"data: {payload}\n\ndata: [DONE]\n\n".encode())
+            self.wfile.write(error.sse_bytes())
             self.wfile.flush()
         except _CLIENT_GONE:
             return
         log.warning("stream_ended_with_error", status=error.status, code=error.code)
 
     def send_error_json(self, error: GuardianError) -> None:
-        body = error.body_bytes()
         try:
-            stock.set_completion_headers(self, error.status)
-            for name, value in error.response_headers().items():
-                self.send_header(name, value)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-            self.wfile.flush()
+            self.send_json(error.status, error.body(), error.response_headers())
         except _CLIENT_GONE:
             return
         log.warning("request_rejected" if error.status < 500 else "request_errored",
                     status=error.status, code=error.code, error_message=error.message)
 
-    def send_json(self, status: int, payload: dict) -> None:
+    def send_json(self, status: int, payload: dict, headers: Optional[dict] = None) -> None:
+        """A JSON response with stock's status line and CORS headers."""
         body = json.dumps(payload).encode()
         stock.set_completion_headers(self, status)
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
+        self.wfile.flush()
 
     def do_GET(self):
         path, _, query = self.path.partition("?")
@@ -116,14 +118,17 @@ class GuardianHandler(stock.APIHandler):
         self.send_json(200, listing)
 
     def do_POST(self):
-        """Stock's, behind a body guard: 413 unread past max_body_bytes, OpenAI-shaped 400s."""
+        """Stock's, behind a body guard (413 unread past max_body_bytes), its refusals OpenAI-shaped."""
         if self.path not in COMPLETION_PATHS:
             return super().do_POST()  # stock's 404
-        try:
-            length = int(self.headers.get("Content-Length"))
-        except (TypeError, ValueError):
-            return super().do_POST()  # stock's 411 or 400 for the header
         limit = self.response_generator.gate.max_body_bytes
+        length = self.content_length()
+        if length < 0:
+            # Stock would read until the client closes: a request that never ends.
+            return self.send_error_json(GuardianError(
+                "Invalid Content-Length header", status=400, type="invalid_request_error",
+                code="invalid_request",
+            ))
         if limit is not None and length > limit:
             # Answered from the header alone; the body is never read into
             # memory, and this connection cannot carry another request.
@@ -134,18 +139,40 @@ class GuardianHandler(stock.APIHandler):
                 headers={"Connection": "close"},
             ))
             return self.discard_unread_body()
-        raw = self.rfile.read(max(length, 0))
-        problem = _json_object_problem(raw)
-        if problem is not None:
-            return self.send_error_json(GuardianError(
-                problem, status=400, type="invalid_request_error", code="invalid_json",
-            ))
-        # Stock reads the body itself: hand it the bytes already read.
-        rfile, self.rfile = self.rfile, io.BytesIO(raw)
+        # Stock reads and parses the body, and refuses a bad one (Content-Length,
+        # JSON, not an object, parameters) with {"error": "text"} before it
+        # calls handle_completion. Until that call its writes go to a buffer,
+        # so a refusal can be answered again in OpenAI's shape.
+        self._client_wfile, self.wfile = self.wfile, io.BytesIO()
+        self.log_request = lambda *args: None  # the answer sent is logged, not stock's
+        error = None
         try:
             super().do_POST()
+        except UnicodeDecodeError as e:
+            # Stock decodes the body outside its try: a body that is not
+            # UTF-8 would otherwise get no answer at all.
+            error = invalid_json(f"Invalid JSON in request body: {e}")
         finally:
-            self.rfile = rfile
+            refusal = self.resume_client_output()
+        if error is None and refusal:
+            error = stock_refusal(refusal)
+        if error is not None:
+            self.send_error_json(error)
+
+    def content_length(self) -> int:
+        """The Content-Length header; 0 when absent or not a number (stock answers those)."""
+        try:
+            return int(self.headers.get("Content-Length") or 0)
+        except ValueError:
+            return 0
+
+    def resume_client_output(self) -> bytes:
+        """Write to the client again; return what stock wrote to the buffer meanwhile."""
+        if self._client_wfile is None:
+            return b""
+        buffered, self.wfile, self._client_wfile = self.wfile, self._client_wfile, None
+        del self.log_request
+        return buffered.getvalue()
 
     def discard_unread_body(self, linger_s: float = 2.0) -> None:
         """Let a client that sent its body anyway read the 413 before the close.
@@ -193,12 +220,19 @@ class GuardianHandler(stock.APIHandler):
         log.info("http_access", client=self.client_address[0], line=format % args)
 
 
-def _json_object_problem(raw: bytes):
-    """Why stock would refuse this body with a 400, or None when it is a JSON object."""
+def stock_refusal(response: bytes) -> GuardianError:
+    """Stock's refusal of a request body (status line, headers, ``{"error": "text"}``), in OpenAI's shape."""
+    head, _, body = response.partition(b"\r\n\r\n")
+    status = int(head.split(None, 2)[1])
     try:
-        body = json.loads(raw.decode())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        return f"Invalid JSON in request body: {e}"
-    if not isinstance(body, dict):
-        return "Request should be a JSON dictionary"
-    return None
+        message = str(json.loads(body)["error"])
+    except (ValueError, KeyError, TypeError):
+        message = body.decode(errors="replace") or f"HTTP {status}"
+    # Stock's own words for a body that is not a JSON object.
+    if message.startswith(("Invalid JSON", "Request should be a JSON dictionary")):
+        return invalid_json(message)
+    return GuardianError(message, status=status, type="invalid_request_error", code="invalid_request")
+
+
+def invalid_json(message: str) -> GuardianError:
+    return GuardianError(message, status=400, type="invalid_request_error", code="invalid_json")

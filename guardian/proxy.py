@@ -186,8 +186,7 @@ class ProxyHandler(BaseHTTPRequestHandler):
         if not sent:
             return self.send_error_json(error)
         if stream:
-            payload = json.dumps(error.body())
-            self.wfile.write(f"data: {payload}\n\ndata: [DONE]\n\n".encode())
+            self.wfile.write(error.sse_bytes())
         # Otherwise a body of known length stops short: the client sees the
         # cut; with nothing sent yet it would have had a 503.
 

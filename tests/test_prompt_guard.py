@@ -394,6 +394,38 @@ def test_malformed_and_non_object_bodies_get_openai_shaped_400s(start_server):
             assert error["message"].startswith(message)
 
 
+def test_stocks_other_refusals_get_openai_shaped_errors_and_the_engine_keeps_serving(start_server):
+    server = start_server()
+    url = server.url + "/v1/chat/completions"
+    with httpx.Client(timeout=30) as client:
+        # Not UTF-8: stock's own handler raises before it can answer.
+        response = client.post(url, content=b"\xff\xfe{", headers={"Content-Type": "application/json"})
+        assert response.status_code == 400
+        assert response.json()["error"]["code"] == "invalid_json"
+        # A parameter stock's validation refuses.
+        response = client.post(url, json={**chat_body(), "temperature": "hot"})
+        assert response.status_code == 400
+        error = response.json()["error"]
+        assert error["type"] == "invalid_request_error"
+        assert error["code"] == "invalid_request"
+        assert "temperature" in error["message"]
+        # A normal request right after is served.
+        assert client.post(url, json=chat_body(max_tokens=4)).status_code == 200
+
+
+def test_a_negative_content_length_is_refused_without_waiting_for_the_body(start_server):
+    server = start_server()
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: -5\r\n\r\n")
+        answer = b""
+        while b"\r\n\r\n" not in answer:
+            chunk = sock.recv(65536)
+            assert chunk, "connection closed without an answer"
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.0 400")
+
+
 # -- /v1/models -------------------------------------------------------------------------
 def test_models_report_their_context_length_without_a_hub_cache(start_server, tmp_path):
     missing = tmp_path / "no-hub-cache"
