@@ -93,10 +93,9 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
         self.max_reruns = 1
         self._failed_at: Optional[float] = None
         self._classification: Optional[str] = None
-        # The one loop thread whose work counts; see EngineAbandoned.
-        # The loop thread's ident, compared on every token (cheaper than
-        # current_thread()). Idents are unique among live threads, and an
-        # abandoned loop thread is alive: its ident never matches again.
+        # The ident of the one loop thread whose work counts (see
+        # EngineAbandoned), compared on every token. Idents are unique among
+        # live threads, and an abandoned loop thread is alive: never reused.
         self._owner: Optional[int] = None
         self._probe_ids = itertools.count(1)
         self.watchdog = None  # set by the server before it serves

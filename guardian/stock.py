@@ -30,6 +30,7 @@ TESTED_VERSIONS = ("0.31.3", "0.32.2")
 INSTANCE_ATTRIBUTES = {
     "_generation_thread": "replaced when a stuck loop is abandoned",
     "requests": "the engine's request queue, replaced by the ledger",
+    "_stop": "set to make the loop leave at its next turn",
 }
 
 # (object, attribute) pairs the guardian relies on, with why. The contract
