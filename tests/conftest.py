@@ -136,6 +136,15 @@ def model_cache(tmp_path_factory) -> Path:
     return cache
 
 
+def spawn_guardian(args: list[str], log_path: Path, model_cache: Path, env: Optional[dict] = None,
+                   **popen_kwargs) -> subprocess.Popen:
+    """``python -m guardian ARGS`` with its output in ``log_path`` and the session's demo model."""
+    child_env = {**os.environ, "MLX_GUARDIAN_CACHE": str(model_cache), **(env or {})}
+    with open(log_path, "w") as log_file:
+        return subprocess.Popen([sys.executable, "-m", "guardian", *args], stdout=log_file,
+                                stderr=subprocess.STDOUT, env=child_env, cwd=REPO, **popen_kwargs)
+
+
 @pytest.fixture
 def start_server(tmp_path, model_cache):
     servers: list[Server] = []
@@ -145,15 +154,8 @@ def start_server(tmp_path, model_cache):
         config_path = tmp_path / f"guardian-{port}.toml"
         config_path.write_text(textwrap.dedent(config))
         log_path = tmp_path / f"server-{port}.log"
-        command = [
-            sys.executable, "-m", "guardian",
-            "--port", str(port),
-            "--guardian-config", str(config_path),
-            *args,
-        ]
-        child_env = {**os.environ, "MLX_GUARDIAN_CACHE": str(model_cache), **(env or {})}
-        with open(log_path, "w") as log_file:
-            proc = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=child_env, cwd=REPO)
+        proc = spawn_guardian(["--port", str(port), "--guardian-config", str(config_path), *args],
+                              log_path, model_cache, env)
         server = Server(proc, port, log_path)
         servers.append(server)
         if wait:

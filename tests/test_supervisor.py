@@ -20,7 +20,7 @@ from typing import Optional
 import httpx
 import pytest
 
-from conftest import REPO, Server, chat_body, free_port, poll, read_stream
+from conftest import Server, chat_body, free_port, poll, read_stream, spawn_guardian
 from guardian.exit_codes import EXIT_BOOT_ERROR, EXIT_OK, EXIT_SUPERVISOR_GAVE_UP, EXIT_USAGE
 
 COMPLETIONS = "/v1/chat/completions"
@@ -79,11 +79,8 @@ def start_supervisor(tmp_path, model_cache):
     def start(*args: str, wait: bool = True, env: Optional[dict] = None) -> Supervised:
         port = free_port()
         log_path = tmp_path / f"supervisor-{port}.log"
-        command = [sys.executable, "-m", "guardian", "--supervise", "--port", str(port), *args]
-        child_env = {**os.environ, "MLX_GUARDIAN_CACHE": str(model_cache), **(env or {})}
-        with open(log_path, "w") as log_file:
-            proc = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=child_env,
-                                    cwd=REPO, start_new_session=True)
+        proc = spawn_guardian(["--supervise", "--port", str(port), *args], log_path, model_cache, env,
+                              start_new_session=True)
         supervised = Supervised(proc, port, log_path)
         started.append(supervised)
         if wait:
