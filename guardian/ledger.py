@@ -273,11 +273,3 @@ class RequestLedger:
     def has_work(self) -> bool:
         with self._cond:
             return bool(self._incoming or self._reruns or self._in_flight)
-
-    # Stock code and debugging helpers sometimes ask a Queue for its size.
-    def qsize(self) -> int:
-        with self._cond:
-            return len(self._incoming) + len(self._reruns)
-
-    def empty(self) -> bool:
-        return self.qsize() == 0
