@@ -148,10 +148,14 @@ class GuardianHandler(stock.APIHandler):
         error = None
         try:
             super().do_POST()
-        except UnicodeDecodeError as e:
-            # Stock decodes the body outside its try: a body that is not
-            # UTF-8 would otherwise get no answer at all.
-            error = invalid_json(f"Invalid JSON in request body: {e}")
+        except Exception as e:
+            if self._client_wfile is None:
+                raise  # not a refusal: handle_completion had begun
+            # Stock lets some refusals escape as exceptions, and the client
+            # would get no answer at all: a body that is not UTF-8, and (0.31)
+            # a parameter its validation refuses.
+            error = (invalid_json(f"Invalid JSON in request body: {e}")
+                     if isinstance(e, UnicodeDecodeError) else from_stock_exception(e))
         finally:
             refusal = self.resume_client_output()
         if error is None and refusal:
