@@ -116,6 +116,9 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
     def requests(self, stock_queue):
         pass
 
+    def request_waiting(self) -> bool:
+        return self.ledger.has_waiting()
+
     def configure_recovery(self, *, window_s: float, max_reruns: int) -> None:
         self.failures.window_s = window_s
         self.max_reruns = max_reruns

@@ -194,6 +194,19 @@ class RequestLedger:
     def get_nowait(self):
         return self.get(block=False)
 
+    def has_waiting(self) -> bool:
+        """Whether ``get_nowait()`` would return a request now.
+
+        Asked between engine steps, so it takes no lock: each read is
+        atomic, and a wrong answer costs one look at the queue too many or
+        too few (stock's own half-second look still comes).
+        """
+        if self._isolated is not None:
+            return False
+        if self._reruns:
+            return not (self._reruns[0].isolate and self._in_flight)
+        return bool(self._incoming)
+
     def _next_item(self):
         # Requests whose client left while they waited are dropped here.
         while self._incoming and self._incoming[0][0].stage is Stage.DONE:

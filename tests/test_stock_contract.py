@@ -63,6 +63,16 @@ def test_the_loop_looks_up_what_the_guardian_swaps():
     assert "stream_generate(" in single, "stock's sequential path no longer calls stream_generate"
 
 
+def test_the_loop_decodes_in_runs_the_guardian_can_end():
+    import inspect
+
+    loop = inspect.getsource(server.ResponseGenerator._generate)
+    assert "for _ in self._time_budget:" in loop, "stock's loop no longer decodes in TimeBudget runs"
+    budget = inspect.getsource(server.TimeBudget)
+    assert "self._is_distributed =" in budget, "stock's TimeBudget no longer says whether it is distributed"
+    assert "def __next__(self):" in budget, "stock's TimeBudget is no longer an iterator"
+
+
 def _private_mlx_lm_uses(path: Path) -> list[str]:
     """Imports of mlx_lm.server and private names taken from mlx_lm modules."""
     tree = ast.parse(path.read_text())
