@@ -56,6 +56,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Callable
 
 import httpx
 from servers import Server, free_port
@@ -98,8 +99,13 @@ def cpu_split() -> tuple[set[int], set[int]] | None:
     return {cpus[-1]}, set(cpus[:-1])
 
 
-def start_servers(model: Path, workdir: Path, order: tuple, cpus: set[int] | None = None) -> dict[str, Server]:
-    """The servers named in ``order``, started one after the other in that order."""
+def start_servers(model: Path, workdir: Path, order: tuple, cpus: set[int] | None = None,
+                  launcher: Callable[[str], list[str]] = lambda kind: []) -> dict[str, Server]:
+    """The servers named in ``order``, started one after the other in that order.
+
+    ``launcher(kind)``: what goes between the interpreter and ``-m MODULE``
+    (a script that runs the module, as bench/profiled_server.py does).
+    """
     common = ["--model", str(model), "--host", "127.0.0.1"]
     hf_cache = workdir / "hf-cache"  # stock's /v1/models needs one; nothing is downloaded
     hf_cache.mkdir(exist_ok=True)
@@ -107,19 +113,20 @@ def start_servers(model: Path, workdir: Path, order: tuple, cpus: set[int] | Non
     env = {**os.environ, "HF_HUB_CACHE": str(hf_cache), "HF_HUB_OFFLINE": "1", "PYTHONHASHSEED": "0"}
     unguarded = workdir / "unguarded.toml"
     unguarded.write_text('[guardian]\ndisabled_plugins = ["prompt_guard"]\n')
-    stock = [sys.executable, "-m", "mlx_lm.server", *common]
+    stock = ["-m", "mlx_lm.server", *common]
     commands = {
         "stock": stock,
         "stock_b": stock,
         # The default configuration: the prompt guard is on.
-        "guardian": [sys.executable, "-m", "guardian", *common],
+        "guardian": ["-m", "guardian", *common],
         # The same without the prompt guard: what the guard itself costs.
-        "unguarded": [sys.executable, "-m", "guardian", *common, "--guardian-config", str(unguarded)],
+        "unguarded": ["-m", "guardian", *common, "--guardian-config", str(unguarded)],
     }
     servers = {}
     for kind in order:
         port = free_port()
-        servers[kind] = Server(kind, [*commands[kind], "--port", str(port)], port,
+        command = [sys.executable, *launcher(kind), *commands[kind], "--port", str(port)]
+        servers[kind] = Server(kind, command, port,
                                workdir / f"{kind}.log", env, cpus=cpus)
         # One at a time, so the start order is what it says.
         if not servers[kind].wait_ready(START_TIMEOUT_S):
