@@ -137,7 +137,8 @@ def main() -> None:
         for name, seconds in sorted(by_thread.items(), key=lambda item: -item[1]):
             if seconds > 0:
                 print(f"    {name}: {1000 * seconds / n:.4f} ms")
-        print(f"  engine steps: {counts[kind]['steps']} ({counts[kind]['step_s']:.2f} s in them)")
+        print(f"  engine steps: {counts[kind]['steps']} ({counts[kind]['step_s']:.2f} s in them), "
+              f"{counts[kind]['prefill_steps']} of them prefilling")
         print("  steps by tokens generated: " + ", ".join(f"{size}: {steps}" for size, steps in sorted(sizes.items())))
 
 

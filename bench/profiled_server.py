@@ -1,7 +1,8 @@
 """Run a server module with its engine steps counted: ``python bench/profiled_server.py OUT -m MODULE ARGS``.
 
-Counts ``BatchGenerator.next`` calls, the tokens each step generated (the
-decode batch size) and the time spent in them. SIGUSR1 writes the counts,
+Counts ``BatchGenerator.next`` calls, those that prefilled a prompt, the
+tokens each step generated (the decode batch size) and the time spent in
+them. SIGUSR1 writes the counts,
 with the live threads' names, to OUT as JSON; SIGUSR2 sets them to zero.
 Used by bench/engine_profile.py; the server itself runs unchanged.
 """
@@ -19,7 +20,7 @@ from collections import Counter
 
 from mlx_lm.generate import BatchGenerator
 
-counts = {"steps": 0, "step_s": 0.0, "batch_sizes": Counter()}
+counts = {"steps": 0, "prefill_steps": 0, "step_s": 0.0, "batch_sizes": Counter()}
 stock_next = BatchGenerator.next
 
 
@@ -28,6 +29,7 @@ def counted_next(self):
     prompt_responses, generation_responses = stock_next(self)
     counts["step_s"] += time.perf_counter() - started
     counts["steps"] += 1
+    counts["prefill_steps"] += bool(prompt_responses)
     counts["batch_sizes"][len(generation_responses)] += 1
     return prompt_responses, generation_responses
 
@@ -41,7 +43,7 @@ def write_counts(out_path: str) -> None:
 
 
 def reset_counts() -> None:
-    counts.update(steps=0, step_s=0.0, batch_sizes=Counter())
+    counts.update(steps=0, prefill_steps=0, step_s=0.0, batch_sizes=Counter())
 
 
 def main() -> None:
