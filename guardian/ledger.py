@@ -9,6 +9,7 @@ which were taken but not started, and what each client has received.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 import time
@@ -135,6 +136,11 @@ class RequestRecord:
         return self.stage is Stage.STREAMING
 
 
+# How long the loop's look at the queue waits for requests still being
+# admitted on their HTTP threads (see RequestLedger.get).
+GATHER_ARRIVING_S = 0.005
+
+
 class RequestLedger:
     """The engine's request queue, and the record of what is in flight.
 
@@ -142,10 +148,21 @@ class RequestLedger:
     re-runs first, then new requests. A re-run marked ``isolate`` runs with
     nothing else in flight, so a request that fails twice among others is
     tried alone before it is blamed.
+
+    Stock queues a request at once and tokenizes it on the loop thread when
+    it takes it, so requests that arrive together are prefilled in the same
+    step. Here they are tokenized on their HTTP threads first; so that they
+    still start together, ``get_nowait`` waits a moment (at most
+    ``gather_arriving_s``, as stock's loop would spend that time tokenizing)
+    for requests that are ``arriving()``.
     """
 
-    def __init__(self, beat: Callable[[], None] = lambda: None):
+    def __init__(self, beat: Callable[[], None] = lambda: None,
+                 gather_arriving_s: float = GATHER_ARRIVING_S):
         self.beat = beat
+        self.gather_arriving_s = gather_arriving_s
+        self._arriving = 0  # requests being admitted, not yet put
+        self._this_thread = threading.local()
         self._cond = threading.Condition()
         self._incoming: deque[tuple] = deque()
         self._reruns: deque[RequestRecord] = deque()
@@ -154,6 +171,36 @@ class RequestLedger:
         self.closed_error: Optional[GuardianError] = None
 
     # -- the HTTP side ----------------------------------------------------
+    @contextlib.contextmanager
+    def arriving(self):
+        """Around the admission of a request that this thread then ``put``s."""
+        self._count_arriving(+1)
+        self._this_thread.arriving = True
+        try:
+            yield
+        finally:
+            if self._this_thread.arriving:  # refused, or failed before its put
+                self._this_thread.arriving = False
+                self._count_arriving(-1)
+
+    @contextlib.contextmanager
+    def set_aside(self):
+        """Around a wait for something the loop must free (KV memory): the loop
+        must not wait for a request that waits for it."""
+        counted = getattr(self._this_thread, "arriving", False)
+        if counted:
+            self._count_arriving(-1)
+        try:
+            yield
+        finally:
+            if counted:
+                self._count_arriving(+1)
+
+    def _count_arriving(self, change: int) -> None:
+        with self._cond:
+            self._arriving += change
+            self._cond.notify_all()
+
     def put(self, item, block=True, timeout=None):
         """Stock's ``generate()`` enqueues ``(response_queue, request, args)``."""
         response_queue, request, args = item
@@ -166,11 +213,15 @@ class RequestLedger:
             ledger=self,
         )
         record.item = (record, request, args)
+        # Arrived: no longer counted as arriving, in the same step as queued.
+        arrived = getattr(self._this_thread, "arriving", False)
+        self._this_thread.arriving = False
         with self._cond:
+            self._arriving -= arrived
             refused = self.closed_error
             if refused is None:
                 self._incoming.append(record.item)
-                self._cond.notify_all()
+            self._cond.notify_all()
         if refused is not None:
             record.fail(refused)
         return record
@@ -178,13 +229,15 @@ class RequestLedger:
     # -- the generation loop's side ---------------------------------------
     def get(self, block=True, timeout=None):
         self.beat()
+        if not block:
+            timeout = self.gather_arriving_s
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while True:
                 item = self._next_item()
                 if item is not None:
                     return item
-                if not block:
+                if not block and not (self._arriving and self._takes_new()):
                     raise Empty
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
@@ -201,11 +254,15 @@ class RequestLedger:
         atomic, and a wrong answer costs one look at the queue too many or
         too few (stock's own half-second look still comes).
         """
+        if self._reruns:
+            return self._takes_new()
+        return bool(self._incoming) and self._isolated is None
+
+    def _takes_new(self) -> bool:
+        """Whether the next request put would be taken now (no re-run is being isolated)."""
         if self._isolated is not None:
             return False
-        if self._reruns:
-            return not (self._reruns[0].isolate and self._in_flight)
-        return bool(self._incoming)
+        return not (self._reruns and self._reruns[0].isolate and self._in_flight)
 
     def _next_item(self):
         # Requests whose client left while they waited are dropped here.
@@ -274,6 +331,7 @@ class RequestLedger:
     def counts(self) -> dict:
         with self._cond:
             return {
+                "arriving": self._arriving,
                 "queued": len(self._incoming),
                 "rerun_queued": len(self._reruns),
                 "in_flight": len(self._in_flight),

@@ -291,7 +291,8 @@ class PromptGuard:
                     "kv_budget_bytes": self.budget.total_bytes,
                 },
             )
-        error = self.budget.reserve(nbytes)
+        with admission.waiting():
+            error = self.budget.reserve(nbytes)
         if error is None:
             admission.on_finish(lambda: self.budget.release(nbytes))
         return error
