@@ -254,12 +254,11 @@ class RequestLedger:
         atomic, and a wrong answer costs one look at the queue too many or
         too few (stock's own half-second look still comes).
         """
-        if self._reruns:
-            return self._takes_new()
-        return bool(self._incoming) and self._isolated is None
+        return bool(self._reruns or self._incoming) and self._takes_new()
 
     def _takes_new(self) -> bool:
-        """Whether the next request put would be taken now (no re-run is being isolated)."""
+        """Whether the loop takes a request now: not while a re-run runs alone,
+        nor while the batch drains before one does."""
         if self._isolated is not None:
             return False
         return not (self._reruns and self._reruns[0].isolate and self._in_flight)
@@ -270,13 +269,10 @@ class RequestLedger:
             self._incoming.popleft()
         while self._reruns and self._reruns[0].stage is Stage.DONE:
             self._reruns.popleft()
-        if self._isolated is not None:
+        if not self._takes_new():
             return None
         if self._reruns:
-            record = self._reruns[0]
-            if record.isolate and self._in_flight:
-                return None  # let the current batch drain first
-            self._reruns.popleft()
+            record = self._reruns.popleft()
             if record.isolate:
                 self._isolated = record
             return self._take(record.item)
