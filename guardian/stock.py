@@ -124,10 +124,10 @@ class RequestAwareTimeBudget(server.TimeBudget):
     def __init__(self, request_waiting: Callable[[], bool]):
         super().__init__()
         self._request_waiting = request_waiting
-        self._steps_begun = 0
+        self._stepped = False
 
     def __iter__(self):
-        self._steps_begun = 0
+        self._stepped = False
         return super().__iter__()
 
     def __next__(self):
@@ -136,9 +136,9 @@ class RequestAwareTimeBudget(server.TimeBudget):
         # from the queue, and runs that ended at once would never drain it.
         # The ranks of a distributed server must end every run on the same
         # step (stock counts steps there): leave those runs to stock.
-        if self._steps_begun and not self._is_distributed and self._request_waiting():
+        if self._stepped and not self._is_distributed and self._request_waiting():
             raise StopIteration
-        self._steps_begun += 1
+        self._stepped = True
         return super().__next__()
 
 
