@@ -158,23 +158,27 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
     def generate(self, request, generation_args, progress_callback=None):
         if not self.generation_available():
             raise AbortRequest(engine_unavailable("The engine has stopped; the server is exiting."))
-        # From here until stock's generate() puts the request on the ledger,
-        # the loop may wait a moment for it (see RequestLedger.get).
+        # Until stock's generate() puts the request on the ledger, the loop
+        # may wait a moment for it (see RequestLedger.get).
         with self.ledger.arriving():
             admission = self.gate.admit(request, generation_args)
-            if admission is not None:
-                request = admission.request  # a hook may have dropped messages
-            try:
-                ctx, tokens = super().generate(request, generation_args, progress_callback)
-            except BaseException as e:
-                if admission is not None:
-                    admission.finish()
-                if isinstance(e, Exception):
-                    raise AbortRequest(from_stock_exception(e)) from None
-                raise
+            ctx, tokens = self._submit(admission, request, generation_args, progress_callback)
         if admission is not None and not at_request_end(admission.finish):
             tokens = finish_after(tokens, admission)
         return ctx, tokens
+
+    def _submit(self, admission, request, generation_args, progress_callback):
+        """Stock's generate(): queue the request, wait for its context."""
+        if admission is not None:
+            request = admission.request  # a hook may have dropped messages
+        try:
+            return super().generate(request, generation_args, progress_callback)
+        except BaseException as e:
+            if admission is not None:
+                admission.finish()
+            if isinstance(e, Exception):
+                raise AbortRequest(from_stock_exception(e)) from None
+            raise
 
     # -- supervision ----------------------------------------------------------
     def supervise(self, run_stock_loop) -> None:
