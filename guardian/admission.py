@@ -50,8 +50,7 @@ class Admission:
     hook asks for tokens.
     """
 
-    def __init__(self, request, args, *, limits, tokenize: Callable, request_id: str, stream: bool,
-                 set_aside: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext):
+    def __init__(self, request, args, *, limits, tokenize: Callable, request_id: str, stream: bool):
         self.request = request
         self.args = args
         self.limits: ModelLimits = limits
@@ -62,7 +61,6 @@ class Admission:
         # Fields added to every later log line of this request.
         self.log_fields: dict[str, Any] = {}
         self._tokenize = tokenize
-        self._set_aside = set_aside
         self._tokenized: Optional[tuple] = None
         self._on_finish: list[Callable[[], None]] = []
         self._finished = False
@@ -100,14 +98,6 @@ class Admission:
         """Send ``variant`` to the engine instead of the request as it came."""
         self.request = variant.request
         self._tokenized = variant.tokenized
-
-    def waiting(self) -> contextlib.AbstractContextManager:
-        """Around a wait for something only the engine can free (KV memory).
-
-        The engine's loop waits a moment for requests being admitted; it
-        must not wait for one that is waiting for the loop.
-        """
-        return self._set_aside()
 
     def on_finish(self, callback: Callable[[], None]) -> None:
         """Call ``callback`` once when the request ends, however it ends."""

@@ -51,7 +51,6 @@ class AdmissionGate:
             tokenize=functools.partial(self._tokenize, tokenizer, args=args),
             request_id=info.request_id,
             stream=info.stream,
-            set_aside=engine.ledger.set_aside,
         )
         try:
             error = engine.pm.hook.admit_request(admission=admission, engine=engine)

@@ -210,7 +210,7 @@ class PromptGuard:
 
     # -- admission --------------------------------------------------------------
     @guardian.hookimpl
-    def admit_request(self, admission: Admission):
+    def admit_request(self, admission: Admission, engine):
         if not self.settings.enabled:
             return None
         n_ctx = self.context_limit(admission.limits)
@@ -223,7 +223,10 @@ class PromptGuard:
         if error is None and n_ctx is not None and n_prompt + max_tokens > n_ctx:
             error = self.overflow(admission, n_prompt, n_ctx)
         if error is None:
-            error = self.reserve_kv_cache(admission, n_ctx)
+            # The engine's loop waits a moment for requests being admitted,
+            # but not for one that waits for the loop to free KV memory.
+            with engine.ledger.set_aside():
+                error = self.reserve_kv_cache(admission, n_ctx)
         return error
 
     def prompt_limit(self, n_ctx: Optional[int]) -> Optional[int]:
@@ -291,8 +294,7 @@ class PromptGuard:
                     "kv_budget_bytes": self.budget.total_bytes,
                 },
             )
-        with admission.waiting():
-            error = self.budget.reserve(nbytes)
+        error = self.budget.reserve(nbytes)
         if error is None:
             admission.on_finish(lambda: self.budget.release(nbytes))
         return error
