@@ -184,16 +184,19 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[index]
 
 
+def burst_prompts(first: int, count: int) -> list[str]:
+    """``count`` prompts of ~110 tokens, numbered from ``first``: no two share a prompt cache entry."""
+    return [f"Request {n}. " + SENTENCE * PROMPT_SENTENCES for n in range(first, first + count)]
+
+
 def measure_throughput(servers: dict, rounds: int, requests: dict[int, int]) -> dict:
     """Round after round, each server in turn, on the same prompts."""
     results = {clients: {kind: [] for kind in servers} for clients in requests}
-    serial = 0
+    serial = 1
     for round_index in range(rounds):
         for clients, count in requests.items():
-            prompts = []
-            for _ in range(count):
-                serial += 1
-                prompts.append(f"Request {serial}. " + SENTENCE * PROMPT_SENTENCES)
+            prompts = burst_prompts(serial, count)
+            serial += count
             kinds = list(servers)
             shift = round_index % len(kinds)
             for kind in kinds[shift:] + kinds[:shift]:

@@ -32,7 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_prompt_guard import LABELS, PROMPT_SENTENCES, SENTENCE, cpu_split, run_load, start_servers
+from bench_prompt_guard import LABELS, SENTENCE, burst_prompts, cpu_split, run_load, start_servers
 from servers import poll_until
 
 PROFILED_SERVER = Path(__file__).resolve().parent / "profiled_server.py"
@@ -92,12 +92,8 @@ def main() -> None:
             cpu = {kind: {} for kind in kinds}
             client_cpu = {kind: 0.0 for kind in kinds}
             wall = {kind: 0.0 for kind in kinds}
-            serial = 0
             for round_index in range(args.rounds):
-                prompts = []
-                for _ in range(args.requests):
-                    serial += 1
-                    prompts.append(f"Request {serial}. " + SENTENCE * PROMPT_SENTENCES)
+                prompts = burst_prompts(1 + round_index * args.requests, args.requests)
                 for kind in kinds if round_index % 2 == 0 else kinds[::-1]:
                     pid = servers[kind].proc.pid
                     before, client_before = thread_cpu_s(pid), time.process_time()
