@@ -396,6 +396,7 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
             f"{classification}: {type(cause).__name__}: {cause}",
             status=500,
             code="request_failed_repeatedly",
+            retry=False,  # the same request would fail the same way
         )
 
     # -- what plugins and endpoints read -----------------------------------

@@ -21,6 +21,10 @@ class GuardianError(Exception):
     code: Optional[str] = None
     param: Optional[str] = None
     retry_after_s: Optional[float] = None
+    # Whether a client should send the request again: the x-should-retry
+    # header, which the openai SDK obeys over its own rule (it retries every
+    # 5xx twice by default). None: from the status (see should_retry).
+    retry: Optional[bool] = None
     extra: dict = field(default_factory=dict)
     headers: dict = field(default_factory=dict)
 
@@ -41,11 +45,28 @@ class GuardianError(Exception):
         """The error as the last event of a stream that has started: the event, then [DONE]."""
         return f"data: {json.dumps(self.body())}\n\ndata: [DONE]\n\n".encode()
 
+    @property
+    def should_retry(self) -> Optional[bool]:
+        """Busy (429) and unavailable (503) pass; another 4xx never will; other 5xx: no opinion."""
+        if self.retry is not None:
+            return self.retry
+        if self.status in RETRYABLE_STATUSES:
+            return True
+        if 400 <= self.status < 500:
+            return False
+        return None
+
     def response_headers(self) -> dict:
         headers = dict(self.headers)
         if self.retry_after_s is not None:
             headers["Retry-After"] = str(max(1, round(self.retry_after_s)))
+        if self.should_retry is not None:
+            headers["x-should-retry"] = "true" if self.should_retry else "false"
         return headers
+
+
+# Statuses that mean "not now": the same request may succeed later.
+RETRYABLE_STATUSES = (429, 503)
 
 
 class EngineStepError(Exception):

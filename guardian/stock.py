@@ -44,6 +44,7 @@ REQUIRED = {
     "ModelProvider.load_default": "load the --model weights before serving",
     "ModelProvider.load": "load a model the way stock does",
     "APIHandler.handle_completion": "wrapped to answer engine faults properly",
+    "APIHandler.validate_model_parameters": "extended: every field checked at the door against the loaded model",
     "APIHandler.do_GET": "extended with /health, /livez, /readyz, /guardian/status",
     "GenerationContext.stop": "client-gone signal, linked across a re-run",
     "Response": "a token on a request's response queue",
