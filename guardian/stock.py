@@ -221,7 +221,8 @@ def requested_model_key(model_provider, model) -> tuple:
     probe = copy.copy(model_provider)
     probe.model_key = _NEVER_LOADED
     probe._load = lambda *model_key: recorded.append(model_key)
-    probe.load(model.model, model.adapter, model.draft)
+    # The class's load(): an instance may carry a wrapper that really loads.
+    ModelProvider.load(probe, model.model, model.adapter, model.draft)
     return recorded[0]
 
 
