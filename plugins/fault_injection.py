@@ -9,6 +9,7 @@ exceeded.``, raised inside ``BatchGenerator.next`` as on the Mac.
 from __future__ import annotations
 
 import builtins
+import ctypes
 import random
 import threading
 from dataclasses import dataclass, field
@@ -41,6 +42,10 @@ class FaultInjectionSettings:
     # Raise at every step while a started request's prompt contains this
     # text: a poison request. Empty: off.
     poison_marker: str = ""
+    # Crash the process with a real SIGSEGV at a step while a started
+    # request's prompt contains this text: a body that kills the engine
+    # natively, which no in-process recovery can catch. Empty: off.
+    segfault_marker: str = ""
     # Count steps (for at_step and every_n_steps) only while at least this
     # many requests are started, e.g. 8 to fail with 8 clients mid-generation.
     min_started: int = field(default=0, metadata={"min": 0})
@@ -95,6 +100,8 @@ class FaultInjection:
         if s.hang_at_step and step == s.hang_at_step:
             log.warning("fault_injected", kind="hang", step=step)
             self.released.wait(s.hang_s or None)
+        if s.segfault_marker and engine.started_prompt_contains(s.segfault_marker):
+            self._segfault(step)
         if s.max_faults and self.faults >= s.max_faults:
             return
         reason = self._trigger(step, engine)
@@ -102,6 +109,12 @@ class FaultInjection:
             self.faults += 1
             log.warning("fault_injected", kind="raise", step=step, trigger=reason)
             raise self.exception_class(s.message)
+
+    @staticmethod
+    def _segfault(step):
+        """Read address 0, as a native bug would: the kernel sends SIGSEGV."""
+        log.warning("fault_injected", kind="segfault", step=step, trigger="segfault_marker")
+        ctypes.string_at(0)
 
     def _trigger(self, step, engine):
         s = self.settings
