@@ -4,7 +4,9 @@ Imports neither mlx nor mlx_lm: the supervisor stays small. Responses pass
 through as they arrive (SSE events one by one), with the child's status and
 headers. When the child dies under a request, the client still gets an
 answer: a 503 if nothing was sent yet, or an error event and ``[DONE]`` if a
-stream had started. No read from the child needs a timeout: the supervisor
+stream had started. The crash quarantine (``guardian.crash_quarantine``)
+sees every POST: it refuses the ones it quarantined and holds its
+suspects back until they can run alone. No read from the child needs a timeout: the supervisor
 forgets a child only once it is reaped, and the kernel has then closed the
 child's end of every connection, so every read from it ends.
 """
@@ -18,6 +20,7 @@ from urllib.parse import urlsplit
 import httpx
 import structlog
 
+from guardian.crash_quarantine import fingerprint
 from guardian.errors import GuardianError
 
 log = structlog.get_logger("guardian.supervisor")
@@ -62,6 +65,8 @@ class ProxyHandler(BaseHTTPRequestHandler):
     # of unknown length needs no chunked framing.
     protocol_version = "HTTP/1.0"
     server_version = "mlx-guardian-supervisor"
+    # The crash quarantine's record of the request being relayed, if any.
+    relay_record = None
 
     def do_GET(self):
         """Every method takes the same route; the child says which it supports."""
@@ -70,7 +75,7 @@ class ProxyHandler(BaseHTTPRequestHandler):
     do_POST = do_PUT = do_PATCH = do_DELETE = do_OPTIONS = do_HEAD = do_GET
 
     def route(self) -> None:
-        """Pick who answers: the supervisor itself, a 503, or the child."""
+        """Pick who answers: the supervisor itself, the crash quarantine, or the child's turn."""
         supervisor = self.server.supervisor
         path = urlsplit(self.path).path
         # Read the body first even when refusing: closing a socket with
@@ -80,6 +85,17 @@ class ProxyHandler(BaseHTTPRequestHandler):
             return self.send_json(200, {"status": "ok"})
         if path == STATUS_PATH:
             return self.send_json(200, supervisor.status())
+        request_fingerprint = fingerprint(self.command, self.path, body)
+        refusal = supervisor.quarantine.refusal(self.command, request_fingerprint)
+        if refusal is not None:
+            return self.send_error_json(refusal)
+        # A crash suspect waits to run alone; others wait behind it.
+        with supervisor.in_flight, supervisor.quarantine.turn(self.command, request_fingerprint):
+            self.to_child(path, body, request_fingerprint)
+
+    def to_child(self, path: str, body: bytes, request_fingerprint: str) -> None:
+        """Relay to the serving child, on record for the crash quarantine; or answer a 503."""
+        supervisor = self.server.supervisor
         child = supervisor.serving_child(health_check=path in HEALTH_PATHS)
         if child is None:
             if path in HEALTH_PATHS:
@@ -88,7 +104,8 @@ class ProxyHandler(BaseHTTPRequestHandler):
         if path == READINESS_PATH and not child.has_readyz:
             # Stock has no /readyz: the supervisor's last check of /health is the answer.
             return self.send_json(200, {"status": "ready", "state": supervisor.state})
-        with supervisor.in_flight:
+        with supervisor.quarantine.relaying(child.generation, self.command, path,
+                                            request_fingerprint) as self.relay_record:
             self.proxy(child, body)
 
     def read_body(self) -> bytes:
@@ -137,7 +154,9 @@ class ProxyHandler(BaseHTTPRequestHandler):
             is_sse = upstream.headers.get("content-type", "").startswith(SSE_CONTENT_TYPE)
             cut = self.relay_events(upstream) if is_sse else self.relay_bytes(upstream)
             if cut is not None:
-                self.child_lost(child, cut, sent=True, stream=is_sse)
+                return self.child_lost(child, cut, sent=True, stream=is_sse)
+            if self.relay_record is not None:
+                self.relay_record.answered = True
         except CLIENT_GONE:
             # Closing the upstream response tells the child its client left.
             log.info("proxy_client_gone", path=self.path, child_pid=child.pid)
@@ -180,6 +199,9 @@ class ProxyHandler(BaseHTTPRequestHandler):
     def child_lost(self, child, cause: BaseException, sent: bool, stream: bool = False) -> None:
         """The child failed under this request: answer what can still be answered."""
         supervisor = self.server.supervisor
+        if self.relay_record is not None:
+            # Answered, but a suspect of the child's death until it is reaped.
+            self.relay_record.lost = True
         log.warning("proxy_child_lost", path=self.path, child_pid=child.pid, bytes_sent=sent,
                     error_type=type(cause).__name__, error_message=str(cause))
         error = supervisor.lost_child_error()

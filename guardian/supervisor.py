@@ -6,6 +6,9 @@ as a child on 127.0.0.1 and a private port: the in-process guardian
 with ``--engine stock``. It relays every request to the child
 (``guardian.proxy``), checks the child's health, and replaces a child that
 died, crashed in native code, or stopped answering (even SIGSTOPped).
+A request in flight at two crashes is refused at the door for a while
+(``guardian.crash_quarantine``), so one body that crashes the engine
+natively cannot crash-loop the service.
 
 Modelled on gunicorn's Arbiter: signal handlers only enqueue; the main
 loop waits with a timeout and dispatches; soft kill, then hard kill; the
@@ -32,6 +35,7 @@ import httpx
 import structlog
 
 from guardian.counting import ActiveCount, RecentEvents
+from guardian.crash_quarantine import CrashQuarantine
 from guardian.errors import GuardianError
 from guardian.exit_codes import (
     EXIT_BOOT_ERROR,
@@ -159,6 +163,8 @@ class Supervisor:
         self.exit_code: Optional[int] = None
         # Requests the public side is relaying now.
         self.in_flight = ActiveCount()
+        # Requests in flight at crashes; the twice-struck are refused at the door.
+        self.quarantine = CrashQuarantine(options.supervisor_quarantine, options.supervisor_window)
         self.httpd: Optional[PublicServer] = None
         self.notifier = SystemdNotifier()
         self.ready_sent = False
@@ -279,6 +285,8 @@ class Supervisor:
                           "at": time.time()}
         level = log.info if child.kill_reason else log.error
         level("child_exited", **self.last_exit)
+        self.quarantine.child_exited(child.generation, crashed=child.kill_reason is None,
+                                     pid=child.pid, reason=reason)
         with self.lock:
             self.child = None
         if self.exit_code is None:
@@ -463,6 +471,7 @@ class Supervisor:
             "max_restarts": self.options.supervisor_max_restarts,
             "last_exit": self.last_exit,
             "in_flight": self.in_flight.active,
+            "quarantine": self.quarantine.status(),
         }
 
 
@@ -564,6 +573,9 @@ def make_parser() -> argparse.ArgumentParser:
                         help="give up (exit 6) at restart N+1 within the window (default: %(default)s)")
     parser.add_argument("--supervisor-window", type=positive, default=300.0, metavar="S",
                         help="the crash-loop window in seconds (default: %(default)s)")
+    parser.add_argument("--supervisor-quarantine", type=non_negative, default=300.0, metavar="S",
+                        help="refuse for this long a request that was in flight at two child "
+                             "crashes within the window; 0: off (default: %(default)s)")
     # Read here and passed on: the supervisor logs the way the child does.
     parser.add_argument("--log-format", choices=("json", "console"), default=None, help=argparse.SUPPRESS)
     parser.add_argument("--log-level", default=None, help=argparse.SUPPRESS)
@@ -575,6 +587,14 @@ def positive(text: str) -> float:
     value = float(text)
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be positive: {text}")
+    return value
+
+
+def non_negative(text: str) -> float:
+    """An argparse type: a number of seconds, zero or more."""
+    value = float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must not be negative: {text}")
     return value
 
 

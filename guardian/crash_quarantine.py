@@ -1,0 +1,310 @@
+"""Subprocess mode: blame the requests in flight when the engine child crashes.
+
+A body that crashes the engine natively (SIGSEGV) kills the child before
+anything in it can blame the body. The supervisor can: it knows which
+requests it had relayed to the child and not yet seen answered. A request
+in flight at two crashes within the strike window is quarantined: identical
+requests are refused at the proxy for ``quarantine_s`` seconds, so one
+poison body and its clients' retries cannot crash-loop the service. A
+suspect (in flight at one crash) is relayed alone (``guardian.isolation``),
+so the innocent requests beside the guilty one at the first crash are not
+beside it again at the second; a suspect answered in full is cleared.
+
+Identical means the same fingerprint: method, target and the body, as
+canonical JSON when it parses (key order and whitespace do not matter),
+without ``stream`` and ``stream_options``: they change how tokens reach
+the client, not what the engine computes, so a body that crashes the
+engine streamed crashes it unstreamed too. The fingerprint is exact by
+design: a changed prompt is another request, so quarantine stops retries
+and crash loops, not a client set on varying a poison body (validation
+at the door is for that).
+
+Only POST requests are tracked: generation is what crashes an engine, and
+a GET that happened to be in flight twice (a dashboard polling
+/v1/models) must not be refused. No mlx here: the supervisor imports it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+import time
+from collections import OrderedDict
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Iterator, Optional
+
+import structlog
+
+from guardian.errors import GuardianError
+from guardian.isolation import IsolationGate
+
+log = structlog.get_logger("guardian.supervisor")
+
+# Crashes a request must be in flight at to be quarantined.
+STRIKES_TO_QUARANTINE = 2
+# Fields that do not change what the engine computes for a request.
+DELIVERY_FIELDS = ("stream", "stream_options")
+# Bodies up to this size are parsed to be made canonical (~9 ms a MiB here,
+# holding the GIL that every relay shares); bigger ones are hashed as sent,
+# which still matches a client's retry byte for byte.
+MAX_CANONICAL_BYTES = 1 << 20
+# Enough of a fingerprint to tell entries apart in logs and status.
+FINGERPRINT_PREFIX_CHARS = 12
+# Bounds on the tables: a stream of distinct bodies (each in flight at one
+# crash) cannot grow the supervisor without limit; the oldest go first.
+MAX_SUSPECTS = 1024
+MAX_QUARANTINED = 1024
+# At most this many in-flight records of one child: relays cut while the
+# child lived on (a reset connection) wait there for its death.
+MAX_RELAYS_PER_CHILD = 4096
+# How long a suspect waits to run alone, and others wait behind it.
+ISOLATION_MAX_WAIT_S = 30.0
+# /guardian/supervisor lists the newest entries only.
+STATUS_ENTRIES = 20
+
+
+def fingerprint(method: str, target: str, body: bytes) -> str:
+    """A hash of what a request asks the engine for (sha256, hex)."""
+    digest = hashlib.sha256(f"{method.upper()} {target}\n".encode())
+    digest.update(canonical_body(body))
+    return digest.hexdigest()
+
+
+def canonical_body(body: bytes) -> bytes:
+    """The body as sorted, compact JSON without delivery fields; the bytes if not JSON."""
+    if len(body) > MAX_CANONICAL_BYTES:
+        return body
+    try:
+        parsed = json.loads(body)
+    except (ValueError, RecursionError):
+        return body
+    if isinstance(parsed, dict):
+        parsed = {k: v for k, v in parsed.items() if k not in DELIVERY_FIELDS}
+    return json.dumps(parsed, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def short(fp: str) -> str:
+    """The fingerprint prefix that logs and status show."""
+    return fp[:FINGERPRINT_PREFIX_CHARS]
+
+
+def utc_iso(wall_time: float) -> str:
+    """A wall-clock time as ISO 8601 UTC, to the second."""
+    return datetime.fromtimestamp(wall_time, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+@dataclass
+class Relay:
+    """One request relayed to a child: ``lost`` if the child failed under it, ``answered`` in full."""
+
+    fingerprint: str
+    method: str
+    path: str
+    lost: bool = False
+    answered: bool = False
+
+
+@dataclass
+class Suspect:
+    """A fingerprint in flight at one or more recent crashes."""
+
+    method: str
+    path: str
+    crash_times: list = field(default_factory=list)  # monotonic
+
+
+@dataclass
+class Quarantined:
+    """A fingerprint refused at the door until ``until`` (monotonic)."""
+
+    method: str
+    path: str
+    until: float
+    until_wall: float
+    strikes: int
+
+
+class CrashQuarantine:
+    """Tracks relays per child; strikes their fingerprints at crashes; refuses the twice-struck."""
+
+    def __init__(self, quarantine_s: float, strike_window_s: float):
+        self.quarantine_s = quarantine_s
+        self.strike_window_s = strike_window_s
+        self.lock = threading.Lock()
+        # generation -> {relay id: Relay}; a child's entry goes when it is reaped.
+        self.relays: dict[int, OrderedDict[int, Relay]] = {}
+        # Children reaped so far: a relay that reaches a dead child is not tracked.
+        self.settled_through = 0
+        self.suspects: OrderedDict[str, Suspect] = OrderedDict()
+        self.quarantined: OrderedDict[str, Quarantined] = OrderedDict()
+        self.refused = 0
+        self.cleared = 0
+        self.isolation = IsolationGate(ISOLATION_MAX_WAIT_S)
+
+    @property
+    def enabled(self) -> bool:
+        """0 seconds switches quarantining off (suspects are still logged)."""
+        return self.quarantine_s > 0
+
+    # -- HTTP threads ---------------------------------------------------------
+    def refusal(self, method: str, fp: str) -> Optional[GuardianError]:
+        """The error for a quarantined request, or None to relay it."""
+        if method != "POST" or not self.enabled:
+            return None
+        with self.lock:
+            entry = self.quarantined.get(fp)
+            if entry is not None and entry.until <= time.monotonic():
+                del self.quarantined[fp]
+                entry = None
+            if entry is None:
+                return None
+            self.refused += 1
+        log.warning("quarantined_request_refused", fingerprint=short(fp), method=method,
+                    path=entry.path, until=utc_iso(entry.until_wall), strikes=entry.strikes)
+        return quarantine_error(entry)
+
+    @contextmanager
+    def turn(self, method: str, fp: str) -> Iterator[bool]:
+        """Wait until this request may go to the child; yield whether it runs alone.
+
+        A suspect runs alone and others wait behind it (bounded), so a
+        crash under it strikes it and nothing else.
+        """
+        if method != "POST" or not self.enabled:
+            yield False
+            return
+        with self.lock:
+            suspect = fp in self.suspects
+        with self.isolation.admit(suspect) as alone:
+            yield alone
+
+    @contextmanager
+    def relaying(self, generation: int, method: str, path: str, fp: str) -> Iterator[Relay]:
+        """Record a POST relayed to child ``generation`` until it is answered.
+
+        A relay the child failed under (``relay.lost = True``) stays on
+        record: the child may be reaped after its requests were answered.
+        """
+        relay = Relay(fp, method, path)
+        key = id(relay)
+        tracked = method == "POST" and self._add(generation, key, relay)
+        try:
+            yield relay
+        finally:
+            if tracked and not relay.lost:
+                self._remove(generation, key)
+            if relay.answered:
+                self._clear(fp)
+
+    def _add(self, generation: int, key: int, relay: Relay) -> bool:
+        """Put a relay on its child's record; False if that child is already reaped."""
+        with self.lock:
+            if generation <= self.settled_through:
+                return False
+            relays = self.relays.setdefault(generation, OrderedDict())
+            relays[key] = relay
+            while len(relays) > MAX_RELAYS_PER_CHILD:
+                relays.popitem(last=False)
+            return True
+
+    def _remove(self, generation: int, key: int) -> None:
+        """A relay answered in full: it is no suspect of anything."""
+        with self.lock:
+            self.relays.get(generation, {}).pop(key, None)
+
+    def _clear(self, fp: str) -> None:
+        """A request answered in full did not crash the child: no longer a suspect."""
+        with self.lock:
+            suspect = self.suspects.pop(fp, None)
+            if suspect is not None:
+                self.cleared += 1
+        if suspect is not None:
+            log.info("crash_suspect_cleared", fingerprint=short(fp), method=suspect.method,
+                     path=suspect.path)
+
+    # -- the supervisor's main loop -------------------------------------------
+    def child_exited(self, generation: int, crashed: bool, **exit_info) -> None:
+        """Settle a reaped child; if it died on its own, strike what was in flight."""
+        with self.lock:
+            relays = self.relays.pop(generation, {})
+            self.settled_through = max(self.settled_through, generation)
+        if not crashed or not relays:
+            return
+        now = time.monotonic()
+        distinct = {relay.fingerprint: relay for relay in relays.values()}
+        suspects = [self._strike(fp, relay, now) for fp, relay in distinct.items()]
+        log.warning("crash_suspects", generation=generation, suspects=suspects,
+                    quarantine_s=self.quarantine_s, **exit_info)
+
+    def _strike(self, fp: str, relay: Relay, now: float) -> dict:
+        """One more crash for ``fp``; quarantine it at the second within the window."""
+        with self.lock:
+            suspect = self.suspects.pop(fp, None) or Suspect(relay.method, relay.path)
+            suspect.crash_times = [t for t in suspect.crash_times if t > now - self.strike_window_s]
+            suspect.crash_times.append(now)
+            strikes = len(suspect.crash_times)
+            quarantine = self.enabled and strikes >= STRIKES_TO_QUARANTINE
+            if quarantine:
+                self._quarantine(fp, suspect, now)
+            else:
+                self.suspects[fp] = suspect  # newest last: eviction takes the oldest
+                while len(self.suspects) > MAX_SUSPECTS:
+                    self.suspects.popitem(last=False)
+        described = {"fingerprint": short(fp), "method": relay.method, "path": relay.path,
+                     "strikes": strikes, "lost": relay.lost, "quarantined": quarantine}
+        if quarantine:
+            log.error("request_quarantined", fingerprint=short(fp), method=relay.method,
+                      path=relay.path, strikes=strikes, quarantine_s=self.quarantine_s,
+                      until=utc_iso(self.quarantined[fp].until_wall))
+        return described
+
+    def _quarantine(self, fp: str, suspect: Suspect, now: float) -> None:
+        """Refuse ``fp`` for quarantine_s from now (the lock is held)."""
+        self.quarantined.pop(fp, None)
+        self.quarantined[fp] = Quarantined(suspect.method, suspect.path, now + self.quarantine_s,
+                                           time.time() + self.quarantine_s, len(suspect.crash_times))
+        while len(self.quarantined) > MAX_QUARANTINED:
+            self.quarantined.popitem(last=False)
+
+    # -- status -----------------------------------------------------------------
+    def status(self) -> dict:
+        """What /guardian/supervisor shows: the newest quarantined and suspect fingerprints."""
+        now = time.monotonic()
+        with self.lock:
+            quarantined = [(fp, q) for fp, q in self.quarantined.items() if q.until > now]
+            suspects = list(self.suspects.items())
+        return {
+            "quarantine_s": self.quarantine_s,
+            "refused": self.refused,
+            "cleared": self.cleared,
+            "isolation": self.isolation.status(),
+            "quarantined_count": len(quarantined),
+            "quarantined": [
+                {"fingerprint": short(fp), "method": q.method, "path": q.path, "strikes": q.strikes,
+                 "until": utc_iso(q.until_wall), "remaining_s": round(q.until - now, 1)}
+                for fp, q in quarantined[-STATUS_ENTRIES:]
+            ],
+            "suspects_count": len(suspects),
+            "suspects": [
+                {"fingerprint": short(fp), "method": s.method, "path": s.path,
+                 "strikes": len([t for t in s.crash_times if t > now - self.strike_window_s])}
+                for fp, s in suspects[-STATUS_ENTRIES:]
+            ],
+        }
+
+
+def quarantine_error(entry: Quarantined) -> GuardianError:
+    """A 500 that tells the client not to send this request again before ``until``."""
+    return GuardianError(
+        f"This request was in flight at {entry.strikes} crashes of the engine process and is "
+        f"quarantined: identical requests are refused until {utc_iso(entry.until_wall)}. "
+        "Change the request, or ask the operator to look at the crash.",
+        status=500,
+        type="server_error",
+        code="request_quarantined",
+        retry=False,
+        extra={"quarantined_until": utc_iso(entry.until_wall)},
+    )
