@@ -314,7 +314,95 @@ def test_supervise_help_shows_the_supervisors_flags():
                             capture_output=True, text=True, timeout=30)
     assert result.returncode == 0
     assert "--supervisor-unhealthy-after" in result.stdout and "--engine" in result.stdout
+    assert "--supervisor-quarantine" in result.stdout
     assert "Every other flag is passed to the child" in result.stdout
+
+
+SEGFAULT_MARKER = "SEGFAULT-ME"
+
+
+def test_a_body_that_crashes_the_child_twice_is_quarantined(start_supervisor, tmp_path):
+    config = tmp_path / "segfault.toml"
+    config.write_text(SLOW_STEPS + f'segfault_marker = "{SEGFAULT_MARKER}"\n')
+    # Old behaviour: the third crash would have been the third restart, and exit 6.
+    supervised = start_supervisor("--guardian-config", str(config), "--supervisor-max-restarts", "2")
+    first_pid = supervised.wait_ready()
+    poison = {"messages": [{"role": "user", "content": f"{SEGFAULT_MARKER} now"}], "max_tokens": 4}
+    bystander = chat_body("A bystander's story.", max_tokens=100, stream=True)
+    poisoned = {}
+
+    def post_poison():
+        with httpx.Client(timeout=60) as client:
+            poisoned["response"] = client.post(supervised.url + COMPLETIONS, json=poison)
+
+    with httpx.Client(timeout=60) as client:
+        # Crash 1: the poison, with a bystander stream in flight beside it: both are suspects.
+        with client.stream("POST", supervised.url + COMPLETIONS, json=bystander) as stream:
+            events = data_lines(stream)
+            assert stream.status_code == 200 and "choices" in json.loads(next(events))
+            response = client.post(supervised.url + COMPLETIONS, json=poison)
+            assert response.status_code == 503 and response.headers["x-should-retry"] == "true"
+            assert_restarting_error(response.json())
+            assert any('"engine_restarting"' in data for data in events)  # the bystander was cut
+        assert supervised.supervisor()["last_exit"]["returncode"] == -signal.SIGSEGV
+        # Both sent again: each suspect runs alone, so the bystander finishes and crash 2 is the poison's.
+        second_pid = supervised.wait_ready(not_pid=first_pid, timeout=30)
+        with client.stream("POST", supervised.url + COMPLETIONS, json=bystander) as stream:
+            events = data_lines(stream)
+            assert stream.status_code == 200 and "choices" in json.loads(next(events))
+            waiter = threading.Thread(target=post_poison, daemon=True)
+            waiter.start()
+            poll(lambda: supervised.supervisor()["quarantine"]["isolation"]["suspects_waiting"], 10,
+                 what="the poison waiting to run alone")
+            assert list(events)[-1] == "[DONE]"
+        waiter.join(timeout=30)
+        assert poisoned["response"].status_code == 503
+        third_pid = supervised.wait_ready(not_pid=second_pid, timeout=30)
+        # The third time it is refused at the door: reordered, respaced and streamed, it is the same request.
+        respaced = json.dumps({"stream": True, "max_tokens": 4, "messages": poison["messages"]}, indent=2)
+        response = client.post(supervised.url + COMPLETIONS, content=respaced,
+                               headers={"Content-Type": "application/json"})
+        assert response.status_code == 500 and response.headers["x-should-retry"] == "false"
+        error = response.json()["error"]
+        assert error["code"] == "request_quarantined" and "refused until" in error["message"]
+        # The bystander, in flight at one crash only, is served.
+        result = read_stream(client, supervised.url + COMPLETIONS, bystander)
+        assert result["status"] == 200 and result["done"] and not result["errors"]
+        assert client.post(supervised.url + COMPLETIONS, json=chat_body(max_tokens=4)).status_code == 200
+    status = supervised.supervisor()
+    assert status["child"]["pid"] == third_pid and status["restarts"] == 2 and status["state"] == "ready"
+    quarantine = status["quarantine"]
+    assert [q["strikes"] for q in quarantine["quarantined"]] == [2] and quarantine["refused"] == 1
+    assert quarantine["suspects"] == [] and quarantine["cleared"] == 1  # the bystander, answered alone
+    assert supervised.proc.poll() is None and not supervised.supervisor_events("supervisor_gave_up")
+    first, second = supervised.supervisor_events("crash_suspects")
+    assert len(first["suspects"]) == 2 and [s["quarantined"] for s in second["suspects"]] == [True]
+    [quarantined] = supervised.supervisor_events("request_quarantined")
+    assert quarantined["fingerprint"] == quarantine["quarantined"][0]["fingerprint"]
+    assert len(supervised.supervisor_events("quarantined_request_refused")) == 1
+    supervisor_lines = [json.dumps(e) for e in supervised.logs() if e.get("logger") == "guardian.supervisor"]
+    assert not any(SEGFAULT_MARKER in line for line in supervisor_lines)  # never the raw body
+
+
+
+def test_quarantine_0_lets_the_poison_crash_loop_into_exit_6(start_supervisor, tmp_path):
+    config = tmp_path / "segfault.toml"
+    config.write_text(f'[fault_injection]\nenabled = true\nsegfault_marker = "{SEGFAULT_MARKER}"\n')
+    supervised = start_supervisor("--guardian-config", str(config), "--supervisor-quarantine", "0",
+                                  "--supervisor-max-restarts", "1")
+    pid = supervised.wait_ready()
+    poison = chat_body(f"{SEGFAULT_MARKER} now", max_tokens=4)
+    assert httpx.post(supervised.url + COMPLETIONS, json=poison, timeout=60).status_code == 503
+    supervised.wait_ready(not_pid=pid, timeout=30)
+    assert httpx.post(supervised.url + COMPLETIONS, json=poison, timeout=60).status_code == 503
+    assert supervised.proc.wait(timeout=30) == EXIT_SUPERVISOR_GAVE_UP
+    assert [len(e["suspects"]) for e in supervised.supervisor_events("crash_suspects")] == [1, 1]
+    assert not supervised.supervisor_events("request_quarantined")
+
+
+def data_lines(response: httpx.Response):
+    """The data of each SSE event as it arrives (stock's keepalive comments skipped)."""
+    return (line[len("data: "):] for line in response.iter_lines() if line.startswith("data: "))
 
 
 def pid_alive(pid: int) -> bool:
