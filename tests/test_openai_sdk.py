@@ -1,0 +1,182 @@
+"""The real openai SDK as the client: which exception each refusal raises, and how often it is sent.
+
+The SDK retries by default (``max_retries=2``): 408, 409, 429 and every 5xx,
+unless the response's ``x-should-retry`` header says otherwise, and it waits
+what ``Retry-After`` asks (up to 60 s). So the server's headers decide how
+many times a refused request comes back. Each test counts the POSTs the
+server logged (``http_access`` lines) for the request the SDK made once.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from conftest import chat_body, poll
+
+CHAT_PATH = "/v1/chat/completions"
+LONG_PROMPT = "word " * 3000  # ~6000 tokens: the demo model's context is 2048
+
+
+def table(name: str, **settings) -> str:
+    return f"[{name}]\n" + "".join(f"{key} = {json.dumps(value)}\n" for key, value in settings.items())
+
+
+def sdk(server) -> openai.OpenAI:
+    """The SDK as an application would build it: default retries and timeout."""
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="x")
+
+
+def posts(server, path: str = CHAT_PATH) -> list[int]:
+    """The final status of every POST to ``path`` the server answered, from its access log.
+
+    A request stock began to answer is logged with stock's 200 when its
+    headers are prepared, and again with the error that replaced them: the
+    lines of one request share its ``request_id``, and the last one counts.
+    """
+    by_request: dict[str, int] = {}
+    for i, event in enumerate(server.events("http_access")):
+        line = event.get("line", "")
+        if f'"POST {path} ' in line:
+            by_request[event.get("request_id") or f"line {i}"] = int(line.split('" ', 1)[1].split()[0])
+    return list(by_request.values())
+
+
+def settled_posts(server, path: str = CHAT_PATH) -> list[int]:
+    """``posts()`` once every request sent so far is in the log.
+
+    The SDK raises only after its last try was answered, so all its tries
+    are over; their log lines may still be on their way to the file. A GET
+    sent now is logged after them: once its line is there, so are theirs.
+    """
+    marker = f"/livez?settled={time.monotonic_ns()}"
+    assert httpx.get(server.url + marker, timeout=10).status_code == 200
+    poll(lambda: any(marker in event.get("line", "") for event in server.events("http_access")), 10,
+         what="the marker request in the access log")
+    return posts(server, path)
+
+
+def user(content: str) -> list[dict]:
+    return [{"role": "user", "content": content}]
+
+
+def test_a_prompt_over_the_context_is_a_bad_request_sent_once(start_server):
+    server = start_server()
+    with pytest.raises(openai.BadRequestError) as raised:
+        sdk(server).chat.completions.create(model="default_model", messages=user(LONG_PROMPT), max_tokens=8)
+    error = raised.value
+    assert error.status_code == 400
+    assert error.code == "context_length_exceeded"
+    assert error.type == "invalid_request_error"
+    assert error.body["n_ctx"] == 2048 and error.body["n_prompt_tokens"] > 2048
+    assert error.response.headers["x-should-retry"] == "false"
+    assert settled_posts(server) == [400]
+
+
+def test_an_invalid_parameter_is_a_bad_request_naming_the_field_sent_once(start_server):
+    server = start_server()
+    with pytest.raises(openai.BadRequestError) as raised:
+        sdk(server).chat.completions.create(model="default_model", messages=user("hi"), max_tokens=8,
+                                            temperature=-1)
+    error = raised.value
+    assert error.status_code == 400
+    assert error.type == "invalid_request_error"
+    assert error.param == "temperature"
+    assert error.code  # a code the client can branch on
+    assert error.response.headers["x-should-retry"] == "false"
+    assert settled_posts(server) == [400]
+
+
+def test_a_body_over_max_body_bytes_is_413_sent_once(start_server):
+    server = start_server(table("prompt_guard", max_body_bytes=10_000))
+    with pytest.raises(openai.APIStatusError) as raised:
+        sdk(server).chat.completions.create(model="default_model", messages=user("x" * 20_000), max_tokens=8)
+    error = raised.value
+    # No dedicated class for 413 in the SDK: the generic status error.
+    assert type(error) is openai.APIStatusError
+    assert error.status_code == 413
+    assert error.code == "request_too_large"
+    assert error.response.headers["x-should-retry"] == "false"
+    assert settled_posts(server) == [413]
+
+
+# The demo model keeps 512 bytes of KV cache a token, allocated 256 tokens at
+# a time (tests/test_prompt_guard.py): a 200,000-byte budget holds one small
+# request. With no waiting room, a second request is turned away at once.
+# Engine steps of 50 ms keep the first request running through the retries.
+BUSY_CONFIG = (table("prompt_guard", kv_budget_bytes=200_000, max_queued=0, retry_after_s=1.0)
+               + table("fault_injection", enabled=True, step_delay_s=0.05))
+
+
+def test_kv_budget_busy_is_a_rate_limit_retried_after_retry_after(start_server):
+    server = start_server(BUSY_CONFIG)
+    holder_done = threading.Event()
+
+    def hold_the_budget():
+        with httpx.Client(timeout=120) as client:
+            client.post(server.url + CHAT_PATH, json=chat_body(max_tokens=200))
+        holder_done.set()
+
+    holder = threading.Thread(target=hold_the_budget)
+    holder.start()
+    try:
+        poll(lambda: in_flight(server), 30, what="the first request in the engine")
+        started = time.monotonic()
+        with pytest.raises(openai.RateLimitError) as raised:
+            sdk(server).chat.completions.create(model="default_model", messages=user("hi"), max_tokens=8)
+        elapsed = time.monotonic() - started
+        assert not holder_done.is_set(), "the budget was free again before the retries ended"
+    finally:
+        holder.join(120)
+    error = raised.value
+    assert error.status_code == 429
+    assert error.code == "kv_cache_budget_busy"
+    assert error.response.headers["retry-after"] == "1"
+    assert error.response.headers["x-should-retry"] == "true"
+    # The first try and the SDK's default two retries, each after Retry-After's 1 s.
+    assert sorted(settled_posts(server)) == [200, 429, 429, 429]
+    assert 2.0 <= elapsed < 10
+
+
+def in_flight(server) -> int:
+    """How many requests the engine has taken (``/guardian/status``)."""
+    return httpx.get(server.url + "/guardian/status", timeout=5).json()["in_flight"]
+
+
+def test_a_blamed_poison_request_is_an_internal_error_sent_once(start_server):
+    server = start_server(table("fault_injection", enabled=True, poison_marker="POISON"))
+    with pytest.raises(openai.InternalServerError) as raised:
+        sdk(server).chat.completions.create(model="default_model", messages=user("POISON pill"), max_tokens=8)
+    error = raised.value
+    assert error.status_code == 500
+    assert error.code == "request_failed_repeatedly"
+    assert error.response.headers["x-should-retry"] == "false"
+    # Without the header the SDK would send it three times, and the poison
+    # would reach the engine three times as often.
+    assert settled_posts(server) == [500]
+
+
+def test_a_stream_cut_by_an_engine_failure_raises_api_error_with_its_code(start_server):
+    # The engine fails at its 40th step with a request in it (the start-up
+    # probe's steps count too): the stream has sent tokens by then, so it
+    # cannot be re-run and ends with an error event.
+    server = start_server(table("fault_injection", enabled=True, at_step=40, min_started=1))
+    chunks = []
+    with pytest.raises(openai.APIError) as raised:
+        stream = sdk(server).chat.completions.create(model="default_model", messages=user("Tell me a story."),
+                                                     max_tokens=200, stream=True)
+        for chunk in stream:
+            chunks.append(chunk)
+    error = raised.value
+    # Raised by the SDK's stream reader from the error event, not from a status.
+    assert type(error) is openai.APIError
+    assert error.code == "engine_restarting"
+    assert error.body["code"] == "engine_restarting"
+    assert len(chunks) >= 1  # tokens came before the error
+    # Streams are not retried: the request was sent once, and answered 200.
+    assert settled_posts(server) == [200]
