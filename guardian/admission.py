@@ -232,6 +232,20 @@ def context_length_from_config(config: dict) -> tuple[Optional[int], Optional[st
     return None, None
 
 
+def vocab_size_from_config(config: dict) -> Optional[int]:
+    value = text_config(config).get("vocab_size")
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+@functools.lru_cache(maxsize=64)
+def vocab_size_of(model: str) -> Optional[int]:
+    """The vocabulary size in a model's config, read before its weights load; None when unknown."""
+    try:
+        return vocab_size_from_config(read_model_config(model))
+    except Exception:
+        return None
+
+
 @functools.lru_cache(maxsize=64)
 def context_length_of(model: str) -> Optional[int]:
     """The context length in a model's config; None when unknown or unreadable."""
@@ -260,6 +274,9 @@ class ModelLimits:
     # and each element takes this fraction of its full size.
     kv_quantized_fraction: Optional[float] = None
     quantized_kv_start: int = 0
+    # Rows of the logits: every token id the model reads or a request names
+    # (logit_bias) must be below it. None: the config does not say.
+    vocab_size: Optional[int] = None
 
     @classmethod
     def of(cls, model, config: dict, *, kv_bits: Optional[int] = None,
@@ -269,7 +286,7 @@ class ModelLimits:
         layers = tuple(kv_layers(model, kv_bytes_per_token(config, itemsize)))
         fraction = quantized_fraction(kv_bits, kv_group_size, itemsize) if kv_bits else None
         return cls(context_length, key, layers, dtype_name, weights_bytes(model),
-                   fraction, quantized_kv_start)
+                   fraction, quantized_kv_start, vocab_size_from_config(config))
 
     @property
     def kv_bytes_per_token(self) -> float:

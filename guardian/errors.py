@@ -109,16 +109,7 @@ def from_stock_exception(exc: Exception) -> GuardianError:
     """What to tell a client for an exception stock gave its request."""
     if isinstance(exc, GuardianError):
         return exc
-    if type(exc).__name__ == "TemplateError" or isinstance(exc, _CLIENT_ERRORS):
-        return GuardianError(
-            f"{type(exc).__name__}: {exc}",
-            status=400,
-            type="invalid_request_error",
-            code="invalid_request",
-        )
-    if isinstance(exc, (FileNotFoundError,)) or "RepositoryNotFound" in type(
-        exc
-    ).__name__:
+    if is_model_not_found(exc):
         return GuardianError(
             f"The model could not be loaded: {exc}",
             status=404,
@@ -126,9 +117,25 @@ def from_stock_exception(exc: Exception) -> GuardianError:
             code="model_not_found",
             param="model",
         )
+    if type(exc).__name__ == "TemplateError" or isinstance(exc, _CLIENT_ERRORS):
+        return GuardianError(
+            f"{type(exc).__name__}: {exc}",
+            status=400,
+            type="invalid_request_error",
+            code="invalid_request",
+        )
     return GuardianError(
         f"{type(exc).__name__}: {exc}", status=500, code="internal_error"
     )
+
+
+# huggingface_hub's names for "no such model": a bad repo id (a ValueError),
+# a repo the hub does not have, one missing from the cache when offline.
+_MODEL_NOT_FOUND_ERRORS = ("HFValidationError", "RepositoryNotFoundError", "LocalEntryNotFoundError")
+
+
+def is_model_not_found(exc: BaseException) -> bool:
+    return isinstance(exc, FileNotFoundError) or type(exc).__name__ in _MODEL_NOT_FOUND_ERRORS
 
 
 def classify(exc: BaseException) -> str:

@@ -13,9 +13,16 @@ from typing import Optional
 import structlog
 
 from guardian import stock
-from guardian.admission import Admission, ModelLimits, private_tokenizer, served_model_config
+from guardian.admission import (
+    Admission,
+    ModelLimits,
+    private_tokenizer,
+    served_model_config,
+    vocab_size_of,
+)
 from guardian.context import add_response_headers, bind_log_fields, current_request
 from guardian.errors import AbortRequest, GuardianError, from_stock_exception
+from guardian.validation import RequestBounds, check_body
 
 log = structlog.get_logger("guardian.gate")
 
@@ -30,6 +37,29 @@ class AdmissionGate:
         # by the prompt_guard plugin at start-up.
         self.max_body_bytes: Optional[int] = None
         self._limits: Optional[tuple] = None  # (model_key, ModelLimits)
+        # Which models requests may name; set by the server at start-up
+        # (None: any, as stock).
+        self.model_access = None
+
+    def check_body(self, body: dict, *, chat: bool) -> Optional[GuardianError]:
+        """The door's check of every field (guardian.validation), against the model it names."""
+        return check_body(body, chat=chat, bounds=self.request_bounds(body))
+
+    def request_bounds(self, body: dict) -> RequestBounds:
+        access = self.model_access
+        disallowed = access.disallowed_field if access is not None else (lambda body: None)
+        provider = self.engine.model_provider
+        loaded_key = provider.model_key
+        requested_key = access.requested_key(body) if access is not None else loaded_key
+        if loaded_key is not None and requested_key == loaded_key:
+            vocab_size = self.model_limits(loaded_key).vocab_size
+            accepts_images = getattr(provider, "processor", None) is not None  # 0.31: none
+        else:
+            # Another model (allowed by configuration): what its config says,
+            # before its weights are loaded.
+            vocab_size = vocab_size_of(requested_key[0]) if isinstance(requested_key[0], str) else None
+            accepts_images = False
+        return RequestBounds(vocab_size, accepts_images, disallowed)
 
     def admit(self, request, args) -> Optional[Admission]:
         """Run the admit_request hooks; raise AbortRequest if one turns the request away.
@@ -59,16 +89,40 @@ class AdmissionGate:
         except Exception:
             log.exception("admission_failed")
             error = GuardianError("The server failed to admit the request.", status=500, code="internal_error")
+        if error is None:
+            # Tokenized here whether or not a hook asked: the engine reuses
+            # the tokens, and it must never see a prompt it cannot run.
+            error = self._check_prompt_tokens(admission)
         if admission.tokenized is not None:
             admission.log_fields.setdefault("n_prompt_tokens", admission.n_prompt_tokens)
         bind_log_fields(**admission.log_fields)
         if error is not None:
             admission.finish()
             raise AbortRequest(error)
-        if admission.tokenized is not None:
-            stock.attach_tokens(admission.request, model_key, admission.tokenized)
+        stock.attach_tokens(admission.request, model_key, admission.tokenized)
         add_response_headers(admission.response_headers)
         return admission
+
+    def _check_prompt_tokens(self, admission: Admission) -> Optional[GuardianError]:
+        """An empty prompt kills stock's step; a token id past the model's
+        embeddings reads outside it (a tokenizer with more tokens than the model)."""
+        try:
+            tokens = admission.prompt_tokens
+        except GuardianError as e:
+            return e
+        param = "messages" if admission.is_chat else "prompt"
+        if not tokens:
+            return GuardianError("The prompt is empty: it must have at least one token.", status=400,
+                                 type="invalid_request_error", param=param, code="invalid_value")
+        vocab_size = admission.limits.vocab_size
+        try:
+            ids_fit = min(tokens) >= 0 and (vocab_size is None or max(tokens) < vocab_size)
+        except TypeError:  # not token ids at all (a template kwarg changed the output)
+            ids_fit = False
+        if not ids_fit:
+            return GuardianError("The prompt has tokens this model cannot read.", status=400,
+                                 type="invalid_request_error", param=param, code="invalid_value")
+        return None
 
     def _tokenize(self, tokenizer, request, *, args) -> tuple:
         """Stock's tokenization of ``request``, on a private copy of the tokenizer."""

@@ -28,7 +28,8 @@ log = structlog.get_logger("guardian.http")
 _CLIENT_GONE = (BrokenPipeError, ConnectionResetError, ConnectionAbortedError)
 
 # Stock's completion endpoints: the POST paths that carry a JSON body.
-COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions", "/chat/completions")
+TEXT_COMPLETION_PATH = "/v1/completions"
+COMPLETION_PATHS = (TEXT_COMPLETION_PATH, "/v1/chat/completions", "/chat/completions")
 
 
 class GuardianHandler(stock.APIHandler):
@@ -87,6 +88,18 @@ class GuardianHandler(stock.APIHandler):
         self.wfile.write(body)
         self.wfile.flush()
 
+    def validate_model_parameters(self):
+        """Every field checked against the model the request goes to, then stock's own checks.
+
+        Stock calls this once it has read the fields, before it builds the
+        request; a refusal is an AbortRequest, which stock's ``except
+        ValueError`` lets through to do_POST, with the field in ``param``.
+        """
+        error = self.response_generator.gate.check_body(self.body, chat=self.path != TEXT_COMPLETION_PATH)
+        if error is not None:
+            raise AbortRequest(error)
+        super().validate_model_parameters()
+
     def do_GET(self):
         path, _, query = self.path.partition("?")
         engine = self.response_generator
@@ -101,7 +114,16 @@ class GuardianHandler(stock.APIHandler):
         elif path.startswith("/v1/models"):
             self.send_models(engine)
         else:
-            super().do_GET()
+            self.send_unknown_path()
+
+    def send_unknown_path(self):
+        """OpenAI's answer to a path it does not have (stock: a text/plain "Not Found")."""
+        self.send_error_json(GuardianError(
+            f"Invalid URL ({self.command} {self.path.partition('?')[0]})", status=404,
+            type="invalid_request_error", code="unknown_url",
+        ))
+
+    do_PUT = do_PATCH = do_DELETE = send_unknown_path
 
     def send_models(self, engine) -> None:
         """Stock's listing with each model's ``context_length``; no hub cache is no error."""
@@ -120,7 +142,7 @@ class GuardianHandler(stock.APIHandler):
     def do_POST(self):
         """Stock's, behind a body guard (413 unread past max_body_bytes), its refusals OpenAI-shaped."""
         if self.path not in COMPLETION_PATHS:
-            return super().do_POST()  # stock's 404
+            return self.send_unknown_path()
         limit = self.response_generator.gate.max_body_bytes
         length = self.content_length()
         if length < 0:
@@ -148,14 +170,17 @@ class GuardianHandler(stock.APIHandler):
         error = None
         try:
             super().do_POST()
+        except AbortRequest as abort:  # the guardian's own check of the fields
+            error = abort.error
         except Exception as e:
             if self._client_wfile is None:
                 raise  # not a refusal: handle_completion had begun
             # Stock lets some refusals escape as exceptions, and the client
-            # would get no answer at all: a body that is not UTF-8, and (0.31)
-            # a parameter its validation refuses.
-            error = (invalid_json(f"Invalid JSON in request body: {e}")
-                     if isinstance(e, UnicodeDecodeError) else from_stock_exception(e))
+            # would get no answer at all: a body that is not UTF-8 or nested
+            # deeper than the JSON parser goes, and (0.31) a parameter its
+            # validation refuses.
+            error = (invalid_json(f"Invalid JSON in request body: {type(e).__name__}: {e}")
+                     if isinstance(e, (UnicodeDecodeError, RecursionError)) else from_stock_exception(e))
         finally:
             refusal = self.resume_client_output()
         if error is None and refusal:

@@ -22,6 +22,17 @@ SHARED_PROCESSORS = [
 ]
 
 
+class DropRawRequestBodies(logging.Filter):
+    """Stock logs a malformed request's raw body at ERROR; a client's input is
+    neither the server's error nor something to copy into logs. The guardian
+    logs the refusal itself (``request_rejected``, WARNING, without the body)."""
+
+    RAW_BODY_PREFIXES = ("JSONDecodeError:", "Invalid Request Body:")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (isinstance(record.msg, str) and record.msg.startswith(self.RAW_BODY_PREFIXES))
+
+
 def configure_logging(log_format: str = "json", level: str = "INFO") -> None:
     renderer = (
         structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
@@ -43,6 +54,7 @@ def configure_logging(log_format: str = "json", level: str = "INFO") -> None:
     )
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(formatter)
+    handler.addFilter(DropRawRequestBodies())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(getattr(logging, level.upper(), logging.INFO))

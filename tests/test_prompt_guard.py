@@ -402,13 +402,18 @@ def test_stocks_other_refusals_get_openai_shaped_errors_and_the_engine_keeps_ser
         response = client.post(url, content=b"\xff\xfe{", headers={"Content-Type": "application/json"})
         assert response.status_code == 400
         assert response.json()["error"]["code"] == "invalid_json"
-        # A parameter stock's validation refuses (0.31 raises without answering).
-        response = client.post(url, json={**chat_body(), "temperature": "hot"})
+        # A parameter only stock's validation refuses (0.31 raises without
+        # answering): stock wants a float here, where the door takes any number.
+        response = client.post(url, json={**chat_body(), "xtc_probability": 0})
         assert response.status_code == 400
         error = response.json()["error"]
         assert error["type"] == "invalid_request_error"
         assert error["code"] == "invalid_request"
-        assert "temperature" in error["message"]
+        assert "xtc_probability" in error["message"]
+        # One the door refuses first names the field (guardian.validation).
+        response = client.post(url, json={**chat_body(), "temperature": "hot"})
+        assert response.status_code == 400
+        assert response.json()["error"]["param"] == "temperature"
         # A normal request right after is served.
         assert client.post(url, json=chat_body(max_tokens=4)).status_code == 200
 

@@ -1,0 +1,277 @@
+"""Validation at the door: every field checked before anything is queued.
+
+One real ``mlx-guardian`` serves the whole module (the demo model: vocabulary
+1000, context 2048). The bodies marked "kills stock" crashed stock
+mlx_lm.server 0.32.2 in a measured run (bench/fuzz_campaign.py has the
+campaign): the process (SIGSEGV, SIGABRT), or its generation thread.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+
+import httpx
+import pytest
+
+from conftest import REPO, Server, chat_body, free_port, poll, read_stream, spawn_guardian
+
+from guardian import stock
+
+MESSAGES = [{"role": "user", "content": "Hello there."}]
+CHAT = "/v1/chat/completions"
+TEXT = "/v1/completions"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, model_cache):
+    folder = tmp_path_factory.mktemp("validation")
+    port = free_port()
+    log_path = folder / "server.log"
+    proc = spawn_guardian(["--port", str(port)], log_path, model_cache)
+    running = Server(proc, port, log_path)
+    running.wait_healthy()
+    yield running
+    running.stop()
+
+
+def chat(**fields) -> dict:
+    return {"messages": MESSAGES, "max_tokens": 4, **fields}
+
+
+# (endpoint, body, param, code); the comment says what the body did to stock 0.32.2.
+REFUSED = [
+    (CHAT, chat(logit_bias={"999999999": 5}), "logit_bias", "invalid_value"),  # kills stock: SIGSEGV
+    (CHAT, chat(logit_bias={"1000": 5}), "logit_bias", "invalid_value"),  # kills stock: SIGABRT
+    (CHAT, chat(logit_bias={"-99999999": 5}), "logit_bias", "invalid_value"),  # kills stock: SIGSEGV
+    (CHAT, chat(logit_bias={"5": 1e300}), "logit_bias", "invalid_value"),
+    (CHAT, chat(logit_bias={"five": 1}), "logit_bias", "invalid_type"),
+    (CHAT, chat(stop=[1]), "stop[0]", "invalid_type"),  # kills stock's generation thread
+    (CHAT, chat(stop={"a": 1}), "stop", "invalid_type"),
+    (TEXT, {"prompt": "", "max_tokens": 4}, "prompt", "invalid_value"),  # kills stock's thread
+    (CHAT, chat(repetition_penalty=1.1, repetition_context_size=10**12),
+     "repetition_context_size", "invalid_value"),  # kills stock's thread
+    (CHAT, chat(presence_penalty=1.0, presence_context_size=10**12),
+     "presence_context_size", "invalid_value"),  # kills stock's thread
+    (CHAT, chat(seed=-1), "seed", "invalid_value"),  # stock drops the connection
+    (CHAT, chat(seed=2**64), "seed", "invalid_value"),  # stock drops the connection
+    (CHAT, chat(seed=True), "seed", "invalid_type"),
+    (CHAT, chat(max_tokens="7"), "max_tokens", "invalid_type"),
+    (CHAT, chat(max_completion_tokens=-3), "max_completion_tokens", "invalid_value"),
+    (CHAT, chat(temperature=-1), "temperature", "invalid_value"),
+    (CHAT, chat(top_p=1.5), "top_p", "invalid_value"),
+    (CHAT, chat(top_logprobs=99, logprobs=True), "top_logprobs", "invalid_value"),
+    (CHAT, chat(stream="yes"), "stream", "invalid_type"),
+    (CHAT, chat(stream=True, stream_options="x"), "stream_options", "invalid_type"),
+    (CHAT, chat(chat_template_kwargs={"tokenize": False}), "chat_template_kwargs.tokenize", "invalid_value"),
+    (CHAT, chat(chat_template_kwargs={"return_dict": True}), "chat_template_kwargs.return_dict", "invalid_value"),
+    (CHAT, chat(chat_template_kwargs="x"), "chat_template_kwargs", "invalid_type"),
+    (CHAT, {"max_tokens": 4}, "messages", "missing_required_parameter"),
+    (CHAT, chat(messages=[]), "messages", "invalid_value"),
+    (CHAT, chat(messages="hi"), "messages", "invalid_type"),
+    (CHAT, chat(messages=[{"content": "x"}]), "messages[0].role", "missing_required_parameter"),
+    (CHAT, chat(messages=[{"role": "user", "content": 5}]), "messages[0].content", "invalid_type"),
+    (CHAT, chat(messages=[{"role": "user", "content": [{"type": "text"}]}]),
+     "messages[0].content[0].text", "invalid_type"),
+    (CHAT, chat(messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://127.0.0.1:9/cat.png"}}]}]),
+     "messages[0].content[0].type", "invalid_value"),  # a text model: no image is fetched
+    (CHAT, chat(messages=[{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": 5}}]},
+                          {"role": "user", "content": "x"}]),
+     "messages[0].tool_calls[0].function.arguments", "invalid_type"),
+    (CHAT, chat(tools="x"), "tools", "invalid_type"),
+    (CHAT, chat(tools=[{"type": "function", "function": {"name": 3}}]), "tools[0].function.name", "invalid_type"),
+    (TEXT, {"prompt": [1, 2, 3], "max_tokens": 4}, "prompt", "invalid_type"),
+    (TEXT, {"max_tokens": 4}, "prompt", "missing_required_parameter"),
+    (TEXT, {"prompt": "a\ud800b", "max_tokens": 4}, "prompt", "invalid_value"),
+]
+
+
+@pytest.mark.parametrize("path, body, param, code", REFUSED,
+                         ids=[f"{p}:{param}:{i}" for i, (p, _, param, _c) in enumerate(REFUSED)])
+def test_an_invalid_field_is_named_in_a_400(server, path, body, param, code):
+    response = httpx.post(server.url + path, content=json.dumps(body).encode(),
+                          headers={"Content-Type": "application/json"}, timeout=30)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert (error["type"], error["param"], error["code"]) == ("invalid_request_error", param, code), error
+    assert error["message"]
+    # The openai SDK would send a 4xx once: it is told not to retry.
+    assert response.headers["x-should-retry"] == "false"
+
+
+def test_refused_bodies_reach_no_engine_and_cut_no_stream(server):
+    """Every refused body above, sent while another client streams: nothing
+    restarts, the stream ends whole, and the next request is served."""
+    bystander = {}
+
+    def stream():
+        with httpx.Client(timeout=60) as client:
+            bystander.update(read_stream(client, server.url + CHAT, chat_body(max_tokens=200, stream=True)))
+
+    before = httpx.get(server.url + "/guardian/status").json()
+    thread = threading.Thread(target=stream)
+    thread.start()
+    with httpx.Client(timeout=30) as client:
+        for path, body, _, _ in REFUSED:
+            assert client.post(server.url + path, content=json.dumps(body).encode()).status_code == 400
+    thread.join(60)
+    assert bystander["status"] == 200 and bystander["done"] and not bystander["errors"]
+    assert len(bystander["events"]) >= 2
+    status = httpx.get(server.url + "/guardian/status").json()
+    assert status["restarts"] == before["restarts"] == 0
+    assert status["failures_in_window"] == 0
+    assert server.events("engine_error") == []
+
+
+@pytest.mark.parametrize("raw, param", [
+    (b'{"messages": [{"role": "user", "content": "x"}], "temperature": NaN}', "temperature"),
+    (b'{"messages": [{"role": "user", "content": "x"}], "top_p": Infinity}', "top_p"),
+    (b'{"messages": [{"role": "user", "content": "x"}], "presence_penalty": -Infinity}', "presence_penalty"),
+])
+def test_non_finite_numbers_are_refused(server, raw, param):
+    # Python's JSON parser takes NaN and Infinity, and NaN passes every range check.
+    response = httpx.post(server.url + CHAT, content=raw, timeout=30)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+
+
+def test_a_body_nested_past_the_parser_is_invalid_json(server):
+    raw = b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    response = httpx.post(server.url + CHAT, content=raw, timeout=30)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["code"] == "invalid_json"
+
+
+# Values at the edges that stock serves: the door must let them through.
+SERVED = [
+    (CHAT, chat(stop="")),
+    (CHAT, chat(stop=["\n", "END", "x"])),
+    (CHAT, chat(stop=None)),
+    (CHAT, chat(logit_bias={"0": -100, "999": 100, "5": "2.5"})),
+    (CHAT, chat(seed=2**64 - 1)),
+    (CHAT, chat(seed=0, temperature=0.7)),
+    (CHAT, chat(logprobs=True, top_logprobs=5)),
+    (CHAT, chat(max_completion_tokens=3, max_tokens=None)),
+    (CHAT, chat(repetition_penalty=1.2, repetition_context_size=2**31 - 1)),
+    (CHAT, chat(messages=[{"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "you"}]}])),
+    (CHAT, chat(messages=[{"role": "system", "content": None}, {"role": "user", "content": "x", "name": "bob"}])),
+    (CHAT, chat(messages=[{"role": "user", "content": "What is the weather?"},
+                          {"role": "assistant", "content": None, "tool_calls": [
+                              {"id": "c1", "type": "function",
+                               "function": {"name": "get_weather", "arguments": "{\"city\": \"Oslo\"}"}}]},
+                          {"role": "tool", "tool_call_id": "c1", "content": "Sunny"}])),
+    (CHAT, chat(unknown_field={"anything": [1, 2]}, n=1, user="u-1")),
+    (CHAT, chat(model="default_model")),
+    (TEXT, {"prompt": "Once upon a time", "max_tokens": 4, "echo": False}),
+]
+
+
+@pytest.mark.parametrize("path, body", SERVED, ids=[f"{p}:{i}" for i, (p, _) in enumerate(SERVED)])
+def test_what_stock_serves_is_still_served(server, path, body):
+    response = httpx.post(server.url + path, json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_stream_options_without_include_usage_ends_the_stream(server):
+    # Stock reads stream_options["include_usage"] after the last token: {} cut the stream.
+    with httpx.Client(timeout=60) as client:
+        result = read_stream(client, server.url + CHAT, chat(stream=True, stream_options={}))
+    assert result["status"] == 200 and result["done"] and not result["errors"]
+
+
+def served_model_id(server) -> str:
+    models = httpx.get(server.url + "/v1/models").json()["data"]
+    return next(m["id"] for m in models if "demo-model" in m["id"])
+
+
+def test_the_served_model_named_by_its_path_is_served(server):
+    response = httpx.post(server.url + CHAT, json=chat(model=served_model_id(server)), timeout=60)
+    assert response.status_code == 200, response.text
+
+
+def test_adapters_beside_the_default_model_follow_stocks_mapping(server, tmp_path):
+    response = httpx.post(server.url + CHAT, json=chat(adapters=str(tmp_path / "adapter")), timeout=60)
+    if stock.STOCK_VERSION.startswith("0.31."):
+        # 0.31 loads the adapter onto the default model: a switch, refused.
+        assert response.status_code == 404, response.text
+        assert response.json()["error"]["param"] == "adapters"
+    else:
+        # 0.32 maps default_model to the served adapter and ignores this one.
+        assert response.status_code == 200, response.text
+
+
+@pytest.mark.parametrize("field", ["model", "draft_model", "adapters"])
+def test_a_model_the_server_does_not_serve_is_404(server, field, tmp_path):
+    # Stock reads adapters only beside a model named by its path.
+    body = chat(**{field: str(tmp_path / "other-model")}, **({"model": served_model_id(server)}
+                                                              if field == "adapters" else {}))
+    response = httpx.post(server.url + CHAT, json=body, timeout=30)
+    assert response.status_code == 404, response.text
+    error = response.json()["error"]
+    assert (error["param"], error["code"]) == (field, "model_not_found")
+    assert response.headers["x-should-retry"] == "false"
+    assert server.events("model_switch_failed") == []  # nothing was loaded
+
+
+@pytest.mark.parametrize("method, path", [("GET", "/v1/nothing"), ("POST", "/v1/nothing"),
+                                          ("DELETE", "/v1/chat/completions"), ("GET", "/")])
+def test_an_unknown_path_is_an_openai_404(server, method, path):
+    response = httpx.request(method, server.url + path, timeout=10)
+    assert response.status_code == 404
+    assert response.json()["error"]["code"] == "unknown_url"
+
+
+def test_malformed_input_is_logged_without_the_body(server):
+    secret = "sk-client-secret-in-a-broken-body"
+    response = httpx.post(server.url + CHAT, content=f'{{"messages": "{secret}"'.encode(), timeout=10)
+    assert response.status_code == 400
+    assert response.json()["error"]["code"] == "invalid_json"
+    rejected = poll(lambda: [e for e in server.events("request_rejected") if e.get("code") == "invalid_json"],
+                    5, what="request_rejected invalid_json")
+    assert rejected[-1]["level"] == "warning"
+    assert secret not in server.log_path.read_text()
+
+
+# -- a model switch, when configured ---------------------------------------------------------
+def test_a_failed_switch_keeps_the_served_model_and_its_guard(start_server, tmp_path):
+    server = start_server("[guardian]\nallow_any_model = true\n", env={"HF_HUB_OFFLINE": "1"})
+    missing = str(tmp_path / "no-such-model")
+    with httpx.Client(timeout=60) as client:
+        response = client.post(server.url + CHAT, json=chat(model=missing))
+        assert response.status_code == 404, response.text
+        assert response.json()["error"]["code"] == "model_not_found"
+        server.wait_for_event("served_model_reloaded")
+        # Stock would now have no model: the next prompt would skip the guard.
+        too_long = client.post(server.url + CHAT, json=chat(messages=[{"role": "user", "content": "word " * 3000}]))
+        assert too_long.status_code == 400, too_long.text
+        assert too_long.json()["error"]["code"] == "context_length_exceeded"
+        assert client.post(server.url + CHAT, json=chat()).status_code == 200
+    # Only the request for the other model went in unadmitted.
+    assert [e["model"] for e in server.events("admission_skipped")] == [missing]
+
+
+# -- flags that can never work ---------------------------------------------------------------
+def run_guardian(*args, model_cache, timeout=90):
+    import os
+
+    env = {**os.environ, "MLX_GUARDIAN_CACHE": str(model_cache), "HF_HUB_OFFLINE": "1"}
+    return subprocess.run([sys.executable, "-m", "guardian", "--port", str(free_port()), *args],
+                          capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
+
+
+def test_a_flag_that_can_never_work_stops_the_server_at_start(model_cache):
+    result = run_guardian("--prefill-step-size", "0", model_cache=model_cache)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "--prefill-step-size must be at least 1" in result.stderr
+
+
+@pytest.mark.skipif(stock.STOCK_VERSION.startswith("0.31."), reason="mlx-lm 0.31 has no --kv-bits")
+def test_kv_bits_that_cannot_quantize_the_heads_stop_the_server(model_cache):
+    # The demo model's heads are 16 wide; the default group of 64 cannot divide them.
+    result = run_guardian("--kv-bits", "4", model_cache=model_cache)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "head dimension 16" in result.stderr and "--kv-group-size 64" in result.stderr
