@@ -36,6 +36,12 @@ class CoreSettings:
     retry_after_s: float = 1.0
     # How long to keep answering in-flight requests before exiting.
     exit_grace_s: float = 5.0
+    # Models, adapters and draft models a request may name besides those the
+    # server was started with (paths or hub ids, as the request spells them).
+    allowed_models: list = field(default_factory=list)
+    # Stock's behaviour: a request may make the server load any local path
+    # or hub id. Off: one client could run the machine out of memory.
+    allow_any_model: bool = False
 
 
 @dataclass

@@ -8,6 +8,7 @@ stops the HTTP server and the engine, and returns the exit code.
 from __future__ import annotations
 
 import signal
+import sys
 import threading
 import time
 from http.server import ThreadingHTTPServer
@@ -18,9 +19,12 @@ import structlog
 from guardian import stock
 from guardian.config import GuardianConfig
 from guardian.counting import ActiveCount
+from guardian.admission import served_model_config
 from guardian.engine import GuardianEngine
-from guardian.exit_codes import EXIT_BOOT_ERROR, EXIT_OK
+from guardian.exit_codes import EXIT_BOOT_ERROR, EXIT_OK, EXIT_USAGE
 from guardian.http import GuardianHandler
+from guardian.model_access import ModelAccess
+from guardian.startup_checks import impossible_flags
 from guardian.watchdog import Watchdog
 
 log = structlog.get_logger("guardian.server")
@@ -53,6 +57,13 @@ def serve(host: str, port: int, model_provider, config: GuardianConfig, pm) -> i
                      error_type=type(e).__name__, error_message=str(e), exc_info=True)
         return EXIT_BOOT_ERROR
 
+    problems = impossible_flags(model_provider.cli_args,
+                                served_model_config(model_provider.model_key[0], model_provider.model))
+    if problems:
+        log.critical("flags_invalid", problems=problems)
+        print("mlx-guardian: " + "\nmlx-guardian: ".join(problems), file=sys.stderr)
+        return EXIT_USAGE
+
     exit_request = ExitRequest()
     engine = GuardianEngine(
         model_provider,
@@ -62,6 +73,9 @@ def serve(host: str, port: int, model_provider, config: GuardianConfig, pm) -> i
         on_exit=exit_request,
     )
     engine.watchdog = Watchdog(engine, pm, config.watchdog)
+    engine.gate.model_access = ModelAccess(model_provider, allowed_models=config.core.allowed_models,
+                                           allow_any_model=config.core.allow_any_model)
+    engine.gate.model_access.keep_served_model()
     httpd = make_http_server(host, port, engine)
     pm.hook.guardian_startup(engine=engine, config=config)
     if config.watchdog.enabled:

@@ -1,0 +1,80 @@
+"""Which models a request may name, and the served model kept when a switch fails.
+
+Stock loads whatever a request names in ``model``, ``draft_model`` or
+``adapters``: any local path or hub id, on the generation thread, after
+dropping the served model. A client can run the machine out of memory that
+way (the incident's own class of failure), and when the load fails stock is
+left with no model at all: the next request skips the prompt guard, since
+there is no tokenizer to count with. By default a request may name only
+what the server was started with; ``[guardian] allowed_models`` adds more,
+and ``allow_any_model = true`` restores stock's behaviour.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Optional
+
+import structlog
+
+from guardian import stock
+
+log = structlog.get_logger("guardian.model_access")
+
+# The request fields that name something to load, in the order of stock's
+# model key (model path, adapter path, draft model path).
+MODEL_FIELDS = ("model", "adapters", "draft_model")
+
+
+class ModelAccess:
+    def __init__(self, model_provider, *, allowed_models: list, allow_any_model: bool):
+        self.model_provider = model_provider
+        # The key load_default() gave: what "default_model" and the served paths map to.
+        self.served_key = stock.requested_model_key(model_provider, describe({}))
+        self.allowed = frozenset(allowed_models)
+        self.allow_any_model = allow_any_model
+
+    def requested_key(self, body: dict) -> tuple:
+        """The (model, adapter, draft) key stock would load for this body."""
+        return stock.requested_model_key(self.model_provider, describe(body))
+
+    def disallowed_field(self, body: dict) -> Optional[str]:
+        """The field naming a model this server does not serve, or None."""
+        if self.allow_any_model:
+            return None
+        key = self.requested_key(body)
+        for field, requested, served in zip(MODEL_FIELDS, key, self.served_key):
+            # No adapter or draft model is always allowed: it loads nothing more.
+            if requested not in (served, None) and requested not in self.allowed:
+                return field
+        return None
+
+    def keep_served_model(self) -> None:
+        """Make a failed switch to another model load the served model back.
+
+        Stock drops the loaded model before it loads the next one, so a
+        failed load would leave the server with nothing to serve and no
+        tokenizer to admit requests with.
+        """
+        provider = self.model_provider
+        stock_load = provider.load
+
+        def load(model_path, adapter_path=None, draft_model_path=None):
+            try:
+                return stock_load(model_path, adapter_path, draft_model_path)
+            except Exception as e:
+                log.warning("model_switch_failed", model=model_path, error_type=type(e).__name__,
+                            error_message=str(e))
+                if provider.model_key != self.served_key:
+                    stock_load("default_model", None, "default_model")
+                    log.info("served_model_reloaded", model=self.served_key[0])
+                raise
+
+        provider.load = load
+
+
+def describe(body: dict) -> SimpleNamespace:
+    """The model fields of a body as stock's ModelDescription has them."""
+    return SimpleNamespace(model=body.get("model", "default_model"),
+                           adapter=body.get("adapters"),
+                           draft=body.get("draft_model", "default_model"))
