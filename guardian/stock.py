@@ -18,6 +18,8 @@ import threading
 import importlib.metadata
 from typing import Callable, Iterator
 
+import mlx.core as mx
+import mlx_lm.sample_utils as sample_utils
 import mlx_lm.server as server
 from huggingface_hub.utils import CacheNotFound
 
@@ -64,6 +66,8 @@ REQUIRED = {
     "SamplingArguments": "built for synthetic probes",
     "LogitsProcessorArguments": "built for synthetic probes",
     "TimeBudget": "subclassed to end a run of decode steps when a request waits",
+    "_make_sampler": "module global the loop calls per request; wrapped so a sampler that raises fails its request alone",
+    "_make_logits_processors": "module global the loop calls per request; wrapped so a processor that raises fails its request alone",
 }
 
 class StockChanged(RuntimeError):
@@ -100,6 +104,8 @@ check_stock()
 STOCK_BATCH_GENERATOR = server.BatchGenerator
 STOCK_STREAM_GENERATE = server.stream_generate
 STOCK_SCAN_CACHE_DIR = server.scan_cache_dir
+STOCK_MAKE_SAMPLER = server._make_sampler
+STOCK_MAKE_LOGITS_PROCESSORS = server._make_logits_processors
 
 ResponseGenerator = server.ResponseGenerator
 ModelProvider = server.ModelProvider
@@ -208,6 +214,21 @@ def _fresh(part):
     if not isinstance(part, list):
         return part
     return [item[:] if isinstance(item, list) else item for item in part]
+
+
+# Where the recovery plugin leaves a request's fingerprint, computed at the
+# door before any hook changed the request: an attribute of stock's
+# GenerationArguments (a plain dataclass), which the loop passes along.
+_FINGERPRINT_ATTRIBUTE = "_guardian_fingerprint"
+
+
+def attach_fingerprint(args, fingerprint: str) -> None:
+    setattr(args, _FINGERPRINT_ATTRIBUTE, fingerprint)
+
+
+def attached_fingerprint(args):
+    """The fingerprint the door computed for ``args``, or None (not admitted)."""
+    return getattr(args, _FINGERPRINT_ATTRIBUTE, None)
 
 
 def requested_model_key(model_provider, model) -> tuple:
@@ -327,6 +348,97 @@ def observe_engine_steps(observe: Callable[[], None]) -> None:
     """
     server.BatchGenerator = step_observed(STOCK_BATCH_GENERATOR, observe)
     server.stream_generate = stream_observed(STOCK_STREAM_GENERATE, observe)
+
+
+# Pins a failure on the request with these GenerationArguments: (args,
+# exception, where) -> whether it could (else the exception is the engine's).
+PinOnRequest = Callable[[object, BaseException, str], bool]
+
+
+def _argmax(logprobs):
+    """The greedy token of each row: what a failed request's row samples
+    until stock drops it from the batch."""
+    return mx.argmax(logprobs, axis=-1)
+
+
+def guarded_sampler(sampler, args, pin: PinOnRequest):
+    """A request's sampler whose exception fails that request only."""
+    failed = False
+
+    def sampler_of_one_request(logprobs):
+        nonlocal failed
+        if not failed:
+            try:
+                return sampler(logprobs)
+            except Exception as e:
+                if not pin(args, e, "sampler"):
+                    raise
+                failed = True
+        return _argmax(logprobs)
+
+    return sampler_of_one_request
+
+
+def guarded_logits_processor(processor, args, pin: PinOnRequest):
+    """One of a request's logits processors whose exception fails that request only."""
+    failed = False
+
+    def processor_of_one_request(tokens, logits):
+        nonlocal failed
+        if not failed:
+            try:
+                return processor(tokens, logits)
+            except Exception as e:
+                if not pin(args, e, "logits_processor"):
+                    raise
+                failed = True
+        return logits  # unchanged: the row is dropped at the step's end
+
+    return processor_of_one_request
+
+
+def guard_request_sampling(pin: PinOnRequest) -> None:
+    """Make each request's sampler and logits processors fail that request alone.
+
+    Stock's loop builds them per request with the module functions
+    ``_make_sampler(args, tokenizer)`` and ``_make_logits_processors(args)``,
+    looked up in the server module's globals at call time, and
+    ``BatchGenerator`` calls them row by row (0.31 always, 0.32 when the
+    rows' samplers differ). An exception there, while building them or at a
+    step, belongs to the request whose ``args`` they were built from:
+    ``pin`` ends that request and stops its context, so stock drops it from
+    the batch the way it drops a finished one, and the row gets a harmless
+    value for the rest of the step. When ``pin`` cannot find the request,
+    the exception propagates: an engine failure, as before. Installed once
+    for the process.
+    """
+    # 0.32's sampler for temperature 0 is one function shared by every such
+    # request, which BatchGenerator calls once for the whole batch: it holds
+    # nothing of a request, and wrapping it would sample row by row.
+    shared_sampler = getattr(sample_utils, "greedy_sampler", None)
+
+    def make_sampler(args, tokenizer):
+        try:
+            sampler = STOCK_MAKE_SAMPLER(args, tokenizer)
+        except Exception as e:
+            if not pin(args, e, "make_sampler"):
+                raise
+            return _argmax
+        if sampler is shared_sampler:
+            return sampler
+        return guarded_sampler(sampler, args, pin)
+
+    def make_logits_processors(args):
+        try:
+            processors = STOCK_MAKE_LOGITS_PROCESSORS(args)
+        except Exception as e:
+            if not pin(args, e, "make_logits_processors"):
+                raise
+            return []
+        return [guarded_logits_processor(p, args, pin) for p in processors]
+
+    server._make_sampler = make_sampler
+    server._make_logits_processors = make_logits_processors
 
 
 def start_generation_thread(response_generator) -> None:

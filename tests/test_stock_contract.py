@@ -61,6 +61,9 @@ def test_the_loop_looks_up_what_the_guardian_swaps():
     assert "BatchGenerator(" in loop, "stock's loop no longer builds BatchGenerator by name"
     single = inspect.getsource(server.ResponseGenerator._serve_single)
     assert "stream_generate(" in single, "stock's sequential path no longer calls stream_generate"
+    for path, source in (("loop", loop), ("sequential path", single)):
+        for factory in ("_make_sampler(args", "_make_logits_processors(args)"):
+            assert factory in source, f"stock's {path} no longer builds a request's sampling with {factory}"
 
 
 def test_the_loop_decodes_in_runs_the_guardian_can_end():
