@@ -23,8 +23,8 @@ import structlog
 
 from guardian import stock
 from guardian.admission import private_tokenizer
+from guardian.blame import FailureBudget, Verdict, verdicts
 from guardian.context import at_request_end, request_scope
-from guardian.counting import RecentEvents
 from guardian.errors import (
     AbortRequest,
     EngineStepError,
@@ -36,6 +36,7 @@ from guardian.exit_codes import EXIT_ENGINE_FAILED
 from guardian.gate import AdmissionGate, finish_after
 from guardian.ledger import RequestLedger, RequestRecord, Stage
 from guardian.plugin_manager import active_hook, notify
+from guardian.quarantine import Entry, Quarantine, short
 
 log = structlog.get_logger("guardian.engine")
 
@@ -88,7 +89,12 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
         self.steps = 0
         self.last_beat = time.monotonic()
         self.restarts = 0
-        self.failures = RecentEvents(window_s=60.0)
+        # The crash-loop budget: failures nobody was blamed for (guardian.blame).
+        self.failures = FailureBudget(window_s=60.0)
+        self.quarantine = Quarantine()
+        # ledger.completed at the last blame: a blame forgives failures only
+        # if the engine completed a request since the one before.
+        self._completed_at_last_blame = 0
         self.last_error: Optional[dict] = None
         self.max_reruns = 1
         self._failed_at: Optional[float] = None
@@ -105,6 +111,7 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
         # Called before every engine step: no plugin call at all by default.
         self._step_hook = active_hook(pm, "on_engine_step")
         stock.observe_engine_steps(self._observe_step)
+        stock.guard_request_sampling(self._pin_on_request)
         super().__init__(model_provider, prompt_cache)
 
     # Stock's __init__ assigns a plain Queue; the engine's queue is the ledger.
@@ -119,9 +126,10 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
     def request_waiting(self) -> bool:
         return self.ledger.has_waiting()
 
-    def configure_recovery(self, *, window_s: float, max_reruns: int) -> None:
+    def configure_recovery(self, *, window_s: float, max_reruns: int, quarantine_s: float = 0.0) -> None:
         self.failures.window_s = window_s
         self.max_reruns = max_reruns
+        self.quarantine.quarantine_s = quarantine_s
 
     # -- health -------------------------------------------------------------
     def generation_available(self) -> bool:
@@ -211,13 +219,18 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
             mx.clear_cache()
 
     def _on_failure(self, exc: Exception) -> str:
-        """Log, decide, settle every taken request; return the action."""
+        """Log, judge every taken request, decide, settle them; return the action."""
         self._failed_at = time.monotonic()
         self.state = EngineState.RESTARTING
         cause = exc.cause if isinstance(exc, EngineStepError) else exc
         classification = self.pm.hook.classify_engine_error(error=cause) or "unknown"
         self._classification = classification
-        failures_in_window = self.failures.add(self._failed_at)
+        counts = self.ledger.counts()
+        records = self.ledger.take_in_flight()
+        decided = self._judge(records, self.failures.add(self._failed_at))
+        blamed = [r for r, verdict in decided if verdict is Verdict.BLAME]
+        forgiven = self._forgive(blamed)
+        failures_in_window = self.failures.count(self._failed_at)
         self.last_error = {
             "type": type(cause).__name__,
             "message": str(cause),
@@ -233,7 +246,9 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
             traceback="".join(traceback.format_exception(cause)),
             step=self.steps,
             failures_in_window=failures_in_window,
-            **self.ledger.counts(),
+            blamed=[r.request_id for r in blamed],
+            failures_forgiven=forgiven,
+            **counts,
         )
         action = self.pm.hook.on_engine_error(
             error=cause,
@@ -244,30 +259,50 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
         if action not in ("restart", "reload", "exit"):
             raise RuntimeError(f"on_engine_error returned {action!r}")
         if action == "exit":
-            self.give_up(f"the engine failed {failures_in_window} times within {self.failures.window_s:g} s")
+            self.give_up(
+                f"the engine failed {failures_in_window} times within {self.failures.window_s:g} s",
+                records=records,
+            )
         else:
-            self._settle(cause, classification)
+            self._settle(decided, cause, classification)
         return action
 
-    def _settle(self, cause: BaseException, classification: str) -> None:
-        """Re-run or answer every request the dead loop had taken."""
-        records = self.ledger.take_in_flight()
-        started = [r for r in records if r.stage in (Stage.STARTED, Stage.STREAMING)]
-        for record in started:
+    def _judge(self, records: list[RequestRecord], failure_id: Optional[int]) -> list[tuple]:
+        """Count the failure for every request the dead loop had taken,
+        whatever its stage, and decide what becomes of each."""
+        for record in records:
             record.failures += 1
-        reruns = [r for r in records if r.stage is Stage.TAKEN]
-        for record in started:
-            if record.client_has_output:
+            if failure_id is not None:
+                record.failure_ids.append(failure_id)
+        return verdicts(records, self.max_reruns)
+
+    def _forgive(self, blamed: list[RequestRecord]) -> int:
+        """Take the failures the blamed requests were in flight at off the
+        crash-loop budget, if the engine completed a request since the last
+        blame (see guardian.blame); return how many."""
+        if not blamed:
+            return 0
+        completed = self.ledger.completed
+        proven = completed != self._completed_at_last_blame
+        self._completed_at_last_blame = completed
+        if not proven:
+            return 0
+        return self.failures.forgive(i for record in blamed for i in record.failure_ids)
+
+    def _settle(self, decided: list[tuple], cause: BaseException, classification: str) -> None:
+        """Re-run or answer every request the dead loop had taken, as judged."""
+        reruns = []
+        for record, verdict in decided:
+            if verdict is Verdict.CUT:
                 self.fail(record, self._restarting_error(classification, mid_stream=True))
-            elif self.max_reruns == 0:
+            elif verdict is Verdict.ANSWER:
                 self.fail(record, self._restarting_error(classification))
-            elif record.failures <= self.max_reruns:
-                reruns.append(record)
-            elif len(started) == 1 or record.isolate:
-                self.fail(record, self._blamed_error(record, cause, classification))
+            elif verdict is Verdict.BLAME:
+                self._blame(record, cause, classification)
             else:
-                # It failed twice, but never alone: try it alone before blaming it.
-                record.isolate = True
+                # ISOLATE: it failed more than once, but never alone: try it
+                # alone before blaming it.
+                record.isolate = record.isolate or verdict is Verdict.ISOLATE
                 reruns.append(record)
         for record in reruns:
             log.info(
@@ -275,8 +310,55 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
                 request_id=record.request_id,
                 failures=record.failures,
                 isolated=record.isolate,
+                stage=record.stage.value,
             )
         self.ledger.rerun(reruns)
+
+    def _blame(self, record: RequestRecord, cause: BaseException, classification: str) -> None:
+        """The request failed alone: answer it, and quarantine its fingerprint."""
+        fingerprint = stock.attached_fingerprint(record.args)
+        entry = None
+        if fingerprint is not None:
+            entry = self.quarantine.add(
+                fingerprint,
+                request_id=record.request_id,
+                reason=f"{classification}: {type(cause).__name__}",
+            )
+        log.warning(
+            "request_blamed",
+            request_id=record.request_id,
+            failures=record.failures,
+            fingerprint=short(fingerprint) if fingerprint else None,
+            quarantined=entry is not None,
+        )
+        self.fail(record, self._blamed_error(record, cause, classification, entry))
+
+    # -- a request's own sampling failed: it alone ends -------------------------
+    def _pin_on_request(self, args, exc: BaseException, where: str) -> bool:
+        """A request's sampler or logits processor raised (see
+        stock.guard_request_sampling): end that request and drop it from the
+        batch; the others go on. False when no request in flight has ``args``."""
+        record = self.ledger.record_for_args(args)
+        if record is None:
+            return False
+        record.stop_generation()
+        log.error(
+            "request_sampling_failed",
+            request_id=record.request_id,
+            where=where,
+            in_flight=len(self.ledger.in_flight()),
+            error_type=type(exc).__name__,
+            error_message=str(exc),
+            traceback="".join(traceback.format_exception(exc)),
+        )
+        self.fail(record, GuardianError(
+            f"This request's {where.replace('_', ' ')} raised {type(exc).__name__}: {exc}. "
+            "The request was stopped; the requests beside it went on.",
+            status=500,
+            code="sampling_failed",
+            retry=False,  # the same parameters would fail the same way
+        ))
+        return True
 
     def _restarted(self) -> None:
         duration_s = time.monotonic() - (self._failed_at or time.monotonic())
@@ -295,8 +377,9 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
             restarts=self.restarts,
         )
 
-    def give_up(self, reason: str, exit_code: int = EXIT_ENGINE_FAILED) -> None:
-        """Answer every request, refuse new ones, and ask the process to exit."""
+    def give_up(self, reason: str, exit_code: int = EXIT_ENGINE_FAILED, records=()) -> None:
+        """Answer every request (and ``records``, taken from the dead loop),
+        refuse new ones, and ask the process to exit."""
         self.state = EngineState.FAILED
         log.critical("engine_gave_up", reason=reason, exit_code=exit_code)
         error = GuardianError(
@@ -305,7 +388,7 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
             code="engine_failed",
             retry_after_s=self.core.retry_after_s,
         )
-        for record in self.ledger.close(error):
+        for record in [*self.ledger.close(error), *records]:
             self.fail(record, error)
         stock.stop_generation_thread(self)
         self.on_exit(exit_code)
@@ -322,7 +405,10 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
         self._classification = "stall"
         self.awaiting_probe = True
         self.state = EngineState.RESTARTING
-        self._settle(TimeoutError(reason), "stall")
+        # A stall is the watchdog's to count (its ladder), not the budget's.
+        decided = self._judge(self.ledger.take_in_flight(), None)
+        self._forgive([r for r, verdict in decided if verdict is Verdict.BLAME])
+        self._settle(decided, TimeoutError(reason), "stall")
         if reload:
             stock.reset_model_provider(self.model_provider)
         stock.start_generation_thread(self)
@@ -343,7 +429,7 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
         request, args = stock.make_request(prompt, max_tokens=1, cli_args=self.cli_args)
         responses: Queue = Queue()
         with request_scope(f"probe-{next(self._probe_ids)}", stream=True):
-            record = self.ledger.put((responses, request, args))
+            record = self.ledger.put((responses, request, args), synthetic=True)
         result = {"ok": False, "error": None, "token": None}
         deadline = started + timeout_s
         try:
@@ -389,11 +475,14 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
             retry_after_s=self.core.retry_after_s,
         )
 
-    def _blamed_error(self, record, cause, classification) -> GuardianError:
+    def _blamed_error(self, record, cause, classification, entry: Optional[Entry] = None) -> GuardianError:
+        quarantined = ""
+        if entry is not None:
+            quarantined = f" Identical requests are refused until {entry.until_iso}."
         return GuardianError(
-            f"This request was in flight at {record.failures} engine failures in a row "
-            f"and may be their cause; it will not be retried. Last failure: "
-            f"{classification}: {type(cause).__name__}: {cause}",
+            f"This request was in flight at {record.failures} engine failures in a row, "
+            f"the last one alone, and is their cause; it will not be retried.{quarantined} "
+            f"Last failure: {classification}: {type(cause).__name__}: {cause}",
             status=500,
             code="request_failed_repeatedly",
             retry=False,  # the same request would fail the same way
@@ -423,6 +512,8 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
             "state": self.state.value,
             "restarts": self.restarts,
             "failures_in_window": self.failures.count(),
+            "failures_forgiven": self.failures.forgiven,
+            "quarantine": self.quarantine.status(),
             "last_error": self.last_error,
             "steps": self.steps,
             "heartbeat_age_s": round(time.monotonic() - self.last_beat, 3),

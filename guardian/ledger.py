@@ -41,15 +41,18 @@ class RequestRecord:
 
     _ids = itertools.count()
 
-    def __init__(self, downstream: Queue, item: tuple, *, request_id: str, stream: bool, ledger):
+    def __init__(self, downstream: Queue, item: tuple, *, request_id: str, stream: bool, ledger,
+                 synthetic: bool = False):
         self.seq = next(self._ids)
         self.downstream = downstream
         self.item = item  # (self, request, args) as the loop takes it
         self.request_id = request_id
         self.stream = stream
         self.ledger = ledger
+        self.synthetic = synthetic  # a probe: never blamed for a failure
         self.stage = Stage.QUEUED
         self.failures = 0
+        self.failure_ids: list[int] = []  # the engine failures it was in flight at
         self.isolate = False
         self._held: list = []
         self._first_ctx = None
@@ -71,6 +74,10 @@ class RequestRecord:
         self.ledger.beat()
         with self._lock:
             if self.stage is Stage.DONE:
+                if isinstance(item, stock.GenerationContext):
+                    # Ended before stock made its context (the client left,
+                    # or it failed): stock must not generate it for nobody.
+                    stock.GenerationContext.stop(item)
                 return
             # Tokens first: they are nearly every call.
             if isinstance(item, stock.Response):
@@ -105,7 +112,7 @@ class RequestRecord:
         self._held.clear()
         self.downstream.put(terminal)
         self.stage = Stage.DONE
-        self.ledger.finished(self)
+        self.ledger.finished(self, completed=terminal is None)
 
     def cancel(self) -> None:
         """Nobody waits for this request any more (any thread)."""
@@ -123,13 +130,20 @@ class RequestRecord:
                 self._held.clear()
                 self._finish(error)
 
+    def stop_generation(self) -> None:
+        """Make stock drop this request from its batch at its next step, as it
+        drops one whose client left."""
+        if self._current_ctx is not None:
+            stock.GenerationContext.stop(self._current_ctx)
+
     def prepare_rerun(self) -> None:
         """Forget what the failed run produced that the client never saw."""
         with self._lock:
             self._held.clear()
             if self._current_ctx is not None:
                 stock.GenerationContext.stop(self._current_ctx)
-            self.stage = Stage.QUEUED
+            if self.stage is not Stage.DONE:  # its client may have left meanwhile
+                self.stage = Stage.QUEUED
 
     @property
     def client_has_output(self) -> bool:
@@ -169,6 +183,9 @@ class RequestLedger:
         self._in_flight: dict[int, RequestRecord] = {}
         self._isolated: Optional[RequestRecord] = None
         self.closed_error: Optional[GuardianError] = None
+        # Requests that ended with their last token (probes included): proof
+        # that the engine generates (see guardian.blame).
+        self.completed = 0
 
     # -- the HTTP side ----------------------------------------------------
     @contextlib.contextmanager
@@ -201,8 +218,9 @@ class RequestLedger:
             self._arriving += change
             self._cond.notify_all()
 
-    def put(self, item, block=True, timeout=None):
-        """Stock's ``generate()`` enqueues ``(response_queue, request, args)``."""
+    def put(self, item, block=True, timeout=None, *, synthetic: bool = False):
+        """Stock's ``generate()`` enqueues ``(response_queue, request, args)``;
+        the engine's probes too, ``synthetic``."""
         response_queue, request, args = item
         info = current_request()
         record = RequestRecord(
@@ -211,6 +229,7 @@ class RequestLedger:
             request_id=info.request_id,
             stream=info.stream,
             ledger=self,
+            synthetic=synthetic,
         )
         record.item = (record, request, args)
         # Arrived: no longer counted as arriving, in the same step as queued.
@@ -286,8 +305,9 @@ class RequestLedger:
         self._in_flight[record.seq] = record
         return item
 
-    def finished(self, record: RequestRecord) -> None:
+    def finished(self, record: RequestRecord, completed: bool = False) -> None:
         with self._cond:
+            self.completed += completed
             self._in_flight.pop(record.seq, None)
             if self._isolated is record:
                 self._isolated = None
@@ -332,6 +352,15 @@ class RequestLedger:
                 "rerun_queued": len(self._reruns),
                 "in_flight": len(self._in_flight),
             }
+
+    def record_for_args(self, args) -> Optional[RequestRecord]:
+        """The request in flight whose GenerationArguments are ``args`` (the object
+        stock's handler made for it, which the loop passes along)."""
+        with self._cond:
+            for record in self._in_flight.values():
+                if record.args is args:
+                    return record
+        return None
 
     def in_flight(self) -> list[RequestRecord]:
         with self._cond:

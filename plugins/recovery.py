@@ -1,11 +1,13 @@
-"""The default recovery policy: restart, reload, or exit on a crash loop."""
+"""The default recovery policy: restart, reload, or exit on a crash loop;
+refuse requests blamed for a failure at the door for a while."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import guardian
-from guardian import errors
+from guardian import errors, stock
+from guardian.quarantine import request_fingerprint
 
 
 @dataclass
@@ -20,6 +22,10 @@ class RecoverySettings:
     # How often a request the client has seen nothing of is re-run
     # transparently after a failure.
     max_reruns: int = field(default=1, metadata={"min": 0})
+    # A request that failed the engine alone is refused at the door, with
+    # every identical request (same prompt tokens and generation
+    # parameters), for this many seconds (0: never refused).
+    quarantine_s: float = field(default=600.0, metadata={"min": 0})
 
 
 class Recovery:
@@ -32,8 +38,25 @@ class Recovery:
     @guardian.hookimpl
     def guardian_startup(self, engine):
         engine.configure_recovery(
-            window_s=self.settings.window_s, max_reruns=self.settings.max_reruns
+            window_s=self.settings.window_s,
+            max_reruns=self.settings.max_reruns,
+            quarantine_s=self.settings.quarantine_s,
         )
+
+    @guardian.hookimpl(tryfirst=True)
+    def admit_request(self, admission, engine):
+        """Refuse a request identical to one blamed for an engine failure.
+
+        First, so no other hook reserves anything (KV budget) for it. The
+        fingerprint is of the request as it came, before a hook lowers
+        ``max_tokens`` or drops messages; it travels with the request, so
+        the engine quarantines the very fingerprint checked here.
+        """
+        if not engine.quarantine.enabled:
+            return None
+        fingerprint = request_fingerprint(admission.prompt_tokens, admission.args)
+        stock.attach_fingerprint(admission.args, fingerprint)
+        return engine.quarantine.refusal(fingerprint)
 
     @guardian.hookimpl(trylast=True)
     def classify_engine_error(self, error):

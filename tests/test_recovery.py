@@ -185,19 +185,24 @@ def test_crash_loop_exits_with_documented_code(start_server):
 
     server = start_server(faults(poison_marker="POISON") + "[recovery]\nmax_failures = 3\n")
     with httpx.Client(timeout=30) as client:
-        # Every step of a poison request fails: the first is blamed after two
-        # failures, the second is in flight at the fourth, one too many.
-        first = completion(client, server, content="POISON 1", max_tokens=8)
-        assert first.status_code == 500
-        assert first.json()["error"]["code"] == "request_failed_repeatedly"
-        second = completion(client, server, content="POISON 2", max_tokens=8)
-        assert second.status_code == 503, second.text
-        assert second.headers["content-type"] == "application/json"
-        assert second.headers["retry-after"] == "1"
-        error = second.json()["error"]
+        # Every step of a poison request fails. Each is blamed after two
+        # failures; a blame forgives its failures only if the engine completed
+        # a request since the last blame (the start-up probe, for the first):
+        # an engine that fails every request keeps counting. The third poison
+        # is in flight at the fourth counted failure, one too many.
+        for poison in ("POISON 1", "POISON 2"):
+            blamed = completion(client, server, content=poison, max_tokens=8)
+            assert blamed.status_code == 500
+            assert blamed.json()["error"]["code"] == "request_failed_repeatedly"
+        third = completion(client, server, content="POISON 3", max_tokens=8)
+        assert third.status_code == 503, third.text
+        assert third.headers["content-type"] == "application/json"
+        assert third.headers["retry-after"] == "1"
+        error = third.json()["error"]
         assert set(error) == {"message", "type", "param", "code"}
         assert error["code"] == "engine_failed"
     assert server.proc.wait(timeout=15) == EXIT_ENGINE_FAILED
     [gave_up] = server.events("engine_gave_up")
     assert gave_up["exit_code"] == EXIT_ENGINE_FAILED
-    assert len(server.events("engine_error")) == 4
+    errors = server.events("engine_error")
+    assert [e["failures_in_window"] for e in errors] == [1, 0, 1, 2, 3, 4]

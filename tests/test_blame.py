@@ -1,0 +1,170 @@
+"""Blame the request, not the engine; bystanders are not hurt.
+
+Each test starts a real ``mlx-guardian`` with faults planted inside stock's
+own code by ``tests/plugins/request_faults.py`` (or the fault-injection
+plugin), triggered by ordinary, valid request parameters.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+
+from conftest import chat_body, poll, read_stream
+
+PLUGIN = '[guardian]\nplugins = ["tests.plugins.request_faults:RequestFaults"]\n'
+STOP_MARKER = "PLANTED-STOP"
+POISON_PENALTY = 1.0123
+
+
+def request_faults(**settings) -> str:
+    lines = [f"{key} = {value!r}".replace("'", '"') for key, value in settings.items()]
+    return PLUGIN + "[request_faults]\n" + "\n".join(lines) + "\n"
+
+
+def engine_status(server) -> dict:
+    return httpx.get(server.url + "/guardian/status", timeout=5).json()
+
+
+def test_a_request_failing_before_it_starts_is_blamed_and_quarantined(start_server):
+    # max_failures = 1: the old code re-ran a taken request without counting
+    # it, failed six times and exited 4; one counted failure too many now
+    # would exit too.
+    server = start_server(request_faults(stop_marker=STOP_MARKER)
+                          + "[recovery]\nmax_failures = 1\nreload_after_failures = 0\n")
+    url = server.url + "/v1/chat/completions"
+    poison = chat_body(content="A poisoned request.", max_tokens=8, stop=[STOP_MARKER])
+    with httpx.Client(timeout=30) as client:
+        first = client.post(url, json=poison)
+        assert first.status_code == 500, first.text
+        assert first.json()["error"]["code"] == "request_failed_repeatedly"
+        assert first.headers["x-should-retry"] == "false"
+        errors = server.events("engine_error")
+        assert len(errors) == 2, "one run, one re-run alone, then blamed"
+        assert errors[-1]["blamed"] and errors[-1]["failures_in_window"] == 0
+        [blamed] = server.events("request_blamed")
+        [quarantined] = server.events("request_quarantined")
+        assert blamed["quarantined"] and blamed["fingerprint"] == quarantined["fingerprint"]
+        assert quarantined["blamed_request_id"] == blamed["request_id"]
+
+        # The same request again, streamed or not: refused at the door.
+        for body in (poison, {**poison, "stream": True}, poison):
+            again = client.post(url, json=body)
+            assert again.status_code == 500, again.text
+            error = again.json()["error"]
+            assert error["code"] == "request_quarantined"
+            assert quarantined["until"] in error["message"]
+            assert again.headers["x-should-retry"] == "false"
+        assert len(server.events("quarantined_request_refused")) == 3
+        assert len(server.events("engine_error")) == 2
+
+        # Not the same request: served. A different poison after a completed
+        # request is blamed as well, and its failures are forgiven too.
+        ok = client.post(url, json=chat_body(content="A poisoned request.", max_tokens=8))
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 8
+        other = client.post(url, json={**poison, "max_tokens": 9})
+        assert other.json()["error"]["code"] == "request_failed_repeatedly"
+        assert len(server.events("engine_error")) == 4
+        status = engine_status(server)
+        assert status["failures_in_window"] == 0 and status["failures_forgiven"] == 4
+        assert len(status["quarantine"]["quarantined"]) == 2
+    assert server.proc.poll() is None, "four engine failures and max_failures = 1: still serving"
+    assert server.health() == 200
+
+
+def stream_signalling_start(url: str, body: dict, started: threading.Event) -> dict:
+    """Like conftest.read_stream; sets ``started`` at the first data event."""
+    result = {"status": None, "events": [], "done": False, "errors": []}
+    with httpx.Client(timeout=60) as client, client.stream("POST", url, json=body) as response:
+        result["status"] = response.status_code
+        for line in response.iter_lines():
+            if line == "data: [DONE]":
+                result["done"] = True
+            elif line.startswith("data: "):
+                started.set()
+                event = json.loads(line[len("data: "):])
+                result["events"].append(event)
+                if "error" in event:
+                    result["errors"].append(event["error"])
+    return result
+
+
+def test_a_failing_logits_processor_ends_its_request_alone(start_server):
+    server = start_server(request_faults(poison_repetition_penalty=POISON_PENALTY, processor_fails_at=8))
+    url = server.url + "/v1/chat/completions"
+    bystander_tokens = 96
+
+    def poisoned(stream):
+        body = chat_body(content="Poisoned sampling.", max_tokens=24, stream=stream,
+                         repetition_penalty=POISON_PENALTY)
+        with httpx.Client(timeout=60) as client:
+            if stream:
+                return read_stream(client, url, body)
+            response = client.post(url, json=body)
+            return {"status": response.status_code, "body": response.json(), "headers": response.headers}
+
+    # mlx-lm 0.31's GenerationBatch.filter() keeps the per-row processor
+    # list as it is when no row has processors, so after the start-up probe
+    # left the batch, later rows get their neighbours' processors (a stock
+    # bug). A request with a seed makes stock drain and close its batch: the
+    # requests below start a fresh one.
+    with httpx.Client(timeout=30) as client:
+        assert client.post(url, json=chat_body(max_tokens=1, seed=1)).status_code == 200
+    started = [threading.Event() for _ in range(4)]
+    with ThreadPoolExecutor(6) as pool:
+        others = [
+            pool.submit(stream_signalling_start, url,
+                        chat_body(content=f"Bystander {i}.", max_tokens=bystander_tokens, stream=True,
+                                  stream_options={"include_usage": True}), event)
+            for i, event in enumerate(started)
+        ]
+        # The poisoned requests join a batch that is decoding.
+        poll(lambda: all(e.is_set() for e in started), 30, what="bystanders streaming")
+        poisoned_stream = pool.submit(poisoned, True)
+        poisoned_plain = pool.submit(poisoned, False)
+        others = [f.result() for f in others]
+        poisoned_stream, poisoned_plain = poisoned_stream.result(), poisoned_plain.result()
+
+    # The poisoned stream had started: an error event, then [DONE].
+    assert poisoned_stream["status"] == 200
+    assert poisoned_stream["done"]
+    [error] = poisoned_stream["errors"]
+    assert "error" in poisoned_stream["events"][-1]
+    assert error["code"] == "sampling_failed" and "PlantedFault" in error["message"]
+    # The non-streaming one had sent nothing: an OpenAI-shaped 500.
+    assert poisoned_plain["status"] == 500
+    assert poisoned_plain["body"]["error"]["code"] == "sampling_failed"
+    assert poisoned_plain["headers"]["x-should-retry"] == "false"
+    for result in others:
+        assert result["status"] == 200 and result["done"] and not result["errors"], result
+        assert result["events"][-1]["usage"]["completion_tokens"] == bystander_tokens
+    failed = server.events("request_sampling_failed")
+    assert len(failed) == 2
+    assert all(f["in_flight"] >= 5 for f in failed), "the bystanders were decoding beside it"
+    assert server.events("engine_error") == []
+    assert engine_status(server)["restarts"] == 0
+    with httpx.Client(timeout=30) as client:
+        again = client.post(url, json=chat_body(max_tokens=4))
+        assert again.status_code == 200 and again.json()["usage"]["completion_tokens"] == 4
+
+
+def test_failures_with_nobody_to_blame_still_end_in_exit_4(start_server):
+    from guardian.exit_codes import EXIT_ENGINE_FAILED
+
+    # Every engine step fails, so the start-up probe fails too: probes are
+    # never blamed, so every failure counts.
+    server = start_server(
+        "[fault_injection]\nenabled = true\nevery_n_steps = 1\n"
+        "[recovery]\nmax_failures = 3\n[watchdog]\nprobe_interval_s = 0.1\n",
+        wait=False,
+    )
+    assert server.proc.wait(timeout=60) == EXIT_ENGINE_FAILED
+    errors = server.events("engine_error")
+    assert len(errors) == 4
+    assert all(not e["blamed"] for e in errors)
+    assert [e["failures_in_window"] for e in errors] == [1, 2, 3, 4]
+    [gave_up] = server.events("engine_gave_up")
+    assert gave_up["exit_code"] == EXIT_ENGINE_FAILED
