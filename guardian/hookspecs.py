@@ -39,9 +39,10 @@ def admit_request(admission, engine):
 
     The HTTP thread serving the request, after stock parsed it and before
     anything is enqueued, so a refusal reaches the client before any byte
-    (a stream's included). Not called for a request naming a model other
-    than the loaded one: its tokenizer does not exist before the engine
-    thread loads it.
+    (a stream's included). For a request naming another model (a switch
+    the configuration allows), ``limits`` and the tokenizer come from that
+    model's files on disk, before its weights load; not called when the
+    model is not on this machine (stock would download it).
 
     ``admission`` is a ``guardian.admission.Admission``: the request and its
     GenerationArguments, ``prompt_tokens`` (tokenized on first use with
@@ -88,7 +89,8 @@ def on_engine_error(error, classification, failures_in_window, engine):
 
     Generation thread, after ``engine_error`` is logged and before any
     request is answered. ``failures_in_window`` counts failures, this one
-    included, within the recovery plugin's window. Return ``"restart"`` (a
+    included, within the recovery plugin's window, less those forgiven
+    because a request was blamed for them (see ``guardian.blame``). Return ``"restart"`` (a
     fresh loop on the loaded weights), ``"reload"`` (read the weights again,
     then restart) or ``"exit"`` (answer every request and exit the process
     with EXIT_ENGINE_FAILED). Stops at first non-None result; the built-in

@@ -18,6 +18,7 @@ from conftest import chat_body, poll, read_stream
 PLUGIN = '[guardian]\nplugins = ["tests.plugins.request_faults:RequestFaults"]\n'
 STOP_MARKER = "PLANTED-STOP"
 POISON_PENALTY = 1.0123
+POISON_TEMPERATURE = 0.777
 
 
 def request_faults(**settings) -> str:
@@ -92,14 +93,14 @@ def stream_signalling_start(url: str, body: dict, started: threading.Event) -> d
     return result
 
 
-def test_a_failing_logits_processor_ends_its_request_alone(start_server):
-    server = start_server(request_faults(poison_repetition_penalty=POISON_PENALTY, processor_fails_at=8))
+def test_a_failing_logits_processor_or_sampler_ends_its_request_alone(start_server):
+    server = start_server(request_faults(poison_repetition_penalty=POISON_PENALTY, processor_fails_at=8,
+                                         poison_temperature=POISON_TEMPERATURE))
     url = server.url + "/v1/chat/completions"
     bystander_tokens = 96
 
-    def poisoned(stream):
-        body = chat_body(content="Poisoned sampling.", max_tokens=24, stream=stream,
-                         repetition_penalty=POISON_PENALTY)
+    def poisoned(stream, **poison):
+        body = chat_body(content="Poisoned sampling.", max_tokens=24, stream=stream, **poison)
         with httpx.Client(timeout=60) as client:
             if stream:
                 return read_stream(client, url, body)
@@ -114,7 +115,7 @@ def test_a_failing_logits_processor_ends_its_request_alone(start_server):
     with httpx.Client(timeout=30) as client:
         assert client.post(url, json=chat_body(max_tokens=1, seed=1)).status_code == 200
     started = [threading.Event() for _ in range(4)]
-    with ThreadPoolExecutor(6) as pool:
+    with ThreadPoolExecutor(7) as pool:
         others = [
             pool.submit(stream_signalling_start, url,
                         chat_body(content=f"Bystander {i}.", max_tokens=bystander_tokens, stream=True,
@@ -123,10 +124,12 @@ def test_a_failing_logits_processor_ends_its_request_alone(start_server):
         ]
         # The poisoned requests join a batch that is decoding.
         poll(lambda: all(e.is_set() for e in started), 30, what="bystanders streaming")
-        poisoned_stream = pool.submit(poisoned, True)
-        poisoned_plain = pool.submit(poisoned, False)
+        poisoned_stream = pool.submit(poisoned, True, repetition_penalty=POISON_PENALTY)
+        poisoned_plain = pool.submit(poisoned, False, repetition_penalty=POISON_PENALTY)
+        poisoned_build = pool.submit(poisoned, False, temperature=POISON_TEMPERATURE)
         others = [f.result() for f in others]
         poisoned_stream, poisoned_plain = poisoned_stream.result(), poisoned_plain.result()
+        poisoned_build = poisoned_build.result()
 
     # The poisoned stream had started: an error event, then [DONE].
     assert poisoned_stream["status"] == 200
@@ -138,11 +141,14 @@ def test_a_failing_logits_processor_ends_its_request_alone(start_server):
     assert poisoned_plain["status"] == 500
     assert poisoned_plain["body"]["error"]["code"] == "sampling_failed"
     assert poisoned_plain["headers"]["x-should-retry"] == "false"
+    # Building its sampler raised: the same.
+    assert poisoned_build["status"] == 500
+    assert "building a sampler" in poisoned_build["body"]["error"]["message"]
     for result in others:
         assert result["status"] == 200 and result["done"] and not result["errors"], result
         assert result["events"][-1]["usage"]["completion_tokens"] == bystander_tokens
     failed = server.events("request_sampling_failed")
-    assert len(failed) == 2
+    assert sorted(f["where"] for f in failed) == ["logits_processor", "logits_processor", "make_sampler"]
     assert all(f["in_flight"] >= 5 for f in failed), "the bystanders were decoding beside it"
     assert server.events("engine_error") == []
     assert engine_status(server)["restarts"] == 0

@@ -13,6 +13,9 @@ that trigger them are ordinary, valid parameters.
   ``make_logits_processors``, which ``BatchGenerator`` calls at every step
   for that request's row, and which raises from its
   ``processor_fails_at``-th call on.
+- ``poison_temperature``: stock's ``make_sampler`` raises while the loop
+  builds the sampler of a request with exactly this ``temperature`` (after
+  its GenerationContext).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ class RequestFaultsSettings:
     stop_marker: str = ""
     poison_repetition_penalty: float = 0.0
     processor_fails_at: int = 1
+    poison_temperature: float = 0.0
 
 
 class RequestFaults:
@@ -48,6 +52,8 @@ class RequestFaults:
             self._plant_in_state_machine(settings.stop_marker)
         if settings.poison_repetition_penalty:
             self._plant_in_logits_processors(settings.poison_repetition_penalty, settings.processor_fails_at)
+        if settings.poison_temperature:
+            self._plant_in_sampler_factory(settings.poison_temperature)
 
     @guardian.hookimpl
     def guardian_startup(self):
@@ -84,3 +90,14 @@ class RequestFaults:
             return [*processors, poisoned_processor]
 
         server.make_logits_processors = make_logits_processors
+
+    @staticmethod
+    def _plant_in_sampler_factory(temperature: float) -> None:
+        stock_factory = server.make_sampler
+
+        def make_sampler(temp=0.0, *args, **kwargs):
+            if temp == temperature:
+                raise PlantedFault(f"planted fault building a sampler for temperature {temp}")
+            return stock_factory(temp, *args, **kwargs)
+
+        server.make_sampler = make_sampler
