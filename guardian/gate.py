@@ -22,6 +22,7 @@ from guardian.admission import (
 )
 from guardian.context import add_response_headers, bind_log_fields, current_request
 from guardian.errors import AbortRequest, GuardianError, from_stock_exception
+from guardian.unloaded_models import UnloadedModels
 from guardian.validation import RequestBounds, check_body
 
 log = structlog.get_logger("guardian.gate")
@@ -40,6 +41,7 @@ class AdmissionGate:
         # Which models requests may name; set by the server at start-up
         # (None: any, as stock).
         self.model_access = None
+        self._unloaded_models: Optional[UnloadedModels] = None  # made on first need
 
     def check_body(self, body: dict, *, chat: bool) -> Optional[GuardianError]:
         """The door's check of every field (guardian.validation), against the model it names."""
@@ -68,16 +70,16 @@ class AdmissionGate:
         (stock loads it on the engine thread; its tokenizer does not exist yet).
         """
         engine = self.engine
-        loaded = stock.loaded_tokenizer(engine.model_provider, args)
-        if loaded is None:
-            log.info("admission_skipped", reason="model_not_loaded", model=args.model.model)
+        target = self._target_model(args)
+        if target is None:
+            log.info("admission_skipped", reason="model_not_local", model=args.model.model)
             return None
-        model_key, tokenizer = loaded
+        model_key, tokenizer, limits = target
         info = current_request()
         admission = Admission(
             request,
             args,
-            limits=self.model_limits(model_key),
+            limits=limits,
             tokenize=functools.partial(self._tokenize, tokenizer, args=args),
             request_id=info.request_id,
             stream=info.stream,
@@ -102,6 +104,24 @@ class AdmissionGate:
         stock.attach_tokens(admission.request, model_key, admission.tokenized)
         add_response_headers(admission.response_headers)
         return admission
+
+    def _target_model(self, args) -> Optional[tuple]:
+        """(model key, tokenizer, ModelLimits) of the model the request goes to.
+
+        The loaded model's own; for another (an allowed switch), or while a
+        load is under way, what its files on disk say. None when it is not
+        on this machine: stock would download it.
+        """
+        provider = self.engine.model_provider
+        loaded = stock.loaded_tokenizer(provider, args)
+        if loaded is not None:
+            model_key, tokenizer = loaded
+            return model_key, tokenizer, self.model_limits(model_key)
+        model_key = stock.requested_model_key(provider, args.model)
+        if self._unloaded_models is None:
+            self._unloaded_models = UnloadedModels(self.engine.cli_args)
+        unloaded = self._unloaded_models.get(model_key)
+        return None if unloaded is None else (model_key, *unloaded)
 
     def _check_prompt_tokens(self, admission: Admission) -> Optional[GuardianError]:
         """An empty prompt kills stock's step; a token id past the model's

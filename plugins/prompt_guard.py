@@ -150,6 +150,7 @@ class PromptGuard:
     def __init__(self, settings: PromptGuardSettings):
         self.settings = settings
         self.budget: Optional[KVBudget] = None
+        self.served_limits: Optional[ModelLimits] = None
 
     # -- start-up -------------------------------------------------------------
     @guardian.hookimpl
@@ -162,7 +163,7 @@ class PromptGuard:
         # The first private tokenizer copy is made now, not on the first request.
         with private_tokenizer(engine.model_provider.tokenizer):
             pass
-        limits = engine.gate.model_limits(engine.model_provider.model_key)
+        limits = self.served_limits = engine.gate.model_limits(engine.model_provider.model_key)
         n_ctx = self.context_limit(limits)
         engine.gate.served_context_length = n_ctx
         if limits.context_length is None:
@@ -277,11 +278,18 @@ class PromptGuard:
             tokens = min(tokens, n_ctx)
         nbytes = admission.limits.kv_bytes(tokens)
         admission.log_fields["kv_cache_bytes"] = nbytes
-        if nbytes > self.budget.total_bytes:
+        budget, switch = self.budget.total_bytes, ""
+        if admission.limits != self.served_limits:
+            # Another model, switched in when this request gets to the
+            # engine: its own weights take the place of the served model's.
+            budget = self.budget_bytes(admission.limits)[0]
+            switch = (f" (the model this request names has {describe_bytes(admission.limits.weights_bytes)} "
+                      "of weights)")
+        if nbytes > budget:
             return GuardianError(
                 f"This request needs {describe_bytes(nbytes)} of KV cache "
                 f"({admission.n_prompt_tokens} prompt + {admission.args.max_tokens} completion "
-                f"tokens); this server's KV cache budget is {describe_bytes(self.budget.total_bytes)}. "
+                f"tokens); this server's KV cache budget is {describe_bytes(budget)}{switch}. "
                 f"Lower max_tokens, or {shorten(admission).lower()}",
                 status=400,
                 type="invalid_request_error",
@@ -291,12 +299,16 @@ class PromptGuard:
                     "n_prompt_tokens": admission.n_prompt_tokens,
                     "max_tokens": admission.args.max_tokens,
                     "kv_cache_bytes": nbytes,
-                    "kv_budget_bytes": self.budget.total_bytes,
+                    "kv_budget_bytes": budget,
                 },
             )
-        error = self.budget.reserve(nbytes)
+        # One budget counts the KV cache in flight, whichever model holds it;
+        # a switched-in model's request that fits its own budget takes at
+        # most all of it (the batch drains before stock switches models).
+        reserved = min(nbytes, self.budget.total_bytes)
+        error = self.budget.reserve(reserved)
         if error is None:
-            admission.on_finish(lambda: self.budget.release(nbytes))
+            admission.on_finish(lambda: self.budget.release(reserved))
         return error
 
     # -- truncation ---------------------------------------------------------------

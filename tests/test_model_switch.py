@@ -1,0 +1,59 @@
+"""Requests that name another model: refused unless allowed, admitted against it when allowed.
+
+Stock loads whatever a request names, and when that load fails it is left
+with no model: the next request skips the prompt guard.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import httpx
+
+from conftest import chat_body
+
+CHAT = "/v1/chat/completions"
+
+
+def test_a_failed_switch_keeps_the_served_model_and_its_guard(start_server, tmp_path):
+    server = start_server("[guardian]\nallow_any_model = true\n", env={"HF_HUB_OFFLINE": "1"})
+    missing = str(tmp_path / "no-such-model")
+    with httpx.Client(timeout=60) as client:
+        response = client.post(server.url + CHAT, json=chat_body(model=missing, max_tokens=4))
+        assert response.status_code == 404, response.text
+        assert response.json()["error"]["code"] == "model_not_found"
+        server.wait_for_event("served_model_reloaded")
+        # Stock would now have no model: the next prompt would skip the guard.
+        too_long = client.post(server.url + CHAT, json=chat_body("word " * 3000, max_tokens=4))
+        assert too_long.status_code == 400, too_long.text
+        assert too_long.json()["error"]["code"] == "context_length_exceeded"
+        assert client.post(server.url + CHAT, json=chat_body(max_tokens=4)).status_code == 200
+    # Only the request for the missing model went in unadmitted: nothing to read it from.
+    assert [e["model"] for e in server.events("admission_skipped")] == [missing]
+
+
+def test_a_switch_to_an_allowed_model_is_admitted_against_that_model(start_server, tmp_path, model_cache):
+    # Another model on disk: the demo model's files with a 512-token context.
+    [served] = [p for p in model_cache.iterdir() if (p / "config.json").exists()]
+    other = tmp_path / "short-context-model"
+    shutil.copytree(served, other)
+    config = json.loads((other / "config.json").read_text())
+    config["max_position_embeddings"] = 512
+    (other / "config.json").write_text(json.dumps(config))
+
+    server = start_server(f'[guardian]\nallowed_models = ["{other}"]\n')
+    prompt = "word " * 700  # fits the served model's 2048 tokens, not the other's 512
+    with httpx.Client(timeout=60) as client:
+        refused = client.post(server.url + CHAT, json=chat_body(prompt, max_tokens=4, model=str(other)))
+        assert refused.status_code == 400, refused.text
+        error = refused.json()["error"]
+        assert (error["code"], error["n_ctx"]) == ("context_length_exceeded", 512)
+        [read] = server.events("unloaded_model_read")
+        assert read["context_length"] == 512 and read["weights_bytes"] > 0
+        # The served model takes the same prompt; then the other model serves a short one.
+        assert client.post(server.url + CHAT, json=chat_body(prompt, max_tokens=4)).status_code == 200
+        switched = client.post(server.url + CHAT, json=chat_body(max_tokens=4, model=str(other)))
+        assert switched.status_code == 200, switched.text
+        assert client.post(server.url + CHAT, json=chat_body(max_tokens=4)).status_code == 200
+    assert server.events("admission_skipped") == []
