@@ -43,6 +43,8 @@ from guardian.isolation import IsolationGate
 
 log = structlog.get_logger("guardian.supervisor")
 
+# Only these are tracked (see the module's docstring).
+TRACKED_METHOD = "POST"
 # Crashes a request must be in flight at to be quarantined.
 STRIKES_TO_QUARANTINE = 2
 # Fields that do not change what the engine computes for a request.
@@ -115,6 +117,10 @@ class Suspect:
     path: str
     crash_times: list = field(default_factory=list)  # monotonic
 
+    def strikes(self, now: float, window_s: float) -> int:
+        """Crashes it was in flight at within the last ``window_s`` seconds."""
+        return sum(1 for t in self.crash_times if t > now - window_s)
+
 
 @dataclass
 class Quarantined:
@@ -152,7 +158,7 @@ class CrashQuarantine:
     # -- HTTP threads ---------------------------------------------------------
     def refusal(self, method: str, fp: str) -> Optional[GuardianError]:
         """The error for a quarantined request, or None to relay it."""
-        if method != "POST" or not self.enabled:
+        if method != TRACKED_METHOD or not self.enabled:
             return None
         with self.lock:
             entry = self.quarantined.get(fp)
@@ -173,12 +179,13 @@ class CrashQuarantine:
         A suspect runs alone and others wait behind it (bounded), so a
         crash under it strikes it and nothing else.
         """
-        if method != "POST" or not self.enabled:
+        if method != TRACKED_METHOD or not self.enabled:
             yield False
             return
         with self.lock:
-            suspect = fp in self.suspects
-        with self.isolation.admit(suspect) as alone:
+            suspect = self.suspects.get(fp)
+            struck = suspect is not None and suspect.strikes(time.monotonic(), self.strike_window_s) > 0
+        with self.isolation.admit(struck) as alone:
             yield alone
 
     @contextmanager
@@ -190,7 +197,7 @@ class CrashQuarantine:
         """
         relay = Relay(fp, method, path)
         key = id(relay)
-        tracked = method == "POST" and self._add(generation, key, relay)
+        tracked = method == TRACKED_METHOD and self._add(generation, key, relay)
         try:
             yield relay
         finally:
@@ -231,7 +238,7 @@ class CrashQuarantine:
         with self.lock:
             relays = self.relays.pop(generation, {})
             self.settled_through = max(self.settled_through, generation)
-        if not crashed or not relays:
+        if not crashed:
             return
         now = time.monotonic()
         distinct = {relay.fingerprint: relay for relay in relays.values()}
@@ -290,7 +297,7 @@ class CrashQuarantine:
             "suspects_count": len(suspects),
             "suspects": [
                 {"fingerprint": short(fp), "method": s.method, "path": s.path,
-                 "strikes": len([t for t in s.crash_times if t > now - self.strike_window_s])}
+                 "strikes": s.strikes(now, self.strike_window_s)}
                 for fp, s in suspects[-STATUS_ENTRIES:]
             ],
         }
