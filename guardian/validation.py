@@ -27,6 +27,8 @@ from guardian.errors import GuardianError
 # mlx slices token windows with 32-bit indices ("Slice indices must be
 # 32-bit integers"): a penalty's context size past this kills the step.
 MAX_CONTEXT_SIZE = 2**31 - 1
+# The largest integer a float parameter may be given as (a signed 64-bit int).
+MAX_INT64 = 2**63
 # mx.random.seed takes an unsigned 64-bit integer; anything else raises.
 MAX_SEED = 2**64 - 1
 # OpenAI's range for a logit bias. Larger values overflow the logits to inf,
@@ -342,6 +344,10 @@ def check_number(body: dict, key: str, *, low=None, high=None):
         raise Invalid(key, f"{key} must be a number.", code="invalid_type")
     if isinstance(value, float) and not math.isfinite(value):
         raise Invalid(key, f"{key} must be a finite number.")
+    if isinstance(value, int) and not -MAX_INT64 <= value < MAX_INT64:
+        # mlx casts a Python int it cannot hold to a float's type and fails
+        # (std::bad_cast) while the batch steps.
+        raise Invalid(key, f"{key} is out of range; got {value}.")
     check_range(key, value, low, high)
     return value
 

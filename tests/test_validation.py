@@ -62,6 +62,7 @@ REFUSED = [
     (CHAT, chat(max_completion_tokens=-3), "max_completion_tokens", "invalid_value"),
     (CHAT, chat(temperature=-1), "temperature", "invalid_value"),
     (CHAT, chat(top_p=1.5), "top_p", "invalid_value"),
+    (CHAT, chat(temperature=10**400), "temperature", "invalid_value"),  # std::bad_cast in the step
     (CHAT, chat(top_logprobs=99, logprobs=True), "top_logprobs", "invalid_value"),
     (CHAT, chat(stream="yes"), "stream", "invalid_type"),
     (CHAT, chat(stream=True, stream_options="x"), "stream_options", "invalid_type"),
