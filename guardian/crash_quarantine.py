@@ -33,13 +33,13 @@ import time
 from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from typing import Iterator, Optional
 
 import structlog
 
 from guardian.errors import GuardianError
 from guardian.isolation import IsolationGate
+from guardian.quarantine import short, utc_iso
 
 log = structlog.get_logger("guardian.supervisor")
 
@@ -53,8 +53,6 @@ DELIVERY_FIELDS = ("stream", "stream_options")
 # holding the GIL that every relay shares); bigger ones are hashed as sent,
 # which still matches a client's retry byte for byte.
 MAX_CANONICAL_BYTES = 1 << 20
-# Enough of a fingerprint to tell entries apart in logs and status.
-FINGERPRINT_PREFIX_CHARS = 12
 # Bounds on the tables: a stream of distinct bodies (each in flight at one
 # crash) cannot grow the supervisor without limit; the oldest go first.
 MAX_SUSPECTS = 1024
@@ -86,16 +84,6 @@ def canonical_body(body: bytes) -> bytes:
     if isinstance(parsed, dict):
         parsed = {k: v for k, v in parsed.items() if k not in DELIVERY_FIELDS}
     return json.dumps(parsed, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
-
-
-def short(fp: str) -> str:
-    """The fingerprint prefix that logs and status show."""
-    return fp[:FINGERPRINT_PREFIX_CHARS]
-
-
-def utc_iso(wall_time: float) -> str:
-    """A wall-clock time as ISO 8601 UTC, to the second."""
-    return datetime.fromtimestamp(wall_time, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 @dataclass
