@@ -397,6 +397,26 @@ def guarded_logits_processor(processor, args, pin: PinOnRequest):
     return processor_of_one_request
 
 
+class AlwaysTruthyProcessors(list):
+    """One request's logits processors, truthy even when there are none.
+
+    mlx-lm 0.31's ``GenerationBatch.filter`` drops finished rows from its
+    per-row list of processors only ``if any(self.logits_processors)``: after
+    a request without processors finishes in a batch where no row has any,
+    the list is left longer than the batch, and a request that joins later
+    is paired with another row's processors (its ``logit_bias`` acts on
+    nobody, or on another client). Truthy lists keep the rows in step; the
+    cost is 0.31 stepping each row's (empty) processors separately. 0.32
+    filters the list unconditionally and keeps plain lists.
+    """
+
+    def __bool__(self) -> bool:
+        return True
+
+
+ROW_PROCESSORS = AlwaysTruthyProcessors if STOCK_VERSION.startswith("0.31.") else list
+
+
 def guard_request_sampling(pin: PinOnRequest) -> None:
     """Make each request's sampler and logits processors fail that request alone.
 
@@ -434,8 +454,8 @@ def guard_request_sampling(pin: PinOnRequest) -> None:
         except Exception as e:
             if not pin(args, e, "make_logits_processors"):
                 raise
-            return []
-        return [guarded_logits_processor(p, args, pin) for p in processors]
+            processors = []
+        return ROW_PROCESSORS([guarded_logits_processor(p, args, pin) for p in processors])
 
     server._make_sampler = make_sampler
     server._make_logits_processors = make_logits_processors
