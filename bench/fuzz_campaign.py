@@ -30,6 +30,8 @@ bench/results/. It is a campaign, not a test: it never fails on what it sees.
 from __future__ import annotations
 
 import argparse
+import base64
+import gzip
 import importlib.metadata
 import json
 import os
@@ -261,8 +263,8 @@ def target_table(results: dict, cases: list[FuzzCase]) -> str:
 
 def table_outcome(outcome: str) -> str:
     """Stock's 400s carry free text (one per field and value): one row for all of them."""
-    if outcome.startswith("400 ") and outcome.endswith("(not OpenAI-shaped)"):
-        return '400 `{"error": "text"}` (stock\'s refusal)'
+    if outcome.endswith("(not OpenAI-shaped)") and "generation thread died" not in outcome:
+        return outcome.split()[0] + ' `{"error": "text"}` (stock\'s refusal)'
     return outcome
 
 
@@ -313,9 +315,16 @@ def killers_table(results: dict, cases: list) -> str:
         cells = []
         for kind in others:
             records = results[kind]["records"]
-            answers = Counter(table_outcome(records[i]["outcome"]) for i in hit if i < len(records))
-            harm = sum(1 for i in hit if i < len(records) and ("broke" in records[i] or "events" in records[i]))
-            cell = ", ".join(f"{o} × {n}" for o, n in answers.most_common(3))
+            its_cases = results[kind].get("cases")
+            if its_cases is not None:
+                # Its run drew other bodies: its answers to its own bodies with this mutation.
+                mine = [i for i, case in enumerate(its_cases) if mutation in (case.mutations or ("valid",))]
+            else:
+                mine = hit
+            answers = Counter(table_outcome(records[i]["outcome"]) for i in mine if i < len(records))
+            harm = sum(1 for i in mine if i < len(records) and ("broke" in records[i] or "events" in records[i]))
+            cell = (f"({len(mine)} bodies of its own) " if its_cases is not None else "") + \
+                ", ".join(f"{o} × {n}" for o, n in answers.most_common(3))
             cells.append(cell + (f"; **{harm} broke it or restarted its engine**" if harm else ""))
         rows.append((len(hit), f"| `{mutation}` | {len(indices)} | {len(hit)} | "
                      + ", ".join(f"{h} × {n}" for h, n in hows.most_common()) + " | " + " | ".join(cells) + " |"))
@@ -332,11 +341,12 @@ def guardian_harm_list(results: dict, cases: list[FuzzCase], limit: int = 40) ->
     for kind, result in results.items():
         if kind == "stock":
             continue
+        its_cases = result.get("cases") or cases
         for record in result["records"]:
             bad = record.get("broke") or record.get("events") or record["outcome"][0] in "5dt"
             if bad:
                 what = record.get("broke") or "; ".join(record.get("events", [])) or record["outcome"]
-                lines.append(f"- {kind} #{record['i']}: {record['outcome']}; {what}\n  `{cases[record['i']].describe(200)}`")
+                lines.append(f"- {kind} #{record['i']}: {record['outcome']}; {what}\n  `{its_cases[record['i']].describe(200)}`")
     more = f"\n- ... {len(lines) - limit} more" if len(lines) > limit else ""
     return "\n".join(lines[:limit]) + more
 
@@ -364,8 +374,8 @@ def main() -> None:
     model = ensure_demo_model()
     mlx_lm_version = importlib.metadata.version("mlx-lm")
     drawn_at = time.monotonic()
-    cases = first_cases(args.offset + args.bodies, seed=args.seed)[args.offset:]
-    print(f"{len(cases)} bodies drawn in {time.monotonic() - drawn_at:.0f} s", file=sys.stderr)
+    cases = drawn_cases(args.seed, args.offset, args.bodies)
+    print(f"{len(cases)} bodies ready in {time.monotonic() - drawn_at:.0f} s", file=sys.stderr)
 
     results = {}
     with tempfile.TemporaryDirectory(prefix="fuzz-campaign-") as workdir:
@@ -394,6 +404,34 @@ def main() -> None:
     print_report([saved])
 
 
+def drawn_cases(seed: int, offset: int, count: int) -> list[FuzzCase]:
+    """The campaign's bodies: drawn once per seed and range, then read from bench/results/.
+
+    Hypothesis draws the same bodies for the same seed only while the code it
+    runs beside is the same: it mixes string constants from the loaded
+    modules' source into its text. The bodies are kept, so runs made on
+    other days (or after a commit) send the same ones.
+    """
+    path = REPO / "bench" / "results" / f"cases-seed{seed}-{offset}-{offset + count}.json.gz"
+    if path.exists():
+        saved = json.loads(gzip.decompress(path.read_bytes()))
+        return [FuzzCase(c["path"], base64.b64decode(c["raw"]), tuple(c["mutations"]),
+                         json_or_none(base64.b64decode(c["raw"]))) for c in saved]
+    cases = first_cases(offset + count, seed=seed)[offset:]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(gzip.compress(json.dumps([
+        {"path": c.path, "raw": base64.b64encode(c.raw).decode(), "mutations": list(c.mutations)}
+        for c in cases]).encode()))
+    return cases
+
+
+def json_or_none(raw: bytes):
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return None
+
+
 class SavedCase:
     """A case as saved in the JSON: enough for the report."""
 
@@ -404,6 +442,23 @@ class SavedCase:
 
     def describe(self, limit: int = 300) -> str:
         return self.body[:limit]
+
+
+def aligned(result: dict, its_cases: list[dict], cases: list[dict]) -> dict:
+    """``result``'s records in the order of ``cases``, matched by body; bodies it did not send are left out.
+
+    Runs drawn before the bodies were kept (see drawn_cases) may hold
+    different lists for the same seed.
+    """
+    by_body = {case["body"]: record for case, record in zip(its_cases, result["records"])}
+    records = []
+    for i, case in enumerate(cases):
+        if case["body"] in by_body:
+            records.append({**by_body[case["body"]], "i": i})
+    same = len(records) == len(cases)
+    if same:
+        return {**result, "records": records}
+    return {**result, "aligned": False, "cases": [SavedCase(c) for c in its_cases]}
 
 
 def report_saved(paths: list[Path]) -> None:
@@ -417,7 +472,10 @@ def print_report(runs: list[dict]) -> None:
         if (run["seed"], run["offset"], len(run["cases"])) != (first["seed"], first["offset"], len(first["cases"])):
             raise SystemExit("these runs did not send the same bodies (seed, offset or count differ)")
     cases = [SavedCase(c) for c in first["cases"]]
-    results = {kind: result for run in runs for kind, result in run["results"].items()}
+    results = {}
+    for run in runs:
+        for kind, result in run["results"].items():
+            results[kind] = aligned(result, run["cases"], first["cases"]) if run is not first else result
     runs_described = "; ".join(f"{', '.join(run['results'])} at {run['when'][:16].replace('T', ' ')} UTC "
                                f"(guardian {run['guardian_commit']})" for run in runs)
     print(f"Fuzz campaign: mlx-lm {first['mlx_lm']}, {len(cases)} bodies (seed {first['seed']}, "
