@@ -377,6 +377,8 @@ def main() -> None:
     cases = drawn_cases(args.seed, args.offset, args.bodies)
     print(f"{len(cases)} bodies ready in {time.monotonic() - drawn_at:.0f} s", file=sys.stderr)
 
+    # The code the servers start from: taken now, before the run (it can take an hour).
+    commit = git_head()
     results = {}
     with tempfile.TemporaryDirectory(prefix="fuzz-campaign-") as workdir:
         hf_cache = Path(workdir) / "hf-cache"
@@ -391,15 +393,15 @@ def main() -> None:
 
     saved = {
         "when": datetime.now(timezone.utc).isoformat(timespec="seconds"), "mlx_lm": mlx_lm_version,
-        "guardian_commit": git_head(), "seed": args.seed, "offset": args.offset, "timeout": args.timeout,
+        "guardian_commit": commit, "seed": args.seed, "offset": args.offset, "timeout": args.timeout,
         "cases": [{"path": c.path, "label": c.label, "mutations": list(c.mutations), "body": c.describe(400)}
                   for c in cases],
         "results": results,
     }
     out = args.out or REPO / "bench" / "results" / (
-        f"fuzz-{mlx_lm_version}-seed{args.seed}-{args.offset}-{args.offset + len(cases)}.json")
+        f"fuzz-{mlx_lm_version}-seed{args.seed}-{args.offset}-{args.offset + len(cases)}-{'-'.join(targets)}.json.gz")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(saved))
+    out.write_bytes(gzip.compress(json.dumps(saved).encode()) if out.suffix == ".gz" else json.dumps(saved).encode())
     print(f"saved to {out}", file=sys.stderr)
     print_report([saved])
 
@@ -462,7 +464,8 @@ def aligned(result: dict, its_cases: list[dict], cases: list[dict]) -> dict:
 
 
 def report_saved(paths: list[Path]) -> None:
-    print_report([json.loads(path.read_text()) for path in paths])
+    print_report([json.loads(gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_text())
+                  for path in paths])
 
 
 def print_report(runs: list[dict]) -> None:
