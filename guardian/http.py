@@ -41,6 +41,10 @@ class GuardianHandler(stock.APIHandler):
         self.resume_client_output()
         with self.server.completions, request_scope(self.request_id, bool(self.stream)):
             started = time.monotonic()
+            # Stock logs its 200 when it buffers a non-streaming response's
+            # headers; an error may replace that 200. One access line, with
+            # the status the client got, is written when the request ends.
+            self._answering_completion, self._access_status = True, None
             try:
                 super().handle_completion(request, stop_words)
             except AbortRequest as abort:
@@ -52,7 +56,20 @@ class GuardianHandler(stock.APIHandler):
             except Exception as e:
                 self.finish_with_error(from_stock_exception(e))
             finally:
+                self._answering_completion = False
+                if self._access_status is not None:
+                    super().log_request(self._access_status)
                 log.debug("request_finished", duration_ms=round((time.monotonic() - started) * 1000, 1))
+
+    # While a completion is answered, the last status line written: logged at its end.
+    _answering_completion = False
+    _access_status = None
+
+    def log_request(self, code="-", size="-"):
+        if self._answering_completion:
+            self._access_status = code
+            return
+        super().log_request(code, size)
 
     def finish_with_error(self, error: GuardianError) -> None:
         """End a request whose headers stock has prepared or sent."""

@@ -29,3 +29,19 @@ def test_console_format_is_for_people(start_server):
     text = server.log_path.read_text()
     started = [line for line in text.splitlines() if "server_started" in line]
     assert started and not started[0].lstrip().startswith("{")
+
+
+def test_one_access_line_with_the_status_the_client_got(start_server):
+    # A poison request: stock buffers a 200 for it, then the guardian answers 500.
+    server = start_server('[fault_injection]\nenabled = true\npoison_marker = "POISON"\n')
+    response = httpx.post(server.url + "/v1/chat/completions", json=chat_body("POISON", max_tokens=4),
+                          timeout=60)
+    assert response.status_code == 500, response.text
+    served = httpx.post(server.url + "/v1/chat/completions", json=chat_body(max_tokens=4), timeout=30)
+    assert served.status_code == 200
+    lines = server.events("http_access")
+    statuses = {}
+    for line in lines:
+        if line.get("request_id"):
+            statuses.setdefault(line["request_id"], []).append(line["line"].rsplit('" ', 1)[1].split()[0])
+    assert list(statuses.values()) == [["500"], ["200"]], statuses
