@@ -49,19 +49,19 @@ class AdmissionGate:
 
     def request_bounds(self, body: dict) -> RequestBounds:
         access = self.model_access
-        disallowed = access.disallowed_field if access is not None else (lambda body: None)
         provider = self.engine.model_provider
         loaded_key = provider.model_key
+        # Stock's model key for the body, computed once for both questions.
         requested_key = access.requested_key(body) if access is not None else loaded_key
-        if loaded_key is not None and requested_key == loaded_key:
-            vocab_size = self.model_limits(loaded_key).vocab_size
-            accepts_images = getattr(provider, "processor", None) is not None  # 0.31: none
-        else:
-            # Another model (allowed by configuration): what its config says,
-            # before its weights are loaded.
-            vocab_size = vocab_size_of(requested_key[0]) if isinstance(requested_key[0], str) else None
-            accepts_images = False
-        return RequestBounds(vocab_size, accepts_images, disallowed)
+        if requested_key is None or requested_key == loaded_key:
+            # The loaded model (or model fields of the wrong type, refused anyway).
+            limits = self.model_limits(loaded_key) if loaded_key is not None else None
+            return RequestBounds(limits.vocab_size if limits else None,
+                                 accepts_images=getattr(provider, "processor", None) is not None)  # 0.31: none
+        # Another model: what its config says, before its weights are loaded.
+        return RequestBounds(vocab_size_of(requested_key[0]) if isinstance(requested_key[0], str) else None,
+                             accepts_images=False,
+                             disallowed_model_field=access.disallowed_field(requested_key) if access else None)
 
     def admit(self, request, args) -> Optional[Admission]:
         """Run the admit_request hooks; raise AbortRequest if one turns the request away.

@@ -34,15 +34,19 @@ class ModelAccess:
         self.allowed = frozenset(allowed_models)
         self.allow_any_model = allow_any_model
 
-    def requested_key(self, body: dict) -> tuple:
-        """The (model, adapter, draft) key stock would load for this body."""
-        return stock.requested_model_key(self.model_provider, describe(body))
+    def requested_key(self, body: dict) -> Optional[tuple]:
+        """The (model, adapter, draft) key stock would load for this body; None
+        while a model field is not a string (validation names it)."""
+        description = describe(body)
+        names = (description.model, description.adapter, description.draft)
+        if not all(name is None or isinstance(name, str) for name in names):
+            return None
+        return stock.requested_model_key(self.model_provider, description)
 
-    def disallowed_field(self, body: dict) -> Optional[str]:
-        """The field naming a model this server does not serve, or None."""
+    def disallowed_field(self, key: tuple) -> Optional[str]:
+        """The field naming a model this server does not serve, in ``key``'s order; or None."""
         if self.allow_any_model:
             return None
-        key = self.requested_key(body)
         for field, requested, served in zip(MODEL_FIELDS, key, self.served_key):
             # No adapter or draft model is always allowed: it loads nothing more.
             if requested not in (served, None) and requested not in self.allowed:

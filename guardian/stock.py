@@ -66,6 +66,8 @@ REQUIRED = {
     "SamplingArguments": "built for synthetic probes",
     "LogitsProcessorArguments": "built for synthetic probes",
     "TimeBudget": "subclassed to end a run of decode steps when a request waits",
+    "ResponseGenerator._make_state_machine": "where tests/plugins/request_faults.py plants a fault "
+                                             "while stock prepares a request",
     "_make_sampler": "module global the loop calls per request; wrapped so a sampler that raises fails its request alone",
     "_make_logits_processors": "module global the loop calls per request; wrapped so a processor that raises fails its request alone",
 }

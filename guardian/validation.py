@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from guardian.errors import GuardianError
 
@@ -57,7 +57,7 @@ class RequestBounds:
     accepts_images: bool = False
     # Which of model / draft_model / adapters names something this server
     # does not serve (that field's name), or None when all are allowed.
-    disallowed_model_field: Callable[[dict], Optional[str]] = lambda body: None
+    disallowed_model_field: Optional[str] = None
 
 
 class Invalid(Exception):
@@ -95,7 +95,7 @@ def check_models(body: dict, bounds: RequestBounds) -> None:
     for key in ("model", "draft_model"):
         check_type(body, key, str)
     check_type(body, "adapters", str, nullable=True)
-    field = bounds.disallowed_model_field(body)
+    field = bounds.disallowed_model_field
     if field is not None:
         raise Invalid(field, f"The model `{body.get(field)}` is not served here; this server "
                       "serves the model it was started with.", code="model_not_found", status=404)

@@ -58,6 +58,9 @@ REFUSED = [
     (CHAT, chat(seed=-1), "seed", "invalid_value"),  # stock drops the connection
     (CHAT, chat(seed=2**64), "seed", "invalid_value"),  # stock drops the connection
     (CHAT, chat(seed=True), "seed", "invalid_type"),
+    (CHAT, chat(model=["a"]), "model", "invalid_type"),
+    (CHAT, chat(draft_model={"x": 1}), "draft_model", "invalid_type"),
+    (CHAT, chat(adapters=7), "adapters", "invalid_type"),
     (CHAT, chat(max_tokens="7"), "max_tokens", "invalid_type"),
     (CHAT, chat(max_completion_tokens=-3), "max_completion_tokens", "invalid_value"),
     (CHAT, chat(temperature=-1), "temperature", "invalid_value"),
@@ -246,10 +249,16 @@ def run_guardian(*args, model_cache, timeout=90):
                           capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
 
 
-def test_a_flag_that_can_never_work_stops_the_server_at_start(model_cache):
-    result = run_guardian("--prefill-step-size", "0", model_cache=model_cache)
+@pytest.mark.parametrize("flags, message", [
+    (("--prefill-step-size", "0"), "--prefill-step-size must be at least 1"),
+    (("--decode-concurrency", "0"), "--decode-concurrency must be at least 1"),
+    (("--temp", "-1"), "--temp must be at least 0"),
+    (("--top-p", "1.5"), "--top-p must be between 0 and 1"),
+])
+def test_a_flag_that_can_never_work_stops_the_server_at_start(model_cache, flags, message):
+    result = run_guardian(*flags, model_cache=model_cache)
     assert result.returncode == 2, result.stderr[-2000:]
-    assert "--prefill-step-size must be at least 1" in result.stderr
+    assert message in result.stderr
 
 
 @pytest.mark.skipif(stock.STOCK_VERSION.startswith("0.31."), reason="mlx-lm 0.31 has no --kv-bits")
