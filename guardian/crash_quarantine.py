@@ -39,7 +39,7 @@ import structlog
 
 from guardian.errors import GuardianError
 from guardian.isolation import IsolationGate
-from guardian.quarantine import short, utc_iso
+from guardian.quarantine import quarantine_error, short, utc_iso
 
 log = structlog.get_logger("guardian.supervisor")
 
@@ -158,7 +158,8 @@ class CrashQuarantine:
             self.refused += 1
         log.warning("quarantined_request_refused", fingerprint=short(fp), method=method,
                     path=entry.path, until=utc_iso(entry.until_wall), strikes=entry.strikes)
-        return quarantine_error(entry)
+        return quarantine_error(f"This request was in flight at {entry.strikes} crashes of the engine process",
+                                entry.until_wall)
 
     @contextmanager
     def turn(self, method: str, fp: str) -> Iterator[bool]:
@@ -289,17 +290,3 @@ class CrashQuarantine:
                 for fp, s in suspects[-STATUS_ENTRIES:]
             ],
         }
-
-
-def quarantine_error(entry: Quarantined) -> GuardianError:
-    """A 500 that tells the client not to send this request again before ``until``."""
-    return GuardianError(
-        f"This request was in flight at {entry.strikes} crashes of the engine process and is "
-        f"quarantined: identical requests are refused until {utc_iso(entry.until_wall)}. "
-        "Change the request, or ask the operator to look at the crash.",
-        status=500,
-        type="server_error",
-        code="request_quarantined",
-        retry=False,
-        extra={"quarantined_until": utc_iso(entry.until_wall)},
-    )

@@ -117,7 +117,8 @@ class Quarantine:
             self.refused += 1
         log.warning("quarantined_request_refused", fingerprint=short(fingerprint),
                     blamed_request_id=entry.request_id, until=entry.until_iso)
-        return quarantine_error(entry)
+        return quarantine_error(f"An identical request failed the engine on its own ({entry.reason})",
+                                entry.until_wall)
 
     def status(self) -> dict:
         now = time.monotonic()
@@ -134,14 +135,17 @@ class Quarantine:
         }
 
 
-def quarantine_error(entry: Entry) -> GuardianError:
-    """A 500 that tells the client not to send this request again before ``until``."""
+def quarantine_error(why: str, until_wall: float) -> GuardianError:
+    """A 500 that tells the client not to send this request again before ``until_wall``.
+
+    ``why`` says what the request was in on (an engine failure, process crashes).
+    """
+    until = utc_iso(until_wall)
     return GuardianError(
-        f"An identical request failed the engine on its own ({entry.reason}) and is quarantined: "
-        f"identical requests are refused until {entry.until_iso}. Change the request, "
-        "or ask the operator to look at the failure.",
+        f"{why}, and is quarantined: identical requests are refused until {until}. "
+        "Change the request, or ask the operator to look at the failure.",
         status=500,
         code="request_quarantined",
         retry=False,  # the same request would fail the same way
-        extra={"quarantined_until": entry.until_iso},
+        extra={"quarantined_until": until},
     )
