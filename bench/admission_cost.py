@@ -31,8 +31,8 @@ SENTENCE = "The guardian watches a language model server and keeps it alive. "
 def build_engine():
     from guardian import cli, stock
     from guardian.demo_model import ensure_demo_model
-    from guardian.engine import GuardianEngine
-    from guardian.watchdog import Watchdog
+    from guardian.engine.generator import GuardianEngine
+    from guardian.health.watchdog import Watchdog
 
     captured = {}
 

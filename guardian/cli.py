@@ -41,7 +41,7 @@ def add_guardian_arguments(parser: argparse.ArgumentParser) -> None:
 
 def prepare(namespace: argparse.Namespace) -> None:
     """After stock parsed the flags: logging, config, plugins, demo model."""
-    from guardian.plugin_manager import make_plugin_manager
+    from guardian.plugins.manager import make_plugin_manager
 
     configure_logging(namespace.log_format or "json", namespace.log_level)
     try:
@@ -89,7 +89,7 @@ def plugins_command(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="mlx-guardian plugins")
     parser.add_argument("--guardian-config", type=Path, default=None)
     args = parser.parse_args(argv)
-    from guardian.plugin_manager import describe, make_plugin_manager
+    from guardian.plugins.manager import describe, make_plugin_manager
 
     try:
         pm = make_plugin_manager(load_config(args.guardian_config))
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> None:
     if "--supervise" in argv:
         # Subprocess mode: the supervisor must carry no mlx, so guardian.stock
         # (which imports mlx_lm) is only imported below, for the engine.
-        from guardian.supervisor import main as supervise
+        from guardian.supervise.supervisor import main as supervise
 
         raise SystemExit(supervise(argv))
     from guardian import stock

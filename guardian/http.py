@@ -19,7 +19,7 @@ from typing import Optional
 import structlog
 
 from guardian import stock
-from guardian.admission import context_length_of
+from guardian.admission.facts import context_length_of
 from guardian.context import current_request, request_scope
 from guardian.errors import AbortRequest, GuardianError, from_stock_exception
 

@@ -19,13 +19,13 @@ import structlog
 from guardian import stock
 from guardian.config import GuardianConfig
 from guardian.counting import ActiveCount
-from guardian.admission import served_model_config
-from guardian.engine import GuardianEngine
+from guardian.admission.facts import served_model_config
+from guardian.engine.generator import GuardianEngine
 from guardian.exit_codes import EXIT_BOOT_ERROR, EXIT_OK, EXIT_USAGE
 from guardian.http import GuardianHandler
-from guardian.model_access import ModelAccess
-from guardian.startup_checks import impossible_flags
-from guardian.watchdog import Watchdog
+from guardian.admission.model_access import ModelAccess
+from guardian.admission.startup_checks import impossible_flags
+from guardian.health.watchdog import Watchdog
 
 log = structlog.get_logger("guardian.server")
 

@@ -11,7 +11,7 @@ import pytest
 
 from guardian.config import ConfigError, load_config
 from guardian.exit_codes import EXIT_USAGE
-from guardian.plugin_manager import make_plugin_manager
+from guardian.plugins.manager import make_plugin_manager
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "config" / "guardian.example.toml"
@@ -109,7 +109,7 @@ def test_third_party_plugin_from_config(tmp_path, monkeypatch):
 
 
 def test_engine_step_hook_is_skipped_unless_a_plugin_is_active(tmp_path):
-    from guardian.plugin_manager import active_hook
+    from guardian.plugins.manager import active_hook
 
     assert active_hook(make_plugin_manager(load_config(None)), "on_engine_step") is None
     enabled = write(tmp_path, "[fault_injection]\nenabled = true\n")

@@ -7,7 +7,7 @@ import inspect
 import plistlib
 from pathlib import Path
 
-from guardian import hookspecs
+from guardian.plugins import hookspecs
 from guardian.exit_codes import (
     EXIT_BOOT_ERROR,
     EXIT_ENGINE_FAILED,

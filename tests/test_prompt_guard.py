@@ -410,7 +410,7 @@ def test_stocks_other_refusals_get_openai_shaped_errors_and_the_engine_keeps_ser
         assert error["type"] == "invalid_request_error"
         assert error["code"] == "invalid_request"
         assert "xtc_probability" in error["message"]
-        # One the door refuses first names the field (guardian.validation).
+        # One the door refuses first names the field (guardian.admission.validation).
         response = client.post(url, json={**chat_body(), "temperature": "hot"})
         assert response.status_code == 400
         assert response.json()["error"]["param"] == "temperature"
@@ -551,7 +551,7 @@ def test_each_request_is_tokenized_once_on_its_http_thread(counting_server, coun
 def test_kv_estimate_of_the_demo_model(model_cache):
     from mlx_lm import load
 
-    from guardian.admission import ModelLimits, read_model_config
+    from guardian.admission.facts import ModelLimits, read_model_config
     from guardian.demo_model import ensure_demo_model
 
     path = str(ensure_demo_model(model_cache))
@@ -574,7 +574,7 @@ def test_kv_estimate_counts_sliding_window_layers_at_their_window():
     import mlx.core as mx
     from mlx_lm.models import gemma3_text
 
-    from guardian.admission import ModelLimits
+    from guardian.admission.facts import ModelLimits
 
     config = {"model_type": "gemma3_text", "hidden_size": 64, "num_hidden_layers": 6,
               "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -597,7 +597,7 @@ def test_kv_estimate_counts_sliding_window_layers_at_their_window():
     ({"max_length": 20}, (None, None)),  # a generation default, not a context length
 ])
 def test_context_length_keys(config, expected):
-    from guardian.admission import context_length_from_config
+    from guardian.admission.facts import context_length_from_config
 
     assert context_length_from_config(config) == expected
 

@@ -18,7 +18,7 @@ import pytest
 from conftest import chat_body, poll
 from guardian import stock
 from guardian.context import request_scope
-from guardian.ledger import RequestLedger
+from guardian.engine.ledger import RequestLedger
 
 # Stock's run of decode steps between looks at the queue, in seconds.
 STOCK_RUN_S = 0.5

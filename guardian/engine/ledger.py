@@ -184,7 +184,7 @@ class RequestLedger:
         self._isolated: Optional[RequestRecord] = None
         self.closed_error: Optional[GuardianError] = None
         # Requests that ended with their last token (probes included): proof
-        # that the engine generates (see guardian.blame).
+        # that the engine generates (see guardian.engine.blame).
         self.completed = 0
 
     # -- the HTTP side ----------------------------------------------------

@@ -4,10 +4,10 @@ A small supervisor process owns the public host:port and runs the engine
 as a child on 127.0.0.1 and a private port: the in-process guardian
 (``python -m guardian``) by default, or stock ``mlx_lm server`` unchanged
 with ``--engine stock``. It relays every request to the child
-(``guardian.proxy``), checks the child's health, and replaces a child that
+(``guardian.supervise.proxy``), checks the child's health, and replaces a child that
 died, crashed in native code, or stopped answering (even SIGSTOPped).
 A request in flight at two crashes is refused at the door for a while
-(``guardian.crash_quarantine``), so one body that crashes the engine
+(``guardian.supervise.crash_quarantine``), so one body that crashes the engine
 natively cannot crash-loop the service.
 
 Modelled on gunicorn's Arbiter: signal handlers only enqueue; the main
@@ -35,7 +35,7 @@ import httpx
 import structlog
 
 from guardian.counting import ActiveCount, RecentEvents
-from guardian.crash_quarantine import CrashQuarantine
+from guardian.supervise.crash_quarantine import CrashQuarantine
 from guardian.errors import GuardianError
 from guardian.exit_codes import (
     EXIT_BOOT_ERROR,
@@ -46,8 +46,8 @@ from guardian.exit_codes import (
     EXIT_USAGE,
 )
 from guardian.logs import configure_logging
-from guardian.proxy import PublicServer
-from guardian.sd_notify import SystemdNotifier
+from guardian.supervise.proxy import PublicServer
+from guardian.health.sd_notify import SystemdNotifier
 
 log = structlog.get_logger("guardian.supervisor")
 

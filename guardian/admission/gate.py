@@ -13,7 +13,7 @@ from typing import Optional
 import structlog
 
 from guardian import stock
-from guardian.admission import (
+from guardian.admission.facts import (
     Admission,
     ModelLimits,
     private_tokenizer,
@@ -22,8 +22,8 @@ from guardian.admission import (
 )
 from guardian.context import add_response_headers, bind_log_fields, current_request
 from guardian.errors import AbortRequest, GuardianError, from_stock_exception
-from guardian.unloaded_models import UnloadedModels
-from guardian.validation import RequestBounds, check_body
+from guardian.admission.unloaded_models import UnloadedModels
+from guardian.admission.validation import RequestBounds, check_body
 
 log = structlog.get_logger("guardian.gate")
 
@@ -44,7 +44,7 @@ class AdmissionGate:
         self._unloaded_models: Optional[UnloadedModels] = None  # made on first need
 
     def check_body(self, body: dict, *, chat: bool) -> Optional[GuardianError]:
-        """The door's check of every field (guardian.validation), against the model it names."""
+        """The door's check of every field (guardian.admission.validation), against the model it names."""
         return check_body(body, chat=chat, bounds=self.request_bounds(body))
 
     def request_bounds(self, body: dict) -> RequestBounds:

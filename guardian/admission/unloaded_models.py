@@ -19,7 +19,7 @@ from typing import Optional
 
 import structlog
 
-from guardian.admission import (
+from guardian.admission.facts import (
     KVLayer,
     ModelLimits,
     context_length_from_config,

@@ -19,10 +19,10 @@ import structlog
 
 from guardian.config import WatchdogSettings
 from guardian.counting import RecentEvents
-from guardian.engine import EngineState
+from guardian.engine.generator import EngineState
 from guardian.exit_codes import EXIT_ENGINE_STALLED
-from guardian.plugin_manager import notify
-from guardian.sd_notify import SystemdNotifier
+from guardian.plugins.manager import notify
+from guardian.health.sd_notify import SystemdNotifier
 
 log = structlog.get_logger("guardian.watchdog")
 

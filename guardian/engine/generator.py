@@ -22,8 +22,8 @@ import mlx.core as mx
 import structlog
 
 from guardian import stock
-from guardian.admission import private_tokenizer
-from guardian.blame import FailureBudget, Verdict, verdicts
+from guardian.admission.facts import private_tokenizer
+from guardian.engine.blame import FailureBudget, Verdict, verdicts
 from guardian.context import at_request_end, request_scope
 from guardian.errors import (
     AbortRequest,
@@ -33,9 +33,9 @@ from guardian.errors import (
     from_stock_exception,
 )
 from guardian.exit_codes import EXIT_ENGINE_FAILED
-from guardian.gate import AdmissionGate, finish_after
-from guardian.ledger import RequestLedger, RequestRecord, Stage
-from guardian.plugin_manager import active_hook, notify
+from guardian.admission.gate import AdmissionGate, finish_after
+from guardian.engine.ledger import RequestLedger, RequestRecord, Stage
+from guardian.plugins.manager import active_hook, notify
 from guardian.quarantine import Entry, Quarantine, short
 
 log = structlog.get_logger("guardian.engine")
@@ -89,7 +89,7 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
         self.steps = 0
         self.last_beat = time.monotonic()
         self.restarts = 0
-        # The crash-loop budget: failures nobody was blamed for (guardian.blame).
+        # The crash-loop budget: failures nobody was blamed for (guardian.engine.blame).
         self.failures = FailureBudget(window_s=60.0)
         self.quarantine = Quarantine()
         # ledger.completed at the last blame: a blame forgives failures only
@@ -279,7 +279,7 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
     def _forgive(self, blamed: list[RequestRecord]) -> int:
         """Take the failures the blamed requests were in flight at off the
         crash-loop budget, if the engine completed a request since the last
-        blame (see guardian.blame); return how many."""
+        blame (see guardian.engine.blame); return how many."""
         if not blamed:
             return 0
         completed = self.ledger.completed

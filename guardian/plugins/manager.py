@@ -13,7 +13,7 @@ import importlib.metadata
 import pluggy
 import structlog
 
-from guardian import hookspecs
+from guardian.plugins import hookspecs
 from guardian.config import ConfigError, GuardianConfig, parse_settings
 
 log = structlog.get_logger("guardian.plugins")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from guardian.admission import text_config
+from guardian.admission.facts import text_config
 
 # Flags stock reads as counts, and the least value that can work: a prefill
 # step of 0 tokens never ends a prompt, a batch of 0 never decodes.

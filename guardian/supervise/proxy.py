@@ -4,7 +4,7 @@ Imports neither mlx nor mlx_lm: the supervisor stays small. Responses pass
 through as they arrive (SSE events one by one), with the child's status and
 headers. When the child dies under a request, the client still gets an
 answer: a 503 if nothing was sent yet, or an error event and ``[DONE]`` if a
-stream had started. The crash quarantine (``guardian.crash_quarantine``)
+stream had started. The crash quarantine (``guardian.supervise.crash_quarantine``)
 sees every POST: it refuses the ones it quarantined and holds its
 suspects back until they can run alone. No read from the child needs a timeout: the supervisor
 forgets a child only once it is reaped, and the kernel has then closed the
@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 import httpx
 import structlog
 
-from guardian.crash_quarantine import fingerprint
+from guardian.supervise.crash_quarantine import fingerprint
 from guardian.errors import GuardianError
 
 log = structlog.get_logger("guardian.supervisor")

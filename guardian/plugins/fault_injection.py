@@ -18,7 +18,7 @@ import structlog
 
 import guardian
 from guardian.config import ConfigError
-from guardian.plugin_manager import resolve
+from guardian.plugins.manager import resolve
 
 log = structlog.get_logger("guardian.fault_injection")
 

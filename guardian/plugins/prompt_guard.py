@@ -30,7 +30,7 @@ from typing import Optional
 import structlog
 
 import guardian
-from guardian.admission import (
+from guardian.admission.facts import (
     CONTEXT_LENGTH_KEYS,
     Admission,
     ModelLimits,

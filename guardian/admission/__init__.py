@@ -1,0 +1,1 @@
+"""Admission: what stands between the HTTP handler and the engine's queue."""

@@ -1,0 +1,1 @@
+"""The engine: stock's generation loop, supervised, and the one lifecycle it moves through."""

@@ -1,0 +1,1 @@
+"""Health: stall detection, probes, readiness and systemd's notify protocol."""
