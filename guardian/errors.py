@@ -137,15 +137,3 @@ _MODEL_NOT_FOUND_ERRORS = ("HFValidationError", "RepositoryNotFoundError", "Loca
 def is_model_not_found(exc: BaseException) -> bool:
     return isinstance(exc, FileNotFoundError) or type(exc).__name__ in _MODEL_NOT_FOUND_ERRORS
 
-
-def classify(exc: BaseException) -> str:
-    """A stable name for an engine exception: what an operator searches for."""
-    text = str(exc)
-    if "Resource limit" in text and "metal" in text:
-        return "metal_resource_limit"
-    if isinstance(exc, MemoryError) or any(
-        marker in text.lower()
-        for marker in ("out of memory", "insufficient memory", "attempting to allocate")
-    ):
-        return "out_of_memory"
-    return "unknown"

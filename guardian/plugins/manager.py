@@ -1,6 +1,7 @@
 """Builds the plugin manager: specs, entry points, config, built-ins.
 
-Built-in behaviour is plugins registered exactly like third-party ones.
+Built-in behaviour is plugins registered exactly like third-party ones:
+entry points in the ``mlx_guardian`` group (pyproject.toml).
 A plugin is a module, or a class that takes its settings: a class with a
 ``Settings`` dataclass gets the TOML table named after its ``name``.
 """
@@ -18,32 +19,81 @@ from guardian.config import ConfigError, GuardianConfig, parse_settings
 
 log = structlog.get_logger("guardian.plugins")
 
-DEFAULT_PLUGINS = (
-    "guardian.plugins.recovery:Recovery",
-    "guardian.plugins.fault_injection:FaultInjection",
-    "guardian.plugins.prompt_guard:PromptGuard",
-    "guardian.plugins.generation_probe:GenerationProbe",
-    "guardian.plugins.resources:Resources",
-)
+# Our own distribution: its entry points are the built-in plugins.
+DISTRIBUTION = "mlx-guardian"
+
+# Hooks the core cannot run without: no implementation at start is a
+# configuration error, not a surprise at the first failure.
+REQUIRED_HOOKS = {
+    "on_engine_error": "decides what follows an engine failure (the built-in: recovery)",
+    "probe": "proves that generation works (the built-in: generation_probe)",
+}
 
 
 def make_plugin_manager(config: GuardianConfig) -> pluggy.PluginManager:
+    """Specs, then plugins: third-party entry points, ``[guardian] plugins``, built-ins.
+
+    Built-ins register last, so among hooks without tryfirst/trylast they
+    are called first (pluggy calls the newest first), as before they were
+    entry points; their fallbacks are marked trylast.
+    """
     pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
     pm.add_hookspecs(hookspecs)
     tables = dict(config.plugin_tables)
-    for entry_point in importlib.metadata.entry_points(group=hookspecs.PROJECT_NAME):
-        register(pm, entry_point.load(), tables, entry_point.name)
+    disabled = set(config.core.disabled_plugins)
+    third_party, built_in = plugin_entry_points()
+    if not built_in:
+        raise ConfigError(
+            f"no {hookspecs.PROJECT_NAME} entry points of {DISTRIBUTION} are installed: "
+            "install the package (pip install -e .) so its built-in plugins register"
+        )
+    for entry_point in third_party:
+        if entry_point.name not in disabled:
+            register(pm, load(entry_point), tables, entry_point.value, disabled)
     for spec in config.core.plugins:
-        register(pm, resolve(spec), tables, spec)
-    for spec in DEFAULT_PLUGINS:
-        plugin = resolve(spec)
-        if plugin.name not in config.core.disabled_plugins:
-            register(pm, plugin, tables, spec)
+        register(pm, resolve(spec), tables, spec, disabled)
+    for entry_point in built_in:
+        if entry_point.name not in disabled:
+            register(pm, load(entry_point), tables, entry_point.value, disabled)
     if tables:
         names = ", ".join(f"[{name}]" for name in tables)
         raise ConfigError(f"{config.source}: no loaded plugin reads {names}")
+    check_required_hooks(pm)
     pm.check_pending()
     return pm
+
+
+def plugin_entry_points() -> tuple[list, list]:
+    """The ``mlx_guardian`` entry points: (third-party, ours), each once.
+
+    An editable install can list a distribution twice; the same name and
+    target seen again is the same plugin.
+    """
+    third_party, built_in, seen = [], [], set()
+    for entry_point in importlib.metadata.entry_points(group=hookspecs.PROJECT_NAME):
+        if (entry_point.name, entry_point.value) in seen:
+            continue
+        seen.add((entry_point.name, entry_point.value))
+        dist = getattr(entry_point, "dist", None)
+        ours = dist is not None and dist.metadata["Name"] == DISTRIBUTION
+        (built_in if ours else third_party).append(entry_point)
+    return third_party, built_in
+
+
+def load(entry_point):
+    try:
+        return entry_point.load()
+    except Exception as e:
+        raise ConfigError(f"cannot load plugin {entry_point.name!r} ({entry_point.value}): {e}") from None
+
+
+def check_required_hooks(pm: pluggy.PluginManager) -> None:
+    for name, why in REQUIRED_HOOKS.items():
+        if not getattr(pm.hook, name).get_hookimpls():
+            raise ConfigError(
+                f"no plugin implements {name}, which {why}; "
+                "remove it from [guardian] disabled_plugins or add a plugin that implements it"
+            )
 
 
 def resolve(spec: str):
@@ -56,8 +106,15 @@ def resolve(spec: str):
         raise ConfigError(f"cannot load plugin {spec!r}: {e}") from None
 
 
-def register(pm: pluggy.PluginManager, plugin, tables: dict, spec: str) -> None:
-    name = getattr(plugin, "name", None) or getattr(plugin, "__name__", spec)
+def register(pm: pluggy.PluginManager, plugin, tables: dict, spec: str, disabled=frozenset()) -> None:
+    name = plugin_name(plugin, spec)
+    if name in disabled:
+        return
+    if pm.has_plugin(name):
+        raise ConfigError(
+            f"two plugins are named {name!r}: {spec!r} and {plugin_spec(pm.get_plugin(name))!r}; "
+            "disable one with [guardian] disabled_plugins"
+        )
     if isinstance(plugin, type):
         settings_class = getattr(plugin, "Settings", None)
         table = tables.pop(name, {})
@@ -68,6 +125,16 @@ def register(pm: pluggy.PluginManager, plugin, tables: dict, spec: str) -> None:
         else:
             plugin = plugin()
     pm.register(plugin, name=name)
+
+
+def plugin_name(plugin, spec: str) -> str:
+    return getattr(plugin, "name", None) or getattr(plugin, "__name__", spec)
+
+
+def plugin_spec(plugin) -> str:
+    """Where a registered plugin comes from, for messages."""
+    cls = plugin if isinstance(plugin, type) or hasattr(plugin, "__file__") else type(plugin)
+    return f"{cls.__module__}:{cls.__qualname__}" if isinstance(cls, type) else cls.__name__
 
 
 def active_hook(pm: pluggy.PluginManager, name: str):

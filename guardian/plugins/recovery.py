@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import guardian
-from guardian import errors, stock
+from guardian import stock
 from guardian.quarantine import request_fingerprint
 
 
@@ -60,7 +60,7 @@ class Recovery:
 
     @guardian.hookimpl(trylast=True)
     def classify_engine_error(self, error):
-        return errors.classify(error)
+        return classify(error)
 
     @guardian.hookimpl(trylast=True)
     def on_engine_error(self, failures_in_window):
@@ -70,3 +70,16 @@ class Recovery:
         if reload_after and failures_in_window >= reload_after:
             return "reload"
         return "restart"
+
+
+def classify(exc: BaseException) -> str:
+    """A stable name for an engine exception: what an operator searches for."""
+    text = str(exc)
+    if "Resource limit" in text and "metal" in text:
+        return "metal_resource_limit"
+    if isinstance(exc, MemoryError) or any(
+        marker in text.lower()
+        for marker in ("out of memory", "insufficient memory", "attempting to allocate")
+    ):
+        return "out_of_memory"
+    return "unknown"

@@ -1,0 +1,96 @@
+"""What a plugin sees of the server: a narrow, documented facade.
+
+Every hook that takes ``engine`` receives an ``EngineView``, never the
+GuardianEngine itself, so the engine's internals (its ledger, lifecycle,
+prompt cache, the admission gate) can change without breaking plugins, and
+a plugin cannot write the engine's state behind the lifecycle's back.
+What a plugin may do is listed here, in four groups: status, limits,
+probes, and memory set aside while a request waits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Optional
+
+
+class EngineView:
+    """The engine as plugins see it. Built by the server, one per engine."""
+
+    def __init__(self, engine, admission=None):
+        self._engine = engine
+        # The admission gate, for the limits it enforces; None in an engine
+        # that runs without one (a test's bare engine).
+        self._admission = admission
+
+    # -- status ----------------------------------------------------------------
+    def status(self) -> dict:
+        """What ``GET /guardian/status`` reports under ``engine``: state, restarts, counts."""
+        return self._engine.status()
+
+    def requests_in_flight(self) -> int:
+        """Requests taken or waiting on the engine's queue, probes included."""
+        return len(self._engine.ledger.in_flight())
+
+    def started_count(self) -> int:
+        """Requests now prefilling or decoding."""
+        return self._engine.started_count()
+
+    def started_prompt_contains(self, text: str) -> bool:
+        """Whether a request now prefilling or decoding has ``text`` in its prompt."""
+        return self._engine.started_prompt_contains(text)
+
+    def prompt_cache_usage(self) -> tuple[int, int]:
+        """(sequences, bytes) held by stock's prompt cache."""
+        cache = self._engine.prompt_cache
+        return len(cache), cache.nbytes
+
+    # -- limits ----------------------------------------------------------------
+    def served_limits(self):
+        """The served model's ``ModelLimits`` (context length, KV bytes per token, weights)."""
+        provider = self._engine.model_provider
+        return self._admission.model_limits(provider.model_key)
+
+    def set_context_length(self, n_tokens: Optional[int]) -> None:
+        """The context length the server advertises (``GET /v1/models``); None: the model's."""
+        self._admission.served_context_length = n_tokens
+
+    def set_max_body_bytes(self, n_bytes: Optional[int]) -> None:
+        """Request bodies longer than this get a 413 unread; None: no limit."""
+        self._admission.max_body_bytes = n_bytes
+
+    def warm_tokenizer(self) -> None:
+        """Make the admission side's private tokenizer copy now, not at the first request."""
+        self._admission.warm_tokenizer()
+
+    # -- probes ------------------------------------------------------------------
+    def probe(self, prompt: str, timeout_s: float) -> dict:
+        """Generate one token through users' queue and loop: ``{"ok", "duration_ms", "error", "token"}``."""
+        return self._engine.probe(prompt, timeout_s)
+
+    def keep_out_of_prompt_cache(self, prompt: str) -> None:
+        """Never store (or evict users' entries for) prompts starting like ``prompt``."""
+        self._engine.remember_probe_prompt(prompt)
+
+    # -- memory set aside ----------------------------------------------------------
+    @contextlib.contextmanager
+    def set_aside(self) -> Iterator[None]:
+        """While inside, the loop does not wait for this request to be enqueued:
+        it may be waiting for memory the loop must first free."""
+        with self._engine.ledger.set_aside():
+            yield
+
+    # -- the recovery policy ----------------------------------------------------------
+    def configure_recovery(self, *, window_s: float, max_reruns: int, quarantine_s: float) -> None:
+        """The crash-loop window, re-runs per request and quarantine time the core applies."""
+        self._engine.configure_recovery(window_s=window_s, max_reruns=max_reruns,
+                                        quarantine_s=quarantine_s)
+
+    def quarantine_refusal(self, fingerprint: str):
+        """The GuardianError for a quarantined fingerprint, or None; None always when quarantine is off."""
+        quarantine = self._engine.quarantine
+        return quarantine.refusal(fingerprint) if quarantine.enabled else None
+
+    @property
+    def quarantine_enabled(self) -> bool:
+        return self._engine.quarantine.enabled

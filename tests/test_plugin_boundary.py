@@ -1,0 +1,114 @@
+"""The plugin boundary: how plugins are found, named, disabled and contained.
+
+Third-party plugins are real installed distributions here: a ``.dist-info``
+folder with an ``entry_points.txt`` on ``sys.path`` is what pip leaves
+behind, and importlib.metadata finds it the same way.
+"""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+
+import pytest
+
+from guardian.config import ConfigError, load_config
+from guardian.plugins import hookspecs
+from guardian.plugins.manager import REQUIRED_HOOKS, make_plugin_manager, plugin_entry_points
+
+BUILT_INS = {"recovery", "fault_injection", "prompt_guard", "generation_probe", "resources"}
+
+
+def config_with(tmp_path, text: str = ""):
+    path = tmp_path / "guardian.toml"
+    path.write_text(textwrap.dedent(text))
+    return load_config(path)
+
+
+@pytest.fixture
+def installed_plugin(tmp_path, monkeypatch):
+    """Install a distribution named ``extra-plugin`` whose entry point is ``name``."""
+
+    def install(source: str, name: str = "extra") -> None:
+        (tmp_path / "extra_plugin_module.py").write_text(textwrap.dedent(source))
+        dist = tmp_path / "extra_plugin-1.0.dist-info"
+        dist.mkdir()
+        (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: extra-plugin\nVersion: 1.0\n")
+        (dist / "entry_points.txt").write_text(
+            f"[{hookspecs.PROJECT_NAME}]\n{name} = extra_plugin_module:Extra\n"
+        )
+        monkeypatch.syspath_prepend(str(tmp_path))
+        # Each test installs its own module of that name.
+        monkeypatch.delitem(sys.modules, "extra_plugin_module", raising=False)
+
+    yield install
+    sys.modules.pop("extra_plugin_module", None)
+
+
+EXTRA = """
+    import guardian
+
+    class Extra:
+        name = "extra"
+
+        @guardian.hookimpl
+        def sample_resources(self):
+            return {"extra": 1}
+"""
+
+
+def test_built_ins_are_entry_points_of_this_distribution():
+    _, built_in = plugin_entry_points()
+    assert {ep.name for ep in built_in} == BUILT_INS
+    assert all(ep.value.startswith("guardian.plugins.") for ep in built_in)
+    pm = make_plugin_manager(load_config(None))
+    assert {name for name, _ in pm.list_name_plugin()} == BUILT_INS
+
+
+def test_a_third_party_entry_point_is_loaded(tmp_path, installed_plugin):
+    installed_plugin(EXTRA)
+    third_party, _ = plugin_entry_points()
+    assert [ep.name for ep in third_party] == ["extra"]
+    pm = make_plugin_manager(config_with(tmp_path))
+    assert pm.has_plugin("extra")
+    assert "extra" in [impl.plugin_name for impl in pm.hook.sample_resources.get_hookimpls()]
+
+
+def test_disabled_plugins_covers_entry_point_plugins(tmp_path, installed_plugin):
+    installed_plugin(EXTRA)
+    pm = make_plugin_manager(config_with(tmp_path, '[guardian]\ndisabled_plugins = ["extra", "resources"]\n'))
+    names = {name for name, _ in pm.list_name_plugin()}
+    assert "extra" not in names and "resources" not in names
+    assert "prompt_guard" in names
+
+
+def test_two_plugins_with_one_name_are_a_configuration_error(tmp_path, installed_plugin):
+    installed_plugin(EXTRA.replace('name = "extra"', 'name = "resources"'))
+    with pytest.raises(ConfigError, match=r"two plugins are named 'resources'"):
+        make_plugin_manager(config_with(tmp_path))
+
+
+@pytest.mark.parametrize("hook, plugin", [("on_engine_error", "recovery"), ("probe", "generation_probe")])
+def test_a_required_hook_missing_at_start_is_a_clear_error(tmp_path, hook, plugin):
+    with pytest.raises(ConfigError, match=rf"no plugin implements {hook}"):
+        make_plugin_manager(config_with(tmp_path, f'[guardian]\ndisabled_plugins = ["{plugin}"]\n'))
+
+
+def test_a_replacement_for_a_disabled_built_in_satisfies_the_requirement(tmp_path, installed_plugin):
+    installed_plugin("""
+        import guardian
+
+        class Extra:
+            name = "always_exit"
+
+            @guardian.hookimpl
+            def on_engine_error(self):
+                return "exit"
+    """, name="always_exit")
+    pm = make_plugin_manager(config_with(tmp_path, '[guardian]\ndisabled_plugins = ["recovery"]\n'))
+    assert pm.hook.on_engine_error(error=None, classification="unknown", failures_in_window=1,
+                                   engine=None) == "exit"
+
+
+def test_required_hooks_are_hooks():
+    assert set(REQUIRED_HOOKS) <= {name for name in dir(hookspecs) if not name.startswith("_")}
