@@ -1,84 +1,150 @@
-"""The TOML file given with ``--guardian-config``.
+"""The TOML file given with ``--guardian-config``, and the core's settings.
 
-The ``[guardian]`` table configures the core; every other table belongs to
-the plugin of that name, whose ``Settings`` dataclass says which keys exist,
-their types and defaults. A key nobody declared, or a value of the wrong
-type, stops the server at start with a message naming the key.
+``[guardian]`` configures the core, ``[watchdog]`` the watchdog,
+``[supervisor]`` subprocess mode; every other table belongs to the plugin of
+that name, which declares it like these (``guardian.settings``). A key
+nobody declared, or a value of the wrong type, stops the server at start
+with a message naming the key. config/guardian.example.toml is written from
+these declarations (``python -m guardian.settings``).
 """
 
 from __future__ import annotations
 
-import dataclasses
+import inspect
 import sys
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
+
+from guardian.settings import (
+    ACTIONS,
+    Bool,
+    ConfigError,
+    Float,
+    Int,
+    ListOf,
+    OneOf,
+    Setting,
+    Str,
+    Table,
+    table_of_dataclass,
+)
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
+__all__ = ["ConfigError", "CoreSettings", "WatchdogSettings", "SupervisorSettings", "CommandLine",
+           "GuardianConfig", "load_config", "parse_settings", "example_toml"]
 
-class ConfigError(ValueError):
-    """The configuration cannot be used; the message names the key."""
-
-
-@dataclass
-class CoreSettings:
-    # Extra plugins: "package.module" or "package.module:Class".
-    plugins: list = field(default_factory=list)
-    # Built-in plugins to leave out, by name.
-    disabled_plugins: list = field(default_factory=list)
-    log_format: str = field(default="json", metadata={"choices": ("json", "console")})
-    # Seconds a client is told to wait (Retry-After) while the engine restarts.
-    retry_after_s: float = 1.0
-    # How long to keep answering in-flight requests before exiting.
-    exit_grace_s: float = 5.0
-    # Models, adapters and draft models a request may name besides those the
-    # server was started with (paths or hub ids, as the request spells them).
-    allowed_models: list = field(default_factory=list)
-    # Stock's behaviour: a request may make the server load any local path
-    # or hub id. Off: one client could run the machine out of memory.
-    allow_any_model: bool = False
+SECONDS = Float(min=0)
+POSITIVE_SECONDS = Float(above=0)
 
 
-@dataclass
-class WatchdogSettings:
-    enabled: bool = True
-    # How often the watchdog looks at the engine.
-    interval_s: float = field(default=0.25, metadata={"min": 0.01})
-    # Work waiting and no engine step or prompt progress for this long: a stall.
-    stall_timeout_s: float = field(default=30.0, metadata={"min": 0.05})
-    # A restart or reload that has not produced a working loop after this long
-    # counts as a stall as well (a model reload can take a while).
-    restart_timeout_s: float = field(default=120.0, metadata={"min": 0.05})
-    # What each stall within ladder_window_s does, in order; the last rung
-    # repeats. Rungs: "restart", "reload", "exit".
-    ladder: list = field(default_factory=lambda: ["restart", "reload", "exit"])
-    ladder_window_s: float = field(default=600.0, metadata={"min": 0})
-    # Synthetic 1-token probes while the engine is idle.
-    probe_interval_s: float = field(default=30.0, metadata={"min": 0.05})
-    probe_timeout_s: float = field(default=10.0, metadata={"min": 0.05})
-    # /readyz needs a passed probe at most this old (or visible progress).
-    probe_max_age_s: float = field(default=120.0, metadata={"min": 0.05})
-    resource_interval_s: float = field(default=5.0, metadata={"min": 0.05})
+class CommandLine(Table, name="command line", in_toml=False):
+    """Flags with no key in the file: which file to read, which mode to run in."""
+
+    guardian_config = Setting(Str(), None, "TOML file: plugins and their settings "
+                              "(see config/guardian.example.toml)", flag="--guardian-config", metavar="FILE")
+    supervise = Setting(Bool(), False, "subprocess mode: run the engine as a child process and "
+                        "replace it when it dies (`mlx-guardian --supervise --help`)", flag="--supervise")
 
 
-LADDER_RUNGS = ("restart", "reload", "exit")
+class CoreSettings(Table, name="guardian"):
+    plugins = Setting(ListOf(Str()), [], """
+        Extra plugins: "package.module" or "package.module:Class". Plugins
+        installed with an entry point in the "mlx_guardian" group load by themselves.""")
+    disabled_plugins = Setting(ListOf(Str()), [], """
+        Plugins to leave out, by name (see `mlx-guardian plugins`).""")
+    log_format = Setting(OneOf("json", "console"), "json", """
+        "json" (one JSON object a line, on stderr) or "console" (for people).""",
+        flag="--log-format")
+    retry_after_s = Setting(SECONDS, 1.0, """
+        Seconds clients are told to wait (Retry-After) on a 503 while the engine
+        restarts, in-process or, with --supervise, as a new child process.""")
+    exit_grace_s = Setting(SECONDS, 5.0, """
+        On exit, how long requests in flight get to reach their clients.""")
+    allowed_models = Setting(ListOf(Str()), [], """
+        Models a request may name in "model", "draft_model" or "adapters" besides
+        those the server was started with (--model, --adapter-path, --draft-model),
+        as the request spells them (a path or a hub id). Any other name: 404
+        model_not_found, and nothing is loaded.""")
+    allow_any_model = Setting(Bool(), False, """
+        Stock's behaviour: a request may make the server load any local path or
+        hub id (one client can then run the machine out of memory).""")
+
+
+class WatchdogSettings(Table, name="watchdog"):
+    enabled = Setting(Bool(), True)
+    interval_s = Setting(Float(min=0.01), 0.25, """
+        How often the watchdog looks at the engine.""")
+    stall_timeout_s = Setting(Float(min=0.05), 30.0, """
+        Work waiting and no engine step or prompt progress for this long: a stall.
+        A long prefill reports progress at every chunk and is not a stall.""")
+    restart_timeout_s = Setting(Float(min=0.05), 120.0, """
+        A restart or reload that has not produced a working loop after this long
+        counts as a stall as well.""")
+    ladder = Setting(ListOf(OneOf(*ACTIONS), min_items=1), list(ACTIONS), """
+        What each stall within ladder_window_s does, in order; the last rung repeats.
+        "restart": abandon the stuck loop thread, start a fresh one on the loaded
+        weights; "reload": the same after reading the weights again; "exit": answer
+        every request and exit with code 5 for launchd or systemd.""")
+    ladder_window_s = Setting(SECONDS, 600.0)
+    probe_interval_s = Setting(Float(min=0.05), 30.0, """
+        Synthetic probes run this often while the engine is idle (never while it
+        visibly progresses: progress is the proof then).""")
+    probe_timeout_s = Setting(Float(min=0.05), 10.0)
+    probe_max_age_s = Setting(Float(min=0.05), 120.0, """
+        /readyz wants a passed probe at most this old, or visible progress.""")
+    resource_interval_s = Setting(Float(min=0.05), 5.0, """
+        Resource samples (memory counters, cache entries) for /guardian/status.""")
+
+
+class SupervisorSettings(Table, name="supervisor"):
+    """Subprocess mode (--supervise): the supervisor process reads this table.
+    With --engine stock it is the only table the file may have."""
+
+    engine = Setting(OneOf("guardian", "stock"), "guardian", """
+        The child: the in-process guardian, or stock mlx_lm server unchanged.""", flag="--engine")
+    interval_s = Setting(POSITIVE_SECONDS, 1.0, """
+        Seconds between health checks of the child.""", flag="--supervisor-interval", metavar="S")
+    unhealthy_after_s = Setting(POSITIVE_SECONDS, 30.0, """
+        Replace a child whose checks fail for this many seconds.""",
+        flag="--supervisor-unhealthy-after", metavar="S")
+    start_timeout_s = Setting(POSITIVE_SECONDS, 600.0, """
+        Replace a child not ready after this many seconds; raise it for a model
+        downloaded at first start.""", flag="--supervisor-start-timeout", metavar="S")
+    kill_grace_s = Setting(POSITIVE_SECONDS, 10.0, """
+        Seconds between SIGTERM and SIGKILL when a child is stopped.""",
+        flag="--supervisor-kill-grace", metavar="S")
+    max_restarts = Setting(Int(min=0), 5, """
+        Give up (exit 6) at the first restart past this many within window_s.""",
+        flag="--supervisor-max-restarts", metavar="N")
+    window_s = Setting(POSITIVE_SECONDS, 300.0, """
+        The crash-loop window in seconds.""", flag="--supervisor-window", metavar="S")
+    quarantine_s = Setting(SECONDS, 300.0, """
+        Refuse for this many seconds a request that was in flight at two child
+        crashes within window_s; 0: off.""", flag="--supervisor-quarantine", metavar="S")
+
+
+# Tables the core reads; every other table is a plugin's.
+CORE_TABLES = (CoreSettings, WatchdogSettings, SupervisorSettings)
 
 
 @dataclass
 class GuardianConfig:
     core: CoreSettings = field(default_factory=CoreSettings)
     watchdog: WatchdogSettings = field(default_factory=WatchdogSettings)
+    supervisor: SupervisorSettings = field(default_factory=SupervisorSettings)
     # Raw plugin tables, keyed by plugin name, validated when plugins load.
     plugin_tables: dict = field(default_factory=dict)
     source: Optional[Path] = None
+    # The tables the file has, in its order.
+    tables: tuple = ()
 
 
-def load_config(path: Optional[Path]) -> GuardianConfig:
+def load_config(path) -> GuardianConfig:
     """Read and check the TOML file; no file means every default."""
     if path is None:
         return GuardianConfig()
@@ -89,66 +155,81 @@ def load_config(path: Optional[Path]) -> GuardianConfig:
         raise ConfigError(f"guardian config file not found: {path}") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: not valid TOML: {e}") from None
-    core_table = data.pop("guardian", {})
-    watchdog_table = data.pop("watchdog", {})
+    present = tuple(data)
+    core = {table.name: table.from_toml(data.pop(table.name, {})) for table in CORE_TABLES}
     for name, table in data.items():
         if not isinstance(table, dict):
             raise ConfigError(f"{path}: top-level key {name!r} must be a [table]")
-    watchdog = parse_settings(WatchdogSettings, watchdog_table, "watchdog")
-    bad_rungs = [r for r in watchdog.ladder if r not in LADDER_RUNGS]
-    if bad_rungs or not watchdog.ladder:
-        raise ConfigError(f"watchdog.ladder: rungs must be {', '.join(LADDER_RUNGS)}; got {watchdog.ladder!r}")
-    return GuardianConfig(
-        core=parse_settings(CoreSettings, core_table, "guardian"),
-        watchdog=watchdog,
-        plugin_tables=data,
-        source=Path(path),
-    )
+    return GuardianConfig(core=core["guardian"], watchdog=core["watchdog"], supervisor=core["supervisor"],
+                          plugin_tables=data, source=Path(path), tables=present)
 
 
 def parse_settings(settings_class, table: dict, section: str):
-    """Build ``settings_class`` from a TOML table, naming any bad key."""
-    if not isinstance(table, dict):
-        raise ConfigError(f"[{section}] must be a table")
-    fields = {f.name: f for f in dataclasses.fields(settings_class)}
-    hints = typing.get_type_hints(settings_class)
-    for key in table:
-        if key not in fields:
-            known = ", ".join(sorted(fields)) or "none"
-            raise ConfigError(f"[{section}] unknown key {key!r} (known keys: {known})")
-    values = {}
-    for key, value in table.items():
-        values[key] = _checked(value, hints[key], fields[key], f"{section}.{key}")
-    return settings_class(**values)
+    """A plugin's settings from its TOML table, naming any bad key.
+
+    ``settings_class`` is a ``Table`` (the built-ins) or a third-party
+    plugin's ``Settings`` dataclass, checked through the same types.
+    """
+    if isinstance(settings_class, type) and issubclass(settings_class, Table):
+        return settings_class.from_toml(table)
+    checked = table_of_dataclass(settings_class, section).from_toml(table)
+    return settings_class(**{k: v for k, v in vars(checked).items() if k in table})
 
 
-def _checked(value: Any, hint: Any, fld: dataclasses.Field, name: str) -> Any:
-    expected = _runtime_types(hint)
-    # TOML integers are fine where a float is wanted; bools are not ints here.
-    if float in expected and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)
-    if isinstance(value, bool) and bool not in expected:
-        raise ConfigError(f"{name}: expected {_describe(expected)}, got {value!r}")
-    if not isinstance(value, expected):
-        raise ConfigError(f"{name}: expected {_describe(expected)}, got {value!r}")
-    choices = fld.metadata.get("choices")
-    if choices is not None and value not in choices:
-        raise ConfigError(f"{name}: must be one of {', '.join(map(repr, choices))}, got {value!r}")
-    minimum = fld.metadata.get("min")
-    if minimum is not None and value is not None and value < minimum:
-        raise ConfigError(f"{name}: must be >= {minimum}, got {value!r}")
-    return value
+# -- the example file ------------------------------------------------------------------
+EXAMPLE_HEADER = """\
+# mlx-guardian configuration, passed with --guardian-config FILE.
+#
+# Every key is shown with its default. A key that is not listed here, or a
+# value of the wrong type, stops the server at start with a message that
+# names the key. [guardian], [watchdog] and [supervisor] configure the core;
+# every other table belongs to the plugin of that name, and a table for a
+# plugin that is not loaded is an error too.
+#
+# Written from the settings each table declares (guardian/config.py and
+# guardian/plugins/*.py); tests/test_example_config.py checks it. After
+# changing a setting, regenerate it:
+#   python -m guardian.settings > config/guardian.example.toml
+"""
 
 
-def _runtime_types(hint: Any) -> tuple:
-    args = typing.get_args(hint)
-    if typing.get_origin(hint) is typing.Union:
-        return tuple(t for arg in args for t in _runtime_types(arg))
-    origin = typing.get_origin(hint) or hint
-    if hint is type(None):
-        return (type(None),)
-    return (origin,)
+def example_toml() -> str:
+    """config/guardian.example.toml: the core's tables, then each built-in plugin's."""
+    tables = [*CORE_TABLES, *built_in_plugin_tables()]
+    return EXAMPLE_HEADER + "".join("\n" + render_table(table) for table in tables)
 
 
-def _describe(types: tuple) -> str:
-    return " or ".join("none" if t is type(None) else t.__name__ for t in types)
+def built_in_plugin_tables() -> list:
+    """The settings tables of our own entry points (the built-in plugins), by name."""
+    import importlib.metadata
+
+    from guardian.plugins.hookspecs import PROJECT_NAME
+
+    found = {}
+    for entry_point in importlib.metadata.entry_points(group=PROJECT_NAME):
+        dist = getattr(entry_point, "dist", None)
+        if dist is not None and dist.metadata["Name"] == "mlx-guardian":
+            settings = getattr(entry_point.load(), "Settings", None)
+            if isinstance(settings, type) and issubclass(settings, Table):
+                found[settings.name] = settings
+    return [found[name] for name in sorted(found)]
+
+
+def render_table(table: type[Table]) -> str:
+    """One table of the example: its comment, then each key's comment and default."""
+    lines = [f"[{table.name}]", *comment(table.__dict__.get("__doc__") or "")]
+    first = next(iter(table.settings.values()), None)
+    if len(lines) > 1 and first is not None and first.doc:
+        lines.append("#")
+    for setting in table.settings.values():
+        doc = setting.doc
+        if setting.flag:
+            doc += f"\nThe {setting.flag} flag wins over this."
+        lines += comment(doc)
+        lines.append(f"{setting.name} = {setting.type.toml(setting.default)}")
+    return "\n".join(lines) + "\n"
+
+
+def comment(text: str) -> list[str]:
+    """Text as TOML comment lines."""
+    return [f"# {line}".rstrip() for line in inspect.cleandoc(text).splitlines()] if text else []

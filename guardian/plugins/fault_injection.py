@@ -12,52 +12,51 @@ import builtins
 import ctypes
 import random
 import threading
-from dataclasses import dataclass, field
 
 import structlog
 
 import guardian
 from guardian.config import ConfigError
 from guardian.plugins.manager import resolve
+from guardian.settings import Bool, Float, Int, Setting, Str, Table
 
 log = structlog.get_logger("guardian.fault_injection")
 
 INCIDENT_MESSAGE = "[metal::malloc] Resource limit (499000) exceeded."
 
 
-@dataclass
-class FaultInjectionSettings:
-    enabled: bool = False
-    # A builtin exception name, or "package.module:Class".
-    exception: str = "RuntimeError"
-    message: str = INCIDENT_MESSAGE
-    # Raise once, at this engine step (1-based; steps are counted from the
-    # process start, across restarts). 0: off.
-    at_step: int = field(default=0, metadata={"min": 0})
-    # Raise at every Nth engine step. 0: off.
-    every_n_steps: int = field(default=0, metadata={"min": 0})
-    # Raise at each step with this probability, from a seeded generator.
-    probability: float = field(default=0.0, metadata={"min": 0.0})
-    seed: int = 0
-    # Raise at every step while a started request's prompt contains this
-    # text: a poison request. Empty: off.
-    poison_marker: str = ""
-    # Crash the process with a real SIGSEGV at a step while a started
-    # request's prompt contains this text: a body that kills the engine
-    # natively, which no in-process recovery can catch. Empty: off.
-    segfault_marker: str = ""
-    # Count steps (for at_step and every_n_steps) only while at least this
-    # many requests are started, e.g. 8 to fail with 8 clients mid-generation.
-    min_started: int = field(default=0, metadata={"min": 0})
-    # Stop raising after this many faults. 0: no limit.
-    max_faults: int = field(default=0, metadata={"min": 0})
-    # Block the engine thread at this step, as a native deadlock would. 0: off.
-    hang_at_step: int = field(default=0, metadata={"min": 0})
-    # How long the hang lasts; 0 blocks until shutdown.
-    hang_s: float = field(default=0.0, metadata={"min": 0.0})
-    # Sleep this long before every step: a slow model whose steps still
-    # progress, e.g. a long prefill on a big model.
-    step_delay_s: float = field(default=0.0, metadata={"min": 0.0})
+class FaultInjectionSettings(Table, name="fault_injection"):
+    """Rehearse the incident. Off unless enabled; triggers combine."""
+
+    enabled = Setting(Bool(), False)
+    exception = Setting(Str(), "RuntimeError", """
+        A builtin exception name, or "package.module:Class".""")
+    message = Setting(Str(), INCIDENT_MESSAGE, """
+        The default is the incident's message.""")
+    at_step = Setting(Int(min=0), 0, """
+        Raise once, at this engine step (1-based, counted from the process start). 0: off.""")
+    every_n_steps = Setting(Int(min=0), 0, """
+        Raise at every Nth engine step. 0: off.""")
+    probability = Setting(Float(min=0.0), 0.0, """
+        Raise at each step with this probability (seeded, so runs repeat).""")
+    seed = Setting(Int(), 0)
+    poison_marker = Setting(Str(), "", """
+        Raise at every step while a started request's prompt contains this text. "": off.""")
+    segfault_marker = Setting(Str(), "", """
+        Crash the process with a real SIGSEGV at a step while a started request's
+        prompt contains this text (a body that kills the engine natively). "": off.""")
+    min_started = Setting(Int(min=0), 0, """
+        Count steps for at_step and every_n_steps only while at least this many
+        requests are started (8: fail with 8 clients mid-generation).""")
+    max_faults = Setting(Int(min=0), 0, """
+        Stop raising after this many faults. 0: no limit.""")
+    hang_at_step = Setting(Int(min=0), 0, """
+        Block the engine thread at this step, as a native deadlock would. 0: off.""")
+    hang_s = Setting(Float(min=0.0), 0.0, """
+        How long the hang lasts in seconds; 0 blocks until shutdown.""")
+    step_delay_s = Setting(Float(min=0.0), 0.0, """
+        Sleep this long before every step: slow steps that still progress (a long
+        prefill on a big model), to check the watchdog raises no false alarm.""")
 
 
 class FaultInjection:

@@ -7,15 +7,15 @@ cache, and it never passes through the HTTP layer or its access log.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import guardian
+from guardian.settings import Setting, Str, Table
 
 
-@dataclass
-class GenerationProbeSettings:
-    # A text completion of one token; keep it short, it runs every probe.
-    prompt: str = "mlx-guardian probe"
+class GenerationProbeSettings(Table, name="generation_probe"):
+    prompt = Setting(Str(), "mlx-guardian probe", """
+        The synthetic probe: one token of a text completion with this prompt,
+        through the same queue and engine as users' requests; kept out of the
+        prompt cache and the access log. Keep it short: it runs every probe.""")
 
 
 class GenerationProbe:

@@ -24,7 +24,6 @@ import copy
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Optional
 
 import structlog
@@ -39,6 +38,7 @@ from guardian.admission.facts import (
     private_tokenizer,
 )
 from guardian.errors import GuardianError
+from guardian.settings import Bool, Float, Int, OneOf, Setting, Table
 
 log = structlog.get_logger("guardian.prompt_guard")
 
@@ -48,36 +48,47 @@ MiB = 1024 * 1024
 SYSTEM_ROLES = ("system", "developer")
 
 
-@dataclass
-class PromptGuardSettings:
-    enabled: bool = True
-    # Longest prompt plus completion, in tokens. 0: the model's context
-    # length from its config.json (max_position_embeddings or the
-    # architecture's equivalent).
-    max_context_tokens: int = field(default=0, metadata={"min": 0})
-    # Longest prompt alone, in tokens. 0: no limit beyond the context.
-    max_prompt_tokens: int = field(default=0, metadata={"min": 0})
-    # When prompt + max_tokens exceeds the context: "clamp" lowers
-    # max_tokens to what fits and says so in X-Guardian-Clamped-Max-Tokens;
-    # "reject" answers 400 context_length_exceeded.
-    on_overflow: str = field(default="clamp", metadata={"choices": ("clamp", "reject")})
-    # Drop the oldest non-system messages, whole turns at a time, until the
-    # prompt fits; never the last user message. X-Guardian-Truncated-Messages
-    # says how many were dropped.
-    truncate_messages: bool = False
-    # Bytes of KV cache the admitted requests may hold together. 0: the
-    # device memory mlx reports, minus the weights, less kv_budget_margin.
-    kv_budget_bytes: int = field(default=0, metadata={"min": 0})
-    # Fraction of (device memory - weights) kept out of the default budget,
-    # for activations, the prompt cache and everything else.
-    kv_budget_margin: float = field(default=0.25, metadata={"min": 0.0})
-    # Requests that wait for KV budget, at most, and for how long; then 429.
-    max_queued: int = field(default=16, metadata={"min": 0})
-    max_queue_wait_s: float = field(default=30.0, metadata={"min": 0.0})
-    # The Retry-After of that 429, in seconds.
-    retry_after_s: float = field(default=2.0, metadata={"min": 0.0})
-    # Request bodies larger than this get a 413 without being read. 0: no limit.
-    max_body_bytes: int = field(default=32 * MiB, metadata={"min": 0})
+class PromptGuardSettings(Table, name="prompt_guard"):
+    enabled = Setting(Bool(), True, """
+        Count every request's prompt tokens exactly, on the HTTP thread, before
+        anything reaches the engine (stock's own tokenization, reused by the
+        engine), and turn away what cannot fit with a 4xx the client can act on.""")
+    max_context_tokens = Setting(Int(min=0), 0, """
+        Longest prompt plus completion, in tokens. 0: the model's own context
+        length from its config.json (max_position_embeddings or the architecture's
+        equivalent); when there is none, the start-up log says so
+        (context_length_unknown) and only max_prompt_tokens is checked.
+        /v1/models reports this as the served model's context_length.""")
+    max_prompt_tokens = Setting(Int(min=0), 0, """
+        Longest prompt alone, in tokens. 0: no limit beyond the context. A prompt
+        over either limit gets 400 context_length_exceeded.""")
+    on_overflow = Setting(OneOf("clamp", "reject"), "clamp", """
+        When prompt + max_tokens exceeds the context: "clamp" lowers max_tokens to
+        what fits and says so in the X-Guardian-Clamped-Max-Tokens header;
+        "reject" answers 400 context_length_exceeded.""")
+    truncate_messages = Setting(Bool(), False, """
+        Drop the oldest non-system messages, whole turns at a time, until the
+        prompt fits; never the last user message. The X-Guardian-Truncated-Messages
+        header says how many were dropped. For agent clients that fall back to a
+        smaller-context server.""")
+    kv_budget_bytes = Setting(Int(min=0), 0, """
+        Bytes of KV cache the admitted, unfinished requests may hold together,
+        estimated from the model config (layers, KV heads, head dim, dtype,
+        --kv-bits, sliding-window layers). One request over it gets 400
+        kv_cache_budget_exceeded. 0: the device memory mlx reports, minus the
+        weights, less kv_budget_margin.""")
+    kv_budget_margin = Setting(Float(min=0.0), 0.25, """
+        Fraction of (device memory - weights) kept out of the default budget for
+        activations, the prompt cache and everything else.""")
+    max_queued = Setting(Int(min=0), 16, """
+        Requests that arrive while the budget is full wait first come, first
+        served: at most max_queued of them, each at most max_queue_wait_s; then
+        429 kv_cache_budget_busy with Retry-After: retry_after_s.""")
+    max_queue_wait_s = Setting(Float(min=0.0), 30.0)
+    retry_after_s = Setting(Float(min=0.0), 2.0)
+    max_body_bytes = Setting(Int(min=0), 32 * MiB, """
+        Request bodies over this many bytes get 413 request_too_large, answered
+        from the Content-Length header without reading the body. 0: no limit.""")
 
 
 class KVBudget:

@@ -3,29 +3,32 @@ refuse requests blamed for a failure at the door for a while."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import guardian
 from guardian import stock
 from guardian.quarantine import request_fingerprint
+from guardian.settings import EXIT, RELOAD, RESTART, Float, Int, Setting, Table
 
 
-@dataclass
-class RecoverySettings:
-    # More than this many engine failures within window_s: answer what is
-    # in flight and exit non-zero, so launchd or systemd restarts the process.
-    max_failures: int = field(default=5, metadata={"min": 1})
-    window_s: float = field(default=60.0, metadata={"min": 0})
-    # From this many failures within the window on, read the weights again
-    # before restarting (0: never reload, restart on the loaded weights).
-    reload_after_failures: int = field(default=3, metadata={"min": 0})
-    # How often a request the client has seen nothing of is re-run
-    # transparently after a failure.
-    max_reruns: int = field(default=1, metadata={"min": 0})
-    # A request that failed the engine alone is refused at the door, with
-    # every identical request (same prompt tokens and generation
-    # parameters), for this many seconds (0: never refused).
-    quarantine_s: float = field(default=600.0, metadata={"min": 0})
+class RecoverySettings(Table, name="recovery"):
+    max_failures = Setting(Int(min=1), 5, """
+        More than this many engine failures within window_s: answer every request
+        and exit with code 4, so launchd or systemd starts a fresh process.""")
+    window_s = Setting(Float(min=0), 60.0)
+    reload_after_failures = Setting(Int(min=0), 3, """
+        From this many failures within the window on, read the weights again
+        before restarting (0: never; restart on the loaded weights).""")
+    max_reruns = Setting(Int(min=0), 1, """
+        How often a request whose client has seen nothing yet is re-run after a
+        failure (0: answer 503 instead). A request in flight at more failures
+        than this is re-run alone once; if it fails alone it gets a 500
+        "request_failed_repeatedly", and the requests beside it are not blamed.""")
+    quarantine_s = Setting(Float(min=0), 600.0, """
+        A request blamed that way is quarantined: it and every identical request
+        (same prompt tokens and generation parameters) get a 500
+        "request_quarantined" at the door, without reaching the engine, for this
+        many seconds (0: never). Failures a blamed request was in flight at do not
+        count toward max_failures, if the engine completed a request since the last
+        blame; an engine that fails every request still exits with code 4.""")
 
 
 class Recovery:
@@ -65,11 +68,11 @@ class Recovery:
     @guardian.hookimpl(trylast=True)
     def on_engine_error(self, failures_in_window):
         if failures_in_window > self.settings.max_failures:
-            return "exit"
+            return EXIT
         reload_after = self.settings.reload_after_failures
         if reload_after and failures_in_window >= reload_after:
-            return "reload"
-        return "restart"
+            return RELOAD
+        return RESTART
 
 
 def classify(exc: BaseException) -> str:
