@@ -1,0 +1,134 @@
+"""Faults planted inside stock's loop: a step that blocks, a loop that never
+starts, a request that fails the loop once.
+
+A test plugin (``[guardian] plugins = ["tests.plugins.loop_faults:LoopFaults"]``),
+planted the way ``request_faults`` plants its faults: in stock's own
+functions, triggered by ordinary parameters of one request, so no step
+count has to be guessed.
+
+- ``fail_once_stop_word``: stock's loop raises while it prepares the first
+  request with this stop word (in ``ResponseGenerator._make_state_machine``):
+  the request is taken, never started; its re-run is prepared normally.
+- ``hang_repetition_penalty``: a request with exactly this
+  ``repetition_penalty`` gets one more logits processor from stock's
+  ``make_logits_processors``, which blocks at its ``hang_at_call``-th call,
+  inside ``BatchGenerator``'s step, as a native deadlock would. Only the
+  first ``hang_times`` such requests block (0: every one).
+- ``hang_loop_start``: the Nth start of stock's loop (its ``load_default``
+  on a loop thread; the first start is 1) blocks before the loop ever asks
+  for work.
+
+A hang lasts ``hang_s`` seconds, or with 0 until the server shuts down.
+``loop_fault_hang`` is logged when one begins, ``loop_fault_hang_ended``
+when the blocked call returns to stock's code.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import mlx_lm.server as server
+import structlog
+
+import guardian
+
+log = structlog.get_logger("tests.loop_faults")
+
+
+class PlantedFault(RuntimeError):
+    pass
+
+
+@dataclass
+class LoopFaultsSettings:
+    fail_once_stop_word: str = ""
+    hang_repetition_penalty: float = 0.0
+    hang_at_call: int = 1
+    hang_times: int = 1
+    hang_loop_start: int = 0
+    hang_s: float = 0.0
+
+
+class LoopFaults:
+    name = "loop_faults"
+    Settings = LoopFaultsSettings
+
+    def __init__(self, settings: LoopFaultsSettings):
+        self.settings = settings
+        self.released = threading.Event()
+        self._lock = threading.Lock()
+        if settings.fail_once_stop_word:
+            self._plant_fail_once(settings.fail_once_stop_word)
+        if settings.hang_repetition_penalty:
+            self._plant_hang_in_step(settings.hang_repetition_penalty)
+        if settings.hang_loop_start:
+            self._plant_hang_at_loop_start(settings.hang_loop_start)
+
+    @guardian.hookimpl
+    def guardian_startup(self):
+        log.warning("loop_faults_planted", **vars(self.settings))
+
+    @guardian.hookimpl
+    def guardian_shutdown(self):
+        self.released.set()
+
+    def _hang(self, kind: str) -> None:
+        log.warning("loop_fault_hang", kind=kind, thread=threading.current_thread().name)
+        self.released.wait(self.settings.hang_s or None)
+        log.warning("loop_fault_hang_ended", kind=kind, thread=threading.current_thread().name)
+
+    def _plant_fail_once(self, stop_word: str) -> None:
+        stock_method = server.ResponseGenerator._make_state_machine
+        failed = threading.Event()
+
+        def make_state_machine(generator, model_key, tokenizer, stop_words, *args, **kwargs):
+            if stop_word in stop_words and not failed.is_set():
+                failed.set()
+                raise PlantedFault(f"planted fault while preparing a request with stop word {stop_word!r}")
+            return stock_method(generator, model_key, tokenizer, stop_words, *args, **kwargs)
+
+        server.ResponseGenerator._make_state_machine = make_state_machine
+
+    def _plant_hang_in_step(self, penalty: float) -> None:
+        stock_factory = server.make_logits_processors
+        plugin = self
+        hung = [0]
+
+        def make_logits_processors(logit_bias=None, repetition_penalty=None, *args, **kwargs):
+            processors = stock_factory(logit_bias, repetition_penalty, *args, **kwargs)
+            if repetition_penalty != penalty:
+                return processors
+            with plugin._lock:
+                limit = plugin.settings.hang_times
+                if limit and hung[0] >= limit:
+                    return processors
+                hung[0] += 1
+            calls = 0
+
+            def blocking_processor(tokens, logits):
+                nonlocal calls
+                calls += 1
+                if calls == plugin.settings.hang_at_call:
+                    plugin._hang("step")
+                return logits
+
+            return [*processors, blocking_processor]
+
+        server.make_logits_processors = make_logits_processors
+
+    def _plant_hang_at_loop_start(self, nth: int) -> None:
+        stock_method = server.ModelProvider.load_default
+        plugin = self
+        starts = [0]
+
+        def load_default(provider, *args, **kwargs):
+            if threading.current_thread() is not threading.main_thread():
+                with plugin._lock:
+                    starts[0] += 1
+                    this_start = starts[0]
+                if this_start == nth:
+                    plugin._hang("loop_start")
+            return stock_method(provider, *args, **kwargs)
+
+        server.ModelProvider.load_default = load_default
