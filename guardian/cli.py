@@ -1,7 +1,9 @@
 """The ``mlx-guardian`` command: every mlx_lm.server flag, plus the guardian's.
 
 ``mlx-guardian [mlx_lm.server flags] [--guardian-config FILE] [--log-format
-json|console]`` serves; ``mlx-guardian demo-model PATH`` writes the demo
+json|console]`` serves (the guardian's flags come from the settings
+registry, ``guardian.config``); ``mlx-guardian --supervise ...`` runs it as a
+supervised child process; ``mlx-guardian demo-model PATH`` writes the demo
 model; ``mlx-guardian plugins`` lists plugins and their hooks.
 """
 
@@ -16,7 +18,7 @@ from pathlib import Path
 
 import structlog
 
-from guardian.config import ConfigError, load_config
+from guardian.config import CommandLine, ConfigError, CoreSettings, load_config
 from guardian.exit_codes import EXIT_USAGE
 from guardian.logs import configure_logging
 
@@ -24,30 +26,21 @@ log = structlog.get_logger("guardian.cli")
 
 
 def add_guardian_arguments(parser: argparse.ArgumentParser) -> None:
+    """The guardian's flags beside stock's, from the settings registry."""
     group = parser.add_argument_group("mlx-guardian")
-    group.add_argument(
-        "--guardian-config",
-        type=Path,
-        default=None,
-        help="TOML file: plugins and their settings (see config/guardian.example.toml)",
-    )
-    group.add_argument(
-        "--log-format",
-        choices=("json", "console"),
-        default=None,
-        help="json lines (default) or console output for people",
-    )
+    CommandLine.add_flags(group)
+    CoreSettings.log_format.add_flag(group)
 
 
 def prepare(namespace: argparse.Namespace) -> None:
     """After stock parsed the flags: logging, config, plugins, demo model."""
     from guardian.plugins.manager import make_plugin_manager
 
-    configure_logging(namespace.log_format or "json", namespace.log_level)
+    configure_logging(namespace.log_format or CoreSettings.log_format.default, namespace.log_level)
     try:
         config = load_config(namespace.guardian_config)
-        if namespace.log_format is None:
-            configure_logging(config.core.log_format, namespace.log_level)
+        config.core = config.core.with_flags(namespace)
+        configure_logging(config.core.log_format, namespace.log_level)
         pm = make_plugin_manager(config)
     except ConfigError as e:
         log.critical("config_invalid", error_message=str(e))
@@ -87,7 +80,7 @@ def demo_model_command(argv: list[str]) -> int:
 
 def plugins_command(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="mlx-guardian plugins")
-    parser.add_argument("--guardian-config", type=Path, default=None)
+    CommandLine.guardian_config.add_flag(parser)
     args = parser.parse_args(argv)
     from guardian.plugins.manager import describe, make_plugin_manager
 
@@ -105,7 +98,7 @@ def main(argv: list[str] | None = None) -> None:
     commands = {"demo-model": demo_model_command, "plugins": plugins_command}
     if argv and argv[0] in commands:
         raise SystemExit(commands[argv[0]](argv[1:]))
-    if "--supervise" in argv:
+    if CommandLine.supervise.flag in argv:
         # Subprocess mode: the supervisor must carry no mlx, so guardian.stock
         # (which imports mlx_lm) is only imported below, for the engine.
         from guardian.supervise.supervisor import main as supervise

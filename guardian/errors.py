@@ -95,7 +95,12 @@ class AbortRequest(BaseException):
         self.error = error
 
 
-def engine_unavailable(message: str, retry_after_s: float = 1.0) -> GuardianError:
+def engine_unavailable(message: str, retry_after_s: Optional[float] = None) -> GuardianError:
+    """A 503 that says come back: after ``retry_after_s``, by default ``[guardian] retry_after_s``'s default."""
+    if retry_after_s is None:
+        from guardian.config import CoreSettings
+
+        retry_after_s = CoreSettings.retry_after_s.default
     return GuardianError(
         message, status=503, code="engine_unavailable", retry_after_s=retry_after_s
     )

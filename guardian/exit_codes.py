@@ -1,10 +1,18 @@
 """Exit codes, named so supervisors and the README agree on them.
 
-Any non-zero code makes systemd's ``Restart=on-failure`` and launchd's
-``KeepAlive`` with ``SuccessfulExit=false`` start the process again.
+``EXIT_CODES`` is the one table: the README's exit-code table is checked
+against it (tests/test_cli.py), and the supervisor logs a child's exit with
+its ``reason``. Any non-zero code makes systemd's ``Restart=on-failure`` and
+launchd's ``KeepAlive`` with ``SuccessfulExit=false`` start the process again.
 """
 
+from __future__ import annotations
+
+from typing import NamedTuple
+
 EXIT_OK = 0
+# Python's own code for an uncaught exception: never on purpose.
+EXIT_UNCAUGHT = 1
 # Bad flags or an unusable --guardian-config (argparse uses 2 as well).
 EXIT_USAGE = 2
 # The model could not be loaded at start.
@@ -16,3 +24,38 @@ EXIT_ENGINE_STALLED = 5
 # Subprocess mode (--supervise): the child kept dying, more restarts within
 # --supervisor-window than --supervisor-max-restarts allows.
 EXIT_SUPERVISOR_GAVE_UP = 6
+
+
+class ExitCode(NamedTuple):
+    code: int
+    # Short: how the supervisor logs a child that exited with it.
+    reason: str
+    # The README's row (markdown).
+    meaning: str
+
+
+EXIT_CODES = (
+    ExitCode(EXIT_OK, "the child stopped (SIGTERM or SIGINT)", "stopped by SIGTERM or SIGINT"),
+    ExitCode(EXIT_UNCAUGHT, "uncaught Python error", "an uncaught Python error: a bug, never on purpose"),
+    ExitCode(EXIT_USAGE, "bad flags or configuration",
+             "bad flags or configuration (the message names the key), or flags that can never "
+             "work with this model (`flags_invalid`)"),
+    ExitCode(EXIT_BOOT_ERROR, "the model could not be loaded", "the model could not be loaded at start"),
+    ExitCode(EXIT_ENGINE_FAILED, "the engine kept failing",
+             "the engine kept failing: more than `recovery.max_failures` within `recovery.window_s`"),
+    ExitCode(EXIT_ENGINE_STALLED, "the engine stalled and could not be replaced in-process",
+             "the engine stalled and could not be replaced in-process"),
+    ExitCode(EXIT_SUPERVISOR_GAVE_UP, "the supervisor gave up",
+             "subprocess mode: more than `--supervisor-max-restarts` restarts within `--supervisor-window`"),
+)
+
+
+def reason(code: int) -> str:
+    """Why a process that exited with ``code`` stopped, in a few words."""
+    return next((e.reason for e in EXIT_CODES if e.code == code), "unexpected exit")
+
+
+def markdown_table() -> str:
+    """The README's exit-code table."""
+    rows = [f"| {e.code} | {e.meaning} |" for e in EXIT_CODES]
+    return "\n".join(["| code | meaning |", "|---|---|", *rows]) + "\n"

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import mlx_lm.server
+import pytest
 
 
 def run(*args, timeout=60):
@@ -63,3 +64,80 @@ def test_missing_model_path_exits_with_boot_error(tmp_path):
     assert result.returncode == EXIT_BOOT_ERROR, result.stderr[-2000:]
     events = [json.loads(line)["event"] for line in result.stderr.splitlines() if line.startswith("{")]
     assert "model_load_failed" in events
+
+
+def test_readme_exit_code_table_is_the_exit_codes_table():
+    from pathlib import Path
+
+    from guardian.exit_codes import markdown_table
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    assert markdown_table() in readme, "README's exit-code table differs from guardian.exit_codes.EXIT_CODES"
+
+
+def test_guardian_flags_come_from_the_settings_registry():
+    from guardian.config import CommandLine, CoreSettings
+
+    help_text = run("--help").stdout
+    for setting in [*CommandLine.settings.values(), CoreSettings.log_format]:
+        assert setting.flag in help_text
+
+
+def supervisor_options(*argv):
+    from guardian.supervise.supervisor import make_parser
+
+    return make_parser().parse_known_args(["--supervise", *argv])
+
+
+def test_supervisor_reads_its_table_and_flags_win(tmp_path):
+    from guardian.supervise.supervisor import child_command, read_settings
+
+    path = tmp_path / "guardian.toml"
+    path.write_text("[supervisor]\ninterval_s = 2\nmax_restarts = 1\n"
+                    "[guardian]\nretry_after_s = 3\nlog_format = 'console'\n")
+    options, rest = supervisor_options("--guardian-config", str(path), "--supervisor-interval", "0.5",
+                                       "--model", "m")
+    settings, core = read_settings(options)
+    assert (settings.interval_s, settings.max_restarts, settings.window_s) == (0.5, 1, 300.0)
+    assert (core.retry_after_s, core.log_format, core.exit_grace_s) == (3.0, "console", 5.0)
+    assert rest == ["--model", "m"]
+    # A guardian child reads (and checks) the same file; stock gets none of it.
+    guardian_child = child_command(options, "guardian", rest, 1234)
+    assert guardian_child[guardian_child.index("--guardian-config") + 1] == str(path)
+    assert "--guardian-config" not in child_command(options, "stock", rest, 1234)
+
+
+def test_supervisor_defaults_without_a_file():
+    from guardian.config import SupervisorSettings
+    from guardian.supervise.supervisor import read_settings
+
+    settings, core = read_settings(supervisor_options()[0])
+    assert settings == SupervisorSettings() and core.retry_after_s == 1.0
+
+
+def test_stock_engine_reads_only_the_supervisor_table(tmp_path):
+    from guardian.config import ConfigError
+    from guardian.supervise.supervisor import read_settings
+
+    path = tmp_path / "guardian.toml"
+    path.write_text("[supervisor]\nengine = 'stock'\n")
+    assert read_settings(supervisor_options("--guardian-config", str(path))[0])[0].engine == "stock"
+    path.write_text("[supervisor]\nengine = 'stock'\n[recovery]\nmax_failures = 2\n")
+    with pytest.raises(ConfigError, match=r"--engine stock reads only \[supervisor\]; nothing reads \[recovery\]"):
+        read_settings(supervisor_options("--guardian-config", str(path))[0])
+
+
+def test_supervisor_bad_table_or_flag_is_a_usage_error(tmp_path):
+    path = tmp_path / "guardian.toml"
+    path.write_text("[supervisor]\nwindow = 3\n")
+    result = run("--supervise", "--guardian-config", str(path))
+    assert result.returncode == 2 and "[supervisor] unknown key 'window'" in result.stderr
+    result = run("--supervise", "--supervisor-max-restarts", "-1")
+    assert result.returncode == 2 and "--supervisor-max-restarts: must be >= 0" in result.stderr
+
+
+def test_exit_reasons_come_from_the_exit_codes_table():
+    from guardian.exit_codes import EXIT_BOOT_ERROR, reason
+
+    assert reason(EXIT_BOOT_ERROR) == "the model could not be loaded"
+    assert reason(99) == "unexpected exit"

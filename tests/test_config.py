@@ -5,7 +5,9 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -127,3 +129,43 @@ def test_engine_step_hook_is_skipped_unless_a_plugin_is_active(tmp_path):
     enabled = write(tmp_path, "[fault_injection]\nenabled = true\n")
     hook = active_hook(make_plugin_manager(load_config(enabled)), "on_engine_step")
     assert [impl.plugin_name for impl in hook.get_hookimpls()] == ["fault_injection"]
+
+
+def test_a_third_party_settings_dataclass_is_checked_by_the_registry_types():
+    from guardian.config import parse_settings
+
+    @dataclass
+    class Settings:
+        count: int = field(default=1, metadata={"min": 0})
+        ratio: float = 0.5
+        mode: str = field(default="a", metadata={"choices": ("a", "b")})
+        label: Optional[str] = None
+
+    parsed = parse_settings(Settings, {"ratio": 2, "mode": "b"}, "mine")
+    assert parsed == Settings(count=1, ratio=2.0, mode="b") and isinstance(parsed.ratio, float)
+    for table, message in [({"count": -1}, r"mine.count: must be >= 0"),
+                           ({"mode": "c"}, r"mine.mode: must be one of 'a', 'b'"),
+                           ({"label": 3}, r"mine.label: expected str or none"),
+                           ({"nope": 1}, r"\[mine\] unknown key 'nope'")]:
+        with pytest.raises(ConfigError, match=message):
+            parse_settings(Settings, table, "mine")
+
+
+def test_the_ladder_and_recovery_decide_among_one_set_of_actions():
+    from guardian.config import WatchdogSettings
+    from guardian.plugins.recovery import Recovery, RecoverySettings
+    from guardian.settings import ACTIONS
+
+    assert WatchdogSettings().ladder == list(ACTIONS)
+    recovery = Recovery(RecoverySettings())
+    decisions = {recovery.on_engine_error(failures_in_window=n) for n in range(1, 8)}
+    assert decisions == set(ACTIONS)
+
+
+def test_a_flag_wins_over_the_file(tmp_path):
+    import argparse
+
+    config = load_config(write(tmp_path, "[guardian]\nlog_format = 'console'\nexit_grace_s = 2\n"))
+    assert config.core.with_flags(argparse.Namespace(log_format="json")).log_format == "json"
+    kept = config.core.with_flags(argparse.Namespace(log_format=None))
+    assert (kept.log_format, kept.exit_grace_s) == ("console", 2.0)

@@ -34,17 +34,12 @@ from typing import Optional
 import httpx
 import structlog
 
+from guardian.config import CommandLine, ConfigError, CoreSettings, SupervisorSettings, load_config
 from guardian.counting import ActiveCount, RecentEvents
 from guardian.supervise.crash_quarantine import CrashQuarantine
 from guardian.errors import GuardianError
-from guardian.exit_codes import (
-    EXIT_BOOT_ERROR,
-    EXIT_ENGINE_FAILED,
-    EXIT_ENGINE_STALLED,
-    EXIT_OK,
-    EXIT_SUPERVISOR_GAVE_UP,
-    EXIT_USAGE,
-)
+from guardian import exit_codes
+from guardian.exit_codes import EXIT_OK, EXIT_SUPERVISOR_GAVE_UP, EXIT_USAGE
 from guardian.logs import configure_logging
 from guardian.supervise.proxy import PublicServer
 from guardian.health.sd_notify import SystemdNotifier
@@ -65,19 +60,12 @@ STARTUP_CHECK_INTERVAL_S = 0.1
 # Reaching a local child is immediate or refused. Reads have no timeout: a
 # long generation is not a fault, and a dead child closes its sockets.
 CHILD_CONNECT_TIMEOUT_S = 5.0
-# Clients are told to come back after this long while a child (re)starts.
-RETRY_AFTER_S = 2.0
 # serve_forever's poll: how long closing the public port can take at exit.
 HTTP_POLL_S = 0.1
-# At exit, how long requests still in flight get to reach their clients.
-DRAIN_TIMEOUT_S = 5.0
 # systemd talks to the supervisor (the unit's main pid), never to the child.
 SYSTEMD_ENV = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")
 # Restarting cannot fix bad flags: the child's parser said so.
 NOT_RESTARTABLE = {EXIT_USAGE}
-
-# Python's own exit code for an uncaught exception.
-EXIT_UNCAUGHT = 1
 # Why a child died, gunicorn-style: the signal or exit code, and what it suggests.
 SIGNAL_HINTS = {
     signal.SIGKILL: "perhaps out of memory?",
@@ -88,14 +76,6 @@ SIGNAL_HINTS = {
     signal.SIGABRT: "aborted, perhaps a failed native assertion",
     signal.SIGTERM: "terminated",
     signal.SIGINT: "interrupted",
-}
-EXIT_MEANINGS = {
-    EXIT_OK: "the child stopped (SIGTERM or SIGINT)",
-    EXIT_UNCAUGHT: "uncaught Python error",
-    EXIT_USAGE: "bad flags or configuration",
-    EXIT_BOOT_ERROR: "the model could not be loaded",
-    EXIT_ENGINE_FAILED: "the engine kept failing",
-    EXIT_ENGINE_STALLED: "the engine stalled and could not be replaced in-process",
 }
 
 
@@ -148,15 +128,19 @@ class Child:
 class Supervisor:
     """Owns the public port and one engine child; replaces it when it fails."""
 
-    def __init__(self, options: argparse.Namespace, child_args: list[str]):
+    def __init__(self, options: argparse.Namespace, child_args: list[str],
+                 settings: Optional[SupervisorSettings] = None, core: Optional[CoreSettings] = None):
         self.options = options
+        # [supervisor] and [guardian] from --guardian-config, flags winning.
+        self.settings = settings or SupervisorSettings().with_flags(options)
+        self.core = core or CoreSettings().with_flags(options)
         self.child_args = child_args
         self.signals: queue.SimpleQueue = queue.SimpleQueue()
         self.lock = threading.Lock()  # state and child, read by HTTP threads
         self.state = State.STARTING
         self.child: Optional[Child] = None
         self.generation = 0
-        self.restart_times = RecentEvents(options.supervisor_window)
+        self.restart_times = RecentEvents(self.settings.window_s)
         self.restarts = 0
         self.last_exit: Optional[dict] = None
         self.outage_started = time.monotonic()
@@ -164,13 +148,13 @@ class Supervisor:
         # Requests the public side is relaying now.
         self.in_flight = ActiveCount()
         # Requests in flight at crashes; the twice-struck are refused at the door.
-        self.quarantine = CrashQuarantine(options.supervisor_quarantine, options.supervisor_window)
+        self.quarantine = CrashQuarantine(self.settings.quarantine_s, self.settings.window_s)
         self.httpd: Optional[PublicServer] = None
         self.notifier = SystemdNotifier()
         self.ready_sent = False
         self.watchdog_interval = self.notifier.watchdog_interval_s()
         self.next_watchdog_ping = time.monotonic()
-        self.health_timeout = min(max(options.supervisor_interval, HEALTH_TIMEOUT_MIN_S),
+        self.health_timeout = min(max(self.settings.interval_s, HEALTH_TIMEOUT_MIN_S),
                                   HEALTH_TIMEOUT_MAX_S)
 
     # -- main loop ----------------------------------------------------------
@@ -186,7 +170,7 @@ class Supervisor:
         threading.Thread(target=self.httpd.serve_forever, args=(HTTP_POLL_S,), name="http",
                          daemon=True).start()
         log.info("supervisor_started", host=self.options.host, port=self.httpd.server_address[1],
-                 engine=self.options.engine, pid=os.getpid())
+                 engine=self.settings.engine, pid=os.getpid())
         self.spawn_child()
         while not (self.exit_code is not None and self.child is None):
             for signum in self.wait_for_signals(self.seconds_to_next_duty()):
@@ -214,9 +198,9 @@ class Supervisor:
     def seconds_to_next_duty(self) -> float:
         """Until the next health check, hard kill or systemd watchdog ping."""
         child = self.child
-        due = time.monotonic() + self.options.supervisor_interval
+        due = time.monotonic() + self.settings.interval_s
         if child is not None:
-            due = child.next_check_at(self.options.supervisor_interval)
+            due = child.next_check_at(self.settings.interval_s)
             if child.hard_kill_at is not None:
                 due = min(due, child.hard_kill_at)
         if self.watchdog_interval is not None:
@@ -255,8 +239,8 @@ class Supervisor:
         """Start a child on a free private port."""
         self.generation += 1
         port = free_port()
-        stock_engine = self.options.engine == "stock"
-        command = child_command(self.options, self.child_args, port)
+        stock_engine = self.settings.engine == "stock"
+        command = child_command(self.options, self.settings.engine, self.child_args, port)
         env = {k: v for k, v in os.environ.items() if k not in SYSTEMD_ENV}
         proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, env=env)  # stdout, stderr: ours
         client = httpx.Client(
@@ -271,7 +255,7 @@ class Supervisor:
         with self.lock:
             self.child = child
         log.info("child_started", pid=proc.pid, port=port, generation=self.generation,
-                 engine=self.options.engine, command=command)
+                 engine=self.settings.engine, command=command)
 
     def reap_child(self) -> None:
         """Notice a child that exited, say why, and replace it unless stopping."""
@@ -300,8 +284,8 @@ class Supervisor:
         if dead.kill_reason is None and dead.proc.returncode in NOT_RESTARTABLE:
             return self.give_up(f"the child refused its flags (exit code {dead.proc.returncode})",
                                 dead.proc.returncode)
-        if self.restart_times.count() >= self.options.supervisor_max_restarts:
-            return self.give_up(f"more than {self.options.supervisor_max_restarts} restarts "
+        if self.restart_times.count() >= self.settings.max_restarts:
+            return self.give_up(f"more than {self.settings.max_restarts} restarts "
                                 f"within {self.restart_times.window_s:g} s", EXIT_SUPERVISOR_GAVE_UP)
         self.restart_times.add()
         self.restarts += 1
@@ -325,7 +309,7 @@ class Supervisor:
             if not child.hard_killed and now >= child.hard_kill_at:
                 self.hard_kill()
             return
-        if now >= child.next_check_at(self.options.supervisor_interval):
+        if now >= child.next_check_at(self.settings.interval_s):
             self.check_health(child)
 
     def check_health(self, child: Child) -> None:
@@ -337,14 +321,14 @@ class Supervisor:
             return self.child_healthy(child)
         if child.ready_at is None:
             waited = child.last_check_at - child.started_at
-            if waited > self.options.supervisor_start_timeout:
+            if waited > self.settings.start_timeout_s:
                 self.soft_kill(f"not ready after {waited:.1f} s (last check: {child.last_check})")
             return
         if self.state == State.READY:
             log.warning("child_unhealthy", pid=child.pid, check=child.last_check)
             self.set_state(State.UNHEALTHY)
         failing_for = child.last_check_at - child.last_ok
-        if failing_for >= self.options.supervisor_unhealthy_after:
+        if failing_for >= self.settings.unhealthy_after_s:
             self.soft_kill(f"unhealthy for {failing_for:.1f} s (last check: {child.last_check})")
 
     def probe(self, child: Child) -> bool:
@@ -382,9 +366,9 @@ class Supervisor:
         """SIGTERM (and SIGCONT, so a stopped child can act on it); SIGKILL after the grace."""
         child = self.child
         log.warning("child_stopping", pid=child.pid, reason=reason,
-                    grace_s=self.options.supervisor_kill_grace)
+                    grace_s=self.settings.kill_grace_s)
         child.kill_reason = reason
-        child.hard_kill_at = time.monotonic() + self.options.supervisor_kill_grace
+        child.hard_kill_at = time.monotonic() + self.settings.kill_grace_s
         if self.exit_code is None:
             self.set_state(State.RESTARTING)
         # Like systemd: a SIGSTOPped process only sees SIGTERM once continued.
@@ -395,7 +379,7 @@ class Supervisor:
         """SIGKILL: the child did not stop within the grace."""
         child = self.child
         log.error("child_hard_killed", pid=child.pid, reason=child.kill_reason,
-                  grace_s=self.options.supervisor_kill_grace)
+                  grace_s=self.settings.kill_grace_s)
         child.hard_killed = True
         signal_quietly(child.proc, signal.SIGKILL)
 
@@ -409,7 +393,7 @@ class Supervisor:
     # -- exit ------------------------------------------------------------------
     def finish(self) -> int:
         """Let in-flight requests reach their clients, close the port, return the code."""
-        deadline = time.monotonic() + DRAIN_TIMEOUT_S
+        deadline = time.monotonic() + self.core.exit_grace_s
         while self.in_flight.active and time.monotonic() < deadline:
             self.wait_for_signals(0.02)  # a bounded pause that still drains the queue
         self.httpd.shutdown()
@@ -435,19 +419,19 @@ class Supervisor:
         if state == State.FAILED:
             return GuardianError("The engine is not running and will not be restarted; "
                                  "the server is exiting to be restarted.",
-                                 status=503, code="engine_failed", retry_after_s=RETRY_AFTER_S)
+                                 status=503, code="engine_failed", retry_after_s=self.core.retry_after_s)
         if state == State.STOPPING:
             return GuardianError("The server is stopping.", status=503, code="server_stopping",
-                                 retry_after_s=RETRY_AFTER_S)
+                                 retry_after_s=self.core.retry_after_s)
         return GuardianError(f"The engine is {state}; retry the request.", status=503,
-                             code="engine_restarting", retry_after_s=RETRY_AFTER_S)
+                             code="engine_restarting", retry_after_s=self.core.retry_after_s)
 
     def lost_child_error(self) -> GuardianError:
         """What a request gets when the child died under it."""
         if self.state in (State.STOPPING, State.FAILED):
             return self.unavailable_error()
         return GuardianError("The engine process stopped while answering; retry the request.",
-                             status=503, code="engine_restarting", retry_after_s=RETRY_AFTER_S)
+                             status=503, code="engine_restarting", retry_after_s=self.core.retry_after_s)
 
     def status(self) -> dict:
         """/guardian/supervisor: the child, the state, restarts, the last exit."""
@@ -455,7 +439,7 @@ class Supervisor:
         now = time.monotonic()
         return {
             "state": self.state,
-            "engine": self.options.engine,
+            "engine": self.settings.engine,
             "pid": os.getpid(),
             "child": None if child is None else {
                 "pid": child.pid,
@@ -468,7 +452,7 @@ class Supervisor:
             },
             "restarts": self.restarts,
             "restarts_in_window": self.restart_times.count(),
-            "max_restarts": self.options.supervisor_max_restarts,
+            "max_restarts": self.settings.max_restarts,
             "last_exit": self.last_exit,
             "in_flight": self.in_flight.active,
             "quarantine": self.quarantine.status(),
@@ -484,7 +468,7 @@ def exit_reason(child: Child) -> str:
             return f"hard-killed (SIGKILL) by the supervisor after the grace ({child.kill_reason})"
         described = f"killed by {signal_name(-code)}: {SIGNAL_HINTS.get(-code, 'a signal')}"
     else:
-        described = f"exit code {code}: {EXIT_MEANINGS.get(code, 'unexpected exit')}"
+        described = f"exit code {code}: {exit_codes.reason(code)}"
     if child.kill_reason:
         return f"{described}; the supervisor had sent SIGTERM: {child.kill_reason}"
     return described
@@ -498,17 +482,19 @@ def signal_name(signum: int) -> str:
         return f"signal {signum}"
 
 
-def child_command(options: argparse.Namespace, child_args: list[str], port: int) -> list[str]:
+def child_command(options: argparse.Namespace, engine: str, child_args: list[str], port: int) -> list[str]:
     """The child's command line: the other flags, then the private address."""
     address = ["--host", CHILD_HOST, "--port", str(port)]
     if options.log_level is not None:
         child_args = [*child_args, "--log-level", options.log_level]
-    if options.engine == "stock":
+    if engine == "stock":
         # `python -m mlx_lm server` works on 0.31 and 0.32 without
         # `python -m mlx_lm.server`'s deprecation warning.
         return [sys.executable, "-m", "mlx_lm", "server", *child_args, *address]
     if options.log_format is not None:
         child_args = [*child_args, "--log-format", options.log_format]
+    if options.guardian_config is not None:
+        child_args = [*child_args, "--guardian-config", options.guardian_config]
     return [sys.executable, "-m", "guardian", *child_args, *address]
 
 
@@ -545,63 +531,56 @@ def close_quietly(client: httpx.Client) -> None:
 
 # -- command line ------------------------------------------------------------------
 def make_parser() -> argparse.ArgumentParser:
-    """Only the supervisor's flags; every other flag goes to the child."""
+    """Only the supervisor's flags, from the settings registry; every other flag goes to the child."""
     parser = argparse.ArgumentParser(
         prog="mlx-guardian --supervise",
         # Exact names only: a prefix of a child's flag must reach the child.
         allow_abbrev=False,
         description="Run the engine as a child process on a private port, relay "
-                    "requests to it, and replace it when it dies or stops answering.",
+                    "requests to it, and replace it when it dies or stops answering. "
+                    "--engine and each --supervisor-* flag have a key in the [supervisor] "
+                    "table of --guardian-config; a flag wins over the file.",
         epilog="Every other flag is passed to the child: mlx-guardian's and mlx_lm.server's "
                "(see `mlx-guardian --help`), or with --engine stock, mlx_lm.server's.",
     )
-    parser.add_argument("--supervise", action="store_true", help="subprocess mode (this)")
+    CommandLine.add_flags(parser)
+    # Stock's flags and defaults for the public address, so --supervise changes nothing there.
     parser.add_argument("--host", default=DEFAULT_HOST, help="public host (default: %(default)s)")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="public port (default: %(default)s)")
-    parser.add_argument("--engine", choices=("guardian", "stock"), default="guardian",
-                        help="the child: the in-process guardian, or stock mlx_lm server unchanged")
-    parser.add_argument("--supervisor-interval", type=positive, default=1.0, metavar="S",
-                        help="seconds between health checks of the child (default: %(default)s)")
-    parser.add_argument("--supervisor-unhealthy-after", type=positive, default=30.0, metavar="S",
-                        help="replace a child whose checks fail for this long (default: %(default)s)")
-    parser.add_argument("--supervisor-start-timeout", type=positive, default=600.0, metavar="S",
-                        help="replace a child not ready after this long; raise it for a model "
-                             "downloaded at first start (default: %(default)s)")
-    parser.add_argument("--supervisor-kill-grace", type=positive, default=10.0, metavar="S",
-                        help="seconds between SIGTERM and SIGKILL (default: %(default)s)")
-    parser.add_argument("--supervisor-max-restarts", type=int, default=5, metavar="N",
-                        help="give up (exit 6) at restart N+1 within the window (default: %(default)s)")
-    parser.add_argument("--supervisor-window", type=positive, default=300.0, metavar="S",
-                        help="the crash-loop window in seconds (default: %(default)s)")
-    parser.add_argument("--supervisor-quarantine", type=non_negative, default=300.0, metavar="S",
-                        help="refuse for this long a request that was in flight at two child "
-                             "crashes within the window; 0: off (default: %(default)s)")
+    SupervisorSettings.add_flags(parser)
     # Read here and passed on: the supervisor logs the way the child does.
-    parser.add_argument("--log-format", choices=("json", "console"), default=None, help=argparse.SUPPRESS)
+    CoreSettings.log_format.add_flag(parser)
     parser.add_argument("--log-level", default=None, help=argparse.SUPPRESS)
     return parser
 
 
-def positive(text: str) -> float:
-    """An argparse type: a number of seconds above zero."""
-    value = float(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive: {text}")
-    return value
+def read_settings(options: argparse.Namespace) -> tuple[SupervisorSettings, CoreSettings]:
+    """[supervisor] and [guardian] from --guardian-config, each flag given winning over the file.
 
-
-def non_negative(text: str) -> float:
-    """An argparse type: a number of seconds, zero or more."""
-    value = float(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must not be negative: {text}")
-    return value
+    A guardian child reads the same file and checks the rest of it; stock
+    reads none of it, so with --engine stock any other table is an error.
+    """
+    config = load_config(options.guardian_config)
+    settings = config.supervisor.with_flags(options)
+    if settings.engine == "stock":
+        others = [name for name in config.tables if name != SupervisorSettings.name]
+        if others:
+            raise ConfigError(f"{config.source}: --engine stock reads only [supervisor]; "
+                              f"nothing reads [{others[0]}]")
+    return settings, config.core.with_flags(options)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     options, child_args = make_parser().parse_known_args(sys.argv[1:] if argv is None else argv)
-    configure_logging(options.log_format or "json", options.log_level or "INFO")
-    return Supervisor(options, child_args).run()
+    try:
+        settings, core = read_settings(options)
+    except ConfigError as e:
+        configure_logging(options.log_format or CoreSettings.log_format.default, options.log_level or "INFO")
+        log.critical("config_invalid", error_message=str(e))
+        print(f"mlx-guardian: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    configure_logging(core.log_format, options.log_level or "INFO")
+    return Supervisor(options, child_args, settings, core).run()
 
 
 if __name__ == "__main__":
