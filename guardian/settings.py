@@ -309,9 +309,10 @@ def table_of_dataclass(settings_class, name: str) -> type[Table]:
 
 
 def _type_of_hint(hint: Any, metadata) -> Type:
+    import types
     import typing
 
-    if typing.get_origin(hint) is typing.Union:
+    if typing.get_origin(hint) in (typing.Union, getattr(types, "UnionType", None)):
         python = tuple(typing.get_origin(a) or a for a in typing.get_args(hint))
     else:
         python = (typing.get_origin(hint) or hint,)
