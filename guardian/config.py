@@ -156,7 +156,7 @@ def load_config(path) -> GuardianConfig:
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: not valid TOML: {e}") from None
     present = tuple(data)
-    core = {table.name: table.from_toml(data.pop(table.name, {})) for table in CORE_TABLES}
+    core = {table.table_name: table.from_toml(data.pop(table.table_name, {})) for table in CORE_TABLES}
     for name, table in data.items():
         if not isinstance(table, dict):
             raise ConfigError(f"{path}: top-level key {name!r} must be a [table]")
@@ -211,13 +211,13 @@ def built_in_plugin_tables() -> list:
         if dist is not None and dist.metadata["Name"] == "mlx-guardian":
             settings = getattr(entry_point.load(), "Settings", None)
             if isinstance(settings, type) and issubclass(settings, Table):
-                found[settings.name] = settings
+                found[settings.table_name] = settings
     return [found[name] for name in sorted(found)]
 
 
 def render_table(table: type[Table]) -> str:
     """One table of the example: its comment, then each key's comment and default."""
-    lines = [f"[{table.name}]", *comment(table.__dict__.get("__doc__") or "")]
+    lines = [f"[{table.table_name}]", *comment(table.__dict__.get("__doc__") or "")]
     first = next(iter(table.settings.values()), None)
     if len(lines) > 1 and first is not None and first.doc:
         lines.append("#")

@@ -150,12 +150,13 @@ class ListOf(Type):
         value = super().check(value)
         if len(value) < self.min_items:
             raise ValueError(f"needs at least {self.min_items} item(s), got {value!r}")
+        checked = []
         for i, item in enumerate(value):
             try:
-                self.item.check(item)
+                checked.append(self.item.check(item))
             except ValueError as e:
                 raise ValueError(f"[{i}]: {e}") from None
-        return list(value)
+        return checked
 
     def toml(self, value: list) -> str:
         return "[" + ", ".join(self.item.toml(v) for v in value) + "]"
@@ -230,17 +231,21 @@ class Table:
 
     Subclass with ``name=`` the table's TOML name. ``in_toml=False``: flags
     only, not read from the file. The class docstring is the table's comment
-    in the example file.
+    in the example file. A setting may have any name but these class
+    attributes' and the methods'.
     """
 
-    name: ClassVar[str] = ""
+    table_name: ClassVar[str] = ""
     in_toml: ClassVar[bool] = True
     settings: ClassVar[dict[str, Setting]] = {}
 
     def __init_subclass__(cls, name: str = "", in_toml: bool = True, register: bool = True, **kwargs):
         super().__init_subclass__(**kwargs)
-        cls.name, cls.in_toml = name, in_toml
         cls.settings = {k: v for k, v in vars(cls).items() if isinstance(v, Setting)}
+        reserved = set(cls.settings) & {*vars(Table), "table_name", "in_toml", "settings"}
+        if reserved:
+            raise TypeError(f"{cls.__name__}: a setting cannot be named {sorted(reserved)[0]!r}")
+        cls.table_name, cls.in_toml = name, in_toml
         for setting in cls.settings.values():
             setting.table = name if in_toml else ""
             if setting.default is not None:
@@ -252,7 +257,7 @@ class Table:
         unknown = set(values) - set(self.settings)
         if unknown:
             known = ", ".join(self.settings) or "none"
-            raise ConfigError(f"[{self.name}] unknown key {sorted(unknown)[0]!r} (known keys: {known})")
+            raise ConfigError(f"[{self.table_name}] unknown key {sorted(unknown)[0]!r} (known keys: {known})")
         for key, setting in self.settings.items():
             value = values[key] if key in values else copy.copy(setting.default)
             if key in values:
@@ -263,7 +268,7 @@ class Table:
     def from_toml(cls, table: Any) -> "Table":
         """The table's values from a parsed TOML table, every key checked."""
         if not isinstance(table, dict):
-            raise ConfigError(f"[{cls.name}] must be a table")
+            raise ConfigError(f"[{cls.table_name}] must be a table")
         return cls(**table)
 
     @classmethod

@@ -53,9 +53,9 @@ def test_every_loaded_settings_table_is_in_the_example():
             assert issubclass(plugin.Settings, Table), f"{name}: Settings is not a registry Table"
             tables.append(plugin.Settings)
     for table in tables:
-        assert f"[{table.name}]" in text
+        assert f"[{table.table_name}]" in text
         for key in table.settings:
-            assert f"\n{key} =" in text, f"{table.name}.{key} undocumented in {EXAMPLE.name}"
+            assert f"\n{key} =" in text, f"{table.table_name}.{key} undocumented in {EXAMPLE.name}"
 
 
 @pytest.mark.parametrize(

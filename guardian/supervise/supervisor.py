@@ -563,7 +563,7 @@ def read_settings(options: argparse.Namespace) -> tuple[SupervisorSettings, Core
     config = load_config(options.guardian_config)
     settings = config.supervisor.with_flags(options)
     if settings.engine == "stock":
-        others = [name for name in config.tables if name != SupervisorSettings.name]
+        others = [name for name in config.tables if name != SupervisorSettings.table_name]
         if others:
             raise ConfigError(f"{config.source}: --engine stock reads only [supervisor]; "
                               f"nothing reads [{others[0]}]")
