@@ -169,3 +169,30 @@ def test_a_flag_wins_over_the_file(tmp_path):
     assert config.core.with_flags(argparse.Namespace(log_format="json")).log_format == "json"
     kept = config.core.with_flags(argparse.Namespace(log_format=None))
     assert (kept.log_format, kept.exit_grace_s) == ("console", 2.0)
+
+
+def test_third_party_plugin_may_declare_a_registry_table(tmp_path, monkeypatch):
+    module = tmp_path / "my_table_plugin.py"
+    module.write_text(textwrap.dedent('''
+        import guardian
+        from guardian.settings import Float, Setting, Table
+
+        class Pager:
+            name = "pager"
+
+            class Settings(Table, name="pager"):
+                delay_s = Setting(Float(min=0), 1.5, "Seconds before paging.")
+
+            def __init__(self, settings):
+                self.settings = settings
+
+            @guardian.hookimpl
+            def on_engine_restarted(self, restarts):
+                pass
+    '''))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    plugins = '[guardian]\nplugins = ["my_table_plugin:Pager"]\n'
+    pm = make_plugin_manager(load_config(write(tmp_path, plugins + "[pager]\ndelay_s = 3\n")))
+    assert pm.get_plugin("pager").settings.delay_s == 3.0
+    with pytest.raises(ConfigError, match=r"pager.delay_s: must be >= 0"):
+        make_plugin_manager(load_config(write(tmp_path, plugins + "[pager]\ndelay_s = -1\n")))
