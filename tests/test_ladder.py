@@ -1,0 +1,203 @@
+"""The watchdog's escalation ladder, its restart timeout, and abandoned loops.
+
+Stuck engines are planted inside stock's own code by the ``loop_faults``
+test plugin, keyed by one request's parameters: a logits processor that
+blocks inside ``BatchGenerator``'s step, or a restarted loop that blocks
+before it ever asks for work. Every wait is a poll with a deadline; no
+upper bound on how long something took, only lower bounds where a timeout
+must have passed.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+
+from conftest import chat_body, poll, read_stream
+from guardian.exit_codes import EXIT_ENGINE_STALLED
+from test_watchdog import stamp
+
+COMPLETIONS = "/v1/chat/completions"
+HANG_PENALTY = 1.25
+LOOP_FAULTS = '[guardian]\nplugins = ["tests.plugins.loop_faults:LoopFaults"]\n'
+# Requests re-run after a stall here share their prompt with the stuck loop's;
+# without a prompt cache, its entries cannot fail the new loop (see
+# test_a_rerun_after_a_stall_is_served_though_the_stuck_loop_cached_its_prompt).
+NO_PROMPT_CACHE = ("--prompt-cache-size", "0")
+
+
+def table(name: str, **settings) -> str:
+    return f"[{name}]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in settings.items())
+
+
+def post_in_background(url: str, body: dict, results: dict, key: str) -> threading.Thread:
+    """POST in a thread; ``results[key]`` gets the response, or the transport error."""
+
+    def run():
+        try:
+            with httpx.Client(timeout=60) as client:
+                results[key] = client.post(url, json=body)
+        except httpx.TransportError as e:
+            results[key] = e
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_stalls_within_the_window_climb_restart_reload_exit(start_server):
+    # Every request with the penalty blocks its step until shutdown.
+    config = (LOOP_FAULTS
+              + table("loop_faults", hang_repetition_penalty=HANG_PENALTY, hang_at_call=2, hang_times=0)
+              + table("watchdog", interval_s=0.05, stall_timeout_s=1.0, probe_timeout_s=1.0,
+                      restart_timeout_s=5.0, ladder=["restart", "reload", "exit"], ladder_window_s=120.0))
+    server = start_server(config, *NO_PROMPT_CACHE)
+    url = server.url + COMPLETIONS
+    results: dict = {}
+    first = post_in_background(url, chat_body("First.", max_tokens=16, repetition_penalty=HANG_PENALTY),
+                               results, "first")
+    server.wait_for_event("engine_stalled", timeout=30, count=2)
+    # The first request may have been blamed at the second stall; this one makes the third.
+    second = post_in_background(url, chat_body("Second.", max_tokens=16, repetition_penalty=HANG_PENALTY),
+                                results, "second")
+    assert server.proc.wait(timeout=60) == EXIT_ENGINE_STALLED
+    first.join(timeout=30)
+    second.join(timeout=30)
+    stalls = server.events("engine_stalled")
+    assert [s["action"] for s in stalls] == ["restart", "reload", "exit"]
+    assert [s["stalls_in_window"] for s in stalls] == [1, 2, 3]
+    assert stamp(stalls[-1]) - stamp(stalls[0]) < 120.0  # all three within the window
+    [gave_up] = server.events("engine_gave_up")
+    assert gave_up["exit_code"] == EXIT_ENGINE_STALLED
+    # Whoever was in flight got an answer, never a dropped connection.
+    answered = [r for r in results.values() if isinstance(r, httpx.Response)]
+    assert answered, results
+    for response in answered:
+        assert response.status_code in (500, 503), response.text
+        assert response.json()["error"]["code"] in ("request_failed_repeatedly", "engine_failed")
+    assert any(r.json()["error"]["code"] == "engine_failed" for r in answered)
+
+
+def test_a_stall_after_the_window_starts_the_ladder_again(start_server):
+    # The request's step blocks, and so does its re-run's: two stalls at
+    # least stall_timeout_s (1 s) apart, so with a 0.5 s window each is the
+    # first of its window and takes the first rung; the ladder never exits.
+    config = (LOOP_FAULTS
+              + table("loop_faults", hang_repetition_penalty=HANG_PENALTY, hang_at_call=2, hang_times=2)
+              + table("watchdog", interval_s=0.05, stall_timeout_s=1.0, probe_timeout_s=1.0,
+                      ladder=["restart", "exit"], ladder_window_s=0.5))
+    server = start_server(config, *NO_PROMPT_CACHE)
+    url = server.url + COMPLETIONS
+    with httpx.Client(timeout=60) as client:
+        response = client.post(url, json=chat_body(max_tokens=8, repetition_penalty=HANG_PENALTY))
+        # Re-run once, then (in flight alone at a second stall) blamed.
+        assert response.status_code in (200, 500), response.text
+        poll(lambda: server.status("/readyz") == 200, 30, what="ready again")
+        assert client.post(url, json=chat_body(max_tokens=4)).status_code == 200
+    stalls = server.events("engine_stalled")
+    assert [s["action"] for s in stalls] == ["restart", "restart"]
+    assert [s["stalls_in_window"] for s in stalls] == [1, 1]
+    assert stamp(stalls[1]) - stamp(stalls[0]) > 0.5
+    assert server.proc.poll() is None and server.events("engine_gave_up") == []
+
+
+def test_a_restarted_loop_that_never_asks_for_work_is_a_stall(start_server):
+    # The request fails the loop once while stock prepares it; the loop's
+    # second start (the restart) then blocks before it ever asks for work.
+    restart_timeout_s = 1.0
+    config = (LOOP_FAULTS
+              + table("loop_faults", fail_once_stop_word="FAIL-ONCE", hang_loop_start=2)
+              + table("watchdog", interval_s=0.05, stall_timeout_s=30.0, restart_timeout_s=restart_timeout_s))
+    server = start_server(config)
+    with httpx.Client(timeout=60) as client:
+        response = client.post(server.url + COMPLETIONS, json=chat_body(max_tokens=8, stop=["FAIL-ONCE"]))
+        # Nothing had reached the client: re-run on the loop that replaced the blocked one.
+        assert response.status_code == 200, response.text
+        assert response.json()["usage"]["completion_tokens"] == 8
+    [error] = server.events("engine_error")
+    [hang] = [e for e in server.events("loop_fault_hang") if e["kind"] == "loop_start"]
+    [stalled] = server.events("engine_stalled")
+    assert "never asked for work" in stalled["reason"], stalled
+    assert stalled["action"] == "restart"
+    # Not before the restart timeout, and long before the 30 s stall timeout could have fired.
+    assert stamp(stalled) - stamp(error) >= restart_timeout_s
+    assert stamp(hang) <= stamp(stalled)
+    poll(lambda: server.status("/readyz") == 200, 30, what="ready again")
+    status = httpx.get(server.url + "/guardian/status").json()
+    assert status["state"] == "ready" and status["stalls"] == 1
+    assert httpx.post(server.url + COMPLETIONS, json=chat_body(max_tokens=4), timeout=30).status_code == 200
+
+
+def test_an_abandoned_loop_whose_step_returns_touches_nothing(start_server):
+    # One request's step blocks for 4 s: the watchdog replaces the loop at
+    # ~1 s; at ~4 s the old step returns into stock's loop, which then
+    # holds a batch (this request's row) the new loop also serves.
+    hang_s = 4.0
+    config = (LOOP_FAULTS
+              + table("loop_faults", hang_repetition_penalty=HANG_PENALTY, hang_at_call=3, hang_s=hang_s)
+              + table("fault_injection", enabled=True, step_delay_s=0.005)
+              + table("watchdog", interval_s=0.05, stall_timeout_s=1.0))
+    server = start_server(config, *NO_PROMPT_CACHE)
+    url = server.url + COMPLETIONS
+    with httpx.Client(timeout=60) as client:
+        hung_request = chat_body("The hung one.", max_tokens=24, repetition_penalty=HANG_PENALTY)
+        response = client.post(url, json=hung_request)
+        # Re-run on the new loop: exactly its own tokens, nothing from the old loop.
+        assert response.status_code == 200, response.text
+        assert response.json()["usage"]["completion_tokens"] == 24
+        server.wait_for_event("engine_restarted", timeout=30)
+        # A long stream on the new loop, running when the old step returns.
+        assert server.events("loop_fault_hang_ended") == [], "the hang ended before the bystander started"
+        streamed: dict = {}
+
+        def stream_long():
+            # At least 800 steps of 5 ms: still streaming when the old step returns.
+            with httpx.Client(timeout=60) as c:
+                streamed.update(read_stream(c, url, chat_body("A bystander.", max_tokens=800, stream=True,
+                                                              stream_options={"include_usage": True})))
+            streamed["finished_at"] = time.time()
+
+        bystander = threading.Thread(target=stream_long, daemon=True)
+        bystander.start()
+        [ended] = server.wait_for_event("loop_fault_hang_ended", timeout=30)
+        [exited] = server.wait_for_event("abandoned_loop_exited", timeout=30)
+        assert stamp(exited) >= stamp(ended)
+        bystander.join(timeout=60)
+        assert streamed["status"] == 200 and streamed["done"] and not streamed["errors"], streamed
+        assert streamed["events"][-1]["usage"]["completion_tokens"] == 800
+        assert streamed["finished_at"] > stamp(ended)  # the stream outlived the old step's return
+        # The new loop keeps serving; the old one left no failure, no restart, no stall behind.
+        again = client.post(url, json=chat_body("After.", max_tokens=8))
+        assert again.status_code == 200 and again.json()["usage"]["completion_tokens"] == 8
+    status = httpx.get(server.url + "/guardian/status").json()
+    assert status["state"] == "ready"
+    assert status["restarts"] == 1 and status["stalls"] == 1
+    assert status["in_flight"] == 0 and status["queued"] == 0
+    assert server.events("engine_error") == [] and server.events("supervisor_failed") == []
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "BUG: after a stall the replacement loop re-runs the request against a prompt-cache entry "
+    "the stuck loop inserted with arrays not yet evaluated on its own stream; the new thread "
+    "raises 'RuntimeError: There is no Stream(cpu, 1) in current thread.', an engine failure, "
+    "and the innocent request is blamed (500 request_failed_repeatedly, quarantined). "
+    "replace_stuck_loop should drop the prompt cache (or the loops share one stream)."))
+def test_a_rerun_after_a_stall_is_served_though_the_stuck_loop_cached_its_prompt(start_server):
+    # The step blocks at the second call of a processor: after the prefill,
+    # once stock has put the prompt's cache in the prompt cache.
+    config = (LOOP_FAULTS
+              + table("loop_faults", hang_repetition_penalty=HANG_PENALTY, hang_at_call=2)
+              + table("watchdog", interval_s=0.05, stall_timeout_s=1.0))
+    server = start_server(config)
+    with httpx.Client(timeout=60) as client:
+        response = client.post(server.url + COMPLETIONS,
+                               json=chat_body(max_tokens=8, repetition_penalty=HANG_PENALTY))
+        [stalled] = server.wait_for_event("engine_stalled")
+        assert stalled["action"] == "restart"
+        # Re-run transparently (README, the watchdog: "re-run if their client has seen nothing").
+        assert response.status_code == 200, response.text
+        assert server.events("engine_error") == []
