@@ -9,12 +9,12 @@ the loaded weights. Nothing of the loop's own code is copied.
 
 from __future__ import annotations
 
+import copy
 import gc
 import itertools
 import threading
 import time
 import traceback
-from enum import Enum
 from queue import Empty, Queue
 from typing import Callable, Optional
 
@@ -22,9 +22,9 @@ import mlx.core as mx
 import structlog
 
 from guardian import stock
-from guardian.admission.facts import private_tokenizer
 from guardian.engine.blame import FailureBudget, Verdict, verdicts
-from guardian.context import at_request_end, request_scope
+from guardian.engine.lifecycle import EngineAbandoned, EngineState, Lifecycle
+from guardian.context import request_scope
 from guardian.errors import (
     AbortRequest,
     EngineStepError,
@@ -32,29 +32,16 @@ from guardian.errors import (
     engine_unavailable,
     from_stock_exception,
 )
-from guardian.exit_codes import EXIT_ENGINE_FAILED
-from guardian.admission.gate import AdmissionGate, finish_after
+from guardian.exit_codes import EXIT_ENGINE_FAILED, EXIT_ENGINE_STALLED
 from guardian.engine.ledger import RequestLedger, RequestRecord, Stage
 from guardian.plugins.manager import active_hook, notify
 from guardian.quarantine import Entry, Quarantine, short
 
 log = structlog.get_logger("guardian.engine")
 
-
-class EngineState(str, Enum):
-    STARTING = "starting"
-    READY = "ready"
-    STALLED = "stalled"  # no progress with work waiting; being replaced
-    RESTARTING = "restarting"
-    FAILED = "failed"  # gave up; the process is exiting
-    STOPPED = "stopped"
-
-
-class EngineAbandoned(BaseException):
-    """Raised in a loop thread the watchdog has replaced, at its first
-    contact with the guardian after its stuck step returns: it must not
-    touch requests, the prompt cache or the model again. BaseException, so
-    stock's ``except Exception`` handlers let it through."""
+# Re-exported: where the engine's states and its abandoned-thread signal were
+# defined before the lifecycle had a module of its own.
+__all__ = ["EngineAbandoned", "EngineState", "GuardianEngine", "GuardianPromptCache"]
 
 
 class GuardianPromptCache(stock.LRUPromptCache):
@@ -84,11 +71,11 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
         self.pm = pm
         self.core = core
         self.on_exit = on_exit
-        self.state = EngineState.STARTING
+        # Every change of the engine's state goes through the lifecycle.
+        self.lifecycle = Lifecycle(on_ready=self._ready, on_restarted=self._restarted)
         self.ledger = RequestLedger(beat=self._loop_polled)
         self.steps = 0
         self.last_beat = time.monotonic()
-        self.restarts = 0
         # The crash-loop budget: failures nobody was blamed for (guardian.engine.blame).
         self.failures = FailureBudget(window_s=60.0)
         self.quarantine = Quarantine()
@@ -97,21 +84,9 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
         self._completed_at_last_blame = 0
         self.last_error: Optional[dict] = None
         self.max_reruns = 1
-        self._failed_at: Optional[float] = None
-        self._classification: Optional[str] = None
-        # The ident of the one loop thread whose work counts (see
-        # EngineAbandoned), compared on every token. Idents are unique among
-        # live threads, and an abandoned loop thread is alive: never reused.
-        self._owner: Optional[int] = None
         self._probe_ids = itertools.count(1)
-        self.watchdog = None  # set by the server before it serves
-        # After a stall the new loop is ready only once a probe generated on it.
-        self.awaiting_probe = False
-        self.gate = AdmissionGate(self)
         # Called before every engine step: no plugin call at all by default.
         self._step_hook = active_hook(pm, "on_engine_step")
-        stock.observe_engine_steps(self._observe_step)
-        stock.guard_request_sampling(self._pin_on_request)
         super().__init__(model_provider, prompt_cache)
 
     # Stock's __init__ assigns a plain Queue; the engine's queue is the ledger.
@@ -132,6 +107,15 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
         self.quarantine.quarantine_s = quarantine_s
 
     # -- health -------------------------------------------------------------
+    @property
+    def state(self) -> EngineState:
+        """The engine's state; changed only by ``self.lifecycle``."""
+        return self.lifecycle.state
+
+    @property
+    def restarts(self) -> int:
+        return self.lifecycle.restarts
+
     def generation_available(self) -> bool:
         """Whether a request can still be answered by this process."""
         return self.state not in (EngineState.FAILED, EngineState.STOPPED)
@@ -141,18 +125,17 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
         return self.state is EngineState.READY
 
     def _check_owner(self) -> None:
-        if threading.get_ident() != self._owner:
-            raise EngineAbandoned
+        self.lifecycle.check_owner()
 
     def _loop_polled(self) -> None:
         """The stock loop asked for work or reported progress: it is alive."""
         self._check_owner()
         self.last_beat = time.monotonic()
-        if self.state is EngineState.STARTING:
-            self.state = EngineState.READY
-            log.info("engine_ready", steps=self.steps)
-        elif self.state is EngineState.RESTARTING and not self.awaiting_probe:
-            self._restarted()
+        self.lifecycle.loop_polled()
+
+    def _ready(self) -> None:
+        """The first loop asked for work (the lifecycle's STARTING -> READY)."""
+        log.info("engine_ready", steps=self.steps)
 
     def _observe_step(self) -> None:
         self.steps += 1
@@ -163,35 +146,30 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
         self._check_owner()
 
     # -- the HTTP side --------------------------------------------------------
-    def generate(self, request, generation_args, progress_callback=None):
+    def check_available(self) -> None:
+        """Raise AbortRequest (503) once the engine has given up or stopped."""
         if not self.generation_available():
             raise AbortRequest(engine_unavailable("The engine has stopped; the server is exiting."))
-        # Until stock's generate() puts the request on the ledger, the loop
-        # may wait a moment for it (see RequestLedger.get).
-        with self.ledger.arriving():
-            admission = self.gate.admit(request, generation_args)
-            ctx, tokens = self._submit(admission, request, generation_args, progress_callback)
-        if admission is not None and not at_request_end(admission.finish):
-            tokens = finish_after(tokens, admission)
-        return ctx, tokens
 
-    def _submit(self, admission, request, generation_args, progress_callback):
+    def arriving(self):
+        """Around what a request goes through before ``generate`` queues it (its
+        admission): the loop may wait a moment for it (see RequestLedger.get)."""
+        return self.ledger.arriving()
+
+    def generate(self, request, generation_args, progress_callback=None):
         """Stock's generate(): queue the request, wait for its context."""
-        if admission is not None:
-            request = admission.request  # a hook may have dropped messages
+        self.check_available()
         try:
             return super().generate(request, generation_args, progress_callback)
-        except BaseException as e:
-            if admission is not None:
-                admission.finish()
-            if isinstance(e, Exception):
-                raise AbortRequest(from_stock_exception(e)) from None
-            raise
+        except Exception as e:
+            raise AbortRequest(from_stock_exception(e)) from None
 
     # -- supervision ----------------------------------------------------------
     def supervise(self, run_stock_loop) -> None:
-        self._owner = threading.get_ident()
+        """The loop thread: own the engine, route stock's seams here, run the loop."""
         try:
+            self.lifecycle.loop_started()
+            stock.route_loop_thread(observe=self._observe_step, pin=self._pin_on_request)
             self._restart_until_stopped(run_stock_loop)
         except EngineAbandoned:
             log.warning("abandoned_loop_exited", thread=threading.current_thread().name)
@@ -205,7 +183,7 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
         while True:
             try:
                 run_stock_loop()
-                self.state = EngineState.STOPPED
+                self.lifecycle.stopped()
                 return
             except Exception as exc:
                 action = self._on_failure(exc)
@@ -220,17 +198,17 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
 
     def _on_failure(self, exc: Exception) -> str:
         """Log, judge every taken request, decide, settle them; return the action."""
-        self._failed_at = time.monotonic()
-        self.state = EngineState.RESTARTING
         cause = exc.cause if isinstance(exc, EngineStepError) else exc
         classification = self.pm.hook.classify_engine_error(error=cause) or "unknown"
-        self._classification = classification
+        if not self.lifecycle.failed(classification):
+            return "exit"  # the engine gave up or stopped meanwhile: nothing to restart
+        failed_at = self.lifecycle.trouble_at
         counts = self.ledger.counts()
         records = self.ledger.take_in_flight()
-        decided = self._judge(records, self.failures.add(self._failed_at))
+        decided = self._judge(records, self.failures.add(failed_at))
         blamed = [r for r, verdict in decided if verdict is Verdict.BLAME]
         forgiven = self._forgive(blamed)
-        failures_in_window = self.failures.count(self._failed_at)
+        failures_in_window = self.failures.count(failed_at)
         self.last_error = {
             "type": type(cause).__name__,
             "message": str(cause),
@@ -360,51 +338,56 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
         ))
         return True
 
-    def _restarted(self) -> None:
-        duration_s = time.monotonic() - (self._failed_at or time.monotonic())
-        self.restarts += 1
-        self.state = EngineState.READY
+    def _restarted(self, duration_s: float, classification: Optional[str], restarts: int) -> None:
+        """The lifecycle counted a restart (once, whoever saw it first): log it, tell the plugins."""
         log.info(
             "engine_restarted",
             duration_ms=round(duration_s * 1000, 1),
-            restarts=self.restarts,
-            classification=self._classification,
+            restarts=restarts,
+            classification=classification,
         )
         notify(
             self.pm.hook.on_engine_restarted,
             duration_s=duration_s,
-            classification=self._classification,
-            restarts=self.restarts,
+            classification=classification,
+            restarts=restarts,
         )
 
     def give_up(self, reason: str, exit_code: int = EXIT_ENGINE_FAILED, records=()) -> None:
         """Answer every request (and ``records``, taken from the dead loop),
         refuse new ones, and ask the process to exit."""
-        self.state = EngineState.FAILED
-        log.critical("engine_gave_up", reason=reason, exit_code=exit_code)
         error = GuardianError(
             f"The engine stopped ({reason}); the server is exiting to be restarted.",
             status=503,
             code="engine_failed",
             retry_after_s=self.core.retry_after_s,
         )
+        if not self.lifecycle.gave_up(reason):
+            # Gave up or stopped already: only the dead loop's records are left to answer.
+            for record in records:
+                self.fail(record, error)
+            return
+        log.critical("engine_gave_up", reason=reason, exit_code=exit_code)
         for record in [*self.ledger.close(error), *records]:
             self.fail(record, error)
         stock.stop_generation_thread(self)
         self.on_exit(exit_code)
 
-    def replace_stuck_loop(self, reason: str, *, reload: bool) -> None:
-        """Abandon the loop thread stuck in a step and start a fresh one.
+    def recover_from_stall(self, reason: str, rung: str) -> None:
+        """The watchdog's stall was accepted (``lifecycle.stalled``): act on its ladder rung."""
+        if rung == "exit":
+            self.give_up(f"the engine stalled: {reason}", exit_code=EXIT_ENGINE_STALLED)
+        else:
+            self.replace_stuck_loop(reason, reload=rung == "reload")
 
-        Called by the watchdog. The stuck thread cannot be killed; from now
-        on any contact it makes with the guardian raises EngineAbandoned.
-        Its requests are settled as after a failure.
+    def replace_stuck_loop(self, reason: str, *, reload: bool) -> None:
+        """Settle the requests of the loop thread a stall abandoned; start a fresh loop.
+
+        The stuck thread cannot be killed; the lifecycle revoked its
+        ownership, so any contact it makes with the guardian raises
+        EngineAbandoned. Its requests are settled as after a failure. The
+        fresh loop is on trial until a probe generates on it.
         """
-        self._owner = None
-        self._failed_at = time.monotonic()
-        self._classification = "stall"
-        self.awaiting_probe = True
-        self.state = EngineState.RESTARTING
         # A stall is the watchdog's to count (its ladder), not the budget's.
         decided = self._judge(self.ledger.take_in_flight(), None)
         self._forgive([r for r, verdict in decided if verdict is Verdict.BLAME])
@@ -412,12 +395,6 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
         if reload:
             stock.reset_model_provider(self.model_provider)
         stock.start_generation_thread(self)
-
-    def verified(self) -> None:
-        """A probe generated on the loop that replaced a stuck one."""
-        self.awaiting_probe = False
-        if self.state is EngineState.RESTARTING:
-            self._restarted()
 
     def probe(self, prompt: str, timeout_s: float) -> dict:
         """Generate one token through the same queue and loop as users' requests.
@@ -450,8 +427,9 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
 
     def remember_probe_prompt(self, prompt: str) -> None:
         """Keep probe prompts out of the prompt cache."""
-        with private_tokenizer(self.model_provider.tokenizer) as tokenizer:
-            tokens = tokenizer.encode(prompt)
+        # On a copy: the loop thread may be using the tokenizer, and fast
+        # tokenizers shared between threads can fail ("Already borrowed").
+        tokens = copy.deepcopy(self.model_provider.tokenizer).encode(prompt)
         self.prompt_cache.skip_prefixes.append(list(tokens))
 
     def fail(self, record: RequestRecord, error: GuardianError) -> None:
@@ -502,10 +480,6 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
             text in r.request.prompt or text in str(r.request.messages)
             for r in self.started_records()
         )
-
-    def restarting_for(self, now: float) -> float:
-        """Seconds since the failure or stall that started this restart."""
-        return now - self._failed_at if self._failed_at is not None else 0.0
 
     def status(self) -> dict:
         return {

@@ -7,6 +7,11 @@ the heartbeat stops for ``stall_timeout_s``, the engine is wedged, and the
 watchdog climbs the escalation ladder: replace the loop thread, reload the
 model, exit for the supervisor. Probes prove generation works while idle;
 while busy, progress proves it and probes are skipped.
+
+The watchdog detects and asks; it never writes the engine's state. A stall
+is reported to the engine's lifecycle (``lifecycle.stalled``), which may
+refuse it (the engine gave up or stopped meanwhile), and a probe that
+generated on a replacement loop is reported as ``lifecycle.verified``.
 """
 
 from __future__ import annotations
@@ -19,8 +24,7 @@ import structlog
 
 from guardian.config import WatchdogSettings
 from guardian.counting import RecentEvents
-from guardian.engine.generator import EngineState
-from guardian.exit_codes import EXIT_ENGINE_STALLED
+from guardian.engine.lifecycle import EngineState
 from guardian.plugins.manager import notify
 from guardian.health.sd_notify import SystemdNotifier
 
@@ -34,7 +38,6 @@ class Watchdog:
         self.settings = settings
         self.notifier = notifier or SystemdNotifier()
         self.stalls = RecentEvents(settings.ladder_window_s)
-        self.stall_count = 0
         self.last_probe: Optional[dict] = None
         self.last_sample: Optional[dict] = None
         self._last_probe_at = float("-inf")
@@ -70,20 +73,25 @@ class Watchdog:
     def _check_progress(self, now: float) -> None:
         engine = self.engine
         age = now - engine.last_beat
-        if engine.state is EngineState.READY:
+        state = engine.state
+        if state is EngineState.READY:
             if engine.ledger.has_work() and age > self.settings.stall_timeout_s:
                 self._on_stall(age, "no engine step or prompt progress")
-        elif engine.state is EngineState.RESTARTING:
-            if engine.restarting_for(now) > self.settings.restart_timeout_s:
-                self._on_stall(age, "the restarted loop never asked for work")
+        elif state in (EngineState.RESTARTING, EngineState.STALLED):
+            if engine.lifecycle.troubled_for(now) > self.settings.restart_timeout_s:
+                why = ("the restarted loop never asked for work" if state is EngineState.RESTARTING
+                       else "the replacement loop was not proven by a probe")
+                self._on_stall(age, why)
 
     def _on_stall(self, heartbeat_age_s: float, why: str) -> None:
-        stalls_in_window = self.stalls.add()
-        self.stall_count += 1
+        """Ask the engine to take the stall at the ladder's next rung; log and tell the plugins."""
         ladder = self.settings.ladder
+        stalls_in_window = self.stalls.count() + 1
         action = ladder[min(stalls_in_window, len(ladder)) - 1]
         reason = f"{why} for {heartbeat_age_s:.1f} s"
-        self.engine.state = EngineState.STALLED
+        if not self.engine.lifecycle.stalled(action):
+            return  # the engine gave up or stopped meanwhile: no loop to replace
+        self.stalls.add()
         log.error(
             "engine_stalled",
             heartbeat_age_s=round(heartbeat_age_s, 3),
@@ -94,14 +102,11 @@ class Watchdog:
             **self.engine.ledger.counts(),
         )
         notify(self.pm.hook.on_stall, engine=self.engine, heartbeat_age_s=heartbeat_age_s, action=action)
-        if action == "exit":
-            self.engine.give_up(f"the engine stalled: {reason}", exit_code=EXIT_ENGINE_STALLED)
-        else:
-            self.engine.replace_stuck_loop(reason, reload=action == "reload")
+        self.engine.recover_from_stall(reason, action)
 
     # -- probes -------------------------------------------------------------
     def _maybe_probe(self, now: float) -> None:
-        if self.engine.awaiting_probe and not self._probing.locked():
+        if self.engine.lifecycle.on_trial and not self._probing.locked():
             # A loop that replaced a stuck one is ready once it generated.
             threading.Thread(target=self._verify_replacement, name="probe", daemon=True).start()
             return
@@ -131,9 +136,10 @@ class Watchdog:
         return outcome
 
     def _verify_replacement(self) -> None:
+        """Probe the loop that replaced a stuck one: ready if it generated, else another stall."""
         if self.run_probes()["ok"]:
-            self.engine.verified()
-        elif self.engine.awaiting_probe:
+            self.engine.lifecycle.verified()
+        elif self.engine.lifecycle.on_trial:
             self._on_stall(time.monotonic() - self.engine.last_beat, "the replacement loop failed its probe")
 
     # -- readiness ------------------------------------------------------------
@@ -199,7 +205,7 @@ class Watchdog:
         return {
             "ready": ready,
             "ready_reason": reason,
-            "stalls": self.stall_count,
+            "stalls": self.engine.lifecycle.stalls,
             "last_probe": probe or None,
             "last_resource_sample": self.last_sample,
         }

@@ -1,0 +1,263 @@
+"""The engine's lifecycle: its transition table, its owner, and the race it closes.
+
+Unit tests, no server: the lifecycle is driven the way the loop thread, the
+watchdog and a probe thread drive it, with real threads where they race.
+"""
+
+from __future__ import annotations
+
+import threading
+import types
+
+import pluggy
+import pytest
+
+import guardian
+from guardian.engine.lifecycle import (
+    LOOP_EVENTS,
+    TRANSITIONS,
+    EngineAbandoned,
+    EngineState,
+    Lifecycle,
+)
+from guardian.plugins import hookspecs
+
+S = EngineState
+
+# What each event does in each state; None: refused, nothing changes. Written
+# out here, not derived from TRANSITIONS, so a change to the table is a
+# change to this test too.
+EXPECTED = {
+    "loop_polled": {S.STARTING: S.READY, S.READY: None, S.RESTARTING: S.READY, S.STALLED: None,
+                    S.FAILED: None, S.STOPPED: None},
+    "verified": {S.STARTING: None, S.READY: None, S.RESTARTING: S.READY, S.STALLED: S.READY,
+                 S.FAILED: None, S.STOPPED: None},
+    "failed": {S.STARTING: S.RESTARTING, S.READY: S.RESTARTING, S.RESTARTING: S.RESTARTING,
+               S.STALLED: S.STALLED, S.FAILED: None, S.STOPPED: None},
+    "stalled": {S.STARTING: None, S.READY: S.STALLED, S.RESTARTING: S.STALLED, S.STALLED: S.STALLED,
+                S.FAILED: None, S.STOPPED: None},
+    "gave_up": {S.STARTING: S.FAILED, S.READY: S.FAILED, S.RESTARTING: S.FAILED, S.STALLED: S.FAILED,
+                S.FAILED: None, S.STOPPED: None},
+    "stopped": {S.STARTING: S.STOPPED, S.READY: S.STOPPED, S.RESTARTING: S.STOPPED, S.STALLED: S.STOPPED,
+                S.FAILED: None, S.STOPPED: None},
+}
+
+ARGUMENTS = {"failed": ("unknown",), "stalled": ("restart",), "gave_up": ("a test",)}
+
+
+class Calls:
+    """Counts the lifecycle's callbacks."""
+
+    def __init__(self):
+        self.ready = 0
+        self.restarted: list[tuple] = []
+
+    def on_ready(self):
+        self.ready += 1
+
+    def on_restarted(self, duration_s, classification, restarts):
+        self.restarted.append((duration_s, classification, restarts))
+
+
+def lifecycle_in(state: EngineState, calls: Calls = None, *, owned: bool = True) -> Lifecycle:
+    """A lifecycle put in ``state``, owned by the calling thread (as its loop)."""
+    calls = calls or Calls()
+    lifecycle = Lifecycle(on_ready=calls.on_ready, on_restarted=calls.on_restarted)
+    if owned:
+        lifecycle.loop_started()
+    lifecycle.state = state  # test set-up only: the engine never assigns it
+    return lifecycle
+
+
+def fire(lifecycle: Lifecycle, event: str) -> bool:
+    return getattr(lifecycle, event)(*ARGUMENTS.get(event, ()))
+
+
+def test_the_expected_table_covers_every_event_and_state():
+    assert set(EXPECTED) == set(TRANSITIONS)
+    for event, row in EXPECTED.items():
+        assert set(row) == set(EngineState), event
+
+
+@pytest.mark.parametrize("state", list(EngineState), ids=lambda s: s.value)
+@pytest.mark.parametrize("event", list(EXPECTED))
+def test_every_event_in_every_state(event, state):
+    lifecycle = lifecycle_in(state)
+    expected = EXPECTED[event][state]
+    changed = fire(lifecycle, event)
+    if expected is None:
+        assert not changed and lifecycle.state is state, f"{event} in {state.value} should change nothing"
+    else:
+        assert changed and lifecycle.state is expected, f"{event} in {state.value} should lead to {expected.value}"
+
+
+def test_the_first_poll_makes_the_engine_ready_without_a_restart():
+    calls = Calls()
+    lifecycle = lifecycle_in(S.STARTING, calls)
+    assert lifecycle.loop_polled()
+    assert not lifecycle.loop_polled()  # ready already: nothing to do
+    assert (calls.ready, calls.restarted, lifecycle.restarts) == (1, [], 0)
+
+
+def test_a_failure_then_a_poll_counts_one_restart_with_its_classification():
+    calls = Calls()
+    lifecycle = lifecycle_in(S.READY, calls)
+    assert lifecycle.failed("metal_resource_limit")
+    assert lifecycle.troubled_for(lifecycle.trouble_at + 2.5) == 2.5
+    assert lifecycle.loop_polled()
+    [(duration_s, classification, restarts)] = calls.restarted
+    assert classification == "metal_resource_limit" and restarts == 1 == lifecycle.restarts
+    assert duration_s >= 0
+
+
+def test_a_stall_puts_the_replacement_on_trial_until_a_probe_verifies_it():
+    calls = Calls()
+    lifecycle = lifecycle_in(S.READY, calls)
+    assert lifecycle.stalled("reload")
+    assert lifecycle.on_trial and lifecycle.rung == "reload" and lifecycle.stalls == 1
+    assert lifecycle.owner is None  # the stuck thread no longer owns the engine
+    # The replacement starts and asks for work: still on trial.
+    replacement = threading.Thread(target=lambda: (lifecycle.loop_started(), lifecycle.loop_polled()))
+    replacement.start()
+    replacement.join()
+    assert lifecycle.state is S.STALLED and calls.restarted == []
+    # It fails before the probe: still on trial, the failure noted.
+    lifecycle.owner = threading.get_ident()  # this thread plays the replacement now
+    assert lifecycle.failed("unknown") and lifecycle.on_trial
+    assert lifecycle.verified()
+    assert lifecycle.state is S.READY and len(calls.restarted) == 1
+    assert calls.restarted[0][1] == "unknown"
+
+
+def test_loop_events_from_a_thread_that_does_not_own_the_engine_raise():
+    lifecycle = lifecycle_in(S.READY, owned=False)
+    for event in sorted(LOOP_EVENTS):
+        with pytest.raises(EngineAbandoned):
+            fire(lifecycle, event)
+    assert lifecycle.state is S.READY
+    with pytest.raises(EngineAbandoned):
+        lifecycle.check_owner()
+
+
+def test_the_stuck_thread_is_abandoned_by_a_stall():
+    lifecycle = lifecycle_in(S.READY)
+    lifecycle.stalled("restart")
+    # Its step returns late: its first contact raises, and changes nothing.
+    for event in ("loop_polled", "failed", "stopped"):
+        with pytest.raises(EngineAbandoned):
+            fire(lifecycle, event)
+    assert lifecycle.state is S.STALLED
+
+
+def test_only_one_loop_thread_owns_the_engine():
+    lifecycle = Lifecycle()
+    lifecycle.loop_started()
+    with pytest.raises(EngineAbandoned):
+        lifecycle.loop_started()  # a second loop while one owns it
+    for state in (S.FAILED, S.STOPPED):
+        done = Lifecycle()
+        done.state = state
+        with pytest.raises(EngineAbandoned):
+            done.loop_started()  # the engine is done: a late replacement exits
+
+
+def test_a_second_give_up_is_refused_and_a_stop_does_not_hide_a_failure():
+    lifecycle = lifecycle_in(S.READY)
+    assert lifecycle.gave_up("first")
+    assert not lifecycle.gave_up("second")
+    assert not lifecycle.stopped()
+    assert lifecycle.state is S.FAILED and lifecycle.gave_up_reason == "first"
+
+
+class RestartCounter:
+    """A plugin: counts ``on_engine_restarted``."""
+
+    def __init__(self):
+        self.calls = []
+        self._lock = threading.Lock()
+
+    @guardian.hookimpl
+    def on_engine_restarted(self, duration_s, classification, restarts):
+        with self._lock:
+            self.calls.append(restarts)
+
+
+def engine_callbacks(pm):
+    """The engine's own callbacks (GuardianEngine._ready and _restarted), bound to a stand-in."""
+    from guardian.engine.generator import GuardianEngine
+
+    stand_in = types.SimpleNamespace(pm=pm, steps=0)
+    return {
+        "on_ready": lambda: GuardianEngine._ready(stand_in),
+        "on_restarted": lambda *a: GuardianEngine._restarted(stand_in, *a),
+    }
+
+
+@pytest.mark.parametrize("rounds", [300])
+def test_concurrent_verify_and_poll_count_one_restart_and_fire_the_hook_once(rounds):
+    """The race of issue 10: a probe thread's ``verified`` and the loop thread's
+    poll both saw RESTARTING, and each ran the restart."""
+    pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
+    pm.add_hookspecs(hookspecs)
+    counter = RestartCounter()
+    pm.register(counter)
+    callbacks = engine_callbacks(pm)
+    for round_ in range(rounds):
+        lifecycle = Lifecycle(**callbacks)
+        barrier = threading.Barrier(2)
+        errors = []
+
+        def loop_thread():
+            try:
+                lifecycle.loop_started()
+                lifecycle.loop_polled()  # STARTING -> READY
+                lifecycle.failed("unknown")  # -> RESTARTING
+                barrier.wait()  # now the probe thread and this one race
+                lifecycle.loop_polled()
+            except BaseException as e:  # pragma: no cover - reported below
+                errors.append(e)
+
+        def probe_thread():
+            barrier.wait()
+            lifecycle.verified()
+
+        threads = [threading.Thread(target=loop_thread), threading.Thread(target=probe_thread)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=10)
+        assert not errors, errors
+        assert lifecycle.state is S.READY
+        assert lifecycle.restarts == 1, f"round {round_}: {lifecycle.restarts} restarts counted"
+        assert len(counter.calls) == round_ + 1, f"round {round_}: on_engine_restarted fired {len(counter.calls) - round_} times"
+
+
+def test_concurrent_stall_and_failure_leave_one_consistent_state():
+    """The watchdog's stall and the loop's failure race: whichever comes second
+    either moves the state on or, on the abandoned thread, raises."""
+    for _ in range(200):
+        lifecycle = Lifecycle()
+        barrier = threading.Barrier(2)
+        outcome = {}
+
+        def loop_thread():
+            lifecycle.loop_started()
+            lifecycle.loop_polled()
+            barrier.wait()
+            try:
+                outcome["failed"] = lifecycle.failed("unknown")
+            except EngineAbandoned:
+                outcome["failed"] = "abandoned"
+
+        def watchdog_thread():
+            barrier.wait()
+            outcome["stalled"] = lifecycle.stalled("restart")
+
+        threads = [threading.Thread(target=loop_thread), threading.Thread(target=watchdog_thread)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=10)
+        assert outcome["stalled"] is True and lifecycle.state is S.STALLED
+        assert outcome["failed"] in (True, "abandoned")
+        assert lifecycle.owner is None
