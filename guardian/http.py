@@ -5,6 +5,11 @@ without a word. This subclass lets stock parse, generate and format every
 normal response, and steps in only when a request ends with an error:
 an OpenAI-shaped body with the right status before any byte was sent, or
 an SSE error event followed by ``[DONE]`` once a stream has started.
+
+Stock's handler calls its ``response_generator``; here that is a
+``guardian.server.Guardian``, whose ``generate`` runs admission and then the
+engine. The handler's own endpoints read its ``engine``, ``gate`` (request
+limits) and ``watchdog`` (health).
 """
 
 from __future__ import annotations
@@ -119,17 +124,17 @@ class GuardianHandler(stock.APIHandler):
 
     def do_GET(self):
         path, _, query = self.path.partition("?")
-        engine = self.response_generator
+        engine, watchdog = self.response_generator.engine, self.response_generator.watchdog
         if path == "/health":
-            self.send_health(engine)
+            self.send_health(engine, watchdog)
         elif path == "/livez":
             self.send_json(200, {"status": "ok"})
         elif path == "/readyz":
-            self.send_readiness(engine, deep="deep=1" in query.split("&"))
+            self.send_readiness(engine, watchdog, deep="deep=1" in query.split("&"))
         elif path == "/guardian/status":
-            self.send_json(200, {**engine.status(), **engine.watchdog.status()})
+            self.send_json(200, {**engine.status(), **watchdog.status()})
         elif path.startswith("/v1/models"):
-            self.send_models(engine)
+            self.send_models(engine.cli_args, self.response_generator.gate)
         else:
             self.send_unknown_path()
 
@@ -142,14 +147,14 @@ class GuardianHandler(stock.APIHandler):
 
     do_PUT = do_PATCH = do_DELETE = send_unknown_path
 
-    def send_models(self, engine) -> None:
+    def send_models(self, cli_args, gate) -> None:
         """Stock's listing with each model's ``context_length``; no hub cache is no error."""
         listing = stock.models_listing(self)
-        served = engine.cli_args.model
+        served = cli_args.model
         served_ids = {served, str(Path(served).resolve())} if served else set()
         for model in listing.get("data", []):
-            if model.get("id") in served_ids and engine.gate.served_context_length:
-                context_length = engine.gate.served_context_length
+            if model.get("id") in served_ids and gate.served_context_length:
+                context_length = gate.served_context_length
             else:
                 context_length = context_length_of(model.get("id", ""))
             if context_length is not None:
@@ -245,14 +250,13 @@ class GuardianHandler(stock.APIHandler):
             self.send_header(name, value)
         super().end_headers()
 
-    def send_health(self, engine) -> None:
+    def send_health(self, engine, watchdog) -> None:
         """Stock's path, truthful: 200 only while the engine can generate."""
-        healthy = engine.is_healthy and engine.watchdog.heartbeat_fresh()
+        healthy = engine.is_healthy and watchdog.heartbeat_fresh()
         body = {"status": "ok" if healthy else "unavailable", "state": engine.state.value}
         self.send_json(200 if healthy else 503, body)
 
-    def send_readiness(self, engine, deep: bool) -> None:
-        watchdog = engine.watchdog
+    def send_readiness(self, engine, watchdog, deep: bool) -> None:
         if deep and engine.is_healthy and not watchdog.progressing():
             watchdog.run_probes()
         ready, reason = watchdog.readiness()

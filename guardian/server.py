@@ -20,6 +20,7 @@ from guardian import stock
 from guardian.config import GuardianConfig
 from guardian.counting import ActiveCount
 from guardian.admission.facts import served_model_config
+from guardian.admission.gate import AdmissionGate, AdmittingGenerator
 from guardian.engine.generator import GuardianEngine
 from guardian.exit_codes import EXIT_BOOT_ERROR, EXIT_OK, EXIT_USAGE
 from guardian.http import GuardianHandler
@@ -65,21 +66,10 @@ def serve(host: str, port: int, model_provider, config: GuardianConfig, pm) -> i
         return EXIT_USAGE
 
     exit_request = ExitRequest()
-    engine = GuardianEngine(
-        model_provider,
-        model_provider.cli_args.prompt_cache_size,
-        pm=pm,
-        core=config.core,
-        on_exit=exit_request,
-    )
-    engine.watchdog = Watchdog(engine, pm, config.watchdog)
-    engine.gate.model_access = ModelAccess(model_provider, allowed_models=config.core.allowed_models,
-                                           allow_any_model=config.core.allow_any_model)
-    engine.gate.model_access.keep_served_model()
-    httpd = make_http_server(host, port, engine)
-    pm.hook.guardian_startup(engine=engine, config=config)
-    if config.watchdog.enabled:
-        engine.watchdog.start()
+    served = Guardian(model_provider, config, pm, on_exit=exit_request)
+    engine = served.engine
+    httpd = make_http_server(host, port, served)
+    served.start()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: exit_request(EXIT_OK))
 
@@ -93,7 +83,7 @@ def serve(host: str, port: int, model_provider, config: GuardianConfig, pm) -> i
     )
     code = exit_request.wait()
     log.info("server_stopping", exit_code=code)
-    engine.watchdog.stop()
+    served.watchdog.stop()
     drain(httpd, engine, config.core.exit_grace_s)
     httpd.shutdown()
     httpd.server_close()
@@ -103,11 +93,45 @@ def serve(host: str, port: int, model_provider, config: GuardianConfig, pm) -> i
     return code
 
 
-def make_http_server(host: str, port: int, engine) -> ThreadingHTTPServer:
+class Guardian(AdmittingGenerator):
+    """One served model: its engine, admission and watchdog, wired as ``serve`` runs them.
+
+    What the HTTP handler calls its response generator: ``generate`` admits a
+    request, then queues it on the engine (guardian.admission.gate). The
+    handler's own endpoints read ``engine``, ``gate`` and ``watchdog`` here.
+    A process may hold several (each engine routes stock's seams on its own
+    loop thread).
+    """
+
+    def __init__(self, model_provider, config: GuardianConfig, pm, *, on_exit):
+        engine = GuardianEngine(model_provider, model_provider.cli_args.prompt_cache_size,
+                                pm=pm, core=config.core, on_exit=on_exit)
+        model_access = ModelAccess(model_provider, allowed_models=config.core.allowed_models,
+                                   allow_any_model=config.core.allow_any_model)
+        model_access.keep_served_model()
+        gate = AdmissionGate(model_provider, pm, model_access=model_access)
+        # Plugins configure admission through the engine their hooks get
+        # (prompt_guard: engine.gate) until hooks get the EngineView; the
+        # engine itself never reads it.
+        engine.gate = gate
+        super().__init__(gate, engine)
+        self.watchdog = Watchdog(engine, pm, config.watchdog)
+        self.pm = pm
+        self.config = config
+
+    def start(self) -> None:
+        """Run the start-up hooks, then the watchdog."""
+        self.pm.hook.guardian_startup(engine=self.engine, config=self.config)
+        if self.config.watchdog.enabled:
+            self.watchdog.start()
+
+
+def make_http_server(host: str, port: int, served: Optional[Guardian]) -> ThreadingHTTPServer:
+    """The HTTP server; its handler reaches the engine only through admission."""
     fingerprint = stock.get_system_fingerprint()
 
     def handler(*args, **kwargs):
-        return GuardianHandler(engine, *args, system_fingerprint=fingerprint, **kwargs)
+        return GuardianHandler(served, *args, system_fingerprint=fingerprint, **kwargs)
 
     httpd = ThreadingHTTPServer((host, port), handler)
     # Handler threads must not keep a failed process alive past its exit.

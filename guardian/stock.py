@@ -16,7 +16,8 @@ import io
 import json
 import threading
 import importlib.metadata
-from typing import Callable, Iterator
+import types
+from typing import Callable, Iterator, Optional
 
 import mlx.core as mx
 import mlx_lm.sample_utils as sample_utils
@@ -187,7 +188,17 @@ class SupervisableResponseGenerator(ResponseGenerator):
 
     def tokenize_as_stock(self, tokenizer, request, args) -> tuple:
         """Stock's own ``_tokenize``: (prompt, segments, segment types, state[, vision])."""
-        return ResponseGenerator._tokenize(self, tokenizer, request, args)
+        return tokenize_as_stock(self.model_provider, tokenizer, request, args)
+
+
+def tokenize_as_stock(model_provider, tokenizer, request, args) -> tuple:
+    """Stock's own ``_tokenize`` of a request, without a ResponseGenerator.
+
+    Stock's method reads nothing of its generator but ``model_provider``
+    (its flags, and on 0.32 its image processor), so admission can run it on
+    the HTTP thread knowing only the model provider.
+    """
+    return ResponseGenerator._tokenize(types.SimpleNamespace(model_provider=model_provider), tokenizer, request, args)
 
 
 # Where admission leaves a request's tokens for the engine: an attribute of
@@ -340,21 +351,61 @@ def stream_observed(stock_stream_generate, observe: Callable[[], None]):
     return observed_stream_generate
 
 
+# Pins a failure on the request with these GenerationArguments: (args,
+# exception, where) -> whether it could (else the exception is the engine's).
+PinOnRequest = Callable[[object, BaseException, str], bool]
+
+# The seams below are module globals of mlx_lm.server, one set for the whole
+# process, while a process may run several engines (stock allows several
+# ResponseGenerators, and its own server tests make two). So they are
+# swapped once, and each call is routed to the engine whose loop runs on the
+# calling thread: each engine's loop thread says which one it is.
+_this_loop = threading.local()
+_routing_installed = False
+_routing_lock = threading.Lock()
+
+
+def route_loop_thread(*, observe: Callable[[], None], pin: PinOnRequest) -> None:
+    """Route the stock loop's steps and sampling failures on the calling thread
+    to one engine's ``observe`` and ``pin``. Installs the seams the first time."""
+    _install_routing()
+    _this_loop.observe = observe
+    _this_loop.pin = pin
+
+
+def _install_routing() -> None:
+    """Swap the module globals once for the process (an abandoned loop never undoes it)."""
+    global _routing_installed
+    with _routing_lock:
+        if not _routing_installed:
+            observe_engine_steps(_observe_this_loop)
+            guard_request_sampling(_pin_on_this_loop)
+            _routing_installed = True
+
+
+def _observe_this_loop() -> None:
+    """An engine step on the calling thread: its engine observes it (no engine: stock's own use)."""
+    observe: Optional[Callable[[], None]] = getattr(_this_loop, "observe", None)
+    if observe is not None:
+        observe()
+
+
+def _pin_on_this_loop(args, exc: BaseException, where: str) -> bool:
+    """A request's sampling failed on the calling thread: its engine pins it, if any."""
+    pin: Optional[PinOnRequest] = getattr(_this_loop, "pin", None)
+    return pin is not None and pin(args, exc, where)
+
+
 def observe_engine_steps(observe: Callable[[], None]) -> None:
     """Route every engine step of the stock loop through ``observe()``.
 
     The loop looks ``BatchGenerator`` and ``stream_generate`` up in the
     server module's globals at call time, so swapping those globals is how
-    a step can be observed without touching the loop's code. Installed once
-    for the process: a loop thread that is abandoned must not undo it.
+    a step can be observed without touching the loop's code. Called once for
+    the process, by ``route_loop_thread``.
     """
     server.BatchGenerator = step_observed(STOCK_BATCH_GENERATOR, observe)
     server.stream_generate = stream_observed(STOCK_STREAM_GENERATE, observe)
-
-
-# Pins a failure on the request with these GenerationArguments: (args,
-# exception, where) -> whether it could (else the exception is the engine's).
-PinOnRequest = Callable[[object, BaseException, str], bool]
 
 
 def _argmax(logprobs):
@@ -431,8 +482,8 @@ def guard_request_sampling(pin: PinOnRequest) -> None:
     ``pin`` ends that request and stops its context, so stock drops it from
     the batch the way it drops a finished one, and the row gets a harmless
     value for the rest of the step. When ``pin`` cannot find the request,
-    the exception propagates: an engine failure, as before. Installed once
-    for the process.
+    the exception propagates: an engine failure, as before. Called once
+    for the process, by ``route_loop_thread``.
     """
     # 0.32's sampler for temperature 0 is one function shared by every such
     # request, which BatchGenerator calls once for the whole batch: it holds

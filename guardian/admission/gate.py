@@ -1,8 +1,12 @@
 """The gate: ``admit_request`` hooks, run before a request is enqueued.
 
-Runs on the HTTP thread inside the engine's ``generate()``, so a refusal
-reaches the client before any byte (a stream's included), and the prompt is
+A request's path reads one way: HTTP handler -> admission -> the engine's
+queue -> the loop -> the response. ``AdmittingGenerator`` is what stock's
+handler calls its response generator: it runs the gate on the HTTP thread,
+then hands the admitted request to the engine's ``generate()``, so a refusal
+reaches the client before any byte (a stream's included). The prompt is
 tokenized here, once, with stock's own code; the engine reuses the tokens.
+The engine knows nothing of admission.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from guardian.admission.facts import (
     served_model_config,
     vocab_size_of,
 )
-from guardian.context import add_response_headers, bind_log_fields, current_request
+from guardian.context import add_response_headers, at_request_end, bind_log_fields, current_request
 from guardian.errors import AbortRequest, GuardianError, from_stock_exception
 from guardian.admission.unloaded_models import UnloadedModels
 from guardian.admission.validation import RequestBounds, check_body
@@ -28,9 +32,49 @@ from guardian.admission.validation import RequestBounds, check_body
 log = structlog.get_logger("guardian.gate")
 
 
-class AdmissionGate:
-    def __init__(self, engine):
+class AdmittingGenerator:
+    """Stock's response generator as its handler sees it: the gate, then the engine."""
+
+    def __init__(self, gate: "AdmissionGate", engine):
+        self.gate = gate
         self.engine = engine
+
+    # What stock's handler reads of its response generator besides generate().
+    @property
+    def cli_args(self):
+        return self.engine.cli_args
+
+    @property
+    def is_healthy(self) -> bool:
+        return self.engine.is_healthy
+
+    def generation_available(self) -> bool:
+        return self.engine.generation_available()
+
+    def generate(self, request, generation_args, progress_callback=None):
+        """Admit the request (or raise AbortRequest), then queue it on the engine."""
+        engine = self.engine
+        engine.check_available()
+        # Until the engine queues it, the loop may wait a moment for it.
+        with engine.arriving():
+            admission = self.gate.admit(request, generation_args, engine=engine)
+            if admission is not None:
+                request = admission.request  # a hook may have dropped messages
+            try:
+                ctx, tokens = engine.generate(request, generation_args, progress_callback)
+            except BaseException:
+                if admission is not None:
+                    admission.finish()
+                raise
+        if admission is not None and not at_request_end(admission.finish):
+            tokens = finish_after(tokens, admission)
+        return ctx, tokens
+
+
+class AdmissionGate:
+    def __init__(self, model_provider, pm, *, model_access=None):
+        self.model_provider = model_provider
+        self.pm = pm
         # The guard's context limit for the served model, for /v1/models; set
         # by the prompt_guard plugin at start-up (None: the model's config).
         self.served_context_length: Optional[int] = None
@@ -38,18 +82,26 @@ class AdmissionGate:
         # by the prompt_guard plugin at start-up.
         self.max_body_bytes: Optional[int] = None
         self._limits: Optional[tuple] = None  # (model_key, ModelLimits)
-        # Which models requests may name; set by the server at start-up
-        # (None: any, as stock).
-        self.model_access = None
+        # Which models requests may name (None: any, as stock).
+        self.model_access = model_access
         self._unloaded_models: Optional[UnloadedModels] = None  # made on first need
 
     def check_body(self, body: dict, *, chat: bool) -> Optional[GuardianError]:
         """The door's check of every field (guardian.admission.validation), against the model it names."""
         return check_body(body, chat=chat, bounds=self.request_bounds(body))
 
+    @property
+    def cli_args(self):
+        return self.model_provider.cli_args
+
+    def warm_tokenizer(self) -> None:
+        """Make the first private tokenizer copy now, not on the first request."""
+        with private_tokenizer(self.model_provider.tokenizer):
+            pass
+
     def request_bounds(self, body: dict) -> RequestBounds:
         access = self.model_access
-        provider = self.engine.model_provider
+        provider = self.model_provider
         loaded_key = provider.model_key
         # Stock's model key for the body, computed once for both questions.
         requested_key = access.requested_key(body) if access is not None else loaded_key
@@ -63,13 +115,13 @@ class AdmissionGate:
                              accepts_images=False,
                              disallowed_model_field=access.disallowed_field(requested_key) if access else None)
 
-    def admit(self, request, args) -> Optional[Admission]:
+    def admit(self, request, args, *, engine) -> Optional[Admission]:
         """Run the admit_request hooks; raise AbortRequest if one turns the request away.
 
+        ``engine`` is only handed to the hooks (their ``engine`` argument).
         Returns None when the request names a model that is not loaded
         (stock loads it on the engine thread; its tokenizer does not exist yet).
         """
-        engine = self.engine
         target = self._target_model(args)
         if target is None:
             log.info("admission_skipped", reason="model_not_local", model=args.model.model)
@@ -85,7 +137,7 @@ class AdmissionGate:
             stream=info.stream,
         )
         try:
-            error = engine.pm.hook.admit_request(admission=admission, engine=engine)
+            error = self.pm.hook.admit_request(admission=admission, engine=engine)
         except GuardianError as e:
             error = e
         except Exception:
@@ -112,14 +164,14 @@ class AdmissionGate:
         load is under way, what its files on disk say. None when it is not
         on this machine: stock would download it.
         """
-        provider = self.engine.model_provider
+        provider = self.model_provider
         loaded = stock.loaded_tokenizer(provider, args)
         if loaded is not None:
             model_key, tokenizer = loaded
             return model_key, tokenizer, self.model_limits(model_key)
         model_key = stock.requested_model_key(provider, args.model)
         if self._unloaded_models is None:
-            self._unloaded_models = UnloadedModels(self.engine.cli_args)
+            self._unloaded_models = UnloadedModels(self.cli_args)
         unloaded = self._unloaded_models.get(model_key)
         return None if unloaded is None else (model_key, *unloaded)
 
@@ -148,7 +200,7 @@ class AdmissionGate:
         """Stock's tokenization of ``request``, on a private copy of the tokenizer."""
         try:
             with private_tokenizer(tokenizer) as private:
-                return self.engine.tokenize_as_stock(private, request, args)
+                return stock.tokenize_as_stock(self.model_provider, private, request, args)
         except Exception as e:
             # What stock would have put on the request's queue: its fault.
             raise from_stock_exception(e) from e
@@ -156,11 +208,11 @@ class AdmissionGate:
     def model_limits(self, model_key) -> ModelLimits:
         """Context length and KV cache sizes of the loaded model, read once per model."""
         if self._limits is None or self._limits[0] != model_key:
-            engine = self.engine
-            cli = engine.cli_args
+            cli = self.cli_args
+            model = self.model_provider.model
             limits = ModelLimits.of(
-                engine.model_provider.model,
-                served_model_config(model_key[0], engine.model_provider.model),
+                model,
+                served_model_config(model_key[0], model),
                 kv_bits=getattr(cli, "kv_bits", None),  # 0.31 has no --kv-bits
                 kv_group_size=getattr(cli, "kv_group_size", 64),
                 quantized_kv_start=getattr(cli, "quantized_kv_start", 0),
