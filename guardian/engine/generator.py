@@ -392,9 +392,19 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
         decided = self._judge(self.ledger.take_in_flight(), None)
         self._forgive([r for r, verdict in decided if verdict is Verdict.BLAME])
         self._settle(decided, TimeoutError(reason), "stall")
+        self._drop_prompt_cache()
         if reload:
             stock.reset_model_provider(self.model_provider)
         stock.start_generation_thread(self)
+
+    def _drop_prompt_cache(self) -> None:
+        """Forget what the stuck loop cached: its arrays may still be unevaluated
+        on its own stream, which a new loop thread cannot evaluate ("There is
+        no Stream(cpu, 1) in current thread"), failing the request re-run."""
+        sequences = len(self.prompt_cache)
+        if sequences:
+            self.prompt_cache.trim_to(n_sequences=0)
+            log.info("prompt_cache_dropped", sequences=sequences, reason="stall")
 
     def probe(self, prompt: str, timeout_s: float) -> dict:
         """Generate one token through the same queue and loop as users' requests.
