@@ -15,7 +15,6 @@ import threading
 import time
 
 import httpx
-import pytest
 
 from conftest import chat_body, poll, read_stream
 from guardian.exit_codes import EXIT_ENGINE_STALLED
@@ -24,10 +23,6 @@ from test_watchdog import stamp
 COMPLETIONS = "/v1/chat/completions"
 HANG_PENALTY = 1.25
 LOOP_FAULTS = '[guardian]\nplugins = ["tests.plugins.loop_faults:LoopFaults"]\n'
-# Requests re-run after a stall here share their prompt with the stuck loop's;
-# without a prompt cache, its entries cannot fail the new loop (see
-# test_a_rerun_after_a_stall_is_served_though_the_stuck_loop_cached_its_prompt).
-NO_PROMPT_CACHE = ("--prompt-cache-size", "0")
 
 
 def table(name: str, **settings) -> str:
@@ -55,7 +50,7 @@ def test_stalls_within_the_window_climb_restart_reload_exit(start_server):
               + table("loop_faults", hang_repetition_penalty=HANG_PENALTY, hang_at_call=2, hang_times=0)
               + table("watchdog", interval_s=0.05, stall_timeout_s=1.0, probe_timeout_s=1.0,
                       restart_timeout_s=5.0, ladder=["restart", "reload", "exit"], ladder_window_s=120.0))
-    server = start_server(config, *NO_PROMPT_CACHE)
+    server = start_server(config)
     url = server.url + COMPLETIONS
     results: dict = {}
     first = post_in_background(url, chat_body("First.", max_tokens=16, repetition_penalty=HANG_PENALTY),
@@ -90,7 +85,7 @@ def test_a_stall_after_the_window_starts_the_ladder_again(start_server):
               + table("loop_faults", hang_repetition_penalty=HANG_PENALTY, hang_at_call=2, hang_times=2)
               + table("watchdog", interval_s=0.05, stall_timeout_s=1.0, probe_timeout_s=1.0,
                       ladder=["restart", "exit"], ladder_window_s=0.5))
-    server = start_server(config, *NO_PROMPT_CACHE)
+    server = start_server(config)
     url = server.url + COMPLETIONS
     with httpx.Client(timeout=60) as client:
         response = client.post(url, json=chat_body(max_tokens=8, repetition_penalty=HANG_PENALTY))
@@ -141,7 +136,7 @@ def test_an_abandoned_loop_whose_step_returns_touches_nothing(start_server):
               + table("loop_faults", hang_repetition_penalty=HANG_PENALTY, hang_at_call=3, hang_s=hang_s)
               + table("fault_injection", enabled=True, step_delay_s=0.005)
               + table("watchdog", interval_s=0.05, stall_timeout_s=1.0))
-    server = start_server(config, *NO_PROMPT_CACHE)
+    server = start_server(config)
     url = server.url + COMPLETIONS
     with httpx.Client(timeout=60) as client:
         hung_request = chat_body("The hung one.", max_tokens=24, repetition_penalty=HANG_PENALTY)
@@ -180,15 +175,12 @@ def test_an_abandoned_loop_whose_step_returns_touches_nothing(start_server):
     assert server.events("engine_error") == [] and server.events("supervisor_failed") == []
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: after a stall the replacement loop re-runs the request against a prompt-cache entry "
-    "the stuck loop inserted with arrays not yet evaluated on its own stream; the new thread "
-    "raises 'RuntimeError: There is no Stream(cpu, 1) in current thread.', an engine failure, "
-    "and the innocent request is blamed (500 request_failed_repeatedly, quarantined). "
-    "replace_stuck_loop should drop the prompt cache (or the loops share one stream)."))
 def test_a_rerun_after_a_stall_is_served_though_the_stuck_loop_cached_its_prompt(start_server):
     # The step blocks at the second call of a processor: after the prefill,
-    # once stock has put the prompt's cache in the prompt cache.
+    # once stock has put the prompt's cache in the prompt cache, with arrays
+    # the stuck thread had not evaluated on its own stream. A new loop thread
+    # cannot evaluate them ("There is no Stream(cpu, 1) in current thread"):
+    # before the fix, the innocent re-run failed the engine and was blamed.
     config = (LOOP_FAULTS
               + table("loop_faults", hang_repetition_penalty=HANG_PENALTY, hang_at_call=2)
               + table("watchdog", interval_s=0.05, stall_timeout_s=1.0))

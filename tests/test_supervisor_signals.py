@@ -1,0 +1,89 @@
+"""The supervisor's second SIGTERM and its start timeout, against real processes.
+
+Uses test_supervisor's fixture: every supervisor runs in its own session,
+and cleanup kills its whole process group.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import httpx
+
+from conftest import chat_body, poll
+from guardian.exit_codes import EXIT_OK
+from test_supervisor import COMPLETIONS, pid_alive, start_supervisor  # noqa: F401 - a fixture
+
+# The engine hangs under a request, and the child would drain it for 60 s
+# after a SIGTERM; the supervisor's grace before SIGKILL is 60 s too.
+HANGING_CHILD = ("[guardian]\nexit_grace_s = 60\n"
+                 "[fault_injection]\nenabled = true\nhang_at_step = 8\n"
+                 "[watchdog]\nstall_timeout_s = 120\n")
+
+
+def test_a_second_sigterm_kills_the_child_at_once(start_supervisor, tmp_path):
+    config = tmp_path / "hang.toml"
+    config.write_text(HANGING_CHILD)
+    supervised = start_supervisor("--guardian-config", str(config), "--supervisor-kill-grace", "60")
+    child_pid = supervised.wait_ready()
+    hung = {}
+
+    def post_hung():
+        with httpx.Client(timeout=90) as client:
+            hung["response"] = client.post(supervised.url + COMPLETIONS, json=chat_body(max_tokens=32))
+
+    waiter = threading.Thread(target=post_hung, daemon=True)
+    waiter.start()
+    supervised.wait_for_event("fault_injected")
+    supervised.proc.send_signal(signal.SIGTERM)
+    supervised.wait_for_event("child_stopping")
+    # The first SIGTERM waits out the grace: the child is still draining.
+    poll(lambda: supervised.supervisor()["state"] == "stopping", 10, what="stopping")
+    assert pid_alive(child_pid) and supervised.proc.poll() is None
+    supervised.proc.send_signal(signal.SIGTERM)
+    second_at = time.monotonic()
+    assert supervised.proc.wait(timeout=30) == EXIT_OK
+    elapsed = time.monotonic() - second_at
+    print(f"\nmeasured: exit {elapsed:.2f} s after the second SIGTERM")
+    assert elapsed < 30  # far inside the 60 s grace (and the child's 60 s drain)
+    assert not pid_alive(child_pid)
+    [killed] = supervised.supervisor_events("child_hard_killed")
+    assert killed["pid"] == child_pid
+    [exited] = supervised.supervisor_events("child_exited")
+    assert exited["reason"].startswith("hard-killed (SIGKILL)")
+    waiter.join(timeout=30)
+    assert hung["response"].status_code == 503
+    assert hung["response"].json()["error"]["code"] == "server_stopping"
+
+
+def test_a_child_never_ready_is_replaced_after_the_start_timeout(start_supervisor, tmp_path):
+    # The model's config.json is a FIFO nobody writes: the child blocks
+    # reading it, before it ever binds its port, as a load that never ends.
+    model = tmp_path / "never-loads"
+    model.mkdir()
+    os.mkfifo(model / "config.json")
+    start_timeout = 3.0
+    supervised = start_supervisor("--model", str(model), "--supervisor-start-timeout", str(start_timeout),
+                                  "--supervisor-kill-grace", "2", wait=False, env={"HF_HUB_OFFLINE": "1"})
+
+    def child_pids():
+        return [e["pid"] for e in supervised.supervisor_events("child_started")]
+
+    poll(lambda: len(child_pids()) >= 2, 60, what="a second child")
+    first_pid = child_pids()[0]
+    [stopping, *_] = supervised.supervisor_events("child_stopping")
+    assert stopping["pid"] == first_pid
+    assert stopping["reason"].startswith("not ready after"), stopping
+    waited = float(stopping["reason"].split()[3])
+    assert waited >= start_timeout
+    [exited, *_] = supervised.supervisor_events("child_exited")
+    assert exited["pid"] == first_pid and "not ready after" in exited["reason"]
+    # Never ready: the supervisor itself kept answering, with retryable 503s.
+    assert supervised.supervisor_events("child_ready") == []
+    assert httpx.get(supervised.url + "/livez", timeout=5).status_code == 200
+    response = httpx.post(supervised.url + COMPLETIONS, json=chat_body(max_tokens=4), timeout=10)
+    assert response.status_code == 503 and response.json()["error"]["code"] == "engine_restarting"
+    assert supervised.supervisor()["restarts"] >= 1
