@@ -7,7 +7,7 @@ is far below that. This script builds the guardian's engine in-process, as
 default configuration, the demo model is served), and times for N chat
 requests of ~110 prompt tokens:
 
-- ``engine.gate.admit``: everything the HTTP thread does before enqueueing,
+- ``gate.admit``: everything the HTTP thread does before enqueueing,
   with the ``prompt_guard`` plugin on (tokenize, limits, KV budget);
 - stock's ``_tokenize`` alone, the work stock itself does for the same
   request on its generation thread, and which admission takes off it.
@@ -28,11 +28,11 @@ import time
 SENTENCE = "The guardian watches a language model server and keeps it alive. "
 
 
-def build_engine():
+def build_guardian():
+    """The engine with its admission and watchdog, as ``guardian.server.serve`` wires them."""
     from guardian import cli, stock
     from guardian.demo_model import ensure_demo_model
-    from guardian.engine.generator import GuardianEngine
-    from guardian.health.watchdog import Watchdog
+    from guardian.server import Guardian
 
     captured = {}
 
@@ -44,11 +44,9 @@ def build_engine():
     model_provider = captured["model_provider"]
     model_provider.load_default()
     config, pm = model_provider.cli_args.guardian_runtime
-    engine = GuardianEngine(model_provider, model_provider.cli_args.prompt_cache_size,
-                            pm=pm, core=config.core, on_exit=lambda code: None)
-    engine.watchdog = Watchdog(engine, pm, config.watchdog)
-    pm.hook.guardian_startup(engine=engine, config=config)
-    return engine
+    served = Guardian(model_provider, config, pm, on_exit=lambda code: None)
+    pm.hook.guardian_startup(engine=served.engine, config=config)
+    return served
 
 
 def chat_request(i: int):
@@ -67,18 +65,20 @@ def main() -> None:
     from guardian import stock
     from guardian.context import request_scope
 
-    engine = build_engine()
+    served = build_guardian()
+    engine, gate = served.engine, served.gate
     cli_args = engine.cli_args
     admit_ms, tokenize_ms = [], []
     for i in range(args.requests):
         _, generation_args = stock.make_request("", max_tokens=128, cli_args=cli_args)
         with request_scope(f"bench-{i}", stream=True):
             started = time.perf_counter()
-            admission = engine.gate.admit(chat_request(i), generation_args)
+            admission = gate.admit(chat_request(i), generation_args, engine=engine)
             admit_ms.append((time.perf_counter() - started) * 1000)
             admission.finish()
         started = time.perf_counter()
-        engine.tokenize_as_stock(engine.model_provider.tokenizer, chat_request(i), generation_args)
+        stock.tokenize_as_stock(engine.model_provider, engine.model_provider.tokenizer, chat_request(i),
+                                generation_args)
         tokenize_ms.append((time.perf_counter() - started) * 1000)
 
     def describe(values):

@@ -186,13 +186,10 @@ class SupervisableResponseGenerator(ResponseGenerator):
             return reused
         return super()._tokenize(tokenizer, request, args)
 
-    def tokenize_as_stock(self, tokenizer, request, args) -> tuple:
-        """Stock's own ``_tokenize``: (prompt, segments, segment types, state[, vision])."""
-        return tokenize_as_stock(self.model_provider, tokenizer, request, args)
-
 
 def tokenize_as_stock(model_provider, tokenizer, request, args) -> tuple:
-    """Stock's own ``_tokenize`` of a request, without a ResponseGenerator.
+    """Stock's own ``_tokenize`` of a request, without a ResponseGenerator:
+    (prompt, segments, segment types, state[, vision]).
 
     Stock's method reads nothing of its generator but ``model_provider``
     (its flags, and on 0.32 its image processor), so admission can run it on
