@@ -1,25 +1,29 @@
 # Set-up and tests on a fresh machine. `make serve` and `make test` each
-# create what they need; nothing is downloaded at run time.
+# create what they need; nothing is downloaded at run time, except that the
+# tests fetch the installed mlx-lm's sdist for its own server tests
+# (tests/test_stock_server_suite.py).
 
 PYTHON ?= python3
 VENV := .venv
 # The incident's mlx-lm: the failure tests run against it as well.
 VENV_0313 := .venv-0313
+# Stock's tests/test_server.py talks to the server with requests.
+STOCK_TEST_DEPS := requests
 PORT ?= 8080
 ARGS ?=
 
 .PHONY: serve test test-newest test-0313 bench clean
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
-	$(VENV)/bin/pip install -q -e '.[test]'
+	$(VENV)/bin/pip install -q -e '.[test]' $(STOCK_TEST_DEPS)
 	touch $@
 
-$(VENV_0313)/.installed: pyproject.toml
+$(VENV_0313)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV_0313)
 	$(VENV_0313)/bin/pip install -q --upgrade pip
-	$(VENV_0313)/bin/pip install -q -e '.[test]' 'mlx-lm==0.31.3'
+	$(VENV_0313)/bin/pip install -q -e '.[test]' $(STOCK_TEST_DEPS) 'mlx-lm==0.31.3'
 	touch $@
 
 serve: $(VENV)/.installed
