@@ -59,13 +59,29 @@ class Calls:
         self.restarted.append((duration_s, classification, restarts))
 
 
+# The events that bring a new lifecycle, owned by the calling thread, to each state.
+PATHS = {
+    S.STARTING: [],
+    S.READY: ["loop_polled"],
+    S.RESTARTING: ["loop_polled", "failed"],
+    S.STALLED: ["loop_polled", "stalled", "loop_started"],  # this thread plays the replacement
+    S.FAILED: ["loop_polled", "gave_up"],
+    S.STOPPED: ["loop_polled", "stopped"],
+}
+
+
 def lifecycle_in(state: EngineState, calls: Calls = None, *, owned: bool = True) -> Lifecycle:
-    """A lifecycle put in ``state``, owned by the calling thread (as its loop)."""
+    """A lifecycle brought to ``state`` by its own events, owned by the calling
+    thread (as its loop) unless ``owned`` is false; callbacks counted afresh."""
+    lifecycle = Lifecycle()
+    lifecycle.loop_started()
+    for event in PATHS[state]:
+        fire(lifecycle, event)
+    assert lifecycle.state is state
     calls = calls or Calls()
-    lifecycle = Lifecycle(on_ready=calls.on_ready, on_restarted=calls.on_restarted)
-    if owned:
-        lifecycle.loop_started()
-    lifecycle.state = state  # test set-up only: the engine never assigns it
+    lifecycle._on_ready, lifecycle._on_restarted = calls.on_ready, calls.on_restarted
+    if not owned:
+        lifecycle.owner = None
     return lifecycle
 
 
@@ -115,18 +131,24 @@ def test_a_stall_puts_the_replacement_on_trial_until_a_probe_verifies_it():
     lifecycle = lifecycle_in(S.READY, calls)
     assert lifecycle.stalled("reload")
     assert lifecycle.on_trial and lifecycle.rung == "reload" and lifecycle.stalls == 1
-    assert lifecycle.owner is None  # the stuck thread no longer owns the engine
-    # The replacement starts and asks for work: still on trial.
-    replacement = threading.Thread(target=lambda: (lifecycle.loop_started(), lifecycle.loop_polled()))
-    replacement.start()
-    replacement.join()
-    assert lifecycle.state is S.STALLED and calls.restarted == []
-    # It fails before the probe: still on trial, the failure noted.
-    lifecycle.owner = threading.get_ident()  # this thread plays the replacement now
-    assert lifecycle.failed("unknown") and lifecycle.on_trial
-    assert lifecycle.verified()
-    assert lifecycle.state is S.READY and len(calls.restarted) == 1
-    assert calls.restarted[0][1] == "unknown"
+    assert lifecycle.owner is None  # the stuck thread (this one) no longer owns the engine
+    seen = []
+
+    def replacement():
+        lifecycle.loop_started()
+        lifecycle.loop_polled()  # it asks for work: still on trial
+        seen.append(lifecycle.state)
+        lifecycle.failed("unknown")  # it fails before the probe: still on trial
+        seen.append(lifecycle.state)
+
+    thread = threading.Thread(target=replacement)
+    thread.start()
+    thread.join()
+    assert seen == [S.STALLED, S.STALLED] and calls.restarted == []
+    assert lifecycle.verified()  # a probe thread: the replacement generated
+    assert lifecycle.state is S.READY
+    [(_, classification, restarts)] = calls.restarted
+    assert classification == "unknown" and restarts == 1
 
 
 def test_loop_events_from_a_thread_that_does_not_own_the_engine_raise():
@@ -155,8 +177,7 @@ def test_only_one_loop_thread_owns_the_engine():
     with pytest.raises(EngineAbandoned):
         lifecycle.loop_started()  # a second loop while one owns it
     for state in (S.FAILED, S.STOPPED):
-        done = Lifecycle()
-        done.state = state
+        done = lifecycle_in(state, owned=False)
         with pytest.raises(EngineAbandoned):
             done.loop_started()  # the engine is done: a late replacement exits
 

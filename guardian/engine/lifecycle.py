@@ -84,7 +84,7 @@ class Lifecycle:
         self._lock = threading.Lock()
         self._on_ready = on_ready
         self._on_restarted = on_restarted
-        self.state = EngineState.STARTING
+        self._state = EngineState.STARTING
         self.restarts = 0
         self.stalls = 0
         # The ident of the one loop thread whose work counts; None between a
@@ -98,12 +98,17 @@ class Lifecycle:
         self.rung: Optional[str] = None  # the ladder's rung of the last stall
         self.gave_up_reason: Optional[str] = None
 
+    @property
+    def state(self) -> EngineState:
+        """The engine's state: read by anyone, changed only by the events below."""
+        return self._state
+
     # -- the loop thread ------------------------------------------------------
     def loop_started(self) -> None:
         """The calling thread starts running the loop: it owns the engine, unless
         another loop already does or the engine is done (EngineAbandoned)."""
         with self._lock:
-            if self.owner is not None or self.state not in _LIVE:
+            if self.owner is not None or self._state not in _LIVE:
                 raise EngineAbandoned
             self.owner = threading.get_ident()
 
@@ -115,7 +120,7 @@ class Lifecycle:
     def loop_polled(self) -> bool:
         """The loop asked for work or reported progress: it is alive."""
         self.check_owner()
-        if self.state is EngineState.READY:
+        if self._state is EngineState.READY:
             return False  # every token comes here: no lock while nothing changes
         return self._event("loop_polled")
 
@@ -145,7 +150,7 @@ class Lifecycle:
     @property
     def on_trial(self) -> bool:
         """A replacement loop waits for a probe to prove it generates."""
-        return self.state is EngineState.STALLED
+        return self._state is EngineState.STALLED
 
     def troubled_for(self, now: float) -> float:
         """Seconds since the failure or stall that started this restart."""
@@ -157,11 +162,11 @@ class Lifecycle:
         with self._lock:
             if event in LOOP_EVENTS:
                 self.check_owner()
-            before = self.state
+            before = self._state
             after = TRANSITIONS[event].get(before)
             if after is None:
                 return False
-            self.state = after
+            self._state = after
             callback = self._record(event, before, after, details)
         log.debug("engine_state_changed", engine_event=event, before=before.value, after=after.value)
         if callback is not None:
