@@ -41,7 +41,10 @@ from pathlib import Path
 import pytest
 
 from guardian import stock
+from guardian.admission.facts import served_model_config
+from guardian.admission.startup_checks import impossible_flags
 from guardian.config import load_config
+from guardian.exit_codes import EXIT_BOOT_ERROR, EXIT_USAGE
 from guardian.http import GuardianHandler
 from guardian.plugins.manager import make_plugin_manager
 from guardian.server import Guardian, make_http_server
@@ -56,6 +59,11 @@ DOWNLOAD_TIMEOUT_S = 120
 # A hung request fails its test instead of the run (stock's requests have no timeout).
 pytestmark = pytest.mark.timeout(60)
 
+
+class GuardianWouldNotStart(Exception):
+    """guardian.server.serve would exit before serving; the message has its exit code and why."""
+
+
 # --- the stock tests that cannot pass, and why: the one list --------------------------------
 # Keys are "Class.test"; "versions": the mlx-lm version prefixes the entry is for (each
 # of them has the test); "raises": how the test fails.
@@ -63,6 +71,9 @@ pytestmark = pytest.mark.timeout(60)
 CHANGED = "behaviour changed on purpose: "
 DEMO = "the random-weight demo model: "
 GUARDIAN_BUG = "GUARDIAN BUG: "
+KV_FLAGS = ("the guardian refuses to start with flags that can never work (exit 2); the "
+            "fixture's --kv-bits 4 --kv-group-size 64 cannot quantize the demo model's KV cache "
+            "(head dimension 16), where stock starts and then fails every request")
 EXPECTED = {
     "TestServer.test_health_endpoint": dict(
         outcome="xfail", raises=AssertionError, versions=("0.32.",),
@@ -74,18 +85,19 @@ EXPECTED = {
         reason=DEMO + "stock 0.32 fails it too (the same two texts): the second seeded request "
         "reuses the first's prompt cache, its logits differ in the last bits, and at temperature "
         "0.5 random weights' near-flat distribution turns that into other tokens"),
+    "TestServerKVCacheQuantization.test_quantized_kv_disables_batching": dict(
+        outcome="xfail", raises=GuardianWouldNotStart, versions=("0.32.",),
+        reason=CHANGED + KV_FLAGS),
     "TestServerKVCacheQuantization.test_completion_quantizes_the_cache": dict(
-        outcome="xfail", raises=AssertionError, versions=("0.32.",),
-        reason=DEMO + "its head dimension (16) is not a multiple of the KV quantization group "
-        "size (64) stock's fixture sets, so quantizing the cache raises; stock fails the same "
-        "request (the guardian answers it 500 request_failed_repeatedly)"),
+        outcome="xfail", raises=GuardianWouldNotStart, versions=("0.32.",),
+        reason=CHANGED + KV_FLAGS),
     "TestGenerationThreadDeath.test_generation_unavailable_after_thread_crash": dict(
-        outcome="xfail", raises=RuntimeError, versions=("0.32.",),
+        outcome="xfail", raises=GuardianWouldNotStart, versions=("0.32.",),
         reason=CHANGED + "the guardian loads the model before its engine starts, as serve() "
         "does (a failed load exits with code 3), and never leaves a dead generation thread "
         "behind; the test reads stock's _generation_failed"),
     "TestGenerationThreadDeath.test_inflight_request_does_not_hang_after_thread_crash": dict(
-        outcome="xfail", raises=RuntimeError, versions=("0.32.",),
+        outcome="xfail", raises=GuardianWouldNotStart, versions=("0.32.",),
         reason=CHANGED + "the guardian loads the model before its engine starts, as serve() "
         "does (a failed load exits with code 3), and answers or re-runs in-flight requests "
         "itself; the test calls stock's _await_response on a dead thread"),
@@ -187,10 +199,17 @@ def demo_model_provider(with_draft=False, kv_bits=None, quantized_kv_start=0):
 
 def guardian_engine(model_provider, prompt_cache=None):
     """Stands in for stock's ``ResponseGenerator(model_provider, prompt_cache)``:
-    the guardian as guardian.server.serve builds and starts it."""
+    the guardian as guardian.server.serve checks, builds and starts it."""
+    try:
+        model_provider.load_default()
+    except Exception as e:
+        raise GuardianWouldNotStart(f"exit {EXIT_BOOT_ERROR}: the model did not load: {e!r}") from e
+    problems = impossible_flags(model_provider.cli_args,
+                                served_model_config(model_provider.model_key[0], model_provider.model))
+    if problems:
+        raise GuardianWouldNotStart(f"exit {EXIT_USAGE}: " + "; ".join(problems))
     config = load_config(None)
     pm = make_plugin_manager(config)
-    model_provider.load_default()
     # The exit codes the engine asks for (serve would exit with the first).
     exit_codes: list[int] = []
     served = StockFacingGuardian(model_provider, config, pm, on_exit=exit_codes.append)
