@@ -6,6 +6,7 @@ plugin set to raise the incident's RuntimeError inside the stock engine.
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 
@@ -29,7 +30,7 @@ def completion(client, server, **body):
 
 def assert_recovered(server, client):
     """/health is 200 again and the next request succeeds."""
-    poll(lambda: server.health() == 200, 2, what="/health 200 after the failure")
+    poll(lambda: server.health() == 200, 10, what="/health 200 after the failure")
     response = completion(client, server, max_tokens=4)
     assert response.status_code == 200, response.text
     assert response.json()["usage"]["completion_tokens"] == 4
@@ -101,7 +102,7 @@ def concurrent_clients(server, count: int, max_tokens: int, timeout: float = 60)
             if stream:
                 return stream, read_stream(client, url, body)
             response = client.post(url, json=body)
-            return stream, {"status": response.status_code, "body": response.json()}
+            return stream, {"status": response.status_code, "body": response.json(), "ended_at": time.time()}
 
     with ThreadPoolExecutor(8) as pool:
         return list(pool.map(client_call, range(count)))
@@ -129,11 +130,14 @@ def test_eight_clients_mid_generation(start_server):
         else:
             assert result["body"]["usage"]["completion_tokens"] == 1500
     assert streamed_errors >= 1, "the fault should have hit streams mid-tokens"
-    # Cut streams are answered at once, within 1 s of the failure; the
-    # re-run ones finish when their full completion has been generated.
+    # Cut streams are answered at once, before any re-run request (all the
+    # non-streaming ones: their tokens were held) has had its 1500 tokens
+    # generated again; on an idle machine within 1 s of the failure.
+    rerun_ended = min(result["ended_at"] for stream, result in results if not stream)
     for stream, result in results:
         if stream and result["errors"]:
-            assert result["error_at"] - failed_at < 1.0
+            assert result["error_at"] < rerun_ended
+            assert result["error_at"] - failed_at < max(1.0, (rerun_ended - failed_at) / 2)
     with httpx.Client(timeout=30) as client:
         assert_recovered(server, client)
 

@@ -207,7 +207,7 @@ def test_sigstopped_child_is_detected_and_replaced(start_supervisor):
         stopped_at = time.monotonic()
         waiter = threading.Thread(target=post_to_stopped_child, daemon=True)
         waiter.start()
-        poll(lambda: supervised.supervisor()["state"] == "unhealthy", 5, interval=0.02, what="unhealthy")
+        poll(lambda: supervised.supervisor()["state"] == "unhealthy", 10, interval=0.02, what="unhealthy")
         # Health checks are answered at once, never left hanging on the stopped child.
         health = httpx.get(supervised.url + "/health", timeout=1)
         assert health.status_code == 503 and health.json()["state"] == "unhealthy"
@@ -220,8 +220,9 @@ def test_sigstopped_child_is_detected_and_replaced(start_supervisor):
         detected_s = time.monotonic() - stopped_at
         print(f"\nmeasured: SIGSTOP detected in {detected_s:.2f} s")
         # Failing checks for unhealthy-after, one interval to notice, one
-        # check's timeout (0.5 s at least), and a margin for a busy machine.
-        assert detected_s < unhealthy_after + interval + 0.5 + 1.5
+        # check's timeout (0.5 s at least), and a margin for a busy machine:
+        # still far below the 30 s default.
+        assert detected_s < unhealthy_after + interval + 0.5 + 6
         supervised.wait_ready(not_pid=stopped_pid, timeout=30)
         # The request sent to the stopped child ended, one way or the other.
         waiter.join(timeout=15)
@@ -253,7 +254,8 @@ def test_sigterm_hard_kills_a_child_that_outlives_the_grace(start_supervisor, tm
     supervised.proc.send_signal(signal.SIGTERM)
     stopped_at = time.monotonic()
     assert supervised.proc.wait(timeout=20) == EXIT_OK
-    assert time.monotonic() - stopped_at < 1 + 3  # the grace, the kill, the answers
+    # The 1 s grace, the kill, the answers; far below the child's 30 s drain.
+    assert time.monotonic() - stopped_at < 1 + 12
     assert not pid_alive(child_pid)
     waiter.join(timeout=10)
     assert hung["response"].status_code == 503

@@ -68,9 +68,10 @@ def test_hang_is_detected_answered_and_replaced(start_server):
         [hang] = [e for e in server.events("fault_injected") if e["kind"] == "hang"]
         [stalled] = server.events("engine_stalled")
         assert stalled["action"] == "restart"
-        assert 1.0 <= stamp(stalled) - stamp(hang) <= 2.0
+        # After stall_timeout_s (1 s), and nowhere near the 30 s default (a busy machine may delay a tick).
+        assert 1.0 <= stamp(stalled) - stamp(hang) <= 6.0
         server.wait_for_event("engine_restarted")
-        poll(lambda: server.health() == 200 and server.status("/readyz") == 200, 5, what="ready again")
+        poll(lambda: server.health() == 200 and server.status("/readyz") == 200, 15, what="ready again")
         assert client.post(server.url + "/v1/chat/completions", json=chat_body(max_tokens=4)).status_code == 200
     assert 503 in recorder.seen["/health"] and 503 in recorder.seen["/readyz"]
     status = httpx.get(server.url + "/guardian/status").json()
@@ -136,7 +137,7 @@ def test_deep_probe_runs_one_token_and_keeps_the_prompt_cache_clean(start_server
         sample = httpx.get(server.url + "/guardian/status").json()["last_resource_sample"]
         return sample if sample and sample["at"] > body["last_probe"]["at"] else None
 
-    sample = poll(fresh_sample, 5, what="a resource sample after the probe")
+    sample = poll(fresh_sample, 15, what="a resource sample after the probe")
     assert sample["prompt_cache_sequences"] == 0
     assert sample["active_memory_bytes"] > 0
     # The probe never went through HTTP: only the test's own GETs were logged.
@@ -155,7 +156,8 @@ def test_deep_probe_keeps_its_deadline_on_a_stuck_engine(start_server):
             elapsed = time.monotonic() - started
             assert response.status_code == 503
             assert "no token within 0.5 s" in response.json()["last_probe"]["results"][0]["error"]
-            assert elapsed < 1.5
+            # The probe's 0.5 s deadline, not the stuck engine (stall_timeout_s 60) nor the client's 30 s.
+            assert elapsed < 0.5 + 5
             assert client.get(server.url + "/health").status_code == 200  # not yet a stall
 
 
