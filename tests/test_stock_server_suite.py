@@ -309,3 +309,13 @@ def test_readme_lists_every_expected_outcome():
     assert section, "README.md has no \"## Stock's own tests\" section"
     missing = [test_id for test_id in EXPECTED if f"`{test_id}`" not in section.group(1)]
     assert not missing
+
+
+def test_an_unreachable_index_is_a_reason_to_skip(tmp_path, monkeypatch):
+    """Without the package index, fetching raises what the module skips with, and soon."""
+    closed = "http://127.0.0.1:9/simple"  # the discard port: nothing listens there
+    for name, value in {"PIP_CONFIG_FILE": os.devnull, "PIP_INDEX_URL": closed,
+                        "PIP_EXTRA_INDEX_URL": closed, "PIP_FIND_LINKS": "", "PIP_NO_CACHE_DIR": "1"}.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(StockTestsUnavailable, match=f"pip could not download the sdist of mlx-lm=={re.escape(STOCK_VERSION)}"):
+        download_sdist(STOCK_VERSION, tmp_path)
