@@ -369,3 +369,10 @@ class RequestLedger:
     def has_work(self) -> bool:
         with self._cond:
             return bool(self._incoming or self._reruns or self._in_flight)
+
+    def has_user_work(self) -> bool:
+        """Whether a request that is not a synthetic probe is queued or in flight."""
+        with self._cond:
+            records = [item[0] for item in self._incoming]
+            records += [*self._reruns, *self._in_flight.values()]
+        return any(not record.synthetic for record in records)

@@ -147,12 +147,13 @@ class Watchdog:
         return time.monotonic() - self.engine.last_beat < self.settings.stall_timeout_s
 
     def progressing(self) -> bool:
-        """Work is in flight and the heartbeat moved within a probe's deadline:
-        a probe now would only wait behind it."""
+        """Users' work is in flight and the heartbeat moved within a probe's
+        deadline: a probe now would only wait behind it. A probe in flight is
+        no proof of its own: its first step may be the one that never returns."""
         engine = self.engine
         age = time.monotonic() - engine.last_beat
         window = min(self.settings.stall_timeout_s, self.settings.probe_timeout_s)
-        return engine.ledger.has_work() and age < window
+        return age < window and engine.ledger.has_user_work()
 
     def readiness(self) -> tuple[bool, str]:
         """Can this process generate now? (and why not)"""
