@@ -3,12 +3,14 @@
 The README (the watchdog, systemd): mlx-guardian writes ``READY=1`` "once
 the model is loaded and the first probe generated a token", and tests wait
 for ``/readyz`` as proof that "the start-up probe passed". Here the very
-first engine step, the start-up probe's, never returns.
+first engine step, the start-up probe's, never returns. Before the fix,
+the probe in flight counted as visible progress (the heartbeat is set when
+a step begins): /readyz said 200 "generating" and READY=1 went out for up
+to probe_timeout_s before any token was generated, so a supervisor marked
+the child ready and its start timeout never applied.
 """
 
 from __future__ import annotations
-
-import pytest
 
 from conftest import poll
 
@@ -16,14 +18,6 @@ FIRST_STEP_HANGS = ("[fault_injection]\nenabled = true\nhang_at_step = 1\n"
                     "[watchdog]\ninterval_s = 0.05\nstall_timeout_s = 120\nprobe_timeout_s = 2.0\n")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: while the start-up probe's step hangs, the probe itself is work in flight and the "
-    "heartbeat was set when the step began, so Watchdog.progressing() calls it 'generating': "
-    "/readyz answers 200 and READY=1 goes to systemd for up to probe_timeout_s (10 s by default) "
-    "before any token was generated. A supervisor's start check sees that 200, marks the child "
-    "ready, and --supervisor-start-timeout never applies (it waits --supervisor-unhealthy-after "
-    "instead). Synthetic probes should not count as visible progress, nor should a heartbeat "
-    "from a step that has not returned."))
 def test_not_ready_until_the_first_probe_generated(start_server, notify_receiver):
     server = start_server(FIRST_STEP_HANGS, wait=False, env={"NOTIFY_SOCKET": notify_receiver.address})
     server.wait_for_event("fault_injected", timeout=60)
