@@ -18,6 +18,9 @@ count has to be guessed.
   on a loop thread; the first start is 1) blocks before the loop ever asks
   for work.
 
+- ``log_model_loads``: log ``stock_model_loaded`` each time stock's
+  ``ModelProvider._load`` reads a model's weights (a reload shows there).
+
 A hang lasts ``hang_s`` seconds, or with 0 until the server shuts down.
 ``loop_fault_hang`` is logged when one begins, ``loop_fault_hang_ended``
 when the blocked call returns to stock's code.
@@ -48,6 +51,7 @@ class LoopFaultsSettings:
     hang_times: int = 1
     hang_loop_start: int = 0
     hang_s: float = 0.0
+    log_model_loads: bool = False
 
 
 class LoopFaults:
@@ -64,6 +68,8 @@ class LoopFaults:
             self._plant_hang_in_step(settings.hang_repetition_penalty)
         if settings.hang_loop_start:
             self._plant_hang_at_loop_start(settings.hang_loop_start)
+        if settings.log_model_loads:
+            self._log_model_loads()
 
     @guardian.hookimpl
     def guardian_startup(self):
@@ -132,3 +138,14 @@ class LoopFaults:
             return stock_method(provider, *args, **kwargs)
 
         server.ModelProvider.load_default = load_default
+
+    @staticmethod
+    def _log_model_loads() -> None:
+        stock_method = server.ModelProvider._load
+
+        def load(provider, *args, **kwargs):
+            result = stock_method(provider, *args, **kwargs)
+            log.warning("stock_model_loaded", thread=threading.current_thread().name)
+            return result
+
+        server.ModelProvider._load = load
