@@ -66,6 +66,11 @@ class AdmittingGenerator:
                 if admission is not None:
                     admission.finish()
                 raise
+        # However the HTTP thread's work on the request ends, nothing goes on
+        # generating for it: a client that reset its connection fails stock's
+        # first write (its stream headers) before the try/finally that would
+        # stop the request.
+        at_request_end(ctx.stop)
         if admission is not None and not at_request_end(admission.finish):
             tokens = finish_after(tokens, admission)
         return ctx, tokens
