@@ -20,6 +20,9 @@ count has to be guessed.
 
 - ``log_model_loads``: log ``stock_model_loaded`` each time stock's
   ``ModelProvider._load`` reads a model's weights (a reload shows there).
+- ``hang_model_load``: the Nth call of ``ModelProvider._load`` (the first
+  is the load at start) blocks before it reads anything, as a read of the
+  weights from a hung disk would; then it loads.
 
 A hang lasts ``hang_s`` seconds, or with 0 until the server shuts down.
 ``loop_fault_hang`` is logged when one begins, ``loop_fault_hang_ended``
@@ -52,6 +55,7 @@ class LoopFaultsSettings:
     hang_loop_start: int = 0
     hang_s: float = 0.0
     log_model_loads: bool = False
+    hang_model_load: int = 0
 
 
 class LoopFaults:
@@ -68,8 +72,8 @@ class LoopFaults:
             self._plant_hang_in_step(settings.hang_repetition_penalty)
         if settings.hang_loop_start:
             self._plant_hang_at_loop_start(settings.hang_loop_start)
-        if settings.log_model_loads:
-            self._log_model_loads()
+        if settings.log_model_loads or settings.hang_model_load:
+            self._plant_in_model_load(settings.hang_model_load)
 
     @guardian.hookimpl
     def guardian_startup(self):
@@ -139,11 +143,17 @@ class LoopFaults:
 
         server.ModelProvider.load_default = load_default
 
-    @staticmethod
-    def _log_model_loads() -> None:
+    def _plant_in_model_load(self, hang_at: int) -> None:
         stock_method = server.ModelProvider._load
+        plugin = self
+        loads = [0]
 
         def load(provider, *args, **kwargs):
+            with plugin._lock:
+                loads[0] += 1
+                this_load = loads[0]
+            if this_load == hang_at:
+                plugin._hang("model_load")
             result = stock_method(provider, *args, **kwargs)
             log.warning("stock_model_loaded", thread=threading.current_thread().name)
             return result
