@@ -208,8 +208,9 @@ def test_sigstopped_child_is_detected_and_replaced(start_supervisor):
         waiter = threading.Thread(target=post_to_stopped_child, daemon=True)
         waiter.start()
         poll(lambda: supervised.supervisor()["state"] == "unhealthy", 10, interval=0.02, what="unhealthy")
-        # Health checks are answered at once, never left hanging on the stopped child.
-        health = httpx.get(supervised.url + "/health", timeout=1)
+        # Health checks are answered at once, never left hanging on the stopped
+        # child (which would never answer); 5 s leaves room for a busy machine.
+        health = httpx.get(supervised.url + "/health", timeout=5)
         assert health.status_code == 503 and health.json()["state"] == "unhealthy"
 
         def stop_decided():
