@@ -60,19 +60,11 @@ def raw_stream_request(server, body: dict) -> socket.socket:
 
 SENTENCE = "The guardian watches a language model server and keeps it alive. "
 
-ABORTIVE_CLOSE_BUG = (
-    "BUG: a streaming client whose connection is reset (an abortive close: RST) before stock wrote "
-    "its stream headers is logged client_disconnected, but its request is never stopped: the "
-    "BrokenPipe/ConnectionReset comes from end_headers(), before stock's try/finally that calls "
-    "ctx.stop(), and GuardianHandler.handle_completion catches it without stopping the request, so "
-    "the re-run generates all its 600 tokens for nobody (its KV budget held meanwhile)."
-)
 
-
-@pytest.mark.parametrize("close", [
-    "orderly",
-    pytest.param("abortive", marks=pytest.mark.xfail(strict=True, reason=ABORTIVE_CLOSE_BUG)),
-])
+# An abortive close used to fail stock's first write, its stream headers,
+# before the try/finally that stops the request: the re-run generated all
+# its tokens for nobody (fixed in ce246d9; this test was its strict xfail).
+@pytest.mark.parametrize("close", ["orderly", "abortive"])
 def test_a_client_that_leaves_while_its_request_waits_for_a_rerun(start_server, close):
     # The restarted loop blocks 2 s before it asks for work: the leaving
     # client's request waits for its re-run all that time. It leaves with a
