@@ -316,6 +316,42 @@ def reset_model_provider(model_provider) -> None:
     model_provider.model_key = None
 
 
+def guard_model_loads(model_provider, check_owner: Callable[[], None]) -> None:
+    """Let a model that stock's ``_load`` read land only while its loading thread owns the engine.
+
+    Stock's ``_load`` drops the loaded model, reads the next one (on the loop
+    thread: a reload, a switch), then assigns it to the provider. A loop
+    thread abandoned while it reads (a hung disk) would assign it behind the
+    loop that replaced it, with no contact with the guardian before. Here it
+    reads into a shallow copy of the provider, and the copy's loaded
+    attributes are assigned only if ``check_owner()`` passes (it raises
+    otherwise). The served model is still dropped first, as stock drops it,
+    so two models are never held at once. One engine per provider.
+    """
+
+    def load_while_owner(*model_key):
+        _drop_loaded_model(model_provider)
+        shadow = copy.copy(model_provider)
+        vars(shadow).pop("_load", None)
+        ModelProvider._load(shadow, *model_key)
+        check_owner()
+        for name, value in vars(shadow).items():
+            if getattr(model_provider, name, None) is not value:
+                setattr(model_provider, name, value)
+
+    model_provider._load = load_while_owner
+
+
+def _drop_loaded_model(model_provider) -> None:
+    """What stock's ``_load`` does first: forget the loaded model (0.32: reset(); 0.31 by hand)."""
+    reset = getattr(model_provider, "reset", None)
+    if reset is not None:
+        reset()
+    else:
+        model_provider.model_key = model_provider.model = model_provider.tokenizer = None
+        model_provider.draft_model = None
+
+
 def step_observed(stock_class, observe: Callable[[], None]):
     """A subclass of stock BatchGenerator calling ``observe()`` before each step."""
 

@@ -87,6 +87,8 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
         self._probe_ids = itertools.count(1)
         # Called before every engine step: no plugin call at all by default.
         self._step_hook = active_hook(pm, "on_engine_step")
+        # A loop abandoned while it reads weights must not assign them later.
+        stock.guard_model_loads(model_provider, self._check_load_owner)
         super().__init__(model_provider, prompt_cache)
 
     # Stock's __init__ assigns a plain Queue; the engine's queue is the ledger.
@@ -126,6 +128,14 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
 
     def _check_owner(self) -> None:
         self.lifecycle.check_owner()
+
+    def _check_load_owner(self) -> None:
+        """A model was read: it is assigned only if this thread still owns the engine."""
+        try:
+            self.lifecycle.check_owner()
+        except EngineAbandoned:
+            log.warning("abandoned_model_load_discarded", thread=threading.current_thread().name)
+            raise
 
     def _loop_polled(self) -> None:
         """The stock loop asked for work or reported progress: it is alive."""
