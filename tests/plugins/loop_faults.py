@@ -22,7 +22,9 @@ count has to be guessed.
   ``ModelProvider._load`` reads a model's weights (a reload shows there).
 - ``hang_model_load``: the Nth call of ``ModelProvider._load`` (the first
   is the load at start) blocks before it reads anything, as a read of the
-  weights from a hung disk would; then it loads.
+  weights from a hung disk would; then it loads. Once the thread that read
+  it has exited, ``late_model_load_checked`` says whether the model it read
+  is the one the server's provider serves (``served``).
 
 A hang lasts ``hang_s`` seconds, or with 0 until the server shuts down.
 ``loop_fault_hang`` is logged when one begins, ``loop_fault_hang_ended``
@@ -145,8 +147,15 @@ class LoopFaults:
 
     def _plant_in_model_load(self, hang_at: int) -> None:
         stock_method = server.ModelProvider._load
+        stock_load_default = server.ModelProvider.load_default
         plugin = self
         loads = [0]
+        served = []  # the provider the server's loops load from
+
+        def load_default(provider, *args, **kwargs):
+            if not served:
+                served.append(provider)
+            return stock_load_default(provider, *args, **kwargs)
 
         def load(provider, *args, **kwargs):
             with plugin._lock:
@@ -156,6 +165,18 @@ class LoopFaults:
                 plugin._hang("model_load")
             result = stock_method(provider, *args, **kwargs)
             log.warning("stock_model_loaded", thread=threading.current_thread().name)
+            if this_load == hang_at:
+                check_when_gone(threading.current_thread(), provider.model)
             return result
+
+        def check_when_gone(reader: threading.Thread, model) -> None:
+            def check():
+                reader.join(timeout=30)
+                log.warning("late_model_load_checked", reader_exited=not reader.is_alive(),
+                            served=bool(served) and served[0].model is model)
+
+            threading.Thread(target=check, name="late-load-check", daemon=True).start()
+
+        server.ModelProvider.load_default = load_default
 
         server.ModelProvider._load = load
