@@ -27,6 +27,8 @@ from guardian.http import GuardianHandler
 from guardian.admission.model_access import ModelAccess
 from guardian.admission.startup_checks import impossible_flags
 from guardian.health.watchdog import Watchdog
+from guardian.plugins.facade import EngineView
+from guardian.plugins.manager import notify
 
 log = structlog.get_logger("guardian.server")
 
@@ -88,7 +90,8 @@ def serve(host: str, port: int, model_provider, config: GuardianConfig, pm) -> i
     httpd.shutdown()
     httpd.server_close()
     stock.stop_generation_thread(engine)
-    pm.hook.guardian_shutdown(engine=engine, exit_code=code)
+    # Contained: a plugin failing here must not turn exit 4 into exit 1.
+    notify(pm.hook.guardian_shutdown, engine=engine.plugin_view, exit_code=code)
     log.info("server_stopped", exit_code=code)
     return code
 
@@ -110,10 +113,8 @@ class Guardian(AdmittingGenerator):
                                    allow_any_model=config.core.allow_any_model)
         model_access.keep_served_model()
         gate = AdmissionGate(model_provider, pm, model_access=model_access)
-        # Plugins configure admission through the engine their hooks get
-        # (prompt_guard: engine.gate) until hooks get the EngineView; the
-        # engine itself never reads it.
-        engine.gate = gate
+        # Hooks see the engine and admission through this facade only.
+        engine.plugin_view = EngineView(engine, gate)
         super().__init__(gate, engine)
         self.watchdog = Watchdog(engine, pm, config.watchdog)
         self.pm = pm
@@ -121,7 +122,7 @@ class Guardian(AdmittingGenerator):
 
     def start(self) -> None:
         """Run the start-up hooks, then the watchdog."""
-        self.pm.hook.guardian_startup(engine=self.engine, config=self.config)
+        notify(self.pm.hook.guardian_startup, engine=self.engine.plugin_view, config=self.config)
         if self.config.watchdog.enabled:
             self.watchdog.start()
 

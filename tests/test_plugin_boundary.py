@@ -112,3 +112,38 @@ def test_a_replacement_for_a_disabled_built_in_satisfies_the_requirement(tmp_pat
 
 def test_required_hooks_are_hooks():
     assert set(REQUIRED_HOOKS) <= {name for name in dir(hookspecs) if not name.startswith("_")}
+
+
+# -- observers are contained, start-up and shutdown included (real servers) ----------
+RAISING = '[guardian]\nplugins = ["tests.plugins.raising_observers:RaisingObservers"]\n'
+
+
+def hook_failures(server) -> list[str]:
+    return [e["hook"] for e in server.events("plugin_hook_failed")]
+
+
+def test_start_up_and_shutdown_hooks_that_raise_are_contained(start_server):
+    import signal
+
+    import httpx
+
+    from conftest import chat_body
+
+    server = start_server(RAISING)
+    response = httpx.post(server.url + "/v1/chat/completions", json=chat_body(max_tokens=4), timeout=60)
+    assert response.status_code == 200, response.text
+    server.proc.send_signal(signal.SIGTERM)
+    assert server.proc.wait(timeout=30) == 0
+    assert hook_failures(server) == ["guardian_startup", "guardian_shutdown"]
+    # What hooks get is the facade, never the engine itself.
+    assert {e["engine_type"] for e in server.events("observer_saw_engine")} == {"EngineView"}
+
+
+def test_a_shutdown_hook_that_raises_keeps_the_exit_code(start_server):
+    from guardian.exit_codes import EXIT_ENGINE_FAILED
+
+    # Every engine step fails, the start-up probe's included: a crash loop.
+    server = start_server(RAISING + "[fault_injection]\nenabled = true\nevery_n_steps = 1\n"
+                          "[recovery]\nmax_failures = 1\n", wait=False)
+    assert server.proc.wait(timeout=60) == EXIT_ENGINE_FAILED
+    assert "guardian_shutdown" in hook_failures(server)

@@ -57,7 +57,7 @@ class AdmittingGenerator:
         engine.check_available()
         # Until the engine queues it, the loop may wait a moment for it.
         with engine.arriving():
-            admission = self.gate.admit(request, generation_args, engine=engine)
+            admission = self.gate.admit(request, generation_args, engine=engine.plugin_view)
             if admission is not None:
                 request = admission.request  # a hook may have dropped messages
             try:

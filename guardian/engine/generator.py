@@ -85,6 +85,9 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
         self.last_error: Optional[dict] = None
         self.max_reruns = 1
         self._probe_ids = itertools.count(1)
+        # What hooks receive as ``engine`` (a guardian.plugins.facade.EngineView),
+        # set by whoever serves this engine before the first request.
+        self.plugin_view = None
         # Called before every engine step: no plugin call at all by default.
         self._step_hook = active_hook(pm, "on_engine_step")
         # A loop abandoned while it reads weights must not assign them later.
@@ -151,7 +154,7 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
         self.steps += 1
         self.last_beat = time.monotonic()
         if self._step_hook is not None:
-            self._step_hook(step=self.steps, engine=self)
+            self._step_hook(step=self.steps, engine=self.plugin_view)
         # A step may return long after the watchdog gave up on this thread.
         self._check_owner()
 
@@ -242,7 +245,7 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
             error=cause,
             classification=classification,
             failures_in_window=failures_in_window,
-            engine=self,
+            engine=self.plugin_view,
         )
         if action not in ("restart", "reload", "exit"):
             raise RuntimeError(f"on_engine_error returned {action!r}")
@@ -461,7 +464,7 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
             code=error.code,
             failures=record.failures,
         )
-        notify(self.pm.hook.on_request_failed, request_id=record.request_id, error=error, engine=self)
+        notify(self.pm.hook.on_request_failed, request_id=record.request_id, error=error, engine=self.plugin_view)
 
     # -- errors clients get -------------------------------------------------
     def _restarting_error(self, classification: str, *, mid_stream: bool = False) -> GuardianError:

@@ -101,7 +101,7 @@ class Watchdog:
             step=self.engine.steps,
             **self.engine.ledger.counts(),
         )
-        notify(self.pm.hook.on_stall, engine=self.engine, heartbeat_age_s=heartbeat_age_s, action=action)
+        notify(self.pm.hook.on_stall, engine=self.engine.plugin_view, heartbeat_age_s=heartbeat_age_s, action=action)
         self.engine.recover_from_stall(reason, action)
 
     # -- probes -------------------------------------------------------------
@@ -123,7 +123,7 @@ class Watchdog:
         """Run every plugin's probe now; one round at a time."""
         timeout_s = timeout_s or self.settings.probe_timeout_s
         with self._probing:
-            results = [r for r in self.pm.hook.probe(engine=self.engine, timeout_s=timeout_s) if r]
+            results = [r for r in self.pm.hook.probe(engine=self.engine.plugin_view, timeout_s=timeout_s) if r]
             outcome = {
                 "ok": all(r["ok"] for r in results),
                 "at": time.time(),
@@ -132,7 +132,7 @@ class Watchdog:
             }
             self.last_probe = outcome
         log.info("probe_finished", ok=outcome["ok"], results=results)
-        notify(self.pm.hook.on_probe_result, results=results, engine=self.engine)
+        notify(self.pm.hook.on_probe_result, results=results, engine=self.engine.plugin_view)
         return outcome
 
     def _verify_replacement(self) -> None:
@@ -180,10 +180,10 @@ class Watchdog:
             return
         self._last_sample_at = now
         sample = {"at": time.time()}
-        for gauges in self.pm.hook.sample_resources(engine=self.engine):
+        for gauges in self.pm.hook.sample_resources(engine=self.engine.plugin_view):
             sample.update(gauges or {})
         self.last_sample = sample
-        notify(self.pm.hook.on_resource_sample, sample=sample, engine=self.engine)
+        notify(self.pm.hook.on_resource_sample, sample=sample, engine=self.engine.plugin_view)
 
     # -- systemd ------------------------------------------------------------
     def _ping_systemd(self, now: float) -> None:

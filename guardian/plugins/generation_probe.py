@@ -27,7 +27,7 @@ class GenerationProbe:
 
     @guardian.hookimpl
     def guardian_startup(self, engine):
-        engine.remember_probe_prompt(self.settings.prompt)
+        engine.keep_out_of_prompt_cache(self.settings.prompt)
 
     @guardian.hookimpl
     def probe(self, engine, timeout_s):

@@ -2,8 +2,14 @@
 
 Hooks are called with keyword arguments; an implementation may accept any
 subset of them, so arguments can be added later without breaking plugins.
-An exception raised by an observer hook (``on_*`` without a return value)
-is logged and contained; one raised by a deciding hook propagates.
+An exception raised by an observer hook (``on_*``, ``guardian_startup`` and
+``guardian_shutdown``: no return value) is logged and contained; one raised
+by a deciding hook propagates.
+
+Wherever a hook takes ``engine``, it is an ``EngineView``
+(guardian/plugins/facade.py): the engine's status, the served model's
+limits, probes, and memory set aside, and nothing else. The engine's own
+objects stay behind it, so they can change without breaking plugins.
 """
 
 import pluggy
@@ -19,7 +25,7 @@ hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 def guardian_startup(engine, config):
     """The model is loaded and the engine is about to serve.
 
-    Main thread, once. ``engine`` is the GuardianEngine, ``config`` the
+    Main thread, once. ``engine`` is the EngineView, ``config`` the
     parsed GuardianConfig. Return value ignored.
     """
 
@@ -109,7 +115,8 @@ def on_engine_restarted(duration_s, classification, restarts):
 
 @hookspec
 def on_request_failed(request_id, error, engine):
-    """A request ended with a GuardianError instead of a completion.
+    """A request the engine had queued ended with a GuardianError instead of
+    a completion (refusals at the door are not reported here).
 
     Any thread. ``error`` is the GuardianError the client receives.
     Return value ignored.

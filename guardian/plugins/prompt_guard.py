@@ -35,7 +35,6 @@ from guardian.admission.facts import (
     ModelLimits,
     describe_bytes,
     device_memory,
-    private_tokenizer,
 )
 from guardian.errors import GuardianError
 from guardian.settings import Bool, Float, Int, OneOf, Setting, Table
@@ -170,13 +169,12 @@ class PromptGuard:
         if not s.enabled:
             log.info("prompt_guard_disabled")
             return
-        engine.gate.max_body_bytes = s.max_body_bytes or None
+        engine.set_max_body_bytes(s.max_body_bytes or None)
         # The first private tokenizer copy is made now, not on the first request.
-        with private_tokenizer(engine.model_provider.tokenizer):
-            pass
-        limits = self.served_limits = engine.gate.model_limits(engine.model_provider.model_key)
+        engine.warm_tokenizer()
+        limits = self.served_limits = engine.served_limits()
         n_ctx = self.context_limit(limits)
-        engine.gate.served_context_length = n_ctx
+        engine.set_context_length(n_ctx)
         if limits.context_length is None:
             log.warning(
                 "context_length_unknown",
@@ -237,7 +235,7 @@ class PromptGuard:
         if error is None:
             # The engine's loop waits a moment for requests being admitted,
             # but not for one that waits for the loop to free KV memory.
-            with engine.ledger.set_aside():
+            with engine.set_aside():
                 error = self.reserve_kv_cache(admission, n_ctx)
         return error
 

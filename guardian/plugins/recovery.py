@@ -55,11 +55,11 @@ class Recovery:
         ``max_tokens`` or drops messages; it travels with the request, so
         the engine quarantines the very fingerprint checked here.
         """
-        if not engine.quarantine.enabled:
+        if not engine.quarantine_enabled:
             return None
         fingerprint = request_fingerprint(admission.prompt_tokens, admission.args)
         stock.attach_fingerprint(admission.args, fingerprint)
-        return engine.quarantine.refusal(fingerprint)
+        return engine.quarantine_refusal(fingerprint)
 
     @guardian.hookimpl(trylast=True)
     def classify_engine_error(self, error):

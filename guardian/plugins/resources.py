@@ -26,12 +26,13 @@ class Resources:
 
     @guardian.hookimpl
     def sample_resources(self, engine):
+        sequences, cache_bytes = engine.prompt_cache_usage()
         return {
             "active_memory_bytes": mx.get_active_memory(),
             "cache_memory_bytes": mx.get_cache_memory(),
             "peak_memory_bytes": mx.get_peak_memory(),
             "resource_limit": _device_resource_limit(),
-            "prompt_cache_sequences": len(engine.prompt_cache),
-            "prompt_cache_bytes": engine.prompt_cache.nbytes,
-            "requests_in_flight": len(engine.ledger.in_flight()),
+            "prompt_cache_sequences": sequences,
+            "prompt_cache_bytes": cache_bytes,
+            "requests_in_flight": engine.requests_in_flight(),
         }
