@@ -35,6 +35,7 @@ from guardian.errors import (
 from guardian.exit_codes import EXIT_ENGINE_FAILED, EXIT_ENGINE_STALLED
 from guardian.engine.ledger import RequestLedger, RequestRecord, Stage
 from guardian.plugins.manager import active_hook, notify
+from guardian.settings import ACTIONS, EXIT, RELOAD
 from guardian.quarantine import Entry, Quarantine, short
 
 log = structlog.get_logger("guardian.engine")
@@ -162,7 +163,8 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
     def check_available(self) -> None:
         """Raise AbortRequest (503) once the engine has given up or stopped."""
         if not self.generation_available():
-            raise AbortRequest(engine_unavailable("The engine has stopped; the server is exiting."))
+            raise AbortRequest(engine_unavailable("The engine has stopped; the server is exiting.",
+                                                     self.core.retry_after_s))
 
     def arriving(self):
         """Around what a request goes through before ``generate`` queues it (its
@@ -202,9 +204,9 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
                 action = self._on_failure(exc)
             # Out of the except block the traceback, and with it the dead
             # loop's frames, BatchGenerator and KV arrays, can be freed.
-            if action == "exit":
+            if action == EXIT:
                 return
-            if action == "reload":
+            if action == RELOAD:
                 stock.reset_model_provider(self.model_provider)
             gc.collect()
             mx.clear_cache()
@@ -214,7 +216,7 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
         cause = exc.cause if isinstance(exc, EngineStepError) else exc
         classification = self.pm.hook.classify_engine_error(error=cause) or "unknown"
         if not self.lifecycle.failed(classification):
-            return "exit"  # the engine gave up or stopped meanwhile: nothing to restart
+            return EXIT  # the engine gave up or stopped meanwhile: nothing to restart
         failed_at = self.lifecycle.trouble_at
         counts = self.ledger.counts()
         records = self.ledger.take_in_flight()
@@ -247,9 +249,9 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
             failures_in_window=failures_in_window,
             engine=self.plugin_view,
         )
-        if action not in ("restart", "reload", "exit"):
+        if action not in ACTIONS:
             raise RuntimeError(f"on_engine_error returned {action!r}")
-        if action == "exit":
+        if action == EXIT:
             self.give_up(
                 f"the engine failed {failures_in_window} times within {self.failures.window_s:g} s",
                 records=records,
@@ -388,10 +390,10 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
 
     def recover_from_stall(self, reason: str, rung: str) -> None:
         """The watchdog's stall was accepted (``lifecycle.stalled``): act on its ladder rung."""
-        if rung == "exit":
+        if rung == EXIT:
             self.give_up(f"the engine stalled: {reason}", exit_code=EXIT_ENGINE_STALLED)
         else:
-            self.replace_stuck_loop(reason, reload=rung == "reload")
+            self.replace_stuck_loop(reason, reload=rung == RELOAD)
 
     def replace_stuck_loop(self, reason: str, *, reload: bool) -> None:
         """Settle the requests of the loop thread a stall abandoned; start a fresh loop.
