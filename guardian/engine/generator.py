@@ -24,6 +24,7 @@ import structlog
 from guardian import stock
 from guardian.engine.blame import FailureBudget, Verdict, verdicts
 from guardian.engine.lifecycle import EngineAbandoned, EngineState, Lifecycle
+from guardian.engine.restart import RestartClock
 from guardian.context import request_scope
 from guardian.errors import (
     AbortRequest,
@@ -74,6 +75,7 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
         self.on_exit = on_exit
         # Every change of the engine's state goes through the lifecycle.
         self.lifecycle = Lifecycle(on_ready=self._ready, on_restarted=self._restarted)
+        self.restart_clock = RestartClock()  # where a restart's time goes (engine_restarted)
         self.ledger = RequestLedger(beat=self._loop_polled)
         self.steps = 0
         self.last_beat = time.monotonic()
@@ -85,6 +87,7 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
         self._completed_at_last_blame = 0
         self.last_error: Optional[dict] = None
         self.max_reruns = 1
+        self.max_continuations = 0  # set by the recovery plugin
         self._probe_ids = itertools.count(1)
         # What hooks receive as ``engine`` (a guardian.plugins.facade.EngineView),
         # set by whoever serves this engine before the first request.
@@ -107,9 +110,11 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
     def request_waiting(self) -> bool:
         return self.ledger.has_waiting()
 
-    def configure_recovery(self, *, window_s: float, max_reruns: int, quarantine_s: float = 0.0) -> None:
+    def configure_recovery(self, *, window_s: float, max_reruns: int, quarantine_s: float = 0.0,
+                           max_continuations: int = 0) -> None:
         self.failures.window_s = window_s
         self.max_reruns = max_reruns
+        self.max_continuations = max_continuations
         self.quarantine.quarantine_s = quarantine_s
 
     # -- health -------------------------------------------------------------
@@ -201,15 +206,19 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
                 self.lifecycle.stopped()
                 return
             except Exception as exc:
+                self.restart_clock.start()
                 action = self._on_failure(exc)
             # Out of the except block the traceback, and with it the dead
             # loop's frames, BatchGenerator and KV arrays, can be freed.
+            self.restart_clock.mark("unwind")
             if action == EXIT:
                 return
             if action == RELOAD:
                 stock.reset_model_provider(self.model_provider)
             gc.collect()
+            self.restart_clock.mark("gc")
             mx.clear_cache()
+            self.restart_clock.mark("clear_cache")
 
     def _on_failure(self, exc: Exception) -> str:
         """Log, judge every taken request, decide, settle them; return the action."""
@@ -217,6 +226,7 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
         classification = self.pm.hook.classify_engine_error(error=cause) or "unknown"
         if not self.lifecycle.failed(classification):
             return EXIT  # the engine gave up or stopped meanwhile: nothing to restart
+        self.restart_clock.mark("classify")
         failed_at = self.lifecycle.trouble_at
         counts = self.ledger.counts()
         records = self.ledger.take_in_flight()
@@ -224,6 +234,7 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
         blamed = [r for r, verdict in decided if verdict is Verdict.BLAME]
         forgiven = self._forgive(blamed)
         failures_in_window = self.failures.count(failed_at)
+        self.restart_clock.mark("judge")
         self.last_error = {
             "type": type(cause).__name__,
             "message": str(cause),
@@ -243,12 +254,14 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
             failures_forgiven=forgiven,
             **counts,
         )
+        self.restart_clock.mark("log")
         action = self.pm.hook.on_engine_error(
             error=cause,
             classification=classification,
             failures_in_window=failures_in_window,
             engine=self.plugin_view,
         )
+        self.restart_clock.mark("decide")
         if action not in ACTIONS:
             raise RuntimeError(f"on_engine_error returned {action!r}")
         if action == EXIT:
@@ -258,6 +271,7 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
             )
         else:
             self._settle(decided, cause, classification)
+        self.restart_clock.mark("settle")
         return action
 
     def _judge(self, records: list[RequestRecord], failure_id: Optional[int]) -> list[tuple]:
@@ -267,7 +281,7 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
             record.failures += 1
             if failure_id is not None:
                 record.failure_ids.append(failure_id)
-        return verdicts(records, self.max_reruns)
+        return verdicts(records, self.max_reruns, self.max_continuations)
 
     def _forgive(self, blamed: list[RequestRecord]) -> int:
         """Take the failures the blamed requests were in flight at off the
@@ -283,8 +297,9 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
         return self.failures.forgive(i for record in blamed for i in record.failure_ids)
 
     def _settle(self, decided: list[tuple], cause: BaseException, classification: str) -> None:
-        """Re-run or answer every request the dead loop had taken, as judged."""
+        """Re-run, continue or answer every request the dead loop had taken, as judged."""
         reruns = []
+        continued = []
         for record, verdict in decided:
             if verdict is Verdict.CUT:
                 self.fail(record, self._restarting_error(classification, mid_stream=True))
@@ -297,15 +312,24 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
                 # alone before blaming it.
                 record.isolate = record.isolate or verdict is Verdict.ISOLATE
                 reruns.append(record)
+                if verdict is Verdict.CONTINUE or (
+                    verdict is Verdict.ISOLATE
+                    and record.has_output
+                    and record.continuations < self.max_continuations
+                ):
+                    continued.append(record)
         for record in reruns:
             log.info(
                 "request_rerun",
                 request_id=record.request_id,
+                continued=record in continued,
                 failures=record.failures,
                 isolated=record.isolate,
                 stage=record.stage.value,
+                generated=len(record.generated),
+                continuations=record.continuations + (record in continued),
             )
-        self.ledger.rerun(reruns)
+        self.ledger.rerun(reruns, continued)
 
     def _blame(self, record: RequestRecord, cause: BaseException, classification: str) -> None:
         """The request failed alone: answer it, and quarantine its fingerprint."""
@@ -360,6 +384,7 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
             duration_ms=round(duration_s * 1000, 1),
             restarts=restarts,
             classification=classification,
+            phases_ms=self.restart_clock.finish("loop_start"),
         )
         notify(
             self.pm.hook.on_engine_restarted,
