@@ -15,6 +15,7 @@ import copy
 import io
 import json
 import threading
+import importlib
 import importlib.metadata
 import types
 from typing import Callable, Iterator, Optional
@@ -22,9 +23,13 @@ from typing import Callable, Iterator, Optional
 import mlx.core as mx
 import mlx_lm.sample_utils as sample_utils
 import mlx_lm.server as server
+from mlx_lm.tokenizer_utils import TokenizerWrapper
 from huggingface_hub.utils import CacheNotFound
 
 from guardian.errors import EngineStepError
+
+# The module, not the function mlx_lm's package exports under the same name.
+generate_module = importlib.import_module("mlx_lm.generate")
 
 STOCK_VERSION = importlib.metadata.version("mlx-lm")
 TESTED_VERSIONS = ("0.31.3", "0.32.2")
@@ -180,11 +185,29 @@ class SupervisableResponseGenerator(ResponseGenerator):
         self._request_aware_time_budget = RequestAwareTimeBudget(self.request_waiting)
 
     def _tokenize(self, tokenizer, request, args):
-        """Stock's tokenization, unless admission already did it for this request."""
-        reused = reused_tokens(request, self.model_provider.model_key)
-        if reused is not None:
-            return reused
-        return super()._tokenize(tokenizer, request, args)
+        """Stock's tokenization, unless admission already did it for this request;
+        a continuation's prompt goes on with the tokens its client already has."""
+        generated = continued_tokens(args)
+        # Read by the next _make_state_machine and detokenizer on this thread:
+        # stock's loop builds both for this request right after its tokens.
+        _this_loop.continued = generated
+        tokenized = reused_tokens(request, self.model_provider.model_key)
+        if tokenized is None:
+            tokenized = super()._tokenize(tokenizer, request, args)
+        if not generated:
+            return tokenized
+        prompt, segments, *rest = tokenized
+        return (prompt + generated, [*segments[:-1], segments[-1] + generated], *rest)
+
+    def _make_state_machine(self, *args, **kwargs):
+        """Stock's stop matcher (0.31: its state machine), which for a
+        continuation starts where the tokens already sent left it: a stop
+        sequence that spans the seam still stops the request."""
+        made = super()._make_state_machine(*args, **kwargs)
+        generated = getattr(_this_loop, "continued", None)
+        if not generated:
+            return made
+        return (primed_stop_matching(made[0], generated), *made[1:])
 
 
 def tokenize_as_stock(model_provider, tokenizer, request, args) -> tuple:
@@ -224,6 +247,96 @@ def _fresh(part):
     if not isinstance(part, list):
         return part
     return [item[:] if isinstance(item, list) else item for item in part]
+
+
+# -- continuations: a request that had produced tokens when the engine failed --
+#
+# The restarted loop is given the request again, as a request whose prompt is
+# the original prompt followed by the tokens its client already has (or holds,
+# non-streaming), with the rest of its max_tokens. Stock builds three things
+# from a request that depend on what came before: its prompt (above, in
+# _tokenize), its stop matching (a stop sequence may span the seam) and its
+# detokenizer (a word, a space or a UTF-8 character may span the seam). The
+# last two are primed with the tokens already generated, so the continuation
+# produces the very tokens and text the unfailed run would have.
+_CONTINUED_ATTRIBUTE = "_guardian_continued"
+
+
+def continuation_args(args, generated: list[int]):
+    """A copy of a request's GenerationArguments that continues it after the
+    tokens ``generated``: the rest of its ``max_tokens``, the same sampling
+    and stop words; the attributes the guardian attached (its fingerprint)
+    carried over."""
+    continued = copy.copy(args)
+    if args.max_tokens > 0:  # negative: no limit
+        continued.max_tokens = args.max_tokens - len(generated)
+    setattr(continued, _CONTINUED_ATTRIBUTE, list(generated))
+    return continued
+
+
+def continued_tokens(args) -> Optional[list[int]]:
+    """The tokens a continuation's arguments go on from, or None (a first run)."""
+    return getattr(args, _CONTINUED_ATTRIBUTE, None)
+
+
+class _PrimedStopSequences:
+    """0.32's StopSequences whose matchers start after ``tokens``."""
+
+    def __init__(self, stop_sequences, tokens: list[int]):
+        self._stop_sequences = stop_sequences
+        self._tokens = tokens
+
+    def matcher(self):
+        matcher = self._stop_sequences.matcher()
+        for token in self._tokens:
+            matcher.advance(token)
+        return matcher
+
+
+if hasattr(generate_module, "SequenceStateMachine"):
+
+    class _PrimedSequenceStateMachine(generate_module.SequenceStateMachine):
+        """0.31's SequenceStateMachine whose states start after ``tokens``
+        (also in the right one of normal, reasoning, tool)."""
+
+        def __init__(self, machine, tokens: list[int]):
+            self._initial = machine._initial
+            self._states = machine._states
+            self._tokens = tokens
+
+        def make_state(self):
+            state = super().make_state()
+            for token in self._tokens:
+                if state[0] is None:
+                    break
+                state, _, _ = self.match(state, token)
+            return state
+
+
+def primed_stop_matching(machine, tokens: list[int]):
+    """Stock's stop matching for one request (0.32: StopSequences; 0.31:
+    SequenceStateMachine), starting after ``tokens``."""
+    if hasattr(machine, "matcher"):
+        return _PrimedStopSequences(machine, tokens)
+    return _PrimedSequenceStateMachine(machine, tokens)
+
+
+STOCK_DETOKENIZER = TokenizerWrapper.detokenizer
+
+
+def _detokenizer_primed_for_continuation(tokenizer):
+    """Stock's fresh detokenizer; on a loop thread preparing a continuation,
+    one that has already read the tokens sent, so the next token's text is
+    what it would have been without the failure (a leading space kept, a
+    character split across the seam completed)."""
+    detokenizer = STOCK_DETOKENIZER.fget(tokenizer)
+    generated = getattr(_this_loop, "continued", None)
+    if generated:
+        _this_loop.continued = None  # one detokenizer per request
+        for token in generated:
+            detokenizer.add_token(token)
+        detokenizer.last_segment  # the client has this text already
+    return detokenizer
 
 
 # Where the recovery plugin leaves a request's fingerprint, computed at the
@@ -404,6 +517,7 @@ def route_loop_thread(*, observe: Callable[[], None], pin: PinOnRequest) -> None
     _install_routing()
     _this_loop.observe = observe
     _this_loop.pin = pin
+    _this_loop.continued = None
 
 
 def _install_routing() -> None:
@@ -413,6 +527,7 @@ def _install_routing() -> None:
         if not _routing_installed:
             observe_engine_steps(_observe_this_loop)
             guard_request_sampling(_pin_on_this_loop)
+            TokenizerWrapper.detokenizer = property(_detokenizer_primed_for_continuation)
             _routing_installed = True
 
 

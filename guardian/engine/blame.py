@@ -6,6 +6,12 @@ GenerationContext) is as much a suspect as one that was decoding. A
 request in flight at more failures than ``max_reruns`` is the suspect;
 if it failed alone it is blamed, else it runs once more alone first.
 
+A request that had generated tokens is continued rather than re-run (its
+client keeps what it was sent; see guardian.engine.ledger), at most
+``max_continuations`` times; a continuation counts as a re-run for blame.
+Past that bound a stream that sent tokens is cut (an error event), and a
+non-streaming request is re-run from nothing.
+
 The crash-loop budget (``recovery.max_failures`` within ``window_s``)
 counts failures nobody is blamed for. A failure a blamed request was in
 flight at is forgiven, but only if the engine has completed a request
@@ -25,25 +31,27 @@ from typing import Iterable, Optional
 
 
 class Verdict(Enum):
-    CUT = "cut"  # a stream that sent tokens: error event and [DONE]
+    CUT = "cut"  # a stream that sent tokens and cannot go on: error event and [DONE]
     ANSWER = "answer"  # no re-run left and nothing to blame: 503, retry
-    RERUN = "rerun"  # re-run transparently
-    ISOLATE = "isolate"  # re-run alone before blaming it
+    RERUN = "rerun"  # re-run transparently, from nothing
+    CONTINUE = "continue"  # go on after the tokens it generated
+    ISOLATE = "isolate"  # re-run (or continue) alone before blaming it
     BLAME = "blame"  # failed alone: 500, and its fingerprint quarantined
 
 
-def verdicts(records: list, max_reruns: int) -> list[tuple]:
+def verdicts(records: list, max_reruns: int, max_continuations: int = 0) -> list[tuple]:
     """(record, Verdict) for every request the dead loop had taken; their
     ``failures`` already count this failure."""
     alone = len(records) == 1
     decided = []
     for record in records:
-        if record.client_has_output:
+        may_continue = record.has_output and record.continuations < max_continuations
+        if record.client_has_output and (max_reruns == 0 or not may_continue):
             verdict = Verdict.CUT
         elif max_reruns == 0:
             verdict = Verdict.ANSWER
         elif record.failures <= max_reruns:
-            verdict = Verdict.RERUN
+            verdict = Verdict.CONTINUE if may_continue else Verdict.RERUN
         elif record.synthetic:
             verdict = Verdict.ANSWER  # a probe is never blamed: its failures count
         elif alone or record.isolate:

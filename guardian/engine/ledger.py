@@ -35,8 +35,12 @@ class RequestRecord:
     """One request's response queue, as the generation loop sees it.
 
     Forwards what the loop puts to the queue stock's HTTP side reads, and
-    notes the stage. Non-streaming tokens are held back until the request
-    ends, so a re-run after a failure can start from nothing unseen.
+    notes the stage and the tokens generated. Non-streaming tokens are held
+    back until the request ends. After an engine failure the request is
+    either re-run from nothing, or continued: given to the restarted loop
+    with the tokens already generated (sent, or held) appended to its
+    prompt, while stock's handler keeps reading the same queue, so its
+    client sees one stream, one completion.
     """
 
     _ids = itertools.count()
@@ -54,6 +58,9 @@ class RequestRecord:
         self.failures = 0
         self.failure_ids: list[int] = []  # the engine failures it was in flight at
         self.isolate = False
+        self.first_args = item[2]  # as the handler made them (continuations copy them)
+        self.generated: list[int] = []  # token ids sent (streaming) or held
+        self.continuations = 0
         self._held: list = []
         self._first_ctx = None
         self._current_ctx = None
@@ -100,6 +107,7 @@ class RequestRecord:
         # new one is not sent, only linked through cancel().
 
     def _on_token(self, response):
+        self.generated.append(response.token)
         if self.stream:
             self.stage = Stage.STREAMING
             self.downstream.put(response)
@@ -136,10 +144,18 @@ class RequestRecord:
         if self._current_ctx is not None:
             stock.GenerationContext.stop(self._current_ctx)
 
-    def prepare_rerun(self) -> None:
-        """Forget what the failed run produced that the client never saw."""
+    def prepare_rerun(self, *, continued: bool = False) -> None:
+        """Forget what the failed run produced that the client never saw; or,
+        ``continued``, keep it all and go on after it (stock.continuation_args)."""
         with self._lock:
-            self._held.clear()
+            if continued:
+                self.continuations += 1
+                args = stock.continuation_args(self.first_args, self.generated)
+            else:
+                self._held.clear()
+                self.generated.clear()
+                args = self.first_args
+            self.item = (self, self.request, args)
             if self._current_ctx is not None:
                 stock.GenerationContext.stop(self._current_ctx)
             if self.stage is not Stage.DONE:  # its client may have left meanwhile
@@ -147,7 +163,13 @@ class RequestRecord:
 
     @property
     def client_has_output(self) -> bool:
-        return self.stage is Stage.STREAMING
+        """Whether a client was sent tokens: a re-run would repeat them."""
+        return self.stream and bool(self.generated)
+
+    @property
+    def has_output(self) -> bool:
+        """Whether the request generated tokens a re-run would throw away."""
+        return bool(self.generated)
 
 
 # How long the loop's look at the queue waits for requests still being
@@ -322,10 +344,11 @@ class RequestLedger:
             self._isolated = None
             return records
 
-    def rerun(self, records: list[RequestRecord]) -> None:
-        """Queue records ahead of new requests, in their original order."""
+    def rerun(self, records: list[RequestRecord], continued=()) -> None:
+        """Queue records ahead of new requests, in their original order; those
+        also in ``continued`` go on from the tokens they generated."""
         for record in records:
-            record.prepare_rerun()
+            record.prepare_rerun(continued=record in continued)
         with self._cond:
             merged = sorted([*self._reruns, *records], key=lambda r: r.seq)
             self._reruns = deque(merged)

@@ -81,10 +81,12 @@ class EngineView:
             yield
 
     # -- the recovery policy ----------------------------------------------------------
-    def configure_recovery(self, *, window_s: float, max_reruns: int, quarantine_s: float) -> None:
-        """The crash-loop window, re-runs per request and quarantine time the core applies."""
+    def configure_recovery(self, *, window_s: float, max_reruns: int, quarantine_s: float,
+                           max_continuations: int = 0) -> None:
+        """The crash-loop window, re-runs and continuations per request and
+        quarantine time the core applies."""
         self._engine.configure_recovery(window_s=window_s, max_reruns=max_reruns,
-                                        quarantine_s=quarantine_s)
+                                        quarantine_s=quarantine_s, max_continuations=max_continuations)
 
     def quarantine_refusal(self, fingerprint: str):
         """The GuardianError for a quarantined fingerprint, or None; None always when quarantine is off."""

@@ -22,6 +22,13 @@ class RecoverySettings(Table, name="recovery"):
         failure (0: answer 503 instead). A request in flight at more failures
         than this is re-run alone once; if it fails alone it gets a 500
         "request_failed_repeatedly", and the requests beside it are not blamed.""")
+    max_continuations = Setting(Int(min=0), 2, """
+        How often a request that had generated tokens when the engine failed is
+        continued: given to the restarted engine with those tokens appended to its
+        prompt, so a stream goes on where it stopped (no token repeated or missing)
+        and a non-streaming request does not start over. A continuation counts as a
+        re-run for max_reruns. Past this bound (0: never) a stream that sent tokens
+        ends with an error event, and a non-streaming request is re-run from nothing.""")
     quarantine_s = Setting(Float(min=0), 600.0, """
         A request blamed that way is quarantined: it and every identical request
         (same prompt tokens and generation parameters) get a 500
@@ -44,6 +51,7 @@ class Recovery:
             window_s=self.settings.window_s,
             max_reruns=self.settings.max_reruns,
             quarantine_s=self.settings.quarantine_s,
+            max_continuations=self.settings.max_continuations,
         )
 
     @guardian.hookimpl(tryfirst=True)
