@@ -87,6 +87,7 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
         self._completed_at_last_blame = 0
         self.last_error: Optional[dict] = None
         self.max_reruns = 1
+        self.max_continuations = 0  # set by the recovery plugin
         self._probe_ids = itertools.count(1)
         # What hooks receive as ``engine`` (a guardian.plugins.facade.EngineView),
         # set by whoever serves this engine before the first request.
@@ -109,9 +110,11 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
     def request_waiting(self) -> bool:
         return self.ledger.has_waiting()
 
-    def configure_recovery(self, *, window_s: float, max_reruns: int, quarantine_s: float = 0.0) -> None:
+    def configure_recovery(self, *, window_s: float, max_reruns: int, quarantine_s: float = 0.0,
+                           max_continuations: int = 0) -> None:
         self.failures.window_s = window_s
         self.max_reruns = max_reruns
+        self.max_continuations = max_continuations
         self.quarantine.quarantine_s = quarantine_s
 
     # -- health -------------------------------------------------------------
@@ -278,7 +281,7 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
             record.failures += 1
             if failure_id is not None:
                 record.failure_ids.append(failure_id)
-        return verdicts(records, self.max_reruns)
+        return verdicts(records, self.max_reruns, self.max_continuations)
 
     def _forgive(self, blamed: list[RequestRecord]) -> int:
         """Take the failures the blamed requests were in flight at off the
@@ -294,8 +297,9 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
         return self.failures.forgive(i for record in blamed for i in record.failure_ids)
 
     def _settle(self, decided: list[tuple], cause: BaseException, classification: str) -> None:
-        """Re-run or answer every request the dead loop had taken, as judged."""
+        """Re-run, continue or answer every request the dead loop had taken, as judged."""
         reruns = []
+        continued = []
         for record, verdict in decided:
             if verdict is Verdict.CUT:
                 self.fail(record, self._restarting_error(classification, mid_stream=True))
@@ -308,15 +312,24 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
                 # alone before blaming it.
                 record.isolate = record.isolate or verdict is Verdict.ISOLATE
                 reruns.append(record)
+                if verdict is Verdict.CONTINUE or (
+                    verdict is Verdict.ISOLATE
+                    and record.has_output
+                    and record.continuations < self.max_continuations
+                ):
+                    continued.append(record)
         for record in reruns:
             log.info(
                 "request_rerun",
                 request_id=record.request_id,
+                continued=record in continued,
                 failures=record.failures,
                 isolated=record.isolate,
                 stage=record.stage.value,
+                generated=len(record.generated),
+                continuations=record.continuations + (record in continued),
             )
-        self.ledger.rerun(reruns)
+        self.ledger.rerun(reruns, continued)
 
     def _blame(self, record: RequestRecord, cause: BaseException, classification: str) -> None:
         """The request failed alone: answer it, and quarantine its fingerprint."""
