@@ -126,6 +126,23 @@ class SupervisorSettings(Table, name="supervisor"):
     quarantine_s = Setting(SECONDS, 300.0, """
         Refuse for this many seconds a request that was in flight at two child
         crashes within window_s; 0: off.""", flag="--supervisor-quarantine", metavar="S")
+    hold_requests = Setting(Int(min=0), 64, """
+        Requests that may wait for a ready child while none is (starting,
+        restarting); past this many, 503 + Retry-After at once. 0: no waiting.""",
+        flag="--supervisor-hold-requests", metavar="N")
+    hold_s = Setting(SECONDS, 30.0, """
+        How long a request waits for a ready child before its 503 + Retry-After.""",
+        flag="--supervisor-hold", metavar="S")
+    max_resends = Setting(Int(min=0), 1, """
+        A request whose child died before any byte of the answer reached the client
+        is sent again to the next child, at most this many times (a request in
+        flight at two crashes is quarantined first). 0: 503 + Retry-After instead.""",
+        flag="--supervisor-max-resends", metavar="N")
+    health_timeout_s = Setting(POSITIVE_SECONDS, 1.0, """
+        The public /health and /readyz relay the child's answer only if it comes
+        within this many seconds; otherwise, and whenever the supervisor holds
+        the child unhealthy, they answer 503 from the supervisor's own checks.""",
+        flag="--supervisor-health-timeout", metavar="S")
 
 
 # Tables the core reads; every other table is a plugin's.

@@ -67,7 +67,8 @@ def test_a_child_never_ready_is_replaced_after_the_start_timeout(start_superviso
     os.mkfifo(model / "config.json")
     start_timeout = 3.0
     supervised = start_supervisor("--model", str(model), "--supervisor-start-timeout", str(start_timeout),
-                                  "--supervisor-kill-grace", "2", wait=False, env={"HF_HUB_OFFLINE": "1"})
+                                  "--supervisor-kill-grace", "2", "--supervisor-hold", "1",
+                                  wait=False, env={"HF_HUB_OFFLINE": "1"})
 
     def child_pids():
         return [e["pid"] for e in supervised.supervisor_events("child_started")]
@@ -81,7 +82,7 @@ def test_a_child_never_ready_is_replaced_after_the_start_timeout(start_superviso
     assert waited >= start_timeout
     [exited, *_] = supervised.supervisor_events("child_exited")
     assert exited["pid"] == first_pid and "not ready after" in exited["reason"]
-    # Never ready: the supervisor itself kept answering, with retryable 503s.
+    # Never ready: the supervisor itself kept answering, with retryable 503s (after the 1 s hold).
     assert supervised.supervisor_events("child_ready") == []
     assert httpx.get(supervised.url + "/livez", timeout=5).status_code == 200
     response = httpx.post(supervised.url + COMPLETIONS, json=chat_body(max_tokens=4), timeout=10)

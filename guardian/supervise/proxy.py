@@ -38,6 +38,8 @@ LIVENESS_PATH = "/livez"
 STATUS_PATH = "/guardian/supervisor"
 READINESS_PATH = "/readyz"
 HEALTH_PATHS = ("/health", READINESS_PATH)
+# /readyz?deep=1 runs the child's probes now (10 s deadline by default).
+DEEP_READINESS_TIMEOUT_S = 15.0
 SSE_CONTENT_TYPE = "text/event-stream"
 SSE_EVENT_ENDS = (b"\n\n", b"\r\n\r\n")
 SSE_DONE = b"data: [DONE]"
@@ -85,28 +87,77 @@ class ProxyHandler(BaseHTTPRequestHandler):
             return self.send_json(200, {"status": "ok"})
         if path == STATUS_PATH:
             return self.send_json(200, supervisor.status())
+        if path in HEALTH_PATHS:
+            return self.answer_health(path)
         request_fingerprint = fingerprint(self.command, self.path, body)
         refusal = supervisor.quarantine.refusal(self.command, request_fingerprint)
         if refusal is not None:
             return self.send_error_json(refusal)
-        # A crash suspect waits to run alone; others wait behind it.
-        with supervisor.in_flight, supervisor.quarantine.turn(self.command, request_fingerprint):
-            self.to_child(path, body, request_fingerprint)
+        with supervisor.in_flight:
+            self.serve(path, body, request_fingerprint)
 
-    def to_child(self, path: str, body: bytes, request_fingerprint: str) -> None:
-        """Relay to the serving child, on record for the crash quarantine; or answer a 503."""
+    def serve(self, path: str, body: bytes, request_fingerprint: str) -> None:
+        """Relay to a ready child, waiting for one if need be; send again if it dies before answering.
+
+        Every attempt passes the crash quarantine again: a request the dead
+        child struck is relayed alone, and one it struck twice is refused.
+        """
         supervisor = self.server.supervisor
-        child = supervisor.serving_child(health_check=path in HEALTH_PATHS)
+        resends = 0
+        while True:
+            child = supervisor.wait_for_child()
+            if child is None:
+                return self.send_error_json(supervisor.unavailable_error())
+            # A crash suspect waits to run alone; others wait behind it.
+            with supervisor.quarantine.turn(self.command, request_fingerprint):
+                if self.to_child(child, path, body, request_fingerprint):
+                    return
+            # Nothing reached the client. Once the dead child is reaped, its
+            # crash has struck this request: refused, or relayed alone.
+            reaped = supervisor.wait_reaped(child)
+            refusal = supervisor.quarantine.refusal(self.command, request_fingerprint)
+            if refusal is not None:
+                return self.send_error_json(refusal)
+            if not reaped or resends >= supervisor.settings.max_resends:
+                return self.send_error_json(supervisor.lost_child_error())
+            resends += 1
+            log.info("request_resent", path=path, dead_child_pid=child.pid, resends=resends)
+
+    def to_child(self, child, path: str, body: bytes, request_fingerprint: str) -> bool:
+        """Relay on record for the crash quarantine; False if the child failed before any byte was sent."""
+        supervisor = self.server.supervisor
+        with supervisor.quarantine.relaying(child.generation, self.command, path,
+                                            request_fingerprint) as self.relay_record:
+            return self.proxy(child, body)
+
+    def answer_health(self, path: str) -> None:
+        """/health and /readyz: the child's answer if it comes soon and the child is still held ready.
+
+        Never waits on a frozen child (a SIGSTOPped one accepts connections
+        and never answers): past ``health_timeout_s``, or whenever the
+        supervisor holds the child not ready, the supervisor's own checks answer.
+        """
+        supervisor = self.server.supervisor
+        child = supervisor.serving_child(health_check=True)
         if child is None:
-            if path in HEALTH_PATHS:
-                return self.send_json(503, {"status": "unavailable", "state": supervisor.state})
-            return self.send_error_json(supervisor.unavailable_error())
+            return self.send_json(503, supervisor.unavailable_health())
         if path == READINESS_PATH and not child.has_readyz:
             # Stock has no /readyz: the supervisor's last check of /health is the answer.
             return self.send_json(200, {"status": "ready", "state": supervisor.state})
-        with supervisor.quarantine.relaying(child.generation, self.command, path,
-                                            request_fingerprint) as self.relay_record:
-            self.proxy(child, body)
+        query = urlsplit(self.path).query
+        timeout = supervisor.settings.health_timeout_s
+        if "deep" in query:  # probes run now, each within the child's own probe deadline
+            timeout = max(timeout, DEEP_READINESS_TIMEOUT_S)
+        try:
+            response = child.client.request(self.command, self.target(), headers=self.upstream_headers(),
+                                            timeout=timeout)
+        except httpx.HTTPError as e:
+            reason = f"the child did not answer {path} within {timeout:g} s ({type(e).__name__})"
+            return self.send_json(503, supervisor.unavailable_health(reason))
+        if supervisor.serving_child(health_check=True) is not child:
+            # Held unhealthy (or replaced) while it answered: its 200 is stale.
+            return self.send_json(503, supervisor.unavailable_health())
+        self.send_whole(response)
 
     def read_body(self) -> bytes:
         """The request body, by Content-Length (stock requires one too)."""
@@ -117,21 +168,26 @@ class ProxyHandler(BaseHTTPRequestHandler):
         return self.rfile.read(max(length, 0))
 
     # -- relaying ---------------------------------------------------------
-    def proxy(self, child, body: bytes) -> None:
-        """Send the request to the child and relay its answer."""
-        parts = urlsplit(self.path)
-        target = parts.path + (f"?{parts.query}" if parts.query else "")
+    def proxy(self, child, body: bytes) -> bool:
+        """Send the request to the child and relay its answer; False if nothing could be sent."""
         try:
             request = child.client.build_request(
-                self.command, target, headers=self.upstream_headers(), content=body
+                self.command, self.target(), headers=self.upstream_headers(), content=body
             )
             upstream = child.client.send(request, stream=True)
         except Exception as e:  # noqa: BLE001 - refused, reset, or the client closed with its child
-            return self.child_lost(child, e, sent=False)
+            self.child_lost(child, e, sent=False)
+            return False
         try:
             self.relay(child, upstream)
         finally:
             upstream.close()
+        return True
+
+    def target(self) -> str:
+        """Path and query only: an absolute-form request line must not pick another host."""
+        parts = urlsplit(self.path)
+        return parts.path + (f"?{parts.query}" if parts.query else "")
 
     def upstream_headers(self) -> list[tuple[str, str]]:
         """The client's headers minus hop-by-hop ones, plus who the client is."""
@@ -197,18 +253,18 @@ class ProxyHandler(BaseHTTPRequestHandler):
                 self.wfile.write(block)
 
     def child_lost(self, child, cause: BaseException, sent: bool, stream: bool = False) -> None:
-        """The child failed under this request: answer what can still be answered."""
+        """The child failed under this request: answer what can still be answered.
+
+        Nothing sent yet: the caller sends the request again or answers it.
+        """
         supervisor = self.server.supervisor
         if self.relay_record is not None:
             # Answered, but a suspect of the child's death until it is reaped.
             self.relay_record.lost = True
         log.warning("proxy_child_lost", path=self.path, child_pid=child.pid, bytes_sent=sent,
                     error_type=type(cause).__name__, error_message=str(cause))
-        error = supervisor.lost_child_error()
-        if not sent:
-            return self.send_error_json(error)
-        if stream:
-            self.wfile.write(error.sse_bytes())
+        if sent and stream:
+            self.wfile.write(supervisor.lost_child_error().sse_bytes())
         # Otherwise a body of known length stops short: the client sees the
         # cut; with nothing sent yet it would have had a 503.
 
@@ -225,6 +281,21 @@ class ProxyHandler(BaseHTTPRequestHandler):
             self.end_headers()
             if self.command != "HEAD":
                 self.wfile.write(body)
+        except CLIENT_GONE:
+            pass
+
+    def send_whole(self, response: httpx.Response) -> None:
+        """A response read whole from the child, with its status and headers."""
+        try:
+            self.send_response_only(response.status_code, response.reason_phrase)
+            for raw_name, raw_value in response.headers.raw:
+                name = raw_name.decode("latin-1")
+                if name.lower() not in HOP_BY_HOP:
+                    self.send_header(name, raw_value.decode("latin-1"))
+            self.send_header("Connection", "close")
+            self.end_headers()
+            if self.command != "HEAD":
+                self.wfile.write(response.content)
         except CLIENT_GONE:
             pass
 

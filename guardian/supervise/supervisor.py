@@ -93,6 +93,12 @@ class State:
 # Requests go to the child in these states; a briefly unhealthy child still
 # knows best (a guardian child answers 503 itself while it recovers).
 SERVING = (State.READY, State.UNHEALTHY)
+# No child can take requests now, but one is coming: requests wait for it (bounded).
+HOLDING = (State.STARTING, State.RESTARTING)
+# A relay cut with nothing sent: a child that crashed is reaped within
+# milliseconds. One still alive after this long dropped the connection on its
+# own (stock does when its generation thread dies): no crash to send again after.
+REAP_WAIT_S = 5.0
 
 
 @dataclass
@@ -137,6 +143,9 @@ class Supervisor:
         self.child_args = child_args
         self.signals: queue.SimpleQueue = queue.SimpleQueue()
         self.lock = threading.Lock()  # state and child, read by HTTP threads
+        # Notified whenever the state or the child changes: held requests wait on it.
+        self.changed = threading.Condition(self.lock)
+        self.holding = 0  # requests waiting for a ready child now
         self.state = State.STARTING
         self.child: Optional[Child] = None
         self.generation = 0
@@ -271,8 +280,9 @@ class Supervisor:
         level("child_exited", **self.last_exit)
         self.quarantine.child_exited(child.generation, crashed=child.kill_reason is None,
                                      pid=child.pid, reason=reason)
-        with self.lock:
+        with self.changed:
             self.child = None
+            self.changed.notify_all()
         if self.exit_code is None:
             self.set_state(State.RESTARTING)
         close_quietly(child.client)
@@ -385,10 +395,11 @@ class Supervisor:
 
     def set_state(self, state: str) -> None:
         """Change state; leaving the serving states starts an outage (logged as downtime)."""
-        with self.lock:
+        with self.changed:
             if self.state in SERVING and state not in SERVING:
                 self.outage_started = time.monotonic()
             self.state = state
+            self.changed.notify_all()
 
     # -- exit ------------------------------------------------------------------
     def finish(self) -> int:
@@ -412,6 +423,45 @@ class Supervisor:
         with self.lock:
             serving = (State.READY,) if health_check else SERVING
             return self.child if self.state in serving else None
+
+    def wait_for_child(self) -> Optional[Child]:
+        """The child requests go to; while one is coming (starting, restarting), wait for it.
+
+        At most ``hold_requests`` wait at once, each at most ``hold_s``;
+        None when no child can take the request (the caller answers 503).
+        """
+        refused = None
+        with self.changed:
+            if self.state in HOLDING:
+                if self.holding >= self.settings.hold_requests:
+                    refused = "hold_queue_full"
+                else:
+                    self.holding += 1
+                    try:
+                        if not self.changed.wait_for(lambda: self.state not in HOLDING, self.settings.hold_s):
+                            refused = "hold_timed_out"
+                    finally:
+                        self.holding -= 1
+            child = self.child if self.state in SERVING else None
+            holding = self.holding
+        if refused:
+            log.warning("request_not_held", reason=refused, state=self.state, holding=holding,
+                        hold_requests=self.settings.hold_requests, hold_s=self.settings.hold_s)
+        return child
+
+    def wait_reaped(self, child: Child) -> bool:
+        """Wait until ``child`` is reaped (its crash, if any, struck what it had); False if it lives on."""
+        with self.changed:
+            return self.changed.wait_for(lambda: self.child is not child, REAP_WAIT_S)
+
+    def unavailable_health(self, reason: Optional[str] = None) -> dict:
+        """The 503 body of /health and /readyz when the child's own answer cannot be used."""
+        child = self.child
+        body = {"status": "unavailable", "state": self.state,
+                "last_check": None if child is None else child.last_check}
+        if reason is not None:
+            body["reason"] = reason
+        return body
 
     def unavailable_error(self) -> GuardianError:
         """What a request gets while no child can serve it."""
@@ -455,6 +505,7 @@ class Supervisor:
             "max_restarts": self.settings.max_restarts,
             "last_exit": self.last_exit,
             "in_flight": self.in_flight.active,
+            "holding": self.holding,
             "quarantine": self.quarantine.status(),
         }
 

@@ -1,0 +1,160 @@
+"""Subprocess mode hides a dead child: requests wait for the next one, or are sent to it again.
+
+Real supervisors, real children, real SIGKILL, SIGSEGV and SIGSTOP; uses
+test_supervisor's fixture (every supervisor in its own session, cleanup
+kills its whole process group).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import httpx
+
+from conftest import chat_body, poll
+from test_supervisor import COMPLETIONS, SEGFAULT_MARKER, SLOW_STEPS, start_supervisor  # noqa: F401 - a fixture
+
+
+def post_in_thread(url: str, body: dict, results: list, timeout: float = 120) -> threading.Thread:
+    """POST in a daemon thread; appends (response or exception, seconds taken) to ``results``."""
+
+    def post():
+        started = time.monotonic()
+        try:
+            with httpx.Client(timeout=timeout) as client:
+                outcome = client.post(url + COMPLETIONS, json=body)
+        except httpx.HTTPError as e:
+            outcome = e
+        results.append((outcome, time.monotonic() - started))
+
+    thread = threading.Thread(target=post, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_requests_in_flight_at_a_sigkill_and_sent_meanwhile_are_served(start_supervisor, tmp_path):
+    config = tmp_path / "slow.toml"
+    config.write_text(SLOW_STEPS)
+    supervised = start_supervisor("--guardian-config", str(config))
+    first_pid = supervised.wait_ready()
+    in_flight, meanwhile = [], []
+    # 300 steps of at least 10 ms: surely still generating at the kill.
+    first = post_in_thread(supervised.url, chat_body("In flight at the kill.", max_tokens=300), in_flight)
+    poll(lambda: supervised.supervisor()["in_flight"] >= 1, 10, what="the request relayed")
+    time.sleep(0.5)  # its child has taken it and generates
+    os.kill(first_pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    senders = [post_in_thread(supervised.url, chat_body(f"Sent while down {i}.", max_tokens=8), meanwhile)
+               for i in range(3)]
+    poll(lambda: supervised.supervisor()["holding"] >= 1, 10, interval=0.01, what="requests held")
+    first.join(timeout=120)
+    for sender in senders:
+        sender.join(timeout=120)
+    [(response, _)] = in_flight
+    assert isinstance(response, httpx.Response) and response.status_code == 200, response
+    # A full completion from the new child, not a truncated one from the dead one.
+    assert response.json()["usage"]["completion_tokens"] == 300
+    resent_after = time.monotonic() - killed_at
+    assert len(meanwhile) == 3
+    for held, _ in meanwhile:
+        assert isinstance(held, httpx.Response) and held.status_code == 200, held
+        assert held.json()["usage"]["completion_tokens"] == 8
+    second_pid = supervised.wait_ready(not_pid=first_pid, timeout=30)
+    [ready] = [e for e in supervised.supervisor_events("child_ready") if e["pid"] == second_pid]
+    resent = supervised.supervisor_events("request_resent")
+    assert resent and all(e["dead_child_pid"] == first_pid and e["resends"] == 1 for e in resent)
+    print(f"\nmeasured: child down {ready['downtime_s']:.2f} s; the request in flight at the kill "
+          f"answered 200 (300 tokens) {resent_after:.2f} s after it; held requests took "
+          + ", ".join(f"{t:.2f}" for _, t in meanwhile) + " s")
+    assert supervised.supervisor()["restarts"] == 1
+
+
+def test_the_hold_is_bounded_in_requests_and_time(start_supervisor, tmp_path):
+    # The model's config.json is a FIFO nobody writes: the child never gets
+    # ready, so every request is held while the supervisor waits for it.
+    model = tmp_path / "never-loads"
+    model.mkdir()
+    os.mkfifo(model / "config.json")
+    hold_s = 1.5
+    supervised = start_supervisor("--model", str(model), "--supervisor-hold-requests", "1",
+                                  "--supervisor-hold", str(hold_s), wait=False, env={"HF_HUB_OFFLINE": "1"})
+    poll(supervised.supervisor, 30, what="the supervisor's port")
+    held = []
+    waiter = post_in_thread(supervised.url, chat_body(max_tokens=4), held, timeout=30)
+    poll(lambda: supervised.supervisor()["holding"] == 1, 10, interval=0.01, what="one request held")
+    # The queue holds one: the next is refused at once.
+    started = time.monotonic()
+    refused = httpx.post(supervised.url + COMPLETIONS, json=chat_body(max_tokens=4), timeout=30)
+    refused_s = time.monotonic() - started
+    assert refused.status_code == 503 and refused.headers["Retry-After"] == "1"
+    assert refused.json()["error"]["code"] == "engine_restarting"
+    assert refused_s < hold_s
+    waiter.join(timeout=30)
+    [(response, waited_s)] = held
+    assert response.status_code == 503 and "Retry-After" in response.headers
+    assert response.json()["error"]["code"] == "engine_restarting"
+    assert waited_s >= hold_s - 0.05
+    print(f"\nmeasured: queue full answered in {refused_s * 1000:.0f} ms; held request 503 after {waited_s:.2f} s")
+    reasons = [e["reason"] for e in supervised.supervisor_events("request_not_held")]
+    assert sorted(reasons) == ["hold_queue_full", "hold_timed_out"]
+    # Health checks are never held.
+    started = time.monotonic()
+    assert httpx.get(supervised.url + "/readyz", timeout=10).status_code == 503
+    assert time.monotonic() - started < hold_s
+
+
+def test_a_segfaulting_body_is_sent_again_once_then_quarantined(start_supervisor, tmp_path):
+    config = tmp_path / "segfault.toml"
+    config.write_text(f'[fault_injection]\nenabled = true\nsegfault_marker = "{SEGFAULT_MARKER}"\n')
+    supervised = start_supervisor("--guardian-config", str(config), "--supervisor-max-restarts", "3")
+    first_pid = supervised.wait_ready()
+    poison = chat_body(f"{SEGFAULT_MARKER} now", max_tokens=4)
+    with httpx.Client(timeout=120) as client:
+        # Crash 1, sent again alone, crash 2: the client hears the quarantine, not two 503s.
+        response = client.post(supervised.url + COMPLETIONS, json=poison)
+        assert response.status_code == 500 and response.headers["x-should-retry"] == "false"
+        assert response.json()["error"]["code"] == "request_quarantined"
+        supervised.wait_ready(not_pid=first_pid, timeout=30)
+        # Refused at the door now: no third crash.
+        again = client.post(supervised.url + COMPLETIONS, json=poison)
+        assert again.status_code == 500 and again.json()["error"]["code"] == "request_quarantined"
+        assert client.post(supervised.url + COMPLETIONS, json=chat_body(max_tokens=4)).status_code == 200
+    assert [len(e["suspects"]) for e in supervised.supervisor_events("crash_suspects")] == [1, 1]
+    assert len(supervised.supervisor_events("request_resent")) == 1
+    status = supervised.supervisor()
+    assert status["restarts"] == 2 and status["state"] == "ready"
+    assert [q["strikes"] for q in status["quarantine"]["quarantined"]] == [2]
+
+
+def test_health_on_the_public_port_never_hangs_on_a_stopped_child(start_supervisor):
+    health_timeout = 0.5
+    supervised = start_supervisor("--supervisor-interval", "0.25", "--supervisor-unhealthy-after", "60",
+                                  "--supervisor-health-timeout", str(health_timeout))
+    pid = supervised.wait_ready()
+    assert httpx.get(supervised.url + "/readyz", timeout=10).json()["status"] == "ready"
+    answers = []
+    try:
+        os.kill(pid, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        with httpx.Client(timeout=30) as client:
+            while time.monotonic() - stopped_at < 3:
+                for path in ("/readyz", "/health"):
+                    started = time.monotonic()
+                    response = client.get(supervised.url + path)
+                    answers.append((path, response.status_code, response.json(), time.monotonic() - started))
+        state = supervised.supervisor()["state"]
+    finally:
+        supervised.signal_child(pid, signal.SIGCONT)
+    slowest = max(took for *_, took in answers)
+    print(f"\nmeasured: {len(answers)} health answers during the SIGSTOP, slowest {slowest * 1000:.0f} ms")
+    # Never the frozen child's 200, never a hang: its timeout and a margin for a busy machine.
+    assert all(status == 503 and body["status"] == "unavailable" for _, status, body, _ in answers), answers
+    assert slowest < health_timeout + 2.5
+    assert state == "unhealthy" and any(body["state"] == "unhealthy" for _, _, body, _ in answers)
+    # Continued, it answers its checks again and is ready; no restart was needed.
+    poll(lambda: supervised.supervisor()["state"] == "ready", 15, what="ready again")
+    assert httpx.get(supervised.url + "/readyz", timeout=10).status_code == 200
+    assert supervised.supervisor()["restarts"] == 0
