@@ -206,8 +206,9 @@ class RestartCounter:
 def engine_callbacks(pm):
     """The engine's own callbacks (GuardianEngine._ready and _restarted), bound to a stand-in."""
     from guardian.engine.generator import GuardianEngine
+    from guardian.engine.restart import RestartClock
 
-    stand_in = types.SimpleNamespace(pm=pm, steps=0)
+    stand_in = types.SimpleNamespace(pm=pm, steps=0, restart_clock=RestartClock())
     return {
         "on_ready": lambda: GuardianEngine._ready(stand_in),
         "on_restarted": lambda *a: GuardianEngine._restarted(stand_in, *a),

@@ -24,7 +24,7 @@ import structlog
 from guardian import stock
 from guardian.engine.blame import FailureBudget, Verdict, verdicts
 from guardian.engine.lifecycle import EngineAbandoned, EngineState, Lifecycle
-from guardian.engine.restart import RestartClock
+from guardian.engine.restart import RestartClock, release_dead_loop
 from guardian.context import request_scope
 from guardian.errors import (
     AbortRequest,
@@ -208,14 +208,19 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
             except Exception as exc:
                 self.restart_clock.start()
                 action = self._on_failure(exc)
-            # Out of the except block the traceback, and with it the dead
-            # loop's frames, BatchGenerator and KV arrays, can be freed.
+                # The dead loop's frames, BatchGenerator and KV arrays go now,
+                # before the new loop allocates (guardian.engine.restart).
+                released = release_dead_loop(exc)
             self.restart_clock.mark("unwind")
             if action == EXIT:
                 return
             if action == RELOAD:
                 stock.reset_model_provider(self.model_provider)
-            gc.collect()
+            # A full collection (the tail of a restart) only where clearing the
+            # frames freed no arrays, or before the weights are read again.
+            full_gc = released <= 0 or action == RELOAD
+            gc.collect(2 if full_gc else 1)
+            self.restart_clock.note(released_bytes=released, full_gc=full_gc)
             self.restart_clock.mark("gc")
             mx.clear_cache()
             self.restart_clock.mark("clear_cache")
@@ -384,7 +389,7 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
             duration_ms=round(duration_s * 1000, 1),
             restarts=restarts,
             classification=classification,
-            phases_ms=self.restart_clock.finish("loop_start"),
+            **self.restart_clock.finish("loop_start"),
         )
         notify(
             self.pm.hook.on_engine_restarted,
