@@ -1,6 +1,10 @@
-"""The supervisor's public port: every request relayed to the child with httpx.
+"""The supervisor's public port: every request relayed to the child.
 
-Imports neither mlx nor mlx_lm: the supervisor stays small. Responses pass
+Imports neither mlx nor mlx_lm: the supervisor stays small. Requests go to
+the child with the standard library's http.client, one connection each (the
+child answers HTTP/1.0 and closes it, so a pool would keep nothing): per
+request and per chunk it costs the relay a fraction of httpx's CPU, which
+a pinned supervisor takes from generation (bench/relay_cost.py). Responses pass
 through as they arrive (SSE events one by one), with the child's status and
 headers. When the child dies under a request, the client still gets an
 answer: a 503 if nothing was sent yet, or an error event and ``[DONE]`` if a
@@ -13,6 +17,7 @@ child's end of every connection, so every read from it ends.
 
 from __future__ import annotations
 
+import http.client
 import json
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
@@ -25,6 +30,14 @@ from guardian.errors import GuardianError
 
 log = structlog.get_logger("guardian.supervisor")
 
+CHILD_HOST = "127.0.0.1"
+# Reaching a local child is immediate or refused. Reads have no timeout: a
+# long generation is not a fault, and a dead child closes its sockets.
+CHILD_CONNECT_TIMEOUT_S = 5.0
+# One read from the child: whatever has arrived, up to this much.
+RELAY_READ_BYTES = 1 << 16
+# Methods whose requests carry a Content-Length even when empty.
+BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 # RFC 9110 §7.6.1: these describe one connection, never the message.
 HOP_BY_HOP = frozenset({
     "connection", "keep-alive", "proxy-authenticate", "proxy-authorization",
@@ -41,7 +54,6 @@ HEALTH_PATHS = ("/health", READINESS_PATH)
 # /readyz?deep=1 runs the child's probes now (10 s deadline by default).
 DEEP_READINESS_TIMEOUT_S = 15.0
 SSE_CONTENT_TYPE = "text/event-stream"
-SSE_EVENT_ENDS = (b"\n\n", b"\r\n\r\n")
 SSE_DONE = b"data: [DONE]"
 # An "event" this long with no blank line is not SSE framing: pass it on.
 MAX_HELD_EVENT_BYTES = 1 << 20
@@ -171,11 +183,8 @@ class ProxyHandler(BaseHTTPRequestHandler):
     def proxy(self, child, body: bytes) -> bool:
         """Send the request to the child and relay its answer; False if nothing could be sent."""
         try:
-            request = child.client.build_request(
-                self.command, self.target(), headers=self.upstream_headers(), content=body
-            )
-            upstream = child.client.send(request, stream=True)
-        except Exception as e:  # noqa: BLE001 - refused, reset, or the client closed with its child
+            upstream = Upstream(child.port, self.command, self.target(), self.upstream_headers(), body)
+        except Exception as e:  # noqa: BLE001 - refused, reset, or closed by a dying child
             self.child_lost(child, e, sent=False)
             return False
         try:
@@ -195,38 +204,44 @@ class ProxyHandler(BaseHTTPRequestHandler):
         headers.append(("X-Forwarded-For", self.client_address[0]))
         return headers
 
-    def relay(self, child, upstream: httpx.Response) -> None:
+    def relay(self, child, upstream: "Upstream") -> None:
         """Status, headers, then the body as it arrives."""
+        response = upstream.response
         # send_response_only: the child's own Server and Date headers follow.
-        self.send_response_only(upstream.status_code, upstream.reason_phrase)
-        for raw_name, raw_value in upstream.headers.raw:  # names as the child spelled them
-            name = raw_name.decode("latin-1")
-            if name.lower() not in HOP_BY_HOP:
-                self.send_header(name, raw_value.decode("latin-1"))
+        self.send_response_only(response.status, response.reason)
+        is_sse = False
+        for name, value in response.getheaders():  # names as the child spelled them
+            lowered = name.lower()
+            if lowered not in HOP_BY_HOP:
+                self.send_header(name, value)
+                if lowered == "content-type":
+                    is_sse = value.startswith(SSE_CONTENT_TYPE)
         self.send_header("Connection", "close")
         try:
             self.end_headers()
-            self.log_request(upstream.status_code)
-            is_sse = upstream.headers.get("content-type", "").startswith(SSE_CONTENT_TYPE)
+            self.log_request(response.status)
             cut = self.relay_events(upstream) if is_sse else self.relay_bytes(upstream)
             if cut is not None:
                 return self.child_lost(child, cut, sent=True, stream=is_sse)
             if self.relay_record is not None:
                 self.relay_record.answered = True
         except CLIENT_GONE:
-            # Closing the upstream response tells the child its client left.
+            # Closing the upstream connection tells the child its client left.
             log.info("proxy_client_gone", path=self.path, child_pid=child.pid)
 
-    def relay_bytes(self, upstream: httpx.Response):
+    def relay_bytes(self, upstream: "Upstream"):
         """Pass the body through chunk by chunk; the upstream error if it was cut."""
-        chunks = upstream.iter_raw()
-        while True:
-            chunk, cut = _next_chunk(chunks)
-            if chunk is None:
-                return cut
-            self.wfile.write(chunk)
+        write = self.wfile.write
+        try:
+            for chunk in upstream.chunks():
+                write(chunk)
+        except CLIENT_GONE:
+            raise
+        except Exception as e:  # noqa: BLE001 - any failure reading from the child is a cut
+            return e
+        return None
 
-    def relay_events(self, upstream: httpx.Response):
+    def relay_events(self, upstream: "Upstream"):
         """Pass SSE events on whole, as each ends; the cause if the stream was cut.
 
         A chunk is forwarded up to its last complete event, so nothing waits
@@ -234,23 +249,24 @@ class ProxyHandler(BaseHTTPRequestHandler):
         to the error event that follows it. A stream that ends without
         ``[DONE]`` was cut: both the guardian and stock always send it.
         """
-        chunks = upstream.iter_raw()
+        write = self.wfile.write
         held = b""
         done = False
-        while True:
-            chunk, cut = _next_chunk(chunks)
-            if chunk is None:
-                if cut is None and not done:
-                    cut = EOFError("the stream ended without [DONE]")
-                return cut
-            held += chunk
-            end = _last_event_end(held)
-            if end == 0 and len(held) > MAX_HELD_EVENT_BYTES:
-                end = len(held)
-            if end:
-                block, held = held[:end], held[end:]
-                done = done or SSE_DONE in block
-                self.wfile.write(block)
+        try:
+            for chunk in upstream.chunks():
+                held = held + chunk if held else chunk
+                end = _last_event_end(held)
+                if end == 0 and len(held) > MAX_HELD_EVENT_BYTES:
+                    end = len(held)
+                if end:
+                    block, held = held[:end], held[end:]
+                    done = done or SSE_DONE in block
+                    write(block)
+        except CLIENT_GONE:
+            raise
+        except Exception as e:  # noqa: BLE001 - any failure reading from the child is a cut
+            return e
+        return None if done else EOFError("the stream ended without [DONE]")
 
     def child_lost(self, child, cause: BaseException, sent: bool, stream: bool = False) -> None:
         """The child failed under this request: answer what can still be answered.
@@ -309,16 +325,45 @@ class ProxyHandler(BaseHTTPRequestHandler):
         log.debug("proxy_access", client=self.client_address[0], line=format % args)
 
 
-def _next_chunk(chunks):
-    """(chunk, None), (None, None) at the end, or (None, error) when reading failed."""
-    try:
-        return next(chunks), None
-    except StopIteration:
-        return None, None
-    except Exception as e:  # noqa: BLE001 - any failure reading from the child is a cut
-        return None, e
+class Upstream:
+    """One request to the child on a connection of its own, its response headers read."""
+
+    def __init__(self, port: int, method: str, target: str, headers: list[tuple[str, str]], body: bytes):
+        self.connection = http.client.HTTPConnection(CHILD_HOST, port, timeout=CHILD_CONNECT_TIMEOUT_S)
+        try:
+            self.connection.connect()
+            self.connection.sock.settimeout(None)  # the connect is bounded, reads are not
+            # Host is the child's; Accept-Encoding is the client's, if it sent one.
+            self.connection.putrequest(method, target, skip_accept_encoding=True)
+            for name, value in headers:
+                self.connection.putheader(name, value)
+            if body or method in BODY_METHODS:
+                self.connection.putheader("Content-Length", str(len(body)))
+            self.connection.endheaders(body or None)
+            self.response = self.connection.getresponse()
+        except BaseException:
+            self.connection.close()
+            raise
+
+    def chunks(self):
+        """The body as it arrives; raises if it ends short of its Content-Length."""
+        read1 = self.response.read1
+        while True:
+            chunk = read1(RELAY_READ_BYTES)
+            if not chunk:
+                if self.response.length:
+                    raise http.client.IncompleteRead(b"", self.response.length)
+                return
+            yield chunk
+
+    def close(self) -> None:
+        """Close the connection: a child still writing sees its client leave."""
+        self.response.close()
+        self.connection.close()
 
 
 def _last_event_end(data: bytes) -> int:
     """Offset just past the last complete SSE event in ``data``, or 0."""
-    return max((data.rfind(end) + len(end) for end in SSE_EVENT_ENDS if end in data), default=0)
+    lf = data.rfind(b"\n\n")
+    crlf = data.rfind(b"\r\n\r\n")
+    return max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)

@@ -41,12 +41,11 @@ from guardian.errors import GuardianError
 from guardian import exit_codes
 from guardian.exit_codes import EXIT_OK, EXIT_SUPERVISOR_GAVE_UP, EXIT_USAGE
 from guardian.logs import configure_logging
-from guardian.supervise.proxy import PublicServer
+from guardian.supervise.proxy import CHILD_CONNECT_TIMEOUT_S, CHILD_HOST, PublicServer
 from guardian.health.sd_notify import SystemdNotifier
 
 log = structlog.get_logger("guardian.supervisor")
 
-CHILD_HOST = "127.0.0.1"
 # Stock's defaults for the public address, so --supervise changes nothing there.
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8080
@@ -57,9 +56,6 @@ HEALTH_TIMEOUT_MAX_S = 5.0
 # Until a child is first ready, checks are cheap (refused, or an instant
 # 503) and each one saved shortens the outage of a restart.
 STARTUP_CHECK_INTERVAL_S = 0.1
-# Reaching a local child is immediate or refused. Reads have no timeout: a
-# long generation is not a fault, and a dead child closes its sockets.
-CHILD_CONNECT_TIMEOUT_S = 5.0
 # serve_forever's poll: how long closing the public port can take at exit.
 HTTP_POLL_S = 0.1
 # systemd talks to the supervisor (the unit's main pid), never to the child.
