@@ -7,6 +7,7 @@ watchdog and a probe thread drive it, with real threads where they race.
 from __future__ import annotations
 
 import threading
+import time
 import types
 
 import pluggy
@@ -105,6 +106,32 @@ def test_every_event_in_every_state(event, state):
         assert not changed and lifecycle.state is state, f"{event} in {state.value} should change nothing"
     else:
         assert changed and lifecycle.state is expected, f"{event} in {state.value} should lead to {expected.value}"
+
+
+def test_a_backoff_wait_changes_no_state_and_is_no_restart_time_but_is_downtime():
+    """A crash loop's wait: the engine stays restarting; the watchdog's restart
+    timeout (troubled_for) starts after the wait; the restart's duration includes it."""
+    calls = Calls()
+    lifecycle = lifecycle_in(S.RESTARTING, calls)
+    failed_at = lifecycle.trouble_at
+    lifecycle.backing_off(0.2)
+    assert lifecycle.state is S.RESTARTING
+    assert lifecycle.troubled_for(failed_at + 0.1) == 0.0
+    assert abs(lifecycle.troubled_for(lifecycle.backoff_until + 0.5) - 0.5) < 1e-6
+    time.sleep(0.2)
+    fire(lifecycle, "loop_polled")
+    [(duration_s, _, restarts)] = calls.restarted
+    assert duration_s >= 0.2 and restarts == 1
+    # The next failure starts a fresh restart, with no wait yet.
+    fire(lifecycle, "failed")
+    assert lifecycle.backoff_until is None
+    assert lifecycle.troubled_for(lifecycle.trouble_at + 0.3) == pytest.approx(0.3)
+
+
+def test_only_the_owning_loop_backs_off():
+    lifecycle = lifecycle_in(S.RESTARTING, owned=False)
+    with pytest.raises(EngineAbandoned):
+        lifecycle.backing_off(1.0)
 
 
 def test_the_first_poll_makes_the_engine_ready_without_a_restart():

@@ -24,7 +24,7 @@ import structlog
 from guardian import stock
 from guardian.engine.blame import FailureBudget, Verdict, verdicts
 from guardian.engine.lifecycle import EngineAbandoned, EngineState, Lifecycle
-from guardian.engine.restart import RestartClock, release_dead_loop
+from guardian.engine.restart import Backoff, RestartClock, release_dead_loop
 from guardian.context import request_scope
 from guardian.errors import (
     AbortRequest,
@@ -76,6 +76,7 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
         # Every change of the engine's state goes through the lifecycle.
         self.lifecycle = Lifecycle(on_ready=self._ready, on_restarted=self._restarted)
         self.restart_clock = RestartClock()  # where a restart's time goes (engine_restarted)
+        self.backoff = Backoff()  # a crash loop's waits; set by the recovery plugin
         self.ledger = RequestLedger(beat=self._loop_polled)
         self.steps = 0
         self.last_beat = time.monotonic()
@@ -111,8 +112,11 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
         return self.ledger.has_waiting()
 
     def configure_recovery(self, *, window_s: float, max_reruns: int, quarantine_s: float = 0.0,
-                           max_continuations: int = 0) -> None:
+                           max_continuations: int = 0, backoff_after_failures: int = 2,
+                           backoff_base_s: float = 0.0, backoff_max_s: float = 0.0) -> None:
         self.failures.window_s = window_s
+        self.backoff = Backoff(after_failures=backoff_after_failures, base_s=backoff_base_s,
+                               max_s=backoff_max_s)
         self.max_reruns = max_reruns
         self.max_continuations = max_continuations
         self.quarantine.quarantine_s = quarantine_s
@@ -224,6 +228,25 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
             self.restart_clock.mark("gc")
             mx.clear_cache()
             self.restart_clock.mark("clear_cache")
+            self._back_off()
+            self.restart_clock.mark("backoff")
+
+    def _back_off(self) -> None:
+        """In a crash loop, wait before restarting: requests stay queued, /health says restarting."""
+        failures_in_window = self.failures.count()
+        delay_s = self.backoff.delay_after_failure(failures_in_window=failures_in_window,
+                                                   completed=self.ledger.completed)
+        if not delay_s:
+            return
+        log.warning(
+            "engine_backoff",
+            delay_s=delay_s,
+            failures_in_a_row=self.backoff.in_a_row,
+            failures_in_window=failures_in_window,
+            **self.ledger.counts(),
+        )
+        self.lifecycle.backing_off(delay_s)
+        self.backoff.wait(delay_s)
 
     def _on_failure(self, exc: Exception) -> str:
         """Log, judge every taken request, decide, settle them; return the action."""
@@ -547,5 +570,6 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
             "steps": self.steps,
             "heartbeat_age_s": round(time.monotonic() - self.last_beat, 3),
             "mlx_lm_version": stock.STOCK_VERSION,
+            "backoff": self.backoff.status(),
             **self.ledger.counts(),
         }

@@ -17,7 +17,10 @@ The table, by state (rows) and event (columns); ``-`` changes nothing:
     stopped     -            -          -           -         -        -
 
 (*) a restart: counted once, ``on_restarted`` called once, whichever event
-comes first. ``stalled`` means the stuck loop was abandoned and its
+comes first. A crash loop's wait before a restart (``backing_off``) is no
+state and no event: the engine stays ``restarting`` (503), and the wait is
+left out of ``troubled_for``, so the watchdog's restart timeout counts only
+the time a restart is actually trying. ``stalled`` means the stuck loop was abandoned and its
 replacement is on trial: only a probe that generated on it (``verified``)
 makes the engine ready, so the loop asking for work does not, and a failure
 of the replacement keeps it on trial.
@@ -94,6 +97,8 @@ class Lifecycle:
         # When the failure or stall that started this restart happened, and
         # what it was ("stall", or the classification of the error).
         self.trouble_at: Optional[float] = None
+        # Until when the loop waits before restarting (a crash loop's backoff).
+        self.backoff_until: Optional[float] = None
         self.classification: Optional[str] = None
         self.rung: Optional[str] = None  # the ladder's rung of the last stall
         self.gave_up_reason: Optional[str] = None
@@ -132,6 +137,11 @@ class Lifecycle:
         """The loop returned: the server asked it to leave."""
         return self._event("stopped")
 
+    def backing_off(self, delay_s: float) -> None:
+        """The failed loop waits ``delay_s`` before restarting; the state stays as it is."""
+        self.check_owner()
+        self.backoff_until = time.monotonic() + delay_s
+
     # -- other threads ----------------------------------------------------------
     def verified(self) -> bool:
         """A probe generated on the loop that replaced a stuck or failed one."""
@@ -153,8 +163,12 @@ class Lifecycle:
         return self._state is EngineState.STALLED
 
     def troubled_for(self, now: float) -> float:
-        """Seconds since the failure or stall that started this restart."""
-        return now - self.trouble_at if self.trouble_at is not None else 0.0
+        """Seconds a restart has been trying: since the failure or stall that
+        started it, or since the end of its backoff wait (0 during the wait)."""
+        if self.trouble_at is None:
+            return 0.0
+        since = self.trouble_at if self.backoff_until is None else max(self.trouble_at, self.backoff_until)
+        return max(0.0, now - since)
 
     # -- the table ------------------------------------------------------------------
     def _event(self, event: str, **details) -> bool:
@@ -178,8 +192,10 @@ class Lifecycle:
         now = time.monotonic()
         if event == "failed":
             self.trouble_at, self.classification = now, details["classification"]
+            self.backoff_until = None
         elif event == "stalled":
             self.trouble_at, self.classification, self.rung = now, "stall", details["rung"]
+            self.backoff_until = None
             self.stalls += 1
             self.owner = None
         elif event == "gave_up":
@@ -188,7 +204,8 @@ class Lifecycle:
             return self._on_ready
         if after is EngineState.READY:
             self.restarts += 1
-            duration_s = self.troubled_for(now)
+            # The backoff wait included: the engine was down that long.
+            duration_s = now - self.trouble_at if self.trouble_at is not None else 0.0
             restarts, classification = self.restarts, self.classification
             return lambda: self._on_restarted(duration_s, classification, restarts)
         return None

@@ -1,9 +1,11 @@
-"""The restart path's own work: free the dead loop, and say where the time went.
+"""The restart path's own work: free the dead loop, back off in a crash loop,
+and say where the time went.
 
 ``release_dead_loop`` frees what the failed loop held (its BatchGenerator,
 KV arrays, requests) by clearing the frames its exception's traceback keeps,
 so the memory is back before the new loop starts, without waiting for a full
-garbage collection. ``RestartClock`` splits the time from an engine failure
+garbage collection. ``Backoff`` decides how long a loop that keeps failing
+waits before its next restart. ``RestartClock`` splits the time from an engine failure
 to the new loop's first poll into phases, logged with ``engine_restarted``
 (``phases_ms``), so a slow restart says which part was slow
 (bench/restart_tail.py reads them).
@@ -46,6 +48,57 @@ def _chain(exc: Optional[BaseException]):
         seen.add(id(current))
         yield current
         todo.extend((current.__cause__, current.__context__, getattr(current, "cause", None)))
+
+
+class Backoff:
+    """How long a failed loop waits before restarting: nothing for a failure
+    after progress, exponential in a crash loop, capped.
+
+    ``failures in a row`` are the engine failures since it last completed a
+    request (a user's or a probe), as far as they still count toward
+    ``max_failures`` (blamed failures are forgiven there, so they do not grow
+    the wait either). From ``after_failures`` in a row on, the wait is
+    ``base_s`` doubled for each further one, at most ``max_s``; ``base_s`` 0
+    never waits. The crash-loop budget is the recovery plugin's: a loop that
+    keeps failing still exits, after the waits.
+    """
+
+    def __init__(self, *, after_failures: int = 2, base_s: float = 0.0, max_s: float = 0.0):
+        self.after_failures, self.base_s, self.max_s = after_failures, base_s, max_s
+        self.in_a_row = 0
+        self._completed_seen: Optional[int] = None
+        self.delay_s = 0.0  # the last wait decided
+        self._until: Optional[float] = None  # monotonic end of the wait in progress
+
+    def delay_after_failure(self, *, failures_in_window: int, completed: int) -> float:
+        """A failure happened: the wait before the restart (0: none).
+        ``completed``: the engine's count of completed requests."""
+        if completed != self._completed_seen:
+            self._completed_seen, self.in_a_row = completed, 0
+        self.in_a_row += 1
+        counted = min(self.in_a_row, failures_in_window)
+        if not self.base_s or counted < self.after_failures:
+            self.delay_s = 0.0
+        else:
+            self.delay_s = min(self.max_s, self.base_s * 2 ** (counted - self.after_failures))
+        return self.delay_s
+
+    def wait(self, delay_s: float) -> None:
+        """Wait out ``delay_s`` (the loop thread; requests stay queued meanwhile)."""
+        self._until = time.monotonic() + delay_s
+        try:
+            time.sleep(delay_s)  # bounded by max_s; the loop thread is a daemon
+        finally:
+            self._until = None
+
+    def status(self) -> dict:
+        """For /guardian/status: the failures in a row, and the wait in progress (None if none)."""
+        until = self._until
+        return {
+            "failures_in_a_row": self.in_a_row,
+            "waiting_s": None if until is None else round(max(0.0, until - time.monotonic()), 3),
+            "last_delay_s": self.delay_s,
+        }
 
 
 class RestartClock:

@@ -82,11 +82,14 @@ class EngineView:
 
     # -- the recovery policy ----------------------------------------------------------
     def configure_recovery(self, *, window_s: float, max_reruns: int, quarantine_s: float,
-                           max_continuations: int = 0) -> None:
-        """The crash-loop window, re-runs and continuations per request and
-        quarantine time the core applies."""
+                           max_continuations: int = 0, backoff_after_failures: int = 2,
+                           backoff_base_s: float = 0.0, backoff_max_s: float = 0.0) -> None:
+        """The crash-loop window, re-runs and continuations per request,
+        quarantine time and a crash loop's backoff the core applies."""
         self._engine.configure_recovery(window_s=window_s, max_reruns=max_reruns,
-                                        quarantine_s=quarantine_s, max_continuations=max_continuations)
+                                        quarantine_s=quarantine_s, max_continuations=max_continuations,
+                                        backoff_after_failures=backoff_after_failures,
+                                        backoff_base_s=backoff_base_s, backoff_max_s=backoff_max_s)
 
     def quarantine_refusal(self, fingerprint: str):
         """The GuardianError for a quarantined fingerprint, or None; None always when quarantine is off."""

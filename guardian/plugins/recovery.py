@@ -17,6 +17,20 @@ class RecoverySettings(Table, name="recovery"):
     reload_after_failures = Setting(Int(min=0), 3, """
         From this many failures within the window on, read the weights again
         before restarting (0: never; restart on the loaded weights).""")
+    backoff_after_failures = Setting(Int(min=1), 2, """
+        In a crash loop, wait before restarting or reloading: from this many engine
+        failures in a row (none of them forgiven, no request completed between them)
+        on. The engine stays "restarting" meanwhile (/health 503) and requests wait in
+        its queue; the wait shows in /guardian/status ("backoff") and the log
+        (engine_backoff). A failure after the engine completed a request restarts at
+        once.""")
+    backoff_base_s = Setting(Float(min=0), 0.25, """
+        The first wait; each further failure in a row doubles it (0: never wait).
+        With the defaults a loop that fails every request waits 0.25, 0.5, 1 and 2 s
+        and exits with code 4 at its sixth failure, about 4 s after the first.""")
+    backoff_max_s = Setting(Float(min=0), 8.0, """
+        The longest wait. A request queued meanwhile waits through it; the wait does
+        not count toward [watchdog] restart_timeout_s.""")
     max_reruns = Setting(Int(min=0), 1, """
         How often a request whose client has seen nothing yet is re-run after a
         failure (0: answer 503 instead). A request in flight at more failures
@@ -52,6 +66,9 @@ class Recovery:
             max_reruns=self.settings.max_reruns,
             quarantine_s=self.settings.quarantine_s,
             max_continuations=self.settings.max_continuations,
+            backoff_after_failures=self.settings.backoff_after_failures,
+            backoff_base_s=self.settings.backoff_base_s,
+            backoff_max_s=self.settings.backoff_max_s,
         )
 
     @guardian.hookimpl(tryfirst=True)
