@@ -47,6 +47,8 @@ def streamed(result: dict) -> dict:
             finish = choice.get("finish_reason") or finish
             if choice.get("logprobs"):
                 logprobs += choice["logprobs"].get("content") or []
+    if usage:  # the unfailed run compared with finds the prompt in the prompt cache
+        usage = {key: value for key, value in usage.items() if key != "prompt_tokens_details"}
     return {"text": text, "finish_reason": finish, "usage": usage, "logprobs": logprobs}
 
 
@@ -80,3 +82,169 @@ def test_stream_cut_mid_way_is_continued(start_server):
     assert got["finish_reason"] == expected["finish_reason"] == "length"
     assert got["usage"]["completion_tokens"] == 60
     assert got["usage"]["prompt_tokens"] == expected["usage"]["prompt_tokens"]
+
+
+# -- failures planted at an exact token (tests/plugins/token_faults.py) --------
+
+MARKER = 2  # top_logprobs of the request the fault is planted in
+SEAM = 25  # the engine fails while stock formats that request's 25th token
+
+
+def token_faults(fail_at_token: int = SEAM, times: int = 1) -> str:
+    return (
+        '[guardian]\nplugins = ["tests.plugins.token_faults:TokenFaults"]\n'
+        f"[token_faults]\nmarker_top_logprobs = {MARKER}\nfail_at_token = {fail_at_token}\ntimes = {times}\n"
+    )
+
+
+def message(response: dict) -> str:
+    return response["choices"][0]["message"]["content"]
+
+
+def test_non_streaming_request_is_continued_with_its_logprobs(start_server):
+    server = start_server(token_faults())
+    body = greedy(max_tokens=50, logprobs=True, top_logprobs=MARKER)
+    with httpx.Client(timeout=60) as client:
+        response = client.post(server.url + CHAT, json=body)
+    assert response.status_code == 200, response.text
+    [event] = continued_events(server)
+    assert event["generated"] == SEAM - 1  # held, not sent: kept, not generated again
+    got = response.json()
+    expected = unfailed(server, CHAT, body)  # the fault fired once: this one runs through
+    assert message(got) == message(expected)
+    assert got["choices"][0]["finish_reason"] == expected["choices"][0]["finish_reason"] == "length"
+    assert got["usage"]["completion_tokens"] == 50
+    assert got["usage"]["prompt_tokens"] == expected["usage"]["prompt_tokens"]
+    got_lp = got["choices"][0]["logprobs"]["content"]
+    expected_lp = expected["choices"][0]["logprobs"]["content"]
+    assert len(got_lp) == len(expected_lp) == 50
+    for k, (a, b) in enumerate(zip(got_lp, expected_lp)):
+        # The continuation's logprobs come from a re-prefilled KV cache: equal
+        # to float noise, and the same top tokens.
+        assert {t["id"] for t in a["top_logprobs"]} == {t["id"] for t in b["top_logprobs"]}, k
+        assert math.isclose(a["logprob"], b["logprob"], abs_tol=1e-3), k
+
+
+def test_stream_continued_at_a_known_token_with_text_completions(start_server):
+    server = start_server(token_faults())
+    body = {"prompt": "Once upon a time", "max_tokens": 40, "temperature": 0.0, "stream": True,
+            "top_logprobs": MARKER, "stream_options": {"include_usage": True}}
+    with httpx.Client(timeout=60) as client:
+        result = read_stream(client, server.url + TEXT, body)
+    assert result["done"] and not result["errors"], result
+    [event] = continued_events(server)
+    assert event["generated"] == SEAM - 1
+    got, expected = streamed(result), unfailed(server, TEXT, body)
+    assert got["text"] == expected["text"]
+    assert got["finish_reason"] == expected["finish_reason"]
+    assert got["usage"] == expected["usage"]
+
+
+def seam_stop_word(model_cache, ids: list[int]):
+    """A stop word whose tokens span the seam (the last token sent before the
+    failure and the first one after it), and occur nowhere earlier; or None."""
+    import transformers
+
+    from guardian.demo_model import ensure_demo_model
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(ensure_demo_model(model_cache)))
+    sent = SEAM - 1  # ids[:sent] were sent before the failure
+    for start in range(sent - 1, sent - 4, -1):
+        for end in range(sent + 1, sent + 3):
+            window = ids[start:end]
+            word = tokenizer.decode(window)
+            if tokenizer.encode(word, add_special_tokens=False) != window or not word.strip():
+                continue
+            earlier = ids[: end - 1]
+            if any(earlier[i: i + len(window)] == window for i in range(len(earlier))):
+                continue
+            if word in tokenizer.decode(ids[:start]):
+                continue
+            return word, end
+    return None
+
+
+def test_a_stop_word_spanning_the_seam_stops_the_continuation(start_server, model_cache):
+    server = start_server(token_faults())
+    with httpx.Client(timeout=60) as client:
+        for content in [f"Tell me story number {n}." for n in range(12)]:
+            # Not the marker: this run learns the greedy tokens, unfailed.
+            learn = client.post(server.url + CHAT, json=greedy(content=content, max_tokens=60, logprobs=True))
+            ids = [t["id"] for t in learn.json()["choices"][0]["logprobs"]["content"]]
+            found = seam_stop_word(model_cache, ids)
+            if found:
+                break
+        assert found, "no stop word spans the seam in twelve prompts"
+        word, stops_after = found
+        body = greedy(content=content, max_tokens=60, stream=True, stop=[word], top_logprobs=MARKER,
+                      stream_options={"include_usage": True})
+        result = read_stream(client, server.url + CHAT, body)
+    assert result["done"] and not result["errors"], result
+    [event] = continued_events(server)
+    assert event["generated"] == SEAM - 1
+    got, expected = streamed(result), unfailed(server, CHAT, body)
+    assert expected["finish_reason"] == "stop" and expected["usage"]["completion_tokens"] == stops_after
+    assert got == expected
+    assert word not in got["text"]
+
+
+def test_past_max_continuations_a_stream_ends_with_an_error_event(start_server):
+    # Two failures in the same stream, one continuation allowed: the second
+    # cuts it as before continuations existed (max_reruns raised so that the
+    # second failure, alone, is not blamed on the request).
+    server = start_server(token_faults(times=2) + recovery(max_continuations=1, max_reruns=5))
+    body = greedy(max_tokens=80, stream=True, top_logprobs=MARKER)
+    with httpx.Client(timeout=60) as client:
+        result = read_stream(client, server.url + CHAT, body)
+    assert result["status"] == 200 and result["done"], result
+    assert [e["code"] for e in result["errors"]] == ["engine_restarting"]
+    assert len(server.events("engine_error")) == 2
+    [event] = continued_events(server)
+    assert event["continuations"] == 1
+    # What reached the client came once and in order: the unfailed text up to
+    # the second failure (0.31's handler still held the last few tokens, for
+    # its control-sequence matching, when the error came: they are lost, as
+    # in any cut stream).
+    text = streamed(result)["text"]
+    expected = unfailed(server, CHAT, dict(body, max_tokens=2 * (SEAM - 1)))
+    assert text and expected["text"].startswith(text)
+    assert len(text) > len(unfailed(server, CHAT, dict(body, max_tokens=SEAM - 1))["text"])
+
+
+def test_the_openai_sdk_sees_one_clean_stream(start_server):
+    server = start_server(token_faults())
+    sdk = openai.OpenAI(base_url=server.url + "/v1", api_key="x")
+    kwargs = dict(model="default_model", messages=[{"role": "user", "content": "Tell me a story."}],
+                  max_tokens=50, temperature=0.0, stream=True, stream_options={"include_usage": True})
+    chunks = list(sdk.chat.completions.create(top_logprobs=MARKER, **kwargs))
+    [event] = continued_events(server)
+    unfailed_chunks = list(sdk.chat.completions.create(**kwargs))
+
+    def summary(chunks):
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+        usage = [(c.usage.prompt_tokens, c.usage.completion_tokens, c.usage.total_tokens)
+                 for c in chunks if c.usage]
+        return text, finish, usage
+
+    assert summary(chunks) == summary(unfailed_chunks)
+    assert summary(chunks)[1] == ["length"]
+    assert summary(chunks)[2][0][1] == 50
+
+
+def test_a_stream_held_by_a_stalled_loop_is_continued(start_server):
+    # The loop blocks at its 20th step (as a native deadlock would); the
+    # watchdog abandons it and the replacement loop continues the stream,
+    # without the prompt cache, which a stall drops.
+    server = start_server(faults(hang_at_step=20) + "[watchdog]\ninterval_s = 0.05\nstall_timeout_s = 1.0\n")
+    body = greedy(max_tokens=60, stream=True, stream_options={"include_usage": True})
+    with httpx.Client(timeout=60) as client:
+        result = read_stream(client, server.url + CHAT, body)
+    assert result["done"] and not result["errors"], result
+    assert server.events("engine_stalled")
+    [event] = continued_events(server)
+    assert 0 < event["generated"] < 60
+    got, expected = streamed(result), unfailed(server, CHAT, body)
+    assert got["text"] == expected["text"]
+    assert got["finish_reason"] == expected["finish_reason"]
+    assert got["usage"] == expected["usage"]

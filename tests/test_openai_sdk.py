@@ -163,9 +163,11 @@ def test_a_blamed_poison_request_is_an_internal_error_sent_once(start_server):
 
 def test_a_stream_cut_by_an_engine_failure_raises_api_error_with_its_code(start_server):
     # The engine fails at its 40th step with a request in it (the start-up
-    # probe's steps count too): the stream has sent tokens by then, so it
-    # cannot be re-run and ends with an error event.
-    server = start_server(table("fault_injection", enabled=True, at_step=40, min_started=1))
+    # probe's steps count too): the stream has sent tokens by then, and with
+    # no continuation allowed it ends with an error event. (Within
+    # max_continuations it goes on: tests/test_continuation.py.)
+    server = start_server(table("fault_injection", enabled=True, at_step=40, min_started=1)
+                          + table("recovery", max_continuations=0))
     chunks = []
     with pytest.raises(openai.APIError) as raised:
         stream = sdk(server).chat.completions.create(model="default_model", messages=user("Tell me a story."),

@@ -109,9 +109,28 @@ def concurrent_clients(server, count: int, max_tokens: int, timeout: float = 60)
 
 
 def test_eight_clients_mid_generation(start_server):
-    """The issue's "done when": 8 clients, half streaming, fault mid-decode."""
+    """The issue's "done when": 8 clients, half streaming, fault mid-decode.
+    Every request that had generated tokens is continued: no error reaches a client."""
     server = start_server(faults(at_step=12, min_started=8))
     # Long completions, so all 8 overlap despite stock's 0.5 s decode slices.
+    results = concurrent_clients(server, 8, max_tokens=1500)
+
+    [error] = server.events("engine_error")
+    for stream, result in results:
+        assert result["status"] == 200, result
+        if stream:
+            assert result["done"] and not result["errors"], result
+        else:
+            assert result["body"]["usage"]["completion_tokens"] == 1500
+    continued = [e for e in server.events("request_rerun") if e["continued"]]
+    assert continued, "the fault should have hit requests mid-tokens"
+    with httpx.Client(timeout=30) as client:
+        assert_recovered(server, client)
+
+
+def test_eight_clients_past_the_continuation_bound(start_server):
+    """With max_continuations = 0 a stream that sent tokens is cut: error event, [DONE]."""
+    server = start_server(faults(at_step=12, min_started=8) + "[recovery]\nmax_continuations = 0\n")
     results = concurrent_clients(server, 8, max_tokens=1500)
 
     [error] = server.events("engine_error")

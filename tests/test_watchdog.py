@@ -93,7 +93,10 @@ def test_reload_rung_reads_the_weights_again_and_serves(start_server):
 
 
 def test_hang_mid_stream_ends_the_stream_with_an_error(start_server):
-    server = start_server(HANG.replace("= 5", "= 20") + watchdog(stall_timeout_s=1.0))
+    # Past [recovery] max_continuations (here 0); within it the stream is
+    # continued (tests/test_continuation.py).
+    server = start_server(HANG.replace("= 5", "= 20") + watchdog(stall_timeout_s=1.0)
+                          + "[recovery]\nmax_continuations = 0\n")
     with httpx.Client(timeout=30) as client:
         result = read_stream(client, server.url + "/v1/chat/completions", chat_body(max_tokens=64, stream=True))
     assert result["status"] == 200 and result["done"]

@@ -18,9 +18,13 @@ from enum import Enum
 from queue import Empty, Queue
 from typing import Callable, Optional
 
+import structlog
+
 from guardian import stock
 from guardian.context import current_request
 from guardian.errors import EngineStepError, GuardianError
+
+log = structlog.get_logger("guardian.engine")
 
 
 class Stage(Enum):
@@ -103,6 +107,14 @@ class RequestRecord:
         if self._first_ctx is None:
             self._first_ctx = ctx
             self.downstream.put(ctx)
+        elif self.continuations:
+            log.info(
+                "request_continuation_started",
+                request_id=self.request_id,
+                generated=len(self.generated),
+                prompt_tokens=len(ctx.prompt),
+                cached_tokens=ctx.prompt_cache_count,  # what the prompt cache spared the re-prefill
+            )
         # On a re-run stock's handler still holds the first context: the
         # new one is not sent, only linked through cancel().
 

@@ -1,0 +1,130 @@
+"""What a stream continuation costs its client: the gap at the seam.
+
+A stream is cut by an engine failure planted at its Nth token
+(tests/plugins/token_faults.py) and continued on the restarted engine,
+which prefills the prompt plus the tokens already sent before it samples
+the next one. The client sees a longer gap between two chunks at the seam.
+This compares that gap with stock's prompt cache (the default) and without
+it (``--prompt-cache-size 0``), for a chat whose long system prompt stock
+caches at the end of its segment, and prints a table.
+
+Note: after a stall (not a failure) the engine drops the prompt cache on
+purpose (the stuck loop's arrays cannot be used on a new thread), so a
+continuation after a stall always pays the "without" column.
+
+    .venv/bin/python bench/continuation_cost.py [--rounds 8] [--system-words 600]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from servers import Server, free_port
+
+REPO = Path(__file__).resolve().parent.parent
+MARKER = 2  # top_logprobs of the requests the fault is planted in
+SEAM = 20  # the engine fails while stock formats a request's 20th token
+
+
+def config_text() -> str:
+    return (
+        '[guardian]\nplugins = ["tests.plugins.token_faults:TokenFaults"]\n'
+        f"[token_faults]\nmarker_top_logprobs = {MARKER}\nfail_at_token = {SEAM}\ntimes = 0\n"
+        # One failure per round: no crash loop, no reload.
+        "[recovery]\nmax_failures = 1000\nreload_after_failures = 0\n"
+    )
+
+
+def stream_chunks(url: str, body: dict) -> tuple[list[float], bool, int]:
+    """Arrival times of the stream's content chunks, whether it ended cleanly, completion tokens."""
+    times, clean, tokens = [], True, 0
+    with httpx.Client(timeout=120) as client, client.stream("POST", url, json=body) as response:
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                clean = False
+            if event.get("usage"):
+                tokens = event["usage"]["completion_tokens"]
+            if any((c.get("delta") or {}).get("content") for c in event.get("choices", [])):
+                times.append(time.monotonic())
+    return times, clean, tokens
+
+
+def measure(prompt_cache: bool, rounds: int, system_words: int, log_dir: Path) -> dict:
+    config = log_dir / f"guardian-{prompt_cache}.toml"
+    config.write_text(config_text())
+    port = free_port()
+    args = [sys.executable, "-m", "guardian", "--port", str(port), "--guardian-config", str(config)]
+    if not prompt_cache:
+        args += ["--prompt-cache-size", "0"]
+    server = Server("guardian", args, port, log_dir / f"server-{prompt_cache}.log",
+                    env={**__import__("os").environ, "PYTHONPATH": str(REPO)})
+    try:
+        if not server.wait_ready():
+            raise SystemExit("\n".join(server.log_tail()))
+        url = server.url + "/v1/chat/completions"
+        seams, steady, ttft, clean = [], [], [], 0
+        for i in range(rounds):
+            # A system prompt of its own each round: no earlier request's cache matches it.
+            system = f"Round {i} {time.time_ns()}. " + "word " * system_words
+            body = {"messages": [{"role": "system", "content": system},
+                                 {"role": "user", "content": "Tell me a story."}],
+                    "max_tokens": SEAM + 12, "temperature": 0.0, "stream": True, "top_logprobs": MARKER,
+                    "stream_options": {"include_usage": True}}
+            sent = time.monotonic()
+            times, ok, tokens = stream_chunks(url, body)
+            clean += ok and tokens == SEAM + 12
+            gaps = [b - a for a, b in zip(times, times[1:])]
+            seam = max(gaps)
+            seams.append(seam)
+            steady.append(statistics.median(g for g in gaps if g != seam))
+            ttft.append(times[0] - sent)
+        restarts = [e["duration_ms"] for e in server.log_events("engine_restarted")]
+        cached = [e["cached_tokens"] for e in server.log_events("request_continuation_started")]
+        return {
+            "seam_ms": statistics.median(seams) * 1000,
+            "seam_max_ms": max(seams) * 1000,
+            "steady_ms": statistics.median(steady) * 1000,
+            "ttft_ms": statistics.median(ttft) * 1000,
+            "restart_ms": statistics.median(restarts) if restarts else float("nan"),
+            "clean": clean,
+            "rounds": rounds,
+            "continued": len([e for e in server.log_events("request_rerun") if e.get("continued")]),
+            "cached_tokens": statistics.median(cached) if cached else 0,
+        }
+    finally:
+        server.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--system-words", type=int, default=600, help="~2 demo-model tokens a word")
+    options = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        rows = {mode: measure(mode, options.rounds, options.system_words, Path(tmp))
+                for mode in (True, False)}
+    print(f"demo model, system prompt of ~{2 * options.system_words} tokens, failure at token {SEAM}, "
+          f"medians of {options.rounds} rounds")
+    print("| prompt cache | time to next token at the seam (max) | steady inter-token | "
+          "first token (full prefill) | restart | cached tokens at the continuation | clean streams |")
+    print("|---|---|---|---|---|---|---|")
+    for mode, row in rows.items():
+        print(f"| {'on (default)' if mode else 'off (--prompt-cache-size 0)'} "
+              f"| {row['seam_ms']:.0f} ms ({row['seam_max_ms']:.0f}) | {row['steady_ms']:.1f} ms "
+              f"| {row['ttft_ms']:.0f} ms | {row['restart_ms']:.0f} ms | {row['cached_tokens']:.0f} "
+              f"| {row['clean']}/{row['rounds']} ({row['continued']} continued) |")
+
+
+if __name__ == "__main__":
+    main()
