@@ -46,7 +46,7 @@ INSTANCE_ATTRIBUTES = {
 # test walks this table; so does ``check_stock()`` at start-up.
 REQUIRED = {
     "ResponseGenerator._generate": "the generation loop the engine supervises",
-    "ResponseGenerator._tokenize": "tokenize once on the HTTP thread, as stock does",
+    "ResponseGenerator._tokenize": "tokenize once on the HTTP thread, as stock does; a continuation's prompt",
     "ResponseGenerator.generate": "the HTTP thread's side of a request",
     "ResponseGenerator.stop_and_join": "clean shutdown of the generation thread",
     "ModelProvider.load_default": "load the --model weights before serving",
@@ -73,7 +73,8 @@ REQUIRED = {
     "LogitsProcessorArguments": "built for synthetic probes",
     "TimeBudget": "subclassed to end a run of decode steps when a request waits",
     "ResponseGenerator._make_state_machine": "where tests/plugins/request_faults.py plants a fault "
-                                             "while stock prepares a request",
+                                             "while stock prepares a request; overridden so a "
+                                             "continuation's stop matching starts after the tokens sent",
     "_make_sampler": "module global the loop calls per request; wrapped so a sampler that raises fails its request alone",
     "_make_logits_processors": "module global the loop calls per request; wrapped so a processor that raises fails its request alone",
 }
