@@ -248,3 +248,18 @@ def test_a_stream_held_by_a_stalled_loop_is_continued(start_server):
     assert got["text"] == expected["text"]
     assert got["finish_reason"] == expected["finish_reason"]
     assert got["usage"] == expected["usage"]
+
+
+def test_a_stream_on_the_non_batched_path_is_continued(start_server):
+    # A seed sends the request down stock's sequential path (stream_generate),
+    # whose detokenizer and stop matcher are primed the same way. (Stock's
+    # path catches what its own loop raises: the failure is planted in the
+    # step, which the guardian marks as the engine's.)
+    server = start_server(faults(at_step=20, max_faults=1))
+    body = greedy(max_tokens=40, stream=True, seed=7, stream_options={"include_usage": True})
+    with httpx.Client(timeout=60) as client:
+        result = read_stream(client, server.url + CHAT, body)
+    assert result["done"] and not result["errors"], result
+    [event] = continued_events(server)
+    assert 0 < event["generated"] < 40
+    assert streamed(result) == unfailed(server, CHAT, body)
