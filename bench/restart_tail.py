@@ -14,9 +14,10 @@ Phases, in order: ``classify`` (the classify_engine_error hook, the
 lifecycle's ``failed``), ``judge`` (the dead loop's requests taken and
 judged), ``log`` (``engine_error`` with its traceback), ``decide``
 (on_engine_error), ``settle`` (re-queue or answer each request),
-``unwind`` (leaving the except block: the dead loop's frames and arrays
-freed), ``backoff`` (a crash loop's wait; 0 here), ``gc``, ``clear_cache``,
-``loop_start`` (stock's loop from its call to its first poll).
+``unwind`` (leaving the except block; since the fix, clearing the dead
+loop's frames, which frees its arrays), ``gc``, ``clear_cache``,
+``backoff`` (a crash loop's wait; off here), ``loop_start`` (stock's loop
+from its call to its first poll).
 
 Usage::
 
@@ -45,8 +46,8 @@ import httpx
 
 from servers import Server, free_port, poll_until
 
-PHASES = ("classify", "judge", "log", "decide", "settle", "unwind", "backoff", "gc",
-          "clear_cache", "loop_start")
+PHASES = ("classify", "judge", "log", "decide", "settle", "unwind", "gc", "clear_cache",
+          "backoff", "loop_start")
 
 CONFIG = """\
 [fault_injection]
