@@ -249,7 +249,7 @@ class ProxyHandler(BaseHTTPRequestHandler):
         to the error event that follows it. A stream that ends without
         ``[DONE]`` was cut: both the guardian and stock always send it.
         """
-        write = self.wfile.write
+        write = self.connection.sendall  # what wfile.write does, one layer less per event
         held = b""
         done = False
         try:
@@ -340,6 +340,8 @@ class Upstream:
             if body or method in BODY_METHODS:
                 self.connection.putheader("Content-Length", str(len(body)))
             self.connection.endheaders(body or None)
+            # Kept: an HTTP/1.0 answer makes the connection let go of its socket.
+            self.sock = self.connection.sock
             self.response = self.connection.getresponse()
         except BaseException:
             self.connection.close()
@@ -347,7 +349,18 @@ class Upstream:
 
     def chunks(self):
         """The body as it arrives; raises if it ends short of its Content-Length."""
-        read1 = self.response.read1
+        response = self.response
+        if response.length is None and not response.chunked and response.fp is not None:
+            # Read until the child closes: what http.client buffered with the
+            # headers, then straight from the socket (a stream's every event
+            # passes here; its Python layers cost more than the recv itself).
+            chunk = response.fp.read1(RELAY_READ_BYTES)
+            recv = self.sock.recv
+            while chunk:
+                yield chunk
+                chunk = recv(RELAY_READ_BYTES)
+            return
+        read1 = response.read1
         while True:
             chunk = read1(RELAY_READ_BYTES)
             if not chunk:
