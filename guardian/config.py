@@ -80,8 +80,26 @@ class WatchdogSettings(Table, name="watchdog"):
     interval_s = Setting(Float(min=0.01), 0.25, """
         How often the watchdog looks at the engine.""")
     stall_timeout_s = Setting(Float(min=0.05), 30.0, """
-        Work waiting and no engine step or prompt progress for this long: a stall.
-        A long prefill reports progress at every chunk and is not a stall.""")
+        The longest the heartbeat (engine steps, prompt progress) may stop while
+        work waits, and the limit whenever the engine's pace is unknown: until
+        the loop (after start or a restart) has completed a step, and while a
+        request without a token has not yet had a step go by since the watchdog
+        first saw it (its first prefill chunk, of a size the watchdog cannot see).""")
+    stall_min_s = Setting(Float(min=0.05), 3.0, """
+        The shortest: a stall needs the heartbeat stopped at least this long,
+        however fast the engine's steps are. Far above a healthy engine's pauses
+        (garbage collection, a new shape's kernels, a busy CPU) and, with a
+        watchdog look every interval_s, a step that never returns is reported
+        within about 3.3 s. Set it to stall_timeout_s for a fixed timeout.""")
+    stall_pace_factor = Setting(Float(min=1.0), 4.0, """
+        Otherwise the limit is this many times the longest gap between
+        heartbeats in the last pace_samples looks: steps slow down as the batch
+        grows, and each chunk of a long prompt attends to more context than the
+        one before (up to twice as much from the second chunk on).""")
+    pace_samples = Setting(Int(min=1), 32, """
+        How many of the watchdog's looks at a moving heartbeat the pace
+        remembers: about 8 s of fast steps (one look every interval_s), or the
+        last 32 steps of a model slower than that.""")
     restart_timeout_s = Setting(Float(min=0.05), 120.0, """
         A restart or reload that has not produced a working loop after this long
         counts as a stall as well.""")

@@ -148,7 +148,7 @@ def test_deep_probe_runs_one_token_and_keeps_the_prompt_cache_clean(start_server
 
 
 def test_deep_probe_keeps_its_deadline_on_a_stuck_engine(start_server):
-    config = HANG + watchdog(stall_timeout_s=60, probe_timeout_s=0.5)
+    config = HANG + watchdog(stall_timeout_s=60, stall_min_s=60, probe_timeout_s=0.5)
     server = start_server(config)
     with httpx.Client(timeout=30) as client:
         with client.stream("POST", server.url + "/v1/chat/completions", json=chat_body(max_tokens=64, stream=True)):

@@ -3,10 +3,12 @@
 A thread that never takes part in generation. The engine's heartbeat
 (``engine.last_beat``) advances at every engine step, every prompt-progress
 report and every time the idle loop asks for work; when work is waiting and
-the heartbeat stops for ``stall_timeout_s``, the engine is wedged, and the
-watchdog climbs the escalation ladder: replace the loop thread, reload the
-model, exit for the supervisor. Probes prove generation works while idle;
-while busy, progress proves it and probes are skipped.
+the heartbeat stops for far longer than this engine has recently needed
+between heartbeats (``guardian.health.pace``: at least ``stall_min_s``, at
+most ``stall_timeout_s``), the engine is wedged, and the watchdog climbs the
+escalation ladder: replace the loop thread, reload the model, exit for the
+supervisor. Probes prove generation works while idle; while busy, progress
+proves it and probes are skipped.
 
 The watchdog detects and asks; it never writes the engine's state. A stall
 is reported to the engine's lifecycle (``lifecycle.stalled``), which may
@@ -25,6 +27,7 @@ import structlog
 from guardian.config import WatchdogSettings
 from guardian.counting import RecentEvents
 from guardian.engine.lifecycle import EngineState
+from guardian.health.pace import Pace
 from guardian.plugins.manager import notify
 from guardian.health.sd_notify import SystemdNotifier
 
@@ -38,6 +41,9 @@ class Watchdog:
         self.settings = settings
         self.notifier = notifier or SystemdNotifier()
         self.stalls = RecentEvents(settings.ladder_window_s)
+        self.pace = Pace(samples=settings.pace_samples, factor=settings.stall_pace_factor,
+                         floor_s=settings.stall_min_s)
+        self.stall_limit_s = settings.stall_timeout_s
         self.last_probe: Optional[dict] = None
         self.last_sample: Optional[dict] = None
         self._last_probe_at = float("-inf")
@@ -72,16 +78,31 @@ class Watchdog:
     # -- stalls -------------------------------------------------------------
     def _check_progress(self, now: float) -> None:
         engine = self.engine
-        age = now - engine.last_beat
+        beat = engine.last_beat
+        age = now - beat
+        self._observe_pace(beat)
         state = engine.state
         if state is EngineState.READY:
-            if engine.ledger.has_work() and age > self.settings.stall_timeout_s:
-                self._on_stall(age, "no engine step or prompt progress")
+            if engine.ledger.has_work() and age > self.stall_limit_s:
+                self._on_stall(age, f"no engine step or prompt progress (limit {self.stall_limit_s:.1f} s)")
         elif state in (EngineState.RESTARTING, EngineState.STALLED):
             if engine.lifecycle.troubled_for(now) > self.settings.restart_timeout_s:
                 why = ("the restarted loop never asked for work" if state is EngineState.RESTARTING
                        else "the replacement loop was not proven by a probe")
                 self._on_stall(age, why)
+
+    def _observe_pace(self, beat: float) -> None:
+        """Feed the pace one look at the heartbeat; set how long it may stop now."""
+        engine = self.engine
+        lifecycle = engine.lifecycle
+        # A request with a token is past its prefill. (A continuation after a
+        # failure has tokens but prefills again: on a new loop, unknown anyway.)
+        waiting = [r.seq for r in engine.ledger.in_flight() if not r.has_output]
+        # The loop thread and the restart count: a new loop, or the same thread
+        # running stock's loop again after a failure, starts with nothing known.
+        self.pace.observe(beat=beat, steps=engine.steps, loop=(lifecycle.owner, lifecycle.restarts),
+                          waiting=waiting)
+        self.stall_limit_s = self.pace.limit(self.settings.stall_timeout_s)
 
     def _on_stall(self, heartbeat_age_s: float, why: str) -> None:
         """Ask the engine to take the stall at the ladder's next rung; log and tell the plugins."""
@@ -144,7 +165,7 @@ class Watchdog:
 
     # -- readiness ------------------------------------------------------------
     def heartbeat_fresh(self) -> bool:
-        return time.monotonic() - self.engine.last_beat < self.settings.stall_timeout_s
+        return time.monotonic() - self.engine.last_beat < self.stall_limit_s
 
     def progressing(self) -> bool:
         """Users' work is in flight and the heartbeat moved within a probe's
@@ -161,7 +182,7 @@ class Watchdog:
         if engine.state is not EngineState.READY:
             return False, f"engine {engine.state.value}"
         age = time.monotonic() - engine.last_beat
-        if age > self.settings.stall_timeout_s:
+        if age > self.stall_limit_s:
             return False, f"no heartbeat for {age:.1f} s"
         if self.progressing():
             return True, "generating"
@@ -207,6 +228,9 @@ class Watchdog:
             "ready": ready,
             "ready_reason": reason,
             "stalls": self.engine.lifecycle.stalls,
+            "stall_limit_s": round(self.stall_limit_s, 3),
+            **self.pace.status(),
             "last_probe": probe or None,
             "last_resource_sample": self.last_sample,
         }
+

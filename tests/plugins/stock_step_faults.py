@@ -1,0 +1,95 @@
+"""Faults planted in stock's own ``BatchGenerator.next``, from outside the guardian.
+
+A test plugin (``[guardian] plugins = ["tests.plugins.stock_step_faults:StockStepFaults"]``).
+It wraps the method of mlx_lm's own class (``mlx_lm.generate.BatchGenerator``),
+which the guardian's observed subclass calls through ``super().next()``: the
+guardian's step hook has already run, exactly as when stock's step itself
+blocks or is slow (a native deadlock, a kernel compile).
+
+- ``hang_at_call``: the Nth call of ``next()`` in the process (the first is 1)
+  blocks, for ``hang_s`` seconds or, with 0, until the server shuts down.
+  ``stock_step_hang`` is logged as it blocks, ``stock_step_hang_ended`` when
+  it returns to stock's code.
+- ``first_call_delay_s``: the first ``next()`` of every BatchGenerator (the
+  first step of a loop at start and after each restart, when mlx compiles
+  kernels) takes this much longer.
+- ``delay_s``: every ``next()`` takes this much longer (a slow model).
+- ``prefill_delay_s``: a ``next()`` that processes prompt tokens takes this
+  much longer, from the ``prefill_delay_from_call``-th call on (a big model's
+  prefill chunks, each far longer than its decode steps).
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+from dataclasses import dataclass
+
+import structlog
+
+import guardian
+
+log = structlog.get_logger("tests.stock_step_faults")
+# The module (the package's ``mlx_lm.generate`` attribute is the function).
+generate = importlib.import_module("mlx_lm.generate")
+
+
+@dataclass
+class StockStepFaultsSettings:
+    hang_at_call: int = 0
+    hang_s: float = 0.0
+    first_call_delay_s: float = 0.0
+    delay_s: float = 0.0
+    prefill_delay_s: float = 0.0
+    prefill_delay_from_call: int = 1
+
+
+class StockStepFaults:
+    name = "stock_step_faults"
+    Settings = StockStepFaultsSettings
+
+    def __init__(self, settings: StockStepFaultsSettings):
+        self.settings = settings
+        self.released = threading.Event()
+        self._lock = threading.Lock()
+        self._calls = 0
+        self._plant()
+
+    @guardian.hookimpl
+    def guardian_startup(self):
+        log.warning("stock_step_faults_planted", **vars(self.settings))
+
+    @guardian.hookimpl
+    def guardian_shutdown(self):
+        self.released.set()
+
+    def _plant(self) -> None:
+        stock_next = generate.BatchGenerator.next
+        plugin = self
+        settings = self.settings
+
+        def next(generator):
+            with plugin._lock:
+                plugin._calls += 1
+                call = plugin._calls
+            first = not getattr(generator, "_stock_step_faults_seen", False)
+            generator._stock_step_faults_seen = True
+            if first and settings.first_call_delay_s:
+                log.warning("stock_step_slow_first_call", call=call, delay_s=settings.first_call_delay_s)
+                plugin.released.wait(settings.first_call_delay_s)
+            if settings.delay_s:
+                plugin.released.wait(settings.delay_s)
+            if settings.prefill_delay_s and call >= settings.prefill_delay_from_call and _prefills(generator):
+                plugin.released.wait(settings.prefill_delay_s)
+            if call == settings.hang_at_call:
+                log.warning("stock_step_hang", call=call, thread=threading.current_thread().name)
+                plugin.released.wait(settings.hang_s or None)
+                log.warning("stock_step_hang_ended", call=call)
+            return stock_next(generator)
+
+        generate.BatchGenerator.next = next
+
+
+def _prefills(generator) -> bool:
+    """Whether this step processes prompt tokens (stock's own bookkeeping, 0.31 and 0.32)."""
+    return bool(len(generator._unprocessed_sequences) or len(generator._prompt_batch))

@@ -1,0 +1,165 @@
+"""Stalls seen in seconds: the stall limit follows the engine's own pace.
+
+At default settings a step that never returns is reported within 5 s (the
+issue's goal; the limit's floor is 3 s), while steps that are slow but return
+(a slow model, a big model's prefill chunks, a first step that compiles
+kernels) raise no false alarm. Hangs are planted with the fault-injection
+plugin (the guardian's step hook) and, from outside the guardian, inside
+stock's own ``BatchGenerator.next`` (tests/plugins/stock_step_faults.py).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import datetime
+
+import httpx
+
+from conftest import chat_body, poll, read_stream
+
+STEP_FAULTS = '[guardian]\nplugins = ["tests.plugins.stock_step_faults:StockStepFaults"]\n'
+GOAL_S = 5.0  # issue 11: a step that never returns is reported within 5 s
+
+
+def stamp(event: dict) -> float:
+    return datetime.fromisoformat(event["timestamp"].replace("Z", "+00:00")).timestamp()
+
+
+def table(name: str, **settings) -> str:
+    def toml(value):
+        return str(value).lower() if isinstance(value, bool) else repr(value)
+
+    return f"[{name}]\n" + "".join(f"{k} = {toml(v)}\n" for k, v in settings.items())
+
+
+def post_all(server, bodies: list[dict], timeout: float = 120) -> list[httpx.Response]:
+    """Send every body at once, each on its own connection; the responses in order."""
+    responses: list = [None] * len(bodies)
+
+    def send(i):
+        with httpx.Client(timeout=timeout) as client:
+            responses[i] = client.post(server.url + "/v1/chat/completions", json=bodies[i])
+
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(len(bodies))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return responses
+
+
+class LimitRecorder:
+    """Polls /guardian/status in the background; keeps every stall limit seen while busy."""
+
+    def __init__(self, server):
+        self.server = server
+        self.limits: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        with httpx.Client(timeout=5) as client:
+            while not self._stop.wait(0.1):
+                try:
+                    status = client.get(self.server.url + "/guardian/status").json()
+                except httpx.TransportError:
+                    continue
+                if status["in_flight"]:
+                    self.limits.append(status["stall_limit_s"])
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+
+def test_hang_inside_stocks_step_is_reported_within_5_s_and_every_request_served(start_server):
+    # Defaults but the fault: stock's own step blocks forever at its 120th call,
+    # while 8 requests decode (each wants 256 tokens, so few if any have finished).
+    server = start_server(STEP_FAULTS + table("stock_step_faults", hang_at_call=120))
+    bodies = [chat_body(content=f"Tell me story {i}.", max_tokens=256) for i in range(8)]
+    responses = post_all(server, bodies)
+    [hang] = server.events("stock_step_hang")
+    [stalled] = server.events("engine_stalled")
+    detected_s = stamp(stalled) - stamp(hang)
+    print(f"\nmeasured: stall reported {detected_s:.2f} s after stock's step blocked "
+          f"(heartbeat age {stalled['heartbeat_age_s']} s)")
+    assert detected_s <= GOAL_S
+    assert stalled["heartbeat_age_s"] <= GOAL_S
+    assert stalled["action"] == "restart" and stalled["in_flight"] >= 1
+    # The replacement loop served every request the stuck one held.
+    for response in responses:
+        assert response.status_code == 200, response.text
+        assert response.json()["usage"]["completion_tokens"] > 0
+    server.wait_for_event("engine_restarted")
+    assert len(server.events("engine_stalled")) == 1
+
+
+def test_hang_in_the_step_hook_is_reported_within_5_s(start_server):
+    # The fault-injection plugin's hang, at defaults: a stream that has sent tokens.
+    server = start_server(table("fault_injection", enabled=True, hang_at_step=40))
+    with httpx.Client(timeout=60) as client:
+        result = read_stream(client, server.url + "/v1/chat/completions", chat_body(max_tokens=200, stream=True))
+    assert result["status"] == 200 and result["done"]
+    [hang] = [e for e in server.events("fault_injected") if e["kind"] == "hang"]
+    [stalled] = server.events("engine_stalled")
+    detected_s = stamp(stalled) - stamp(hang)
+    print(f"\nmeasured: stall reported {detected_s:.2f} s after the step hook blocked")
+    assert detected_s <= GOAL_S
+    poll(lambda: server.status("/readyz") == 200, 15, what="ready again")
+
+
+def test_a_slow_model_is_not_a_stall(start_server):
+    # Every step 1.5 s: half the 3 s floor, yet the limit follows the pace (4 x 1.5 s).
+    server = start_server(table("fault_injection", enabled=True, step_delay_s=1.5))
+    with LimitRecorder(server) as recorder, httpx.Client(timeout=120) as client:
+        response = client.post(server.url + "/v1/chat/completions", json=chat_body(max_tokens=6))
+    assert response.status_code == 200, response.text
+    assert server.events("engine_stalled") == []
+    known = [limit for limit in recorder.limits if limit < 30]
+    assert known and min(known) >= 4 * 1.4, recorder.limits
+
+
+def test_a_long_prefill_of_slow_chunks_is_not_a_stall(start_server):
+    # After fast steps, a long prompt whose every 32-token chunk takes 4 s (a big
+    # model's prefill): a fixed 3 s limit would fire at the first chunk. The
+    # request's first chunks are judged by stall_timeout_s (their size is
+    # unknown to the watchdog), the next ones by those.
+    config = (STEP_FAULTS + table("stock_step_faults", prefill_delay_s=4.0)
+              # The start-up probe's prefill is slow too: give it time.
+              + table("watchdog", probe_timeout_s=30.0))
+    server = start_server(config, "--prefill-step-size", "32")
+    # The start-up probe's slow steps age out of the pace; idle looks remain.
+    poll(lambda: (httpx.get(server.url + "/guardian/status").json()["longest_recent_gap_s"] or 9) < 1.0,
+         30, interval=0.2, what="a fast pace")
+    with LimitRecorder(server) as recorder, httpx.Client(timeout=120) as client:
+        started = time.monotonic()
+        response = client.post(server.url + "/v1/chat/completions",
+                               json=chat_body(content="word " * 100, max_tokens=2))
+        elapsed = time.monotonic() - started
+    assert response.status_code == 200, response.text
+    assert elapsed > 3 * 4.0, "the prefill should have taken several slow chunks"
+    assert server.events("engine_stalled") == []
+    # The later chunks were judged by the first ones: near 4 x 4 s, not the 30 s ceiling.
+    assert any(16 <= limit < 30 for limit in recorder.limits), recorder.limits
+
+
+def test_a_slow_first_step_after_start_and_after_a_restart_is_not_a_stall(start_server):
+    # Every new BatchGenerator's first step takes 6 s (mlx compiling kernels):
+    # at start (the start-up probe's) and after the engine fails and its loop
+    # runs again (the re-run request's). Nothing is known of a new loop yet.
+    config = (STEP_FAULTS + table("stock_step_faults", first_call_delay_s=6.0)
+              + table("fault_injection", enabled=True, at_step=20))
+    server = start_server(config)
+    with httpx.Client(timeout=120) as client:
+        response = client.post(server.url + "/v1/chat/completions", json=chat_body(max_tokens=64))
+    assert response.status_code == 200, response.text
+    server.wait_for_event("engine_restarted")
+    slow_first_steps = server.events("stock_step_slow_first_call")
+    assert len(slow_first_steps) >= 2  # the start-up probe's, and the re-run's after the restart
+    assert stamp(slow_first_steps[-1]) > stamp(server.events("engine_error")[0])
+    assert server.events("engine_stalled") == []
