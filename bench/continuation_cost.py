@@ -6,7 +6,9 @@ which prefills the prompt plus the tokens already sent before it samples
 the next one. The client sees a longer gap between two chunks at the seam.
 This compares that gap with stock's prompt cache (the default) and without
 it (``--prompt-cache-size 0``), for a chat whose long system prompt stock
-caches at the end of its segment, and prints a table.
+caches at the end of its segment (so do the user messages of a chat), and
+for a text completion, a single segment that stock caches only once the
+request ends; it prints a table.
 
 Note: after a stall (not a failure) the engine drops the prompt cache on
 purpose (the stuck loop's arrays cannot be used on a new thread), so a
@@ -44,10 +46,12 @@ def config_text() -> str:
 
 
 def stream_chunks(url: str, body: dict) -> tuple[list[float], bool, int]:
-    """Arrival times of the stream's content chunks, whether it ended cleanly, completion tokens."""
-    times, clean, tokens = [], True, 0
+    """Arrival times of the stream's content chunks, whether it ended cleanly (no
+    error event, [DONE]), completion tokens."""
+    times, clean, tokens, done = [], True, 0, False
     with httpx.Client(timeout=120) as client, client.stream("POST", url, json=body) as response:
         for line in response.iter_lines():
+            done = done or line == "data: [DONE]"
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             event = json.loads(line[6:])
@@ -55,35 +59,41 @@ def stream_chunks(url: str, body: dict) -> tuple[list[float], bool, int]:
                 clean = False
             if event.get("usage"):
                 tokens = event["usage"]["completion_tokens"]
-            if any((c.get("delta") or {}).get("content") for c in event.get("choices", [])):
+            if any((c.get("delta") or {}).get("content") or c.get("text") for c in event.get("choices", [])):
                 times.append(time.monotonic())
-    return times, clean, tokens
+    return times, clean and done, tokens
 
 
-def measure(prompt_cache: bool, rounds: int, system_words: int, log_dir: Path) -> dict:
-    config = log_dir / f"guardian-{prompt_cache}.toml"
+def measure(prompt_cache: bool, in_system: bool, rounds: int, system_words: int, log_dir: Path) -> dict:
+    config = log_dir / f"guardian-{prompt_cache}-{in_system}.toml"
     config.write_text(config_text())
     port = free_port()
     args = [sys.executable, "-m", "guardian", "--port", str(port), "--guardian-config", str(config)]
     if not prompt_cache:
         args += ["--prompt-cache-size", "0"]
-    server = Server("guardian", args, port, log_dir / f"server-{prompt_cache}.log",
+    server = Server("guardian", args, port, log_dir / f"server-{prompt_cache}-{in_system}.log",
                     env={**__import__("os").environ, "PYTHONPATH": str(REPO)})
     try:
         if not server.wait_ready():
             raise SystemExit("\n".join(server.log_tail()))
-        url = server.url + "/v1/chat/completions"
         seams, steady, ttft, clean = [], [], [], 0
         for i in range(rounds):
             # A system prompt of its own each round: no earlier request's cache matches it.
-            system = f"Round {i} {time.time_ns()}. " + "word " * system_words
-            body = {"messages": [{"role": "system", "content": system},
-                                 {"role": "user", "content": "Tell me a story."}],
-                    "max_tokens": SEAM + 12, "temperature": 0.0, "stream": True, "top_logprobs": MARKER,
-                    "stream_options": {"include_usage": True}}
+            long_text = f"Round {i} {time.time_ns()}. " + "word " * system_words
+            if in_system:
+                body = {"messages": [{"role": "system", "content": long_text},
+                                     {"role": "user", "content": "Tell me a story."}]}
+            else:
+                body = {"prompt": long_text}
+            url = server.url + ("/v1/chat/completions" if in_system else "/v1/completions")
+            body |= {"max_tokens": SEAM + 12, "temperature": 0.0, "stream": True, "top_logprobs": MARKER,
+                     "stream_options": {"include_usage": True}}
             sent = time.monotonic()
             times, ok, tokens = stream_chunks(url, body)
-            clean += ok and tokens == SEAM + 12
+            # Clean: no error, [DONE], usage right (the demo model may stop at its EOS).
+            clean += ok and 0 < tokens <= SEAM + 12
+            if not ok or tokens < SEAM:
+                print(f"round {i}: clean={ok} completion_tokens={tokens}", file=sys.stderr)
             gaps = [b - a for a, b in zip(times, times[1:])]
             seam = max(gaps)
             seams.append(seam)
@@ -112,15 +122,16 @@ def main() -> None:
     parser.add_argument("--system-words", type=int, default=600, help="~2 demo-model tokens a word")
     options = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        rows = {mode: measure(mode, options.rounds, options.system_words, Path(tmp))
-                for mode in (True, False)}
-    print(f"demo model, system prompt of ~{2 * options.system_words} tokens, failure at token {SEAM}, "
+        rows = {mode: measure(*mode, options.rounds, options.system_words, Path(tmp))
+                for mode in ((True, True), (False, True), (True, False))}
+    print(f"demo model, ~{2 * options.system_words} prompt tokens, failure at token {SEAM}, "
           f"medians of {options.rounds} rounds")
-    print("| prompt cache | time to next token at the seam (max) | steady inter-token | "
+    print("| prompt cache | request | time to next token at the seam (max) | steady inter-token | "
           "first token (full prefill) | restart | cached tokens at the continuation | clean streams |")
-    print("|---|---|---|---|---|---|---|")
-    for mode, row in rows.items():
-        print(f"| {'on (default)' if mode else 'off (--prompt-cache-size 0)'} "
+    print("|---|---|---|---|---|---|---|---|")
+    for (cache, in_system), row in rows.items():
+        print(f"| {'on (default)' if cache else 'off (--prompt-cache-size 0)'} "
+              f"| {'chat, long system message' if in_system else 'text completion'} "
               f"| {row['seam_ms']:.0f} ms ({row['seam_max_ms']:.0f}) | {row['steady_ms']:.1f} ms "
               f"| {row['ttft_ms']:.0f} ms | {row['restart_ms']:.0f} ms | {row['cached_tokens']:.0f} "
               f"| {row['clean']}/{row['rounds']} ({row['continued']} continued) |")

@@ -10,7 +10,8 @@ the steps of prefill, probes and other requests around it.
   on the request's queue).
 - ``fail_at_token``: stock's loop raises while it formats that request's
   Nth token (1-based), so the client has exactly N - 1 tokens when the
-  engine fails. A continuation counts its tokens afresh, from 1.
+  engine fails. A continuation counts its tokens afresh, from 1, and so
+  does each marked request admitted (one at a time: the count is shared).
 - ``times``: how many faults in all (0: no limit).
 """
 
@@ -44,17 +45,27 @@ class TokenFaults:
 
     def __init__(self, settings: TokenFaultsSettings):
         self.settings = settings
+        self._lock = threading.Lock()
+        self._state = {"tokens": 0, "faults": 0}
         self._plant()
 
     @guardian.hookimpl
     def guardian_startup(self):
         log.warning("token_faults_planted", **vars(self.settings))
 
+    @guardian.hookimpl
+    def admit_request(self, admission):
+        """A marked request arrives: its tokens count from 1."""
+        if admission.args.top_logprobs == self.settings.marker_top_logprobs:
+            with self._lock:
+                self._state["tokens"] = 0
+        return None
+
     def _plant(self) -> None:
         stock_format = server._format_top_logprobs
         settings = self.settings
-        lock = threading.Lock()
-        state = {"tokens": 0, "faults": 0}
+        lock = self._lock
+        state = self._state
 
         def format_top_logprobs(logprobs, top_n, tokenizer):
             if top_n == settings.marker_top_logprobs:
