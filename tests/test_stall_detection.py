@@ -163,3 +163,23 @@ def test_a_slow_first_step_after_start_and_after_a_restart_is_not_a_stall(start_
     assert len(slow_first_steps) >= 2  # the start-up probe's, and the re-run's after the restart
     assert stamp(slow_first_steps[-1]) > stamp(server.events("engine_error")[0])
     assert server.events("engine_stalled") == []
+
+
+def test_a_replacement_loop_is_judged_by_its_own_silence(start_server):
+    # The loop that replaces a stuck one never asks for work (its start blocks):
+    # its probe fails after probe_timeout_s, and the stall it reports is that
+    # loop's own silence, not the stuck loop's added to it (was 5 + 4 s here).
+    config = (table("guardian", plugins=["tests.plugins.loop_faults:LoopFaults"])
+              + table("loop_faults", hang_loop_start=2)
+              + table("fault_injection", enabled=True, hang_at_step=40)
+              + table("watchdog", stall_timeout_s=5.0, stall_min_s=5.0, probe_timeout_s=4.0))
+    server = start_server(config)
+    with httpx.Client(timeout=5) as client:
+        try:
+            client.post(server.url + "/v1/chat/completions", json=chat_body(max_tokens=200))
+        except httpx.TimeoutException:
+            pass  # the loop that would serve it never starts
+    first, second = server.wait_for_event("engine_stalled", timeout=30, count=2)[:2]
+    assert first["heartbeat_age_s"] >= 5.0
+    assert "failed its probe" in second["reason"]
+    assert second["heartbeat_age_s"] < 4.0 + 2.0, second

@@ -89,7 +89,15 @@ class Watchdog:
             if engine.lifecycle.troubled_for(now) > self.settings.restart_timeout_s:
                 why = ("the restarted loop never asked for work" if state is EngineState.RESTARTING
                        else "the replacement loop was not proven by a probe")
-                self._on_stall(age, why)
+                self._on_stall(self._restarted_loop_silent_for(now), why)
+
+    def _restarted_loop_silent_for(self, now: float) -> float:
+        """The heartbeat age of a loop that replaced a stuck or failed one: since its
+        last beat, or since the stall or failure if it has not beaten yet. Never the
+        stuck loop's silence: a replacement that never asked for work and failed
+        its probe (probe_timeout_s, 10 s) after a 30 s stall is silent for 10 s, not 40."""
+        trouble_at = self.engine.lifecycle.trouble_at
+        return now - max(self.engine.last_beat, trouble_at if trouble_at is not None else float("-inf"))
 
     def _observe_pace(self, beat: float) -> None:
         """Feed the pace one look at the heartbeat; set how long it may stop now."""
@@ -161,7 +169,7 @@ class Watchdog:
         if self.run_probes()["ok"]:
             self.engine.lifecycle.verified()
         elif self.engine.lifecycle.on_trial:
-            self._on_stall(time.monotonic() - self.engine.last_beat, "the replacement loop failed its probe")
+            self._on_stall(self._restarted_loop_silent_for(time.monotonic()), "the replacement loop failed its probe")
 
     # -- readiness ------------------------------------------------------------
     def heartbeat_fresh(self) -> bool:
