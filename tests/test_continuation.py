@@ -263,3 +263,17 @@ def test_a_stream_on_the_non_batched_path_is_continued(start_server):
     [event] = continued_events(server)
     assert 0 < event["generated"] < 40
     assert streamed(result) == unfailed(server, CHAT, body)
+
+
+def test_a_continued_request_that_fails_the_engine_again_alone_is_blamed(start_server):
+    # A continuation counts as a re-run for blame: in flight alone at a second
+    # failure (max_reruns 1), the stream ends with request_failed_repeatedly.
+    server = start_server(token_faults(times=2))
+    body = greedy(max_tokens=80, stream=True, top_logprobs=MARKER)
+    with httpx.Client(timeout=60) as client:
+        result = read_stream(client, server.url + CHAT, body)
+    assert result["status"] == 200 and result["done"], result
+    assert [e["code"] for e in result["errors"]] == ["request_failed_repeatedly"]
+    [blamed] = server.events("request_blamed")
+    assert blamed["failures"] == 2
+    assert len(continued_events(server)) == 1
