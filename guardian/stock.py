@@ -275,6 +275,13 @@ def continuation_args(args, generated: list[int]):
     return continued
 
 
+def continuable(request) -> bool:
+    """Whether a request can be continued: not one with images, whose prompt
+    cache key (0.32's vision key) is made from the prompt as it came."""
+    image_parts = getattr(server, "_image_parts", None)  # 0.32; 0.31 serves no images
+    return image_parts is None or not any(image_parts(request.messages or []))
+
+
 def continued_tokens(args) -> Optional[list[int]]:
     """The tokens a continuation's arguments go on from, or None (a first run)."""
     return getattr(args, _CONTINUED_ATTRIBUTE, None)

@@ -45,7 +45,7 @@ def verdicts(records: list, max_reruns: int, max_continuations: int = 0) -> list
     alone = len(records) == 1
     decided = []
     for record in records:
-        may_continue = record.has_output and record.continuations < max_continuations
+        may_continue = record.may_continue(max_continuations)
         if record.client_has_output and (max_reruns == 0 or not may_continue):
             verdict = Verdict.CUT
         elif max_reruns == 0:

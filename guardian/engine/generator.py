@@ -341,9 +341,7 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
                 record.isolate = record.isolate or verdict is Verdict.ISOLATE
                 reruns.append(record)
                 if verdict is Verdict.CONTINUE or (
-                    verdict is Verdict.ISOLATE
-                    and record.has_output
-                    and record.continuations < self.max_continuations
+                    verdict is Verdict.ISOLATE and record.may_continue(self.max_continuations)
                 ):
                     continued.append(record)
         for record in reruns:

@@ -183,6 +183,11 @@ class RequestRecord:
         """Whether the request generated tokens a re-run would throw away."""
         return bool(self.generated)
 
+    def may_continue(self, max_continuations: int) -> bool:
+        """Whether, after a failure, it may go on from the tokens it generated."""
+        return (self.has_output and self.continuations < max_continuations
+                and stock.continuable(self.request))
+
 
 # How long the loop's look at the queue waits for requests still being
 # admitted on their HTTP threads (see RequestLedger.get).
