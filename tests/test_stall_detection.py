@@ -125,13 +125,17 @@ def test_a_slow_model_is_not_a_stall(start_server):
 
 
 def test_a_long_prefill_of_slow_chunks_is_not_a_stall(start_server):
-    # After fast steps, a long prompt whose every 32-token chunk takes 4 s (a big
-    # model's prefill): a fixed 3 s limit would fire at the first chunk. The
-    # request's first chunks are judged by stall_timeout_s (their size is
-    # unknown to the watchdog), the next ones by those.
-    config = (STEP_FAULTS + table("stock_step_faults", prefill_delay_s=4.0)
-              # The start-up probe's prefill is slow too: give it time.
-              + table("watchdog", probe_timeout_s=30.0))
+    # After fast steps, a long prompt whose every 32-token chunk takes 2 s (a big
+    # model's prefill) under a 1.5 s floor: a fixed limit at the floor would fire
+    # at the first chunk. The request's first chunks are judged by
+    # stall_timeout_s (their size is unknown to the watchdog), the next ones by
+    # those. (Scaled down from 4 s chunks and the 3 s default floor: the same
+    # proof in a quarter of the time.)
+    chunk_s, floor_s = 2.0, 1.5
+    config = (STEP_FAULTS + table("stock_step_faults", prefill_delay_s=chunk_s)
+              + table("watchdog", stall_min_s=floor_s,
+                      # The start-up probe's prefill is slow too: give it time.
+                      probe_timeout_s=30.0))
     server = start_server(config, "--prefill-step-size", "32")
     # The start-up probe's slow steps age out of the pace; idle looks remain.
     poll(lambda: (httpx.get(server.url + "/guardian/status").json()["longest_recent_gap_s"] or 9) < 1.0,
@@ -142,10 +146,10 @@ def test_a_long_prefill_of_slow_chunks_is_not_a_stall(start_server):
                                json=chat_body(content="word " * 100, max_tokens=2))
         elapsed = time.monotonic() - started
     assert response.status_code == 200, response.text
-    assert elapsed > 3 * 4.0, "the prefill should have taken several slow chunks"
+    assert elapsed > 3 * chunk_s, "the prefill should have taken several slow chunks"
     assert server.events("engine_stalled") == []
-    # The later chunks were judged by the first ones: near 4 x 4 s, not the 30 s ceiling.
-    assert any(16 <= limit < 30 for limit in recorder.limits), recorder.limits
+    # The later chunks were judged by the first ones: near 4 x the chunk, not the 30 s ceiling.
+    assert any(4 * chunk_s <= limit < 30 for limit in recorder.limits), recorder.limits
 
 
 def test_a_slow_first_step_after_start_and_after_a_restart_is_not_a_stall(start_server):
