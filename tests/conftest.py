@@ -215,3 +215,10 @@ def read_stream(client: httpx.Client, url: str, body: dict) -> dict:
                 result["errors"].append(event["error"])
                 result["error_at"] = time.time()
     return result
+
+
+def pytest_collection_modifyitems(items):
+    """Mark the supervisor's tests: `make test` runs them in one venv only (see the Makefile)."""
+    for item in items:
+        if item.path.name.startswith("test_supervisor"):
+            item.add_marker(pytest.mark.subprocess_mode)
