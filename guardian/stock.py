@@ -83,15 +83,23 @@ class StockChanged(RuntimeError):
     """The installed mlx-lm no longer has a name the guardian embeds."""
 
 
+# Outside mlx_lm.server: a property replaced once for the process, so a
+# continuation's detokenizer starts primed with the tokens already sent.
+REQUIRED_PROPERTIES = {
+    "mlx_lm.tokenizer_utils.TokenizerWrapper.detokenizer": (TokenizerWrapper, "detokenizer"),
+}
+
+
 def missing_names() -> list[str]:
-    """Names from REQUIRED that the installed mlx_lm.server lacks."""
-    missing = []
+    """Full names from REQUIRED (and REQUIRED_PROPERTIES) that the installed mlx_lm lacks."""
+    missing = [name for name, (owner, attribute) in REQUIRED_PROPERTIES.items()
+               if not isinstance(owner.__dict__.get(attribute), property)]
     for dotted in REQUIRED:
         obj = server
         for part in dotted.split("."):
             obj = getattr(obj, part, None)
             if obj is None:
-                missing.append(dotted)
+                missing.append(f"mlx_lm.server.{dotted}")
                 break
     return missing
 
@@ -101,8 +109,7 @@ def check_stock() -> None:
     missing = missing_names()
     if missing:
         raise StockChanged(
-            f"mlx-lm {STOCK_VERSION} lacks mlx_lm.server."
-            + ", mlx_lm.server.".join(missing)
+            f"mlx-lm {STOCK_VERSION} lacks " + ", ".join(missing)
             + f"; mlx-guardian is tested with mlx-lm {', '.join(TESTED_VERSIONS)}"
         )
 

@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parent.parent
 def test_installed_mlx_lm_has_every_seam():
     missing = stock.missing_names()
     assert not missing, (
-        f"mlx-lm {stock.STOCK_VERSION} changed: mlx_lm.server lacks {missing}; "
+        f"mlx-lm {stock.STOCK_VERSION} changed: it lacks {missing}; "
         "update guardian/stock.py"
     )
 
@@ -35,6 +35,14 @@ def test_installed_mlx_lm_is_a_tested_version():
 def test_a_moved_seam_is_named_at_start(monkeypatch):
     monkeypatch.delattr(server.ResponseGenerator, "_tokenize")
     with pytest.raises(stock.StockChanged, match=r"mlx_lm\.server\.ResponseGenerator\._tokenize"):
+        stock.check_stock()
+
+
+def test_a_seam_outside_the_server_module_is_named_at_start(monkeypatch):
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    monkeypatch.setattr(TokenizerWrapper, "detokenizer", None)
+    with pytest.raises(stock.StockChanged, match=r"mlx_lm\.tokenizer_utils\.TokenizerWrapper\.detokenizer"):
         stock.check_stock()
 
 
