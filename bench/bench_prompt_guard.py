@@ -42,11 +42,9 @@ It is a benchmark, not a test: it never runs with the test suite.
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import json
 import math
 import os
-import platform
 import random
 import statistics
 import sys
@@ -60,6 +58,7 @@ from typing import Callable
 
 import httpx
 from servers import Server, free_port
+from stats import environment, percentile
 
 SENTENCE = "The guardian watches a language model server and keeps it alive. "
 INCIDENT_SENTENCES = 8600  # ~146K demo tokens: the incident's ~145K history
@@ -178,10 +177,6 @@ def run_load(url: str, prompts: list[str], clients: int) -> dict:
             "ttft_s": [r["ttft_s"] for r in results]}
 
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    index = min(len(ordered) - 1, max(0, round(q / 100 * len(ordered) + 0.5) - 1))
-    return ordered[index]
 
 
 def burst_prompts(first: int, count: int) -> list[str]:
@@ -318,9 +313,6 @@ def measure_stock_long_prompt(stock: Server) -> dict:
     return result
 
 
-def environment() -> str:
-    return (f"mlx-lm {importlib.metadata.version('mlx-lm')}, mlx {importlib.metadata.version('mlx')}, "
-            f"Python {platform.python_version()}, {os.cpu_count()} CPUs ({platform.machine()})")
 
 
 def report(data: dict) -> str:

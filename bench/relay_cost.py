@@ -27,10 +27,8 @@ It is a benchmark, not a test: it never runs with the test suite.
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -41,6 +39,7 @@ from pathlib import Path
 
 import httpx
 from servers import Server, free_port
+from stats import environment
 
 SENTENCE = "The guardian watches a language model server and keeps it alive. "
 KINDS = ("in-process", "supervise")
@@ -176,9 +175,6 @@ def summarize(results: dict) -> dict:
     return summary
 
 
-def environment() -> str:
-    return (f"mlx-lm {importlib.metadata.version('mlx-lm')}, mlx {importlib.metadata.version('mlx')}, "
-            f"Python {platform.python_version()}, {os.cpu_count()} CPUs ({platform.machine()})")
 
 
 def report(data: dict) -> str:

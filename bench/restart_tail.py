@@ -45,6 +45,7 @@ from pathlib import Path
 import httpx
 
 from servers import Server, free_port, poll_until
+from stats import percentile
 
 PHASES = ("classify", "judge", "log", "decide", "settle", "unwind", "gc", "clear_cache",
           "backoff", "loop_start")
@@ -69,11 +70,6 @@ probe_interval_s = 3600.0
 """
 
 
-def percentile(values: list[float], q: float) -> float:
-    """The q-th percentile (0-100), nearest rank."""
-    ordered = sorted(values)
-    rank = max(1, min(len(ordered), round(q / 100 * len(ordered) + 0.5)))
-    return ordered[rank - 1]
 
 
 def summary(values: list[float]) -> dict:

@@ -93,6 +93,7 @@ from pathlib import Path
 import httpx
 
 from servers import Server, free_port, poll_until
+from stats import percentile
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -124,10 +125,6 @@ probe_interval_s = 3600.0
 """
 
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    rank = max(1, min(len(ordered), round(q / 100 * len(ordered) + 0.5)))
-    return ordered[rank - 1]
 
 
 def summary(values: list[float]) -> dict:
