@@ -44,7 +44,11 @@ def test_requests_in_flight_at_a_sigkill_and_sent_meanwhile_are_served(start_sup
     # 300 steps of at least 10 ms: surely still generating at the kill.
     first = post_in_thread(supervised.url, chat_body("In flight at the kill.", max_tokens=300), in_flight)
     poll(lambda: supervised.supervisor()["in_flight"] >= 1, 10, what="the request relayed")
-    time.sleep(0.5)  # its child has taken it and generates
+    # Its child has taken it and generates: the child's own steps move on.
+    child_status = f"http://127.0.0.1:{supervised.supervisor()['child']['port']}/guardian/status"
+    steps_before = httpx.get(child_status, timeout=5).json()["steps"]
+    poll(lambda: httpx.get(child_status, timeout=5).json()["steps"] >= steps_before + 5, 10,
+         what="the child generating")
     os.kill(first_pid, signal.SIGKILL)
     killed_at = time.monotonic()
     senders = [post_in_thread(supervised.url, chat_body(f"Sent while down {i}.", max_tokens=8), meanwhile)
