@@ -82,10 +82,11 @@ class EngineView:
 
     # -- the recovery policy ----------------------------------------------------------
     def configure_recovery(self, *, window_s: float, max_reruns: int, quarantine_s: float,
-                           max_continuations: int = 0, backoff_after_failures: int = 2,
-                           backoff_base_s: float = 0.0, backoff_max_s: float = 0.0) -> None:
+                           max_continuations: int, backoff_after_failures: int,
+                           backoff_base_s: float, backoff_max_s: float) -> None:
         """The crash-loop window, re-runs and continuations per request,
-        quarantine time and a crash loop's backoff the core applies."""
+        quarantine time and a crash loop's backoff the core applies. Every
+        value is required: defaults here would shadow the [recovery] table's."""
         self._engine.configure_recovery(window_s=window_s, max_reruns=max_reruns,
                                         quarantine_s=quarantine_s, max_continuations=max_continuations,
                                         backoff_after_failures=backoff_after_failures,
