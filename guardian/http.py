@@ -23,9 +23,9 @@ from typing import Optional
 
 import structlog
 
-from guardian import stock
+from guardian import relay_protocol, stock
 from guardian.admission.facts import context_length_of
-from guardian.context import current_request, request_scope
+from guardian.context import add_response_headers, current_request, request_scope
 from guardian.errors import AbortRequest, GuardianError, from_stock_exception
 
 log = structlog.get_logger("guardian.http")
@@ -45,26 +45,49 @@ class GuardianHandler(stock.APIHandler):
         # Stock accepted the body: from here on it writes to the client.
         self.resume_client_output()
         with self.server.completions, request_scope(self.request_id, bool(self.stream)):
-            started = time.monotonic()
-            # Stock logs its 200 when it buffers a non-streaming response's
-            # headers; an error may replace that 200. One access line, with
-            # the status the client got, is written when the request ends.
-            self._answering_completion, self._access_status = True, None
-            try:
-                super().handle_completion(request, stop_words)
-            except AbortRequest as abort:
-                self.send_error_json(abort.error)
-            except _CLIENT_GONE:
-                log.info("client_disconnected")
-            except GuardianError as error:
-                self.finish_with_error(error)
-            except Exception as e:
-                self.finish_with_error(from_stock_exception(e))
-            finally:
-                self._answering_completion = False
-                if self._access_status is not None:
-                    super().log_request(self._access_status)
-                log.debug("request_finished", duration_ms=round((time.monotonic() - started) * 1000, 1))
+            if self.stream and relay_protocol.relayed_by_supervisor(self.headers):
+                return self.handle_relayed_stream(request, stop_words)
+            self.handle_completion_answered(request, stop_words)
+
+    def handle_relayed_stream(self, request, stop_words):
+        """A stream the supervisor relays: tagged with its tokens, perhaps a continuation
+        of one a dead child began (guardian.relay_protocol)."""
+        try:
+            continued = relay_protocol.continued_from(self.headers)
+        except ValueError as e:
+            return self.send_error_json(GuardianError(str(e), status=400, type="invalid_request_error",
+                                                      code="invalid_request"))
+        generator = self.response_generator
+        output = relay_protocol.TokenTaggingOutput(self.wfile)
+        add_response_headers({relay_protocol.CONTINUABLE_HEADER: "1"})
+        self.response_generator, self.wfile = RelayedGenerator(generator, output, continued), output
+        try:
+            self.handle_completion_answered(request, stop_words)
+        finally:
+            self.response_generator, self.wfile = generator, output.wrapped
+
+    def handle_completion_answered(self, request, stop_words):
+        """Stock's handle_completion, its faults answered in OpenAI's shape."""
+        started = time.monotonic()
+        # Stock logs its 200 when it buffers a non-streaming response's
+        # headers; an error may replace that 200. One access line, with
+        # the status the client got, is written when the request ends.
+        self._answering_completion, self._access_status = True, None
+        try:
+            super().handle_completion(request, stop_words)
+        except AbortRequest as abort:
+            self.send_error_json(abort.error)
+        except _CLIENT_GONE:
+            log.info("client_disconnected")
+        except GuardianError as error:
+            self.finish_with_error(error)
+        except Exception as e:
+            self.finish_with_error(from_stock_exception(e))
+        finally:
+            self._answering_completion = False
+            if self._access_status is not None:
+                super().log_request(self._access_status)
+            log.debug("request_finished", duration_ms=round((time.monotonic() - started) * 1000, 1))
 
     # While a completion is answered, the last status line written: logged at its end.
     _answering_completion = False
@@ -268,6 +291,25 @@ class GuardianHandler(stock.APIHandler):
         # BaseHTTPRequestHandler writes access lines straight to stderr;
         # route them through structlog so every line is JSON.
         log.info("http_access", client=self.client_address[0], line=format % args)
+
+
+class RelayedGenerator:
+    """The response generator for one relayed stream: a continuation goes on
+    after the tokens its client has; each token taken is told to the tagging output."""
+
+    def __init__(self, generator, output, continued: Optional[list]):
+        self._generator = generator
+        self._output = output
+        self._continued = continued
+
+    def generate(self, request, args, progress_callback=None):
+        if self._continued is not None:
+            args = stock.continuation_args(args, self._continued)
+        ctx, responses = self._generator.generate(request, args, progress_callback)
+        return ctx, relay_protocol.tap_tokens(responses, self._output)
+
+    def __getattr__(self, name):
+        return getattr(self._generator, name)
 
 
 def stock_refusal(response: bytes) -> GuardianError:

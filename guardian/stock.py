@@ -274,11 +274,11 @@ def continuation_args(args, generated: list[int]):
     """A copy of a request's GenerationArguments that continues it after the
     tokens ``generated``: the rest of its ``max_tokens``, the same sampling
     and stop words; the attributes the guardian attached (its fingerprint)
-    carried over."""
+    carried over. Continuing a continuation goes on after both runs' tokens."""
     continued = copy.copy(args)
     if args.max_tokens > 0:  # negative: no limit
         continued.max_tokens = args.max_tokens - len(generated)
-    setattr(continued, _CONTINUED_ATTRIBUTE, list(generated))
+    setattr(continued, _CONTINUED_ATTRIBUTE, [*(continued_tokens(args) or ()), *generated])
     return continued
 
 

@@ -6,9 +6,11 @@ child answers HTTP/1.0 and closes it, so a pool would keep nothing): per
 request and per chunk it costs the relay a fraction of httpx's CPU, which
 a pinned supervisor takes from generation (bench/relay_cost.py). Responses pass
 through as they arrive (SSE events one by one), with the child's status and
-headers. When the child dies under a request, the client still gets an
-answer: a 503 if nothing was sent yet, or an error event and ``[DONE]`` if a
-stream had started. The crash quarantine (``guardian.supervise.crash_quarantine``)
+headers. When the child dies under a request, the request is sent again to
+the next child; a stream the client had begun to receive is continued there
+after the tokens it already has (``guardian.relay_protocol``). Past
+``max_resends`` (or while no child comes) the client gets a 503 if nothing
+was sent yet, or an error event and ``[DONE]`` if a stream had started. The crash quarantine (``guardian.supervise.crash_quarantine``)
 sees every POST: it refuses the ones it quarantined and holds its
 suspects back until they can run alone. No read from the child needs a timeout: the supervisor
 forgets a child only once it is reaped, and the kernel has then closed the
@@ -19,12 +21,14 @@ from __future__ import annotations
 
 import http.client
 import json
+from typing import Optional
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
 import httpx
 import structlog
 
+from guardian import relay_protocol
 from guardian.supervise.crash_quarantine import fingerprint
 from guardian.errors import GuardianError
 
@@ -45,7 +49,12 @@ HOP_BY_HOP = frozenset({
 })
 # httpx writes Host and Content-Length itself; the body is always sent
 # whole, so the child has no 100-continue to give.
-NOT_FORWARDED_UPSTREAM = HOP_BY_HOP | {"host", "content-length", "expect"}
+NOT_FORWARDED_UPSTREAM = HOP_BY_HOP | {"host", "content-length", "expect"} | relay_protocol.PRIVATE_HEADERS
+# A child's word that it tagged a stream's tokens; not for the client.
+CONTINUABLE = relay_protocol.CONTINUABLE_HEADER.lower()
+# What relaying a request to one child came to (besides a stream cut, to continue).
+ANSWERED = "answered"
+NOTHING_SENT = "nothing sent"
 # Answered by the supervisor whoever the child is.
 LIVENESS_PATH = "/livez"
 STATUS_PATH = "/guardian/supervisor"
@@ -109,38 +118,58 @@ class ProxyHandler(BaseHTTPRequestHandler):
             self.serve(path, body, request_fingerprint)
 
     def serve(self, path: str, body: bytes, request_fingerprint: str) -> None:
-        """Relay to a ready child, waiting for one if need be; send again if it dies before answering.
+        """Relay to a ready child, waiting for one if need be. If it dies before
+        answering, send the request again; if it dies mid-stream, continue the
+        stream on the next child (guardian.relay_protocol).
 
         Every attempt passes the crash quarantine again: a request the dead
         child struck is relayed alone, and one it struck twice is refused.
         """
         supervisor = self.server.supervisor
         resends = 0
+        stream = None  # a stream the client is receiving, once it can be continued
         while True:
             child = supervisor.wait_for_child()
             if child is None:
-                return self.send_error_json(supervisor.unavailable_error())
+                return self.give_up(stream, supervisor.unavailable_error())
             # A crash suspect waits to run alone; others wait behind it.
             with supervisor.quarantine.turn(self.command, request_fingerprint):
-                if self.to_child(child, path, body, request_fingerprint):
-                    return
-            # Nothing reached the client. Once the dead child is reaped, its
-            # crash has struck this request: refused, or relayed alone.
+                outcome = self.to_child(child, path, body, request_fingerprint, stream)
+            if outcome is ANSWERED:
+                return
+            if outcome is not NOTHING_SENT:
+                stream = outcome  # cut, to be continued
+            # Once the dead child is reaped, its crash has struck this
+            # request: refused, or relayed alone.
             reaped = supervisor.wait_reaped(child)
             refusal = supervisor.quarantine.refusal(self.command, request_fingerprint)
             if refusal is not None:
-                return self.send_error_json(refusal)
+                return self.give_up(stream, refusal)
             if not reaped or resends >= supervisor.settings.max_resends:
-                return self.send_error_json(supervisor.lost_child_error())
+                return self.give_up(stream, supervisor.lost_child_error())
             resends += 1
-            log.info("request_resent", path=path, dead_child_pid=child.pid, resends=resends)
+            if stream is None:
+                log.info("request_resent", path=path, dead_child_pid=child.pid, resends=resends)
+            else:
+                log.info("stream_continuing", path=path, dead_child_pid=child.pid, resends=resends,
+                         tokens_relayed=len(stream.tokens))
 
-    def to_child(self, child, path: str, body: bytes, request_fingerprint: str) -> bool:
-        """Relay on record for the crash quarantine; False if the child failed before any byte was sent."""
+    def to_child(self, child, path: str, body: bytes, request_fingerprint: str, stream):
+        """Relay on record for the crash quarantine (see ``proxy`` for the outcome)."""
         supervisor = self.server.supervisor
         with supervisor.quarantine.relaying(child.generation, self.command, path,
                                             request_fingerprint) as self.relay_record:
-            return self.proxy(child, body)
+            return self.proxy(child, body, stream)
+
+    def give_up(self, stream, error: Optional[GuardianError]) -> None:
+        """Answer ``error``: as the response if nothing was sent, else as the stream's end."""
+        if stream is None:
+            return self.send_error_json(error)
+        try:
+            # A stream that had its finish_reason lacks only its [DONE].
+            self.connection.sendall(b"data: [DONE]\n\n" if stream.finished else error.sse_bytes())
+        except CLIENT_GONE:
+            pass
 
     def answer_health(self, path: str) -> None:
         """/health and /readyz: the child's answer if it comes soon and the child is still held ready.
@@ -180,18 +209,24 @@ class ProxyHandler(BaseHTTPRequestHandler):
         return self.rfile.read(max(length, 0))
 
     # -- relaying ---------------------------------------------------------
-    def proxy(self, child, body: bytes) -> bool:
-        """Send the request to the child and relay its answer; False if nothing could be sent."""
+    def proxy(self, child, body: bytes, stream):
+        """Send the request to the child and relay its answer: ANSWERED; NOTHING_SENT
+        if the child failed before answering; or the stream it cut, to continue."""
+        headers = self.upstream_headers()
+        key = self.server.supervisor.relay_key
+        if stream is not None:
+            headers += relay_protocol.continue_headers(key, stream.continuation_tokens())
+        else:
+            headers.append((relay_protocol.KEY_HEADER, key))
         try:
-            upstream = Upstream(child.port, self.command, self.target(), self.upstream_headers(), body)
+            upstream = Upstream(child.port, self.command, self.target(), headers, body)
         except Exception as e:  # noqa: BLE001 - refused, reset, or closed by a dying child
             self.child_lost(child, e, sent=False)
-            return False
+            return NOTHING_SENT
         try:
-            self.relay(child, upstream)
+            return self.relay(child, upstream, stream)
         finally:
             upstream.close()
-        return True
 
     def target(self) -> str:
         """Path and query only: an absolute-form request line must not pick another host."""
@@ -204,30 +239,62 @@ class ProxyHandler(BaseHTTPRequestHandler):
         headers.append(("X-Forwarded-For", self.client_address[0]))
         return headers
 
-    def relay(self, child, upstream: "Upstream") -> None:
-        """Status, headers, then the body as it arrives."""
+    def relay(self, child, upstream: "Upstream", stream):
+        """Status, headers, then the body as it arrives; a continuation's events only."""
         response = upstream.response
-        # send_response_only: the child's own Server and Date headers follow.
-        self.send_response_only(response.status, response.reason)
-        is_sse = False
-        for name, value in response.getheaders():  # names as the child spelled them
-            lowered = name.lower()
-            if lowered not in HOP_BY_HOP:
-                self.send_header(name, value)
-                if lowered == "content-type":
-                    is_sse = value.startswith(SSE_CONTENT_TYPE)
-        self.send_header("Connection", "close")
         try:
-            self.end_headers()
-            self.log_request(response.status)
-            cut = self.relay_events(upstream) if is_sse else self.relay_bytes(upstream)
+            if stream is None:
+                is_sse, stream = self.relay_head(response)
+            elif self.continues(response):
+                is_sse = True
+                stream.continued()
+            else:
+                log.warning("stream_continuation_refused", path=self.path, child_pid=child.pid,
+                            status=response.status)
+                self.give_up(stream, self.server.supervisor.lost_child_error())
+                return ANSWERED
+            cut = self.relay_events(upstream, stream) if is_sse else self.relay_bytes(upstream)
             if cut is not None:
-                return self.child_lost(child, cut, sent=True, stream=is_sse)
+                self.child_lost(child, cut, sent=True, stream=is_sse, answer=stream is None)
+                if stream is None:
+                    return ANSWERED
+                if stream.finished:  # cut just before its [DONE]
+                    self.give_up(stream, None)
+                    return ANSWERED
+                if not stream.continuable:
+                    self.give_up(stream, self.server.supervisor.lost_child_error())
+                    return ANSWERED
+                return stream
             if self.relay_record is not None:
                 self.relay_record.answered = True
         except CLIENT_GONE:
             # Closing the upstream connection tells the child its client left.
             log.info("proxy_client_gone", path=self.path, child_pid=child.pid)
+        return ANSWERED
+
+    def relay_head(self, response):
+        """The child's status and headers; whether it is a stream, and the
+        RelayedStream to keep if the child tags it for continuation."""
+        # send_response_only: the child's own Server and Date headers follow.
+        self.send_response_only(response.status, response.reason)
+        is_sse = continuable = False
+        for name, value in response.getheaders():  # names as the child spelled them
+            lowered = name.lower()
+            if lowered == CONTINUABLE:
+                continuable = True
+            elif lowered not in HOP_BY_HOP:
+                self.send_header(name, value)
+                if lowered == "content-type":
+                    is_sse = value.startswith(SSE_CONTENT_TYPE)
+        self.send_header("Connection", "close")
+        self.end_headers()
+        self.log_request(response.status)
+        return is_sse, relay_protocol.RelayedStream() if is_sse and continuable else None
+
+    @staticmethod
+    def continues(response) -> bool:
+        """Whether the next child took a continuation and streams it."""
+        return response.status == 200 and any(name.lower() == CONTINUABLE for name, _ in response.getheaders())
 
     def relay_bytes(self, upstream: "Upstream"):
         """Pass the body through chunk by chunk; the upstream error if it was cut."""
@@ -241,7 +308,7 @@ class ProxyHandler(BaseHTTPRequestHandler):
             return e
         return None
 
-    def relay_events(self, upstream: "Upstream"):
+    def relay_events(self, upstream: "Upstream", stream=None):
         """Pass SSE events on whole, as each ends; the cause if the stream was cut.
 
         A chunk is forwarded up to its last complete event, so nothing waits
@@ -261,17 +328,19 @@ class ProxyHandler(BaseHTTPRequestHandler):
                 if end:
                     block, held = held[:end], held[end:]
                     done = done or SSE_DONE in block
-                    write(block)
+                    write(stream.relay(block) if stream is not None else block)
         except CLIENT_GONE:
             raise
         except Exception as e:  # noqa: BLE001 - any failure reading from the child is a cut
             return e
         return None if done else EOFError("the stream ended without [DONE]")
 
-    def child_lost(self, child, cause: BaseException, sent: bool, stream: bool = False) -> None:
+    def child_lost(self, child, cause: BaseException, sent: bool, stream: bool = False,
+                   answer: bool = True) -> None:
         """The child failed under this request: answer what can still be answered.
 
-        Nothing sent yet: the caller sends the request again or answers it.
+        Nothing sent yet, or a stream to continue (not ``answer``): the caller
+        sends the request again or answers it.
         """
         supervisor = self.server.supervisor
         if self.relay_record is not None:
@@ -279,7 +348,7 @@ class ProxyHandler(BaseHTTPRequestHandler):
             self.relay_record.lost = True
         log.warning("proxy_child_lost", path=self.path, child_pid=child.pid, bytes_sent=sent,
                     error_type=type(cause).__name__, error_message=str(cause))
-        if sent and stream:
+        if sent and stream and answer:
             self.wfile.write(supervisor.lost_child_error().sse_bytes())
         # Otherwise a body of known length stops short: the client sees the
         # cut; with nothing sent yet it would have had a 503.

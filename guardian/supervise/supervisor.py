@@ -41,6 +41,7 @@ from guardian.errors import GuardianError
 from guardian import exit_codes
 from guardian.exit_codes import EXIT_OK, EXIT_SUPERVISOR_GAVE_UP, EXIT_USAGE
 from guardian.logs import configure_logging
+from guardian.relay_protocol import RELAY_KEY_ENV, new_relay_key
 from guardian.supervise.proxy import CHILD_CONNECT_TIMEOUT_S, CHILD_HOST, PublicServer
 from guardian.health.sd_notify import SystemdNotifier
 
@@ -159,6 +160,8 @@ class Supervisor:
         self.ready_sent = False
         self.watchdog_interval = self.notifier.watchdog_interval_s()
         self.next_watchdog_ping = time.monotonic()
+        # Proves to each child that a request comes from here (guardian.relay_protocol).
+        self.relay_key = new_relay_key()
         self.health_timeout = min(max(self.settings.interval_s, HEALTH_TIMEOUT_MIN_S),
                                   HEALTH_TIMEOUT_MAX_S)
 
@@ -247,6 +250,8 @@ class Supervisor:
         stock_engine = self.settings.engine == "stock"
         command = child_command(self.options, self.settings.engine, self.child_args, port)
         env = {k: v for k, v in os.environ.items() if k not in SYSTEMD_ENV}
+        if not stock_engine:  # streams it tags can be continued on the next child
+            env[RELAY_KEY_ENV] = self.relay_key
         proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, env=env)  # stdout, stderr: ours
         client = httpx.Client(
             base_url=f"http://{CHILD_HOST}:{port}",

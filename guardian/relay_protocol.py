@@ -1,0 +1,224 @@
+"""How a supervised child and its supervisor continue a stream across the child's death.
+
+In subprocess mode a client's stream is relayed by the supervisor. When the
+child dies mid-stream, the supervisor sends the request to the next child
+as a continuation: the same body, plus the token ids the client already has
+the text of; the new child's engine goes on after them (the same prompt-
+cache, stop-matching and detokenizer priming as an in-process continuation,
+``guardian.stock.continuation_args``), and the supervisor relays its events
+as the rest of the first stream (same ``id`` and ``created``, ``usage``
+counting every token).
+
+For that the supervisor must know which tokens' text it relayed. The child
+says so in the stream itself: each ``data:`` event that carries text is
+preceded, in the same SSE event, by a comment line naming the token ids
+consumed since the last one (``: guardian-tokens 12,873``). SSE clients
+ignore comments; the supervisor strips them anyway. Tokens whose text stock
+has not written yet (a partial character) are named only with the event
+that writes it: a cut before that event regenerates them. A stream whose
+events stop matching its tokens' text (a tool call, reasoning) is marked not
+continuable, and a cut ends it with an error event as before.
+
+Only the supervisor may ask for this: it starts each child with a random
+key in the environment, and a child tags streams and accepts continuations
+only for requests that carry the key. Both ends live here, and this module
+imports no mlx (the supervisor carries none).
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import os
+import secrets
+from typing import Iterable, Optional
+
+# The supervisor's key, given to each child it starts.
+RELAY_KEY_ENV = "MLX_GUARDIAN_RELAY_KEY"
+# Request headers the supervisor adds; clients' own are dropped at the public port.
+KEY_HEADER = "X-Guardian-Relay-Key"
+CONTINUE_HEADER = "X-Guardian-Continue-From"
+PRIVATE_HEADERS = frozenset({KEY_HEADER.lower(), CONTINUE_HEADER.lower()})
+# The child's answer: this stream is tagged, and can be continued.
+CONTINUABLE_HEADER = "X-Guardian-Continuable"
+TOKENS_COMMENT = b": guardian-tokens "
+NOT_CONTINUABLE = b"-"
+# A continuation longer than this is not one the supervisor made.
+MAX_CONTINUED_TOKENS = 1 << 20
+_DATA = b"data: "
+_FINISHED = b'"finish_reason": "'  # stock's json.dumps spacing; null while a stream goes on
+
+
+def new_relay_key() -> str:
+    return secrets.token_hex(16)
+
+
+# -- the child's end ------------------------------------------------------
+def relayed_by_supervisor(headers) -> bool:
+    """Whether a request came through the supervisor that started this child."""
+    expected = os.environ.get(RELAY_KEY_ENV)
+    given = headers.get(KEY_HEADER)
+    return bool(expected) and given is not None and hmac.compare_digest(given, expected)
+
+
+def continued_from(headers) -> Optional[list[int]]:
+    """The token ids a continuation goes on after; None for a first run.
+
+    Raises ValueError for a header that is not a list of token ids.
+    """
+    value = headers.get(CONTINUE_HEADER)
+    if value is None:
+        return None
+    tokens = [int(part) for part in value.split(",")] if value else []
+    if len(tokens) > MAX_CONTINUED_TOKENS or any(token < 0 for token in tokens):
+        raise ValueError(f"{CONTINUE_HEADER} is not a list of token ids")
+    return tokens
+
+
+class TokenTaggingOutput:
+    """The handler's output for a relayed stream: each text event tagged with its tokens.
+
+    ``consumed`` is told every token stock's handler takes from the engine.
+    A ``data:`` event that writes exactly the text of the tokens consumed
+    since the last tag carries them; one that writes anything else (a tool
+    call, reasoning, text stock held back a moment) would leave a seam no
+    continuation can match, so from then on the stream is marked not
+    continuable (``: guardian-tokens -``).
+    """
+
+    def __init__(self, wfile):
+        self.wrapped = wfile
+        self._tokens: list[int] = []
+        self._text: list[str] = []
+        self.continuable = True
+
+    def consumed(self, token: int, text: str) -> None:
+        self._tokens.append(token)
+        if text:
+            self._text.append(text)
+
+    def write(self, data: bytes):
+        if self.continuable and (self._tokens or self._text) and data.startswith(_DATA):
+            data = self._tag() + data if self._writes_exactly_the_text(data) else self._untag() + data
+        return self.wrapped.write(data)
+
+    def _writes_exactly_the_text(self, data: bytes) -> bool:
+        if not self._text:
+            return True  # owes no text (a stop token's, discarded)
+        # As stock's json.dumps writes the field: chat delta or text completion.
+        escaped = json.dumps("".join(self._text))[1:-1].encode()
+        return (b'"content": "' + escaped + b'"' in data) or (b'"text": "' + escaped + b'"' in data)
+
+    def _tag(self) -> bytes:
+        tag = TOKENS_COMMENT + ",".join(map(str, self._tokens)).encode() + b"\n"
+        self._tokens.clear()
+        self._text.clear()
+        return tag
+
+    def _untag(self) -> bytes:
+        self.continuable = False
+        return TOKENS_COMMENT + NOT_CONTINUABLE + b"\n"
+
+    def __getattr__(self, name):  # flush, closed, ...
+        return getattr(self.wrapped, name)
+
+
+def tap_tokens(responses: Iterable, output: TokenTaggingOutput):
+    """Stock's response iterator, telling ``output`` of each token as the handler takes it."""
+    for response in responses:
+        output.consumed(response.token, response.text)
+        yield response
+
+
+# -- the supervisor's end -------------------------------------------------
+def continue_headers(key: str, tokens: list[int]) -> list[tuple[str, str]]:
+    return [(KEY_HEADER, key), (CONTINUE_HEADER, ",".join(map(str, tokens)))]
+
+
+class RelayedStream:
+    """What the supervisor relayed of one stream: its tokens, identity and end.
+
+    ``relay(block)`` takes whole SSE events from a child and returns what
+    the client gets: tags stripped, and once the stream is continued on
+    another child, each event made part of the first stream.
+    """
+
+    def __init__(self):
+        self.tokens: list[int] = []
+        self.continuations = 0
+        self.finished = False  # an event with a finish_reason went out
+        self.continuable = True  # every text the client got is covered by tokens
+        self._identity: Optional[dict] = None  # id and created of the first child's events
+
+    def relay(self, block: bytes) -> bytes:
+        if TOKENS_COMMENT in block:
+            block = self._take_tags(block)
+        if self._identity is None:
+            self._identity = _identity_of(block)
+        elif self.continuations:
+            block = self._as_first_stream(block)
+        if _FINISHED in block:
+            self.finished = True
+        return block
+
+    def continued(self) -> None:
+        """The next events come from another child, after ``tokens``."""
+        self.continuations += 1
+
+    def _take_tags(self, block: bytes) -> bytes:
+        kept = []
+        for line in block.split(b"\n"):
+            if line.startswith(TOKENS_COMMENT):
+                tag = line[len(TOKENS_COMMENT):]
+                if tag == NOT_CONTINUABLE:
+                    self.continuable = False
+                else:
+                    self.tokens.extend(int(part) for part in tag.split(b","))
+            else:
+                kept.append(line)
+        return b"\n".join(kept)
+
+    def _as_first_stream(self, block: bytes) -> bytes:
+        """The continuing child's events with the first child's id and created,
+        and usage counting the tokens the first child(ren) generated."""
+        events = []
+        for event in block.split(b"\n\n"):
+            if event.startswith(_DATA) and not event.startswith(b"data: [DONE]"):
+                try:
+                    payload = json.loads(event[len(_DATA):])
+                except ValueError:
+                    events.append(event)
+                    continue
+                if isinstance(payload, dict):
+                    payload.update(self._identity or {})
+                    usage = payload.get("usage")
+                    if isinstance(usage, dict) and "prompt_tokens" in usage:
+                        # The continuing child counted these as prompt.
+                        carried = self._tokens_at_continuation
+                        usage["prompt_tokens"] -= carried
+                        usage["completion_tokens"] = usage.get("completion_tokens", 0) + carried
+                event = _DATA + json.dumps(payload).encode()
+            events.append(event)
+        return b"\n\n".join(events)
+
+    _tokens_at_continuation = 0
+
+    def continuation_tokens(self) -> list[int]:
+        """The ids to continue after; remembers how many the continuing child's prompt holds."""
+        self._tokens_at_continuation = len(self.tokens)
+        return list(self.tokens)
+
+
+def _identity_of(block: bytes) -> Optional[dict]:
+    """``id`` and ``created`` of the first data event in ``block``, or None if it has none."""
+    start = block.find(_DATA)
+    if start < 0:
+        return None
+    end = block.find(b"\n", start)
+    try:
+        payload = json.loads(block[start + len(_DATA):end if end >= 0 else None])
+    except ValueError:
+        return None
+    if not isinstance(payload, dict):
+        return None
+    return {key: payload[key] for key in ("id", "created") if key in payload}

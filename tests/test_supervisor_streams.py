@@ -1,0 +1,134 @@
+"""Subprocess mode continues a stream across its child's death.
+
+A stream cut by a SIGKILL or SIGSEGV of its child goes on from the next
+child, after the tokens its client already has (guardian.relay_protocol):
+the client sees one stream. At temperature 0 the demo model's argmax is
+deterministic, so the continued stream must be the one an unfailed run
+gives, token for token, with the same finish_reason and usage. Uses
+test_supervisor's fixture (cleanup kills each supervisor's process group).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+
+import httpx
+import pytest
+
+from conftest import chat_body, poll
+from test_continuation import streamed
+from test_supervisor import COMPLETIONS, SLOW_STEPS, assert_restarting_error, start_supervisor  # noqa: F401 - a fixture
+
+
+def greedy_stream(content: str, max_tokens: int) -> dict:
+    return chat_body(content, max_tokens=max_tokens, stream=True, temperature=0.0,
+                     stream_options={"include_usage": True})
+
+
+class StreamReader(threading.Thread):
+    """Reads one stream in the background: its raw lines and data events, as they come."""
+
+    def __init__(self, url: str, body: dict):
+        super().__init__(daemon=True)
+        self.url, self.body = url, body
+        self.result = {"status": None, "events": [], "done": False, "errors": []}
+        self.raw_lines: list[str] = []
+
+    def run(self):
+        with httpx.Client(timeout=120) as client, client.stream("POST", self.url, json=self.body) as response:
+            self.result["status"] = response.status_code
+            self.headers = response.headers
+            for line in response.iter_lines():
+                self.raw_lines.append(line)
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    self.result["done"] = True
+                    continue
+                event = json.loads(line[len("data: "):])
+                self.result["events"].append(event)
+                if "error" in event:
+                    self.result["errors"].append(event["error"])
+
+
+def read_whole(url: str, body: dict) -> StreamReader:
+    reader = StreamReader(url, body)
+    reader.run()
+    return reader
+
+
+@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGSEGV])
+def test_a_stream_cut_by_the_childs_death_is_continued_on_the_next_child(start_supervisor, tmp_path, signum):
+    config = tmp_path / "slow.toml"
+    config.write_text(SLOW_STEPS)  # steps of at least 10 ms: the kill lands mid-stream
+    supervised = start_supervisor("--guardian-config", str(config))
+    first_pid = supervised.wait_ready()
+    body = greedy_stream("Go on across the crash.", max_tokens=120)
+    reference = read_whole(supervised.url + COMPLETIONS, body)
+    assert reference.result["done"] and not reference.result["errors"]
+
+    cut = StreamReader(supervised.url + COMPLETIONS, body)
+    cut.start()
+    poll(lambda: len(cut.result["events"]) >= 30, 60, what="30 events relayed")
+    os.kill(first_pid, signum)
+    cut.join(timeout=120)
+    assert not cut.is_alive()
+
+    assert cut.result["status"] == 200 and cut.result["done"], cut.result
+    assert not cut.result["errors"]
+    assert streamed(cut.result) == streamed(reference.result)
+    # One stream: every event carries the first child's id and created.
+    assert {(e["id"], e["created"]) for e in cut.result["events"]} == {
+        (cut.result["events"][0]["id"], cut.result["events"][0]["created"])}
+    # The child's tags and headers stay between it and the supervisor.
+    assert not any(line.startswith(": guardian-tokens") for line in cut.raw_lines)
+    assert not any(name.lower().startswith("x-guardian-continu") for name in cut.headers)
+    [continuing] = supervised.supervisor_events("stream_continuing")
+    assert continuing["dead_child_pid"] == first_pid and continuing["tokens_relayed"] >= 30
+    second_pid = supervised.wait_ready(not_pid=first_pid, timeout=30)
+    assert second_pid != first_pid
+    print(f"\nmeasured: {continuing['tokens_relayed']} tokens relayed before the "
+          f"{signal.Signals(signum).name}; the stream went on from the next child, identical to an unfailed run")
+
+
+def test_a_client_cannot_claim_to_be_the_supervisor(start_supervisor):
+    """The continuation headers from a client are dropped at the public port;
+    a child answers them only with the supervisor's key."""
+    supervised = start_supervisor()
+    supervised.wait_ready()
+    body = greedy_stream("Who is asking?", max_tokens=8)
+    honest = read_whole(supervised.url + COMPLETIONS, body)
+    forged = StreamReader(supervised.url + COMPLETIONS, body)
+    with httpx.Client(timeout=60) as client, client.stream(
+            "POST", supervised.url + COMPLETIONS, json=body,
+            headers={"X-Guardian-Continue-From": "1,2,3", "X-Guardian-Relay-Key": "guess"}) as response:
+        forged.result["status"] = response.status_code
+        lines = list(response.iter_lines())
+    assert forged.result["status"] == 200
+    events = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+    assert "".join(c["delta"].get("content") or "" for e in events for c in e.get("choices", [])) == \
+        streamed(honest.result)["text"]
+    # Straight to the child, without the key: not tagged, not continued.
+    child_url = f"http://127.0.0.1:{supervised.supervisor()['child']['port']}"
+    direct = read_whole(child_url + COMPLETIONS, body)
+    assert not any(line.startswith(": guardian-tokens") for line in direct.raw_lines)
+    assert streamed(direct.result)["text"] == streamed(honest.result)["text"]
+
+
+def test_past_max_resends_a_cut_stream_ends_with_an_error_event(start_supervisor, tmp_path):
+    config = tmp_path / "slow.toml"
+    config.write_text(SLOW_STEPS)
+    supervised = start_supervisor("--guardian-config", str(config), "--supervisor-max-resends", "0")
+    first_pid = supervised.wait_ready()
+    cut = StreamReader(supervised.url + COMPLETIONS, greedy_stream("No second chance.", max_tokens=200))
+    cut.start()
+    poll(lambda: len(cut.result["events"]) >= 10, 60, what="10 events relayed")
+    os.kill(first_pid, signal.SIGKILL)
+    cut.join(timeout=60)
+    assert cut.result["done"]
+    [error] = cut.result["errors"]
+    assert_restarting_error({"error": error})
+    assert not supervised.supervisor_events("stream_continuing")
