@@ -5,7 +5,11 @@ from __future__ import annotations
 import configparser
 import inspect
 import plistlib
+import shutil
+import subprocess
 from pathlib import Path
+
+import pytest
 
 from guardian.plugins import hookspecs
 from guardian.exit_codes import (
@@ -17,6 +21,8 @@ from guardian.exit_codes import (
 
 REPO = Path(__file__).resolve().parent.parent
 README = (REPO / "README.md").read_text()
+SYSTEMD_UNIT = REPO / "config" / "systemd" / "mlx-guardian.service"
+LAUNCHD_PLIST = REPO / "config" / "launchd" / "com.example.mlx-guardian.plist"
 
 
 def hook_names():
@@ -50,7 +56,7 @@ def test_exit_codes_are_documented():
 
 def test_systemd_unit_restarts_on_failure_and_uses_the_watchdog():
     unit = configparser.ConfigParser(strict=False, interpolation=None)
-    unit.read(REPO / "config" / "systemd" / "mlx-guardian.service")
+    unit.read(SYSTEMD_UNIT)
     service = unit["Service"]
     assert service["Type"] == "notify"
     assert service["Restart"] == "on-failure"
@@ -59,8 +65,68 @@ def test_systemd_unit_restarts_on_failure_and_uses_the_watchdog():
 
 
 def test_launchd_plist_restarts_only_after_failures():
-    with open(REPO / "config" / "launchd" / "com.example.mlx-guardian.plist", "rb") as f:
+    with open(LAUNCHD_PLIST, "rb") as f:
         plist = plistlib.load(f)
     assert plist["KeepAlive"] == {"SuccessfulExit": False}
     assert plist["ThrottleInterval"] >= 1
     assert plist["ProgramArguments"][0].endswith("mlx-guardian")
+
+
+def test_systemd_unit_limits_a_crash_loop_in_the_unit_section():
+    # systemd reads the start limit from [Unit]; in [Service] it ignores
+    # StartLimitIntervalSec, and the crash-loop limit would not be in force.
+    unit = configparser.ConfigParser(strict=False, interpolation=None)
+    unit.read(SYSTEMD_UNIT)
+    assert int(unit["Unit"]["StartLimitIntervalSec"]) > 0 and int(unit["Unit"]["StartLimitBurst"]) > 0
+    assert not {"startlimitintervalsec", "startlimitburst"} & set(unit["Service"])
+
+
+@pytest.mark.one_version
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
+def test_systemd_accepts_every_line_of_the_unit(tmp_path):
+    # The same unit, but for the program it starts: verify refuses an
+    # ExecStart binary that does not exist on this machine.
+    text = SYSTEMD_UNIT.read_text()
+    shipped_program = "/opt/mlx-guardian/.venv/bin/mlx-guardian"
+    assert f"ExecStart={shipped_program} " in text
+    unit = tmp_path / SYSTEMD_UNIT.name
+    unit.write_text(text.replace(f"ExecStart={shipped_program} ", f"ExecStart={shutil.which('true')} "))
+    result = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True, text=True, timeout=60)
+    output = result.stdout + result.stderr
+    assert "Unknown" not in output and "ignoring" not in output, output
+    assert result.returncode == 0, output
+
+
+# The keys launchd.plist(5) (macOS) documents, with the type each takes.
+LAUNCHD_KEYS = {
+    "Label": str, "Disabled": bool, "UserName": str, "GroupName": str, "inetdCompatibility": dict,
+    "LimitLoadToHosts": list, "LimitLoadFromHosts": list, "LimitLoadToSessionType": (str, list),
+    "LimitLoadToHardware": dict, "LimitLoadFromHardware": dict, "Program": str, "ProgramArguments": list,
+    "EnableGlobbing": bool, "EnableTransactions": bool, "EnablePressuredExit": bool, "OnDemand": bool,
+    "ServiceIPC": bool, "KeepAlive": (bool, dict), "RunAtLoad": bool, "RootDirectory": str,
+    "WorkingDirectory": str, "EnvironmentVariables": dict, "Umask": (int, str), "TimeOut": int,
+    "ExitTimeOut": int, "ThrottleInterval": int, "InitGroups": bool, "WatchPaths": list,
+    "QueueDirectories": list, "StartOnMount": bool, "StartInterval": int,
+    "StartCalendarInterval": (dict, list), "StandardInPath": str, "StandardOutPath": str,
+    "StandardErrorPath": str, "Debug": bool, "WaitForDebugger": bool, "SoftResourceLimits": dict,
+    "HardResourceLimits": dict, "Nice": int, "ProcessType": str, "AbandonProcessGroup": bool,
+    "LowPriorityIO": bool, "LowPriorityBackgroundIO": bool, "MaterializeDatalessFiles": bool,
+    "LaunchOnlyOnce": bool, "MachServices": dict, "Sockets": dict, "LaunchEvents": dict,
+    "SessionCreate": bool, "LegacyTimers": bool, "AssociatedBundleIdentifiers": (str, list),
+}
+# launchd.plist(5)'s KeepAlive dictionary.
+LAUNCHD_KEEPALIVE_KEYS = {"SuccessfulExit", "NetworkState", "PathState", "OtherJobEnabled", "Crashed",
+                          "AfterInitialDemand"}
+
+
+@pytest.mark.one_version
+def test_launchd_plist_uses_only_keys_launchd_knows():
+    with open(LAUNCHD_PLIST, "rb") as f:
+        plist = plistlib.load(f)
+    unknown = set(plist) - set(LAUNCHD_KEYS)
+    assert not unknown, f"keys launchd.plist(5) does not document: {unknown}"
+    for key, value in plist.items():
+        assert isinstance(value, LAUNCHD_KEYS[key]), f"{key}: {type(value).__name__}"
+    assert all(isinstance(argument, str) for argument in plist["ProgramArguments"])
+    assert set(plist["KeepAlive"]) <= LAUNCHD_KEEPALIVE_KEYS
+    assert plist["Label"] == LAUNCHD_PLIST.name.removesuffix(".plist")  # launchd's naming convention
