@@ -24,6 +24,10 @@ EXIT_ENGINE_STALLED = 5
 # Subprocess mode (--supervise): the child kept dying, more restarts within
 # --supervisor-window than --supervisor-max-restarts allows.
 EXIT_SUPERVISOR_GAVE_UP = 6
+# A rank of an mlx.launch group failed, stalled or was lost: ranks cannot
+# restart apart (the others would wait in a collective), so every rank exits
+# and the group is started again as a whole.
+EXIT_GROUP_FAILED = 7
 
 
 class ExitCode(NamedTuple):
@@ -47,6 +51,9 @@ EXIT_CODES = (
              "the engine stalled and could not be replaced in-process"),
     ExitCode(EXIT_SUPERVISOR_GAVE_UP, "the supervisor gave up",
              "subprocess mode: more than `--supervisor-max-restarts` restarts within `--supervisor-window`"),
+    ExitCode(EXIT_GROUP_FAILED, "a rank of the group failed, stalled or was lost",
+             "under `mlx.launch`: a rank failed, stalled or was lost (died, stopped answering on the "
+             "group's control connection); every rank of the group exits with it"),
 )
 
 

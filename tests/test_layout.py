@@ -13,7 +13,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 PACKAGE = REPO / "guardian"
-CONCERNS = {"engine", "admission", "health", "supervise", "plugins"}
+CONCERNS = {"engine", "admission", "health", "supervise", "plugins", "distributed"}
 
 
 def module_file(name: str) -> Path | None:

@@ -1,0 +1,171 @@
+"""The group's control connections: rank 0 and each other rank watch each other.
+
+A TCP connection from each rank to rank 0, beside (never inside) the
+backend's own. Each end sends a beat every ``beat_s`` and says why it
+leaves (``failing`` with a reason, or ``stopping``). The other end treats
+the connection closing (the process died: the kernel closes its sockets,
+even after SIGKILL), a ``failing`` line, or silence for ``peer_timeout_s``
+(a stopped or wedged process) as the loss of that rank. What a collective
+cannot do, wait with a bound, this does.
+
+One JSON object a line: ``{"kind": "hello", "rank": 1}`` first from a
+joining rank, then ``beat``, ``failing`` (with ``reason``) or ``stopping``.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from typing import Callable, Optional
+
+import structlog
+
+log = structlog.get_logger("guardian.group")
+
+# How long rank 0 waits for every other rank to connect, and a rank for
+# rank 0 to accept: they passed the rendezvous together moments before.
+JOIN_TIMEOUT_S = 30.0
+
+# (rank, why) -> None: called once per lost rank, on a reader thread.
+OnLost = Callable[[int, str], None]
+
+
+class Connection:
+    """One control connection, to the rank ``peer``: lines out, a reader thread in."""
+
+    def __init__(self, sock: socket.socket, peer: int, peer_timeout_s: float,
+                 on_lost: OnLost, on_stopping: Callable[[], None]):
+        self.sock = sock
+        self.peer = peer
+        self._peer_timeout_s = peer_timeout_s
+        self._on_lost = on_lost
+        self._on_stopping = on_stopping
+        self._send_lock = threading.Lock()
+        self.closed = False
+
+    def start(self, reader: Optional[socket.SocketIO] = None) -> None:
+        self.sock.settimeout(self._peer_timeout_s)
+        threading.Thread(target=self._read, args=(reader or self.sock.makefile("rb"),),
+                         name=f"group-rank-{self.peer}", daemon=True).start()
+
+    def send(self, kind: str, **fields) -> None:
+        """Best effort: a peer that is gone is the reader's to report."""
+        line = (json.dumps({"kind": kind, **fields}) + "\n").encode()
+        with self._send_lock:
+            if self.closed:
+                return
+            try:
+                self.sock.sendall(line)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        with self._send_lock:
+            self.closed = True
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+
+    def _read(self, reader) -> None:
+        why = self._read_until_lost(reader)
+        if why is not None and not self.closed:
+            self._on_lost(self.peer, why)
+
+    def _read_until_lost(self, reader) -> Optional[str]:
+        """Read lines until the peer is lost (why) or says it stops (None)."""
+        while True:
+            try:
+                line = reader.readline()
+            except socket.timeout:
+                return f"sent nothing for {self._peer_timeout_s:g} s (stopped or wedged)"
+            except OSError as e:
+                return f"its connection failed ({type(e).__name__})"
+            if not line:
+                return "closed its connection (the process is gone)"
+            try:
+                message = json.loads(line)
+            except ValueError:
+                return "sent an unreadable line"
+            if message.get("kind") == "failing":
+                return f"failed: {message.get('reason')}"
+            if message.get("kind") == "stopping":
+                self._on_stopping()
+                return None
+
+
+class ControlLinks:
+    """This rank's control connections: rank 0 holds one per other rank, the others one to rank 0."""
+
+    def __init__(self, rank: int, size: int, *, beat_s: float, peer_timeout_s: float,
+                 on_lost: OnLost, on_stopping: Callable[[], None]):
+        self.rank = rank
+        self.size = size
+        self.beat_s = beat_s
+        self.peer_timeout_s = peer_timeout_s
+        self._on_lost = on_lost
+        self._on_stopping = on_stopping
+        self.connections: list[Connection] = []
+        self._listener: Optional[socket.socket] = None
+        self._stopped = threading.Event()
+
+    # -- rank 0 --------------------------------------------------------------
+    def listen(self, host: str) -> tuple[str, int]:
+        """Rank 0: listen on ``host`` (an ephemeral port); the address to share."""
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._listener = socket.socket(family, socket.SOCK_STREAM)
+        self._listener.bind((host, 0))
+        self._listener.listen(self.size)
+        return host, self._listener.getsockname()[1]
+
+    def accept_all(self) -> None:
+        """Rank 0: take every other rank's connection, each saying which rank it is."""
+        deadline = time.monotonic() + JOIN_TIMEOUT_S
+        while len(self.connections) < self.size - 1:
+            self._listener.settimeout(max(0.01, deadline - time.monotonic()))
+            try:
+                sock, _ = self._listener.accept()
+            except socket.timeout:
+                joined = sorted(c.peer for c in self.connections)
+                raise TimeoutError(f"ranks other than {[0, *joined]} did not connect "
+                                   f"within {JOIN_TIMEOUT_S:g} s") from None
+            sock.settimeout(max(0.01, deadline - time.monotonic()))
+            reader = sock.makefile("rb")
+            hello = json.loads(reader.readline() or b"{}")
+            self._add(sock, int(hello["rank"]), reader)
+        self._listener.close()
+
+    # -- other ranks -------------------------------------------------------------
+    def connect(self, address: tuple[str, int]) -> None:
+        """Any other rank: connect to rank 0 and say which rank this is."""
+        sock = socket.create_connection(address, timeout=JOIN_TIMEOUT_S)
+        sock.sendall((json.dumps({"kind": "hello", "rank": self.rank}) + "\n").encode())
+        self._add(sock, 0)
+
+    # -- both -----------------------------------------------------------------------
+    def _add(self, sock: socket.socket, peer: int, reader=None) -> None:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        connection = Connection(sock, peer, self.peer_timeout_s, self._on_lost, self._on_stopping)
+        self.connections.append(connection)
+        connection.start(reader)
+
+    def start_beats(self) -> None:
+        threading.Thread(target=self._beat, name="group-beat", daemon=True).start()
+
+    def _beat(self) -> None:
+        while not self._stopped.wait(self.beat_s):
+            for connection in self.connections:
+                connection.send("beat")
+
+    def tell(self, kind: str, **fields) -> None:
+        """Tell every connected rank (``failing`` with a reason, or ``stopping``)."""
+        for connection in self.connections:
+            connection.send(kind, **fields)
+
+    def close(self) -> None:
+        self._stopped.set()
+        for connection in self.connections:
+            connection.close()

@@ -1,0 +1,48 @@
+"""A rank's engine: stock's loop supervised, but never restarted alone.
+
+Each rank runs stock's loop, and the loops meet in a collective at every
+step and every look at the queue. A rank that restarted its loop by itself
+would meet the others at a different collective (stock's loop begins with
+one for the random seed): wrong sums or a wait for ever. So on a failure or
+a stall the engine gives up (every request answered 503 + Retry-After), the
+other ranks are told, and the whole group exits with code 7.
+"""
+
+from __future__ import annotations
+
+import guardian
+from guardian.engine.generator import GuardianEngine
+from guardian.exit_codes import EXIT_GROUP_FAILED
+from guardian.settings import EXIT
+
+
+class GroupEngine(GuardianEngine):
+    """GuardianEngine for a rank of a group: failures and stalls end the group."""
+
+    # The rank's membership (guardian.distributed.member), set once it watches this engine.
+    group_member = None
+
+    def give_up(self, reason: str, exit_code: int = EXIT_GROUP_FAILED, records=()) -> None:
+        """Tell the other ranks first (they are waiting in a collective), then give up with code 7."""
+        member = self.group_member
+        error = self.last_error  # set by a failure of this loop: the first is the last in a group
+        if error is not None and self.generation_available():
+            reason = f"the engine failed: {error['type']}: {error['message']}"
+        if member is not None and self.generation_available():
+            member.failing(reason)
+        super().give_up(reason, EXIT_GROUP_FAILED, records)
+
+    def recover_from_stall(self, reason: str, rung: str) -> None:
+        """No rung but exit: a replacement loop would start at a collective the others are not in."""
+        self.give_up(f"the engine stalled: {reason}")
+
+
+class GroupPolicy:
+    """Registered in a rank of a group only: every engine failure ends the group
+    (the built-in recovery would restart this rank's loop alone)."""
+
+    name = "group"
+
+    @guardian.hookimpl(tryfirst=True)
+    def on_engine_error(self):
+        return EXIT

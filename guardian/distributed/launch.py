@@ -1,0 +1,110 @@
+"""The supervisor's side of a group: mlx.launch's command line, and its process group.
+
+``mlx-guardian --supervise --launch-args "--backend ring -n 2"`` runs
+``mlx.launch --backend ring -n 2 --python PYTHON -- -m guardian ...`` as its
+child. The launcher leads a process group of its own, which holds every
+local rank (it starts them through ``bash -c ... exec``): stopping the child
+signals the whole group, and what is left of it after the launcher exits is
+killed before the next group starts. The launcher itself runs under
+``die_with_parent`` below, so it goes when the supervisor goes, and its
+ranks with it (guardian.distributed.parent_watch). Imports no mlx.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+LAUNCHER = "mlx.launch"
+
+
+def launcher() -> str:
+    """mlx.launch from this Python's environment, else from PATH."""
+    beside = Path(sys.executable).with_name(LAUNCHER)
+    if beside.exists():
+        return str(beside)
+    found = shutil.which(LAUNCHER)
+    if found is None:
+        raise FileNotFoundError(f"{LAUNCHER} is neither beside {sys.executable} nor on PATH")
+    return found
+
+
+def group_command(launch_args: str, server_command: list[str]) -> list[str]:
+    """The child's command: ``server_command`` (python -m ...) as the program of every rank.
+
+    mlx.launch puts ``--python`` before the program on every host; given in
+    ``launch_args`` (another path on remote hosts), it replaces this one's.
+    """
+    args = shlex.split(launch_args)
+    python, program = server_command[0], server_command[1:]
+    if not any(a == "--python" or a.startswith("--python=") for a in args):
+        args += ["--python", python]
+    return [sys.executable, "-m", "guardian.distributed.launch", "--", launcher(), *args, "--", *program]
+
+
+class LauncherProcess(subprocess.Popen):
+    """mlx.launch as the supervisor's child: a signal reaches every local rank.
+
+    The launcher leads a new session and process group, which holds the
+    ranks it starts on this machine (``bash -c ... exec``). SIGTERM and
+    SIGINT go to the launcher's children, the ranks (or the ssh carrying a
+    remote one): each stops as one process would, rank 0 draining its
+    requests, and the launcher exits once they did. Any other signal
+    (SIGKILL, SIGCONT) goes to the whole process group. SIGHUP is not sent:
+    the launcher would die of it.
+    """
+
+    def __init__(self, args, **kwargs):
+        super().__init__(args, start_new_session=True, **kwargs)
+
+    def send_signal(self, signum: int) -> None:
+        if signum == signal.SIGHUP:
+            return
+        ranks = children(self.pid) if signum in (signal.SIGTERM, signal.SIGINT) else []
+        for pid in ranks:
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:
+                pass
+        if ranks:
+            return
+        # Even after the launcher exited: what is left of its group goes too.
+        try:
+            os.killpg(self.pid, signum)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (pgrep: Linux and macOS alike)."""
+    found = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True)
+    return [int(line) for line in found.stdout.split()]
+
+
+def kill_leftovers(proc: subprocess.Popen) -> None:
+    """After a group's launcher exited: SIGKILL any rank left in its process
+    group, before the next group starts (its memory, its ports)."""
+    if isinstance(proc, LauncherProcess):
+        proc.send_signal(signal.SIGKILL)
+
+
+def exec_dying_with_parent(argv: list[str]) -> None:
+    """Become ``argv`` with the kernel's promise of SIGTERM when the parent dies
+    (Linux: PR_SET_PDEATHSIG survives exec); elsewhere plainly exec it."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import ctypes.util
+
+        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+        libc.prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+    os.execv(argv[0], argv)
+
+
+if __name__ == "__main__":
+    # python -m guardian.distributed.launch -- mlx.launch ARGS...
+    exec_dying_with_parent(sys.argv[2:] if sys.argv[1:2] == ["--"] else sys.argv[1:])

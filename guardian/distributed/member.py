@@ -1,0 +1,152 @@
+"""This process as a rank of a group: joined, watched, and gone with the group.
+
+``join`` (before the model loads, on every rank at the same point) registers
+the group's failure policy, asks to die with the launcher, shares rank 0's
+control address over ``mx.distributed`` and connects the control links. From
+then on a lost rank (``ControlLinks``) makes this rank's engine give up: on
+rank 0 every client is answered 503 + Retry-After before the process exits
+with code 7; on the others the process exits with it. ``serve_follower`` is
+what a rank other than 0 runs instead of the HTTP server.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+from typing import Optional
+
+import structlog
+
+from guardian import stock
+from guardian.distributed.control import ControlLinks
+from guardian.distributed.engine import GroupEngine, GroupPolicy
+from guardian.distributed.group import Group
+from guardian.distributed.parent_watch import die_with_parent
+from guardian.distributed.rendezvous import leader_host, share_address
+from guardian.exit_codes import EXIT_BOOT_ERROR, EXIT_GROUP_FAILED, EXIT_OK
+
+log = structlog.get_logger("guardian.group")
+
+# Beats per peer timeout: a few lost to a busy interpreter are no loss.
+BEATS_PER_TIMEOUT = 10
+# A signalled rank other than 0 waits for rank 0's drain, and this much more.
+STOP_MARGIN_S = 2.0
+
+
+class GroupMember:
+    # The engine every rank of a group runs.
+    engine_class = GroupEngine
+
+    def __init__(self, group: Group, peer_timeout_s: float, on_exit):
+        self.group = group
+        # The process's guardian.server.ExitRequest.
+        self.on_exit = on_exit
+        # Rank 0 said the group stops: a collective cut by its exit is no failure.
+        self.stopping = False
+        self.engine: Optional[GroupEngine] = None
+        self.links = ControlLinks(group.rank, group.size, beat_s=peer_timeout_s / BEATS_PER_TIMEOUT,
+                                  peer_timeout_s=peer_timeout_s, on_lost=self._lost,
+                                  on_stopping=self._stopping)
+
+    def join(self, pm) -> None:
+        """Every rank, before the model loads: policy, launcher watch, control links."""
+        pm.register(GroupPolicy(), name=GroupPolicy.name)
+        die_with_parent(lambda: self._lost(-1, "the launcher (this rank's parent) is gone"))
+        if self.group.leader:
+            address = share_address(0, self.links.listen(leader_host()))
+            self.links.accept_all()
+        else:
+            address = share_address(self.group.rank, None)
+            self.links.connect(address)
+        self.links.start_beats()
+        log.info("group_joined", size=self.group.size, control_address=f"{address[0]}:{address[1]}",
+                 peer_timeout_s=self.links.peer_timeout_s, pid=os.getpid())
+
+    def watch(self, engine: GroupEngine) -> None:
+        """From now on a lost rank makes ``engine`` give up (and this process exit)."""
+        self.engine = engine
+        engine.group_member = self
+
+    def failing(self, reason: str) -> None:
+        """This rank gives up: the others must not wait for it in a collective."""
+        self.links.tell("failing", reason=reason)
+
+    def leave(self, exit_code: int) -> None:
+        """At exit: a clean stop tells the others to stop too; then the links close."""
+        if exit_code == EXIT_OK:
+            self.links.tell("stopping")
+        self.links.close()
+
+    def _lost(self, rank: int, why: str) -> None:
+        if self.stopping:
+            return
+        who = "the launcher" if rank < 0 else f"rank {rank}"
+        log.error("group_rank_lost", lost_rank=rank, reason=why)
+        if self.engine is None:
+            # Still loading, maybe inside a collective that never returns:
+            # no client to answer yet, so nothing to wait for.
+            _exit_now(EXIT_GROUP_FAILED)
+        self.engine.give_up(f"{who} {why}" if rank >= 0 else why)
+        self.on_exit.fail(EXIT_GROUP_FAILED)
+
+    def _stopping(self) -> None:
+        log.info("group_stopping", by_rank=0)
+        self.stopping = True
+        self.on_exit(EXIT_OK)
+
+
+def _leave_later(exit_request, delay_s: float) -> None:
+    log.info("rank_signalled", leave_after_s=delay_s)
+    timer = threading.Timer(delay_s, exit_request, (EXIT_OK,))
+    timer.daemon = True
+    timer.start()
+
+
+def _exit_now(code: int) -> None:
+    logging.shutdown()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def serve_follower(model_provider, config, pm, group: Group) -> int:
+    """A rank other than 0: no HTTP; stock's loop, fed by rank 0's broadcast, supervised."""
+    from guardian.plugins.manager import notify
+    from guardian.server import ExitRequest, Guardian
+
+    exit_request = ExitRequest()
+    # A LiveConfig (the file followed while serving), or a GuardianConfig.
+    settings = getattr(config, "config", config)
+    member = GroupMember(group, settings.watchdog.peer_timeout_s, exit_request)
+    member.join(pm)
+    try:
+        model_provider.load_default()
+    except Exception as e:
+        log.critical("model_load_failed", model=model_provider.cli_args.model,
+                     error_type=type(e).__name__, error_message=str(e), exc_info=True)
+        member.failing(f"the model could not be loaded: {e}")
+        member.leave(EXIT_BOOT_ERROR)
+        return EXIT_BOOT_ERROR
+    served = Guardian(model_provider, config, pm, on_exit=exit_request, engine_class=GroupEngine)
+    member.watch(served.engine)
+    # Start-up hooks as on rank 0 (the probe's prompt kept out of the prompt
+    # cache: every rank's cache must hold the same entries), no watchdog:
+    # this rank's stall stops rank 0's loop in a collective, and rank 0's
+    # watchdog sees it there.
+    notify(pm.hook.guardian_startup, engine=served.engine.plugin_view, config=served.config)
+    # Rank 0 has the clients: it drains them, then tells this rank to stop
+    # (the launcher or supervisor signals every rank at once). Alone, a
+    # signalled rank leaves after that long anyway, and the group with it.
+    leave_after_s = settings.core.exit_grace_s + STOP_MARGIN_S
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: _leave_later(exit_request, leave_after_s))
+    log.info("rank_started", model=model_provider.cli_args.model,
+             mlx_lm_version=stock.STOCK_VERSION)
+    code = exit_request.wait()
+    stock.stop_generation_thread(served.engine)
+    notify(pm.hook.guardian_shutdown, engine=served.engine.plugin_view, exit_code=code)
+    member.leave(code)
+    log.info("rank_stopped", exit_code=code)
+    return code

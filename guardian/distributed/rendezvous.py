@@ -1,0 +1,50 @@
+"""Tell every rank where rank 0's control connection listens, over ``mx.distributed``.
+
+One collective, made by every rank at the same point of its start (before
+the model loads, which makes its own): rank 0 contributes its address, the
+others zeros, and the sum is the address, as stock's ``_share_object`` sums
+a pickled request. After this, nothing of the guardian's own goes over the
+group's collectives: they belong to stock's loop, in its order.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from typing import Optional
+
+# "host:port" fits with room to spare (an IPv6 address is at most 45 characters).
+ADDRESS_BYTES = 256
+
+
+def leader_host() -> str:
+    """An address of rank 0's machine that the other ranks reach, from what
+    the launcher told the backend: the ring's hostfile, JACCL's coordinator,
+    NCCL's host; the host name otherwise (MPI)."""
+    hostfile = os.environ.get("MLX_HOSTFILE")
+    if hostfile:
+        try:
+            with open(hostfile) as f:
+                first = json.load(f)[0]
+            # The ring's hostfile: one list of "ip:port" per rank.
+            return (first[0] if isinstance(first, list) else first).rsplit(":", 1)[0]
+        except (OSError, ValueError, IndexError, KeyError, TypeError, AttributeError):
+            pass
+    coordinator = os.environ.get("MLX_JACCL_COORDINATOR")
+    if coordinator:
+        return coordinator.rsplit(":", 1)[0]
+    return os.environ.get("NCCL_HOST_IP") or socket.gethostbyname(socket.gethostname())
+
+
+def share_address(rank: int, address: Optional[tuple[str, int]]) -> tuple[str, int]:
+    """Rank 0 passes its (host, port); every rank gets it back."""
+    import mlx.core as mx
+
+    data = bytearray(ADDRESS_BYTES)
+    if rank == 0:
+        encoded = f"{address[0]}|{address[1]}".encode()
+        data[: len(encoded)] = encoded
+    summed = mx.distributed.all_sum(mx.array(list(data), dtype=mx.uint8), stream=mx.cpu)
+    host, _, port = bytes(summed.tolist()).rstrip(b"\0").decode().rpartition("|")
+    return host, int(port)

@@ -1,0 +1,246 @@
+"""mlx-guardian under mlx.launch: two ranks on localhost, the ring backend, the CPU.
+
+Stock serves a group on both mlx-lm versions (rank 0 serves HTTP and
+broadcasts each request to the others), so the group itself is tested on
+both; the supervised group, whose supervisor imports no mlx_lm, on the
+newest only. Every group is launched in a session of its own, so cleanup
+kills the launcher and every rank even when a test fails, and each test
+checks by pid (a /proc scan) that no rank outlived its group.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Optional
+
+import httpx
+import pytest
+
+from conftest import REPO, Server, chat_body, free_port, poll, read_stream
+from guardian.exit_codes import EXIT_GROUP_FAILED, EXIT_OK
+
+COMPLETIONS = "/v1/chat/completions"
+LAUNCHER = str(Path(sys.executable).with_name("mlx.launch"))
+# A client must have its answer this soon after a rank failed or died.
+ANSWER_BOUND_S = 10.0
+# Long generations, so the burst is surely in flight when a rank fails.
+BURST = [chat_body("Tell me a story.", max_tokens=3000, stream=stream) for stream in (False, False, True, True)]
+
+
+def free_ring_port() -> int:
+    """The first of two consecutive free ports for the ring's ranks, below the
+    ephemeral range: a client's connection elsewhere cannot take one meanwhile
+    (the ranks bind them after they start, and again in a replacement group)."""
+    rng = random.Random()
+    for _ in range(100):
+        port = rng.randrange(20000, 32000)
+        try:
+            for candidate in (port, port + 1):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", candidate))
+        except OSError:
+            continue
+        return port
+    raise AssertionError("no two consecutive free ports")
+
+
+def rank_pids(marker: str) -> dict[int, int]:
+    """{rank: pid} of the live ranks whose environment carries ``marker`` (a /proc scan)."""
+    ranks = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes().split(b"\0")
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if f"GROUP_TEST={marker}".encode() not in environ or state == "Z":
+            continue
+        for variable in environ:
+            if variable.startswith(b"MLX_RANK="):
+                ranks[int(variable.split(b"=", 1)[1])] = int(entry.name)
+    return ranks
+
+
+def answer(url: str, body: dict) -> dict:
+    """One client: its status (and error or error event), and when its answer ended."""
+    with httpx.Client(timeout=60) as client:
+        if body["stream"]:
+            result = read_stream(client, url, body)
+        else:
+            response = client.post(url, json=body)
+            result = {"status": response.status_code, "body": response.json(),
+                      "retry_after": response.headers.get("retry-after")}
+    result["ended"] = time.monotonic()
+    return result
+
+
+def engine_steps(server: Server) -> int:
+    """Rank 0's engine steps so far (its /guardian/status)."""
+    return httpx.get(server.url + "/guardian/status", timeout=5).json()["steps"]
+
+
+def generating(server: Server, steps_before: int) -> bool:
+    """The burst is being generated: the failure comes mid-burst."""
+    try:
+        status = httpx.get(server.url + "/guardian/status", timeout=5).json()
+    except httpx.TransportError:
+        return False
+    return status["in_flight"] >= 2 and status["steps"] > steps_before + 3
+
+
+class Group(Server):
+    """An mlx.launch group (or a supervisor running one), in a session of its own."""
+
+    def __init__(self, proc, port, log_path, marker):
+        super().__init__(proc, port, log_path)
+        self.marker = marker
+
+    def ranks(self) -> dict[int, int]:
+        return rank_pids(self.marker)
+
+    def rank_events(self, name: str, rank: int) -> list[dict]:
+        return [e for e in self.events(name) if e.get("rank") == rank]
+
+    def stop(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(timeout=10)
+        for pid in self.ranks().values():
+            os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture
+def launch(tmp_path, model_cache):
+    groups: list[Group] = []
+
+    def start(command: list[str], config: str = "") -> Group:
+        port = free_port()
+        config_path = tmp_path / f"guardian-{port}.toml"
+        config_path.write_text(config)
+        log_path = tmp_path / f"group-{port}.log"
+        marker = uuid.uuid4().hex
+        env = {**os.environ, "MLX_GUARDIAN_CACHE": str(model_cache), "GROUP_TEST": marker}
+        with open(log_path, "w") as log_file:
+            proc = subprocess.Popen([*command, "--port", str(port), "--guardian-config", str(config_path)],
+                                    stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    env=env, cwd=REPO, start_new_session=True)
+        group = Group(proc, port, log_path, marker)
+        groups.append(group)
+        return group
+
+    yield start
+    for group in groups:
+        group.stop()
+
+
+def ring_group(ring_port: int) -> list[str]:
+    """mlx.launch with two ranks of mlx-guardian on 127.0.0.1."""
+    return [LAUNCHER, "--backend", "ring", "-n", "2", "--starting-port", str(ring_port),
+            "--python", sys.executable, "--", "-m", "guardian"]
+
+
+def test_rank_0_serves_and_a_failure_on_rank_1_ends_the_group_with_503s(launch, tmp_path):
+    arm = tmp_path / "arm"
+    group = launch(ring_group(free_ring_port()), config=(
+        '[guardian]\nplugins = ["tests.plugins.rank_faults:RankFaults"]\n'
+        f'[rank_faults]\nrank = 1\narm_file = "{arm}"\n'))
+    group.wait_healthy()
+    ranks = group.ranks()
+    assert sorted(ranks) == [0, 1]
+
+    # Rank 0 serves, as in stock; rank 1 follows its broadcast.
+    response = httpx.post(group.url + COMPLETIONS, json=chat_body(max_tokens=8), timeout=60)
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 8
+    assert [e["rank"] for e in group.events("server_started")] == [0]
+    assert [e["rank"] for e in group.events("rank_started")] == [1]
+    assert {e["rank"] for e in group.events("group_joined")} == {0, 1}
+    guardian_lines = [e for e in group.logs() if "event" in e and "logger" in e]
+    assert guardian_lines and all("rank" in e for e in guardian_lines)
+
+    # A failure planted in rank 1's step, mid-burst.
+    steps = engine_steps(group)
+    with ThreadPoolExecutor(len(BURST)) as pool:
+        clients = [pool.submit(answer, group.url + COMPLETIONS, body) for body in BURST]
+        poll(lambda: generating(group, steps), 30, what="the burst generating")
+        arm.touch()
+        armed_at = time.monotonic()
+        results = [c.result(timeout=60) for c in clients]
+
+    for result in results:
+        assert result["ended"] - armed_at < ANSWER_BOUND_S, result
+        if result["status"] == 200:  # a stream that had begun: an error event ends it
+            assert result["errors"] and result["errors"][0]["code"] == "engine_failed", result
+        else:
+            assert result["status"] == 503, result
+            assert result["body"]["error"]["code"] == "engine_failed"
+            assert "rank 1 failed" in result["body"]["error"]["message"]
+            assert result["retry_after"] is not None
+
+    # The whole group exits with the group's code; no rank outlives it.
+    poll(lambda: group.proc.poll() is not None, ANSWER_BOUND_S, what="the launcher's exit")
+    assert group.ranks() == {}
+    assert [e["exit_code"] for e in group.rank_events("server_stopped", 0)] == [EXIT_GROUP_FAILED]
+    assert [e["exit_code"] for e in group.rank_events("rank_stopped", 1)] == [EXIT_GROUP_FAILED]
+    assert group.rank_events("group_rank_lost", 0)[0]["lost_rank"] == 1
+
+
+@pytest.mark.one_version
+def test_supervised_group_is_replaced_after_sigkill_of_rank_1(launch):
+    ring_port = free_ring_port()
+    group = launch([sys.executable, "-m", "guardian", "--supervise", "--supervisor-interval", "0.2",
+                    "--launch-args", f"--backend ring -n 2 --starting-port {ring_port}"])
+    group.wait_healthy()
+    first = group.ranks()
+    assert sorted(first) == [0, 1]
+
+    steps = engine_steps(group)
+    with ThreadPoolExecutor(len(BURST)) as pool:
+        clients = [pool.submit(answer, group.url + COMPLETIONS, body) for body in BURST]
+        poll(lambda: generating(group, steps), 30, what="the burst generating")
+        os.kill(first[1], signal.SIGKILL)
+        killed_at = time.monotonic()
+        results = [c.result(timeout=60) for c in clients]
+
+    # Rank 0 answers at once (503 + Retry-After, or a stream's error event).
+    for result in results:
+        assert result["ended"] - killed_at < ANSWER_BOUND_S, result
+        assert result["status"] in (200, 503), result
+        if result["status"] == 503:
+            assert result["body"]["error"]["code"] == "engine_failed", result
+            assert result.get("retry_after", "stream") is not None
+        elif "events" in result:  # a stream that had begun: ended by an error event, or continued
+            assert result["errors"] or result["done"], result
+    # No rank of the first group outlives it.
+    poll(lambda: not (set(first.values()) & set(group.ranks().values())), ANSWER_BOUND_S,
+         what="the first group's ranks gone")
+    # (Its lines reach the log through the launcher, a moment after the exit.)
+    stopped = poll(lambda: group.rank_events("server_stopped", 0), ANSWER_BOUND_S, what="rank 0's exit")
+    assert [e["exit_code"] for e in stopped] == [EXIT_GROUP_FAILED]
+
+    # A new group serves; a request sent meanwhile is held for it.
+    response = httpx.post(group.url + COMPLETIONS, json=chat_body(max_tokens=4), timeout=90)
+    assert response.status_code == 200, response.text
+    second = group.ranks()
+    assert sorted(second) == [0, 1] and not set(second.values()) & set(first.values())
+    ready = [e for e in group.events("child_ready") if e.get("logger") == "guardian.supervisor"]
+    assert len(ready) == 2
+    print(f"group replaced: downtime {ready[1]['downtime_s']} s")
+
+    # A stop drains and ends every rank cleanly.
+    group.proc.send_signal(signal.SIGTERM)
+    assert group.proc.wait(timeout=30) == EXIT_OK
+    assert group.ranks() == {}
