@@ -34,14 +34,17 @@ def add_guardian_arguments(parser: argparse.ArgumentParser) -> None:
 
 def prepare(namespace: argparse.Namespace) -> None:
     """After stock parsed the flags: logging, config, plugins, demo model."""
+    from guardian.live_config import LiveConfig
     from guardian.plugins.manager import make_plugin_manager
 
     configure_logging(namespace.log_format or CoreSettings.log_format.default, namespace.log_level)
     try:
         config = load_config(namespace.guardian_config)
         config.core = config.core.with_flags(namespace)
-        configure_logging(config.core.log_format, namespace.log_level)
-        pm = make_plugin_manager(config)
+        # Plugins and the core read their settings through it: the file may change.
+        live = LiveConfig(config, flags=namespace)
+        configure_logging(config.core.log_format, live.log_level())
+        pm = make_plugin_manager(config, live=live)
     except ConfigError as e:
         log.critical("config_invalid", error_message=str(e))
         print(f"mlx-guardian: {e}", file=sys.stderr)
@@ -51,15 +54,15 @@ def prepare(namespace: argparse.Namespace) -> None:
 
         namespace.model = str(ensure_demo_model())
         log.info("demo_model_selected", model=namespace.model)
-    namespace.guardian_runtime = (config, pm)
+    namespace.guardian_runtime = (live, pm)
 
 
 def run(host, port, model_provider, *args, **kwargs):
     """Replaces stock ``run``; stock ``main()`` calls it after parsing."""
     from guardian.server import serve
 
-    config, pm = model_provider.cli_args.guardian_runtime
-    code = serve(host, port, model_provider, config, pm)
+    live, pm = model_provider.cli_args.guardian_runtime
+    code = serve(host, port, model_provider, live, pm)
     # A loop thread stuck in native code can never be joined, and stock's
     # own generation thread is not a daemon: leave without waiting for them.
     logging.shutdown()

@@ -10,7 +10,9 @@ these declarations (``python -m guardian.settings``).
 
 from __future__ import annotations
 
+import hashlib
 import inspect
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +42,7 @@ __all__ = ["ConfigError", "CoreSettings", "WatchdogSettings", "SupervisorSetting
 
 SECONDS = Float(min=0)
 POSITIVE_SECONDS = Float(above=0)
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
 class CommandLine(Table, name="command line", in_toml=False):
@@ -60,11 +63,15 @@ class CoreSettings(Table, name="guardian"):
     log_format = Setting(OneOf("json", "console"), "json", """
         "json" (one JSON object a line, on stderr) or "console" (for people).""",
         flag="--log-format")
+    log_level = Setting(OneOf("", *LOG_LEVELS), "", """
+        The log level: "DEBUG", "INFO", "WARNING", "ERROR" or "CRITICAL". "": the
+        --log-level flag's (default INFO). Set here, it wins over the flag, so that
+        an edit of the file changes it while the server runs.""", live=True)
     retry_after_s = Setting(SECONDS, 1.0, """
         Seconds clients are told to wait (Retry-After) on a 503 while the engine
-        restarts, in-process or, with --supervise, as a new child process.""")
+        restarts, in-process or, with --supervise, as a new child process.""", live=True)
     exit_grace_s = Setting(SECONDS, 5.0, """
-        On exit, how long requests in flight get to reach their clients.""")
+        On exit, how long requests in flight get to reach their clients.""", live=True)
     allowed_models = Setting(ListOf(Str()), [], """
         Models a request may name in "model", "draft_model" or "adapters" besides
         those the server was started with (--model, --adapter-path, --draft-model),
@@ -78,45 +85,45 @@ class CoreSettings(Table, name="guardian"):
 class WatchdogSettings(Table, name="watchdog"):
     enabled = Setting(Bool(), True)
     interval_s = Setting(Float(min=0.01), 0.25, """
-        How often the watchdog looks at the engine.""")
+        How often the watchdog looks at the engine.""", live=True)
     stall_timeout_s = Setting(Float(min=0.05), 30.0, """
         The longest the heartbeat (engine steps, prompt progress) may stop while
         work waits, and the limit whenever the engine's pace is unknown: until
         the loop (after start or a restart) has completed a step, and while a
         request without a token has not yet had a step go by since the watchdog
-        first saw it (its first prefill chunk, of a size the watchdog cannot see).""")
+        first saw it (its first prefill chunk, of a size the watchdog cannot see).""", live=True)
     stall_min_s = Setting(Float(min=0.05), 3.0, """
         The shortest: a stall needs the heartbeat stopped at least this long,
         however fast the engine's steps are. Far above a healthy engine's pauses
         (garbage collection, a new shape's kernels, a busy CPU) and, with a
         watchdog look every interval_s, a step that never returns is reported
-        within about 3.3 s. Set it to stall_timeout_s for a fixed timeout.""")
+        within about 3.3 s. Set it to stall_timeout_s for a fixed timeout.""", live=True)
     stall_pace_factor = Setting(Float(min=1.0), 4.0, """
         Otherwise the limit is this many times the longest gap between
         heartbeats in the last pace_samples looks: steps slow down as the batch
         grows, and each chunk of a long prompt attends to more context than the
-        one before (up to twice as much from the second chunk on).""")
+        one before (up to twice as much from the second chunk on).""", live=True)
     pace_samples = Setting(Int(min=1), 32, """
         How many of the watchdog's looks at a moving heartbeat the pace
         remembers: about 8 s of fast steps (one look every interval_s), or the
-        last 32 steps of a model slower than that.""")
+        last 32 steps of a model slower than that.""", live=True)
     restart_timeout_s = Setting(Float(min=0.05), 120.0, """
         A restart or reload that has not produced a working loop after this long
-        counts as a stall as well.""")
+        counts as a stall as well.""", live=True)
     ladder = Setting(ListOf(OneOf(*ACTIONS), min_items=1), list(ACTIONS), """
         What each stall within ladder_window_s does, in order; the last rung repeats.
         "restart": abandon the stuck loop thread, start a fresh one on the loaded
         weights; "reload": the same after reading the weights again; "exit": answer
-        every request and exit with code 5 for launchd or systemd.""")
-    ladder_window_s = Setting(SECONDS, 600.0)
+        every request and exit with code 5 for launchd or systemd.""", live=True)
+    ladder_window_s = Setting(SECONDS, 600.0, live=True)
     probe_interval_s = Setting(Float(min=0.05), 30.0, """
         Synthetic probes run this often while the engine is idle (never while it
-        visibly progresses: progress is the proof then).""")
-    probe_timeout_s = Setting(Float(min=0.05), 10.0)
+        visibly progresses: progress is the proof then).""", live=True)
+    probe_timeout_s = Setting(Float(min=0.05), 10.0, live=True)
     probe_max_age_s = Setting(Float(min=0.05), 120.0, """
-        /readyz wants a passed probe at most this old, or visible progress.""")
+        /readyz wants a passed probe at most this old, or visible progress.""", live=True)
     resource_interval_s = Setting(Float(min=0.05), 5.0, """
-        Resource samples (memory counters, cache entries) for /guardian/status.""")
+        Resource samples (memory counters, cache entries) for /guardian/status.""", live=True)
 
 
 class SupervisorSettings(Table, name="supervisor"):
@@ -174,9 +181,19 @@ class GuardianConfig:
     supervisor: SupervisorSettings = field(default_factory=SupervisorSettings)
     # Raw plugin tables, keyed by plugin name, validated when plugins load.
     plugin_tables: dict = field(default_factory=dict)
+    # Each loaded plugin's settings, parsed from its table (filled as plugins load).
+    plugin_settings: dict = field(default_factory=dict)
     source: Optional[Path] = None
     # The tables the file has, in its order.
     tables: tuple = ()
+    # Which version of the file this is: the sha256 of its bytes, and its mtime.
+    sha256: Optional[str] = None
+    mtime: Optional[float] = None
+
+    def table(self, name: str):
+        """A table's settings by TOML name: the core's, or a loaded plugin's."""
+        core = {"guardian": self.core, "watchdog": self.watchdog, "supervisor": self.supervisor}
+        return core[name] if name in core else self.plugin_settings[name]
 
 
 def load_config(path) -> GuardianConfig:
@@ -185,9 +202,23 @@ def load_config(path) -> GuardianConfig:
         return GuardianConfig()
     try:
         with open(path, "rb") as f:
-            data = tomllib.load(f)
+            mtime = os.fstat(f.fileno()).st_mtime
+            raw = f.read()
     except FileNotFoundError:
         raise ConfigError(f"guardian config file not found: {path}") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot be read: {e}") from None
+    config = parse_config(raw, path)
+    config.sha256, config.mtime = hashlib.sha256(raw).hexdigest(), mtime
+    return config
+
+
+def parse_config(raw: bytes, path) -> GuardianConfig:
+    """The file's bytes, parsed and the core's tables checked."""
+    try:
+        data = tomllib.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML: not UTF-8 ({e})") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: not valid TOML: {e}") from None
     present = tuple(data)
@@ -220,6 +251,12 @@ EXAMPLE_HEADER = """\
 # names the key. [guardian], [watchdog] and [supervisor] configure the core;
 # every other table belongs to the plugin of that name, and a table for a
 # plugin that is not loaded is an error too.
+#
+# The server watches this file (and re-reads it on SIGHUP): keys marked
+# "# live" take effect when it is saved, between requests; a change to any
+# other key is logged (config_change_needs_restart) and waits for a restart.
+# A saved file that does not parse or validate changes nothing
+# (config_reload_failed); /guardian/status shows which version is live.
 #
 # Written from the settings each table declares (guardian/config.py and
 # guardian/plugins/*.py); tests/test_example_config.py checks it. After
@@ -261,7 +298,8 @@ def render_table(table: type[Table]) -> str:
         if setting.flag:
             doc += f"\nThe {setting.flag} flag wins over this."
         lines += comment(doc)
-        lines.append(f"{setting.name} = {setting.type.toml(setting.default)}")
+        live = "  # live" if setting.live else ""
+        lines.append(f"{setting.name} = {setting.type.toml(setting.default)}{live}")
     return "\n".join(lines) + "\n"
 
 

@@ -155,7 +155,9 @@ class GuardianHandler(stock.APIHandler):
         elif path == "/readyz":
             self.send_readiness(engine, watchdog, deep="deep=1" in query.split("&"))
         elif path == "/guardian/status":
-            self.send_json(200, {**engine.status(), **watchdog.status()})
+            live = getattr(self.response_generator, "live", None)
+            config = {"config": live.status()} if live is not None else {}
+            self.send_json(200, {**engine.status(), **watchdog.status(), **config})
         elif path.startswith("/v1/models"):
             self.send_models(engine.cli_args, self.response_generator.gate)
         else:

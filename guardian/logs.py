@@ -71,3 +71,8 @@ def configure_logging(log_format: str = "json", level: str = "INFO") -> None:
         wrapper_class=structlog.stdlib.BoundLogger,
         cache_logger_on_first_use=True,
     )
+
+
+def set_log_level(level: str) -> None:
+    """Change the level of every logger that has none of its own, now (a live setting)."""
+    logging.getLogger().setLevel(getattr(logging, level.upper(), logging.INFO))

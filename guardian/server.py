@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 from http.server import ThreadingHTTPServer
-from typing import Optional
+from typing import Optional, Union
 
 import structlog
 
@@ -24,6 +24,7 @@ from guardian.admission.gate import AdmissionGate, AdmittingGenerator
 from guardian.engine.generator import GuardianEngine
 from guardian.exit_codes import EXIT_BOOT_ERROR, EXIT_OK, EXIT_USAGE
 from guardian.http import GuardianHandler
+from guardian.live_config import LiveConfig
 from guardian.admission.model_access import ModelAccess
 from guardian.admission.startup_checks import impossible_flags
 from guardian.health.watchdog import Watchdog
@@ -52,7 +53,8 @@ class ExitRequest:
         return self.code
 
 
-def serve(host: str, port: int, model_provider, config: GuardianConfig, pm) -> int:
+def serve(host: str, port: int, model_provider, config: Union[GuardianConfig, LiveConfig], pm) -> int:
+    live = config if isinstance(config, LiveConfig) else LiveConfig(config)
     try:
         model_provider.load_default()
     except Exception as e:
@@ -68,12 +70,15 @@ def serve(host: str, port: int, model_provider, config: GuardianConfig, pm) -> i
         return EXIT_USAGE
 
     exit_request = ExitRequest()
-    served = Guardian(model_provider, config, pm, on_exit=exit_request)
+    served = Guardian(model_provider, live, pm, on_exit=exit_request)
     engine = served.engine
     httpd = make_http_server(host, port, served)
     served.start()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: exit_request(EXIT_OK))
+    # SIGHUP re-reads --guardian-config (its default would end the process).
+    signal.signal(signal.SIGHUP, lambda *_: live.request_reload("sighup"))
+    live.follow()
 
     threading.Thread(target=httpd.serve_forever, name="http", daemon=True).start()
     log.info(
@@ -86,7 +91,8 @@ def serve(host: str, port: int, model_provider, config: GuardianConfig, pm) -> i
     code = exit_request.wait()
     log.info("server_stopping", exit_code=code)
     served.watchdog.stop()
-    drain(httpd, engine, config.core.exit_grace_s)
+    live.stop()
+    drain(httpd, engine, live.config.core.exit_grace_s)
     httpd.shutdown()
     httpd.server_close()
     stock.stop_generation_thread(engine)
@@ -106,19 +112,32 @@ class Guardian(AdmittingGenerator):
     loop thread).
     """
 
-    def __init__(self, model_provider, config: GuardianConfig, pm, *, on_exit):
+    def __init__(self, model_provider, config: Union[GuardianConfig, LiveConfig], pm, *, on_exit):
+        # Every component reads its settings through the live configuration.
+        live = self.live = config if isinstance(config, LiveConfig) else LiveConfig(config)
+        config = live.config
         engine = GuardianEngine(model_provider, model_provider.cli_args.prompt_cache_size,
-                                pm=pm, core=config.core, on_exit=on_exit)
+                                pm=pm, core=live.view("guardian"), on_exit=on_exit)
         model_access = ModelAccess(model_provider, allowed_models=config.core.allowed_models,
                                    allow_any_model=config.core.allow_any_model)
         model_access.keep_served_model()
-        gate = AdmissionGate(model_provider, pm, model_access=model_access)
+        gate = AdmissionGate(model_provider, pm, model_access=model_access, live=live)
         # Hooks see the engine and admission through this facade only.
         engine.plugin_view = EngineView(engine, gate)
         super().__init__(gate, engine)
-        self.watchdog = Watchdog(engine, pm, config.watchdog)
+        self.watchdog = Watchdog(engine, pm, live.view("watchdog"))
         self.pm = pm
-        self.config = config
+        live.on_change(self._config_changed)
+
+    @property
+    def config(self) -> GuardianConfig:
+        """The configuration in force now."""
+        return self.live.config
+
+    def _config_changed(self, change) -> None:
+        """A new version of the file applied live settings: tell what derives state from them."""
+        self.watchdog.settings_changed()
+        notify(self.pm.hook.on_config_reloaded, engine=self.engine.plugin_view, changed=list(change.applied))
 
     def start(self) -> None:
         """Run the start-up hooks, then the watchdog."""

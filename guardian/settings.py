@@ -13,6 +13,11 @@ the file (``Table.with_flags``), and config/guardian.example.toml
 (``guardian.config.example_toml``). An instance of a table holds one value
 per setting as a plain attribute (``settings.max_failures``).
 
+A setting declared ``live=True`` takes effect when the file changes while
+the server runs (guardian.live_config); any other is bound at start, and a
+change to it is logged as needing a restart. The declaration is the one
+place that says which is which.
+
 ``python -m guardian.settings > config/guardian.example.toml`` writes the
 example file from the registry.
 """
@@ -170,12 +175,15 @@ class Setting:
     table: str = ""
 
     def __init__(self, type: Type, default: Any, doc: str = "", *, flag: Optional[str] = None,
-                 metavar: Optional[str] = None):
+                 metavar: Optional[str] = None, live: bool = False):
         self.type = type
         self.default = default
         self.doc = textwrap.dedent(doc).strip()
         self.flag = flag
         self.metavar = metavar
+        # Read at each use through the live configuration: a change to the
+        # file applies without a restart. False: bound at start.
+        self.live = live
 
     def __set_name__(self, owner, name: str) -> None:
         self.name = name
@@ -287,6 +295,10 @@ class Table:
                 values[key] = given
         return type(self)(**values)
 
+    def changed(self, other: "Table") -> list[Setting]:
+        """The settings whose values differ in ``other`` (a table of the same class)."""
+        return [s for key, s in self.settings.items() if getattr(self, key) != getattr(other, key)]
+
     def __eq__(self, other: Any) -> bool:
         return type(other) is type(self) and vars(other) == vars(self)
 
@@ -299,7 +311,9 @@ def table_of_dataclass(settings_class, name: str) -> type[Table]:
     """A third-party plugin's ``Settings`` dataclass as a Table, checked the same way.
 
     The field's type gives the setting's type; ``metadata={"min": ...}`` and
-    ``{"choices": (...)}`` bound it, as before the registry.
+    ``{"choices": (...)}`` bound it, as before the registry; ``{"live": True}``
+    marks a field the plugin reads at each use (``self.settings.field``), so a
+    change to the file applies without a restart.
     """
     import dataclasses
     import typing
@@ -309,7 +323,8 @@ def table_of_dataclass(settings_class, name: str) -> type[Table]:
     for f in dataclasses.fields(settings_class):
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
         default = None if default is dataclasses.MISSING else default
-        attributes[f.name] = Setting(_type_of_hint(hints[f.name], f.metadata), default)
+        attributes[f.name] = Setting(_type_of_hint(hints[f.name], f.metadata), default,
+                                     live=bool(f.metadata.get("live", False)))
     return type(f"{settings_class.__name__}Table", (Table,), attributes, name=name, register=False)
 
 

@@ -75,6 +75,11 @@ def scenario(tmp_path_factory, model_cache):
         sampled = len([r for r in read_records(records_path) if r["hook"] == "on_resource_sample"])
         poll(lambda: len([r for r in read_records(records_path) if r["hook"] == "on_resource_sample"]) > sampled,
              10, what="another resource sample")
+        # A live setting edited in the file: the new version is put in force.
+        config_path.write_text(config_path.read_text().replace("resource_interval_s = 0.2",
+                                                               "resource_interval_s = 0.25"))
+        poll(lambda: any(r["hook"] == "on_config_reloaded" for r in read_records(records_path)),
+             10, what="on_config_reloaded")
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
         yield read_records(records_path), server

@@ -11,6 +11,7 @@ The engine knows nothing of admission.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Optional
 
@@ -77,9 +78,12 @@ class AdmittingGenerator:
 
 
 class AdmissionGate:
-    def __init__(self, model_provider, pm, *, model_access=None):
+    def __init__(self, model_provider, pm, *, model_access=None, live=None):
         self.model_provider = model_provider
         self.pm = pm
+        # The live configuration (guardian.live_config): a request is admitted
+        # under one version of it, pinned for the whole admission.
+        self.live = live
         # The guard's context limit for the served model, for /v1/models; set
         # by the prompt_guard plugin at start-up (None: the model's config).
         self.served_context_length: Optional[int] = None
@@ -127,6 +131,10 @@ class AdmissionGate:
         Returns None when the request names a model that is not loaded
         (stock loads it on the engine thread; its tokenizer does not exist yet).
         """
+        with self.live.pinned() if self.live is not None else contextlib.nullcontext():
+            return self._admit(request, args, engine=engine)
+
+    def _admit(self, request, args, *, engine) -> Optional[Admission]:
         target = self._target_model(args)
         if target is None:
             log.info("admission_skipped", reason="model_not_local", model=args.model.model)

@@ -15,6 +15,7 @@ import itertools
 import threading
 import time
 import traceback
+from collections import deque
 from queue import Empty, Queue
 from typing import Callable, Optional
 
@@ -90,6 +91,10 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
         self.max_reruns = 1
         self.max_continuations = 0  # set by the recovery plugin
         self._probe_ids = itertools.count(1)
+        # Work that must run on the loop thread (the prompt cache is the loop's
+        # alone), done at its next look at the queue: at most every 0.1 s idle.
+        self._loop_chores: deque = deque()
+        self._trim_pending = False
         # What hooks receive as ``engine`` (a guardian.plugins.facade.EngineView),
         # set by whoever serves this engine before the first request.
         self.plugin_view = None
@@ -115,8 +120,9 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
                            max_continuations: int = 0, backoff_after_failures: int = 2,
                            backoff_base_s: float = 0.0, backoff_max_s: float = 0.0) -> None:
         self.failures.window_s = window_s
-        self.backoff = Backoff(after_failures=backoff_after_failures, base_s=backoff_base_s,
-                               max_s=backoff_max_s)
+        # In place: a live configuration change keeps the failures in a row counted so far.
+        backoff = self.backoff
+        backoff.after_failures, backoff.base_s, backoff.max_s = backoff_after_failures, backoff_base_s, backoff_max_s
         self.max_reruns = max_reruns
         self.max_continuations = max_continuations
         self.quarantine.quarantine_s = quarantine_s
@@ -155,6 +161,12 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
         self._check_owner()
         self.last_beat = time.monotonic()
         self.lifecycle.loop_polled()
+        while self._loop_chores:
+            chore = self._loop_chores.popleft()
+            try:
+                chore()
+            except Exception:
+                log.exception("loop_chore_failed")
 
     def _ready(self) -> None:
         """The first loop asked for work (the lifecycle's STARTING -> READY)."""
@@ -462,6 +474,40 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
         if reload:
             stock.reset_model_provider(self.model_provider)
         stock.start_generation_thread(self)
+
+    def relieve_memory(self, target_bytes: int, reason: str) -> bool:
+        """Soon, on the loop thread: clear mlx's buffer cache and, while mlx's memory
+        (active + cache) is still over ``target_bytes``, drop the least recently
+        used prompt-cache entries by as many bytes; log ``memory_trimmed``.
+        False when a trim is already pending."""
+        if self._trim_pending:
+            return False
+        self._trim_pending = True
+
+        def trim():
+            try:
+                self._trim_prompt_cache(target_bytes, reason)
+            finally:
+                self._trim_pending = False
+
+        self._loop_chores.append(trim)
+        return True
+
+    def _trim_prompt_cache(self, target_bytes: int, reason: str) -> None:
+        cache = self.prompt_cache
+        before = {"prompt_cache_sequences": len(cache), "prompt_cache_bytes": cache.nbytes,
+                  "active_memory_bytes": mx.get_active_memory(), "cache_memory_bytes": mx.get_cache_memory()}
+        mx.clear_cache()
+        excess = mx.get_active_memory() - target_bytes
+        if excess > 0 and len(cache):
+            cache.trim_to(n_bytes=max(0, cache.nbytes - excess))
+            mx.clear_cache()  # the entries' buffers went back to mlx's cache
+        after = {"prompt_cache_sequences": len(cache), "prompt_cache_bytes": cache.nbytes,
+                 "active_memory_bytes": mx.get_active_memory(), "cache_memory_bytes": mx.get_cache_memory()}
+        log.warning("memory_trimmed", reason=reason, target_bytes=target_bytes,
+                    before=before, after=after,
+                    freed_bytes=(before["active_memory_bytes"] + before["cache_memory_bytes"]
+                                 - after["active_memory_bytes"] - after["cache_memory_bytes"]))
 
     def _drop_prompt_cache(self) -> None:
         """Forget what the stuck loop cached: its arrays may still be unevaluated

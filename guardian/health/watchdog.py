@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from typing import Optional
 
 import structlog
@@ -52,10 +53,25 @@ class Watchdog:
         self._probing = threading.Lock()
         self._stopped = threading.Event()
         self._ready_sent = False
+        self._settings_changed = False
         self._thread = threading.Thread(target=self._run, name="watchdog", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
+
+    def settings_changed(self) -> None:
+        """The live configuration changed: what was built from the settings follows
+        them at the next look, on the watchdog's thread. (Everything else reads
+        ``self.settings`` at each use.)"""
+        self._settings_changed = True
+
+    def _follow_settings(self) -> None:
+        self._settings_changed = False
+        s = self.settings
+        self.stalls.window_s = s.ladder_window_s
+        self.pace.factor, self.pace.floor_s = s.stall_pace_factor, s.stall_min_s
+        if self.pace.gaps.maxlen != s.pace_samples:
+            self.pace.gaps = deque(self.pace.gaps, maxlen=s.pace_samples)
 
     def stop(self) -> None:
         self._stopped.set()
@@ -70,6 +86,8 @@ class Watchdog:
 
     def tick(self, now: float) -> None:
         """One look at the engine: progress, probes, resources, systemd."""
+        if self._settings_changed:
+            self._follow_settings()
         self._check_progress(now)
         self._maybe_probe(now)
         self._maybe_sample(now)

@@ -45,6 +45,12 @@ class EngineView:
         cache = self._engine.prompt_cache
         return len(cache), cache.nbytes
 
+    def relieve_memory(self, target_bytes: int, reason: str) -> bool:
+        """Soon, on the loop thread: ``mx.clear_cache()``, then drop least recently
+        used prompt-cache entries until mlx's memory is at most ``target_bytes``
+        (or the cache is empty); logged as ``memory_trimmed``. False: one is pending."""
+        return self._engine.relieve_memory(target_bytes, reason)
+
     # -- limits ----------------------------------------------------------------
     def served_limits(self):
         """The served model's ``ModelLimits`` (context length, KV bytes per token, weights)."""

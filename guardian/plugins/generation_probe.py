@@ -15,7 +15,7 @@ class GenerationProbeSettings(Table, name="generation_probe"):
     prompt = Setting(Str(), "mlx-guardian probe", """
         The synthetic probe: one token of a text completion with this prompt,
         through the same queue and engine as users' requests; kept out of the
-        prompt cache and the access log. Keep it short: it runs every probe.""")
+        prompt cache and the access log. Keep it short: it runs every probe.""", live=True)
 
 
 class GenerationProbe:
@@ -28,6 +28,11 @@ class GenerationProbe:
     @guardian.hookimpl
     def guardian_startup(self, engine):
         engine.keep_out_of_prompt_cache(self.settings.prompt)
+
+    @guardian.hookimpl
+    def on_config_reloaded(self, engine, changed):
+        if f"{self.name}.prompt" in changed:
+            engine.keep_out_of_prompt_cache(self.settings.prompt)
 
     @guardian.hookimpl
     def probe(self, engine, timeout_s):

@@ -172,3 +172,17 @@ def on_resource_sample(sample, engine):
 
     Watchdog thread. ``sample`` is the merged dict. Return value ignored.
     """
+
+
+# -- configuration -----------------------------------------------------------------
+@hookspec
+def on_config_reloaded(engine, changed):
+    """A new version of the ``--guardian-config`` file is in force.
+
+    The thread that reloaded it (the file watcher, or SIGHUP's), between
+    requests. ``changed`` lists the live settings it changed, as
+    ``"table.key"``. A plugin reads its settings through ``self.settings`` at
+    each use, so the new values apply by themselves; one that derived state
+    from them at start (a budget, a limit set on the engine) derives it again
+    here. Return value ignored.
+    """

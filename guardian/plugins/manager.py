@@ -30,12 +30,15 @@ REQUIRED_HOOKS = {
 }
 
 
-def make_plugin_manager(config: GuardianConfig) -> pluggy.PluginManager:
+def make_plugin_manager(config: GuardianConfig, live=None) -> pluggy.PluginManager:
     """Specs, then plugins: third-party entry points, ``[guardian] plugins``, built-ins.
 
     Built-ins register last, so among hooks without tryfirst/trylast they
     are called first (pluggy calls the newest first), as before they were
-    entry points; their fallbacks are marked trylast.
+    entry points; their fallbacks are marked trylast. Each plugin's parsed
+    settings go into ``config.plugin_settings``; with ``live`` (a
+    guardian.live_config.LiveConfig over ``config``) a plugin gets a view
+    that reads the version of its table in force at each use.
     """
     pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
     pm.add_hookspecs(hookspecs)
@@ -49,12 +52,12 @@ def make_plugin_manager(config: GuardianConfig) -> pluggy.PluginManager:
         )
     for entry_point in third_party:
         if entry_point.name not in disabled:
-            register(pm, load(entry_point), tables, entry_point.value, disabled)
+            register(pm, load(entry_point), tables, entry_point.value, disabled, config=config, live=live)
     for spec in config.core.plugins:
-        register(pm, resolve(spec), tables, spec, disabled)
+        register(pm, resolve(spec), tables, spec, disabled, config=config, live=live)
     for entry_point in built_in:
         if entry_point.name not in disabled:
-            register(pm, load(entry_point), tables, entry_point.value, disabled)
+            register(pm, load(entry_point), tables, entry_point.value, disabled, config=config, live=live)
     if tables:
         names = ", ".join(f"[{name}]" for name in tables)
         raise ConfigError(f"{config.source}: no loaded plugin reads {names}")
@@ -106,7 +109,8 @@ def resolve(spec: str):
         raise ConfigError(f"cannot load plugin {spec!r}: {e}") from None
 
 
-def register(pm: pluggy.PluginManager, plugin, tables: dict, spec: str, disabled=frozenset()) -> None:
+def register(pm: pluggy.PluginManager, plugin, tables: dict, spec: str, disabled=frozenset(), *,
+             config=None, live=None) -> None:
     name = plugin_name(plugin, spec)
     if name in disabled:
         return
@@ -119,7 +123,10 @@ def register(pm: pluggy.PluginManager, plugin, tables: dict, spec: str, disabled
         settings_class = getattr(plugin, "Settings", None)
         table = tables.pop(name, {})
         if settings_class is not None:
-            plugin = plugin(parse_settings(settings_class, table, name))
+            settings = parse_settings(settings_class, table, name)
+            if config is not None:
+                config.plugin_settings[name] = settings
+            plugin = plugin(live.view(name) if live is not None else settings)
         elif table:
             raise ConfigError(f"[{name}]: plugin {spec!r} takes no settings")
         else:

@@ -51,43 +51,43 @@ class PromptGuardSettings(Table, name="prompt_guard"):
     enabled = Setting(Bool(), True, """
         Count every request's prompt tokens exactly, on the HTTP thread, before
         anything reaches the engine (stock's own tokenization, reused by the
-        engine), and turn away what cannot fit with a 4xx the client can act on.""")
+        engine), and turn away what cannot fit with a 4xx the client can act on.""", live=True)
     max_context_tokens = Setting(Int(min=0), 0, """
         Longest prompt plus completion, in tokens. 0: the model's own context
         length from its config.json (max_position_embeddings or the architecture's
         equivalent); when there is none, the start-up log says so
         (context_length_unknown) and only max_prompt_tokens is checked.
-        /v1/models reports this as the served model's context_length.""")
+        /v1/models reports this as the served model's context_length.""", live=True)
     max_prompt_tokens = Setting(Int(min=0), 0, """
         Longest prompt alone, in tokens. 0: no limit beyond the context. A prompt
-        over either limit gets 400 context_length_exceeded.""")
+        over either limit gets 400 context_length_exceeded.""", live=True)
     on_overflow = Setting(OneOf("clamp", "reject"), "clamp", """
         When prompt + max_tokens exceeds the context: "clamp" lowers max_tokens to
         what fits and says so in the X-Guardian-Clamped-Max-Tokens header;
-        "reject" answers 400 context_length_exceeded.""")
+        "reject" answers 400 context_length_exceeded.""", live=True)
     truncate_messages = Setting(Bool(), False, """
         Drop the oldest non-system messages, whole turns at a time, until the
         prompt fits; never the last user message. The X-Guardian-Truncated-Messages
         header says how many were dropped. For agent clients that fall back to a
-        smaller-context server.""")
+        smaller-context server.""", live=True)
     kv_budget_bytes = Setting(Int(min=0), 0, """
         Bytes of KV cache the admitted, unfinished requests may hold together,
         estimated from the model config (layers, KV heads, head dim, dtype,
         --kv-bits, sliding-window layers). One request over it gets 400
         kv_cache_budget_exceeded. 0: the device memory mlx reports, minus the
-        weights, less kv_budget_margin.""")
+        weights, less kv_budget_margin.""", live=True)
     kv_budget_margin = Setting(Float(min=0.0), 0.25, """
         Fraction of (device memory - weights) kept out of the default budget for
-        activations, the prompt cache and everything else.""")
+        activations, the prompt cache and everything else.""", live=True)
     max_queued = Setting(Int(min=0), 16, """
         Requests that arrive while the budget is full wait first come, first
         served: at most max_queued of them, each at most max_queue_wait_s; then
-        429 kv_cache_budget_busy with Retry-After: retry_after_s.""")
-    max_queue_wait_s = Setting(Float(min=0.0), 30.0)
-    retry_after_s = Setting(Float(min=0.0), 2.0)
+        429 kv_cache_budget_busy with Retry-After: retry_after_s.""", live=True)
+    max_queue_wait_s = Setting(Float(min=0.0), 30.0, live=True)
+    retry_after_s = Setting(Float(min=0.0), 2.0, live=True)
     max_body_bytes = Setting(Int(min=0), 32 * MiB, """
         Request bodies over this many bytes get 413 request_too_large, answered
-        from the Content-Length header without reading the body. 0: no limit.""")
+        from the Content-Length header without reading the body. 0: no limit.""", live=True)
 
 
 class KVBudget:
@@ -135,6 +135,13 @@ class KVBudget:
         log.info("request_dequeued", waited_ms=round((time.monotonic() - started) * 1000, 1))
         return None
 
+    def update(self, total_bytes: int, *, max_queued: int, max_wait_s: float, retry_after_s: float) -> None:
+        """New limits (a live configuration change); waiting requests look again."""
+        with self._cond:
+            self.total_bytes, self.max_queued = total_bytes, max_queued
+            self.max_wait_s, self.retry_after_s = max_wait_s, retry_after_s
+            self._cond.notify_all()
+
     def release(self, nbytes: int) -> None:
         with self._cond:
             self.in_use -= nbytes
@@ -165,8 +172,19 @@ class PromptGuard:
     # -- start-up -------------------------------------------------------------
     @guardian.hookimpl
     def guardian_startup(self, engine):
+        self.apply(engine)
+
+    @guardian.hookimpl
+    def on_config_reloaded(self, engine, changed):
+        if any(key.startswith(f"{self.name}.") for key in changed):
+            self.apply(engine, reloaded=True)
+
+    def apply(self, engine, reloaded: bool = False):
+        """Set the limits the settings give: on the engine, and the KV budget."""
         s = self.settings
         if not s.enabled:
+            engine.set_max_body_bytes(None)
+            engine.set_context_length(None)
             log.info("prompt_guard_disabled")
             return
         engine.set_max_body_bytes(s.max_body_bytes or None)
@@ -184,14 +202,13 @@ class PromptGuard:
                 "set max_context_tokens in [prompt_guard] to check prompt lengths",
             )
         budget_bytes, budget_source = self.budget_bytes(limits)
-        self.budget = KVBudget(
-            budget_bytes,
-            max_queued=s.max_queued,
-            max_wait_s=s.max_queue_wait_s,
-            retry_after_s=s.retry_after_s,
-        )
+        budget = dict(max_queued=s.max_queued, max_wait_s=s.max_queue_wait_s, retry_after_s=s.retry_after_s)
+        if self.budget is None:
+            self.budget = KVBudget(budget_bytes, **budget)
+        else:  # requests in flight keep their share of the one budget
+            self.budget.update(budget_bytes, **budget)
         log.info(
-            "prompt_guard_ready",
+            "prompt_guard_reconfigured" if reloaded else "prompt_guard_ready",
             max_context_tokens=n_ctx,
             model_context_length=limits.context_length,
             context_length_key=limits.context_length_key,

@@ -1,17 +1,74 @@
-"""Resource gauges: mlx's memory counters and what the caches hold.
+"""Resource gauges, and acting on memory before the limit.
 
-mlx exposes no live Metal buffer count (``MetalAllocator::num_resources_``
-is internal; PRs to expose it were closed), only byte counters and the
-static ``resource_limit``. So this samples the bytes, the limit, and the
-things the guardian can count that hold buffers: prompt-cache entries and
-requests in flight. A future mlx with a real counter can be added here.
+Each sample (the watchdog's thread, every ``resource_interval_s``) has
+mlx's memory counters (active, cache, peak), the device's memory (Metal's
+recommended working set; on the CPU, mlx's memory limit), and what the
+guardian can count that holds buffers. mlx exposes no live Metal buffer
+count (``MetalAllocator::num_resources_`` is internal; PRs to expose it were
+closed), only byte counters and the static ``resource_limit``: the buffer
+proxy is the prompt cache's entries and bytes and the requests in flight
+(each holds one KV cache: two arrays per layer). The sample is logged
+(``resource_sample``, DEBUG) and shown in ``/guardian/status``.
+
+Memory in use is mlx's active plus cache memory. Above ``trim_above``
+(a fraction of the device's memory; ``*_bytes`` settings win), the engine
+clears mlx's buffer cache and drops least recently used prompt-cache
+entries (``memory_trimmed``). Above ``refuse_above``, new requests get 429
+``memory_pressure`` with Retry-After until memory falls below
+``resume_below`` (``memory_admission_paused`` / ``_resumed``). Memory left
+after each engine restart (less the prompt cache, which survives restarts)
+that grows restart after restart is logged as ``memory_leak_suspected``.
 """
 
 from __future__ import annotations
 
+import threading
+from typing import Optional
+
 import mlx.core as mx
+import structlog
 
 import guardian
+from guardian.admission.facts import describe_bytes, device_memory
+from guardian.errors import GuardianError
+from guardian.settings import Float, Int, Setting, Table
+
+log = structlog.get_logger("guardian.resources")
+
+MiB = 1024 * 1024
+
+
+class ResourcesSettings(Table, name="resources"):
+    """Memory is mlx's active + cache memory, against the device's memory (Metal's
+    recommended working set; on the CPU, mlx's memory limit). Each *_bytes
+    setting, when not 0, wins over its fraction."""
+
+    trim_above = Setting(Float(min=0), 0.85, """
+        Above this fraction, clear mlx's buffer cache (mx.clear_cache()) and drop
+        the least recently used prompt-cache entries until memory is below it
+        again (memory_trimmed). Checked at every resource sample
+        ([watchdog] resource_interval_s). 0: never.""", live=True)
+    trim_above_bytes = Setting(Int(min=0), 0, live=True)
+    refuse_above = Setting(Float(min=0), 0.95, """
+        Above this fraction, new requests get 429 memory_pressure with
+        Retry-After (retry_after_s) until memory falls below resume_below;
+        requests in flight go on. Checked at each request. 0: never.""", live=True)
+    refuse_above_bytes = Setting(Int(min=0), 0, live=True)
+    resume_below = Setting(Float(min=0), 0.9, """
+        Admission resumes below this fraction (at most refuse_above: a margin,
+        so that admission does not flap at the limit).""", live=True)
+    resume_below_bytes = Setting(Int(min=0), 0, live=True)
+    retry_after_s = Setting(Float(min=0), 2.0, live=True)
+    leak_restarts = Setting(Int(min=2), 3, """
+        Memory after an engine restart (active, less the prompt cache) higher
+        after each of this many restarts in a row than after the one before,
+        and by leak_min_growth_bytes in all: memory_leak_suspected (a warning;
+        a restart of the process frees what a leak holds).""", live=True)
+    leak_min_growth_bytes = Setting(Int(min=0), 64 * MiB, live=True)
+
+
+def memory_in_use() -> int:
+    return mx.get_active_memory() + mx.get_cache_memory()
 
 
 def _device_resource_limit():
@@ -23,16 +80,130 @@ def _device_resource_limit():
 
 class Resources:
     name = "resources"
+    Settings = ResourcesSettings
+
+    def __init__(self, settings: ResourcesSettings):
+        self.settings = settings
+        self.device_bytes, self.device_source = device_memory()
+        self.refusing = False
+        self._lock = threading.Lock()  # the refusing state: HTTP threads and the watchdog
+        self.engine = None  # the EngineView, for restarts (their hook has none)
+        self.after_restarts: list[int] = []
+
+    # -- thresholds ------------------------------------------------------------
+    def threshold(self, fraction: float, nbytes: int) -> Optional[int]:
+        """Bytes for a fraction-or-bytes pair; None: off."""
+        if nbytes:
+            return nbytes
+        return int(fraction * self.device_bytes) if fraction else None
+
+    def thresholds(self) -> tuple[Optional[int], Optional[int], Optional[int]]:
+        """(trim, refuse, resume) in bytes, each None when off."""
+        s = self.settings
+        trim = self.threshold(s.trim_above, s.trim_above_bytes)
+        refuse = self.threshold(s.refuse_above, s.refuse_above_bytes)
+        resume = self.threshold(s.resume_below, s.resume_below_bytes)
+        if refuse is not None:
+            resume = refuse if resume is None else min(resume, refuse)
+        return trim, refuse, resume
+
+    def refuse_now(self, used: int) -> bool:
+        """Whether admission is paused at ``used`` bytes, with hysteresis; logs each change."""
+        _, refuse, resume = self.thresholds()
+        with self._lock:
+            was = self.refusing
+            if refuse is None:
+                self.refusing = False
+            elif not was and used > refuse:
+                self.refusing = True
+            elif was and used < resume:
+                self.refusing = False
+            now = self.refusing
+        if now and not was:
+            log.warning("memory_admission_paused", memory_used_bytes=used, refuse_above_bytes=refuse,
+                        resume_below_bytes=resume, device_memory_bytes=self.device_bytes)
+        elif was and not now:
+            log.info("memory_admission_resumed", memory_used_bytes=used, resume_below_bytes=resume)
+        return now
+
+    def maybe_trim(self, engine, used: int) -> None:
+        trim, _, _ = self.thresholds()
+        if trim is not None and used > trim:
+            engine.relieve_memory(trim, reason=f"memory {describe_bytes(used)} over {describe_bytes(trim)}")
+
+    # -- hooks -------------------------------------------------------------------
+    @guardian.hookimpl
+    def guardian_startup(self, engine):
+        self.engine = engine
+        trim, refuse, resume = self.thresholds()
+        log.info("memory_thresholds", device_memory_bytes=self.device_bytes,
+                 device_memory_source=self.device_source, trim_above_bytes=trim,
+                 refuse_above_bytes=refuse, resume_below_bytes=resume)
+
+    @guardian.hookimpl(tryfirst=True)
+    def admit_request(self, admission, engine):
+        """Before any other hook reserves anything for the request (the KV budget)."""
+        used = memory_in_use()
+        if not self.refuse_now(used):
+            return None
+        self.maybe_trim(engine, used)
+        _, refuse, _ = self.thresholds()
+        return GuardianError(
+            f"The server is low on memory: {describe_bytes(used)} in use, over its limit of "
+            f"{describe_bytes(refuse)}; new requests wait until it falls. Retry later.",
+            status=429, type="rate_limit_error", code="memory_pressure",
+            retry_after_s=self.settings.retry_after_s,
+            extra={"memory_used_bytes": used, "refuse_above_bytes": refuse},
+        )
 
     @guardian.hookimpl
     def sample_resources(self, engine):
         sequences, cache_bytes = engine.prompt_cache_usage()
+        active, cache = mx.get_active_memory(), mx.get_cache_memory()
+        trim, refuse, resume = self.thresholds()
         return {
-            "active_memory_bytes": mx.get_active_memory(),
-            "cache_memory_bytes": mx.get_cache_memory(),
+            "active_memory_bytes": active,
+            "cache_memory_bytes": cache,
             "peak_memory_bytes": mx.get_peak_memory(),
+            "memory_used_bytes": active + cache,
+            "device_memory_bytes": self.device_bytes,
             "resource_limit": _device_resource_limit(),
+            "trim_above_bytes": trim,
+            "refuse_above_bytes": refuse,
+            "resume_below_bytes": resume,
+            # The buffer proxy: mlx has no live buffer count (see the module's doc).
             "prompt_cache_sequences": sequences,
             "prompt_cache_bytes": cache_bytes,
             "requests_in_flight": engine.requests_in_flight(),
+            "requests_started": engine.started_count(),
         }
+
+    @guardian.hookimpl
+    def on_resource_sample(self, sample, engine):
+        used = sample.get("memory_used_bytes")
+        if used is None:
+            return
+        sample["admission_paused"] = self.refuse_now(used)
+        log.debug("resource_sample", **{k: v for k, v in sample.items() if k != "at"})
+        self.maybe_trim(engine, used)
+
+    @guardian.hookimpl
+    def on_engine_restarted(self, restarts):
+        """Memory after each restart, less the prompt cache: a steady climb is a leak."""
+        if self.engine is None:
+            return
+        _, prompt_cache_bytes = self.engine.prompt_cache_usage()
+        self.after_restarts.append(mx.get_active_memory() - prompt_cache_bytes)
+        s = self.settings
+        series = self.after_restarts[-s.leak_restarts - 1:]
+        del self.after_restarts[:-s.leak_restarts - 1]
+        if len(series) <= s.leak_restarts:
+            return
+        growing = all(later > earlier for earlier, later in zip(series, series[1:]))
+        growth = series[-1] - series[0]
+        if growing and growth >= s.leak_min_growth_bytes:
+            log.warning("memory_leak_suspected", restarts=restarts, after_restarts_bytes=series,
+                        growth_bytes=growth,
+                        hint="memory left after each engine restart keeps growing; "
+                             "a restart of the process frees it")
+            self.after_restarts = [series[-1]]

@@ -190,7 +190,7 @@ class Supervisor:
 
     def install_signal_handlers(self) -> None:
         """Handlers only enqueue; the main loop does the work."""
-        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGCHLD):
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGCHLD, signal.SIGHUP):
             signal.signal(signum, lambda signum, frame: self.signals.put(signum))
 
     def wait_for_signals(self, timeout: float) -> list[int]:
@@ -228,7 +228,13 @@ class Supervisor:
             self.next_watchdog_ping = time.monotonic() + self.watchdog_interval
 
     def handle_signal(self, signum: int) -> None:
-        """SIGCHLD only wakes the loop; SIGTERM/SIGINT stop, a second one hard-kills."""
+        """SIGCHLD only wakes the loop; SIGHUP goes to a guardian child (it re-reads
+        --guardian-config); SIGTERM/SIGINT stop, a second one hard-kills."""
+        if signum == signal.SIGHUP:
+            if self.child is not None and self.settings.engine == "guardian":
+                log.info("signal_forwarded", signal="SIGHUP", pid=self.child.proc.pid)
+                signal_quietly(self.child.proc, signal.SIGHUP)
+            return
         if signum not in (signal.SIGTERM, signal.SIGINT):
             return
         name = signal.Signals(signum).name

@@ -1,0 +1,384 @@
+"""The ``--guardian-config`` file, followed while the server runs.
+
+The file is watched (the ``watchdog`` package: file-system events on its
+folder, so an editor's save by rename is seen like a write in place) and
+re-read on SIGHUP. Each new version is parsed and checked in full, as at
+start, into a new ``GuardianConfig``; then one reference is swapped.
+Settings declared ``live`` (guardian.settings) take the new values; the
+others keep the values the server started with, and their change is logged
+as needing a restart (``config_change_needs_restart``). A version that does
+not parse or validate changes nothing (``config_reload_failed``).
+
+Components never keep a live setting's value: they read it through a
+``TableView`` at each use (``settings.max_prompt_tokens``). A request sees
+one version from its admission to its end of admission: the gate pins the
+version in force when the request arrived (``LiveConfig.pinned``), so a
+request is never checked half against the old limits, half against the new.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import datetime
+import hashlib
+import logging
+import os
+import threading
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
+
+import structlog
+
+from guardian.config import CORE_TABLES, ConfigError, GuardianConfig, load_config, parse_settings
+from guardian.logs import set_log_level
+from guardian.settings import Table, table_of_dataclass
+
+log = structlog.get_logger("guardian.live_config")
+
+# The watchdog package logs every inotify event at DEBUG: with the log file in
+# the watched folder, each line would be an event logged as a line, forever.
+logging.getLogger("watchdog").setLevel(logging.INFO)
+
+# Editors save in steps (truncate, write; or write a temporary file, rename):
+# one reload once the events stop for this long.
+SETTLE_S = 0.1
+
+
+class TableView:
+    """One table of the live configuration, read through at each attribute access.
+
+    What components and plugins hold instead of a table's values: each
+    ``view.key`` reads the version in force now (or the one pinned for the
+    request being admitted).
+    """
+
+    __slots__ = ("_live", "_name")
+
+    def __init__(self, live: "LiveConfig", name: str):
+        object.__setattr__(self, "_live", live)
+        object.__setattr__(self, "_name", name)
+
+    def __getattr__(self, key: str) -> Any:
+        return getattr(self._live.config.table(self._name), key)
+
+    def __setattr__(self, key: str, value: Any) -> None:
+        raise AttributeError(f"[{self._name}] settings change through the file, not by assignment")
+
+    def __repr__(self) -> str:
+        return f"TableView({self._live.config.table(self._name)!r})"
+
+
+@dataclasses.dataclass(frozen=True)
+class Change:
+    """What a new version of the file changed: live keys applied, others waiting."""
+
+    applied: tuple = ()
+    needs_restart: tuple = ()
+
+
+class LiveConfig:
+    """The configuration in force, its file's version, and how it is replaced."""
+
+    def __init__(self, config: GuardianConfig, flags=None):
+        self._config = config
+        self.started_with = config
+        self._file = config  # the last version of the file read, as it was written
+        # Command-line flags win over the file at every version, as at start.
+        self.flags = flags
+        self._pinned: contextvars.ContextVar[Optional[GuardianConfig]] = contextvars.ContextVar(
+            "guardian_pinned_config", default=None)
+        self._lock = threading.Lock()  # one reload at a time
+        self._listeners: list[Callable[[Change], None]] = []
+        self.loads = 1
+        self.loaded_at = datetime.datetime.now(datetime.timezone.utc)
+        self.reason = "start"
+        self.pending_restart: tuple = ()
+        self.last_failure: Optional[dict] = None
+        self.watcher: Optional["ConfigFileWatcher"] = None
+
+    # -- reading -----------------------------------------------------------
+    @property
+    def config(self) -> GuardianConfig:
+        """The version in force: the one pinned on this thread's request, else the newest."""
+        pinned = self._pinned.get()
+        return pinned if pinned is not None else self._config
+
+    def view(self, table_name: str) -> TableView:
+        return TableView(self, table_name)
+
+    @contextlib.contextmanager
+    def pinned(self) -> Iterator[GuardianConfig]:
+        """Inside, this thread reads one version, whatever reloads meanwhile."""
+        token = self._pinned.set(self.config)
+        try:
+            yield self._pinned.get()
+        finally:
+            self._pinned.reset(token)
+
+    def on_change(self, listener: Callable[[Change], None]) -> None:
+        """Call ``listener(change)`` after each version that applied a live change."""
+        self._listeners.append(listener)
+
+    @property
+    def path(self) -> Optional[Path]:
+        return self._config.source
+
+    # -- reloading -----------------------------------------------------------
+    def reload(self, reason: str) -> Optional[Change]:
+        """Read the file again; apply its live changes. None when nothing was applied."""
+        if self.path is None:
+            log.info("config_reload_skipped", reason=reason, why="the server started without --guardian-config")
+            return None
+        with self._lock:
+            current = self._config
+            try:
+                new = load_config(self.path)
+            except ConfigError as e:
+                return self._failed(reason, str(e))
+            if reason == "file_changed" and new.sha256 == current.sha256:
+                # Saved unchanged, another event of the same save, or back to the version in force.
+                self.last_failure = None
+                return None
+            try:
+                self._check(new, current)
+            except ConfigError as e:
+                return self._failed(reason, str(e), new)
+            merged, change = merge(current, new, self.started_with)
+            # Non-live keys this version changed (against the last one read), for the log.
+            newly = [key for key in change.needs_restart
+                     if key not in self.pending_restart or differs(self._file, new, key)]
+            self._config = merged  # the one swap: every reader sees the new version from here
+            self._file = new
+            self.loads += 1
+            self.loaded_at = datetime.datetime.now(datetime.timezone.utc)
+            self.reason = reason
+            self.pending_restart = change.needs_restart
+            self.last_failure = None
+        log.info("config_reloaded", reason=reason, changed=list(change.applied), **self.version())
+        if newly:
+            log.warning("config_change_needs_restart", settings=newly,
+                        pending_restart=list(change.needs_restart),
+                        hint="these settings are bound at start; restart the server to apply them")
+        if any(key == "guardian.log_level" for key in change.applied):
+            set_log_level(self.log_level())
+        for listener in self._listeners:
+            try:
+                listener(change)
+            except Exception:
+                log.exception("config_listener_failed")
+        return change
+
+    def _check(self, new: GuardianConfig, current: GuardianConfig) -> None:
+        """Everything start-up checks: the core's tables (done), the flags, every plugin's table."""
+        if self.flags is not None:
+            new.core = new.core.with_flags(self.flags)
+        tables = dict(new.plugin_tables)
+        for name, settings in current.plugin_settings.items():
+            new.plugin_settings[name] = parse_settings(type(settings), tables.pop(name, {}), name)
+        plugins_changed = any(getattr(new.core, key) != getattr(current.core, key)
+                              for key in ("plugins", "disabled_plugins"))
+        if tables and not plugins_changed:
+            names = ", ".join(f"[{name}]" for name in tables)
+            raise ConfigError(f"{new.source}: no loaded plugin reads {names}")
+
+    def _failed(self, reason: str, message: str, new: Optional[GuardianConfig] = None) -> None:
+        self.last_failure = {
+            "at": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+            "reason": reason,
+            "error_message": message,
+            "sha256": new.sha256 if new is not None else file_sha256(self.path),
+        }
+        log.error("config_reload_failed", reason=reason, error_message=message,
+                  file=str(self.path), kept_sha256=self._config.sha256)
+        return None
+
+    def log_level(self) -> str:
+        """The level in force: the file's, else the --log-level flag's."""
+        return self._config.core.log_level or getattr(self.flags, "log_level", None) or "INFO"
+
+    # -- status ------------------------------------------------------------
+    def version(self) -> dict:
+        config = self._config
+        mtime = config.mtime
+        return {
+            "file": str(config.source) if config.source else None,
+            "sha256": config.sha256,
+            "mtime": (datetime.datetime.fromtimestamp(mtime, datetime.timezone.utc).isoformat()
+                      if mtime is not None else None),
+            "loaded_at": self.loaded_at.isoformat(),
+            "loads": self.loads,
+        }
+
+    def status(self) -> dict:
+        """What ``GET /guardian/status`` shows under ``config``."""
+        return {
+            **self.version(),
+            "reason": self.reason,
+            "watching": self.watcher is not None and self.watcher.running,
+            "pending_restart": list(self.pending_restart),
+            "last_failure": self.last_failure,
+        }
+
+    # -- following the file ----------------------------------------------------
+    def follow(self) -> None:
+        """Watch the file and reload on every save (no file: nothing to watch)."""
+        if self.path is None or self.watcher is not None:
+            return
+        self.watcher = ConfigFileWatcher(Path(self.path), self.reload)
+        self.watcher.start()
+
+    def request_reload(self, reason: str) -> None:
+        """Reload soon, on the reloader thread (safe from a signal handler)."""
+        if self.watcher is None:
+            threading.Thread(target=self.reload, args=(reason,), name="config-reload", daemon=True).start()
+        else:
+            self.watcher.kick(reason)
+
+    def stop(self) -> None:
+        if self.watcher is not None:
+            self.watcher.stop()
+
+
+def merge(current: GuardianConfig, new: GuardianConfig, started: GuardianConfig) -> tuple[GuardianConfig, Change]:
+    """The version to put in force: ``new``'s live settings, the start's for the rest.
+
+    Non-live settings keep the values the server started with (what it is
+    bound to); ``needs_restart`` lists those that differ in the file now.
+    """
+    applied, waiting = [], []
+    tables = {}
+    for name in [t.table_name for t in CORE_TABLES] + list(current.plugin_settings):
+        old, fresh, first = current.table(name), new.table(name), started.table(name)
+        settings = settings_of(old, name)
+        values = {}
+        for key, setting in settings.items():
+            value = getattr(fresh, key)
+            if setting.live:
+                if value != getattr(old, key):
+                    applied.append(f"{name}.{key}")
+                values[key] = value
+            else:
+                if value != getattr(first, key):
+                    waiting.append(f"{name}.{key}")
+                values[key] = getattr(first, key)
+        tables[name] = rebuild(old, values)
+    merged = dataclasses.replace(
+        new,
+        core=tables["guardian"], watchdog=tables["watchdog"], supervisor=tables["supervisor"],
+        plugin_settings={name: tables[name] for name in current.plugin_settings},
+    )
+    # Plugins' tables the running server has no plugin for (a plugin added to
+    # [guardian] plugins) wait for the restart that loads it.
+    waiting += [f"{name}" for name in new.plugin_tables if name not in current.plugin_settings]
+    return merged, Change(tuple(applied), tuple(waiting))
+
+
+def differs(old: GuardianConfig, new: GuardianConfig, key: str) -> bool:
+    """Whether ``key`` ("table.name", or a plugin's table name) differs between two versions."""
+    table, _, name = key.partition(".")
+    try:
+        return getattr(old.table(table), name) != getattr(new.table(table), name) if name else True
+    except KeyError:
+        return True
+
+
+def settings_of(table, name: str) -> dict:
+    """A settings object's declarations: a Table's, or a plugin's Settings dataclass's."""
+    if isinstance(table, Table):
+        return table.settings
+    return table_of_dataclass(type(table), name).settings
+
+
+def rebuild(table, values: dict):
+    if isinstance(table, Table):
+        return type(table)(**values)
+    return dataclasses.replace(table, **values)
+
+
+def file_sha256(path) -> Optional[str]:
+    try:
+        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    except OSError:
+        return None
+
+
+class ConfigFileWatcher:
+    """Calls ``reload(reason)`` once a burst of file-system events on one file settles.
+
+    Watches the file's folder, not the file: an editor that saves by writing
+    a new file and renaming it over the old one replaces the inode a watch on
+    the file would follow. Events are filtered to the file's name (moved:
+    its destination). Reloads run on one thread, in order.
+    """
+
+    def __init__(self, path: Path, reload: Callable[[str], Any], settle_s: float = SETTLE_S):
+        self.path = Path(os.path.abspath(path))
+        self.reload = reload
+        self.settle_s = settle_s
+        self._wake = threading.Event()
+        self._stopped = threading.Event()
+        self._reasons: list[str] = []
+        self._reasons_lock = threading.Lock()
+        self._observer = None
+        self._thread = threading.Thread(target=self._run, name="config-reload", daemon=True)
+
+    @property
+    def running(self) -> bool:
+        return self._observer is not None and self._observer.is_alive()
+
+    def start(self) -> None:
+        from watchdog.events import FileSystemEventHandler
+        from watchdog.observers import Observer
+
+        watcher = self
+
+        class Handler(FileSystemEventHandler):
+            def on_any_event(self, event):
+                if event.is_directory or event.event_type not in ("modified", "created", "moved", "closed"):
+                    return
+                paths = [event.src_path, getattr(event, "dest_path", "")]
+                if any(watcher.is_ours(p) for p in paths if p):
+                    watcher.kick("file_changed")
+
+        self._observer = Observer()
+        self._observer.daemon = True
+        self._observer.schedule(Handler(), str(self.path.parent), recursive=False)
+        self._observer.start()
+        self._thread.start()
+        log.info("config_watch_started", file=str(self.path))
+
+    def is_ours(self, event_path) -> bool:
+        path = os.fsdecode(event_path)
+        return os.path.basename(path) == self.path.name and (
+            os.path.realpath(os.path.dirname(path)) == os.path.realpath(self.path.parent))
+
+    def kick(self, reason: str) -> None:
+        with self._reasons_lock:
+            self._reasons.append(reason)
+        self._wake.set()
+
+    def _run(self) -> None:
+        while not self._stopped.is_set():
+            self._wake.wait()
+            # Let the rest of a save arrive: one reload per burst of events.
+            while self._wake.is_set() and not self._stopped.is_set():
+                self._wake.clear()
+                self._stopped.wait(self.settle_s)
+            with self._reasons_lock:
+                reasons, self._reasons = self._reasons, []
+            if self._stopped.is_set():
+                return
+            # A signal asks for a re-read even of unchanged bytes; a file event only for new ones.
+            reason = next((r for r in reasons if r != "file_changed"), "file_changed")
+            try:
+                self.reload(reason)
+            except Exception:
+                log.exception("config_reload_crashed")
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._wake.set()
+        if self._observer is not None:
+            self._observer.stop()

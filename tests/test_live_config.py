@@ -1,0 +1,239 @@
+"""The --guardian-config file edited under a running server, and memory thresholds acting.
+
+One server for the module (its file rewritten by each test, from a base
+every test starts from): live settings apply without a restart, a broken
+edit changes nothing, a setting bound at start is logged as needing a
+restart, SIGHUP re-reads; then the resources plugin's thresholds, set low
+in bytes on the CPU, trim the prompt cache and refuse (429) until memory
+falls back.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import textwrap
+
+import httpx
+import mlx.core as mx
+import pytest
+
+from conftest import Server, chat_body, free_port, poll, spawn_guardian
+
+pytestmark = pytest.mark.one_version
+
+CHAT = "/v1/chat/completions"
+# Probes stay out of the way (the start-up one makes the server ready);
+# samples come often, so thresholds act quickly; thresholds off.
+BASE = """\
+[watchdog]
+probe_interval_s = 600
+resource_interval_s = 0.2
+[resources]
+trim_above = 0
+refuse_above = 0
+"""
+# About 30 prompt tokens with the demo model's chat template.
+PROMPT = "Tell me a long story about a cat who sails around the world."
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, model_cache):
+    folder = tmp_path_factory.mktemp("live-config")
+    config = folder / "guardian.toml"
+    config.write_text(BASE)
+    port = free_port()
+    # The log in the watched folder too: its writes are events the watcher must ignore.
+    log_path = folder / "server.log"
+    proc = spawn_guardian(["--port", str(port), "--guardian-config", str(config)], log_path, model_cache)
+    server = Server(proc, port, log_path)
+    server.wait_healthy()
+    server.config_path = config
+    yield server
+    server.stop()
+
+
+def status(server: Server) -> dict:
+    return httpx.get(server.url + "/guardian/status", timeout=5).json()
+
+
+def save(server: Server, text: str, *, by_rename: bool = True) -> str:
+    """Write the file as editors do (a new file renamed over it), or in place; its sha256."""
+    data = textwrap.dedent(text).encode()
+    path = server.config_path
+    if by_rename:
+        temporary = path.with_name(path.name + ".swp")
+        temporary.write_bytes(data)
+        os.replace(temporary, path)
+    else:
+        path.write_bytes(data)
+    return hashlib.sha256(data).hexdigest()
+
+
+def save_and_wait(server: Server, text: str, **kwargs) -> dict:
+    """Save ``text`` and wait until /guardian/status says that version is live."""
+    sha = save(server, text, **kwargs)
+    return poll(lambda: (s := status(server))["config"]["sha256"] == sha and s, 10, interval=0.05,
+                what=f"version {sha[:12]} live")
+
+
+def chat(server: Server, content: str = PROMPT, max_tokens: int = 4) -> httpx.Response:
+    return httpx.post(server.url + CHAT, json=chat_body(content, max_tokens=max_tokens), timeout=30)
+
+
+def test_an_edit_applies_live_settings_without_a_restart(served):
+    save_and_wait(served, BASE)
+    before = status(served)["config"]
+    assert before["watching"] is True
+    assert chat(served).status_code == 200
+    assert not served.events("resource_sample")  # INFO: no debug lines yet
+
+    live = save_and_wait(served, BASE + "[prompt_guard]\nmax_prompt_tokens = 8\n"
+                         "[guardian]\nlog_level = \"DEBUG\"\n")["config"]
+    assert live["loads"] > before["loads"] and live["reason"] == "file_changed"
+    assert live["pending_restart"] == [] and live["last_failure"] is None
+    refused = chat(served)
+    assert refused.status_code == 400, refused.text
+    assert refused.json()["error"]["code"] == "context_length_exceeded"
+    assert "limit of 8 prompt tokens" in refused.json()["error"]["message"]
+    # The log level changed too: the resource samples' debug lines appear.
+    served.wait_for_event("resource_sample")
+    reloaded = served.events("config_reloaded")[-1]
+    assert set(reloaded["changed"]) == {"prompt_guard.max_prompt_tokens", "guardian.log_level"}
+    # The same process all along.
+    assert served.proc.poll() is None and len(served.events("server_started")) == 1
+
+    save_and_wait(served, BASE, by_rename=False)  # an edit in place
+    assert chat(served).status_code == 200
+
+
+def test_a_broken_edit_changes_nothing_and_says_why(served):
+    live = save_and_wait(served, BASE + "[prompt_guard]\nmax_prompt_tokens = 8\n")["config"]
+    failures = len(served.events("config_reload_failed"))
+
+    save(served, BASE + "[prompt_guard]\nmax_prompt_tokens = 8\n[prompt_guard\n")  # not TOML
+    [*_, bad_toml] = served.wait_for_event("config_reload_failed", count=failures + 1)
+    assert "not valid TOML" in bad_toml["error_message"]
+    save(served, BASE + "[prompt_guard]\nmax_prompt_tokens = -1\n")  # not a valid value
+    [*_, bad_value] = served.wait_for_event("config_reload_failed", count=failures + 2)
+    assert "prompt_guard.max_prompt_tokens: must be >= 0" in bad_value["error_message"]
+    save(served, BASE + "[no_such_plugin]\nx = 1\n")  # a table nobody reads
+    [*_, unknown] = served.wait_for_event("config_reload_failed", count=failures + 3)
+    assert "[no_such_plugin]" in unknown["error_message"]
+
+    now = status(served)["config"]
+    assert now["sha256"] == live["sha256"] and now["loads"] == live["loads"]
+    assert "no_such_plugin" in now["last_failure"]["error_message"]
+    assert chat(served).status_code == 400  # the limit of the version in force still holds
+    save_and_wait(served, BASE)
+
+
+def test_a_setting_bound_at_start_is_logged_as_needing_a_restart(served):
+    save_and_wait(served, BASE)
+    live = save_and_wait(served, BASE + "[guardian]\nallow_any_model = true\nretry_after_s = 3\n"
+                         "[fault_injection]\nmax_faults = 2\n")["config"]
+    [*_, needs] = served.wait_for_event("config_change_needs_restart")
+    assert set(needs["settings"]) == {"guardian.allow_any_model", "fault_injection.max_faults"}
+    assert set(live["pending_restart"]) == {"guardian.allow_any_model", "fault_injection.max_faults"}
+    assert served.events("config_reloaded")[-1]["changed"] == ["guardian.retry_after_s"]
+    # Not applied: a request naming another model is still refused at the door.
+    response = httpx.post(served.url + CHAT, json=chat_body(model="some/other-model"), timeout=30)
+    assert response.status_code == 404, response.text
+    assert save_and_wait(served, BASE)["config"]["pending_restart"] == []
+
+
+def test_sighup_rereads_the_file(served):
+    loads = save_and_wait(served, BASE)["config"]["loads"]
+    served.proc.send_signal(signal.SIGHUP)
+    poll(lambda: status(served)["config"]["loads"] == loads + 1, 10, what="a reload after SIGHUP")
+    assert status(served)["config"]["reason"] == "sighup"
+    assert served.events("config_reloaded")[-1]["reason"] == "sighup"
+    assert served.proc.poll() is None  # SIGHUP's default would have ended it
+
+
+def sample(server: Server) -> dict:
+    return status(server)["last_resource_sample"]
+
+
+def test_memory_over_the_trim_threshold_trims_the_prompt_cache(served):
+    save_and_wait(served, BASE)
+    assert chat(served).status_code == 200
+    poll(lambda: sample(served)["prompt_cache_sequences"] >= 1, 10, what="a prompt-cache entry")
+    trims = len(served.events("memory_trimmed"))
+
+    save_and_wait(served, BASE.replace("trim_above = 0", "trim_above_bytes = 1"))
+    [*_, trimmed] = served.wait_for_event("memory_trimmed", count=trims + 1)
+    print(f"\nmeasured: memory_trimmed before={trimmed['before']} after={trimmed['after']}")
+    assert trimmed["before"]["prompt_cache_sequences"] >= 1
+    assert trimmed["after"]["prompt_cache_sequences"] == 0
+    assert trimmed["after"]["prompt_cache_bytes"] < trimmed["before"]["prompt_cache_bytes"]
+    assert trimmed["after"]["cache_memory_bytes"] == 0  # mx.clear_cache()
+    # The samples after the trim show the prompt cache empty.
+    poll(lambda: sample(served)["prompt_cache_sequences"] == 0, 10, what="an empty prompt cache sampled")
+    save_and_wait(served, BASE)
+
+
+def test_memory_over_the_refusal_threshold_refuses_until_it_falls(served):
+    save_and_wait(served, BASE)
+    for _ in range(2):
+        assert chat(served, max_tokens=16).status_code == 200
+    full = poll(lambda: (s := sample(served))["prompt_cache_sequences"] >= 1 and s["cache_memory_bytes"] > 0
+                and s, 10, what="a sample with the caches filled")
+    used = full["memory_used_bytes"]
+    # What a trim frees: mlx's buffer cache, and the prompt cache's entries.
+    freeable = full["cache_memory_bytes"] + full["prompt_cache_bytes"]
+    refuse, resume = used - freeable // 4, used - freeable // 2
+    thresholds = BASE.replace("refuse_above = 0", f"refuse_above_bytes = {refuse}\n"
+                              f"resume_below_bytes = {resume}\nretry_after_s = 3")
+    save_and_wait(served, thresholds)
+
+    refused = chat(served)
+    assert refused.status_code == 429, refused.text
+    assert refused.headers["retry-after"] == "3"
+    error = refused.json()["error"]
+    assert error["code"] == "memory_pressure" and error["type"] == "rate_limit_error"
+    assert set(error) >= {"message", "type", "param", "code"}
+    served.wait_for_event("memory_admission_paused")
+    assert chat(served).status_code == 429  # still over: nothing freed it
+
+    # Trimming (at the resume threshold) frees memory: admission resumes.
+    trims = len(served.events("memory_trimmed"))
+    save_and_wait(served, thresholds.replace("trim_above = 0", f"trim_above_bytes = {resume}"))
+    served.wait_for_event("memory_trimmed", count=trims + 1)
+    [resumed] = served.wait_for_event("memory_admission_resumed")
+    print(f"\nmeasured: used {used} B, refuse above {refuse}, resume below {resume}, "
+          f"resumed at {resumed['memory_used_bytes']} B")
+    assert resumed["memory_used_bytes"] < resume
+    assert chat(served).status_code == 200
+    save_and_wait(served, BASE)
+
+
+class Restarts:
+    """The engine view the plugin reads at a restart: an empty prompt cache."""
+
+    def prompt_cache_usage(self):
+        return 0, 0
+
+
+def test_memory_that_grows_across_engine_restarts_is_a_suspected_leak(capsys):
+    """Real mlx memory held across four 'restarts' (the plugin's hook called in-process)."""
+    from guardian.logs import configure_logging
+    from guardian.plugins.resources import Resources, ResourcesSettings
+
+    configure_logging("json", "INFO")
+    plugin = Resources(ResourcesSettings(leak_restarts=3, leak_min_growth_bytes=3 * 1024 * 1024))
+    plugin.engine = Restarts()
+    held = []
+    for restart in range(1, 5):
+        plugin.on_engine_restarted(restarts=restart)
+        held.append(mx.ones((1024, 1024), dtype=mx.float32))  # 4 MiB more after each
+        mx.eval(held[-1])
+    plugin.on_engine_restarted(restarts=5)
+    logged = capsys.readouterr().err
+    assert "memory_leak_suspected" in logged
+    steady = Resources(ResourcesSettings(leak_restarts=3))
+    steady.engine = Restarts()
+    for restart in range(1, 6):
+        steady.on_engine_restarted(restarts=restart)
+    assert "memory_leak_suspected" not in capsys.readouterr().err
