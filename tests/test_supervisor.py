@@ -336,8 +336,9 @@ def test_a_body_that_crashes_the_child_twice_is_quarantined(start_supervisor, tm
     supervised = start_supervisor("--guardian-config", str(config), "--supervisor-max-restarts", "2")
     first_pid = supervised.wait_ready()
     poison = {"messages": [{"role": "user", "content": f"{SEGFAULT_MARKER} now"}], "max_tokens": 4}
-    # Long enough (400 steps of at least 10 ms) to still run while the poison queues behind it.
-    bystander = chat_body("A bystander's story.", max_tokens=400, stream=True)
+    # Long enough (200 steps of at least 10 ms) to still run while the poison queues behind it;
+    # short enough to end, continued alone, well within the isolation wait on a busy machine.
+    bystander = chat_body("A bystander's story.", max_tokens=200, stream=True)
     poisoned = {}
 
     def post_poison():
@@ -353,7 +354,9 @@ def test_a_body_that_crashes_the_child_twice_is_quarantined(start_supervisor, tm
             # again, alone, to the next child (crash 2), and it is quarantined.
             waiter = threading.Thread(target=post_poison, daemon=True)
             waiter.start()
-            assert any('"engine_restarting"' in data for data in events)  # the bystander was cut
+            # The bystander's stream, cut at the crash, went on from a next child, alone.
+            rest = list(events)
+            assert rest[-1] == "[DONE]" and not any('"error"' in data for data in rest), rest[-3:]
         waiter.join(timeout=60)
         response = poisoned["response"]
         assert response.status_code == 500 and response.headers["x-should-retry"] == "false"

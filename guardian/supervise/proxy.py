@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import subprocess
 from typing import Optional
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
@@ -55,6 +56,11 @@ CONTINUABLE = relay_protocol.CONTINUABLE_HEADER.lower()
 # What relaying a request to one child came to (besides a stream cut, to continue).
 ANSWERED = "answered"
 NOTHING_SENT = "nothing sent"
+CHILD_GONE = "the child died before the request was sent"
+# A suspect's turn comes when the request before it ended, perhaps by
+# crashing the child: its socket closes a moment before the process can be
+# waited for. The suspect looks this long for the child's exit first.
+SUSPECT_SEND_GRACE_S = 0.05
 # Answered by the supervisor whoever the child is.
 LIVENESS_PATH = "/livez"
 STATUS_PATH = "/guardian/supervisor"
@@ -133,8 +139,14 @@ class ProxyHandler(BaseHTTPRequestHandler):
             if child is None:
                 return self.give_up(stream, supervisor.unavailable_error())
             # A crash suspect waits to run alone; others wait behind it.
-            with supervisor.quarantine.turn(self.command, request_fingerprint):
-                outcome = self.to_child(child, path, body, request_fingerprint, stream)
+            with supervisor.quarantine.turn(self.command, request_fingerprint) as alone:
+                # The turn may come just after the request before it crashed
+                # this child: never send to a dead one (it would be struck too).
+                outcome = CHILD_GONE if child_died(child, alone) else self.to_child(
+                    child, path, body, request_fingerprint, stream)
+            if outcome is CHILD_GONE:
+                supervisor.wait_reaped(child)
+                continue
             if outcome is ANSWERED:
                 return
             if outcome is not NOTHING_SENT:
@@ -442,6 +454,15 @@ class Upstream:
         """Close the connection: a child still writing sees its client leave."""
         self.response.close()
         self.connection.close()
+
+
+def child_died(child, alone: bool) -> bool:
+    """Whether the child has exited; a suspect about to run alone waits a moment to be sure."""
+    try:
+        child.proc.wait(timeout=SUSPECT_SEND_GRACE_S if alone else 0)
+    except subprocess.TimeoutExpired:
+        return False
+    return True
 
 
 def _last_event_end(data: bytes) -> int:
