@@ -295,10 +295,6 @@ class Table:
                 values[key] = given
         return type(self)(**values)
 
-    def changed(self, other: "Table") -> list[Setting]:
-        """The settings whose values differ in ``other`` (a table of the same class)."""
-        return [s for key, s in self.settings.items() if getattr(self, key) != getattr(other, key)]
-
     def __eq__(self, other: Any) -> bool:
         return type(other) is type(self) and vars(other) == vars(self)
 

@@ -159,8 +159,12 @@ class Resources:
     @guardian.hookimpl
     def sample_resources(self, engine):
         sequences, cache_bytes = engine.prompt_cache_usage()
+        started = engine.started_count()
         active, cache = mx.get_active_memory(), mx.get_cache_memory()
         trim, refuse, resume = self.thresholds()
+        # A KV cache is a keys and a values array per layer (an estimate: a
+        # quantized cache has more, stock may grow a cache in several steps).
+        arrays_per_cache = 2 * len(engine.served_limits().kv_layers)
         return {
             "active_memory_bytes": active,
             "cache_memory_bytes": cache,
@@ -175,7 +179,8 @@ class Resources:
             "prompt_cache_sequences": sequences,
             "prompt_cache_bytes": cache_bytes,
             "requests_in_flight": engine.requests_in_flight(),
-            "requests_started": engine.started_count(),
+            "requests_started": started,
+            "kv_cache_arrays_estimate": (sequences + started) * arrays_per_cache,
         }
 
     @guardian.hookimpl
