@@ -63,6 +63,8 @@ REQUIRED = {
     "get_system_fingerprint": "the handler's system_fingerprint",
     "APIHandler._set_completion_headers": "status line with stock's CORS headers",
     "LRUPromptCache": "the prompt cache the engine owns",
+    "LRUPromptCache.trim_to": "drop least recently used entries: under memory pressure (resources), after a stall",
+    "LRUPromptCache.nbytes": "the prompt cache's bytes: how much a trim must drop; resource samples",
     "ModelProvider._load": "what load() calls with the model key it computed",
     "APIHandler.handle_models_request": "stock's /v1/models listing, extended",
     "scan_cache_dir": "module global the listing calls; made safe without a hub cache",
