@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -28,6 +29,8 @@ class RequestInfo:
     # (GuardianHandler.end_headers adds them) and callbacks for its end.
     response_headers: Optional[dict] = None
     at_end: Optional[list] = None
+    # When the handler took the request (time.monotonic()): time to first token counts from here.
+    started_at: Optional[float] = None
 
 
 _current: contextvars.ContextVar[RequestInfo] = contextvars.ContextVar(
@@ -66,7 +69,8 @@ def bind_log_fields(**fields) -> None:
 
 @contextlib.contextmanager
 def request_scope(request_id: str, stream: bool):
-    info = RequestInfo(request_id=request_id, stream=stream, response_headers={}, at_end=[])
+    info = RequestInfo(request_id=request_id, stream=stream, response_headers={},
+                       at_end=[], started_at=time.monotonic())
     token = _current.set(info)
     # Fields bound during the request must not follow the thread to the
     # next request of a keep-alive connection.

@@ -127,6 +127,7 @@ class Quarantine:
         return {
             "quarantine_s": self.quarantine_s,
             "refused": self.refused,
+            "quarantined_count": len(live),
             "quarantined": [
                 {"fingerprint": short(fp), "blamed_request_id": e.request_id,
                  "until": e.until_iso, "remaining_s": round(e.until - now, 1)}

@@ -163,3 +163,23 @@ def test_admission_and_step_hooks(scenario):
     assert len(calls(records, "admit_request")) == 4
     steps = [c["step"] for c in calls(records, "on_engine_step")]
     assert len(steps) > 10 and steps[0] >= 1
+
+
+def test_admission_decisions_and_finished_requests_carry_their_numbers(scenario):
+    records, _ = scenario
+    decisions = calls(records, "on_admission_decision")
+    # Let in: the completion, the poison and the stalled request; turned away: the long prompt.
+    assert [d["error"]["code"] for d in decisions if d["error"]] == ["context_length_exceeded"]
+    assert sum(d["error"] is None for d in decisions) == 3
+    finished = calls(records, "on_request_finished")
+    # Users' requests only, each once: no probe, no re-run counted twice.
+    assert sorted(f["outcome"] for f in finished) == ["completed", "completed", "failed"]
+    completion = finished[0]
+    assert completion["outcome"] == "completed" and completion["generated_tokens"] == 4
+    assert completion["prompt_tokens"] > 0 and 0 <= completion["cached_prompt_tokens"] <= completion["prompt_tokens"]
+    assert completion["time_to_first_token_s"] > 0
+    gaps = completion["time_between_tokens_s"]
+    assert len(gaps) == 3 and all(gap >= 0 for gap in gaps)
+    [poison] = [f for f in finished if f["outcome"] == "failed"]
+    assert poison["generated_tokens"] == 0 and poison["time_to_first_token_s"] is None
+    assert poison["prompt_tokens"] > 0  # it started, then failed at every step

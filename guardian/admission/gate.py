@@ -27,6 +27,7 @@ from guardian.admission.facts import (
 )
 from guardian.context import add_response_headers, at_request_end, bind_log_fields, current_request
 from guardian.errors import AbortRequest, GuardianError, from_stock_exception
+from guardian.plugins.manager import notify
 from guardian.admission.unloaded_models import UnloadedModels
 from guardian.admission.validation import RequestBounds, check_body
 
@@ -97,7 +98,14 @@ class AdmissionGate:
 
     def check_body(self, body: dict, *, chat: bool) -> Optional[GuardianError]:
         """The door's check of every field (guardian.admission.validation), against the model it names."""
-        return check_body(body, chat=chat, bounds=self.request_bounds(body))
+        error = check_body(body, chat=chat, bounds=self.request_bounds(body))
+        if error is not None:
+            self._decided(error)
+        return error
+
+    def _decided(self, error: Optional[GuardianError]) -> None:
+        """Tell the plugins a request was let in (None) or turned away."""
+        notify(self.pm.hook.on_admission_decision, error=error)
 
     @property
     def cli_args(self):
@@ -138,6 +146,7 @@ class AdmissionGate:
         target = self._target_model(args)
         if target is None:
             log.info("admission_skipped", reason="model_not_local", model=args.model.model)
+            self._decided(None)
             return None
         model_key, tokenizer, limits = target
         info = current_request()
@@ -163,6 +172,7 @@ class AdmissionGate:
         if admission.tokenized is not None:
             admission.log_fields.setdefault("n_prompt_tokens", admission.n_prompt_tokens)
         bind_log_fields(**admission.log_fields)
+        self._decided(error)
         if error is not None:
             admission.finish()
             raise AbortRequest(error)

@@ -78,7 +78,7 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
         self.lifecycle = Lifecycle(on_ready=self._ready, on_restarted=self._restarted)
         self.restart_clock = RestartClock()  # where a restart's time goes (engine_restarted)
         self.backoff = Backoff()  # a crash loop's waits; set by the recovery plugin
-        self.ledger = RequestLedger(beat=self._loop_polled)
+        self.ledger = RequestLedger(beat=self._loop_polled, on_finished=self._request_finished)
         self.steps = 0
         self.last_beat = time.monotonic()
         # The crash-loop budget: failures nobody was blamed for (guardian.engine.blame).
@@ -100,6 +100,8 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
         self.plugin_view = None
         # Called before every engine step: no plugin call at all by default.
         self._step_hook = active_hook(pm, "on_engine_step")
+        # Told of each user's request that ends; None: nobody listens, nothing to compute.
+        self._finished_hook = active_hook(pm, "on_request_finished")
         # A loop abandoned while it reads weights must not assign them later.
         stock.guard_model_loads(model_provider, self._check_load_owner)
         super().__init__(model_provider, prompt_cache)
@@ -430,6 +432,12 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
             classification=classification,
             restarts=restarts,
         )
+
+    def _request_finished(self, record: RequestRecord, outcome: str) -> None:
+        """A request ended (any thread): tell the plugins its tokens and pace; probes are not told."""
+        if self._finished_hook is not None and not record.synthetic:
+            notify(self._finished_hook, request_id=record.request_id, outcome=outcome,
+                   engine=self.plugin_view, **record.usage())
 
     def give_up(self, reason: str, exit_code: int = EXIT_ENGINE_FAILED, records=()) -> None:
         """Answer every request (and ``records``, taken from the dead loop),

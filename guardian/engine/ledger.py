@@ -13,6 +13,7 @@ import contextlib
 import itertools
 import threading
 import time
+from array import array
 from collections import deque
 from enum import Enum
 from queue import Empty, Queue
@@ -35,6 +36,10 @@ class Stage(Enum):
     DONE = "done"
 
 
+# How a request ended (``on_request_finished``'s ``outcome``).
+COMPLETED, FAILED, CANCELLED = "completed", "failed", "cancelled"
+
+
 class RequestRecord:
     """One request's response queue, as the generation loop sees it.
 
@@ -50,7 +55,7 @@ class RequestRecord:
     _ids = itertools.count()
 
     def __init__(self, downstream: Queue, item: tuple, *, request_id: str, stream: bool, ledger,
-                 synthetic: bool = False):
+                 synthetic: bool = False, arrived_at: Optional[float] = None):
         self.seq = next(self._ids)
         self.downstream = downstream
         self.item = item  # (self, request, args) as the loop takes it
@@ -65,6 +70,10 @@ class RequestRecord:
         self.first_args = item[2]  # as the handler made them (continuations copy them)
         self.generated: list[int] = []  # token ids sent (streaming) or held
         self.continuations = 0
+        # Its pace, for on_request_finished: when the handler took it (monotonic),
+        # and when each token came, re-runs' included (8 bytes a token).
+        self.arrived_at = time.monotonic() if arrived_at is None else arrived_at
+        self.token_times = array("d")
         self._held: list = []
         self._first_ctx = None
         self._current_ctx = None
@@ -120,6 +129,7 @@ class RequestRecord:
 
     def _on_token(self, response):
         self.generated.append(response.token)
+        self.token_times.append(time.monotonic())
         if self.stream:
             self.stage = Stage.STREAMING
             self.downstream.put(response)
@@ -132,7 +142,7 @@ class RequestRecord:
         self._held.clear()
         self.downstream.put(terminal)
         self.stage = Stage.DONE
-        self.ledger.finished(self, completed=terminal is None)
+        self.ledger.finished(self, COMPLETED if terminal is None else FAILED)
 
     def cancel(self) -> None:
         """Nobody waits for this request any more (any thread)."""
@@ -173,6 +183,17 @@ class RequestRecord:
             if self.stage is not Stage.DONE:  # its client may have left meanwhile
                 self.stage = Stage.QUEUED
 
+    def usage(self) -> dict:
+        """Its tokens and their pace, as ``on_request_finished`` reports them."""
+        ctx, times = self._first_ctx, self.token_times
+        return {
+            "prompt_tokens": len(ctx.prompt) if ctx is not None else 0,
+            "cached_prompt_tokens": max(ctx.prompt_cache_count, 0) if ctx is not None else 0,
+            "generated_tokens": len(times),
+            "time_to_first_token_s": times[0] - self.arrived_at if times else None,
+            "time_between_tokens_s": [later - earlier for earlier, later in zip(times, times[1:])],
+        }
+
     @property
     def client_has_output(self) -> bool:
         """Whether a client was sent tokens: a re-run would repeat them."""
@@ -211,10 +232,14 @@ class RequestLedger:
     """
 
     def __init__(self, beat: Callable[[], None] = lambda: None,
-                 gather_arriving_s: float = GATHER_ARRIVING_S):
+                 gather_arriving_s: float = GATHER_ARRIVING_S,
+                 on_finished: Callable[[RequestRecord, str], None] = lambda record, outcome: None):
         self.beat = beat
+        # Told of every request that ends, and how (COMPLETED, FAILED, CANCELLED).
+        self.on_finished = on_finished
         self.gather_arriving_s = gather_arriving_s
         self._arriving = 0  # requests being admitted, not yet put
+        self._set_aside = 0  # of those, waiting for memory the loop must free
         self._this_thread = threading.local()
         self._cond = threading.Condition()
         self._incoming: deque[tuple] = deque()
@@ -245,16 +270,17 @@ class RequestLedger:
         must not wait for a request that waits for it."""
         counted = getattr(self._this_thread, "arriving", False)
         if counted:
-            self._count_arriving(-1)
+            self._count_arriving(-1, set_aside=+1)
         try:
             yield
         finally:
             if counted:
-                self._count_arriving(+1)
+                self._count_arriving(+1, set_aside=-1)
 
-    def _count_arriving(self, change: int) -> None:
+    def _count_arriving(self, change: int, set_aside: int = 0) -> None:
         with self._cond:
             self._arriving += change
+            self._set_aside += set_aside
             self._cond.notify_all()
 
     def put(self, item, block=True, timeout=None, *, synthetic: bool = False):
@@ -269,6 +295,7 @@ class RequestLedger:
             stream=info.stream,
             ledger=self,
             synthetic=synthetic,
+            arrived_at=info.started_at,
         )
         record.item = (record, request, args)
         # Arrived: no longer counted as arriving, in the same step as queued.
@@ -344,13 +371,14 @@ class RequestLedger:
         self._in_flight[record.seq] = record
         return item
 
-    def finished(self, record: RequestRecord, completed: bool = False) -> None:
+    def finished(self, record: RequestRecord, outcome: str = CANCELLED) -> None:
         with self._cond:
-            self.completed += completed
+            self.completed += outcome == COMPLETED
             self._in_flight.pop(record.seq, None)
             if self._isolated is record:
                 self._isolated = None
             self._cond.notify_all()
+        self.on_finished(record, outcome)
 
     # -- the supervisor's side --------------------------------------------
     def take_in_flight(self) -> list[RequestRecord]:
@@ -388,6 +416,7 @@ class RequestLedger:
         with self._cond:
             return {
                 "arriving": self._arriving,
+                "waiting_for_memory": self._set_aside,
                 "queued": len(self._incoming),
                 "rerun_queued": len(self._reruns),
                 "in_flight": len(self._in_flight),

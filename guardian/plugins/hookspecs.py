@@ -65,6 +65,18 @@ def admit_request(admission, engine):
     """
 
 
+@hookspec
+def on_admission_decision(error):
+    """A completion request was let in (``error`` None) or turned away at the door.
+
+    The HTTP thread serving it. ``error`` is the GuardianError its client
+    receives: a field the validation refused, an ``admit_request`` hook's
+    refusal (context length, KV budget, quarantine), or a prompt the model
+    cannot read. Bodies refused before their fields are read (413, JSON
+    that does not parse) are not reported. Return value ignored.
+    """
+
+
 # -- engine --------------------------------------------------------------------
 @hookspec
 def on_engine_step(step, engine):
@@ -120,6 +132,27 @@ def on_request_failed(request_id, error, engine):
 
     Any thread. ``error`` is the GuardianError the client receives.
     Return value ignored.
+    """
+
+
+@hookspec
+def on_request_finished(request_id, outcome, prompt_tokens, cached_prompt_tokens, generated_tokens,
+                        time_to_first_token_s, time_between_tokens_s, engine):
+    """A user's request the engine had queued ended; probes are not reported.
+
+    The thread that ended it: the generation thread, or an HTTP thread
+    when the client left or an error answered it. ``outcome`` is
+    ``"completed"`` (it had its last token), ``"failed"`` (answered with an
+    error; ``on_request_failed`` says which) or ``"cancelled"`` (its client
+    left). ``prompt_tokens``: the prompt's length as the engine first ran it
+    (0 if it never started), ``cached_prompt_tokens`` of them taken from the
+    prompt cache. ``generated_tokens``: tokens the engine generated for it,
+    those of a run a failure discarded included. ``time_to_first_token_s``:
+    from when the handler took the request (admission and queueing
+    included) to its first token; None without one.
+    ``time_between_tokens_s``: the gaps between its tokens, in order (a
+    restart's included). Keep it cheap: most calls come from the
+    generation thread. Return value ignored.
     """
 
 
