@@ -23,7 +23,7 @@ from typing import Optional
 
 import structlog
 
-from guardian import relay_protocol, stock
+from guardian import metrics, relay_protocol, stock
 from guardian.admission.facts import context_length_of
 from guardian.context import add_response_headers, current_request, request_scope
 from guardian.errors import AbortRequest, GuardianError, from_stock_exception
@@ -158,6 +158,8 @@ class GuardianHandler(stock.APIHandler):
             live = getattr(self.response_generator, "live", None)
             config = {"config": live.status()} if live is not None else {}
             self.send_json(200, {**engine.status(), **watchdog.status(), **config})
+        elif path == "/metrics":
+            self.send_metrics(metrics.registry_of(self.response_generator.pm))
         elif path.startswith("/v1/models"):
             self.send_models(engine.cli_args, self.response_generator.gate)
         else:
@@ -171,6 +173,17 @@ class GuardianHandler(stock.APIHandler):
         ))
 
     do_PUT = do_PATCH = do_DELETE = send_unknown_path
+
+    def send_metrics(self, registry) -> None:
+        """Prometheus' text (guardian.metrics); a 404 when the metrics plugin is disabled."""
+        if registry is None:
+            return self.send_unknown_path()
+        body, content_type = metrics.exposition(registry, self.headers.get("Accept"))
+        self.send_response(200)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
 
     def send_models(self, cli_args, gate) -> None:
         """Stock's listing with each model's ``context_length``; no hub cache is no error."""

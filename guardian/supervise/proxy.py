@@ -30,6 +30,7 @@ import httpx
 import structlog
 
 from guardian import relay_protocol
+from guardian.supervise import metrics as supervise_metrics
 from guardian.supervise.crash_quarantine import fingerprint
 from guardian.errors import GuardianError
 
@@ -64,6 +65,7 @@ SUSPECT_SEND_GRACE_S = 0.05
 # Answered by the supervisor whoever the child is.
 LIVENESS_PATH = "/livez"
 STATUS_PATH = "/guardian/supervisor"
+METRICS_PATH = "/metrics"
 READINESS_PATH = "/readyz"
 HEALTH_PATHS = ("/health", READINESS_PATH)
 # /readyz?deep=1 runs the child's probes now (10 s deadline by default).
@@ -114,6 +116,8 @@ class ProxyHandler(BaseHTTPRequestHandler):
             return self.send_json(200, {"status": "ok"})
         if path == STATUS_PATH:
             return self.send_json(200, supervisor.status())
+        if path == METRICS_PATH:
+            return self.send_metrics()
         if path in HEALTH_PATHS:
             return self.answer_health(path)
         request_fingerprint = fingerprint(self.command, self.path, body)
@@ -160,6 +164,7 @@ class ProxyHandler(BaseHTTPRequestHandler):
             if not reaped or resends >= supervisor.settings.max_resends:
                 return self.give_up(stream, supervisor.lost_child_error())
             resends += 1
+            supervisor.metrics.requests_resent.labels("request" if stream is None else "stream").inc()
             if stream is None:
                 log.info("request_resent", path=path, dead_child_pid=child.pid, resends=resends)
             else:
@@ -358,6 +363,7 @@ class ProxyHandler(BaseHTTPRequestHandler):
         if self.relay_record is not None:
             # Answered, but a suspect of the child's death until it is reaped.
             self.relay_record.lost = True
+        supervisor.metrics.relay_errors.labels("during_response" if sent else "before_response").inc()
         log.warning("proxy_child_lost", path=self.path, child_pid=child.pid, bytes_sent=sent,
                     error_type=type(cause).__name__, error_message=str(cause))
         if sent and stream and answer:
@@ -378,6 +384,18 @@ class ProxyHandler(BaseHTTPRequestHandler):
             self.end_headers()
             if self.command != "HEAD":
                 self.wfile.write(body)
+        except CLIENT_GONE:
+            pass
+
+    def send_metrics(self) -> None:
+        """The supervisor's metrics and its child's (guardian.supervise.metrics)."""
+        body = self.server.supervisor.metrics.exposition()
+        try:
+            self.send_response(200)
+            self.send_header("Content-Type", supervise_metrics.CONTENT_TYPE)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
         except CLIENT_GONE:
             pass
 

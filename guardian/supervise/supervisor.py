@@ -37,6 +37,7 @@ import structlog
 from guardian.config import CommandLine, ConfigError, CoreSettings, SupervisorSettings, load_config
 from guardian.counting import ActiveCount, RecentEvents
 from guardian.supervise.crash_quarantine import CrashQuarantine
+from guardian.supervise.metrics import SupervisorMetrics
 from guardian.errors import GuardianError
 from guardian import exit_codes
 from guardian.exit_codes import EXIT_OK, EXIT_SUPERVISOR_GAVE_UP, EXIT_USAGE
@@ -156,6 +157,7 @@ class Supervisor:
         # Requests in flight at crashes; the twice-struck are refused at the door.
         self.quarantine = CrashQuarantine(self.settings.quarantine_s, self.settings.window_s)
         self.httpd: Optional[PublicServer] = None
+        self.metrics = SupervisorMetrics(self)  # GET /metrics on the public port
         self.notifier = SystemdNotifier()
         self.ready_sent = False
         self.watchdog_interval = self.notifier.watchdog_interval_s()
@@ -306,6 +308,7 @@ class Supervisor:
                                 f"within {self.restart_times.window_s:g} s", EXIT_SUPERVISOR_GAVE_UP)
         self.restart_times.add()
         self.restarts += 1
+        self.metrics.child_restarted(dead)
         self.spawn_child()
 
     def give_up(self, reason: str, exit_code: int) -> None:
@@ -452,6 +455,7 @@ class Supervisor:
             child = self.child if self.state in SERVING else None
             holding = self.holding
         if refused:
+            self.metrics.requests_not_held.labels(refused).inc()
             log.warning("request_not_held", reason=refused, state=self.state, holding=holding,
                         hold_requests=self.settings.hold_requests, hold_s=self.settings.hold_s)
         return child

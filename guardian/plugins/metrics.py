@@ -1,0 +1,235 @@
+"""Prometheus metrics for ``GET /metrics``, from the observer hooks.
+
+A built-in plugin: counters and histograms move when a hook reports
+something (a restart, a stall, a probe, an admission decision, a request
+that ended), and gauges are read when Prometheus scrapes (the engine's
+state and queues, the prompt cache, mlx's memory), so nothing is sampled
+on a timer and the engine never calls into metrics. The registry is this
+plugin's own (guardian.metrics): one per server, never the global one.
+Disable it with ``[guardian] disabled_plugins = ["metrics"]``; /metrics
+then answers 404.
+
+Names follow Prometheus' conventions: the ``mlx_guardian_`` prefix, the
+unit last (``_seconds``, ``_bytes``), ``_total`` on counters. Label values
+are few by construction: error codes, classifications, rungs, probe names.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Optional
+
+import mlx.core as mx
+from prometheus_client import Counter, Histogram, PlatformCollector, ProcessCollector
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
+
+import guardian
+from guardian import metrics
+from guardian.admission.facts import device_memory
+from guardian.engine.lifecycle import EngineState
+from guardian.engine.ledger import CANCELLED, COMPLETED, FAILED
+from guardian.settings import ACTIONS
+
+P = metrics.PREFIX
+
+# Seconds. A first token waits for admission, the queue and the prefill: a
+# long prompt on a big model takes minutes. Between tokens: one decode step.
+TIME_TO_FIRST_TOKEN_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+TIME_BETWEEN_TOKENS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15,
+                               0.2, 0.3, 0.5, 1, 2.5, 5, 10)
+# A restart takes milliseconds on the loaded weights, seconds with a reload or a backoff.
+RESTART_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+PROBE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+# The engine's request counts (EngineView.status()), each a gauge: together
+# they are every request between the door and its last token.
+REQUEST_GAUGES = {
+    "arriving": ("requests_admitting", "Requests being admitted on their HTTP threads, not yet queued."),
+    "waiting_for_memory": ("requests_waiting_for_memory",
+                           "Requests waiting at admission for KV cache memory the running ones must free."),
+    "queued": ("requests_queued", "Requests queued for the engine, not yet taken by its loop."),
+    "rerun_queued": ("requests_rerun_queued", "Requests queued again after an engine failure or stall."),
+    "in_flight": ("requests_in_flight", "Requests the engine's loop has taken: prefilling or decoding (probes included)."),
+}
+
+
+class Metrics:
+    name = metrics.PLUGIN_NAME
+
+    def __init__(self):
+        self.registry = metrics.new_registry()
+        self.engine = None  # the EngineView, from guardian_startup
+        self._device_limit: Optional[tuple[int, str]] = None
+        self._device_resource_limit: Optional[int] = None
+        self._last_probes: dict[str, dict] = {}
+        self._lock = threading.Lock()
+        r = self.registry
+        self.restarts = Counter(
+            P + "engine_restarts", "Engine restarts, by the classification of the failure that caused them "
+            "(stall: a stuck loop was replaced).", ["classification"], registry=r)
+        self.restart_seconds = Histogram(
+            P + "engine_restart_duration_seconds", "From an engine failure or stall to the new loop "
+            "polling for work (a crash loop's backoff included).", buckets=RESTART_BUCKETS, registry=r)
+        self.stalls = Counter(P + "engine_stalls", "Stalls the watchdog saw, by the ladder's rung taken.",
+                              ["rung"], registry=r)
+        for rung in ACTIONS:  # known in advance: 0 until the first, so rate() sees the first
+            self.stalls.labels(rung)
+        self.probes = Counter(P + "probes", "Probe results, by probe and result (ok, failed).",
+                              ["probe", "result"], registry=r)
+        self.probe_seconds = Histogram(P + "probe_duration_seconds", "How long each probe took.",
+                                       ["probe"], buckets=PROBE_BUCKETS, registry=r)
+        self.admitted = Counter(P + "requests_admitted", "Completion requests let in at the door.", registry=r)
+        self.refused = Counter(P + "requests_refused", "Completion requests turned away at the door, by the "
+                               "error code their client got.", ["code"], registry=r)
+        self.failed = Counter(P + "requests_failed", "Requests the engine had queued that ended with an "
+                              "error instead of a completion, by error code.", ["code"], registry=r)
+        self.finished = Counter(P + "requests_finished", "Requests the engine had queued that ended, by "
+                                "outcome (completed, failed, cancelled: the client left).", ["outcome"], registry=r)
+        for outcome in (COMPLETED, FAILED, CANCELLED):
+            self.finished.labels(outcome)
+        self.prompt_tokens = Counter(P + "prompt_tokens", "Prompt tokens of the requests that ended.", registry=r)
+        self.cached_prompt_tokens = Counter(P + "prompt_tokens_cached", "Of those prompt tokens, the ones "
+                                            "the prompt cache spared the prefill.", registry=r)
+        self.generated_tokens = Counter(P + "generation_tokens", "Tokens the engine generated, those of "
+                                        "runs a failure discarded included.", registry=r)
+        self.time_to_first_token = Histogram(
+            P + "time_to_first_token_seconds", "From when the server took a request (admission and queue "
+            "included) to its first token.", buckets=TIME_TO_FIRST_TOKEN_BUCKETS, registry=r)
+        self.time_between_tokens = Histogram(
+            P + "time_between_tokens_seconds", "Gaps between a request's consecutive tokens.",
+            buckets=TIME_BETWEEN_TOKENS_BUCKETS, registry=r)
+        r.register(EngineCollector(self))
+        # The process' own: resident memory, CPU, open files; Python's version.
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)
+
+    # -- lifecycle ---------------------------------------------------------------
+    @guardian.hookimpl
+    def guardian_startup(self, engine):
+        self.engine = engine
+        # Fixed for the process: read once, not at every scrape.
+        self._device_limit = device_memory()
+        self._device_resource_limit = _device_info().get("resource_limit")
+
+    # -- counters --------------------------------------------------------------------
+    @guardian.hookimpl
+    def on_engine_restarted(self, duration_s, classification):
+        self.restarts.labels(classification or "unknown").inc()
+        self.restart_seconds.observe(duration_s)
+
+    @guardian.hookimpl
+    def on_stall(self, action):
+        self.stalls.labels(action).inc()
+
+    @guardian.hookimpl
+    def on_probe_result(self, results):
+        for result in results:
+            name = str(result.get("name", "unnamed"))
+            self.probes.labels(name, "ok" if result.get("ok") else "failed").inc()
+            if result.get("duration_ms") is not None:
+                self.probe_seconds.labels(name).observe(result["duration_ms"] / 1000)
+            with self._lock:
+                self._last_probes[name] = result
+
+    @guardian.hookimpl
+    def on_admission_decision(self, error):
+        if error is None:
+            self.admitted.inc()
+        else:
+            self.refused.labels(error.code or str(error.status)).inc()
+
+    @guardian.hookimpl
+    def on_request_failed(self, error):
+        self.failed.labels(error.code or str(error.status)).inc()
+
+    @guardian.hookimpl
+    def on_request_finished(self, outcome, prompt_tokens, cached_prompt_tokens, generated_tokens,
+                            time_to_first_token_s, time_between_tokens_s):
+        self.finished.labels(outcome).inc()
+        self.prompt_tokens.inc(prompt_tokens)
+        self.cached_prompt_tokens.inc(cached_prompt_tokens)
+        self.generated_tokens.inc(generated_tokens)
+        if time_to_first_token_s is not None:
+            self.time_to_first_token.observe(time_to_first_token_s)
+        observe = self.time_between_tokens.observe
+        for gap in time_between_tokens_s:
+            observe(gap)
+
+    def last_probes(self) -> dict[str, dict]:
+        with self._lock:
+            return dict(self._last_probes)
+
+
+class EngineCollector:
+    """The gauges read at scrape time: the engine's state and queues, the prompt
+    cache, the quarantine, mlx's memory and the device's limit."""
+
+    def __init__(self, plugin: Metrics):
+        self.plugin = plugin
+
+    def collect(self):
+        yield from self.memory()
+        engine = self.plugin.engine
+        if engine is None:  # before start-up: the engine is not serving yet
+            return
+        status = engine.status()
+        info = InfoMetricFamily(P + "build", "Versions of what serves.")
+        info.add_metric([], {"mlx_lm_version": str(status.get("mlx_lm_version")), "mlx_version": mx.__version__})
+        yield info
+        state = GaugeMetricFamily(P + "engine_state", "The engine's state: 1 for the current one.", labels=["state"])
+        for value in EngineState:
+            state.add_metric([value.value], float(status["state"] == value.value))
+        yield state
+        yield CounterMetricFamily(P + "engine_steps", "Engine steps since the process started.",
+                                  value=status["steps"])
+        yield gauge("engine_heartbeat_age_seconds",
+                    "Since the engine's loop last stepped, reported progress or polled for work.",
+                    status["heartbeat_age_s"])
+        yield gauge("engine_failures_in_window", "Engine failures the crash-loop budget counts now.",
+                    status["failures_in_window"])
+        for key, (name, documentation) in REQUEST_GAUGES.items():
+            yield gauge(name, documentation, status.get(key, 0))
+        sequences, cache_bytes = engine.prompt_cache_usage()
+        yield gauge("prompt_cache_sequences", "Sequences held by the prompt cache.", sequences)
+        yield gauge("prompt_cache_bytes", "Bytes held by the prompt cache.", cache_bytes)
+        quarantine = status.get("quarantine") or {}
+        yield gauge("quarantined_requests", "Fingerprints of requests blamed for an engine failure, "
+                    "refused at the door until their quarantine ends.", quarantine.get("quarantined_count", 0))
+        yield from self.probes()
+
+    def memory(self):
+        yield gauge("mlx_active_memory_bytes", "Memory mlx has in live arrays.", mx.get_active_memory())
+        yield gauge("mlx_cache_memory_bytes", "Memory mlx keeps in its buffer cache for reuse.", mx.get_cache_memory())
+        yield gauge("mlx_peak_memory_bytes", "The most memory mlx has had in live arrays.", mx.get_peak_memory())
+        yield gauge("mlx_memory_limit_bytes", "mlx's memory limit (mx.get_memory_limit()).", mx.get_memory_limit())
+        limit = self.plugin._device_limit
+        if limit is not None:
+            family = GaugeMetricFamily(
+                P + "device_memory_limit_bytes", "The memory the device may use: Metal's recommended "
+                "working set, or mlx's limit on the CPU; source says which.", labels=["source"])
+            family.add_metric([limit[1]], limit[0])
+            yield family
+        if self.plugin._device_resource_limit is not None:
+            yield gauge("device_resource_limit", "Metal's limit on live buffers; mlx reports no live count.",
+                        self.plugin._device_resource_limit)
+
+    def probes(self):
+        last = self.plugin.last_probes()
+        if not last:
+            return
+        family = GaugeMetricFamily(P + "probe_last_success", "Whether each probe's last run passed (1) or failed (0).",
+                                   labels=["probe"])
+        for name, result in sorted(last.items()):
+            family.add_metric([name], float(bool(result.get("ok"))))
+        yield family
+
+
+def gauge(name: str, documentation: str, value) -> GaugeMetricFamily:
+    return GaugeMetricFamily(P + name, documentation, value=float(value))
+
+
+def _device_info() -> dict:
+    try:
+        return mx.device_info()
+    except Exception:  # older mlx, or a device that reports nothing
+        return {}

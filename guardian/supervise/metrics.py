@@ -1,0 +1,130 @@
+"""The supervisor's ``GET /metrics`` on the public port, the child's engine metrics after its own.
+
+The supervisor counts what only it sees: children restarted (and why),
+requests held while no child was ready, relays a child broke, requests sent
+again; its state and the child's are read at scrape time. A guardian child's
+own /metrics (the engine: restarts, tokens, memory, ...) is fetched from its
+private port and appended, so one scrape target sees both processes; the
+two never share a metric name (``mlx_guardian_supervisor_`` here). A child
+that is not ready, or does not answer within ``health_timeout_s``, is left
+out and ``mlx_guardian_supervisor_child_metrics_up`` says 0. Imports neither
+mlx nor mlx_lm.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from typing import Optional
+
+import httpx
+from prometheus_client import Counter, Gauge, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+from guardian import metrics
+
+P = metrics.PREFIX + "supervisor_"
+# The classic text format, asked of the child too: two expositions in it can
+# be concatenated (OpenMetrics ends each with "# EOF").
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class SupervisorMetrics:
+    """The supervisor's counters, and its scrape."""
+
+    def __init__(self, supervisor):
+        self.supervisor = supervisor
+        self.registry = r = metrics.new_registry()
+        self.child_restarts = Counter(
+            P + "child_restarts", "Children replaced, by why the last one went: the signal that killed it "
+            "(SIGKILL, SIGSEGV, ...), exit_N for its exit code, or unhealthy / start_timeout when the "
+            "supervisor stopped it.", ["reason"], registry=r)
+        self.requests_not_held = Counter(
+            P + "requests_not_held", "Requests answered 503 while no child was ready, by why "
+            "(hold_queue_full, hold_timed_out).", ["reason"], registry=r)
+        for reason in ("hold_queue_full", "hold_timed_out"):
+            self.requests_not_held.labels(reason)
+        self.relay_errors = Counter(
+            P + "relay_errors", "Relays to a child that failed, by when: before_response (nothing was "
+            "sent to the client) or during_response.", ["stage"], registry=r)
+        for stage in ("before_response", "during_response"):
+            self.relay_errors.labels(stage)
+        self.requests_resent = Counter(
+            P + "requests_resent", "Requests sent again to the next child after theirs died: a request "
+            "not yet answered, or a stream continued after the tokens its client has.", ["kind"], registry=r)
+        for kind in ("request", "stream"):
+            self.requests_resent.labels(kind)
+        self.child_metrics_up = Gauge(
+            P + "child_metrics_up", "Whether this scrape includes the child's engine metrics.", registry=r)
+        r.register(SupervisorCollector(supervisor))
+
+    def child_restarted(self, dead) -> None:
+        """Count a restart, labelled by how ``dead`` (the child replaced) went."""
+        self.child_restarts.labels(restart_reason(dead)).inc()
+
+    def exposition(self) -> bytes:
+        """The supervisor's metrics, then the ready child's own, if it answers in time."""
+        child_text = self.child_exposition()
+        self.child_metrics_up.set(child_text is not None)
+        own = generate_latest(self.registry)
+        return own + child_text if child_text else own
+
+    def child_exposition(self) -> Optional[bytes]:
+        supervisor = self.supervisor
+        child = supervisor.serving_child(health_check=True)  # never a frozen one
+        if child is None or not child.has_readyz:  # stock has no /metrics
+            return None
+        try:
+            response = child.client.get("/metrics", headers={"Accept": CONTENT_TYPE},
+                                        timeout=supervisor.settings.health_timeout_s)
+        except httpx.HTTPError:
+            return None
+        if response.status_code != 200:  # the metrics plugin is disabled in the child
+            return None
+        return response.content
+
+
+class SupervisorCollector:
+    """Gauges read at scrape time from the supervisor's own status."""
+
+    def __init__(self, supervisor):
+        self.supervisor = supervisor
+
+    def collect(self):
+        supervisor = self.supervisor
+        from guardian.supervise.supervisor import State  # the supervisor imports this module
+
+        state = GaugeMetricFamily(P + "state", "The supervisor's state: 1 for the current one.", labels=["state"])
+        for value in (State.STARTING, State.READY, State.UNHEALTHY, State.RESTARTING, State.STOPPING, State.FAILED):
+            state.add_metric([value], float(supervisor.state == value))
+        yield state
+        child = supervisor.child
+        yield gauge("child_up", "Whether a child is running and has answered healthy.",
+                    child is not None and child.ready_at is not None)
+        if child is not None:
+            yield gauge("child_uptime_seconds", "Since the running child started.", time.monotonic() - child.started_at)
+        yield gauge("requests_held", "Requests waiting now for a child to be ready.", supervisor.holding)
+        yield gauge("requests_in_flight", "Requests the supervisor is relaying now.", supervisor.in_flight.active)
+        yield gauge("restarts_in_window", "Child restarts within the crash-loop window "
+                    "(the supervisor gives up past max_restarts).", supervisor.restart_times.count())
+        quarantine = supervisor.quarantine.status()
+        yield gauge("quarantined_requests", "Requests struck by two child crashes, refused at the door "
+                    "until their quarantine ends.", quarantine.get("quarantined_count", 0))
+
+
+def restart_reason(dead) -> str:
+    """A label with few values for how a child went: a signal's name, exit_N,
+    or the supervisor's own kill (start_timeout, unhealthy)."""
+    if dead.kill_reason is not None:
+        return "start_timeout" if dead.ready_at is None else "unhealthy"
+    code = dead.proc.returncode
+    if code is not None and code < 0:
+        try:
+            return signal.Signals(-code).name
+        except ValueError:
+            return f"signal_{-code}"
+    return f"exit_{code}"
+
+
+def gauge(name: str, documentation: str, value) -> GaugeMetricFamily:
+    return GaugeMetricFamily(P + name, documentation, value=float(value))

@@ -1,0 +1,239 @@
+"""GET /metrics in Prometheus' text format, read back with prometheus-client's own parser.
+
+Two servers for the module: an in-process guardian with a planted engine
+failure (the fault-injection plugin's poison marker), and a supervisor
+whose child is SIGKILLed. Counters are compared before and after what
+moves them, since the tests share a server. The Grafana dashboard's
+queries name only metrics a real scrape has.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import textwrap
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from conftest import REPO, Server, chat_body, free_port, poll, read_stream, spawn_guardian
+
+pytestmark = pytest.mark.one_version
+
+POISON = "POISON-FOR-METRICS"
+COMPLETIONS = "/v1/chat/completions"
+DASHBOARD = REPO / "config" / "grafana" / "mlx-guardian.json"
+
+
+class Scrape:
+    """One scrape of /metrics, parsed."""
+
+    def __init__(self, url: str):
+        response = httpx.get(url + "/metrics", timeout=10)
+        assert response.status_code == 200, response.text
+        self.content_type = response.headers["content-type"]
+        self.families = {family.name: family for family in text_string_to_metric_families(response.text)}
+        self.samples = [sample for family in self.families.values() for sample in family.samples]
+
+    @property
+    def sample_names(self) -> set[str]:
+        return {sample.name for sample in self.samples}
+
+    def value(self, name: str, **labels) -> float:
+        """The sum of the samples named ``name`` whose labels include ``labels``; 0 if none."""
+        return sum(s.value for s in self.samples
+                   if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+
+
+def moved(url: str, name: str, at_least: float, since: float, **labels) -> Scrape:
+    """Poll until ``name`` has grown by ``at_least`` since ``since``: a request's
+    counters move on the engine's thread as its client reads the last bytes."""
+    def grown():
+        scrape = Scrape(url)
+        return scrape if scrape.value(name, **labels) - since >= at_least else None
+
+    return poll(grown, 10, what=f"{name}{labels} to grow by {at_least}")
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, model_cache):
+    folder = tmp_path_factory.mktemp("metrics")
+    config = folder / "guardian.toml"
+    config.write_text(textwrap.dedent(f"""
+        [fault_injection]
+        enabled = true
+        poison_marker = "{POISON}"
+    """))
+    port = free_port()
+    server = Server(spawn_guardian(["--port", str(port), "--guardian-config", str(config)],
+                                   folder / "server.log", model_cache), port, folder / "server.log")
+    try:
+        server.wait_healthy()
+        yield server
+    finally:
+        server.stop()
+
+
+def test_metrics_parse_with_the_engine_state_and_memory(served):
+    scrape = Scrape(served.url)
+    assert scrape.content_type.startswith("text/plain")
+    assert scrape.value("mlx_guardian_engine_state", state="ready") == 1
+    assert scrape.value("mlx_guardian_engine_state") == 1  # one state at a time
+    assert scrape.value("mlx_guardian_mlx_active_memory_bytes") > 0  # the weights
+    assert scrape.value("mlx_guardian_mlx_peak_memory_bytes") >= scrape.value("mlx_guardian_mlx_active_memory_bytes")
+    assert scrape.value("mlx_guardian_mlx_memory_limit_bytes") > 0
+    assert scrape.value("mlx_guardian_device_memory_limit_bytes") > 0
+    assert scrape.value("mlx_guardian_engine_steps_total") > 0  # the start-up probe
+    assert scrape.value("process_resident_memory_bytes") > 0
+    # The start-up probe passed, and took time.
+    assert scrape.value("mlx_guardian_probes_total", probe="generation", result="ok") >= 1
+    assert scrape.value("mlx_guardian_probe_duration_seconds_count", probe="generation") >= 1
+    assert scrape.value("mlx_guardian_probe_last_success", probe="generation") == 1
+    assert scrape.families["mlx_guardian_engine_restarts"].type == "counter"
+    assert scrape.families["mlx_guardian_time_to_first_token_seconds"].type == "histogram"
+    # OpenMetrics when a scraper asks for it.
+    openmetrics = httpx.get(served.url + "/metrics", headers={"Accept": "application/openmetrics-text"}, timeout=10)
+    assert openmetrics.headers["content-type"].startswith("application/openmetrics-text")
+    assert openmetrics.text.rstrip().endswith("# EOF")
+
+
+def test_completions_move_the_token_counters_and_histograms(served):
+    before = Scrape(served.url)
+    url = served.url + COMPLETIONS
+    with httpx.Client(timeout=60) as client:
+        answer = client.post(url, json=chat_body(max_tokens=8))
+        assert answer.status_code == 200, answer.text
+        usage = answer.json()["usage"]
+        stream = read_stream(client, url, chat_body("Another story.", max_tokens=8, stream=True))
+        assert stream["status"] == 200 and stream["done"]
+    after = moved(served.url, "mlx_guardian_requests_finished_total", 2,
+                  before.value("mlx_guardian_requests_finished_total", outcome="completed"), outcome="completed")
+
+    def grew(name, **labels):
+        return after.value(name, **labels) - before.value(name, **labels)
+
+    assert grew("mlx_guardian_requests_admitted_total") == 2
+    assert grew("mlx_guardian_prompt_tokens_total") >= 2 * usage["prompt_tokens"] - 4
+    assert grew("mlx_guardian_generation_tokens_total") == 16  # the demo model runs to max_tokens
+    assert grew("mlx_guardian_time_to_first_token_seconds_count") == 2
+    assert grew("mlx_guardian_time_to_first_token_seconds_sum") > 0
+    assert grew("mlx_guardian_time_between_tokens_seconds_count") == 14  # 7 gaps each
+    # Every observation falls in some bucket: +Inf counts them all.
+    assert grew("mlx_guardian_time_between_tokens_seconds_bucket", le="+Inf") == 14
+    assert after.value("mlx_guardian_requests_in_flight") == 0
+
+
+def test_refusals_are_counted_by_code(served):
+    before = Scrape(served.url)
+    url = served.url + COMPLETIONS
+    with httpx.Client(timeout=60) as client:
+        too_long = client.post(url, json=chat_body("word " * 2100, max_tokens=4))
+        assert too_long.status_code == 400 and too_long.json()["error"]["code"] == "context_length_exceeded"
+        bad_field = client.post(url, json=chat_body(max_tokens=4, stop=7))
+        assert bad_field.status_code == 400
+        bad_code = bad_field.json()["error"]["code"]
+    after = Scrape(served.url)
+    refused = "mlx_guardian_requests_refused_total"
+    assert after.value(refused, code="context_length_exceeded") - before.value(refused, code="context_length_exceeded") == 1
+    assert after.value(refused, code=bad_code) - before.value(refused, code=bad_code) == 1
+    assert after.value("mlx_guardian_requests_admitted_total") == before.value("mlx_guardian_requests_admitted_total")
+
+
+def test_a_planted_failure_moves_the_restart_counter_with_its_classification(served):
+    before = Scrape(served.url)
+    url = served.url + COMPLETIONS
+    with httpx.Client(timeout=60) as client:
+        # The engine fails at every step of this request: a restart, a re-run
+        # alone, a second restart, then it is blamed and quarantined.
+        poisoned = client.post(url, json=chat_body(f"{POISON} pill", max_tokens=4))
+        assert poisoned.status_code == 500, poisoned.text
+        again = client.post(url, json=chat_body(f"{POISON} pill", max_tokens=4))
+        assert again.json()["error"]["code"] == "request_quarantined"
+    restarts = "mlx_guardian_engine_restarts_total"
+    label = {"classification": "metal_resource_limit"}
+    after = moved(served.url, restarts, 2, before.value(restarts, **label), **label)
+    assert after.value(restarts) - before.value(restarts) == 2  # no other classification moved
+    assert (after.value("mlx_guardian_engine_restart_duration_seconds_count")
+            - before.value("mlx_guardian_engine_restart_duration_seconds_count")) == 2
+    failed = "mlx_guardian_requests_failed_total"
+    assert after.value(failed, code="request_failed_repeatedly") - before.value(failed, code="request_failed_repeatedly") == 1
+    refused = "mlx_guardian_requests_refused_total"
+    assert after.value(refused, code="request_quarantined") - before.value(refused, code="request_quarantined") == 1
+    assert after.value("mlx_guardian_quarantined_requests") == 1
+    assert after.value("mlx_guardian_engine_failures_in_window") >= 0
+    assert after.value("mlx_guardian_engine_state", state="ready") == 1
+
+
+# -- subprocess mode ---------------------------------------------------------------
+@pytest.fixture(scope="module")
+def supervised(tmp_path_factory, model_cache):
+    folder = tmp_path_factory.mktemp("supervised-metrics")
+    port = free_port()
+    proc = spawn_guardian(["--supervise", "--port", str(port)], folder / "supervisor.log", model_cache,
+                          start_new_session=True)
+    server = Server(proc, port, folder / "supervisor.log")
+    try:
+        server.wait_healthy()
+        yield server
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # the supervisor and its child
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=10)
+
+
+def child_pid(server: Server):
+    status = httpx.get(server.url + "/guardian/supervisor", timeout=5).json()
+    child = status["child"]
+    return child["pid"] if status["state"] == "ready" and child else None
+
+
+@pytest.mark.subprocess_mode
+def test_the_supervisor_counts_a_sigkilled_childs_restart_and_passes_the_childs_metrics_on(supervised):
+    first = poll(lambda: child_pid(supervised), 30, what="a ready child")
+    with httpx.Client(timeout=60) as client:
+        assert client.post(supervised.url + COMPLETIONS, json=chat_body(max_tokens=4)).status_code == 200
+    scrape = Scrape(supervised.url)
+    assert scrape.value("mlx_guardian_supervisor_state", state="ready") == 1
+    assert scrape.value("mlx_guardian_supervisor_child_up") == 1
+    assert scrape.value("mlx_guardian_supervisor_child_restarts_total") == 0
+    # The child's engine metrics, after the supervisor's own, in one exposition.
+    assert scrape.value("mlx_guardian_supervisor_child_metrics_up") == 1
+    assert scrape.value("mlx_guardian_engine_state", state="ready") == 1
+    assert scrape.value("mlx_guardian_generation_tokens_total") >= 4
+    os.kill(first, signal.SIGKILL)
+    poll(lambda: (pid := child_pid(supervised)) and pid != first, 60, what="a new ready child")
+    after = Scrape(supervised.url)
+    assert after.value("mlx_guardian_supervisor_child_restarts_total", reason="SIGKILL") == 1
+    assert after.value("mlx_guardian_supervisor_child_restarts_total") == 1
+    assert after.value("mlx_guardian_supervisor_restarts_in_window") == 1
+    assert after.value("mlx_guardian_supervisor_child_uptime_seconds") < scrape.value(
+        "mlx_guardian_supervisor_child_uptime_seconds") + 60
+    # The new child's counters start again: only its start-up probe has generated.
+    assert after.value("mlx_guardian_generation_tokens_total") == 0
+
+
+# -- the dashboard -----------------------------------------------------------------
+# A PromQL metric name: not a function, keyword or label (those are followed
+# by "(" or sit inside {...} / by (...)).
+PROMQL_NAME = re.compile(r"\b(mlx_guardian_[a-z0-9_]+|process_[a-z0-9_]+)\b")
+
+
+def dashboard_expressions() -> list[str]:
+    dashboard = json.loads(DASHBOARD.read_text())
+    panels = [p for row in dashboard["panels"] for p in [row, *row.get("panels", [])]]
+    variables = [v["definition"] for v in dashboard["templating"]["list"] if v.get("definition")]
+    return [target["expr"] for panel in panels for target in panel.get("targets", [])] + variables
+
+
+@pytest.mark.subprocess_mode
+def test_every_metric_the_dashboard_queries_is_in_a_scrape(served, supervised):
+    expressions = dashboard_expressions()
+    assert len(expressions) >= 10
+    used = {name for expr in expressions for name in PROMQL_NAME.findall(expr)}
+    scraped = Scrape(served.url).sample_names | Scrape(supervised.url).sample_names
+    assert used and not used - scraped, f"the dashboard queries metrics no scrape has: {sorted(used - scraped)}"
