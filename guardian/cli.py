@@ -20,7 +20,7 @@ import structlog
 
 from guardian.config import CommandLine, ConfigError, CoreSettings, load_config
 from guardian.exit_codes import EXIT_USAGE
-from guardian.logs import configure_logging
+from guardian.logs import bind_process, configure_logging
 
 log = structlog.get_logger("guardian.cli")
 
@@ -35,8 +35,13 @@ def add_guardian_arguments(parser: argparse.ArgumentParser) -> None:
 def prepare(namespace: argparse.Namespace) -> None:
     """After stock parsed the flags: logging, config, plugins, demo model."""
     from guardian.live_config import LiveConfig
+    from guardian.distributed.group import current_group
     from guardian.plugins.manager import make_plugin_manager
 
+    # Under mlx.launch every rank logs to the launcher's one stderr: each line says which.
+    namespace.guardian_group = current_group()
+    if namespace.guardian_group is not None:
+        bind_process(rank=namespace.guardian_group.rank)
     configure_logging(namespace.log_format or CoreSettings.log_format.default, namespace.log_level)
     try:
         config = load_config(namespace.guardian_config)
@@ -62,7 +67,14 @@ def run(host, port, model_provider, *args, **kwargs):
     from guardian.server import serve
 
     live, pm = model_provider.cli_args.guardian_runtime
-    code = serve(host, port, model_provider, live, pm)
+    group = model_provider.cli_args.guardian_group
+    if group is not None and not group.leader:
+        # As stock: only rank 0 serves HTTP; the others follow its broadcast.
+        from guardian.distributed.member import serve_follower
+
+        code = serve_follower(model_provider, live, pm, group)
+    else:
+        code = serve(host, port, model_provider, live, pm, group)
     # A loop thread stuck in native code can never be joined, and stock's
     # own generation thread is not a daemon: leave without waiting for them.
     logging.shutdown()

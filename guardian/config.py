@@ -124,6 +124,12 @@ class WatchdogSettings(Table, name="watchdog"):
         /readyz wants a passed probe at most this old, or visible progress.""", live=True)
     resource_interval_s = Setting(Float(min=0.05), 5.0, """
         Resource samples (memory counters, cache entries) for /guardian/status.""", live=True)
+    peer_timeout_s = Setting(Float(min=0.1), 10.0, """
+        Under mlx.launch: a rank silent this long on the group's control connection
+        (stopped, or wedged with its interpreter held) is lost, as is one whose
+        process is gone (seen at once); every rank then exits with code 7, rank 0
+        after answering its clients 503 + Retry-After. Each rank sends a beat ten
+        times within it.""")
 
 
 class SupervisorSettings(Table, name="supervisor"):
@@ -168,6 +174,13 @@ class SupervisorSettings(Table, name="supervisor"):
         within this many seconds; otherwise, and whenever the supervisor holds
         the child unhealthy, they answer 503 from the supervisor's own checks.""",
         flag="--supervisor-health-timeout", metavar="S")
+    launch_args = Setting(Str(), "", """
+        Run the server as an mlx.launch group instead of one process: mlx.launch's
+        own arguments (hosts or hostfile, backend, ...), e.g. "--backend ring -n 2".
+        The supervisor starts mlx.launch with them and mlx-guardian as its program,
+        checks rank 0's /readyz (rank 0 runs on this machine), and replaces the whole
+        group (its process group) when any rank dies, stalls or the group exits.
+        "": one process.""", flag="--launch-args", metavar="ARGS")
 
 
 # Tables the core reads; every other table is a plugin's.

@@ -12,10 +12,29 @@ import sys
 
 import structlog
 
+# Fields every line of this process carries, whichever thread logs it: a rank
+# of an mlx.launch group says which one it is (``bind_process(rank=1)``).
+# Contextvars would not do: threads started later do not inherit them.
+_PROCESS_FIELDS: dict = {}
+
+
+def bind_process(**fields) -> None:
+    """Add ``fields`` to every log line of this process from now on."""
+    _PROCESS_FIELDS.update(fields)
+
+
+def add_process_fields(logger, method_name, event_dict):
+    """The fields ``bind_process`` set (the group's ranks interleave on one stderr)."""
+    for key, value in _PROCESS_FIELDS.items():
+        event_dict.setdefault(key, value)
+    return event_dict
+
+
 # Shared by structlog events and stdlib records alike.
 SHARED_PROCESSORS = [
     # Request ids bound by guardian.context reach every line of that thread.
     structlog.contextvars.merge_contextvars,
+    add_process_fields,
     structlog.stdlib.add_log_level,
     structlog.stdlib.add_logger_name,
     structlog.processors.TimeStamper(fmt="iso", utc=True),

@@ -46,6 +46,14 @@ class ExitRequest:
             self.code = code
         self._event.set()
 
+    def fail(self, code: int) -> None:
+        """A failure wins over a clean stop asked for meanwhile: mlx.launch
+        sends SIGTERM to a rank as its group breaks, at the moment this rank
+        learns why."""
+        if self.code in (None, EXIT_OK):
+            self.code = code
+        self._event.set()
+
     def wait(self) -> int:
         # A timeout keeps the main thread responsive to signals.
         while not self._event.wait(0.5):
@@ -53,8 +61,19 @@ class ExitRequest:
         return self.code
 
 
-def serve(host: str, port: int, model_provider, config: Union[GuardianConfig, LiveConfig], pm) -> int:
+def serve(host: str, port: int, model_provider, config: Union[GuardianConfig, LiveConfig], pm,
+          group=None) -> int:
+    """Serve until asked to exit; the exit code. ``group``: this process is
+    rank 0 of an mlx.launch group (guardian.distributed)."""
     live = config if isinstance(config, LiveConfig) else LiveConfig(config)
+    exit_request = ExitRequest()
+    member = None
+    if group is not None:
+        # Under mlx.launch: every rank joins before the model loads (together).
+        from guardian.distributed.member import GroupMember
+
+        member = GroupMember(group, live.config.watchdog.peer_timeout_s, exit_request)
+        member.join(pm)
     try:
         model_provider.load_default()
     except Exception as e:
@@ -69,9 +88,11 @@ def serve(host: str, port: int, model_provider, config: Union[GuardianConfig, Li
         print("mlx-guardian: " + "\nmlx-guardian: ".join(problems), file=sys.stderr)
         return EXIT_USAGE
 
-    exit_request = ExitRequest()
-    served = Guardian(model_provider, live, pm, on_exit=exit_request)
+    served = Guardian(model_provider, live, pm, on_exit=exit_request,
+                      engine_class=GuardianEngine if member is None else member.engine_class)
     engine = served.engine
+    if member is not None:
+        member.watch(engine)
     httpd = make_http_server(host, port, served)
     served.start()
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -96,6 +117,11 @@ def serve(host: str, port: int, model_provider, config: Union[GuardianConfig, Li
     httpd.shutdown()
     httpd.server_close()
     stock.stop_generation_thread(engine)
+    if member is not None:
+        # A rank lost while this one stopped (mlx.launch signals the others
+        # as a rank dies) turns the stop into the group's failure (ExitRequest.fail).
+        code = exit_request.code
+        member.leave(code)
     # Contained: a plugin failing here must not turn exit 4 into exit 1.
     notify(pm.hook.guardian_shutdown, engine=engine.plugin_view, exit_code=code)
     log.info("server_stopped", exit_code=code)
@@ -112,12 +138,13 @@ class Guardian(AdmittingGenerator):
     loop thread).
     """
 
-    def __init__(self, model_provider, config: Union[GuardianConfig, LiveConfig], pm, *, on_exit):
+    def __init__(self, model_provider, config: Union[GuardianConfig, LiveConfig], pm, *, on_exit,
+                 engine_class=GuardianEngine):
         # Every component reads its settings through the live configuration.
         live = self.live = config if isinstance(config, LiveConfig) else LiveConfig(config)
         config = live.config
-        engine = GuardianEngine(model_provider, model_provider.cli_args.prompt_cache_size,
-                                pm=pm, core=live.view("guardian"), on_exit=on_exit)
+        engine = engine_class(model_provider, model_provider.cli_args.prompt_cache_size,
+                              pm=pm, core=live.view("guardian"), on_exit=on_exit)
         model_access = ModelAccess(model_provider, allowed_models=config.core.allowed_models,
                                    allow_any_model=config.core.allow_any_model)
         model_access.keep_served_model()

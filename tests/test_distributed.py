@@ -192,6 +192,8 @@ def test_rank_0_serves_and_a_failure_on_rank_1_ends_the_group_with_503s(launch, 
 
     # The whole group exits with the group's code; no rank outlives it.
     poll(lambda: group.proc.poll() is not None, ANSWER_BOUND_S, what="the launcher's exit")
+    print(f"rank 1 failed: clients answered within {max(r['ended'] for r in results) - armed_at:.3f} s, "
+          f"the group gone within {time.monotonic() - armed_at:.3f} s")
     assert group.ranks() == {}
     assert [e["exit_code"] for e in group.rank_events("server_stopped", 0)] == [EXIT_GROUP_FAILED]
     assert [e["exit_code"] for e in group.rank_events("rank_stopped", 1)] == [EXIT_GROUP_FAILED]
@@ -224,6 +226,8 @@ def test_supervised_group_is_replaced_after_sigkill_of_rank_1(launch):
             assert result.get("retry_after", "stream") is not None
         elif "events" in result:  # a stream that had begun: ended by an error event, or continued
             assert result["errors"] or result["done"], result
+    print(f"rank 1 killed: clients answered within {max(r['ended'] for r in results) - killed_at:.3f} s "
+          f"({[r['status'] for r in results]})")
     # No rank of the first group outlives it.
     poll(lambda: not (set(first.values()) & set(group.ranks().values())), ANSWER_BOUND_S,
          what="the first group's ranks gone")

@@ -38,6 +38,7 @@ from guardian.config import CommandLine, ConfigError, CoreSettings, SupervisorSe
 from guardian.counting import ActiveCount, RecentEvents
 from guardian.supervise.crash_quarantine import CrashQuarantine
 from guardian.supervise.metrics import SupervisorMetrics
+from guardian.distributed.launch import LauncherProcess, group_command, kill_leftovers
 from guardian.errors import GuardianError
 from guardian import exit_codes
 from guardian.exit_codes import EXIT_OK, EXIT_SUPERVISOR_GAVE_UP, EXIT_USAGE
@@ -260,7 +261,10 @@ class Supervisor:
         env = {k: v for k, v in os.environ.items() if k not in SYSTEMD_ENV}
         if not stock_engine:  # streams it tags can be continued on the next child
             env[RELAY_KEY_ENV] = self.relay_key
-        proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, env=env)  # stdout, stderr: ours
+        popen = subprocess.Popen
+        if self.settings.launch_args:  # an mlx.launch group (guardian.distributed.launch)
+            command, popen = group_command(self.settings.launch_args, command), LauncherProcess
+        proc = popen(command, stdin=subprocess.DEVNULL, env=env)  # stdout, stderr: ours
         client = httpx.Client(
             base_url=f"http://{CHILD_HOST}:{port}",
             timeout=httpx.Timeout(None, connect=CHILD_CONNECT_TIMEOUT_S),
@@ -281,6 +285,7 @@ class Supervisor:
         if child is None or child.proc.poll() is None:
             return
         reason = exit_reason(child)
+        kill_leftovers(child.proc)  # a group's ranks go with their launcher
         self.last_exit = {"pid": child.pid, "generation": child.generation,
                           "returncode": child.proc.returncode, "reason": reason,
                           "uptime_s": round(time.monotonic() - child.started_at, 3),
@@ -529,6 +534,10 @@ def exit_reason(child: Child) -> str:
         if child.hard_killed and -code == signal.SIGKILL:
             return f"hard-killed (SIGKILL) by the supervisor after the grace ({child.kill_reason})"
         described = f"killed by {signal_name(-code)}: {SIGNAL_HINTS.get(-code, 'a signal')}"
+    elif isinstance(child.proc, LauncherProcess):
+        # mlx.launch exits 0 whatever its ranks did; each rank logs its own code.
+        described = (f"the group ended (mlx.launch exit code {code}; each rank logs its own "
+                     "code: rank_stopped, server_stopped)")
     else:
         described = f"exit code {code}: {exit_codes.reason(code)}"
     if child.kill_reason:
