@@ -58,6 +58,7 @@ CONTINUABLE = relay_protocol.CONTINUABLE_HEADER.lower()
 ANSWERED = "answered"
 NOTHING_SENT = "nothing sent"
 CHILD_GONE = "the child died before the request was sent"
+REFUSED_BY_STOPPING_CHILD = "refused by a child being replaced"
 # A suspect's turn comes when the request before it ended, perhaps by
 # crashing the child: its socket closes a moment before the process can be
 # waited for. The suspect looks this long for the child's exit first.
@@ -151,6 +152,8 @@ class ProxyHandler(BaseHTTPRequestHandler):
             if outcome is CHILD_GONE:
                 supervisor.wait_reaped(child)
                 continue
+            if outcome is REFUSED_BY_STOPPING_CHILD:
+                continue  # the supervisor holds it for the next child
             if outcome is ANSWERED:
                 return
             if outcome is not NOTHING_SENT:
@@ -241,6 +244,11 @@ class ProxyHandler(BaseHTTPRequestHandler):
             self.child_lost(child, e, sent=False)
             return NOTHING_SENT
         try:
+            if upstream.response.status == 503 and child.kill_reason is not None:
+                # Being replaced (a frozen child gets SIGTERM and drains), it
+                # refused a request it never ran: the next child takes it.
+                log.info("request_refused_by_stopping_child", path=self.path, child_pid=child.pid)
+                return REFUSED_BY_STOPPING_CHILD
             return self.relay(child, upstream, stream)
         finally:
             upstream.close()
