@@ -10,10 +10,15 @@ other ranks are told, and the whole group exits with code 7.
 
 from __future__ import annotations
 
+import mlx.core as mx
+import structlog
+
 import guardian
 from guardian.engine.generator import GuardianEngine
 from guardian.exit_codes import EXIT_GROUP_FAILED
 from guardian.settings import EXIT
+
+log = structlog.get_logger("guardian.group")
 
 
 class GroupEngine(GuardianEngine):
@@ -35,6 +40,21 @@ class GroupEngine(GuardianEngine):
     def recover_from_stall(self, reason: str, rung: str) -> None:
         """No rung but exit: a replacement loop would start at a collective the others are not in."""
         self.give_up(f"the engine stalled: {reason}")
+
+
+    def _trim_prompt_cache(self, target_bytes: int, reason: str) -> None:
+        """Only mlx's buffer cache, never prompt-cache entries: each rank looks a
+        prompt up in its own prompt cache, and a hit on one rank with a miss on
+        another would have them prefill different tokens between collectives.
+        The ranks' caches stay identical only while every rank inserts and
+        evicts the same entries, which a trim decided on one rank would break."""
+        mx.clear_cache()
+        if not self._trim_refused:
+            self._trim_refused = True
+            log.warning("prompt_cache_trim_skipped", reason=reason, target_bytes=target_bytes,
+                        why="the ranks of a group must keep identical prompt caches")
+
+    _trim_refused = False
 
 
 class GroupPolicy:
