@@ -65,6 +65,7 @@ REQUIRED = {
     "LRUPromptCache": "the prompt cache the engine owns",
     "LRUPromptCache.trim_to": "drop least recently used entries: under memory pressure (resources), after a stall",
     "LRUPromptCache.nbytes": "the prompt cache's bytes: how much a trim must drop; resource samples",
+    "BatchGenerator.prompt_cache_nbytes": "the KV caches of the requests in the batch, for resource samples",
     "ModelProvider._load": "what load() calls with the model key it computed",
     "APIHandler.handle_models_request": "stock's /v1/models listing, extended",
     "scan_cache_dir": "module global the listing calls; made safe without a hub cache",
@@ -486,6 +487,13 @@ def step_observed(stock_class, observe: Callable[[], None]):
     """A subclass of stock BatchGenerator calling ``observe()`` before each step."""
 
     class ObservedBatchGenerator(stock_class):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            # The engine whose loop made it may read its requests' KV caches.
+            made: Optional[Callable[[object], None]] = getattr(_this_loop, "batch_made", None)
+            if made is not None:
+                made(self)
+
         def next(self):
             observe()
             return super().next()
@@ -528,12 +536,14 @@ _routing_installed = False
 _routing_lock = threading.Lock()
 
 
-def route_loop_thread(*, observe: Callable[[], None], pin: PinOnRequest) -> None:
+def route_loop_thread(*, observe: Callable[[], None], pin: PinOnRequest,
+                      batch_made: Optional[Callable[[object], None]] = None) -> None:
     """Route the stock loop's steps and sampling failures on the calling thread
     to one engine's ``observe`` and ``pin``. Installs the seams the first time."""
     _install_routing()
     _this_loop.observe = observe
     _this_loop.pin = pin
+    _this_loop.batch_made = batch_made
     _this_loop.continued = None
 
 

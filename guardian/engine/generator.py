@@ -15,6 +15,7 @@ import itertools
 import threading
 import time
 import traceback
+import weakref
 from collections import deque
 from queue import Empty, Queue
 from typing import Callable, Optional
@@ -95,6 +96,11 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
         # alone), done at its next look at the queue: at most every 0.1 s idle.
         self._loop_chores: deque = deque()
         self._trim_pending = False
+        # The loop's BatchGenerator (weakly: it goes with the loop), and the
+        # bytes of its requests' KV caches when the loop last measured them.
+        self._batch = None
+        self._requests_kv_bytes: Optional[int] = None
+        self._kv_measure_pending = False
         # What hooks receive as ``engine`` (a guardian.plugins.facade.EngineView),
         # set by whoever serves this engine before the first request.
         self.plugin_view = None
@@ -207,7 +213,8 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
         """The loop thread: own the engine, route stock's seams here, run the loop."""
         try:
             self.lifecycle.loop_started()
-            stock.route_loop_thread(observe=self._observe_step, pin=self._pin_on_request)
+            stock.route_loop_thread(observe=self._observe_step, pin=self._pin_on_request,
+                                    batch_made=self._batch_made)
             self._restart_until_stopped(run_stock_loop)
         except EngineAbandoned:
             log.warning("abandoned_loop_exited", thread=threading.current_thread().name)
@@ -500,6 +507,24 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
 
         self._loop_chores.append(trim)
         return True
+
+    def _batch_made(self, batch_generator) -> None:
+        self._batch = weakref.ref(batch_generator)
+
+    def requests_kv_bytes(self) -> Optional[int]:
+        """Bytes of the KV caches of the requests in stock's batch, as the loop
+        measured them at its last look at the queue after the previous call
+        (measured on the loop thread, which alone changes them); a new
+        measurement is asked for. None: no batch (yet, or a non-batched model)."""
+        if not self._kv_measure_pending:
+            self._kv_measure_pending = True
+            self._loop_chores.append(self._measure_requests_kv)
+        return self._requests_kv_bytes
+
+    def _measure_requests_kv(self) -> None:
+        self._kv_measure_pending = False
+        batch = self._batch() if self._batch is not None else None
+        self._requests_kv_bytes = None if batch is None else batch.prompt_cache_nbytes
 
     def _trim_prompt_cache(self, target_bytes: int, reason: str) -> None:
         cache = self.prompt_cache

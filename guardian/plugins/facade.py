@@ -45,6 +45,11 @@ class EngineView:
         cache = self._engine.prompt_cache
         return len(cache), cache.nbytes
 
+    def requests_kv_bytes(self) -> Optional[int]:
+        """Bytes of the KV caches the requests in stock's batch hold (measured by the
+        loop at its last look at the queue); None: no batch."""
+        return self._engine.requests_kv_bytes()
+
     def relieve_memory(self, target_bytes: int, reason: str) -> bool:
         """Soon, on the loop thread: ``mx.clear_cache()``, then drop least recently
         used prompt-cache entries until mlx's memory is at most ``target_bytes``

@@ -6,8 +6,9 @@ recommended working set; on the CPU, mlx's memory limit), and what the
 guardian can count that holds buffers. mlx exposes no live Metal buffer
 count (``MetalAllocator::num_resources_`` is internal; PRs to expose it were
 closed), only byte counters and the static ``resource_limit``: the buffer
-proxy is the prompt cache's entries and bytes and the requests in flight
-(each holds one KV cache: two arrays per layer). The sample is logged
+proxy is the prompt cache's entries and bytes, the requests in flight and
+the bytes of their KV caches in stock's batch (each request holds one KV
+cache: two arrays per layer). The sample is logged
 (``resource_sample``, DEBUG) and shown in ``/guardian/status``.
 
 Memory in use is mlx's active plus cache memory. Above ``trim_above``
@@ -180,6 +181,7 @@ class Resources:
             "prompt_cache_bytes": cache_bytes,
             "requests_in_flight": engine.requests_in_flight(),
             "requests_started": started,
+            "requests_kv_cache_bytes": engine.requests_kv_bytes(),
             "kv_cache_arrays_estimate": (sequences + started) * arrays_per_cache,
         }
 
