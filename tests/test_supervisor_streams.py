@@ -1,6 +1,6 @@
 """Subprocess mode continues a stream across its child's death.
 
-A stream cut by a SIGKILL or SIGSEGV of its child goes on from the next
+A stream (chat or text completion) cut by a SIGKILL or SIGSEGV of its child goes on from the next
 child, after the tokens its client already has (guardian.relay_protocol):
 the client sees one stream. At temperature 0 the demo model's argmax is
 deterministic, so the continued stream must be the one an unfailed run
@@ -20,6 +20,7 @@ import pytest
 
 from conftest import chat_body, poll
 from test_continuation import streamed
+from test_continuation import TEXT as TEXT_COMPLETIONS
 from test_supervisor import COMPLETIONS, SLOW_STEPS, assert_restarting_error, start_supervisor  # noqa: F401 - a fixture
 
 
@@ -60,19 +61,23 @@ def read_whole(url: str, body: dict) -> StreamReader:
     return reader
 
 
-@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGSEGV])
-def test_a_stream_cut_by_the_childs_death_is_continued_on_the_next_child(start_supervisor, tmp_path, signum):
+@pytest.mark.parametrize("signum, path", [(signal.SIGKILL, COMPLETIONS), (signal.SIGSEGV, TEXT_COMPLETIONS)])
+def test_a_stream_cut_by_the_childs_death_is_continued_on_the_next_child(start_supervisor, tmp_path, signum, path):
     config = tmp_path / "slow.toml"
     config.write_text(SLOW_STEPS)  # steps of at least 10 ms: the kill lands mid-stream
     supervised = start_supervisor("--guardian-config", str(config))
     first_pid = supervised.wait_ready()
     body = greedy_stream("Go on across the crash.", max_tokens=120)
-    reference = read_whole(supervised.url + COMPLETIONS, body)
+    if path == TEXT_COMPLETIONS:
+        body = {**{k: v for k, v in body.items() if k != "messages"}, "prompt": "Go on across the crash."}
+    reference = read_whole(supervised.url + path, body)
     assert reference.result["done"] and not reference.result["errors"]
 
-    cut = StreamReader(supervised.url + COMPLETIONS, body)
+    cut = StreamReader(supervised.url + path, body)
     cut.start()
-    poll(lambda: len(cut.result["events"]) >= 30, 60, what="30 events relayed")
+    # A third of the way (the demo model's text completions send fewer events than tokens).
+    events_before_kill = len(reference.result["events"]) // 3
+    poll(lambda: len(cut.result["events"]) >= events_before_kill, 60, what="a third of the events relayed")
     os.kill(first_pid, signum)
     cut.join(timeout=120)
     assert not cut.is_alive()
@@ -87,7 +92,7 @@ def test_a_stream_cut_by_the_childs_death_is_continued_on_the_next_child(start_s
     assert not any(line.startswith(": guardian-tokens") for line in cut.raw_lines)
     assert not any(name.lower().startswith("x-guardian-continu") for name in cut.headers)
     [continuing] = supervised.supervisor_events("stream_continuing")
-    assert continuing["dead_child_pid"] == first_pid and continuing["tokens_relayed"] >= 30
+    assert continuing["dead_child_pid"] == first_pid and continuing["tokens_relayed"] >= events_before_kill
     second_pid = supervised.wait_ready(not_pid=first_pid, timeout=30)
     assert second_pid != first_pid
     print(f"\nmeasured: {continuing['tokens_relayed']} tokens relayed before the "
