@@ -22,6 +22,7 @@ from guardian.counting import ActiveCount
 from guardian.admission.facts import served_model_config
 from guardian.admission.gate import AdmissionGate, AdmittingGenerator
 from guardian.engine.generator import GuardianEngine
+from guardian.errors import AbortRequest, GuardianError
 from guardian.exit_codes import EXIT_BOOT_ERROR, EXIT_OK, EXIT_USAGE
 from guardian.http import GuardianHandler
 from guardian.live_config import LiveConfig
@@ -111,7 +112,7 @@ def serve(host: str, port: int, model_provider, config: Union[GuardianConfig, Li
     )
     code = exit_request.wait()
     log.info("server_stopping", exit_code=code)
-    served.watchdog.stop()
+    served.stop_admitting()
     live.stop()
     drain(httpd, engine, live.config.core.exit_grace_s)
     httpd.shutdown()
@@ -171,6 +172,23 @@ class Guardian(AdmittingGenerator):
         notify(self.pm.hook.guardian_startup, engine=self.engine.plugin_view, config=self.config)
         if self.config.watchdog.enabled:
             self.watchdog.start()
+
+    # Set once the process is exiting; requests in flight drain meanwhile.
+    stopping = False
+
+    def stop_admitting(self) -> None:
+        """From now on /readyz says 503 (a load balancer takes this replica out,
+        see config/haproxy/) and a new request gets 503 + Retry-After (one that
+        retries on 503 sends it to another replica) instead of lengthening the drain."""
+        self.stopping = True
+        self.watchdog.stop()
+
+    def generate(self, request, generation_args, progress_callback=None):
+        if self.stopping:
+            raise AbortRequest(GuardianError(
+                "The server is stopping; send the request again.", status=503, code="server_stopping",
+                retry_after_s=self.config.core.retry_after_s))
+        return super().generate(request, generation_args, progress_callback)
 
 
 def make_http_server(host: str, port: int, served: Optional[Guardian]) -> ThreadingHTTPServer:
