@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import sys
+import textwrap
 from pathlib import Path
 
 import structlog
@@ -25,11 +26,31 @@ from guardian.logs import bind_process, configure_logging
 log = structlog.get_logger("guardian.cli")
 
 
+DESCRIPTION = """\
+mlx_lm.server that survives a dying or stuck engine: every mlx_lm.server
+flag below, and the guardian's (group "mlx-guardian")."""
+
+
 def add_guardian_arguments(parser: argparse.ArgumentParser) -> None:
-    """The guardian's flags beside stock's, from the settings registry."""
+    """The guardian's flags beside stock's, from the settings registry; the
+    other ways to run the command in the help's epilog."""
     group = parser.add_argument_group("mlx-guardian")
     CommandLine.add_flags(group)
     CoreSettings.log_format.add_flag(group)
+    parser.description = DESCRIPTION
+    parser.epilog = other_commands_help()
+    # Keeps the epilog's lines; flags' help texts are wrapped as before.
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+
+
+def other_commands_help() -> str:
+    lines = ["other commands:"]
+    for usage, summary in [*((f"mlx-guardian {name} {args}", summary)
+                             for name, (_, args, summary) in COMMANDS.items()),
+                           ("mlx-guardian --supervise [flags]", SUPERVISE_SUMMARY)]:
+        lines.append(f"  {usage}")
+        lines.append(textwrap.fill(summary, width=79, initial_indent=" " * 6, subsequent_indent=" " * 6))
+    return "\n".join(lines)
 
 
 def prepare(namespace: argparse.Namespace) -> None:
@@ -83,7 +104,7 @@ def run(host, port, model_provider, *args, **kwargs):
 
 
 def demo_model_command(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="mlx-guardian demo-model")
+    parser = argparse.ArgumentParser(prog="mlx-guardian demo-model", description=COMMANDS["demo-model"][2])
     parser.add_argument("path", type=Path, help="folder to write the model into")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
@@ -94,7 +115,7 @@ def demo_model_command(argv: list[str]) -> int:
 
 
 def plugins_command(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="mlx-guardian plugins")
+    parser = argparse.ArgumentParser(prog="mlx-guardian plugins", description=COMMANDS["plugins"][2])
     CommandLine.guardian_config.add_flag(parser)
     args = parser.parse_args(argv)
     from guardian.plugins.manager import describe, make_plugin_manager
@@ -108,11 +129,22 @@ def plugins_command(argv: list[str]) -> int:
     return 0
 
 
+# name: (function, arguments, what it does), for main() and --help.
+COMMANDS = {
+    "plugins": (plugins_command, "[--guardian-config FILE]",
+                "print the plugins loaded (built-in, entry points, the config's) and the hooks each implements"),
+    "demo-model": (demo_model_command, "PATH [--seed N]",
+                   "write the small random demo model (served when --model is not given) into PATH"),
+}
+SUPERVISE_SUMMARY = ("subprocess mode: a supervisor runs the server as a child process and replaces it "
+                     "when it dies; its own flags: mlx-guardian --supervise --help")
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
-    commands = {"demo-model": demo_model_command, "plugins": plugins_command}
-    if argv and argv[0] in commands:
-        raise SystemExit(commands[argv[0]](argv[1:]))
+    if argv and argv[0] in COMMANDS:
+        command = COMMANDS[argv[0]][0]
+        raise SystemExit(command(argv[1:]))
     if CommandLine.supervise.flag in argv:
         # Subprocess mode: the supervisor must carry no mlx, so guardian.stock
         # (which imports mlx_lm) is only imported below, for the engine.

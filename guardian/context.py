@@ -33,6 +33,10 @@ class RequestInfo:
     started_at: Optional[float] = None
 
 
+# The request's id goes back to its client in this header (the client's own
+# when it sent a sane one: guardian.http).
+REQUEST_ID_HEADER = "X-Request-ID"
+
 _current: contextvars.ContextVar[RequestInfo] = contextvars.ContextVar(
     "guardian_request", default=RequestInfo()
 )
@@ -69,7 +73,7 @@ def bind_log_fields(**fields) -> None:
 
 @contextlib.contextmanager
 def request_scope(request_id: str, stream: bool):
-    info = RequestInfo(request_id=request_id, stream=stream, response_headers={},
+    info = RequestInfo(request_id=request_id, stream=stream, response_headers={REQUEST_ID_HEADER: request_id},
                        at_end=[], started_at=time.monotonic())
     token = _current.set(info)
     # Fields bound during the request must not follow the thread to the

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import socket
 import time
 from pathlib import Path
@@ -25,7 +26,7 @@ import structlog
 
 from guardian import metrics, relay_protocol, stock
 from guardian.admission.facts import context_length_of
-from guardian.context import add_response_headers, current_request, request_scope
+from guardian.context import REQUEST_ID_HEADER, add_response_headers, current_request, request_scope
 from guardian.errors import AbortRequest, GuardianError, from_stock_exception
 
 log = structlog.get_logger("guardian.http")
@@ -35,16 +36,31 @@ _CLIENT_GONE = (BrokenPipeError, ConnectionResetError, ConnectionAbortedError)
 # Stock's completion endpoints: the POST paths that carry a JSON body.
 TEXT_COMPLETION_PATH = "/v1/completions"
 COMPLETION_PATHS = (TEXT_COMPLETION_PATH, "/v1/chat/completions", "/chat/completions")
+# Polled by the supervisor, load balancers and Prometheus: their access
+# lines are routine, at DEBUG (what they report is logged as it changes).
+MONITORING_PATHS = frozenset({"/health", "/livez", "/readyz", "/guardian/status", "/metrics"})
+# A client's X-Request-ID is used as the request's id when it is one token
+# of these characters: it goes into log lines and back into a header.
+SANE_REQUEST_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/+=@-]{0,127}")
 
 
 class GuardianHandler(stock.APIHandler):
     # Where responses go while stock's do_POST has not yet dispatched (see do_POST).
     _client_wfile = None
+    # The client's X-Request-ID for the request being answered, when sane.
+    client_request_id: Optional[str] = None
+
+    def parse_request(self) -> bool:
+        # Per request: one connection (one handler) may carry several.
+        parsed = super().parse_request()
+        given = self.headers.get(REQUEST_ID_HEADER, "") if parsed else ""
+        self.client_request_id = given if SANE_REQUEST_ID.fullmatch(given) else None
+        return parsed
 
     def handle_completion(self, request, stop_words):
         # Stock accepted the body: from here on it writes to the client.
         self.resume_client_output()
-        with self.server.completions, request_scope(self.request_id, bool(self.stream)):
+        with self.server.completions, request_scope(self.client_request_id or self.request_id, bool(self.stream)):
             if self.stream and relay_protocol.relayed_by_supervisor(self.headers):
                 return self.handle_relayed_stream(request, stop_words)
             self.handle_completion_answered(request, stop_words)
@@ -282,9 +298,13 @@ class GuardianHandler(stock.APIHandler):
             return
 
     def end_headers(self):
-        # Headers admission set for this request (X-Guardian-...), whoever
-        # writes the response: stock or the guardian's error path.
-        for name, value in (current_request().response_headers or {}).items():
+        # Headers admission set for this request (X-Guardian-...) and its
+        # X-Request-ID, whoever writes the response: stock or the guardian's
+        # error path. Outside a completion, a sane X-Request-ID is echoed.
+        headers = current_request().response_headers
+        if headers is None and self.client_request_id:
+            headers = {REQUEST_ID_HEADER: self.client_request_id}
+        for name, value in (headers or {}).items():
             self.send_header(name, value)
         super().end_headers()
 
@@ -305,7 +325,8 @@ class GuardianHandler(stock.APIHandler):
     def log_message(self, format, *args):
         # BaseHTTPRequestHandler writes access lines straight to stderr;
         # route them through structlog so every line is JSON.
-        log.info("http_access", client=self.client_address[0], line=format % args)
+        routine = self.command == "GET" and getattr(self, "path", "").partition("?")[0] in MONITORING_PATHS
+        (log.debug if routine else log.info)("http_access", client=self.client_address[0], line=format % args)
 
 
 class RelayedGenerator:

@@ -2,13 +2,19 @@
 
 Guardian events go through structlog; mlx_lm's own ``logging`` records go
 through the same processors (``ProcessorFormatter.foreign_pre_chain``), so
-every line has one shape whichever library wrote it.
+every line has one shape whichever library wrote it. So do Python's
+warnings (``logging.captureWarnings``) and libraries that print through a
+handler of their own (transformers). Lines that repeat at INFO while
+nothing happens (probes, the supervisor's health checks) are written at
+DEBUG, so an idle server at INFO writes nothing.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
+import threading
 
 import structlog
 
@@ -52,6 +58,79 @@ class DropRawRequestBodies(logging.Filter):
         return not (isinstance(record.msg, str) and record.msg.startswith(self.RAW_BODY_PREFIXES))
 
 
+# Libraries whose INFO lines repeat, once per request, what the guardian logs
+# itself: httpx's "HTTP Request: GET http://127.0.0.1:.../readyz" for each
+# health check the supervisor makes of its child (every interval_s).
+ROUTINE_LIBRARY_LOGGERS = ("httpx",)
+
+
+class _ProbesRunning:
+    """How many synthetic probes are generating now (see ``probe_running``)."""
+
+    def __init__(self):
+        self.count = 0
+        self.lock = threading.Lock()
+
+    def change(self, by: int) -> None:
+        with self.lock:
+            self.count += by
+
+
+_probes = _ProbesRunning()
+
+
+@contextlib.contextmanager
+def probe_running():
+    """Around a synthetic probe: libraries' INFO lines meanwhile are written at DEBUG.
+
+    Stock writes four "Prompt Cache: ..." lines at INFO for every request its
+    loop takes, a probe's too: four lines every probe_interval_s on an idle
+    server. Users' requests keep them, as stock writes them. The watchdog
+    probes only while no user's request is in flight, so what libraries log
+    during a probe is the probe's (a request arriving during one would have
+    its lines at DEBUG too: a probe takes milliseconds).
+    """
+    _probes.change(+1)
+    try:
+        yield
+    finally:
+        _probes.change(-1)
+
+
+class RoutineLibraryLinesAtDebug(logging.Filter):
+    """Writes at DEBUG the INFO lines of libraries that only repeat routine work:
+    during a probe (``probe_running``), and ``ROUTINE_LIBRARY_LOGGERS``' always.
+    The guardian's own events keep the level they were logged at."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno != logging.INFO or record.name.startswith("guardian"):
+            return True
+        routine = record.name.split(".", 1)[0] in ROUTINE_LIBRARY_LOGGERS
+        if not (routine or _probes.count):
+            return True
+        record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        return logging.getLogger().isEnabledFor(logging.DEBUG)
+
+
+def route_library_output_to_root() -> None:
+    """Libraries that installed a handler of their own, writing plain text to
+    stderr or stdout, log through the root handler instead: transformers'
+    warning that a prompt is longer than the tokenizer's model_max_length was
+    the one non-JSON line ("[transformers] Token indices sequence length ...").
+
+    mlx_lm imports transformers before the flags are parsed, so its handler
+    exists by the time logging is configured."""
+    standard_streams = {sys.stderr, sys.stdout, sys.__stderr__, sys.__stdout__}
+    for logger in list(logging.root.manager.loggerDict.values()):
+        if not isinstance(logger, logging.Logger):
+            continue  # a placeholder for a logger not created yet
+        own = [h for h in logger.handlers if type(h) is logging.StreamHandler and h.stream in standard_streams]
+        if own:
+            for handler in own:
+                logger.removeHandler(handler)
+            logger.propagate = True
+
+
 def configure_logging(log_format: str = "json", level: str = "INFO") -> None:
     renderer = (
         structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
@@ -74,9 +153,13 @@ def configure_logging(log_format: str = "json", level: str = "INFO") -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(formatter)
     handler.addFilter(DropRawRequestBodies())
+    handler.addFilter(RoutineLibraryLinesAtDebug())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(getattr(logging, level.upper(), logging.INFO))
+    # warnings.warn(...) becomes a WARNING record of "py.warnings", not raw text.
+    logging.captureWarnings(True)
+    route_library_output_to_root()
     structlog.configure(
         processors=[
             # Drop events below the level before any work is done on them

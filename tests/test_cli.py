@@ -27,6 +27,16 @@ def test_help_shows_stock_and_guardian_flags():
     assert "--guardian-config" in result.stdout and "--log-format" in result.stdout
 
 
+@pytest.mark.one_version
+def test_help_shows_the_other_commands_and_subprocess_mode():
+    help_text = run("--help").stdout
+    for usage in ("mlx-guardian plugins", "mlx-guardian demo-model PATH", "mlx-guardian --supervise",
+                  "mlx-guardian --supervise --help"):
+        assert usage in help_text
+    assert "--supervisor-interval" in run("--supervise", "--help").stdout
+    assert "hooks" in run("plugins", "--help").stdout
+
+
 def test_every_stock_flag_is_accepted():
     import inspect
     import re

@@ -29,6 +29,7 @@ from guardian.config import WatchdogSettings
 from guardian.counting import RecentEvents
 from guardian.engine.lifecycle import EngineState
 from guardian.health.pace import Pace
+from guardian.logs import probe_running
 from guardian.plugins.manager import notify
 from guardian.health.sd_notify import SystemdNotifier
 
@@ -46,6 +47,7 @@ class Watchdog:
                          floor_s=settings.stall_min_s)
         self.stall_limit_s = settings.stall_timeout_s
         self.last_probe: Optional[dict] = None
+        self.probes_run = 0  # rounds, for /guardian/status
         self.last_sample: Optional[dict] = None
         self._last_probe_at = float("-inf")
         self._last_sample_at = float("-inf")
@@ -170,17 +172,31 @@ class Watchdog:
         """Run every plugin's probe now; one round at a time."""
         timeout_s = timeout_s or self.settings.probe_timeout_s
         with self._probing:
-            results = [r for r in self.pm.hook.probe(engine=self.engine.plugin_view, timeout_s=timeout_s) if r]
+            with probe_running():
+                results = [r for r in self.pm.hook.probe(engine=self.engine.plugin_view, timeout_s=timeout_s) if r]
             outcome = {
                 "ok": all(r["ok"] for r in results),
                 "at": time.time(),
                 "monotonic": time.monotonic(),
                 "results": results,
             }
-            self.last_probe = outcome
-        log.info("probe_finished", ok=outcome["ok"], results=results)
+            previous, self.last_probe = self.last_probe, outcome
+            self.probes_run += 1
+        self._log_probe(outcome, previous)
         notify(self.pm.hook.on_probe_result, results=results, engine=self.engine.plugin_view)
         return outcome
+
+    def _log_probe(self, outcome: dict, previous: Optional[dict]) -> None:
+        """A failed probe is a warning; a passed one is news (INFO) only when it is
+        the first, follows a failure or proves a replacement loop. Otherwise it
+        is routine, at DEBUG: an idle server at INFO writes nothing per probe."""
+        if not outcome["ok"]:
+            level = log.warning
+        elif previous is None or not previous["ok"] or self.engine.lifecycle.on_trial:
+            level = log.info
+        else:
+            level = log.debug
+        level("probe_finished", ok=outcome["ok"], results=outcome["results"])
 
     def _verify_replacement(self) -> None:
         """Probe the loop that replaced a stuck one: ready if it generated, else another stall."""
@@ -205,6 +221,8 @@ class Watchdog:
     def readiness(self) -> tuple[bool, str]:
         """Can this process generate now? (and why not)"""
         engine = self.engine
+        if self._stopped.is_set():
+            return False, "the server is stopping"  # draining: take no new work
         if engine.state is not EngineState.READY:
             return False, f"engine {engine.state.value}"
         age = time.monotonic() - engine.last_beat
@@ -256,6 +274,7 @@ class Watchdog:
             "stalls": self.engine.lifecycle.stalls,
             "stall_limit_s": round(self.stall_limit_s, 3),
             **self.pace.status(),
+            "probes_run": self.probes_run,
             "last_probe": probe or None,
             "last_resource_sample": self.last_sample,
         }
