@@ -29,6 +29,7 @@ from typing import Optional
 import structlog
 
 import guardian
+from guardian.admission.memory_cap import MemoryCap
 from guardian.admission.facts import (
     CONTEXT_LENGTH_KEYS,
     Admission,
@@ -98,13 +99,28 @@ class KVBudget:
     """
 
     def __init__(self, total_bytes: int, *, max_queued: int, max_wait_s: float, retry_after_s: float):
-        self.total_bytes = total_bytes
+        self.configured_bytes = total_bytes
+        # Lower than configured after the device ran out of memory
+        # (guardian.admission.memory_cap); None: no cap.
+        self.cap_bytes: Optional[int] = None
         self.max_queued = max_queued
         self.max_wait_s = max_wait_s
         self.retry_after_s = retry_after_s
         self.in_use = 0
         self._waiting: deque[object] = deque()
         self._cond = threading.Condition()
+
+    @property
+    def total_bytes(self) -> int:
+        """The bytes admitted requests may hold together now."""
+        cap = self.cap_bytes
+        return self.configured_bytes if cap is None else min(cap, self.configured_bytes)
+
+    def set_cap(self, cap_bytes: Optional[int]) -> None:
+        """Cap the budget at what the device can give (None: lift the cap); waiting requests look again."""
+        with self._cond:
+            self.cap_bytes = cap_bytes
+            self._cond.notify_all()
 
     def reserve(self, nbytes: int) -> Optional[GuardianError]:
         """Take ``nbytes``, waiting in line if need be; a 429 when the line is full or too slow."""
@@ -138,7 +154,7 @@ class KVBudget:
     def update(self, total_bytes: int, *, max_queued: int, max_wait_s: float, retry_after_s: float) -> None:
         """New limits (a live configuration change); waiting requests look again."""
         with self._cond:
-            self.total_bytes, self.max_queued = total_bytes, max_queued
+            self.configured_bytes, self.max_queued = total_bytes, max_queued
             self.max_wait_s, self.retry_after_s = max_wait_s, retry_after_s
             self._cond.notify_all()
 
@@ -168,6 +184,7 @@ class PromptGuard:
         self.settings = settings
         self.budget: Optional[KVBudget] = None
         self.served_limits: Optional[ModelLimits] = None
+        self.memory_cap = MemoryCap(margin=settings.kv_budget_margin)
 
     # -- start-up -------------------------------------------------------------
     @guardian.hookimpl
@@ -312,6 +329,9 @@ class PromptGuard:
             switch = (f" (the model this request names has {describe_bytes(admission.limits.weights_bytes)} "
                       "of weights)")
         if nbytes > budget:
+            if self.budget.cap_bytes is not None and not switch:
+                switch = (f", lowered from {describe_bytes(self.budget.configured_bytes)} to what the "
+                          "device can give since the engine ran out of device memory")
             return GuardianError(
                 f"This request needs {describe_bytes(nbytes)} of KV cache "
                 f"({admission.n_prompt_tokens} prompt + {admission.args.max_tokens} completion "
@@ -336,6 +356,42 @@ class PromptGuard:
         if error is None:
             admission.on_finish(lambda: self.budget.release(reserved))
         return error
+
+    # -- memory the device could not give (guardian.admission.memory_cap) ---------
+    @guardian.hookimpl
+    def on_engine_error(self, classification):
+        """Note the KV admitted when the device ran out; the recovery plugin decides."""
+        if classification == "out_of_memory" and self.budget is not None:
+            self.memory_cap.margin = self.settings.kv_budget_margin
+            self.memory_cap.engine_failed(self.budget.in_use)
+        return None
+
+    @guardian.hookimpl
+    def on_engine_restarted(self, classification):
+        """The dead loop's memory is released: cap the budget at what the device gives now."""
+        if classification != "out_of_memory" or self.budget is None or self.served_limits is None:
+            return
+        self._set_cap(self.memory_cap.restarted(self.served_limits.weights_bytes, self.budget.configured_bytes),
+                      lifted=False)
+
+    @guardian.hookimpl
+    def on_resource_sample(self, sample):
+        """While capped, look again: memory that came back is admitted again."""
+        if self.budget is None or self.served_limits is None or self.budget.cap_bytes is None:
+            return
+        cap, lifted = self.memory_cap.resample(self.served_limits.weights_bytes, self.budget.configured_bytes)
+        if lifted or cap != self.budget.cap_bytes:
+            self._set_cap(cap, lifted=lifted)
+
+    def _set_cap(self, cap: Optional[int], *, lifted: bool) -> None:
+        previous = self.budget.cap_bytes
+        self.budget.set_cap(cap)
+        fields = dict(kv_budget_bytes=self.budget.total_bytes, kv_budget_configured_bytes=self.budget.configured_bytes,
+                      kv_in_use_bytes=self.budget.in_use, **self.memory_cap.status())
+        if cap is not None:
+            log.warning("kv_budget_lowered", previous_cap_bytes=previous, **fields)
+        elif previous is not None or lifted:
+            log.info("kv_budget_restored", **fields)
 
     # -- truncation ---------------------------------------------------------------
     def truncate(self, admission: Admission, n_ctx: Optional[int]) -> None:

@@ -1,0 +1,81 @@
+"""After the engine ran out of device memory, the KV budget is what the device can give.
+
+The failure is planted (fault_injection raising CUDA's out-of-memory message
+while a marked request is started): the CPU backend reports no free memory,
+so the cap is the one learned from the failure, the KV admitted when the
+device ran out, less the margin (guardian.admission.memory_cap). On a GPU
+bench/gpu_oom.py runs the real failure, with the measured cap.
+"""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from conftest import chat_body
+
+pytestmark = pytest.mark.one_version
+
+CUDA_OOM = "cudaMallocAsync(&data, size, stream) failed: out of memory"
+OOM_ONCE = f"""
+[fault_injection]
+enabled = true
+message = "{CUDA_OOM}"
+poison_marker = "OOM-HERE"
+max_faults = 1
+"""
+
+
+def test_after_a_memory_failure_a_request_that_cannot_fit_is_refused_at_the_door(start_server):
+    server = start_server(OOM_ONCE)
+    # Over 256 tokens: two of the KV cache's 256-token steps, where a small request takes one.
+    big = chat_body("OOM-HERE " + "word " * 300, max_tokens=64)
+    with httpx.Client(timeout=60) as client:
+        # In flight when the device "ran out": re-run on the restarted loop, served.
+        first = client.post(server.url + "/v1/chat/completions", json=big)
+        assert first.status_code == 200, first.text
+        [error] = server.events("engine_error")
+        assert error["classification"] == "out_of_memory"
+        [lowered] = server.wait_for_event("kv_budget_lowered")
+        assert 0 < lowered["kv_budget_bytes"] < lowered["kv_budget_configured_bytes"]
+
+        # The same request again needs the KV that did not fit: refused at the
+        # door, the engine never sees it.
+        again = client.post(server.url + "/v1/chat/completions", json=big)
+        assert again.status_code == 400, again.text
+        body = again.json()["error"]
+        assert body["code"] == "kv_cache_budget_exceeded"
+        assert "ran out of device memory" in body["message"]
+        assert body["kv_budget_bytes"] == lowered["kv_budget_bytes"]
+
+        # What fits in what the device gave is still served.
+        small = client.post(server.url + "/v1/chat/completions", json=chat_body("hello", max_tokens=4))
+        assert small.status_code == 200, small.text
+    assert len(server.events("engine_error")) == 1
+
+
+def test_the_measured_cap_follows_the_device_and_lifts_when_memory_comes_back():
+    from guardian.admission.memory_cap import MemoryCap
+
+    free = {"bytes": 1000}
+    cap = MemoryCap(margin=0.25, measure=lambda weights: free["bytes"])
+    cap.engine_failed(kv_admitted_bytes=2000)
+    # The lower of learned (2000 less the margin) and measured (1000 less the margin).
+    assert cap.restarted(weights_bytes=0, configured_bytes=5000) == 750
+    free["bytes"] = 800  # another process took more
+    assert cap.resample(weights_bytes=0, configured_bytes=5000) == (600, False)
+    free["bytes"] = 10_000  # and gave it back
+    assert cap.resample(weights_bytes=0, configured_bytes=5000) == (None, True)
+
+
+def test_without_a_measurement_the_learned_cap_holds_until_a_quiet_spell():
+    from guardian.admission.memory_cap import MemoryCap
+
+    now = {"s": 0.0}
+    cap = MemoryCap(margin=0.25, hold_s=60, measure=lambda weights: None, clock=lambda: now["s"])
+    cap.engine_failed(kv_admitted_bytes=2000)
+    assert cap.restarted(weights_bytes=0, configured_bytes=5000) == 1500
+    now["s"] = 59.0
+    assert cap.resample(weights_bytes=0, configured_bytes=5000) == (1500, False)
+    now["s"] = 61.0
+    assert cap.resample(weights_bytes=0, configured_bytes=5000) == (None, True)
