@@ -384,13 +384,13 @@ def weights_bytes(model) -> int:
 def device_memory() -> tuple[int, str]:
     """The memory mlx says the device may use, and where that number came from.
 
-    Metal reports its recommended working set; the CPU backend reports no
-    size, so mlx's memory limit stands in.
+    Metal reports its recommended working set, CUDA the device's total
+    memory; the CPU backend reports no size, so mlx's memory limit stands in.
     """
     import mlx.core as mx
 
     info = mx.device_info()
-    for key in ("max_recommended_working_set_size", "memory_size"):
+    for key in ("max_recommended_working_set_size", "memory_size", "total_memory"):
         if info.get(key):
             return int(info[key]), f"device_info.{key}"
     return int(mx.get_memory_limit()), "get_memory_limit"
