@@ -364,10 +364,14 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def write_demo_model(path: Path, seed: int = 0) -> Path:
+def write_demo_model(path: Path, seed: int = 0, **config_overrides) -> Path:
     """Write a tiny Llama model folder that ``mlx_lm.load(path)`` accepts.
 
     The same ``seed`` gives byte-identical weights and the same tokenizer.
+    ``config_overrides`` replace entries of the Llama config, to size the
+    model for an experiment: ``num_hidden_layers``, ``num_key_value_heads``
+    and ``head_dim`` set its KV cache per token (bench/gpu_oom.py makes one
+    of 64 KiB a token), ``max_position_embeddings`` its context length.
     The folder appears all at once: it is built in a temporary sibling and
     renamed into place, so an interrupted call never leaves a partial model
     under ``path``.
@@ -391,7 +395,7 @@ def write_demo_model(path: Path, seed: int = 0) -> Path:
 
         # The model must have exactly one embedding row per token; training
         # may stop short of the target if the corpus runs out of merges.
-        config = _model_config(tokenizer.get_vocab_size())
+        config = {**_model_config(tokenizer.get_vocab_size()), **config_overrides}
         save_model(tmp, _build_model(config, seed))
         # save_config sorts the keys and drops ones mlx_lm does not want.
         save_config(dict(config), tmp / "config.json")
