@@ -36,11 +36,13 @@ class GroupEngine(GuardianEngine):
         if member is not None and self.generation_available():
             member.failing(reason)
         super().give_up(reason, EXIT_GROUP_FAILED, records)
+        if member is not None and not member.stopping:
+            # Over a clean stop asked for meanwhile (mlx.launch's SIGTERM as a rank dies).
+            member.on_exit.fail(EXIT_GROUP_FAILED)
 
     def recover_from_stall(self, reason: str, rung: str) -> None:
         """No rung but exit: a replacement loop would start at a collective the others are not in."""
         self.give_up(f"the engine stalled: {reason}")
-
 
     def _trim_prompt_cache(self, target_bytes: int, reason: str) -> None:
         """Only mlx's buffer cache, never prompt-cache entries: each rank looks a

@@ -46,6 +46,8 @@ class GroupMember:
         self.on_exit = on_exit
         # Rank 0 said the group stops: a collective cut by its exit is no failure.
         self.stopping = False
+        # This rank gave up and told the others: their leaving is its own doing.
+        self.failed = False
         self.engine: Optional[GroupEngine] = None
         self.links = ControlLinks(group.rank, group.size, beat_s=peer_timeout_s / BEATS_PER_TIMEOUT,
                                   peer_timeout_s=peer_timeout_s, on_lost=self._lost,
@@ -72,6 +74,7 @@ class GroupMember:
 
     def failing(self, reason: str) -> None:
         """This rank gives up: the others must not wait for it in a collective."""
+        self.failed = True
         self.links.tell("failing", reason=reason)
 
     def leave(self, exit_code: int) -> None:
@@ -81,7 +84,8 @@ class GroupMember:
         self.links.close()
 
     def _lost(self, rank: int, why: str) -> None:
-        if self.stopping:
+        if self.stopping or self.failed:
+            log.debug("group_rank_left", lost_rank=rank, reason=why)
             return
         who = "the launcher" if rank < 0 else f"rank {rank}"
         log.error("group_rank_lost", lost_rank=rank, reason=why)
