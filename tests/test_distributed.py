@@ -250,3 +250,15 @@ def test_supervised_group_is_replaced_after_sigkill_of_rank_1(launch):
     group.proc.send_signal(signal.SIGTERM)
     assert group.proc.wait(timeout=30) == EXIT_OK
     assert group.ranks() == {}
+
+
+@pytest.mark.one_version
+def test_fault_injection_aims_at_one_rank():
+    """[fault_injection] rank: faults planted on that rank only (a process alone is rank 0)."""
+    from guardian.plugins.fault_injection import FaultInjection, FaultInjectionSettings
+
+    def active(**table):
+        return FaultInjection(FaultInjectionSettings.from_toml({"enabled": True, **table})).active
+
+    assert active() and active(rank=0)
+    assert not active(rank=1)

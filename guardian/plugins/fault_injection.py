@@ -57,6 +57,10 @@ class FaultInjectionSettings(Table, name="fault_injection"):
     step_delay_s = Setting(Float(min=0.0), 0.0, """
         Sleep this long before every step: slow steps that still progress (a long
         prefill on a big model), to check the watchdog raises no false alarm.""")
+    rank = Setting(Int(min=-1), -1, """
+        Under mlx.launch: plant faults on this rank of the group only, counting its
+        steps (the ranks step together); -1: on every rank. A process alone is rank 0.
+        Requests are known on rank 0 only: min_started and the markers work there.""")
 
 
 class FaultInjection:
@@ -65,8 +69,9 @@ class FaultInjection:
 
     def __init__(self, settings: FaultInjectionSettings):
         self.settings = settings
-        # Disabled, it stays off the engine's per-step hot path entirely.
-        self.active = settings.enabled
+        # Disabled, it stays off the engine's per-step hot path entirely; so
+        # does it on the ranks of a group other than the one it targets.
+        self.active = settings.enabled and on_this_rank(settings.rank)
         self.exception_class = self._exception_class(settings.exception)
         self.random = random.Random(settings.seed)
         self.faults = 0
@@ -92,7 +97,7 @@ class FaultInjection:
     @guardian.hookimpl
     def on_engine_step(self, step, engine):
         s = self.settings
-        if not s.enabled:
+        if not self.active:
             return
         if s.step_delay_s:
             self.released.wait(s.step_delay_s)
@@ -129,3 +134,12 @@ class FaultInjection:
         if s.poison_marker and engine.started_prompt_contains(s.poison_marker):
             return "poison_marker"
         return None
+
+
+def on_this_rank(rank: int) -> bool:
+    """Whether faults aimed at ``rank`` (-1: any) are planted in this process."""
+    if rank < 0:
+        return True
+    import mlx.core as mx
+
+    return mx.distributed.init().rank() == rank
