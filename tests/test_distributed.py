@@ -120,8 +120,12 @@ class Group(Server):
         except ProcessLookupError:
             pass
         self.proc.wait(timeout=10)
+        # A supervised group's launcher leads a session of its own: its ranks too.
         for pid in self.ranks().values():
-            os.kill(pid, signal.SIGKILL)
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 @pytest.fixture
