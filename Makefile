@@ -12,7 +12,7 @@ STOCK_TEST_DEPS := requests
 PORT ?= 8080
 ARGS ?=
 
-.PHONY: serve test test-newest test-0313 bench clean
+.PHONY: serve test test-newest test-0313 bench clean haproxy
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -31,7 +31,14 @@ serve: $(VENV)/.installed
 
 test: test-newest test-0313
 
-test-newest: $(VENV)/.installed
+# tests/test_haproxy.py runs a real HAProxy: Debian's/Ubuntu's package.
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
+haproxy:
+	@command -v haproxy >/dev/null 2>&1 || test -x /usr/sbin/haproxy || \
+	  { $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq haproxy; }
+
+test-newest: $(VENV)/.installed haproxy
 	$(VENV)/bin/python -m pytest
 
 # The supervisor imports no mlx_lm, and tests marked one_version check nothing
