@@ -73,7 +73,7 @@ class MemoryCap:
 
     def engine_failed(self, kv_admitted_bytes: int) -> None:
         """The engine failed for memory while requests holding ``kv_admitted_bytes``
-        of KV budget were admitted (called before the dead loop's memory is freed)."""
+        of KV budget were admitted (as noted at the failure)."""
         self.failures += 1
         self.failed_at = self._clock()
         if kv_admitted_bytes > 0:

@@ -185,6 +185,7 @@ class PromptGuard:
         self.budget: Optional[KVBudget] = None
         self.served_limits: Optional[ModelLimits] = None
         self.memory_cap = MemoryCap(margin=settings.kv_budget_margin)
+        self._kv_at_failure = 0  # KV admitted when the engine last failed
 
     # -- start-up -------------------------------------------------------------
     @guardian.hookimpl
@@ -359,11 +360,11 @@ class PromptGuard:
 
     # -- memory the device could not give (guardian.admission.memory_cap) ---------
     @guardian.hookimpl
-    def on_engine_error(self, classification):
-        """Note the KV admitted when the device ran out; the recovery plugin decides."""
-        if classification == "out_of_memory" and self.budget is not None:
-            self.memory_cap.margin = self.settings.kv_budget_margin
-            self.memory_cap.engine_failed(self.budget.in_use)
+    def classify_engine_error(self):
+        """The first moment of an engine failure: note the KV admitted then.
+        Classifying is the recovery plugin's (None: no opinion)."""
+        if self.budget is not None:
+            self._kv_at_failure = self.budget.in_use
         return None
 
     @guardian.hookimpl
@@ -371,6 +372,8 @@ class PromptGuard:
         """The dead loop's memory is released: cap the budget at what the device gives now."""
         if classification != "out_of_memory" or self.budget is None or self.served_limits is None:
             return
+        self.memory_cap.margin = self.settings.kv_budget_margin
+        self.memory_cap.engine_failed(self._kv_at_failure)
         self._set_cap(self.memory_cap.restarted(self.served_limits.weights_bytes, self.budget.configured_bytes),
                       lifted=False)
 
