@@ -35,6 +35,8 @@ class GroupEngine(GuardianEngine):
             reason = f"the engine failed: {error['type']}: {error['message']}"
         if member is not None and self.generation_available():
             member.failing(reason)
+            if member.supervised:
+                member.exit_unanswered(reason, in_flight=len(self.ledger.in_flight()) + len(records))
         super().give_up(reason, EXIT_GROUP_FAILED, records)
         if member is not None and not member.stopping:
             # Over a clean stop asked for meanwhile (mlx.launch's SIGTERM as a rank dies).

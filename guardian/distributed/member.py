@@ -27,6 +27,7 @@ from guardian.distributed.group import Group
 from guardian.distributed.parent_watch import die_with_parent
 from guardian.distributed.rendezvous import leader_host, share_address
 from guardian.exit_codes import EXIT_BOOT_ERROR, EXIT_GROUP_FAILED, EXIT_OK
+from guardian.relay_protocol import RELAY_KEY_ENV
 
 log = structlog.get_logger("guardian.group")
 
@@ -48,6 +49,9 @@ class GroupMember:
         self.stopping = False
         # This rank gave up and told the others: their leaving is its own doing.
         self.failed = False
+        # Started by mlx-guardian --supervise, which sends again what a dead child
+        # left unanswered (and continues its streams) on the next group.
+        self.supervised = bool(os.environ.get(RELAY_KEY_ENV))
         self.engine: Optional[GroupEngine] = None
         self.links = ControlLinks(group.rank, group.size, beat_s=peer_timeout_s / BEATS_PER_TIMEOUT,
                                   peer_timeout_s=peer_timeout_s, on_lost=self._lost,
@@ -76,6 +80,15 @@ class GroupMember:
         """This rank gives up: the others must not wait for it in a collective."""
         self.failed = True
         self.links.tell("failing", reason=reason)
+
+    def exit_unanswered(self, reason: str, in_flight: int) -> None:
+        """Under --supervise: exit at once, every request unanswered, as a child that
+        crashed; the supervisor holds them and sends each again to the next group
+        (a stream that had begun is continued there), so the group's clients see
+        no failure. Alone under mlx.launch, rank 0 answers 503 + Retry-After instead."""
+        log.critical("group_failed", reason=reason, exit_code=EXIT_GROUP_FAILED, in_flight=in_flight,
+                     left_to="the supervisor, which sends them again to the next group")
+        _exit_now(EXIT_GROUP_FAILED)
 
     def leave(self, exit_code: int) -> None:
         """At exit: a clean stop tells the others to stop too; then the links close."""
