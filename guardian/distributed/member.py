@@ -3,10 +3,11 @@
 ``join`` (before the model loads, on every rank at the same point) registers
 the group's failure policy, asks to die with the launcher, shares rank 0's
 control address over ``mx.distributed`` and connects the control links. From
-then on a lost rank (``ControlLinks``) makes this rank's engine give up: on
-rank 0 every client is answered 503 + Retry-After before the process exits
-with code 7; on the others the process exits with it. ``serve_follower`` is
-what a rank other than 0 runs instead of the HTTP server.
+then on a lost rank (``ControlLinks``) makes this rank's engine give up, and
+the process exits with code 7: rank 0 first answers every client 503 +
+Retry-After, or, started by ``--supervise``, leaves them to the supervisor,
+which sends them again to the next group. ``serve_follower`` is what a rank
+other than 0 runs instead of the HTTP server.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ STOP_MARGIN_S = 2.0
 
 
 class GroupMember:
+    """This rank's membership: its control links, its engine, how it leaves."""
+
     # The engine every rank of a group runs.
     engine_class = GroupEngine
 
