@@ -7,7 +7,6 @@ ever), so a failure, stall or loss of any rank ends the whole group with
 exit code 7 (rank 0 answers its clients 503 + Retry-After first, or under
 ``--supervise`` leaves them to the supervisor to send again), and the
 launcher's caller, or ``mlx-guardian --supervise --launch-args``, starts it
-again.
-Nothing in this package but ``group`` and ``rendezvous`` imports mlx, so
-the supervisor can use ``launch``.
+again. ``launch`` (the supervisor's side) imports no mlx, nor does this
+package's ``__init__``: the supervisor carries none (tests/test_layout.py).
 """
