@@ -27,6 +27,7 @@ then get 429 ``kv_cache_budget_busy`` (prompt_guard's queue).
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Callable, Optional
 
@@ -53,7 +54,10 @@ def memory_this_process_could_use(weights_bytes: int) -> Optional[int]:
 
 
 class MemoryCap:
-    """The cap on the KV budget since the last out-of-memory failure (None: no cap)."""
+    """The cap on the KV budget since the last out-of-memory failure (None: no cap).
+
+    Called from the loop thread (a failure, a restart) and the watchdog's (resource
+    samples): one lock around each call."""
 
     def __init__(self, *, margin: float, hold_s: float = 60.0,
                  measure: Callable[[int], Optional[int]] = memory_this_process_could_use,
@@ -67,6 +71,7 @@ class MemoryCap:
         self.measured_bytes: Optional[int] = None  # from the device, at the last look
         self.failed_at: Optional[float] = None
         self.failures = 0
+        self._lock = threading.Lock()
 
     def _usable(self, nbytes: int) -> int:
         return int(max(0, nbytes) * max(0.0, 1 - self.margin))
@@ -74,29 +79,32 @@ class MemoryCap:
     def engine_failed(self, kv_admitted_bytes: int) -> None:
         """The engine failed for memory while requests holding ``kv_admitted_bytes``
         of KV budget were admitted (as noted at the failure)."""
-        self.failures += 1
-        self.failed_at = self._clock()
-        if kv_admitted_bytes > 0:
-            learned = self._usable(kv_admitted_bytes)
-            self.learned_bytes = learned if self.learned_bytes is None else min(self.learned_bytes, learned)
+        with self._lock:
+            self.failures += 1
+            self.failed_at = self._clock()
+            if kv_admitted_bytes > 0:
+                learned = self._usable(kv_admitted_bytes)
+                self.learned_bytes = learned if self.learned_bytes is None else min(self.learned_bytes, learned)
 
     def restarted(self, weights_bytes: int, configured_bytes: int) -> Optional[int]:
         """The loop restarted after a memory failure: set the cap; return it."""
-        if self.failed_at is None:
-            return self.cap_bytes
-        return self._set(weights_bytes, configured_bytes)
+        with self._lock:
+            if self.failed_at is None:
+                return self.cap_bytes
+            return self._set(weights_bytes, configured_bytes)
 
     def resample(self, weights_bytes: int, configured_bytes: int) -> tuple[Optional[int], bool]:
         """Look again while capped: (the cap, whether it was lifted now)."""
-        if self.cap_bytes is None:
-            return None, False
-        measured = self._measure(weights_bytes)
-        if measured is None:
-            quiet = self.failed_at is None or self._clock() - self.failed_at >= self.hold_s
-            return (self._lift(), True) if quiet else (self.cap_bytes, False)
-        if measured >= configured_bytes:
-            return self._lift(), True
-        return self._set(weights_bytes, configured_bytes, measured), False
+        with self._lock:
+            if self.cap_bytes is None:
+                return None, False
+            measured = self._measure(weights_bytes)
+            if measured is None:
+                quiet = self.failed_at is None or self._clock() - self.failed_at >= self.hold_s
+                return (self._lift(), True) if quiet else (self.cap_bytes, False)
+            if measured >= configured_bytes:
+                return self._lift(), True
+            return self._set(weights_bytes, configured_bytes, measured), False
 
     def _set(self, weights_bytes: int, configured_bytes: int, measured: Optional[int] = None) -> Optional[int]:
         if measured is None:
