@@ -210,6 +210,25 @@ def test_rank_0_serves_and_a_failure_on_rank_1_ends_the_group_with_503s(launch, 
 
 
 @pytest.mark.one_version
+def test_a_stopped_rank_is_lost_and_killed_so_the_group_ends(launch):
+    """A rank that cannot act (SIGSTOP; or wedged with the interpreter held) stops
+    sending beats: rank 0 loses it after peer_timeout_s, exits with code 7, and
+    kills it, or the launcher would wait for it for ever."""
+    group = launch(ring_group(free_ring_port()), config="[watchdog]\npeer_timeout_s = 1.0\n")
+    group.wait_healthy()
+    ranks = group.ranks()
+    os.kill(ranks[1], signal.SIGSTOP)
+    stopped_at = time.monotonic()
+    poll(lambda: group.proc.poll() is not None, 20, what="the launcher's exit")
+    print(f"rank 1 stopped: the group gone within {time.monotonic() - stopped_at:.3f} s")
+    assert group.ranks() == {}
+    lost = group.rank_events("group_rank_lost", 0)
+    assert lost and "sent nothing" in lost[0]["reason"], lost
+    assert group.rank_events("rank_killed", 0)[0]["killed_rank"] == 1
+    assert [e["exit_code"] for e in group.rank_events("server_stopped", 0)] == [EXIT_GROUP_FAILED]
+
+
+@pytest.mark.one_version
 def test_supervised_group_is_replaced_after_sigkill_of_rank_1_and_its_clients_see_no_failure(launch):
     ring_port = free_ring_port()
     group = launch([sys.executable, "-m", "guardian", "--supervise", "--supervisor-interval", "0.2",

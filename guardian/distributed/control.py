@@ -15,6 +15,7 @@ joining rank, then ``beat``, ``failing`` (with ``reason``) or ``stopping``.
 from __future__ import annotations
 
 import json
+import os
 import socket
 import threading
 import time
@@ -36,9 +37,14 @@ class Connection:
     """One control connection, to the rank ``peer``: lines out, a reader thread in."""
 
     def __init__(self, sock: socket.socket, peer: int, peer_timeout_s: float,
-                 on_lost: OnLost, on_stopping: Callable[[], None]):
+                 on_lost: OnLost, on_stopping: Callable[[], None], hello: Optional[dict] = None):
         self.sock = sock
         self.peer = peer
+        # Where the peer runs (its hello): a rank on this machine can be killed.
+        self.peer_pid = (hello or {}).get("pid")
+        self.peer_host = (hello or {}).get("host")
+        # Set once the peer's end closed: its process is gone.
+        self.gone = threading.Event()
         self._peer_timeout_s = peer_timeout_s
         self._on_lost = on_lost
         self._on_stopping = on_stopping
@@ -74,6 +80,21 @@ class Connection:
         why = self._read_until_lost(reader)
         if why is not None and not self.closed:
             self._on_lost(self.peer, why)
+        self._read_until_gone()
+
+    def _read_until_gone(self) -> None:
+        """After its last word, the peer's process exits: its end closes (``gone``).
+        A peer that stays silent instead is stopped or wedged. Read from the
+        socket itself: its file object refuses every read after a timeout."""
+        while not self.gone.is_set():
+            try:
+                data = self.sock.recv(4096)
+            except socket.timeout:
+                return
+            except OSError:
+                data = b""
+            if not data:
+                self.gone.set()
 
     def _read_until_lost(self, reader) -> Optional[str]:
         """Read lines until the peer is lost (why) or says it stops (None)."""
@@ -83,8 +104,10 @@ class Connection:
             except socket.timeout:
                 return f"sent nothing for {self._peer_timeout_s:g} s (stopped or wedged)"
             except OSError as e:
+                self.gone.set()
                 return f"its connection failed ({type(e).__name__})"
             if not line:
+                self.gone.set()
                 return "closed its connection (the process is gone)"
             try:
                 message = json.loads(line)
@@ -135,20 +158,21 @@ class ControlLinks:
             sock.settimeout(max(0.01, deadline - time.monotonic()))
             reader = sock.makefile("rb")
             hello = json.loads(reader.readline() or b"{}")
-            self._add(sock, int(hello["rank"]), reader)
+            self._add(sock, int(hello["rank"]), reader, hello)
         self._listener.close()
 
     # -- other ranks -------------------------------------------------------------
     def connect(self, address: tuple[str, int]) -> None:
         """Any other rank: connect to rank 0 and say which rank this is."""
         sock = socket.create_connection(address, timeout=JOIN_TIMEOUT_S)
-        sock.sendall((json.dumps({"kind": "hello", "rank": self.rank}) + "\n").encode())
+        hello = {"kind": "hello", "rank": self.rank, "pid": os.getpid(), "host": socket.gethostname()}
+        sock.sendall((json.dumps(hello) + "\n").encode())
         self._add(sock, 0)
 
     # -- both -----------------------------------------------------------------------
-    def _add(self, sock: socket.socket, peer: int, reader=None) -> None:
+    def _add(self, sock: socket.socket, peer: int, reader=None, hello: Optional[dict] = None) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        connection = Connection(sock, peer, self.peer_timeout_s, self._on_lost, self._on_stopping)
+        connection = Connection(sock, peer, self.peer_timeout_s, self._on_lost, self._on_stopping, hello)
         self.connections.append(connection)
         connection.start(reader)
 
@@ -164,6 +188,16 @@ class ControlLinks:
         """Tell every connected rank (``failing`` with a reason, or ``stopping``)."""
         for connection in self.connections:
             connection.send(kind, **fields)
+
+    def stuck_local_peers(self, wait_s: float) -> list[Connection]:
+        """Rank 0, as the group fails: the ranks on this machine whose process has
+        not ended ``wait_s`` from now (each was told; a stopped or wedged one cannot
+        act on it, and would keep its launcher waiting for ever)."""
+        deadline = time.monotonic() + wait_s
+        here = socket.gethostname()
+        return [c for c in self.connections
+                if c.peer_pid and c.peer_host == here
+                and not c.gone.wait(max(0.0, deadline - time.monotonic()))]
 
     def close(self) -> None:
         self._stopped.set()

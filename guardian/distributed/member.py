@@ -36,6 +36,9 @@ log = structlog.get_logger("guardian.group")
 BEATS_PER_TIMEOUT = 10
 # A signalled rank other than 0 waits for rank 0's drain, and this much more.
 STOP_MARGIN_S = 2.0
+# A rank told the group failed ends within milliseconds; one still running
+# after this long cannot (stopped, wedged).
+STUCK_AFTER_S = 1.0
 
 
 class GroupMember:
@@ -91,12 +94,30 @@ class GroupMember:
         no failure. Alone under mlx.launch, rank 0 answers 503 + Retry-After instead."""
         log.critical("group_failed", reason=reason, exit_code=EXIT_GROUP_FAILED, in_flight=in_flight,
                      left_to="the supervisor, which sends them again to the next group")
+        self.kill_stuck_ranks(STUCK_AFTER_S)
         _exit_now(EXIT_GROUP_FAILED)
+
+    def kill_stuck_ranks(self, wait_s: float) -> None:
+        """Rank 0, as the group fails: SIGKILL the ranks on this machine that did not
+        end within ``wait_s`` of being told (stopped, or wedged in native code with
+        the interpreter held: SIGTERM's handler would never run). Their launcher
+        waits for every rank, so one left would keep the group from ending."""
+        if not self.group.leader:
+            return
+        for connection in self.links.stuck_local_peers(wait_s):
+            log.error("rank_killed", killed_rank=connection.peer, pid=connection.peer_pid,
+                      reason=f"still running {wait_s:g} s after the group failed")
+            try:
+                os.kill(connection.peer_pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
     def leave(self, exit_code: int) -> None:
         """At exit: a clean stop tells the others to stop too; then the links close."""
         if exit_code == EXIT_OK:
             self.links.tell("stopping")
+        else:
+            self.kill_stuck_ranks(STUCK_AFTER_S)
         self.links.close()
 
     def _lost(self, rank: int, why: str) -> None:
