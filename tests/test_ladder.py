@@ -206,12 +206,14 @@ def test_a_rerun_after_a_stall_is_served_though_the_stuck_loop_cached_its_prompt
 # to assign the model it read to the provider when it came back, behind the
 # loop that replaced it (fixed in 3ba7fc3; this test was its strict xfail).
 def test_a_reload_abandoned_by_the_restart_timeout_does_not_replace_the_model(start_server):
-    # The failure's action is reload; the reload's read blocks 3 s; the
-    # restart timeout (1 s) abandons it and a new loop loads the weights.
+    # The failure's action is reload; the reload's read blocks 4 s; the
+    # restart timeout (2.5 s) abandons it and a new loop loads the weights.
+    # (1 s was too short on a GPU: the new loop's load and first token there
+    # took longer, it was never proven, and the ladder climbed to exit.)
     config = (LOOP_FAULTS
-              + table("loop_faults", fail_once_stop_word="FAIL-ONCE", hang_model_load=2, hang_s=3.0)
+              + table("loop_faults", fail_once_stop_word="FAIL-ONCE", hang_model_load=2, hang_s=4.0)
               + table("recovery", reload_after_failures=1)
-              + table("watchdog", interval_s=0.05, stall_timeout_s=30.0, restart_timeout_s=1.0))
+              + table("watchdog", interval_s=0.05, stall_timeout_s=30.0, restart_timeout_s=2.5))
     server = start_server(config)
     with httpx.Client(timeout=60) as client:
         response = client.post(server.url + COMPLETIONS, json=chat_body(max_tokens=8, stop=["FAIL-ONCE"]))
