@@ -1,9 +1,9 @@
 """mlx-guardian under mlx.launch: two ranks on localhost, the ring backend, the CPU.
 
 Stock serves a group on both mlx-lm versions (rank 0 serves HTTP and
-broadcasts each request to the others), so the group itself is tested on
-both; the supervised group, whose supervisor imports no mlx_lm, on the
-newest only. Every group is launched in a session of its own, so cleanup
+broadcasts each request to the others), so a group's serving and its end
+at a failure are tested on both; what does not depend on mlx-lm's version
+(a stopped rank, the supervised group) on the newest only. Every group is launched in a session of its own, so cleanup
 kills the launcher and every rank even when a test fails, and each test
 checks by pid (a /proc scan) that no rank outlived its group.
 """
@@ -20,7 +20,6 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Optional
 
 import httpx
 import pytest
