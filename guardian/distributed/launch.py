@@ -81,8 +81,12 @@ class LauncherProcess(subprocess.Popen):
 
 
 def children(pid: int) -> list[int]:
-    """The processes whose parent is ``pid`` (pgrep: Linux and macOS alike)."""
-    found = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True)
+    """The processes whose parent is ``pid`` (pgrep: Linux and macOS alike; without
+    it, none: the caller signals the whole process group instead)."""
+    try:
+        found = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
     return [int(line) for line in found.stdout.split()]
 
 
