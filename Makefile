@@ -12,7 +12,7 @@ STOCK_TEST_DEPS := requests
 PORT ?= 8080
 ARGS ?=
 
-.PHONY: serve test test-newest test-0313 bench clean haproxy
+.PHONY: serve test test-newest test-0313 bench clean haproxy gpu-wheels
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -49,6 +49,11 @@ test-0313: $(VENV_0313)/.installed
 
 bench: $(VENV)/.installed
 	$(VENV)/bin/python bench/bench_prompt_guard.py
+
+# The wheels the lent CUDA machine lacks, in .whl/ (ignored), cut to fit the device
+# tool's 64 MiB a call; tools/gpu/run_on_device.md says how to run there.
+gpu-wheels:
+	tools/gpu/fetch_wheels.sh
 
 clean:
 	rm -rf $(VENV) $(VENV_0313)
