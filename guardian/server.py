@@ -7,6 +7,7 @@ stops the HTTP server and the engine, and returns the exit code.
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
@@ -28,9 +29,11 @@ from guardian.http import GuardianHandler
 from guardian.live_config import LiveConfig
 from guardian.admission.model_access import ModelAccess
 from guardian.admission.startup_checks import impossible_flags
+from guardian.health.parent_watch import die_with_parent
 from guardian.health.watchdog import Watchdog
 from guardian.plugins.facade import EngineView
 from guardian.plugins.manager import notify
+from guardian.relay_protocol import RELAY_KEY_ENV
 
 log = structlog.get_logger("guardian.server")
 
@@ -75,6 +78,9 @@ def serve(host: str, port: int, model_provider, config: Union[GuardianConfig, Li
 
         member = GroupMember(group, live.config.watchdog.peer_timeout_s, exit_request)
         member.join(pm)
+    elif os.environ.get(RELAY_KEY_ENV):
+        # A supervisor's child (it gave us its relay key): never outlive it.
+        die_with_parent(lambda: exit_request(EXIT_OK))
     try:
         model_provider.load_default()
     except Exception as e:

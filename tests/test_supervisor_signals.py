@@ -88,3 +88,23 @@ def test_a_child_never_ready_is_replaced_after_the_start_timeout(start_superviso
     response = httpx.post(supervised.url + COMPLETIONS, json=chat_body(max_tokens=4), timeout=10)
     assert response.status_code == 503 and response.json()["error"]["code"] == "engine_restarting"
     assert supervised.supervisor()["restarts"] >= 1
+
+
+def test_the_child_never_outlives_a_killed_supervisor(start_supervisor):
+    """The OOM killer may take the supervisor too: its child must not live on,
+    holding the model's memory behind a port nobody relays to."""
+    supervised = start_supervisor()
+    child_pid = supervised.wait_ready()
+    os.kill(supervised.proc.pid, signal.SIGKILL)
+    supervised.proc.wait(timeout=10)
+
+    def child_gone():
+        if not pid_alive(child_pid):
+            return True
+        # A zombie nobody reaps any more still answers kill(0): it is gone all the same.
+        with open(f"/proc/{child_pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] == "Z"
+
+    poll(child_gone, 30, interval=0.05, what="the orphaned child to exit")
+    # It drained and stopped as on SIGTERM (the kernel's parent-death signal, or its watch).
+    assert any(e.get("event") == "server_stopping" for e in supervised.logs())

@@ -25,7 +25,7 @@ from guardian import stock
 from guardian.distributed.control import ControlLinks
 from guardian.distributed.engine import GroupEngine, GroupPolicy
 from guardian.distributed.group import Group
-from guardian.distributed.parent_watch import die_with_parent
+from guardian.health.parent_watch import die_with_parent
 from guardian.distributed.rendezvous import leader_host, share_address
 from guardian.exit_codes import EXIT_BOOT_ERROR, EXIT_GROUP_FAILED, EXIT_OK
 from guardian.relay_protocol import RELAY_KEY_ENV

@@ -1,0 +1,47 @@
+"""A server never outlives the process that started it for a purpose.
+
+``mlx.launch`` does not stop its ranks when it is itself killed (measured:
+stock's ranks outlive a terminated ``mlx.launch``), and a supervisor that
+is SIGKILLed (the OOM killer's favourite: the biggest process is its child,
+but a cgroup kill takes both) would leave its child holding the model's
+memory and a private port nobody relays to. On Linux the kernel sends the
+process SIGTERM when its parent dies (``PR_SET_PDEATHSIG``); everywhere, a
+thread also notices the parent's pid change (macOS has no prctl) and calls
+``on_orphaned``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Callable
+
+import structlog
+
+log = structlog.get_logger("guardian.parent_watch")
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+POLL_S = 0.5
+
+
+def die_with_parent(on_orphaned: Callable[[], None]) -> None:
+    """Ask the kernel for SIGTERM when the parent dies (Linux), and watch its pid."""
+    parent = os.getppid()
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+            log.warning("parent_death_signal_unavailable", errno=ctypes.get_errno())
+    threading.Thread(target=_watch, args=(parent, on_orphaned), name="parent-watch", daemon=True).start()
+
+
+def _watch(parent: int, on_orphaned: Callable[[], None]) -> None:
+    # Checked at once as well: the parent may have died before prctl was set.
+    while os.getppid() == parent:
+        time.sleep(POLL_S)
+    log.error("parent_gone", parent_pid=parent)
+    on_orphaned()
