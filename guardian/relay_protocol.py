@@ -149,6 +149,7 @@ class RelayedStream:
         self.finished = False  # an event with a finish_reason went out
         self.continuable = True  # every text the client got is covered by tokens
         self._identity: Optional[dict] = None  # id and created of the first child's events
+        self._tokens_at_continuation = 0  # the continuing child's prompt holds these
 
     def relay(self, block: bytes) -> bytes:
         if TOKENS_COMMENT in block:
@@ -200,8 +201,6 @@ class RelayedStream:
                 event = _DATA + json.dumps(payload).encode()
             events.append(event)
         return b"\n\n".join(events)
-
-    _tokens_at_continuation = 0
 
     def continuation_tokens(self) -> list[int]:
         """The ids to continue after; remembers how many the continuing child's prompt holds."""
