@@ -69,7 +69,8 @@ class GuardianHandler(stock.APIHandler):
         """A stream the supervisor relays: tagged with its tokens, perhaps a continuation
         of one a dead child began (guardian.relay_protocol)."""
         try:
-            continued = relay_protocol.continued_from(self.headers)
+            vocab_size = self.response_generator.gate.request_bounds(self.body).vocab_size
+            continued = relay_protocol.continued_from(self.headers, vocab_size)
         except ValueError as e:
             return self.send_error_json(GuardianError(str(e), status=400, type="invalid_request_error",
                                                       code="invalid_request"))
@@ -340,6 +341,12 @@ class RelayedGenerator:
 
     def generate(self, request, args, progress_callback=None):
         if self._continued is not None:
+            if 0 < args.max_tokens <= len(self._continued):
+                # Nothing left to generate: a stream that ended has no continuation.
+                raise AbortRequest(GuardianError(
+                    f"{relay_protocol.CONTINUE_HEADER} holds {len(self._continued)} tokens, "
+                    f"max_tokens is {args.max_tokens}", status=400, type="invalid_request_error",
+                    param="max_tokens", code="invalid_request"))
             args = stock.continuation_args(args, self._continued)
         ctx, responses = self._generator.generate(request, args, progress_callback)
         return ctx, relay_protocol.tap_tokens(responses, self._output)

@@ -58,20 +58,28 @@ def relayed_by_supervisor(headers) -> bool:
     """Whether a request came through the supervisor that started this child."""
     expected = os.environ.get(RELAY_KEY_ENV)
     given = headers.get(KEY_HEADER)
-    return bool(expected) and given is not None and hmac.compare_digest(given, expected)
+    # Bytes: a header's non-ASCII (latin-1) text makes compare_digest of str raise.
+    return bool(expected) and given is not None and hmac.compare_digest(
+        given.encode("latin-1", "replace"), expected.encode())
 
 
-def continued_from(headers) -> Optional[list[int]]:
+def continued_from(headers, vocab_size: Optional[int]) -> Optional[list[int]]:
     """The token ids a continuation goes on after; None for a first run.
 
-    Raises ValueError for a header that is not a list of token ids.
+    Raises ValueError for a header that is not a list of the model's token
+    ids: even the supervisor's word is checked, since an id outside the
+    vocabulary would crash the engine (see guardian.admission.validation).
     """
     value = headers.get(CONTINUE_HEADER)
     if value is None:
         return None
-    tokens = [int(part) for part in value.split(",")] if value else []
-    if len(tokens) > MAX_CONTINUED_TOKENS or any(token < 0 for token in tokens):
-        raise ValueError(f"{CONTINUE_HEADER} is not a list of token ids")
+    try:
+        tokens = [int(part) for part in value.split(",")] if value else []
+    except ValueError:
+        tokens = None
+    limit = vocab_size if vocab_size is not None else float("inf")
+    if tokens is None or len(tokens) > MAX_CONTINUED_TOKENS or not all(0 <= t < limit for t in tokens):
+        raise ValueError(f"{CONTINUE_HEADER} is not a list of this model's token ids")
     return tokens
 
 

@@ -75,7 +75,8 @@ def send(client: httpx.Client, base_url: str, case: FuzzCase, timeout: float = 6
     answer = Answer()
     started = time.monotonic()
     deadline = started + timeout
-    headers = {"Content-Type": "application/json"}
+    headers = {"Content-Type": "application/json",
+               **{name: value.encode("latin-1") for name, value in case.headers}}
     try:
         with client.stream("POST", base_url + case.path, content=case.raw, headers=headers,
                            timeout=timeout) as response:

@@ -24,6 +24,7 @@ closed port on 127.0.0.1, so nothing is loaded or fetched from the network.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -60,6 +61,7 @@ class FuzzCase:
     raw: bytes
     mutations: tuple = ()
     body: Any = field(default=None, compare=False, repr=False)
+    headers: tuple = ()  # (name, value) pairs sent beside Content-Type
 
     @property
     def stream(self) -> bool:
@@ -73,7 +75,8 @@ class FuzzCase:
     def describe(self, limit: int = 300) -> str:
         text = self.raw[:limit].decode("utf-8", errors="backslashreplace")
         more = f"... ({len(self.raw)} bytes)" if len(self.raw) > limit else ""
-        return f"POST {self.path} [{self.label}] {text}{more}"
+        sent = "".join(f" {name}: {value[:60]!r}" for name, value in self.headers)
+        return f"POST {self.path} [{self.label}]{sent} {text}{more}"
 
 
 def encode(body: Any) -> bytes:
@@ -425,10 +428,40 @@ def raw_case(draw, path: str) -> FuzzCase:
     return FuzzCase(path, raw, (f"body:{kind}",), None)
 
 
+# The relay key the fuzz target is started with (tests/test_fuzz.py): a case
+# that carries it reaches the continuation header's parsing, as only the
+# supervisor's requests do.
+FUZZ_RELAY_KEY = "fuzz-relay-key"
+# Latin-1, as HTTP/1.1 header bytes are read; h11, under httpx, refuses to
+# send a value with whitespace at either end (fuzz_client sends the bytes).
+HEADER_TEXT = st.text(st.characters(codec="latin-1", min_codepoint=32, exclude_characters="\x7f"),
+                      max_size=300).filter(lambda v: not any(0x80 <= ord(c) < 0xa0 for c in v)).map(str.strip)
+CONTINUE_FROM = st.one_of(
+    HEADER_TEXT,
+    st.lists(st.integers(min_value=-2, max_value=1 << 40), max_size=8).map(lambda ids: ",".join(map(str, ids))),
+)
+
+
+def request_headers() -> st.SearchStrategy:
+    """Mostly none; else the headers a request may carry besides its body: a
+    client's X-Request-ID, or the supervisor's continuation headers, with the
+    right key (reaching their parsing) or a guess."""
+    relayed = st.tuples(st.sampled_from([FUZZ_RELAY_KEY, FUZZ_RELAY_KEY, "guess"]), CONTINUE_FROM).map(
+        lambda pair: (("X-Guardian-Continue-From", pair[1]), ("X-Guardian-Relay-Key", pair[0])))
+    return pick([
+        st.just(()),
+        st.just(()),
+        HEADER_TEXT.map(lambda value: (("X-Request-ID", value),)),
+        relayed,
+    ])
+
+
 def cases(paths=(CHAT, TEXT)) -> st.SearchStrategy:
-    """Mostly mutated bodies (1 in 25 is not a JSON object), on either endpoint."""
+    """Mostly mutated bodies (1 in 25 is not a JSON object), on either endpoint,
+    half of them with hostile headers."""
     path = st.sampled_from(list(paths))
-    return path.flatmap(lambda p: pick([mutated_case(p)] * 24 + [raw_case(p)]))
+    bodies = path.flatmap(lambda p: pick([mutated_case(p)] * 24 + [raw_case(p)]))
+    return st.builds(lambda case, headers: dataclasses.replace(case, headers=headers), bodies, request_headers())
 
 
 def first_cases(count: int, seed: int = 0, paths=(CHAT, TEXT)) -> list[FuzzCase]:

@@ -23,6 +23,7 @@ run it, so both mlx-lm versions are covered.
 
 from __future__ import annotations
 
+import json
 import textwrap
 import time
 from pathlib import Path
@@ -30,11 +31,12 @@ from typing import Optional
 
 import httpx
 import pytest
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, Phase, example, given, settings
 
 from conftest import Server, free_port, poll, spawn_guardian
+from guardian.relay_protocol import RELAY_KEY_ENV
 from fuzz_client import Bystander, send
-from strategies import CHAT, TEXT, FuzzCase, cases
+from strategies import CHAT, FUZZ_RELAY_KEY, TEXT, FuzzCase, cases
 
 EXAMPLES_PER_ENDPOINT = 150
 REQUEST_TIMEOUT_S = 60.0
@@ -58,7 +60,9 @@ class FuzzTarget:
         hf_cache = self.folder / "hf-cache"
         hf_cache.mkdir(exist_ok=True)
         # Offline: a body naming a hub id must fail at once, not wait on the network.
-        env = {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(hf_cache)}
+        env = {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(hf_cache),
+               # Cases that carry this key reach the continuation header's parsing.
+               RELAY_KEY_ENV: FUZZ_RELAY_KEY}
         log_path = self.folder / f"server-{port}.log"
         proc = spawn_guardian(["--port", str(port), "--guardian-config", str(config)], log_path,
                               self.model_cache, env)
@@ -122,6 +126,20 @@ def judge(target: FuzzTarget, client: httpx.Client, case: FuzzCase) -> list[str]
     return [f"{'; '.join(problems)}\n    {case.describe()}"] if problems else []
 
 
+def relayed(path: str, continue_from: str, key: str = FUZZ_RELAY_KEY) -> FuzzCase:
+    """A stream the supervisor would continue, with a hostile continuation header."""
+    body = {"max_tokens": 4, "stream": True,
+            **({"messages": [{"role": "user", "content": "Go on."}]} if path == CHAT else {"prompt": "Go on."})}
+    return FuzzCase(path, json.dumps(body).encode(), ("relay header",), body,
+                    (("X-Guardian-Continue-From", continue_from), ("X-Guardian-Relay-Key", key)))
+
+
+# Always tried: every way the continuation header can be wrong once the key is right
+# (not numbers, an id past the vocabulary, nothing left of max_tokens), and a guessed key.
+RELAYED = {path: [relayed(path, value) for value in ("1,x", "-1", str(1 << 40), "1,2,3,4", "")]
+           + [relayed(path, "1,2", key="guess")] for path in (CHAT, TEXT)}
+
+
 @pytest.mark.parametrize("path", [CHAT, TEXT])
 def test_no_body_hurts_the_server_or_a_bystander(fuzz_target, path):
     failures: list[str] = []
@@ -129,9 +147,6 @@ def test_no_body_hurts_the_server_or_a_bystander(fuzz_target, path):
     started = time.monotonic()
     with httpx.Client() as client, Bystander(fuzz_target.url) as bystander:
         # No shrinking: every body is judged and kept, so a failure has nothing to shrink.
-        @settings(max_examples=EXAMPLES_PER_ENDPOINT, derandomize=True, database=None, deadline=None,
-                  phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
-        @given(cases(paths=[path]))
         def fuzz(case):
             judged.append(case)
             failures.extend(judge(fuzz_target, client, case))
@@ -139,6 +154,11 @@ def test_no_body_hurts_the_server_or_a_bystander(fuzz_target, path):
                 # The server died and was started again on a new port.
                 bystander.base_url = fuzz_target.url
 
+        for case in RELAYED[path]:
+            fuzz = example(case)(fuzz)
+        fuzz = settings(max_examples=EXAMPLES_PER_ENDPOINT, derandomize=True, database=None, deadline=None,
+                        phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))(
+            given(cases(paths=[path]))(fuzz))
         fuzz()
         # The bystander's stream in progress finishes too.
         finished_before = bystander.finished
