@@ -100,12 +100,9 @@ def kill_leftovers(proc: subprocess.Popen) -> None:
 def exec_dying_with_parent(argv: list[str]) -> None:
     """Become ``argv`` with the kernel's promise of SIGTERM when the parent dies
     (Linux: PR_SET_PDEATHSIG survives exec); elsewhere plainly exec it."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-        import ctypes.util
+    from guardian.health.parent_watch import ask_for_sigterm_when_parent_dies
 
-        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-        libc.prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+    ask_for_sigterm_when_parent_dies()
     os.execv(argv[0], argv)
 
 

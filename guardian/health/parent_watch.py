@@ -29,13 +29,18 @@ PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 POLL_S = 0.5
 
 
-def die_with_parent(on_orphaned: Callable[[], None]) -> None:
-    """Ask the kernel for SIGTERM when the parent dies (Linux), and watch its pid."""
-    parent = os.getppid()
+def ask_for_sigterm_when_parent_dies() -> None:
+    """Linux: the kernel sends SIGTERM when the parent dies (kept across exec); elsewhere nothing."""
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
         if libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
             log.warning("parent_death_signal_unavailable", errno=ctypes.get_errno())
+
+
+def die_with_parent(on_orphaned: Callable[[], None]) -> None:
+    """Ask the kernel for SIGTERM when the parent dies (Linux), and watch its pid."""
+    parent = os.getppid()
+    ask_for_sigterm_when_parent_dies()
     threading.Thread(target=_watch, args=(parent, on_orphaned), name="parent-watch", daemon=True).start()
 
 
