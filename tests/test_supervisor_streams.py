@@ -137,3 +137,28 @@ def test_past_max_resends_a_cut_stream_ends_with_an_error_event(start_supervisor
     [error] = cut.result["errors"]
     assert_restarting_error({"error": error})
     assert not supervised.supervisor_events("stream_continuing")
+
+
+def test_a_stream_whose_text_stops_matching_its_tokens_is_marked_not_continuable():
+    """Stock holds text back (a tool call, reasoning) or writes text no token
+    carried: from that event on, the child says so and the supervisor will not
+    continue the stream (a cut ends it with an error event, as before)."""
+    import io
+
+    from guardian.relay_protocol import RelayedStream, TokenTaggingOutput
+
+    wire = io.BytesIO()
+    output = TokenTaggingOutput(wire)
+    event = b'data: {"id": "c1", "created": 7, "choices": [{"delta": {"content": "%s"}}]}\n\n'
+    output.consumed(11, "Hi")
+    output.write(event % b"Hi")  # the tokens' text exactly: tagged
+    output.consumed(12, "<tool")
+    output.write(event % b"")  # stock held "<tool" back: not what the tokens said
+    output.consumed(13, " there")
+    output.write(event % b" there")
+    assert not output.continuable
+
+    stream = RelayedStream()
+    relayed = stream.relay(wire.getvalue())
+    assert stream.tokens == [11] and not stream.continuable
+    assert b"guardian-tokens" not in relayed and relayed.count(b"data: ") == 3
