@@ -17,7 +17,7 @@ import time
 import traceback
 import weakref
 from collections import deque
-from queue import Empty, Queue
+from queue import Empty, Queue, SimpleQueue
 from typing import Callable, Optional
 
 import mlx.core as mx
@@ -108,6 +108,13 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
         self._step_hook = active_hook(pm, "on_engine_step")
         # Told of each user's request that ends; None: nobody listens, nothing to compute.
         self._finished_hook = active_hook(pm, "on_request_finished")
+        # Reports of finished requests go to the plugins from a thread of
+        # their own: a request ends on the loop thread, under its record's
+        # lock, and its report is one histogram observation per token.
+        self._finished_reports: SimpleQueue = SimpleQueue()
+        if self._finished_hook is not None:
+            threading.Thread(target=self._report_finished_requests, name="request-reports",
+                             daemon=True).start()
         # A loop abandoned while it reads weights must not assign them later.
         stock.guard_model_loads(model_provider, self._check_load_owner)
         super().__init__(model_provider, prompt_cache)
@@ -441,8 +448,14 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
         )
 
     def _request_finished(self, record: RequestRecord, outcome: str) -> None:
-        """A request ended (any thread): tell the plugins its tokens and pace; probes are not told."""
+        """A request ended (any thread): its report is queued; probes are not reported."""
         if self._finished_hook is not None and not record.synthetic:
+            self._finished_reports.put((record, outcome))
+
+    def _report_finished_requests(self) -> None:
+        """Tell the plugins each finished request's tokens and pace, in the order they ended."""
+        while True:
+            record, outcome = self._finished_reports.get()
             notify(self._finished_hook, request_id=record.request_id, outcome=outcome,
                    engine=self.plugin_view, **record.usage())
 

@@ -145,7 +145,6 @@ class Metrics:
     @guardian.hookimpl
     def on_request_finished(self, outcome, prompt_tokens, cached_prompt_tokens, generated_tokens,
                             time_to_first_token_s, time_between_tokens_s):
-        self.finished.labels(outcome).inc()
         self.prompt_tokens.inc(prompt_tokens)
         self.cached_prompt_tokens.inc(cached_prompt_tokens)
         self.generated_tokens.inc(generated_tokens)
@@ -154,6 +153,8 @@ class Metrics:
         observe = self.time_between_tokens.observe
         for gap in time_between_tokens_s:
             observe(gap)
+        # Last: a scrape that sees the request finished sees its tokens too.
+        self.finished.labels(outcome).inc()
 
     def last_probes(self) -> dict[str, dict]:
         with self._lock:
