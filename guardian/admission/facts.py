@@ -381,6 +381,23 @@ def weights_bytes(model) -> int:
     return sum(array.nbytes for _, array in tree_flatten(model.parameters()))
 
 
+def device_info() -> dict:
+    """What mlx reports of the device (``mx.device_info()``); {} where it reports nothing."""
+    import mlx.core as mx
+
+    try:
+        return mx.device_info()
+    except Exception:  # an older mlx, or a device that cannot say
+        return {}
+
+
+def memory_in_use() -> int:
+    """mlx's active and cache memory: what the device's memory holds for this process."""
+    import mlx.core as mx
+
+    return mx.get_active_memory() + mx.get_cache_memory()
+
+
 def device_memory() -> tuple[int, str]:
     """The memory mlx says the device may use, and where that number came from.
 
@@ -389,7 +406,7 @@ def device_memory() -> tuple[int, str]:
     """
     import mlx.core as mx
 
-    info = mx.device_info()
+    info = device_info()
     for key in ("max_recommended_working_set_size", "memory_size", "total_memory"):
         if info.get(key):
             return int(info[key]), f"device_info.{key}"

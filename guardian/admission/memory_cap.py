@@ -31,16 +31,13 @@ import threading
 import time
 from typing import Callable, Optional
 
-import mlx.core as mx
+from guardian.admission.facts import device_info, memory_in_use
 
 
 def device_free_memory() -> Optional[int]:
     """The device's free memory as its driver reports it, or None where mlx
     reports none (Metal and the CPU report sizes, not what is free)."""
-    try:
-        free = mx.device_info().get("free_memory")
-    except Exception:  # an mlx without device_info, a device that cannot say
-        return None
+    free = device_info().get("free_memory")
     return int(free) if free is not None else None
 
 
@@ -49,7 +46,7 @@ def memory_this_process_could_use(weights_bytes: int) -> Optional[int]:
     free = device_free_memory()
     if free is None:
         return None
-    held = mx.get_active_memory() + mx.get_cache_memory() - weights_bytes
+    held = memory_in_use() - weights_bytes
     return free + max(0, held)
 
 

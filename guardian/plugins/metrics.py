@@ -25,7 +25,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoM
 
 import guardian
 from guardian import metrics
-from guardian.admission.facts import device_memory
+from guardian.admission.facts import device_info, device_memory
 from guardian.engine.lifecycle import EngineState
 from guardian.engine.ledger import CANCELLED, COMPLETED, FAILED
 from guardian.settings import ACTIONS
@@ -109,7 +109,7 @@ class Metrics:
         self.engine = engine
         # Fixed for the process: read once, not at every scrape.
         self._device_limit = device_memory()
-        self._device_resource_limit = _device_info().get("resource_limit")
+        self._device_resource_limit = device_info().get("resource_limit")
 
     # -- counters --------------------------------------------------------------------
     @guardian.hookimpl
@@ -228,9 +228,3 @@ class EngineCollector:
 def gauge(name: str, documentation: str, value) -> GaugeMetricFamily:
     return GaugeMetricFamily(P + name, documentation, value=float(value))
 
-
-def _device_info() -> dict:
-    try:
-        return mx.device_info()
-    except Exception:  # older mlx, or a device that reports nothing
-        return {}

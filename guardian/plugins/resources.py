@@ -30,7 +30,7 @@ import mlx.core as mx
 import structlog
 
 import guardian
-from guardian.admission.facts import describe_bytes, device_memory
+from guardian.admission.facts import describe_bytes, device_info, device_memory, memory_in_use
 from guardian.errors import GuardianError
 from guardian.settings import Float, Int, Setting, Table
 
@@ -66,17 +66,6 @@ class ResourcesSettings(Table, name="resources"):
         and by leak_min_growth_bytes in all: memory_leak_suspected (a warning;
         a restart of the process frees what a leak holds).""", live=True)
     leak_min_growth_bytes = Setting(Int(min=0), 64 * MiB, live=True)
-
-
-def memory_in_use() -> int:
-    return mx.get_active_memory() + mx.get_cache_memory()
-
-
-def _device_resource_limit():
-    try:
-        return mx.device_info().get("resource_limit")
-    except Exception:  # older mlx, or a device that does not report it
-        return None
 
 
 class Resources:
@@ -172,7 +161,7 @@ class Resources:
             "peak_memory_bytes": mx.get_peak_memory(),
             "memory_used_bytes": active + cache,
             "device_memory_bytes": self.device_bytes,
-            "resource_limit": _device_resource_limit(),
+            "resource_limit": device_info().get("resource_limit"),
             "trim_above_bytes": trim,
             "refuse_above_bytes": refuse,
             "resume_below_bytes": resume,
