@@ -100,6 +100,17 @@ def test_metrics_parse_with_the_engine_state_and_memory(served):
     assert openmetrics.text.rstrip().endswith("# EOF")
 
 
+@pytest.mark.parametrize("accept", [";;q=x", "application/openmetrics-text; version=9.9", "*/*;q=-1",
+                                    "x" * 4000, "text/plain; version=0.0.4, \u00e9/\u00e9"])
+def test_a_hostile_accept_header_still_gets_a_scrape(served, accept):
+    response = httpx.get(served.url + "/metrics", headers={"Accept": accept.encode("latin-1")}, timeout=10)
+    assert response.status_code == 200
+    if "openmetrics" in response.headers["content-type"]:
+        assert response.text.rstrip().endswith("# EOF")
+    else:
+        assert list(text_string_to_metric_families(response.text))
+
+
 def test_completions_move_the_token_counters_and_histograms(served):
     before = Scrape(served.url)
     url = served.url + COMPLETIONS

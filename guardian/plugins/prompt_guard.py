@@ -359,7 +359,7 @@ class PromptGuard:
         return error
 
     # -- memory the device could not give (guardian.admission.memory_cap) ---------
-    @guardian.hookimpl
+    @guardian.hookimpl(tryfirst=True)  # firstresult: a classifier run before it would skip the note
     def classify_engine_error(self):
         """The first moment of an engine failure: note the KV admitted then.
         Classifying is the recovery plugin's (None: no opinion)."""
