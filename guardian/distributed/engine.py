@@ -31,9 +31,10 @@ class GroupEngine(GuardianEngine):
         """Tell the other ranks first (they are waiting in a collective), then give up with code 7."""
         member = self.group_member
         error = self.last_error  # set by a failure of this loop: the first is the last in a group
-        if error is not None and self.generation_available():
+        first_give_up = self.generation_available()
+        if error is not None and first_give_up:
             reason = f"the engine failed: {error['type']}: {error['message']}"
-        if member is not None and self.generation_available():
+        if member is not None and first_give_up:
             member.failing(reason)
             if member.supervised:
                 member.exit_unanswered(reason, in_flight=len(self.ledger.in_flight()) + len(records))

@@ -130,8 +130,8 @@ class GroupMember:
             # Still loading, maybe inside a collective that never returns:
             # no client to answer yet, so nothing to wait for.
             _exit_now(EXIT_GROUP_FAILED)
+        # GroupEngine.give_up also fails the exit request with code 7.
         self.engine.give_up(f"{who} {why}" if rank >= 0 else why)
-        self.on_exit.fail(EXIT_GROUP_FAILED)
 
     def _stopping(self) -> None:
         log.info("group_stopping", by_rank=0)
