@@ -63,6 +63,29 @@ def test_after_a_memory_failure_a_request_that_cannot_fit_is_refused_at_the_door
     assert len(server.events("engine_error")) == 1
 
 
+@pytest.mark.skipif(device_reports_free_memory(),
+                    reason="the device reports its free memory (CUDA): a planted failure with the memory "
+                    "free lifts the cap at once; bench/gpu_oom.py runs a real one there")
+def test_a_memory_failure_inside_stocks_own_step_caps_the_budget_too(start_server, tmp_path):
+    """The same, with the failure raised inside stock's BatchGenerator.next
+    (tests/plugins/stock_step_faults.py), where a real allocator fails."""
+    arm = tmp_path / "arm"
+    server = start_server('[guardian]\nplugins = ["tests.plugins.stock_step_faults:StockStepFaults"]\n'
+                          f'[stock_step_faults]\nraise_message = "{CUDA_OOM}"\narmed_by = "{arm}"\n')
+    big = chat_body("word " * 300, max_tokens=64)
+    with httpx.Client(timeout=60) as client:
+        arm.touch()  # the next prefill step raises: this request's
+        first = client.post(server.url + "/v1/chat/completions", json=big)
+        assert first.status_code == 200, first.text  # re-run after the restart
+        assert not arm.exists()
+        [error] = server.events("engine_error")
+        assert error["classification"] == "out_of_memory"
+        [lowered] = server.wait_for_event("kv_budget_lowered")
+        again = client.post(server.url + "/v1/chat/completions", json=big)
+        assert again.status_code == 400 and again.json()["error"]["code"] == "kv_cache_budget_exceeded"
+        assert again.json()["error"]["kv_budget_bytes"] == lowered["kv_budget_bytes"]
+
+
 def test_the_measured_cap_follows_the_device_and_lifts_when_memory_comes_back():
     from guardian.admission.memory_cap import MemoryCap
 

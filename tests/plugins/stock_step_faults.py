@@ -17,11 +17,16 @@ blocks or is slow (a native deadlock, a kernel compile).
 - ``prefill_delay_s``: a ``next()`` that processes prompt tokens takes this
   much longer, from the ``prefill_delay_from_call``-th call on (a big model's
   prefill chunks, each far longer than its decode steps).
+- ``raise_message`` with ``armed_by``: once the file ``armed_by`` exists, the
+  next ``next()`` that processes prompt tokens raises ``RuntimeError(raise_message)``
+  from inside stock's step (as an allocator failure in prefill does) and
+  removes the file: one failure per arming.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 import threading
 from dataclasses import dataclass
 
@@ -42,6 +47,8 @@ class StockStepFaultsSettings:
     delay_s: float = 0.0
     prefill_delay_s: float = 0.0
     prefill_delay_from_call: int = 1
+    raise_message: str = ""
+    armed_by: str = ""
 
 
 class StockStepFaults:
@@ -81,6 +88,9 @@ class StockStepFaults:
                 plugin.released.wait(settings.delay_s)
             if settings.prefill_delay_s and call >= settings.prefill_delay_from_call and _prefills(generator):
                 plugin.released.wait(settings.prefill_delay_s)
+            if settings.raise_message and _prefills(generator) and _disarm(settings.armed_by):
+                log.warning("stock_step_raise", call=call, message=settings.raise_message)
+                raise RuntimeError(settings.raise_message)
             if call == settings.hang_at_call:
                 log.warning("stock_step_hang", call=call, thread=threading.current_thread().name)
                 plugin.released.wait(settings.hang_s or None)
@@ -88,6 +98,15 @@ class StockStepFaults:
             return stock_next(generator)
 
         generate.BatchGenerator.next = next
+
+
+def _disarm(path: str) -> bool:
+    """Whether the arming file was there (and is now gone)."""
+    try:
+        os.remove(path)
+    except (FileNotFoundError, IsADirectoryError, PermissionError):
+        return False
+    return True
 
 
 def _prefills(generator) -> bool:
