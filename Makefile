@@ -12,7 +12,7 @@ STOCK_TEST_DEPS := requests
 PORT ?= 8080
 ARGS ?=
 
-.PHONY: serve test test-newest test-0313 bench clean haproxy gpu-wheels
+.PHONY: serve test test-newest test-0313 bench clean system-packages gpu-wheels
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -31,14 +31,18 @@ serve: $(VENV)/.installed
 
 test: test-newest test-0313
 
-# tests/test_haproxy.py runs a real HAProxy: Debian's/Ubuntu's package.
+# Real components some tests run, Debian's/Ubuntu's packages: HAProxy
+# (tests/test_haproxy.py) and Open MPI (tests/test_mpi_kept_out.py).
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-haproxy:
-	@command -v haproxy >/dev/null 2>&1 || test -x /usr/sbin/haproxy || \
-	  { $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq haproxy; }
+system-packages:
+	@missing=""; \
+	  { command -v haproxy >/dev/null 2>&1 || test -x /usr/sbin/haproxy; } || missing="haproxy"; \
+	  command -v mpirun >/dev/null 2>&1 || missing="$$missing openmpi-bin"; \
+	  [ -z "$$missing" ] || { $(SUDO) apt-get update -qq && \
+	    DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq $$missing; }
 
-test-newest: $(VENV)/.installed haproxy
+test-newest: $(VENV)/.installed system-packages
 	$(VENV)/bin/python -m pytest
 
 # The supervisor imports no mlx_lm, and tests marked one_version check nothing
