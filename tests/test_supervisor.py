@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -395,6 +396,40 @@ def test_a_body_that_crashes_the_child_twice_is_quarantined(start_supervisor, tm
     assert resent["dead_child_pid"] == first_pid
     supervisor_lines = [json.dumps(e) for e in supervised.logs() if e.get("logger") == "guardian.supervisor"]
     assert not any(SEGFAULT_MARKER in line for line in supervisor_lines)  # never the raw body
+
+
+def port_refuses(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+    except ConnectionRefusedError:
+        return True
+    return False
+
+
+def test_a_request_the_dying_childs_port_refused_is_no_crash_suspect(start_supervisor, tmp_path):
+    """A crashed child's port closes before it can be reaped (~0.15 s on a GPU):
+    a request relayed then never reached it. It used to be struck as a suspect
+    of that crash, and twice quarantined: on the H200 a bystander got 500
+    request_quarantined. The child's death is slowed here (tests/plugins/slow_death.py)."""
+    config = tmp_path / "slow-death.toml"
+    config.write_text('[guardian]\nplugins = ["tests.plugins.slow_death:SlowDeath"]\n'
+                      '\n[slow_death]\nteardown_s = 1.5\n')
+    supervised = start_supervisor("--guardian-config", str(config))
+    pid = supervised.wait_ready()
+    innocent = chat_body("An innocent request.", max_tokens=4)
+    for _ in range(2):
+        child_port = supervised.supervisor()["child"]["port"]
+        supervised.signal_child(pid, signal.SIGSEGV)
+        poll(lambda: port_refuses(child_port), 10, what="the dying child's port to refuse")
+        assert supervised.proc.poll() is None and Path(f"/proc/{pid}").exists()  # not yet reaped
+        response = httpx.post(supervised.url + COMPLETIONS, json=innocent, timeout=60)
+        assert response.status_code == 200, response.text
+        pid = supervised.wait_ready(not_pid=pid)
+    # Nothing was in flight at either crash: no suspects, no strikes.
+    assert [e["suspects"] for e in supervised.supervisor_events("crash_suspects")] == [[], []]
+    unreachable = supervised.supervisor_events("proxy_child_unreachable")
+    assert len(unreachable) == 2 and unreachable[0]["error_type"] == "ConnectionRefusedError"
+    assert not supervised.supervisor_events("proxy_child_lost")
 
 
 def test_quarantine_0_lets_the_poison_crash_loop_into_exit_6(start_supervisor, tmp_path):

@@ -150,7 +150,12 @@ class ProxyHandler(BaseHTTPRequestHandler):
                 outcome = CHILD_GONE if child_died(child, alone) else self.to_child(
                     child, path, body, request_fingerprint, stream)
             if outcome is CHILD_GONE:
-                supervisor.wait_reaped(child)
+                if supervisor.wait_reaped(child):
+                    continue
+                # Alive after all, though its port took nothing: bounded as resends are.
+                if resends >= supervisor.settings.max_resends:
+                    return self.give_up(stream, supervisor.lost_child_error())
+                resends += 1
                 continue
             if outcome is REFUSED_BY_STOPPING_CHILD:
                 continue  # the supervisor holds it for the next child
@@ -240,7 +245,15 @@ class ProxyHandler(BaseHTTPRequestHandler):
             headers.append((relay_protocol.KEY_HEADER, key))
         try:
             upstream = Upstream(child.port, self.command, self.target(), headers, body)
-        except Exception as e:  # noqa: BLE001 - refused, reset, or closed by a dying child
+        except ChildUnreachable as e:
+            # A dying child closes its port before it can be reaped (an
+            # allocator's or a crash handler's teardown takes ~0.2 s on a GPU):
+            # the request never reached it, so its crash cannot be the
+            # request's fault. No strike; the next child takes it.
+            log.info("proxy_child_unreachable", path=self.path, child_pid=child.pid,
+                     error_type=type(e.__cause__).__name__, error_message=str(e.__cause__))
+            return CHILD_GONE
+        except Exception as e:  # noqa: BLE001 - reset, or closed by a dying child
             self.child_lost(child, e, sent=False)
             return NOTHING_SENT
         try:
@@ -439,6 +452,10 @@ class Upstream:
         self.connection = http.client.HTTPConnection(CHILD_HOST, port, timeout=CHILD_CONNECT_TIMEOUT_S)
         try:
             self.connection.connect()
+        except OSError as e:
+            self.connection.close()
+            raise ChildUnreachable(f"the child's port {port} took no connection") from e
+        try:
             self.connection.sock.settimeout(None)  # the connect is bounded, reads are not
             # Host is the child's; Accept-Encoding is the client's, if it sent one.
             self.connection.putrequest(method, target, skip_accept_encoding=True)
@@ -480,6 +497,10 @@ class Upstream:
         """Close the connection: a child still writing sees its client leave."""
         self.response.close()
         self.connection.close()
+
+
+class ChildUnreachable(ConnectionError):
+    """The child's port took no connection: nothing of the request reached it."""
 
 
 def child_died(child, alone: bool) -> bool:
