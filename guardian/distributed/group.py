@@ -6,10 +6,6 @@ import os
 from dataclasses import dataclass
 from typing import MutableMapping, Optional
 
-import structlog
-
-log = structlog.get_logger("guardian.distributed")
-
 # What MPI launchers give every process they start: Open MPI's mpirun (which
 # ``mlx.launch --backend mpi`` runs), PMIx-based launchers, MPICH's hydra.
 MPI_LAUNCHER_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK", "PMI_SIZE", "MPI_LOCALNRANKS")
@@ -58,11 +54,10 @@ def keep_mpi_out(environ: MutableMapping[str, str] = os.environ) -> bool:
     MPICH's. So outside a launcher mlx is pointed at a library that does not
     exist (mlx reads MLX_MPI_LIBNAME when the first group is made), even
     over a user's MLX_MPI_LIBNAME, which only helps under mpirun. True if it
-    was. Ring, JACCL and NCCL groups (``mlx.launch``'s own) are untouched.
+    was (nothing is logged: this runs before logging is set up). Ring, JACCL
+    and NCCL groups (``mlx.launch``'s own) are untouched.
     """
     if any(name in environ for name in MPI_LAUNCHER_VARIABLES):
         return False
-    log.debug("mpi_kept_out", reason="no MPI launcher started this process",
-              mlx_mpi_libname=environ.get("MLX_MPI_LIBNAME"))
     environ["MLX_MPI_LIBNAME"] = NO_MPI_LIBRARY
     return True
