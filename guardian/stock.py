@@ -285,6 +285,32 @@ def continuation_args(args, generated: list[int]):
     return continued
 
 
+def sampling_kind(args) -> tuple[str, ...]:
+    """The samplers and logits processors a request's GenerationArguments turn
+    on, by name. mlx compiles their kernels at first use (on CUDA with a cold
+    kernel cache a first sampled token took 25 s), so the watchdog gives a
+    kind's first token the long stall limit (guardian.health.pace)."""
+    sampling, logits = getattr(args, "sampling", None), getattr(args, "logits", None)
+
+    def number(owner, name, default):
+        value = getattr(owner, name, None)
+        return default if value is None else value
+
+    flags = {
+        "temperature": number(sampling, "temperature", 0) > 0,
+        "top_p": 0 < number(sampling, "top_p", 1) < 1,
+        "top_k": number(sampling, "top_k", 0) > 0,
+        "min_p": number(sampling, "min_p", 0) > 0,
+        "xtc": number(sampling, "xtc_probability", 0) > 0,
+        "logit_bias": bool(getattr(logits, "logit_bias", None)),
+        "repetition_penalty": number(logits, "repetition_penalty", 0) not in (0, 1),
+        "presence_penalty": number(logits, "presence_penalty", 0) != 0,
+        "frequency_penalty": number(logits, "frequency_penalty", 0) != 0,
+        "logprobs": bool(getattr(args, "logprobs", False)) or number(args, "top_logprobs", 0) > 0,
+    }
+    return tuple(name for name, on in flags.items() if on)
+
+
 def continuable(request) -> bool:
     """Whether a request can be continued: not one with images, whose prompt
     cache key (0.32's vision key) is made from the prompt as it came."""

@@ -169,6 +169,44 @@ def test_a_slow_first_step_after_start_and_after_a_restart_is_not_a_stall(start_
     assert server.events("engine_stalled") == []
 
 
+def test_a_new_kind_of_requests_first_token_may_compile_kernels_and_is_not_a_stall(start_server, tmp_path):
+    # mlx compiles a sampler's kernels when it samples its first token, steps
+    # after the prompt's: on CUDA with a cold kernel cache that took 25 s, and a
+    # stock test's first sampled request was stalled, restarted and blamed.
+    # Here a prompt's chunks take 0.3 s each (several steps go by, the pace is
+    # known: ~1.2 s), then the step returning its first token takes 2.5 s: for
+    # a kind of request (its samplers) that never produced a token, not a
+    # stall; for a kind that did (kernels compiled), a stall as before.
+    armed = tmp_path / "slow-token"
+    config = (STEP_FAULTS + table("stock_step_faults", token_delay_s=2.5, token_delay_armed_by=str(armed),
+                                  prefill_delay_s=0.3)
+              # A short memory of the pace: the slow step is forgotten in ~1 s.
+              + table("watchdog", stall_min_s=1.0, pace_samples=4))
+    # Prompts of several chunks: steps go by before the first token is sampled.
+    server = start_server(config, "--prefill-step-size", "32")
+
+    def fast_pace():
+        return (httpx.get(server.url + "/guardian/status").json()["longest_recent_gap_s"] or 9) < 0.5
+
+    poll(fast_pace, 30, interval=0.2, what="a fast pace")
+    sampled = {"temperature": 0.7, "top_p": 0.9}
+    with httpx.Client(timeout=120) as client:
+        armed.touch()
+        response = client.post(server.url + "/v1/chat/completions",
+                               json=chat_body("word " * 60, max_tokens=4, **sampled))
+        assert response.status_code == 200, response.text
+        assert len(server.events("stock_step_slow_token")) == 1
+        assert server.events("engine_stalled") == []
+        poll(fast_pace, 30, interval=0.2, what="a fast pace again")
+        armed.touch()
+        response = client.post(server.url + "/v1/chat/completions",
+                               json=chat_body("other " * 60, max_tokens=4, **sampled))
+    assert response.status_code == 200, response.text  # re-run on the new loop
+    assert len(server.events("stock_step_slow_token")) == 2
+    [stalled] = server.events("engine_stalled")
+    assert stalled["heartbeat_age_s"] < 2.5
+
+
 def test_a_replacement_loop_is_judged_by_its_own_silence(start_server):
     # The loop that replaces a stuck one never asks for work (its start blocks):
     # its probe fails after probe_timeout_s, and the stall it reports is that

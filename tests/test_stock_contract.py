@@ -7,7 +7,9 @@ guardian/stock.py is the only module to change.
 from __future__ import annotations
 
 import ast
+import dataclasses
 from pathlib import Path
+from types import SimpleNamespace
 
 import mlx_lm.server as server
 import pytest
@@ -107,3 +109,21 @@ def test_only_stock_py_touches_mlx_lm_server_or_private_names():
         if uses:
             offenders[str(path.relative_to(REPO))] = uses
     assert not offenders, f"private mlx_lm names outside guardian/stock.py: {offenders}"
+
+
+def test_sampling_kind_names_what_stocks_arguments_turn_on():
+    """The watchdog's new-kind rule reads stock's argument dataclasses by field
+    name: a renamed field would silently drop out of every kind."""
+    _, greedy = stock.make_request("hi", max_tokens=4, cli_args=SimpleNamespace(num_draft_tokens=3))
+    assert stock.sampling_kind(greedy) == ()
+    sampled = dataclasses.replace(
+        greedy,
+        sampling=dataclasses.replace(greedy.sampling, temperature=0.7, top_p=0.9, top_k=5, min_p=0.05,
+                                     xtc_probability=0.1),
+        logits=dataclasses.replace(greedy.logits, logit_bias={5: 1.0}, repetition_penalty=1.2,
+                                   presence_penalty=0.5, frequency_penalty=0.5),
+        logprobs=True,
+    )
+    assert stock.sampling_kind(sampled) == ("temperature", "top_p", "top_k", "min_p", "xtc", "logit_bias",
+                                            "repetition_penalty", "presence_penalty", "frequency_penalty",
+                                            "logprobs")

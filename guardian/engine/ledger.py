@@ -128,6 +128,9 @@ class RequestRecord:
         # new one is not sent, only linked through cancel().
 
     def _on_token(self, response):
+        if not self.generated:
+            # Its samplers' kernels are compiled now (guardian.health.pace).
+            self.ledger.produced_kinds.add(stock.sampling_kind(self.first_args))
         self.generated.append(response.token)
         self.token_times.append(time.monotonic())
         if self.stream:
@@ -250,6 +253,9 @@ class RequestLedger:
         # Requests that ended with their last token (probes included): proof
         # that the engine generates (see guardian.engine.blame).
         self.completed = 0
+        # The kinds of request (stock.sampling_kind) that have produced a token
+        # in this process: their kernels are compiled.
+        self.produced_kinds: set[tuple[str, ...]] = set()
 
     # -- the HTTP side ----------------------------------------------------
     @contextlib.contextmanager

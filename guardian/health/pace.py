@@ -12,6 +12,12 @@ comes next is unknown:
 - this loop has not completed a step since the watchdog first saw it (the
   server just started, or a restart just ran stock's loop again: its first
   steps may compile kernels);
+- a request in flight has produced no token, and its kind (the samplers and
+  logits processors it turns on, ``stock.sampling_kind``) has not produced a
+  token in this process yet: mlx compiles their kernels when the first token
+  is sampled, steps after the prompt's (on CUDA with a cold kernel cache a
+  first sampled token took 25 s; on the CPU ~0.7 s). Kernels stay compiled
+  for the process, across restarts, so each kind pays this once;
 - a request in flight has produced no token, and no engine step has both
   begun and ended since the watchdog first saw it. Its first prefill chunk
   may be far longer than anything seen so far (a 2048-token chunk of a big
@@ -46,10 +52,12 @@ class Pace:
         self._first_seen: dict[int, int] = {}  # requests without a token: the step count then
         self._unknown: Optional[str] = "no look yet"
 
-    def observe(self, *, beat: float, steps: int, loop: tuple, waiting: Iterable[int]) -> None:
+    def observe(self, *, beat: float, steps: int, loop: tuple, waiting: Iterable[int],
+                novel: bool = False) -> None:
         """One look: ``beat`` the engine's last heartbeat, ``steps`` its step count,
         ``loop`` which loop runs (a new value: a new loop), ``waiting`` the ids of
-        requests in flight that have no token yet."""
+        requests in flight that have no token yet; ``novel`` whether one of
+        those is of a kind that has not produced a token in this process."""
         if loop != self._loop:
             # What the old loop needed says nothing of the new one's first steps.
             self.gaps.clear()
@@ -61,6 +69,8 @@ class Pace:
         self._first_seen = {r: self._first_seen.get(r, steps) for r in waiting}
         if steps < self._loop_steps + 2:
             self._unknown = "this loop has not completed a step yet"
+        elif novel:
+            self._unknown = "a request of a kind that has not produced a token yet (its first may compile kernels)"
         elif any(steps < seen + 2 for seen in self._first_seen.values()):
             self._unknown = "a request without a token has not completed a step yet"
         else:

@@ -25,6 +25,7 @@ from typing import Optional
 
 import structlog
 
+from guardian import stock
 from guardian.config import WatchdogSettings
 from guardian.counting import RecentEvents
 from guardian.engine.lifecycle import EngineState
@@ -125,11 +126,14 @@ class Watchdog:
         lifecycle = engine.lifecycle
         # A request with a token is past its prefill. (A continuation after a
         # failure has tokens but prefills again: on a new loop, unknown anyway.)
-        waiting = [r.seq for r in engine.ledger.in_flight() if not r.has_output]
+        in_flight = engine.ledger.in_flight()
+        waiting = [r.seq for r in in_flight if not r.has_output]
+        produced = engine.ledger.produced_kinds
+        novel = any(stock.sampling_kind(r.first_args) not in produced for r in in_flight if not r.has_output)
         # The loop thread and the restart count: a new loop, or the same thread
         # running stock's loop again after a failure, starts with nothing known.
         self.pace.observe(beat=beat, steps=engine.steps, loop=(lifecycle.owner, lifecycle.restarts),
-                          waiting=waiting)
+                          waiting=waiting, novel=novel)
         self.stall_limit_s = self.pace.limit(self.settings.stall_timeout_s)
 
     def _on_stall(self, heartbeat_age_s: float, why: str) -> None:

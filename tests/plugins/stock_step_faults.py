@@ -21,6 +21,10 @@ blocks or is slow (a native deadlock, a kernel compile).
   next ``next()`` that processes prompt tokens raises ``RuntimeError(raise_message)``
   from inside stock's step (as an allocator failure in prefill does) and
   removes the file: one failure per arming.
+- ``token_delay_s`` with ``token_delay_armed_by``: once that file exists, the
+  next ``next()`` that returns a generated token takes this much longer (as
+  when mlx compiles a sampler's kernels at its first token) and removes the
+  file. ``stock_step_slow_token`` is logged.
 """
 
 from __future__ import annotations
@@ -49,6 +53,8 @@ class StockStepFaultsSettings:
     prefill_delay_from_call: int = 1
     raise_message: str = ""
     armed_by: str = ""
+    token_delay_s: float = 0.0
+    token_delay_armed_by: str = ""
 
 
 class StockStepFaults:
@@ -95,7 +101,12 @@ class StockStepFaults:
                 log.warning("stock_step_hang", call=call, thread=threading.current_thread().name)
                 plugin.released.wait(settings.hang_s or None)
                 log.warning("stock_step_hang_ended", call=call)
-            return stock_next(generator)
+            responses = stock_next(generator)
+            # (prompt responses, generation responses), in 0.31 and 0.32
+            if settings.token_delay_s and responses[1] and _disarm(settings.token_delay_armed_by):
+                log.warning("stock_step_slow_token", call=call, delay_s=settings.token_delay_s)
+                plugin.released.wait(settings.token_delay_s)
+            return responses
 
         generate.BatchGenerator.next = next
 
