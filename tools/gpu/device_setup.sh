@@ -5,6 +5,7 @@
 #   tools/gpu/device_setup.sh stash                 call 1: carry .whl/part1; keep it in /tmp
 #   tools/gpu/device_setup.sh test PYTEST_ARGS...   call 2: carry .whl/part2; join, install, pytest
 #   tools/gpu/device_setup.sh run COMMAND...        call 2 (or later): join, install, run COMMAND
+#   EXTRA_WHEELS=.whl/mlx-lm-0.31.3 ... test ...    the same with these wheels over the others
 #
 # Call 2 must come while the machine from call 1 is still warm (it is given
 # back 30 s after a call): a fresh machine has no piece 1, and this says so.
@@ -80,6 +81,14 @@ metadata() {
 
 environment() {
     export PYTHONPATH=$SITE PYTHONUNBUFFERED=1
+    # Another mlx-lm (or any wheel) over the installed ones: EXTRA_WHEELS names a
+    # carried folder, e.g. EXTRA_WHEELS=.whl/mlx-lm-0.31.3 for the incident's version.
+    if [ -n "${EXTRA_WHEELS:-}" ]; then
+        rm -rf /tmp/site-extra
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+            --target /tmp/site-extra "$EXTRA_WHEELS"/*.whl || exit 5
+        export PYTHONPATH=/tmp/site-extra:$SITE
+    fi
     metadata
     # The guardian's hub-free demo model and stock's cached test file live in the tree.
     machine
@@ -98,6 +107,12 @@ case "${1:-}" in
         environment
         started=$(date +%s)
         touch /tmp/guardian-test-start
+        # mlx compiles CUDA kernels at first use and keeps them on disk: fill
+        # that cache first, or a dozen fresh servers compile at once and tests
+        # with 1 s stall limits see compiles as stalls (WARM=0 skips it).
+        if [ "${WARM:-1}" != 0 ]; then
+            python3 tools/gpu/warm_kernels.py --out "$OUT/warm_kernels.json" 2>&1 | tee "$OUT/warm_kernels.log"
+        fi
         # SIGINT at the deadline: pytest stops and still prints its summary,
         # inside the device tool's 10 minutes a call.
         timeout -s INT "${PYTEST_DEADLINE_S:-510}" \
