@@ -54,6 +54,11 @@ def new_relay_key() -> str:
 
 
 # -- the child's end ------------------------------------------------------
+def started_by_supervisor() -> bool:
+    """Whether a supervisor started this process (it gave us its relay key)."""
+    return bool(os.environ.get(RELAY_KEY_ENV))
+
+
 def relayed_by_supervisor(headers) -> bool:
     """Whether a request came through the supervisor that started this child."""
     expected = os.environ.get(RELAY_KEY_ENV)

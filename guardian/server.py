@@ -7,7 +7,6 @@ stops the HTTP server and the engine, and returns the exit code.
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
 import threading
@@ -33,7 +32,7 @@ from guardian.health.parent_watch import die_with_parent
 from guardian.health.watchdog import Watchdog
 from guardian.plugins.facade import EngineView
 from guardian.plugins.manager import notify
-from guardian.relay_protocol import RELAY_KEY_ENV
+from guardian.relay_protocol import started_by_supervisor
 
 log = structlog.get_logger("guardian.server")
 
@@ -78,7 +77,7 @@ def serve(host: str, port: int, model_provider, config: Union[GuardianConfig, Li
 
         member = GroupMember(group, live.config.watchdog.peer_timeout_s, exit_request)
         member.join(pm)
-    elif os.environ.get(RELAY_KEY_ENV):
+    elif started_by_supervisor():
         # A supervisor's child (it gave us its relay key): never outlive it.
         die_with_parent(lambda: exit_request(EXIT_OK))
     try:

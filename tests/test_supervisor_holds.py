@@ -15,6 +15,7 @@ import time
 import httpx
 
 from conftest import chat_body, poll
+from guardian.exit_codes import EXIT_ENGINE_FAILED
 from test_supervisor import COMPLETIONS, SEGFAULT_MARKER, SLOW_STEPS, start_supervisor  # noqa: F401 - a fixture
 
 
@@ -162,3 +163,44 @@ def test_health_on_the_public_port_never_hangs_on_a_stopped_child(start_supervis
     poll(lambda: supervised.supervisor()["state"] == "ready", 15, what="ready again")
     assert httpx.get(supervised.url + "/readyz", timeout=10).status_code == 200
     assert supervised.supervisor()["restarts"] == 0
+
+
+def test_a_child_that_gives_up_leaves_its_requests_to_the_supervisor(start_supervisor, tmp_path):
+    """A child whose engine gives up (exit 4, more failures in the window than
+    recovery.max_failures) used to answer what it held 503 engine_failed before
+    exiting, and the supervisor relayed those. It now exits with them
+    unanswered, as a crashed child: sent again, a stream continued, all 200."""
+    armed = tmp_path / "fail"
+    config = tmp_path / "gives-up.toml"
+    config.write_text('[guardian]\nplugins = ["tests.plugins.stock_step_faults:StockStepFaults"]\n'
+                      f'[stock_step_faults]\nraise_message = "[metal::malloc] Resource limit (499000) exceeded."\n'
+                      f'armed_by = "{armed}"\n[recovery]\nmax_failures = 1\n' + SLOW_STEPS)
+    supervised = start_supervisor("--guardian-config", str(config))
+    first_pid = supervised.wait_ready()
+    done, stream_lines = [], []
+
+    def stream():
+        with httpx.Client(timeout=120) as client:
+            with client.stream("POST", supervised.url + COMPLETIONS,
+                               json=chat_body("A stream.", max_tokens=300, stream=True)) as response:
+                stream_lines.extend(line for line in response.iter_lines() if line.startswith("data: "))
+
+    streamer = threading.Thread(target=stream, daemon=True)
+    streamer.start()
+    long_one = post_in_thread(supervised.url, chat_body("In flight as it gives up.", max_tokens=300), done)
+    poll(lambda: supervised.supervisor()["in_flight"] >= 2 and len(stream_lines) >= 3, 20,
+         what="both generating")
+    # The next two prefill steps fail: the third request's, then the re-runs' (2 > max_failures).
+    armed.write_text("2")
+    trigger = post_in_thread(supervised.url, chat_body("The third.", max_tokens=8), done)
+    for thread in (streamer, long_one, trigger):
+        thread.join(timeout=120)
+    assert sorted(response.status_code for response, _ in done) == [200, 200], [r for r, _ in done]
+    assert {response.json()["usage"]["completion_tokens"] for response, _ in done} == {300, 8}
+    assert stream_lines[-1] == "data: [DONE]" and not any('"error"' in line for line in stream_lines)
+    [gave_up] = [e for e in supervised.events("engine_gave_up") if e.get("left_to")]
+    assert gave_up["exit_code"] == EXIT_ENGINE_FAILED and gave_up["in_flight"] == 3
+    [exited] = supervised.supervisor_events("child_exited")
+    assert exited["pid"] == first_pid and exited["returncode"] == EXIT_ENGINE_FAILED
+    assert supervised.supervisor_events("stream_continuing")
+    assert not supervised.events("request_errored")  # no child answered anything with an error

@@ -12,10 +12,8 @@ other than 0 runs instead of the HTTP server.
 
 from __future__ import annotations
 
-import logging
 import os
 import signal
-import sys
 import threading
 from typing import Optional
 
@@ -27,8 +25,8 @@ from guardian.distributed.engine import GroupEngine, GroupPolicy
 from guardian.distributed.group import Group
 from guardian.health.parent_watch import die_with_parent
 from guardian.distributed.rendezvous import leader_host, share_address
-from guardian.exit_codes import EXIT_BOOT_ERROR, EXIT_GROUP_FAILED, EXIT_OK
-from guardian.relay_protocol import RELAY_KEY_ENV
+from guardian.exit_codes import EXIT_BOOT_ERROR, EXIT_GROUP_FAILED, EXIT_OK, exit_now
+from guardian.relay_protocol import started_by_supervisor
 
 log = structlog.get_logger("guardian.group")
 
@@ -57,7 +55,7 @@ class GroupMember:
         self.failed = False
         # Started by mlx-guardian --supervise, which sends again what a dead child
         # left unanswered (and continues its streams) on the next group.
-        self.supervised = bool(os.environ.get(RELAY_KEY_ENV))
+        self.supervised = started_by_supervisor()
         self.engine: Optional[GroupEngine] = None
         self.links = ControlLinks(group.rank, group.size, beat_s=peer_timeout_s / BEATS_PER_TIMEOUT,
                                   peer_timeout_s=peer_timeout_s, on_lost=self._lost,
@@ -95,7 +93,7 @@ class GroupMember:
         log.critical("group_failed", reason=reason, exit_code=EXIT_GROUP_FAILED, in_flight=in_flight,
                      left_to="the supervisor, which sends them again to the next group")
         self.kill_stuck_ranks(STUCK_AFTER_S)
-        _exit_now(EXIT_GROUP_FAILED)
+        exit_now(EXIT_GROUP_FAILED)
 
     def kill_stuck_ranks(self, wait_s: float) -> None:
         """Rank 0, as the group fails: SIGKILL the ranks on this machine that did not
@@ -129,7 +127,7 @@ class GroupMember:
         if self.engine is None:
             # Still loading, maybe inside a collective that never returns:
             # no client to answer yet, so nothing to wait for.
-            _exit_now(EXIT_GROUP_FAILED)
+            exit_now(EXIT_GROUP_FAILED)
         # GroupEngine.give_up also fails the exit request with code 7.
         self.engine.give_up(f"{who} {why}" if rank >= 0 else why)
 
@@ -144,12 +142,6 @@ def _leave_later(exit_request, delay_s: float) -> None:
     timer = threading.Timer(delay_s, exit_request, (EXIT_OK,))
     timer.daemon = True
     timer.start()
-
-
-def _exit_now(code: int) -> None:
-    logging.shutdown()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 def serve_follower(model_provider, config, pm, group: Group) -> int:

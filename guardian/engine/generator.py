@@ -35,9 +35,10 @@ from guardian.errors import (
     engine_unavailable,
     from_stock_exception,
 )
-from guardian.exit_codes import EXIT_ENGINE_FAILED, EXIT_ENGINE_STALLED
+from guardian.exit_codes import EXIT_ENGINE_FAILED, EXIT_ENGINE_STALLED, exit_now
 from guardian.engine.ledger import RequestLedger, RequestRecord, Stage
 from guardian.plugins.manager import active_hook, notify
+from guardian.relay_protocol import started_by_supervisor
 from guardian.settings import ACTIONS, EXIT, RELOAD
 from guardian.quarantine import Entry, Quarantine, short
 
@@ -473,6 +474,14 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
             for record in records:
                 self.fail(record, error)
             return
+        if started_by_supervisor():
+            # Exit at once, every request unanswered, as a child that crashed:
+            # the supervisor holds them and sends each again to the next child
+            # (a stream that had begun goes on there), so clients see no failure.
+            log.critical("engine_gave_up", reason=reason, exit_code=exit_code,
+                         in_flight=len(self.ledger.in_flight()) + len(records),
+                         left_to="the supervisor, which sends them again to the next child")
+            exit_now(exit_code)
         log.critical("engine_gave_up", reason=reason, exit_code=exit_code)
         for record in [*self.ledger.close(error), *records]:
             self.fail(record, error)

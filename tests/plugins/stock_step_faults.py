@@ -20,7 +20,8 @@ blocks or is slow (a native deadlock, a kernel compile).
 - ``raise_message`` with ``armed_by``: once the file ``armed_by`` exists, the
   next ``next()`` that processes prompt tokens raises ``RuntimeError(raise_message)``
   from inside stock's step (as an allocator failure in prefill does) and
-  removes the file: one failure per arming.
+  removes the file: one failure per arming (a file holding a number N: N
+  failures, one per such step).
 - ``token_delay_s`` with ``token_delay_armed_by``: once that file exists, the
   next ``next()`` that returns a generated token takes this much longer (as
   when mlx compiles a sampler's kernels at its first token) and removes the
@@ -112,10 +113,17 @@ class StockStepFaults:
 
 
 def _disarm(path: str) -> bool:
-    """Whether the arming file was there (and is now gone)."""
+    """Whether the arming file was there: one use of it. A file holding a
+    number N arms N uses; it is gone after the last."""
     try:
-        os.remove(path)
-    except (FileNotFoundError, IsADirectoryError, PermissionError):
+        with open(path) as armed:
+            left = int(armed.read().strip() or 1) - 1
+        if left > 0:
+            with open(path, "w") as armed:
+                armed.write(str(left))
+        else:
+            os.remove(path)
+    except (FileNotFoundError, IsADirectoryError, PermissionError, ValueError):
         return False
     return True
 
