@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import re
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -36,6 +37,14 @@ class RequestInfo:
 # The request's id goes back to its client in this header (the client's own
 # when it sent a sane one: guardian.http).
 REQUEST_ID_HEADER = "X-Request-ID"
+# A client's X-Request-ID is used as the request's id when it is one token
+# of these characters: it goes into log lines and back into a header.
+SANE_REQUEST_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/+=@-]{0,127}")
+
+
+def sane_request_id(given: Optional[str]) -> Optional[str]:
+    """The client's X-Request-ID if it is safe to log and echo, else None."""
+    return given if given and SANE_REQUEST_ID.fullmatch(given) else None
 
 _current: contextvars.ContextVar[RequestInfo] = contextvars.ContextVar(
     "guardian_request", default=RequestInfo()

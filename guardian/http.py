@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import io
 import json
-import re
 import socket
 import time
 from pathlib import Path
@@ -26,7 +25,8 @@ import structlog
 
 from guardian import metrics, relay_protocol, stock
 from guardian.admission.facts import context_length_of
-from guardian.context import REQUEST_ID_HEADER, add_response_headers, current_request, request_scope
+from guardian.context import (REQUEST_ID_HEADER, add_response_headers, current_request, request_scope,
+                              sane_request_id)
 from guardian.errors import AbortRequest, GuardianError, from_stock_exception
 
 log = structlog.get_logger("guardian.http")
@@ -39,9 +39,6 @@ COMPLETION_PATHS = (TEXT_COMPLETION_PATH, "/v1/chat/completions", "/chat/complet
 # Polled by the supervisor, load balancers and Prometheus: their access
 # lines are routine, at DEBUG (what they report is logged as it changes).
 MONITORING_PATHS = frozenset({"/health", "/livez", "/readyz", "/guardian/status", "/metrics"})
-# A client's X-Request-ID is used as the request's id when it is one token
-# of these characters: it goes into log lines and back into a header.
-SANE_REQUEST_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/+=@-]{0,127}")
 
 
 class GuardianHandler(stock.APIHandler):
@@ -53,8 +50,7 @@ class GuardianHandler(stock.APIHandler):
     def parse_request(self) -> bool:
         # Per request: one connection (one handler) may carry several.
         parsed = super().parse_request()
-        given = self.headers.get(REQUEST_ID_HEADER, "") if parsed else ""
-        self.client_request_id = given if SANE_REQUEST_ID.fullmatch(given) else None
+        self.client_request_id = sane_request_id(self.headers.get(REQUEST_ID_HEADER)) if parsed else None
         return parsed
 
     def handle_completion(self, request, stop_words):

@@ -280,13 +280,15 @@ def test_crash_loop_gives_up_with_its_exit_code(start_supervisor):
     def refused_while_restarting():
         try:
             # Held while children start, until the supervisor gives up (or the hold runs out).
-            response = httpx.post(supervised.url + COMPLETIONS, json=chat_body(), timeout=60)
+            response = httpx.post(supervised.url + COMPLETIONS, json=chat_body(), timeout=60,
+                                  headers={"X-Request-ID": "while-down-1"})
         except httpx.TransportError:
             return None
         return response
 
     response = poll(refused_while_restarting, 20, interval=0.05, what="an answer from the supervisor")
     assert response.status_code == 503 and "Retry-After" in response.headers
+    assert response.headers["x-request-id"] == "while-down-1"  # the supervisor's own answer
     assert response.json()["error"]["code"] in ("engine_restarting", "engine_failed")
     assert supervised.proc.wait(timeout=60) == EXIT_SUPERVISOR_GAVE_UP
     exits = supervised.supervisor_events("child_exited")

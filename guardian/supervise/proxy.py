@@ -30,6 +30,7 @@ import httpx
 import structlog
 
 from guardian import relay_protocol
+from guardian.context import REQUEST_ID_HEADER, sane_request_id
 from guardian.supervise import metrics as supervise_metrics
 from guardian.supervise.crash_quarantine import fingerprint
 from guardian.errors import GuardianError
@@ -402,6 +403,10 @@ class ProxyHandler(BaseHTTPRequestHandler):
             self.send_header("Content-Length", str(len(body)))
             for name, value in (headers or {}).items():
                 self.send_header(name, value)
+            # As the child does: a sane X-Request-ID comes back, whoever answers.
+            request_id = sane_request_id(self.headers.get(REQUEST_ID_HEADER)) if self.headers else None
+            if request_id:
+                self.send_header(REQUEST_ID_HEADER, request_id)
             self.end_headers()
             if self.command != "HEAD":
                 self.wfile.write(body)
