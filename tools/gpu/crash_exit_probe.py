@@ -43,12 +43,8 @@ import time; time.sleep(600)
 
 
 def read_status(pid: int) -> dict:
-    try:
-        text = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return {}
-    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
-    return {key: fields.get(key, "").strip() for key in ("State", "Threads", "VmSize", "VmRSS", "SigCgt")}
+    status = read_status_path(Path(f"/proc/{pid}/status"))
+    return {key: status.get(key, "") for key in ("State", "Threads", "VmSize", "VmRSS", "SigCgt")}
 
 
 def watch_death(pid: int, reap, limit_s: float = 40.0) -> dict:
@@ -139,8 +135,6 @@ def guardian_case(supervise: bool, workdir: Path) -> dict:
             return {"error": "never served", "log": log_path.read_text()[-3000:]}
         if supervise:
             pid = httpx.get(url + "/guardian/supervisor", timeout=5).json()["child"]["pid"]
-            children = {}
-
             def child_gone():
                 # The supervisor reaps it; /proc/PID disappears (or turns to a zombie briefly).
                 state = read_status(pid).get("State", "")
@@ -148,7 +142,6 @@ def guardian_case(supervise: bool, workdir: Path) -> dict:
             result = watch_death(pid, child_gone)
             new_pid = wait_for(lambda: (httpx.get(url + "/guardian/supervisor", timeout=5).json().get("child") or {}).get("pid") not in (None, pid), 60)
             result["replaced"] = bool(new_pid)
-            result.update(children)
         else:
             result = watch_death(proc.pid, proc.poll)
         result["log_tail"] = log_path.read_text()[-2000:]
