@@ -117,7 +117,7 @@ def test_a_slow_model_is_not_a_stall(start_server):
     # Every step 1.5 s: half the 3 s floor, yet the limit follows the pace (4 x 1.5 s).
     server = start_server(table("fault_injection", enabled=True, step_delay_s=1.5))
     with LimitRecorder(server) as recorder, httpx.Client(timeout=120) as client:
-        response = client.post(server.url + "/v1/chat/completions", json=chat_body(max_tokens=6))
+        response = client.post(server.url + "/v1/chat/completions", json=chat_body(max_tokens=4))
     assert response.status_code == 200, response.text
     assert server.events("engine_stalled") == []
     known = [limit for limit in recorder.limits if limit < 30]
@@ -135,7 +135,9 @@ def test_a_long_prefill_of_slow_chunks_is_not_a_stall(start_server):
     config = (STEP_FAULTS + table("stock_step_faults", prefill_delay_s=chunk_s)
               + table("watchdog", stall_min_s=floor_s,
                       # The start-up probe's prefill is slow too: give it time.
-                      probe_timeout_s=30.0))
+                      probe_timeout_s=30.0,
+                      # A short memory (~2 s of looks): its slow steps age out sooner.
+                      pace_samples=8))
     server = start_server(config, "--prefill-step-size", "32")
     # The start-up probe's slow steps age out of the pace; idle looks remain.
     poll(lambda: (httpx.get(server.url + "/guardian/status").json()["longest_recent_gap_s"] or 9) < 1.0,
@@ -143,7 +145,7 @@ def test_a_long_prefill_of_slow_chunks_is_not_a_stall(start_server):
     with LimitRecorder(server) as recorder, httpx.Client(timeout=120) as client:
         started = time.monotonic()
         response = client.post(server.url + "/v1/chat/completions",
-                               json=chat_body(content="word " * 100, max_tokens=2))
+                               json=chat_body(content="word " * 50, max_tokens=2))
         elapsed = time.monotonic() - started
     assert response.status_code == 200, response.text
     assert elapsed > 3 * chunk_s, "the prefill should have taken several slow chunks"
