@@ -162,3 +162,65 @@ def test_a_stream_whose_text_stops_matching_its_tokens_is_marked_not_continuable
     relayed = stream.relay(wire.getvalue())
     assert stream.tokens == [11] and not stream.continuable
     assert b"guardian-tokens" not in relayed and relayed.count(b"data: ") == 3
+
+
+GET_TIME = {"type": "function", "function": {"name": "get_time", "description": "The time now.",
+                                             "parameters": {"type": "object", "properties": {}}}}
+TOOL_CALL_SCRIPT = 'Let me check. <tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+
+
+def test_a_stream_cut_inside_a_tool_call_ends_with_an_error_not_a_second_call(start_supervisor, tmp_path,
+                                                                              model_cache):
+    """Stock writes the text before a tool call with part of the call's first
+    token's text (the detokenizer held a space back, and stock splits it from
+    the "<"), then holds the call back until it is complete. No token ids
+    match what the client has, so the child marks the stream not continuable:
+    a cut while the call is written ends the stream with an error event and
+    [DONE], the text before it sent once and no call at all, rather than a
+    continuation that could repeat or garble it. (The demo model's tool call
+    is scripted, tests/plugins/scripted_tokens.py.)"""
+    from mlx_lm.utils import load_tokenizer
+
+    from guardian.demo_model import ensure_demo_model
+
+    tokenizer = load_tokenizer(ensure_demo_model(model_cache))
+    script = [*tokenizer.encode(TOOL_CALL_SCRIPT, add_special_tokens=False), tokenizer.eos_token_id]
+    config = tmp_path / "tool-call.toml"
+    config.write_text('[guardian]\nplugins = ["tests.plugins.scripted_tokens:ScriptedTokens"]\n'
+                      f"[scripted_tokens]\ntoken_ids = {script}\nrepetition_penalty = 1.01\n"
+                      # 50 ms steps: the call takes ~1.5 s to write.
+                      + SLOW_STEPS.replace("0.01", "0.05"))
+    supervised = start_supervisor("--guardian-config", str(config))
+    first_pid = supervised.wait_ready()
+    body = chat_body("What time is it?", max_tokens=100, stream=True, temperature=0.0,
+                     repetition_penalty=1.01, tools=[GET_TIME])
+    reference = read_whole(supervised.url + COMPLETIONS, body)
+    assert reference.result["done"] and not reference.result["errors"]
+    [call] = [tc for e in reference.result["events"] for c in e["choices"]
+              for tc in c["delta"].get("tool_calls") or ()]
+    assert call["function"]["name"] == "get_time"
+
+    cut = StreamReader(supervised.url + COMPLETIONS, body)
+    cut.start()
+    poll(lambda: "check." in streamed(cut.result)["text"], 60, what="the text before the call")
+    child_status = f"http://127.0.0.1:{supervised.supervisor()['child']['port']}/guardian/status"
+    steps = httpx.get(child_status, timeout=5).json()["steps"]
+    # Some 5 tokens into the call: stock holds them back, nothing more reaches the client.
+    poll(lambda: httpx.get(child_status, timeout=5).json()["steps"] >= steps + 5, 30, what="the call begun")
+    os.kill(first_pid, signal.SIGKILL)
+    cut.join(timeout=120)
+    assert not cut.is_alive()
+    assert cut.result["status"] == 200 and cut.result["done"], cut.result
+    [error] = cut.result["errors"]
+    assert error["code"] == "engine_restarting"
+    assert streamed(cut.result)["text"] == streamed(reference.result)["text"] == "Let me check. "
+    assert not any(c["delta"].get("tool_calls") for e in cut.result["events"] for c in e.get("choices", []))
+    assert not supervised.supervisor_events("stream_continuing")
+    [lost] = supervised.supervisor_events("proxy_child_lost")
+    assert lost["child_pid"] == first_pid and lost["bytes_sent"]
+    # The next child serves the same request whole.
+    supervised.wait_ready(not_pid=first_pid)
+    again = read_whole(supervised.url + COMPLETIONS, body)
+    assert again.result["done"] and not again.result["errors"]
+    assert [tc["function"] for e in again.result["events"] for c in e["choices"]
+            for tc in c["delta"].get("tool_calls") or ()] == [call["function"]]
