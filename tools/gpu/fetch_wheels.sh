@@ -74,6 +74,14 @@ for wheel in .whl/download/*.whl; do
     [ "$wheel" = "$cuda_wheel" ] || cp "$wheel" .whl/part2/
 done
 
+# The incident's mlx-lm as well, for a second run over the same install
+# (EXTRA_WHEELS=.whl/mlx-lm-0.31.3, tools/gpu/run_on_device.md).
+if [ "$MLX_LM_VERSION" != 0.31.3 ]; then
+    rm -rf .whl/mlx-lm-0.31.3 && mkdir -p .whl/mlx-lm-0.31.3
+    "$PYTHON" -m pip download -q --no-deps --only-binary=:all: --disable-pip-version-check \
+        -d .whl/mlx-lm-0.31.3 mlx-lm==0.31.3
+fi
+
 # Each call carries one part beside the working tree (tracked and untracked
 # files, not ignored ones): together they must stay under 64 MiB.
 tree_kb=$( (git ls-files -z; git ls-files -z --others --exclude-standard) | du -ck --files0-from=- 2>/dev/null | tail -1 | cut -f1)
