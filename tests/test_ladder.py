@@ -126,7 +126,8 @@ def test_a_restarted_loop_that_never_asks_for_work_is_a_stall(start_server):
     assert "never asked for work" in stalled["reason"], stalled
     assert stalled["action"] == "restart"
     # Not before the restart timeout, and long before the 30 s stall timeout could have fired.
-    assert stamp(stalled) - stamp(error) >= restart_timeout_s
+    # (Counted from the failure, which engine_error is stamped a moment after: 0.9996 s once.)
+    assert stamp(stalled) - stamp(error) >= restart_timeout_s - 0.05
     assert stamp(hang) <= stamp(stalled)
     poll(lambda: server.status("/readyz") == 200, 30, what="ready again")
     status = httpx.get(server.url + "/guardian/status").json()
