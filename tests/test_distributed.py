@@ -10,6 +10,7 @@ checks by pid (a /proc scan) that no rank outlived its group.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -112,6 +113,21 @@ class Group(Server):
 
     def ranks(self) -> dict[int, int]:
         return rank_pids(self.marker)
+
+    def logs(self) -> list[dict]:
+        """As a server's. mlx.launch writes its own lines ("[WARN] Node with rank 1
+        exited ...") to the same output, and a rank's JSON line once landed right
+        after such a line's colour prefix: the JSON is read from where it starts."""
+        lines = []
+        for line in super().logs():
+            text = line.get("line", "")
+            if line.get("event") == "non_json_line" and "{" in text:
+                try:
+                    line = json.loads(text[text.index("{"):])
+                except json.JSONDecodeError:
+                    pass
+            lines.append(line)
+        return lines
 
     def rank_events(self, name: str, rank: int) -> list[dict]:
         return [e for e in self.events(name) if e.get("rank") == rank]
