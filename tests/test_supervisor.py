@@ -405,6 +405,8 @@ def port_refuses(port: int) -> bool:
         socket.create_connection(("127.0.0.1", port), timeout=1).close()
     except ConnectionRefusedError:
         return True
+    except ConnectionResetError:
+        return False  # caught in the listener's backlog as it closed: the next try is refused
     return False
 
 
