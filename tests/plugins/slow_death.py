@@ -16,10 +16,12 @@ import gc
 import os
 import signal
 import socketserver
-import time
+import threading
 from dataclasses import dataclass
 
 import structlog
+
+import guardian
 
 log = structlog.get_logger("tests.slow_death")
 
@@ -35,14 +37,19 @@ class SlowDeath:
 
     def __init__(self, settings: SlowDeathSettings):
         self.settings = settings
+        self.released = threading.Event()  # set at shutdown: the teardown ends early
         # Plugins are made on the main thread, where Python signal handlers live.
         signal.signal(signal.SIGSEGV, self._die_slowly)
+
+    @guardian.hookimpl
+    def guardian_shutdown(self):
+        self.released.set()
 
     def _die_slowly(self, signum, frame) -> None:
         for server in [o for o in gc.get_objects() if isinstance(o, socketserver.BaseServer)]:
             server.socket.close()
         log.warning("slow_death_port_closed", teardown_s=self.settings.teardown_s)
         # The GPU's teardown: the process lives on with its port closed.
-        time.sleep(self.settings.teardown_s)
+        self.released.wait(self.settings.teardown_s)
         signal.signal(signal.SIGSEGV, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGSEGV)
