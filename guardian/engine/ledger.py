@@ -68,6 +68,8 @@ class RequestRecord:
         self.failure_ids: list[int] = []  # the engine failures it was in flight at
         self.isolate = False
         self.first_args = item[2]  # as the handler made them (continuations copy them)
+        # Its samplers and logits processors (stock.sampling_kind), read once.
+        self.kind = stock.sampling_kind(self.first_args)
         self.generated: list[int] = []  # token ids sent (streaming) or held
         self.continuations = 0
         # Its pace, for on_request_finished: when the handler took it (monotonic),
@@ -130,7 +132,7 @@ class RequestRecord:
     def _on_token(self, response):
         if not self.generated:
             # Its samplers' kernels are compiled now (guardian.health.pace).
-            self.ledger.produced_kinds.add(stock.sampling_kind(self.first_args))
+            self.ledger.produced_kinds.add(self.kind)
         self.generated.append(response.token)
         self.token_times.append(time.monotonic())
         if self.stream:

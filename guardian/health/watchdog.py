@@ -25,7 +25,6 @@ from typing import Optional
 
 import structlog
 
-from guardian import stock
 from guardian.config import WatchdogSettings
 from guardian.counting import RecentEvents
 from guardian.engine.lifecycle import EngineState
@@ -129,7 +128,7 @@ class Watchdog:
         in_flight = engine.ledger.in_flight()
         waiting = [r.seq for r in in_flight if not r.has_output]
         produced = engine.ledger.produced_kinds
-        novel = any(stock.sampling_kind(r.first_args) not in produced for r in in_flight if not r.has_output)
+        novel = any(r.kind not in produced for r in in_flight if not r.has_output)
         # The loop thread and the restart count: a new loop, or the same thread
         # running stock's loop again after a failure, starts with nothing known.
         self.pace.observe(beat=beat, steps=engine.steps, loop=(lifecycle.owner, lifecycle.restarts),
