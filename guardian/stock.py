@@ -509,8 +509,9 @@ def _drop_loaded_model(model_provider) -> None:
         model_provider.draft_model = None
 
 
-def step_observed(stock_class, observe: Callable[[], None]):
-    """A subclass of stock BatchGenerator calling ``observe()`` before each step."""
+def step_observed(stock_class, observe: Callable[[], None], returned: Callable[[], None] = lambda: None):
+    """A subclass of stock BatchGenerator calling ``observe()`` before each step
+    and ``returned()`` after it."""
 
     class ObservedBatchGenerator(stock_class):
         def __init__(self, *args, **kwargs):
@@ -522,14 +523,19 @@ def step_observed(stock_class, observe: Callable[[], None]):
 
         def next(self):
             observe()
-            return super().next()
+            responses = super().next()
+            # A stuck step may return long after the watchdog replaced its loop:
+            # what stock does next with the responses evaluates arrays
+            # (logprobs[token].item()), GPU work beside the live loop's.
+            returned()
+            return responses
 
     ObservedBatchGenerator.__name__ = f"Observed{stock_class.__name__}"
     return ObservedBatchGenerator
 
 
-def stream_observed(stock_stream_generate, observe: Callable[[], None]):
-    """Stock stream_generate calling ``observe()`` before each token."""
+def stream_observed(stock_stream_generate, observe: Callable[[], None], returned: Callable[[], None] = lambda: None):
+    """Stock stream_generate calling ``observe()`` before each token and ``returned()`` after it."""
 
     def observed_stream_generate(*args, **kwargs) -> Iterator:
         tokens = stock_stream_generate(*args, **kwargs)
@@ -543,6 +549,7 @@ def stream_observed(stock_stream_generate, observe: Callable[[], None]):
                 # Stock's non-batched path catches everything and blames the
                 # request; mark a failed step as the engine's.
                 raise EngineStepError(e) from e
+            returned()
             yield item
 
     return observed_stream_generate
@@ -563,11 +570,14 @@ _routing_lock = threading.Lock()
 
 
 def route_loop_thread(*, observe: Callable[[], None], pin: PinOnRequest,
-                      batch_made: Optional[Callable[[object], None]] = None) -> None:
+                      batch_made: Optional[Callable[[object], None]] = None,
+                      returned: Optional[Callable[[], None]] = None) -> None:
     """Route the stock loop's steps and sampling failures on the calling thread
-    to one engine's ``observe`` and ``pin``. Installs the seams the first time."""
+    to one engine's ``observe`` (before a step), ``returned`` (after it) and
+    ``pin``. Installs the seams the first time."""
     _install_routing()
     _this_loop.observe = observe
+    _this_loop.returned = returned
     _this_loop.pin = pin
     _this_loop.batch_made = batch_made
     _this_loop.continued = None
@@ -578,7 +588,7 @@ def _install_routing() -> None:
     global _routing_installed
     with _routing_lock:
         if not _routing_installed:
-            observe_engine_steps(_observe_this_loop)
+            observe_engine_steps(_observe_this_loop, _returned_on_this_loop)
             guard_request_sampling(_pin_on_this_loop)
             TokenizerWrapper.detokenizer = property(_detokenizer_primed_for_continuation)
             _routing_installed = True
@@ -591,22 +601,30 @@ def _observe_this_loop() -> None:
         observe()
 
 
+def _returned_on_this_loop() -> None:
+    """An engine step on the calling thread returned: its engine looks (no engine: nothing)."""
+    returned: Optional[Callable[[], None]] = getattr(_this_loop, "returned", None)
+    if returned is not None:
+        returned()
+
+
 def _pin_on_this_loop(args, exc: BaseException, where: str) -> bool:
     """A request's sampling failed on the calling thread: its engine pins it, if any."""
     pin: Optional[PinOnRequest] = getattr(_this_loop, "pin", None)
     return pin is not None and pin(args, exc, where)
 
 
-def observe_engine_steps(observe: Callable[[], None]) -> None:
-    """Route every engine step of the stock loop through ``observe()``.
+def observe_engine_steps(observe: Callable[[], None], returned: Callable[[], None] = lambda: None) -> None:
+    """Route every engine step of the stock loop through ``observe()`` (before
+    it) and ``returned()`` (after it).
 
     The loop looks ``BatchGenerator`` and ``stream_generate`` up in the
     server module's globals at call time, so swapping those globals is how
     a step can be observed without touching the loop's code. Called once for
     the process, by ``route_loop_thread``.
     """
-    server.BatchGenerator = step_observed(STOCK_BATCH_GENERATOR, observe)
-    server.stream_generate = stream_observed(STOCK_STREAM_GENERATE, observe)
+    server.BatchGenerator = step_observed(STOCK_BATCH_GENERATOR, observe, returned)
+    server.stream_generate = stream_observed(STOCK_STREAM_GENERATE, observe, returned)
 
 
 def _argmax(logprobs):

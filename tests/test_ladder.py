@@ -228,4 +228,4 @@ def test_a_reload_abandoned_by_the_restart_timeout_does_not_replace_the_model(st
     assert len(replacement_loads) == 1  # the loop that replaced the blocked one read the weights
     # The abandoned loop may finish reading, but what it read is not served.
     [checked] = server.wait_for_event("late_model_load_checked", timeout=60)
-    assert checked["reader_exited"] and not checked["served"], checked
+    assert checked["reader_left"] and not checked["served"], checked

@@ -207,6 +207,16 @@ def test_a_new_kind_of_requests_first_token_may_compile_kernels_and_is_not_a_sta
     assert len(server.events("stock_step_slow_token")) == 2
     [stalled] = server.events("engine_stalled")
     assert stalled["heartbeat_age_s"] < 2.5
+    # The stalled thread's slow step returns beside the new loop. It unwinds only
+    # once the live loop, between two steps, lets it go, and it never ends: on
+    # CUDA the two threads' work interleaving killed the process.
+    [let_go] = server.wait_for_event("abandoned_loop_let_go", timeout=30)
+    [left] = server.wait_for_event("abandoned_loop_exited", timeout=30)
+    assert left["parked"] and left["steps"] == let_go["steps"], (let_go, left)
+    assert stamp(let_go) <= stamp(left)
+    with httpx.Client(timeout=60) as client:
+        response = client.post(server.url + "/v1/chat/completions", json=chat_body(max_tokens=4, **sampled))
+    assert response.status_code == 200, response.text
 
 
 def test_a_replacement_loop_is_judged_by_its_own_silence(start_server):

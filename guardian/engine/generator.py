@@ -77,7 +77,10 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
         self.core = core
         self.on_exit = on_exit
         # Every change of the engine's state goes through the lifecycle.
-        self.lifecycle = Lifecycle(on_ready=self._ready, on_restarted=self._restarted)
+        self.lifecycle = Lifecycle(on_ready=self._ready, on_restarted=self._restarted,
+                                   on_abandoned=self._leave_at_a_quiet_moment)
+        # The way out of the loop thread that calls it, once it lost the engine.
+        self._leaving = threading.local()
         self.restart_clock = RestartClock()  # where a restart's time goes (engine_restarted)
         self.backoff = Backoff()  # a crash loop's waits; set by the recovery plugin
         self.ledger = RequestLedger(beat=self._loop_polled, on_finished=self._request_finished)
@@ -184,6 +187,33 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
             except Exception:
                 log.exception("loop_chore_failed")
 
+    def _leave_at_a_quiet_moment(self) -> None:
+        """On a loop thread that lost the engine, before it raises EngineAbandoned:
+        wait until the live loop lets it go, between two of its steps.
+
+        Its stuck step returned after a stall, and the replacement loop is
+        generating. On CUDA the two threads' work interleaved (the old one's
+        unwinding freed its batch's arrays, then the thread ended) and the
+        process died: "cudaStreamEndCapture failed: operation failed due to a
+        previous error during capture". So the live loop drains its queue and
+        waits while this thread unwinds, and ``supervise`` then parks it."""
+        if getattr(self._leaving, "way_out", None) is not None:
+            return  # let go already: still unwinding
+        leaving = _Leaving()
+        self._leaving.way_out = leaving
+        self._loop_chores.append(lambda: self._let_go(leaving))
+        leaving.turn.wait()
+
+    def _let_go(self, leaving: "_Leaving") -> None:
+        """On the live loop, between its steps: nothing of it in flight, then the
+        abandoned thread's turn to unwind; the loop goes on once it has (or after
+        UNWIND_TIMEOUT_S)."""
+        mx.synchronize()
+        log.info("abandoned_loop_let_go", steps=self.steps)
+        leaving.turn.set()
+        if not leaving.left.wait(leaving.UNWIND_TIMEOUT_S):
+            log.warning("abandoned_loop_slow_to_leave", timeout_s=leaving.UNWIND_TIMEOUT_S)
+
     def _ready(self) -> None:
         """The first loop asked for work (the lifecycle's STARTING -> READY)."""
         log.info("engine_ready", steps=self.steps)
@@ -221,11 +251,23 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
         """The loop thread: own the engine, route stock's seams here, run the loop."""
         try:
             self.lifecycle.loop_started()
+            # mlx keeps mx.compile's cache and its command encoders per thread:
+            # on a new loop thread every kind of request compiles again
+            # (guardian.health.pace). A restart on the same thread keeps them.
+            self.ledger.produced_kinds = set()
             stock.route_loop_thread(observe=self._observe_step, pin=self._pin_on_request,
-                                    batch_made=self._batch_made)
+                                    batch_made=self._batch_made, returned=self._check_owner)
             self._restart_until_stopped(run_stock_loop)
         except EngineAbandoned:
-            log.warning("abandoned_loop_exited", thread=threading.current_thread().name)
+            leaving: Optional[_Leaving] = getattr(self._leaving, "way_out", None)
+            log.warning("abandoned_loop_exited", thread=threading.current_thread().name,
+                        parked=leaving is not None, steps=self.steps)
+            if leaving is not None:
+                leaving.left.set()
+                # Never ends: a thread's exit destroys what mlx keeps per thread
+                # (its command encoders and stream, cuBLAS handles), which on a
+                # GPU would meet the live loop's work (_leave_at_a_quiet_moment).
+                threading.Event().wait()
         except BaseException:
             # A bug here would leave a live process that never generates:
             # exactly the incident. Answer everyone and exit instead.
@@ -672,3 +714,14 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
             "backoff": self.backoff.status(),
             **self.ledger.counts(),
         }
+
+
+class _Leaving:
+    """An abandoned loop thread's way out, opened by the live loop (a loop chore)."""
+
+    # The live loop waits this long for the thread to unwind, then goes on.
+    UNWIND_TIMEOUT_S = 5.0
+
+    def __init__(self):
+        self.turn = threading.Event()  # the abandoned thread may unwind now
+        self.left = threading.Event()  # it has: the live loop goes on

@@ -29,7 +29,10 @@ One loop thread at a time owns the engine (``owner``). A stall revokes the
 ownership of the stuck thread, which cannot be killed; the loop events
 (``loop_polled``, ``failed``, ``stopped``) from any other thread raise
 ``EngineAbandoned``, so a stuck step that returns late never touches requests,
-the prompt cache or the model again.
+the prompt cache or the model again. Before it raises, the abandoned thread
+waits for ``on_abandoned`` (the engine lets it go at a quiet moment of the
+live loop): its unwinding frees arrays, and on a GPU two threads' work must
+not interleave (guardian.engine.generator).
 """
 
 from __future__ import annotations
@@ -83,9 +86,11 @@ class Lifecycle:
     """The engine's state and its transitions; thread-safe."""
 
     def __init__(self, *, on_ready: Callable[[], None] = lambda: None,
-                 on_restarted: Callable[[float, Optional[str], int], None] = lambda *a: None):
+                 on_restarted: Callable[[float, Optional[str], int], None] = lambda *a: None,
+                 on_abandoned: Callable[[], None] = lambda: None):
         self._lock = threading.Lock()
         self._on_ready = on_ready
+        self._on_abandoned = on_abandoned
         self._on_restarted = on_restarted
         self._state = EngineState.STARTING
         self.restarts = 0
@@ -120,7 +125,13 @@ class Lifecycle:
     def check_owner(self) -> None:
         """Raise EngineAbandoned unless the calling thread owns the engine (no lock: hot path)."""
         if threading.get_ident() != self.owner:
-            raise EngineAbandoned
+            self._abandoned()
+
+    def _abandoned(self) -> None:
+        """A thread that lost the engine touched it: once ``on_abandoned`` lets it
+        go (never under the lock), EngineAbandoned."""
+        self._on_abandoned()
+        raise EngineAbandoned
 
     def loop_polled(self) -> bool:
         """The loop asked for work or reported progress: it is alive."""
@@ -174,14 +185,16 @@ class Lifecycle:
     def _event(self, event: str, **details) -> bool:
         """Apply ``event`` under the lock; run its callbacks after; whether the state changed or moved on."""
         with self._lock:
-            if event in LOOP_EVENTS:
-                self.check_owner()
+            owns = event not in LOOP_EVENTS or threading.get_ident() == self.owner
             before = self._state
-            after = TRANSITIONS[event].get(before)
-            if after is None:
-                return False
-            self._state = after
-            callback = self._record(event, before, after, details)
+            after = TRANSITIONS[event].get(before) if owns else None
+            if after is not None:
+                self._state = after
+                callback = self._record(event, before, after, details)
+        if not owns:
+            self._abandoned()
+        if after is None:
+            return False
         log.debug("engine_state_changed", engine_event=event, before=before.value, after=after.value)
         if callback is not None:
             callback()

@@ -33,7 +33,9 @@ when the blocked call returns to stock's code.
 
 from __future__ import annotations
 
+import sys
 import threading
+import time
 from dataclasses import dataclass
 
 import mlx_lm.server as server
@@ -171,8 +173,10 @@ class LoopFaults:
 
         def check_when_gone(reader: threading.Thread, model) -> None:
             def check():
-                reader.join(timeout=30)
-                log.warning("late_model_load_checked", reader_exited=not reader.is_alive(),
+                deadline = time.monotonic() + 30
+                while not left_the_loop(reader) and time.monotonic() < deadline:
+                    reader.join(timeout=0.05)
+                log.warning("late_model_load_checked", reader_left=left_the_loop(reader),
                             served=bool(served) and served[0].model is model)
 
             threading.Thread(target=check, name="late-load-check", daemon=True).start()
@@ -180,3 +184,16 @@ class LoopFaults:
         server.ModelProvider.load_default = load_default
 
         server.ModelProvider._load = load
+
+
+def left_the_loop(thread: threading.Thread) -> bool:
+    """Whether an abandoned loop thread has left stock's loop: ended, or parked by
+    the engine (its innermost frame waits, called from ``supervise``)."""
+    frame = sys._current_frames().get(thread.ident) if thread.is_alive() else None
+    if frame is None:
+        return True
+    names = []
+    while frame is not None:
+        names.append(frame.f_code.co_name)
+        frame = frame.f_back
+    return "supervise" in names and "_restart_until_stopped" not in names and names[0] == "wait"
