@@ -130,9 +130,10 @@ class RequestRecord:
         # new one is not sent, only linked through cancel().
 
     def _on_token(self, response):
-        if not self.generated:
-            # Its samplers' kernels are compiled now (guardian.health.pace).
-            self.ledger.produced_kinds.add(self.kind)
+        produced = self.ledger.produced_kinds
+        if self.kind not in produced:
+            # Its samplers' kernels are compiled now, on this loop thread (guardian.health.pace).
+            produced.add(self.kind)
         self.generated.append(response.token)
         self.token_times.append(time.monotonic())
         if self.stream:

@@ -12,12 +12,13 @@ comes next is unknown:
 - this loop has not completed a step since the watchdog first saw it (the
   server just started, or a restart just ran stock's loop again: its first
   steps may compile kernels);
-- a request in flight has produced no token, and its kind (the samplers and
-  logits processors it turns on, ``stock.sampling_kind``) has not produced a
-  token in this process yet: mlx compiles their kernels when the first token
-  is sampled, steps after the prompt's (on CUDA with a cold kernel cache a
-  first sampled token took 25 s; on the CPU ~0.7 s). Kernels stay compiled
-  for the process, across restarts, so each kind pays this once;
+- a request in flight is of a kind (the samplers and logits processors it
+  turns on, ``stock.sampling_kind``) that has not produced a token on this
+  loop thread yet: mlx compiles their kernels when the first token is
+  sampled, steps after the prompt's (on CUDA with a cold kernel cache a first
+  sampled token took 25 s; on the CPU ~0.7 s). mlx keeps mx.compile's cache
+  and its command encoders per thread: a restart on the same thread keeps
+  them, a loop that replaced a stuck one pays again, continuations included;
 - a request in flight has produced no token, and no engine step has both
   begun and ended since the watchdog first saw it. Its first prefill chunk
   may be far longer than anything seen so far (a 2048-token chunk of a big
@@ -56,8 +57,8 @@ class Pace:
                 novel: bool = False) -> None:
         """One look: ``beat`` the engine's last heartbeat, ``steps`` its step count,
         ``loop`` which loop runs (a new value: a new loop), ``waiting`` the ids of
-        requests in flight that have no token yet; ``novel`` whether one of
-        those is of a kind that has not produced a token in this process."""
+        requests in flight that have no token yet; ``novel`` whether a
+        request in flight is of a kind that has not produced a token on this loop thread."""
         if loop != self._loop:
             # What the old loop needed says nothing of the new one's first steps.
             self.gaps.clear()

@@ -127,8 +127,9 @@ class Watchdog:
         # failure has tokens but prefills again: on a new loop, unknown anyway.)
         in_flight = engine.ledger.in_flight()
         waiting = [r.seq for r in in_flight if not r.has_output]
+        # A continuation on a loop that replaced a stuck one has tokens, but none from this thread.
         produced = engine.ledger.produced_kinds
-        novel = any(r.kind not in produced for r in in_flight if not r.has_output)
+        novel = any(r.kind not in produced for r in in_flight)
         # The loop thread and the restart count: a new loop, or the same thread
         # running stock's loop again after a failure, starts with nothing known.
         self.pace.observe(beat=beat, steps=engine.steps, loop=(lifecycle.owner, lifecycle.restarts),
