@@ -246,5 +246,12 @@ def test_every_metric_the_dashboard_queries_is_in_a_scrape(served, supervised):
     expressions = dashboard_expressions()
     assert len(expressions) >= 10
     used = {name for expr in expressions for name in PROMQL_NAME.findall(expr)}
+    # A counter by label has no sample before its first event, and this test may
+    # run alone (or first, under xdist): one refusal, one failure and its restarts.
+    with httpx.Client(timeout=60) as client:
+        too_long = client.post(served.url + COMPLETIONS, json=chat_body("word " * 2100, max_tokens=4))
+        assert too_long.status_code == 400, too_long.text
+        poisoned = client.post(served.url + COMPLETIONS, json=chat_body(f"{POISON} dashboard", max_tokens=4))
+        assert poisoned.status_code == 500, poisoned.text
     scraped = Scrape(served.url).sample_names | Scrape(supervised.url).sample_names
     assert used and not used - scraped, f"the dashboard queries metrics no scrape has: {sorted(used - scraped)}"

@@ -28,6 +28,7 @@ from guardian import metrics
 from guardian.admission.facts import device_info, device_memory
 from guardian.engine.lifecycle import EngineState
 from guardian.engine.ledger import CANCELLED, COMPLETED, FAILED
+from guardian.plugins.recovery import CLASSIFICATIONS
 from guardian.settings import ACTIONS
 
 P = metrics.PREFIX
@@ -67,6 +68,8 @@ class Metrics:
         self.restarts = Counter(
             P + "engine_restarts", "Engine restarts, by the classification of the failure that caused them "
             "(stall: a stuck loop was replaced).", ["classification"], registry=r)
+        for classification in ("stall", *CLASSIFICATIONS):  # 0 until the first, so increase() sees it
+            self.restarts.labels(classification)
         self.restart_seconds = Histogram(
             P + "engine_restart_duration_seconds", "From an engine failure or stall to the new loop "
             "polling for work (a crash loop's backoff included).", buckets=RESTART_BUCKETS, registry=r)

@@ -108,6 +108,10 @@ class Recovery:
         return RESTART
 
 
+# What ``classify`` answers; plugins may add their own.
+CLASSIFICATIONS = ("metal_resource_limit", "out_of_memory", "unknown")
+
+
 def classify(exc: BaseException) -> str:
     """A stable name for an engine exception: what an operator searches for."""
     text = str(exc)

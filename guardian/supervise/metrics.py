@@ -22,6 +22,7 @@ from prometheus_client import Counter, Gauge, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
 from guardian import metrics
+from guardian.exit_codes import EXIT_ENGINE_FAILED, EXIT_ENGINE_STALLED
 
 P = metrics.PREFIX + "supervisor_"
 # The classic text format, asked of the child too: two expositions in it can
@@ -39,6 +40,10 @@ class SupervisorMetrics:
             P + "child_restarts", "Children replaced, by why the last one went: the signal that killed it "
             "(SIGKILL, SIGSEGV, ...), exit_N for its exit code, or unhealthy / start_timeout when the "
             "supervisor stopped it.", ["reason"], registry=r)
+        # The commonest, 0 until the first (so increase() sees it); others appear when they happen.
+        for reason in ("SIGKILL", "SIGSEGV", "SIGBUS", "SIGABRT", f"exit_{EXIT_ENGINE_FAILED}",
+                       f"exit_{EXIT_ENGINE_STALLED}", "unhealthy", "start_timeout"):
+            self.child_restarts.labels(reason)
         self.requests_not_held = Counter(
             P + "requests_not_held", "Requests answered 503 while no child was ready, by why "
             "(hold_queue_full, hold_timed_out).", ["reason"], registry=r)
