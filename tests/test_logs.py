@@ -13,6 +13,8 @@ def test_every_line_is_json_and_stock_records_carry_the_request_id(start_server)
     server = start_server()
     response = httpx.post(server.url + "/v1/chat/completions", json=chat_body(max_tokens=4), timeout=30)
     request_id = response.json()["id"]
+    # The access line is written once the response is sent: it may trail the client.
+    server.wait_for_event("http_access")
     lines = server.logs()
     assert [line for line in lines if line["event"] == "non_json_line"] == []
     # mlx_lm's own logging (the root logger) went through the same renderer,
