@@ -21,6 +21,12 @@ from guardian.settings import EXIT
 log = structlog.get_logger("guardian.group")
 
 
+# How mlx's distributed backends begin their errors.
+COLLECTIVE_ERRORS = ("[ring]", "[jaccl]", "[nccl]", "[mpi]", "[distributed]")
+# How long a rank whose collective broke waits for a peer's own report.
+PEER_REPORT_WAIT_S = 1.0
+
+
 class GroupEngine(GuardianEngine):
     """GuardianEngine for a rank of a group: failures and stalls end the group."""
 
@@ -34,6 +40,12 @@ class GroupEngine(GuardianEngine):
         first_give_up = self.generation_available()
         if error is not None and first_give_up:
             reason = f"the engine failed: {error['type']}: {error['message']}"
+            if member is not None and error["message"].startswith(COLLECTIVE_ERRORS):
+                # A collective broke: a peer that failed first says why on its
+                # control link, which on a fast GPU arrives just after this.
+                peer = member.peer_lost(PEER_REPORT_WAIT_S)
+                if peer is not None:
+                    reason = f"{peer} (here: {error['type']}: {error['message']})"
         if member is not None and first_give_up:
             member.failing(reason)
             if member.supervised:

@@ -53,6 +53,9 @@ class GroupMember:
         self.stopping = False
         # This rank gave up and told the others: their leaving is its own doing.
         self.failed = False
+        # The first peer lost, and why ("rank 1 failed: ...").
+        self._peer_lost = threading.Event()
+        self._peer_lost_why: Optional[str] = None
         # Started by mlx-guardian --supervise, which sends again what a dead child
         # left unanswered (and continues its streams) on the next group.
         self.supervised = started_by_supervisor()
@@ -118,7 +121,14 @@ class GroupMember:
             self.kill_stuck_ranks(STUCK_AFTER_S)
         self.links.close()
 
+    def peer_lost(self, wait_s: float) -> Optional[str]:
+        """Who was lost first and why, once a peer is lost (within ``wait_s``); else None."""
+        return self._peer_lost_why if self._peer_lost.wait(wait_s) else None
+
     def _lost(self, rank: int, why: str) -> None:
+        if rank >= 0 and not self._peer_lost.is_set():
+            self._peer_lost_why = f"rank {rank} {why}"
+            self._peer_lost.set()
         if self.stopping or self.failed:
             log.debug("group_rank_left", lost_rank=rank, reason=why)
             return
