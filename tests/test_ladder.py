@@ -110,7 +110,9 @@ def test_a_stall_after_the_window_starts_the_ladder_again(start_server):
 def test_a_restarted_loop_that_never_asks_for_work_is_a_stall(start_server):
     # The request fails the loop once while stock prepares it; the loop's
     # second start (the restart) then blocks before it ever asks for work.
-    restart_timeout_s = 1.0
+    # The loop that replaces it has as long to be proven by a probe: on the H200
+    # a new loop thread's first probe took up to ~1 s (mlx compiles per thread).
+    restart_timeout_s = 2.0
     config = (LOOP_FAULTS
               + table("loop_faults", fail_once_stop_word="FAIL-ONCE", hang_loop_start=2)
               + table("watchdog", interval_s=0.05, stall_timeout_s=30.0, restart_timeout_s=restart_timeout_s))
