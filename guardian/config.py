@@ -203,10 +203,14 @@ class GuardianConfig:
     sha256: Optional[str] = None
     mtime: Optional[float] = None
 
+    # The core's tables by TOML name: the attribute holding each.
+    _CORE_ATTRIBUTES = {"guardian": "core", "watchdog": "watchdog", "supervisor": "supervisor"}
+
     def table(self, name: str):
-        """A table's settings by TOML name: the core's, or a loaded plugin's."""
-        core = {"guardian": self.core, "watchdog": self.watchdog, "supervisor": self.supervisor}
-        return core[name] if name in core else self.plugin_settings[name]
+        """A table's settings by TOML name: the core's, or a loaded plugin's.
+        Called at every read of a live setting (guardian.live_config.TableView)."""
+        attribute = self._CORE_ATTRIBUTES.get(name)
+        return getattr(self, attribute) if attribute is not None else self.plugin_settings[name]
 
 
 def load_config(path) -> GuardianConfig:
