@@ -733,18 +733,21 @@ def guard_request_sampling(pin: PinOnRequest) -> None:
     server._make_logits_processors = make_logits_processors
 
 
-def start_generation_thread(response_generator) -> None:
-    """Run the stock loop on a fresh thread, as stock's __init__ does.
+def start_generation_thread(response_generator) -> Optional[threading.Thread]:
+    """Run the stock loop on a fresh thread, as stock's __init__ does; return the
+    thread it replaces.
 
     Used to replace a loop thread that is stuck in a step; the old thread
     cannot be killed, only abandoned. Daemon, so a thread stuck in native
     code never holds the process open.
     """
+    replaced = getattr(response_generator, "_generation_thread", None)
     thread = threading.Thread(
         target=response_generator._generate, name="generation", daemon=True
     )
     response_generator._generation_thread = thread
     thread.start()
+    return replaced
 
 
 def make_request(prompt: str, *, max_tokens: int, cli_args) -> tuple:

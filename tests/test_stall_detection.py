@@ -214,6 +214,7 @@ def test_a_new_kind_of_requests_first_token_may_compile_kernels_and_is_not_a_sta
     [left] = server.wait_for_event("abandoned_loop_exited", timeout=30)
     assert left["parked"] and left["steps"] == let_go["steps"], (let_go, left)
     assert stamp(let_go) <= stamp(left)
+    assert httpx.get(server.url + "/guardian/status").json()["abandoned_loop_threads"] == 1
     with httpx.Client(timeout=60) as client:
         response = client.post(server.url + "/v1/chat/completions", json=chat_body(max_tokens=4, **sampled))
     assert response.status_code == 200, response.text

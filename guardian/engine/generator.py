@@ -81,6 +81,8 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
                                    on_abandoned=self._leave_at_a_quiet_moment)
         # The way out of the loop thread that calls it, once it lost the engine.
         self._leaving = threading.local()
+        # Loop threads a stall replaced: alive while stuck, and once parked.
+        self._abandoned_threads: list[threading.Thread] = []
         self.restart_clock = RestartClock()  # where a restart's time goes (engine_restarted)
         self.backoff = Backoff()  # a crash loop's waits; set by the recovery plugin
         self.ledger = RequestLedger(beat=self._loop_polled, on_finished=self._request_finished)
@@ -552,7 +554,9 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
         self._drop_prompt_cache()
         if reload:
             stock.reset_model_provider(self.model_provider)
-        stock.start_generation_thread(self)
+        replaced = stock.start_generation_thread(self)
+        if replaced is not None:
+            self._abandoned_threads = [t for t in self._abandoned_threads if t.is_alive()] + [replaced]
 
     def relieve_memory(self, target_bytes: int, reason: str) -> bool:
         """Soon, on the loop thread: clear mlx's buffer cache and, while mlx's memory
@@ -709,6 +713,8 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
             "quarantine": self.quarantine.status(),
             "last_error": self.last_error,
             "steps": self.steps,
+            # Each holds its stack's arrays (stuck) or what mlx keeps per thread (parked).
+            "abandoned_loop_threads": sum(t.is_alive() for t in self._abandoned_threads),
             "heartbeat_age_s": round(time.monotonic() - self.last_beat, 3),
             "mlx_lm_version": stock.STOCK_VERSION,
             "backoff": self.backoff.status(),

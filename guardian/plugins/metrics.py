@@ -191,6 +191,8 @@ class EngineCollector:
                     status["heartbeat_age_s"])
         yield gauge("engine_failures_in_window", "Engine failures the crash-loop budget counts now.",
                     status["failures_in_window"])
+        yield gauge("engine_abandoned_loop_threads", "Loop threads a stall replaced that are still alive: "
+                    "stuck in a step, or parked once it returned.", status.get("abandoned_loop_threads", 0))
         for key, (name, documentation) in REQUEST_GAUGES.items():
             yield gauge(name, documentation, status.get(key, 0))
         sequences, cache_bytes = engine.prompt_cache_usage()
