@@ -178,14 +178,15 @@ class Guardian(AdmittingGenerator):
         if self.config.watchdog.enabled:
             self.watchdog.start()
 
-    # Set once the process is exiting; requests in flight drain meanwhile.
-    stopping = False
+    @property
+    def stopping(self) -> bool:
+        """Set once the process is exiting (``stop_admitting``); requests in flight drain meanwhile."""
+        return self.watchdog.stopped
 
     def stop_admitting(self) -> None:
         """From now on /readyz says 503 (a load balancer takes this replica out,
         see config/haproxy/) and a new request gets 503 + Retry-After (one that
         retries on 503 sends it to another replica) instead of lengthening the drain."""
-        self.stopping = True
         self.watchdog.stop()
 
     def generate(self, request, generation_args, progress_callback=None):

@@ -79,6 +79,11 @@ class Watchdog:
         self._stopped.set()
         self.notifier.notify("STOPPING=1")
 
+    @property
+    def stopped(self) -> bool:
+        """The server is stopping (``stop``): no probes, no new work."""
+        return self._stopped.is_set()
+
     def _run(self) -> None:
         while not self._stopped.wait(self.settings.interval_s):
             try:
