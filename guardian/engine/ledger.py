@@ -70,6 +70,9 @@ class RequestRecord:
         self.first_args = item[2]  # as the handler made them (continuations copy them)
         # Its samplers and logits processors (stock.sampling_kind), read once.
         self.kind = stock.sampling_kind(self.first_args)
+        # The ledger's produced_kinds this request's kind was added to: a new
+        # loop thread brings a new set (an identity check per token, no hashing).
+        self._kind_counted_in: Optional[set] = None
         self.generated: list[int] = []  # token ids sent (streaming) or held
         self.continuations = 0
         # Its pace, for on_request_finished: when the handler took it (monotonic),
@@ -131,9 +134,10 @@ class RequestRecord:
 
     def _on_token(self, response):
         produced = self.ledger.produced_kinds
-        if self.kind not in produced:
+        if self._kind_counted_in is not produced:
             # Its samplers' kernels are compiled now, on this loop thread (guardian.health.pace).
             produced.add(self.kind)
+            self._kind_counted_in = produced
         self.generated.append(response.token)
         self.token_times.append(time.monotonic())
         if self.stream:
