@@ -19,7 +19,7 @@ from pathlib import Path
 
 import structlog
 
-from guardian.config import CommandLine, ConfigError, CoreSettings, load_config
+from guardian.config import AccessSettings, CommandLine, ConfigError, CoreSettings, load_config
 from guardian.exit_codes import EXIT_USAGE
 from guardian.logs import bind_process, configure_logging
 
@@ -37,6 +37,10 @@ def add_guardian_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("mlx-guardian")
     CommandLine.add_flags(group)
     CoreSettings.log_format.add_flag(group)
+    AccessSettings.add_flags(group)
+    # None unless given: the door then grants only pages on this machine
+    # (stock's default, "*", let any web page drive the server).
+    parser.set_defaults(allowed_origins=None)
     parser.description = DESCRIPTION
     parser.epilog = other_commands_help()
     # Keeps the epilog's lines; flags' help texts are wrapped as before.
@@ -67,6 +71,7 @@ def prepare(namespace: argparse.Namespace) -> None:
     try:
         config = load_config(namespace.guardian_config)
         config.core = config.core.with_flags(namespace)
+        config.access = config.access.with_flags(namespace)
         # Plugins and the core read their settings through it: the file may change.
         live = LiveConfig(config, flags=namespace)
         configure_logging(config.core.log_format, live.log_level())

@@ -37,7 +37,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
-__all__ = ["ConfigError", "CoreSettings", "WatchdogSettings", "SupervisorSettings", "CommandLine",
+__all__ = ["ConfigError", "CoreSettings", "WatchdogSettings", "SupervisorSettings", "AccessSettings", "CommandLine",
            "GuardianConfig", "load_config", "parse_settings", "example_toml"]
 
 SECONDS = Float(min=0)
@@ -183,8 +183,57 @@ class SupervisorSettings(Table, name="supervisor"):
         "": one process.""", flag="--launch-args", metavar="ARGS")
 
 
+class AccessSettings(Table, name="access"):
+    """Who may come in (guardian.access): API keys, protected mode, browsers'
+    origins and Host names, per-client limits and TLS. In one process the
+    server applies it; with --supervise the supervisor's public port does, and
+    the child, on loopback, serves only the supervisor."""
+
+    api_key_file = Setting(Str(), "", """
+        A file of API keys, one a line: "KEY" or "NAME:KEY", where KEY may be
+        "sha256:<hex>" (the key's SHA-256, so the file need hold no secret); "#"
+        starts a comment. Once it holds a key, every path but public_paths needs
+        one (Authorization: Bearer KEY, or X-Api-Key: KEY). Followed live: a save
+        or SIGHUP reads it again, and a file that does not parse changes nothing.
+        "": no keys.""", flag="--api-key-file", metavar="PATH")
+    public_paths = Setting(ListOf(Str()), ["/livez", "/readyz", "/health"], """
+        Paths served without a key (and to any address in protected mode):
+        health checks for load balancers and supervisors. Exact paths; the
+        query string is not part of it.""", live=True)
+    protected_mode = Setting(Bool(), True, """
+        Bound beyond loopback (--host 0.0.0.0, say) with no API key configured,
+        answer requests from other addresses 403, saying how to add keys; loopback
+        clients are served as always. false: serve everyone without keys (a
+        trusted network, or a proxy in front that checks them).""", live=True)
+    allowed_hosts = Setting(ListOf(Str()), [], """
+        Host header names served besides the ones this machine answers to. Bound
+        to loopback, only loopback names and addresses are served; bound beyond
+        it, also IP addresses, this machine's host name (and NAME.local), and
+        these: "name", ".example.com" (the domain and its subdomains) or "*"
+        (any). Another name is refused (403): a web page cannot reach the
+        server through a DNS name it controls (DNS rebinding).""", live=True)
+    client_max_concurrent = Setting(Int(min=0), 0, """
+        Requests for completions each client (API key; client address when
+        there are no keys) may have in flight at once; past it, 429
+        rate_limit_exceeded. 0: no limit.""", live=True)
+    client_tokens_per_minute = Setting(Int(min=0), 0, """
+        Tokens (prompt and generated) each client may use within any minute;
+        past it, 429 rate_limit_exceeded with Retry-After until enough of the
+        minute has passed. 0: no limit.""", live=True)
+    fair_admission = Setting(Bool(), True, """
+        When requests wait for the engine, take them round-robin across clients
+        (API keys; addresses when there are no keys) instead of first come, first
+        served, so that one client's burst cannot delay everyone else's.""", live=True)
+    ssl_certfile = Setting(Str(), "", """
+        Serve HTTPS with this certificate (PEM, the chain after it); read
+        again on SIGHUP. "": plain HTTP.""", flag="--ssl-certfile", metavar="PATH")
+    ssl_keyfile = Setting(Str(), "", """
+        The certificate's private key (PEM). "": in ssl_certfile.""",
+        flag="--ssl-keyfile", metavar="PATH")
+
+
 # Tables the core reads; every other table is a plugin's.
-CORE_TABLES = (CoreSettings, WatchdogSettings, SupervisorSettings)
+CORE_TABLES = (CoreSettings, WatchdogSettings, SupervisorSettings, AccessSettings)
 
 
 @dataclass
@@ -192,6 +241,7 @@ class GuardianConfig:
     core: CoreSettings = field(default_factory=CoreSettings)
     watchdog: WatchdogSettings = field(default_factory=WatchdogSettings)
     supervisor: SupervisorSettings = field(default_factory=SupervisorSettings)
+    access: AccessSettings = field(default_factory=AccessSettings)
     # Raw plugin tables, keyed by plugin name, validated when plugins load.
     plugin_tables: dict = field(default_factory=dict)
     # Each loaded plugin's settings, parsed from its table (filled as plugins load).
@@ -204,7 +254,8 @@ class GuardianConfig:
     mtime: Optional[float] = None
 
     # The core's tables by TOML name: the attribute holding each.
-    _CORE_ATTRIBUTES = {"guardian": "core", "watchdog": "watchdog", "supervisor": "supervisor"}
+    _CORE_ATTRIBUTES = {"guardian": "core", "watchdog": "watchdog", "supervisor": "supervisor",
+                        "access": "access"}
 
     def table(self, name: str):
         """A table's settings by TOML name: the core's, or a loaded plugin's.
@@ -244,6 +295,7 @@ def parse_config(raw: bytes, path) -> GuardianConfig:
         if not isinstance(table, dict):
             raise ConfigError(f"{path}: top-level key {name!r} must be a [table]")
     return GuardianConfig(core=core["guardian"], watchdog=core["watchdog"], supervisor=core["supervisor"],
+                          access=core["access"],
                           plugin_tables=data, source=Path(path), tables=present)
 
 

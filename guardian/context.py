@@ -32,6 +32,9 @@ class RequestInfo:
     at_end: Optional[list] = None
     # When the handler took the request (time.monotonic()): time to first token counts from here.
     started_at: Optional[float] = None
+    # Who sent it (guardian.access): an API key's name, or the client's address
+    # when the server has no keys. Per-client limits and fair admission key on it.
+    client: str = "-"
 
 
 # The request's id goes back to its client in this header (the client's own
@@ -81,9 +84,9 @@ def bind_log_fields(**fields) -> None:
 
 
 @contextlib.contextmanager
-def request_scope(request_id: str, stream: bool):
+def request_scope(request_id: str, stream: bool, client: str = "-"):
     info = RequestInfo(request_id=request_id, stream=stream, response_headers={REQUEST_ID_HEADER: request_id},
-                       at_end=[], started_at=time.monotonic())
+                       at_end=[], started_at=time.monotonic(), client=client)
     token = _current.set(info)
     # Fields bound during the request must not follow the thread to the
     # next request of a keep-alive connection.

@@ -24,10 +24,12 @@ from typing import Optional
 import structlog
 
 from guardian import metrics, relay_protocol, stock
+from guardian.access.policy import AccessDecision, AccessRequest
 from guardian.admission.facts import context_length_of
 from guardian.context import (REQUEST_ID_HEADER, add_response_headers, current_request, request_scope,
                               sane_request_id)
 from guardian.errors import AbortRequest, GuardianError, from_stock_exception
+from guardian.plugins.manager import notify
 
 log = structlog.get_logger("guardian.http")
 
@@ -41,22 +43,53 @@ COMPLETION_PATHS = (TEXT_COMPLETION_PATH, "/v1/chat/completions", "/chat/complet
 MONITORING_PATHS = frozenset({"/health", "/livez", "/readyz", "/guardian/status", "/metrics"})
 
 
-class GuardianHandler(stock.APIHandler):
+class GuardianHandler(stock.DoorCorsHandler):
     # Where responses go while stock's do_POST has not yet dispatched (see do_POST).
     _client_wfile = None
     # The client's X-Request-ID for the request being answered, when sane.
     client_request_id: Optional[str] = None
+    # The door's decision on the request being answered (guardian.access).
+    access: Optional[AccessDecision] = None
 
     def parse_request(self) -> bool:
         # Per request: one connection (one handler) may carry several.
         parsed = super().parse_request()
         self.client_request_id = sane_request_id(self.headers.get(REQUEST_ID_HEADER)) if parsed else None
-        return parsed
+        self.access = None
+        return parsed and self.let_in()
+
+    def let_in(self) -> bool:
+        """The door's decision, before the request is routed or its body read;
+        a refusal is answered here (the method's handler never runs)."""
+        door = self.server.door
+        request = AccessRequest(self.command, self.path.partition("?")[0], self.headers, self.client_address[0])
+        pm = self.response_generator.pm
+        decision = pm.hook.check_access(request=request, door=door)
+        # No plugin answered (the built-in disabled): as if there were no door.
+        self.access = decision if decision is not None else AccessDecision(self.client_address[0])
+        notify(pm.hook.on_access_decision, request=request, decision=self.access)
+        if self.access.allowed:
+            return True
+        self.close_connection = True
+        self.send_error_json(self.access.error)
+        if self.content_length() > 0:
+            self.discard_unread_body()
+        return False
+
+    def cors_origin(self) -> Optional[str]:
+        """What stock's CORS headers grant this request's Origin (guardian.access)."""
+        return self.server.door.cors_origin(self.headers.get("Origin"))
+
+    @property
+    def client_name(self) -> str:
+        """Who sent the request being answered: an API key's name, or an address."""
+        return self.access.client if self.access is not None else self.client_address[0]
 
     def handle_completion(self, request, stop_words):
         # Stock accepted the body: from here on it writes to the client.
         self.resume_client_output()
-        with self.server.completions, request_scope(self.client_request_id or self.request_id, bool(self.stream)):
+        with self.server.completions, request_scope(self.client_request_id or self.request_id, bool(self.stream),
+                                                    client=self.client_name):
             if self.stream and relay_protocol.relayed_by_supervisor(self.headers):
                 return self.handle_relayed_stream(request, stop_words)
             self.handle_completion_answered(request, stop_words)
@@ -323,7 +356,10 @@ class GuardianHandler(stock.APIHandler):
         # BaseHTTPRequestHandler writes access lines straight to stderr;
         # route them through structlog so every line is JSON.
         routine = self.command == "GET" and getattr(self, "path", "").partition("?")[0] in MONITORING_PATHS
-        (log.debug if routine else log.info)("http_access", client=self.client_address[0], line=format % args)
+        # The key's name, never the key: the request line and status are all the line holds.
+        key_name = self.access.key_name if self.access is not None else None
+        (log.debug if routine else log.info)("http_access", client=self.client_address[0], line=format % args,
+                                             **({"api_key": key_name} if key_name else {}))
 
 
 class RelayedGenerator:

@@ -174,6 +174,7 @@ class LiveConfig:
         """Everything start-up checks: the core's tables (done), the flags, every plugin's table."""
         if self.flags is not None:
             new.core = new.core.with_flags(self.flags)
+            new.access = new.access.with_flags(self.flags)
         tables = dict(new.plugin_tables)
         for name, settings in current.plugin_settings.items():
             new.plugin_settings[name] = parse_settings(type(settings), tables.pop(name, {}), name)
@@ -267,6 +268,7 @@ def merge(current: GuardianConfig, new: GuardianConfig, started: GuardianConfig)
     merged = dataclasses.replace(
         new,
         core=tables["guardian"], watchdog=tables["watchdog"], supervisor=tables["supervisor"],
+        access=tables["access"],
         plugin_settings={name: tables[name] for name in current.plugin_settings},
     )
     # Plugins' tables the running server has no plugin for (a plugin added to

@@ -17,7 +17,8 @@ from typing import Optional, Union
 import structlog
 
 from guardian import stock
-from guardian.config import GuardianConfig
+from guardian.access import make_door
+from guardian.config import AccessSettings, GuardianConfig
 from guardian.counting import ActiveCount
 from guardian.admission.facts import served_model_config
 from guardian.admission.gate import AdmissionGate, AdmittingGenerator
@@ -94,18 +95,22 @@ def serve(host: str, port: int, model_provider, config: Union[GuardianConfig, Li
         print("mlx-guardian: " + "\nmlx-guardian: ".join(problems), file=sys.stderr)
         return EXIT_USAGE
 
+    door = make_door(live.view("access"), bound_host=host,
+                     allowed_origins=model_provider.cli_args.allowed_origins,
+                     supervised_child=started_by_supervisor())
     served = Guardian(model_provider, live, pm, on_exit=exit_request,
-                      engine_class=GuardianEngine if member is None else member.engine_class)
+                      engine_class=GuardianEngine if member is None else member.engine_class, door=door)
     engine = served.engine
     if member is not None:
         member.watch(engine)
-    httpd = make_http_server(host, port, served)
+    httpd = make_http_server(host, port, served, door)
     served.start()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: exit_request(EXIT_OK))
-    # SIGHUP re-reads --guardian-config (its default would end the process).
-    signal.signal(signal.SIGHUP, lambda *_: live.request_reload("sighup"))
+    # SIGHUP re-reads --guardian-config and the key file (its default would end the process).
+    signal.signal(signal.SIGHUP, lambda *_: reload_on_sighup(live, door))
     live.follow()
+    door.keys.follow()
 
     threading.Thread(target=httpd.serve_forever, name="http", daemon=True).start()
     log.info(
@@ -114,11 +119,15 @@ def serve(host: str, port: int, model_provider, config: Union[GuardianConfig, Li
         port=httpd.server_address[1],
         model=model_provider.cli_args.model,
         mlx_lm_version=stock.STOCK_VERSION,
+        access=door.mode,
+        api_keys=len(door.keys.names),
+        allowed_origins=door.origins.describe(),
     )
     code = exit_request.wait()
     log.info("server_stopping", exit_code=code)
     served.stop_admitting()
     live.stop()
+    door.keys.stop()
     drain(httpd, engine, live.config.core.exit_grace_s)
     httpd.shutdown()
     httpd.server_close()
@@ -145,7 +154,7 @@ class Guardian(AdmittingGenerator):
     """
 
     def __init__(self, model_provider, config: Union[GuardianConfig, LiveConfig], pm, *, on_exit,
-                 engine_class=GuardianEngine):
+                 engine_class=GuardianEngine, door=None):
         # Every component reads its settings through the live configuration.
         live = self.live = config if isinstance(config, LiveConfig) else LiveConfig(config)
         config = live.config
@@ -154,7 +163,7 @@ class Guardian(AdmittingGenerator):
         model_access = ModelAccess(model_provider, allowed_models=config.core.allowed_models,
                                    allow_any_model=config.core.allow_any_model)
         model_access.keep_served_model()
-        gate = AdmissionGate(model_provider, pm, model_access=model_access, live=live)
+        gate = AdmissionGate(model_provider, pm, model_access=model_access, live=live, door=door)
         # Hooks see the engine and admission through this facade only.
         engine.plugin_view = EngineView(engine, gate)
         super().__init__(gate, engine)
@@ -197,8 +206,16 @@ class Guardian(AdmittingGenerator):
         return super().generate(request, generation_args, progress_callback)
 
 
-def make_http_server(host: str, port: int, served: Optional[Guardian]) -> ThreadingHTTPServer:
-    """The HTTP server; its handler reaches the engine only through admission."""
+def reload_on_sighup(live: LiveConfig, door) -> None:
+    """SIGHUP: read --guardian-config and the key file again (each on a thread of its own)."""
+    live.request_reload("sighup")
+    if door.keys.configured:
+        threading.Thread(target=door.keys.reload, args=("sighup",), name="keys-reload", daemon=True).start()
+
+
+def make_http_server(host: str, port: int, served: Optional[Guardian], door=None) -> ThreadingHTTPServer:
+    """The HTTP server; its handler lets a request in through ``door`` (an AccessPolicy,
+    guardian.access) and reaches the engine only through admission."""
     fingerprint = stock.get_system_fingerprint()
 
     def handler(*args, **kwargs):
@@ -209,6 +226,8 @@ def make_http_server(host: str, port: int, served: Optional[Guardian]) -> Thread
     httpd.daemon_threads = True
     # Completion requests HTTP threads are answering now, for drain().
     httpd.completions = ActiveCount()
+    # Without one (tests that build a server by hand): the default door for the address.
+    httpd.door = door or make_door(AccessSettings(), bound_host=host, allowed_origins=None)
     return httpd
 
 

@@ -62,6 +62,7 @@ REQUIRED = {
     "main": "parses every stock flag with stock's own parser",
     "get_system_fingerprint": "the handler's system_fingerprint",
     "APIHandler._set_completion_headers": "status line with stock's CORS headers",
+    "APIHandler._set_cors_headers": "replaced: the door decides which origin is granted (guardian.access)",
     "LRUPromptCache": "the prompt cache the engine owns",
     "LRUPromptCache.trim_to": "drop least recently used entries: under memory pressure (resources), after a stall",
     "LRUPromptCache.nbytes": "the prompt cache's bytes: how much a trim must drop; resource samples",
@@ -776,6 +777,28 @@ def make_request(prompt: str, *, max_tokens: int, cli_args) -> tuple:
         chat_template_kwargs=None,
     )
     return request, args
+
+
+class DoorCorsHandler(APIHandler):
+    """Stock's handler, its CORS grant decided by the subclass's ``cors_origin()``.
+
+    Stock grants ``Access-Control-Allow-Origin: *`` unless ``--allowed-origins``
+    says otherwise; the guardian grants only what the door allows (by default
+    pages on this machine). The other two headers are stock's, plus
+    Authorization, which a browser never covers by "*".
+    """
+
+    def cors_origin(self):  # pragma: no cover - the subclass's
+        raise NotImplementedError
+
+    def _set_cors_headers(self):
+        origin = self.cors_origin()
+        if origin is not None:
+            self.send_header("Access-Control-Allow-Origin", origin)
+            if origin != "*":
+                self.send_header("Vary", "Origin")
+        self.send_header("Access-Control-Allow-Methods", "*")
+        self.send_header("Access-Control-Allow-Headers", "*, Authorization")
 
 
 def set_completion_headers(handler, status_code: int) -> None:

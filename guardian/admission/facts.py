@@ -50,12 +50,15 @@ class Admission:
     hook asks for tokens.
     """
 
-    def __init__(self, request, args, *, limits, tokenize: Callable, request_id: str, stream: bool):
+    def __init__(self, request, args, *, limits, tokenize: Callable, request_id: str, stream: bool,
+                 client: str = "-"):
         self.request = request
         self.args = args
         self.limits: ModelLimits = limits
         self.request_id = request_id
         self.stream = stream
+        # Who sent it: an API key's name, or the client's address (guardian.access).
+        self.client = client
         # Headers added to this request's response (a clamp, a truncation).
         self.response_headers: dict[str, str] = {}
         # Fields added to every later log line of this request.

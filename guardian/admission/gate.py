@@ -79,9 +79,12 @@ class AdmittingGenerator:
 
 
 class AdmissionGate:
-    def __init__(self, model_provider, pm, *, model_access=None, live=None):
+    def __init__(self, model_provider, pm, *, model_access=None, live=None, door=None):
         self.model_provider = model_provider
         self.pm = pm
+        # The server's AccessPolicy (guardian.access): admit_request hooks get it
+        # for its per-client limits. None: no door (a bench, a unit test).
+        self.door = door
         # The live configuration (guardian.live_config): a request is admitted
         # under one version of it, pinned for the whole admission.
         self.live = live
@@ -157,9 +160,10 @@ class AdmissionGate:
             tokenize=functools.partial(self._tokenize, tokenizer, args=args),
             request_id=info.request_id,
             stream=info.stream,
+            client=info.client,
         )
         try:
-            error = self.pm.hook.admit_request(admission=admission, engine=engine)
+            error = self.pm.hook.admit_request(admission=admission, engine=engine, door=self.door)
         except GuardianError as e:
             error = e
         except Exception:

@@ -38,9 +38,40 @@ def guardian_shutdown(engine, exit_code):
     """
 
 
+# -- the door ---------------------------------------------------------------------
+@hookspec(firstresult=True)
+def check_access(request, door):
+    """Decide who sent a request, and whether it may come in.
+
+    The HTTP thread serving it, for every request on every path, before it
+    is routed and before its body is read. ``request`` is a
+    ``guardian.access.policy.AccessRequest`` (method, path, headers, the
+    client's address); ``door`` is the server's
+    ``guardian.access.policy.AccessPolicy`` (its keys, mode and origins; the
+    built-in ``access`` plugin returns ``door.check(request)``).
+
+    Return an ``AccessDecision``: its ``client`` (an API key's name, or an
+    address) names the client in logs, per-client limits and fair admission;
+    with an ``error``, the request is answered with it. None: no opinion.
+    Stops at first non-None result; the built-in answers last (trylast), so
+    a plugin of yours decides first.
+    """
+
+
+@hookspec
+def on_access_decision(request, decision):
+    """The door decided on a request (``check_access``): let in, or refused.
+
+    The HTTP thread serving it, every request on every path. ``decision`` is
+    the AccessDecision (``decision.error`` is what a refused client gets;
+    ``decision.key_name`` which API key let it in, if any). Never holds the
+    key itself. Return value ignored.
+    """
+
+
 # -- admission -------------------------------------------------------------------
 @hookspec(firstresult=True)
-def admit_request(admission, engine):
+def admit_request(admission, engine, door):
     """Let a completion request in, adjust it, or turn it away.
 
     The HTTP thread serving the request, after stock parsed it and before
@@ -58,6 +89,8 @@ def admit_request(admission, engine):
     ``adopt()`` a variant with fewer messages, add ``response_headers`` and
     ``log_fields``, or hold a resource and give it back through
     ``on_finish()``, which runs when the request ends or is turned away.
+    ``admission.client`` names who sent it (``check_access``); ``door`` is
+    the server's AccessPolicy, whose ``limits`` are the per-client limits.
 
     Return a ``GuardianError`` (or raise one) to turn the request away with
     its status and OpenAI-shaped body; None lets it in. Stops at first

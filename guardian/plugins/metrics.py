@@ -25,6 +25,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoM
 
 import guardian
 from guardian import metrics
+from guardian.access.policy import REFUSALS as ACCESS_REFUSALS
 from guardian.admission.facts import device_info, device_memory
 from guardian.engine.lifecycle import EngineState
 from guardian.engine.ledger import CANCELLED, COMPLETED, FAILED
@@ -81,6 +82,13 @@ class Metrics:
                               ["probe", "result"], registry=r)
         self.probe_seconds = Histogram(P + "probe_duration_seconds", "How long each probe took.",
                                        ["probe"], buckets=PROBE_BUCKETS, registry=r)
+        self.door_refused = Counter(P + "access_refused", "Requests the door refused (any path), by "
+                                    "reason: invalid_api_key, protected_mode, host_not_allowed, "
+                                    "origin_not_allowed.", ["reason"], registry=r)
+        for reason in ACCESS_REFUSALS:
+            self.door_refused.labels(reason)
+        self.by_key = Counter(P + "api_key_requests", "Requests let in with an API key, by the key's "
+                              "name (never the key).", ["api_key"], registry=r)
         self.admitted = Counter(P + "requests_admitted", "Completion requests let in at the door.", registry=r)
         self.refused = Counter(P + "requests_refused", "Completion requests turned away at the door, by the "
                                "error code their client got.", ["code"], registry=r)
@@ -133,6 +141,13 @@ class Metrics:
                 self.probe_seconds.labels(name).observe(result["duration_ms"] / 1000)
             with self._lock:
                 self._last_probes[name] = result
+
+    @guardian.hookimpl
+    def on_access_decision(self, decision):
+        if decision.error is not None:
+            self.door_refused.labels(decision.error.code or str(decision.error.status)).inc()
+        elif decision.key_name is not None:
+            self.by_key.labels(decision.key_name).inc()
 
     @guardian.hookimpl
     def on_admission_decision(self, error):

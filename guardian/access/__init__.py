@@ -1,0 +1,26 @@
+"""Who may come in: API keys, protected mode, origins and hosts, per-client limits, TLS.
+
+Imports no mlx: the supervisor's public port runs the same door as the
+server (``policy.AccessPolicy``). ``make_door`` builds one from the [access]
+settings and the address the server listens on.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+from guardian.access.keys import KeyRing
+from guardian.access.policy import AccessPolicy, Origins
+from guardian.relay_protocol import RELAY_KEY_ENV
+
+
+def make_door(settings, *, bound_host: str, allowed_origins: Optional[list[str]],
+              supervised_child: bool = False) -> AccessPolicy:
+    """The door of a server bound to ``bound_host``. ``settings``: the (live) [access]
+    table; ``allowed_origins``: stock's --allowed-origins when given, else None.
+    A supervised child's door lets in only its supervisor (the relay key)."""
+    relay_key = os.environ.get(RELAY_KEY_ENV) if supervised_child else None
+    keys = KeyRing(None if relay_key else settings.api_key_file or None)
+    return AccessPolicy(settings, keys, bound_host=bound_host, origins=Origins(allowed_origins),
+                        relay_key=relay_key)

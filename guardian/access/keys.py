@@ -1,0 +1,204 @@
+"""API keys: the key file, and which key (if any) a request presents.
+
+The file has one key a line, ``KEY`` or ``NAME:KEY``; ``KEY`` may be
+``sha256:<64 hex digits>``, the SHA-256 of the key, so the file need hold no
+secret (``printf %s "$KEY" | sha256sum``). ``#`` starts a comment, at the start
+of a line or after whitespace. A key without a name is called ``key-N`` after
+its line. Only names ever reach logs and metrics.
+
+A presented key is hashed once and its digest compared with every key's in
+constant time (``hmac.compare_digest``, no early exit): the time an answer
+takes says nothing of which key, or which part of one, was close (vLLM checks
+its keys the same way).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import re
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import structlog
+
+log = structlog.get_logger("guardian.access")
+
+HASHED_PREFIX = "sha256:"
+# Names go into log lines and metric labels: one plain token.
+KEY_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@-]{0,63}")
+HEX_DIGEST = re.compile(r"[0-9a-fA-F]{64}")
+# A key shorter than this is a typo or a placeholder, not a secret.
+MIN_KEY_CHARS = 8
+# The headers a key may come in: what the openai SDK sends, and the common alternative.
+AUTHORIZATION = "Authorization"
+API_KEY_HEADER = "X-Api-Key"
+
+
+class KeyFileError(ValueError):
+    """The key file cannot be used; the message names the line, never the key."""
+
+
+@dataclass(frozen=True)
+class ApiKey:
+    name: str
+    digest: bytes  # SHA-256 of the key's UTF-8 bytes
+
+
+def digest_of(key: bytes) -> bytes:
+    return hashlib.sha256(key).digest()
+
+
+def parse_key_file(text: str, source: str = "the key file") -> tuple[ApiKey, ...]:
+    """Every key in the file's text; KeyFileError for a line that is not one."""
+    keys: list[ApiKey] = []
+    names: set[str] = set()
+    for number, raw in enumerate(text.splitlines(), start=1):
+        line = strip_comment(raw).strip()
+        if not line:
+            continue
+        where = f"{source}, line {number}"
+        name, key = split_name(line, default=f"key-{number}")
+        if not KEY_NAME.fullmatch(name):
+            raise KeyFileError(f"{where}: a key's name is letters, digits and ._@- (at most 64)")
+        if name in names:
+            raise KeyFileError(f"{where}: the name {name!r} is used twice")
+        names.add(name)
+        keys.append(ApiKey(name, key_digest(key, where)))
+    return tuple(keys)
+
+
+def strip_comment(line: str) -> str:
+    """The line without its comment: from a "#" that starts it or follows whitespace."""
+    if line.lstrip().startswith("#"):
+        return ""
+    match = re.search(r"\s#", line)
+    return line[:match.start()] if match else line
+
+
+def split_name(line: str, default: str) -> tuple[str, str]:
+    """(name, key) of ``NAME:KEY``, ``KEY`` or ``sha256:HEX`` (which names no one)."""
+    if line.startswith(HASHED_PREFIX) or ":" not in line:
+        return default, line
+    name, key = line.split(":", 1)
+    return name.strip(), key.strip()
+
+
+def key_digest(key: str, where: str) -> bytes:
+    if key.startswith(HASHED_PREFIX):
+        hexdigest = key[len(HASHED_PREFIX):]
+        if not HEX_DIGEST.fullmatch(hexdigest):
+            raise KeyFileError(f"{where}: sha256: must be followed by 64 hex digits")
+        return bytes.fromhex(hexdigest)
+    if len(key) < MIN_KEY_CHARS or any(c.isspace() or not c.isprintable() for c in key):
+        raise KeyFileError(f"{where}: a key is at least {MIN_KEY_CHARS} printable characters, no spaces")
+    return digest_of(key.encode())
+
+
+def presented_key(headers) -> tuple[Optional[bytes], Optional[str]]:
+    """(the key a request presents, or None; what is wrong with its headers, or None).
+
+    ``headers``: an ``email.message.Message`` as http.server parses them (every
+    value decoded as latin-1, so encoding it back gives the client's bytes).
+    """
+    authorization = headers.get_all(AUTHORIZATION) or []
+    api_key = headers.get_all(API_KEY_HEADER) or []
+    if len(authorization) + len(api_key) > 1:
+        return None, "send the API key once, in one header"
+    if authorization:
+        scheme, _, credentials = authorization[0].strip().partition(" ")
+        if scheme.lower() != "bearer" or not credentials.strip():
+            return None, "the Authorization header must be 'Bearer <API key>'"
+        return encode(credentials.strip()), None
+    if api_key:
+        return (encode(api_key[0].strip()), None) if api_key[0].strip() else (None, "the X-Api-Key header is empty")
+    return None, None
+
+
+def encode(value: str) -> bytes:
+    return value.encode("latin-1", "replace")
+
+
+class KeyRing:
+    """The keys in force, read from the key file and again whenever it changes.
+
+    A file that cannot be read or parsed keeps the last good set (logged as
+    ``api_keys_reload_failed``), so a half-saved file never locks everyone out
+    or lets anyone in.
+    """
+
+    def __init__(self, path: Optional[str]):
+        self.path = Path(path) if path else None
+        self._keys: tuple[ApiKey, ...] = ()
+        self._lock = threading.Lock()
+        self._watcher = None
+        self.loads = 0
+        self.last_failure: Optional[str] = None
+        if self.path is not None:
+            self._keys = self._read()  # at start, a bad file is an error (KeyFileError)
+            self.loads = 1
+
+    @property
+    def configured(self) -> bool:
+        """Whether keys are required: a key file is given (even one emptied since)."""
+        return self.path is not None
+
+    @property
+    def names(self) -> list[str]:
+        return [key.name for key in self._keys]
+
+    def identify(self, presented: bytes) -> Optional[str]:
+        """The name of the key ``presented`` is, or None; every key is compared."""
+        digest = digest_of(presented)
+        found = None
+        for key in self._keys:
+            if hmac.compare_digest(digest, key.digest):
+                found = key.name
+        return found
+
+    def _read(self) -> tuple[ApiKey, ...]:
+        try:
+            text = self.path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise KeyFileError(f"{self.path}: cannot be read: {type(e).__name__}: {e}") from None
+        return parse_key_file(text, str(self.path))
+
+    def reload(self, reason: str = "sighup") -> bool:
+        """Read the file again; whether the new set is in force."""
+        if self.path is None:
+            return False
+        with self._lock:
+            try:
+                keys = self._read()
+            except KeyFileError as e:
+                self.last_failure = str(e)
+                log.error("api_keys_reload_failed", reason=reason, error_message=str(e),
+                          keys_in_force=len(self._keys))
+                return False
+            old = set(self.names)
+            self._keys = keys
+            self.loads += 1
+            self.last_failure = None
+        new = set(self.names)
+        log.info("api_keys_reloaded", reason=reason, keys=len(keys), added=sorted(new - old),
+                 removed=sorted(old - new))
+        return True
+
+    def follow(self) -> None:
+        """Reload on every save of the file (SIGHUP is the caller's to route to ``reload``)."""
+        if self.path is None or self._watcher is not None:
+            return
+        from guardian.live_config import ConfigFileWatcher
+
+        self._watcher = ConfigFileWatcher(self.path, self.reload)
+        self._watcher.start()
+
+    def stop(self) -> None:
+        if self._watcher is not None:
+            self._watcher.stop()
+
+    def status(self) -> dict:
+        return {"key_file": str(self.path) if self.path else None, "keys": len(self._keys),
+                "names": self.names, "loads": self.loads, "last_failure": self.last_failure}

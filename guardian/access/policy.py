@@ -1,0 +1,285 @@
+"""Who may come in: one decision per HTTP request, before it is routed.
+
+The same code decides at every door: the one-process server (through the
+built-in ``access`` plugin's ``check_access`` hook), the supervisor's public
+port, and rank 0 of an mlx.launch group. It imports no mlx.
+
+In order, a request is refused when:
+
+1. its ``Host`` is not a name this server answers to (403 ``host_not_allowed``):
+   a web page cannot reach the server through a DNS name it controls (DNS
+   rebinding, CVE-2024-28224 in Ollama);
+2. it comes from a web page of an origin not allowed (403
+   ``origin_not_allowed``): without an explicit ``--allowed-origins``, only
+   pages on this machine (``http://localhost:*`` and the like);
+3. its path is not public and keys exist, and it presents none of them
+   (401 ``invalid_api_key``);
+4. there are no keys, the server listens beyond loopback, protected mode is
+   on, and the client is not on loopback (403 ``protected_mode``).
+
+A supervised child (started with the supervisor's relay key) serves only
+requests that carry that key: the supervisor decided at the public door, and
+tells the child who the client is.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+from dataclasses import dataclass, field
+from typing import Optional
+from urllib.parse import urlsplit
+
+from guardian.access.keys import KeyRing, presented_key
+from guardian.access.limits import ClientLimits
+from guardian.errors import GuardianError
+from guardian.relay_protocol import relayed_by_supervisor
+
+# Names that always mean this machine (RFC 6761: *.localhost too).
+LOOPBACK_NAMES = ("localhost", "localhost.localdomain")
+# The supervisor tells its child who the client is; only a request with the
+# relay key may say so.
+CLIENT_HEADER = "X-Guardian-Client"
+# Refusals, by code: the metric's reason label, and the log's.
+HOST_NOT_ALLOWED = "host_not_allowed"
+ORIGIN_NOT_ALLOWED = "origin_not_allowed"
+INVALID_API_KEY = "invalid_api_key"
+PROTECTED_MODE = "protected_mode"
+NOT_FROM_SUPERVISOR = "not_from_supervisor"
+REFUSALS = (INVALID_API_KEY, PROTECTED_MODE, HOST_NOT_ALLOWED, ORIGIN_NOT_ALLOWED, NOT_FROM_SUPERVISOR)
+
+
+@dataclass
+class AccessRequest:
+    """What the door sees of a request: ``check_access``'s argument."""
+
+    method: str
+    path: str  # without the query string
+    headers: object  # email.message.Message, as http.server parses them
+    client_address: str  # the peer's IP address
+    # Set by the decision: who the client is (a key's name, or its address).
+    client: Optional[str] = None
+
+
+@dataclass
+class AccessDecision:
+    """Let in as ``client``, or refused with ``error``."""
+
+    client: str
+    error: Optional[GuardianError] = None
+    # Which key let it in (None: no key needed or none configured).
+    key_name: Optional[str] = None
+    fields: dict = field(default_factory=dict)
+
+    @property
+    def allowed(self) -> bool:
+        return self.error is None
+
+
+def is_loopback_address(address: str) -> bool:
+    try:
+        ip = ipaddress.ip_address(address.split("%", 1)[0])
+    except ValueError:
+        return False
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return ip.is_loopback
+
+
+def is_ip_literal(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
+        return False
+    return True
+
+
+def host_name_of(host_header: str) -> Optional[str]:
+    """The name in a Host header, without its port; None when it is not one."""
+    value = host_header.strip().lower()
+    if not value or any(c.isspace() for c in value):
+        return None
+    try:
+        parts = urlsplit("//" + value)
+        parts.port  # raises for a port that is not a number
+    except ValueError:
+        return None
+    if parts.path or parts.query or parts.fragment or parts.username is not None:
+        return None
+    return parts.hostname
+
+
+def is_loopback_name(name: str) -> bool:
+    return name in LOOPBACK_NAMES or name.endswith(".localhost") or is_loopback_address(name)
+
+
+def bound_to_loopback(host: str) -> bool:
+    """Whether a server bound to ``host`` can be reached only from this machine."""
+    if host in LOOPBACK_NAMES:
+        return True
+    if is_ip_literal(host):
+        return is_loopback_address(host)
+    try:  # a name: loopback only when every address it resolves to is
+        addresses = {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except OSError:
+        return False
+    return bool(addresses) and all(is_loopback_address(a) for a in addresses)
+
+
+def machine_names() -> set[str]:
+    """The names other machines may use for this one: its host name, and NAME.local (Bonjour)."""
+    names = set()
+    for name in (socket.gethostname(), socket.getfqdn()):
+        name = name.lower().rstrip(".")
+        if name:
+            names |= {name, name.split(".")[0], name.split(".")[0] + ".local"}
+    return names
+
+
+class Origins:
+    """Which web pages' origins may use the server (CORS, and the Origin check)."""
+
+    def __init__(self, explicit: Optional[list[str]]):
+        # Stock's --allowed-origins, when given; None: pages on this machine only.
+        self.explicit = None if explicit is None else [o.strip() for o in explicit if o.strip()]
+
+    @property
+    def any(self) -> bool:
+        return self.explicit is not None and "*" in self.explicit
+
+    def allows(self, origin: str) -> bool:
+        if self.explicit is not None:
+            return "*" in self.explicit or origin in self.explicit
+        parts = urlsplit(origin.strip().lower())
+        try:
+            parts.port
+        except ValueError:
+            return False
+        return parts.scheme in ("http", "https") and parts.hostname is not None and is_loopback_name(
+            parts.hostname) and not parts.path
+
+    def describe(self) -> str:
+        if self.explicit is None:
+            return "http://localhost:*, http://127.0.0.1:*, http://[::1]:* (the default)"
+        return ", ".join(self.explicit) or "none"
+
+
+class AccessPolicy:
+    """The door's decision for each request. ``settings``: the live [access] table."""
+
+    def __init__(self, settings, keys: KeyRing, *, bound_host: str, origins: Origins,
+                 relay_key: Optional[str] = None):
+        self.settings = settings
+        self.keys = keys
+        self.bound_host = bound_host
+        self.loopback_only = bound_to_loopback(bound_host)
+        self.origins = origins
+        # A supervised child: only the supervisor (who holds this key) may come in.
+        self.relay_key = relay_key
+        self._machine_names = machine_names()
+        # Per-client limits, applied at admission (the access plugin's admit_request).
+        self.limits = ClientLimits(settings)
+
+    @property
+    def mode(self) -> str:
+        """How the door is closed, for the start-up log and /guardian/status."""
+        if self.relay_key is not None:
+            return "supervised_child"
+        if self.keys.configured:
+            return "api_keys"
+        if self.loopback_only:
+            return "loopback"
+        return "protected" if self.settings.protected_mode else "open"
+
+    def check(self, request: AccessRequest) -> AccessDecision:
+        if self.relay_key is not None:
+            return self.check_relayed(request)
+        address = request.client_address
+        error = self.check_host(request.headers.get("Host")) or self.check_origin(request.headers.get("Origin"))
+        if error is not None:
+            return AccessDecision(address, error)
+        public = request.path in self.settings.public_paths or request.method == "OPTIONS"
+        if self.keys.configured:
+            key, problem = presented_key(request.headers)
+            name = self.keys.identify(key) if key is not None else None
+            if name is not None:
+                return AccessDecision(name, key_name=name)
+            if public:
+                return AccessDecision(address)
+            return AccessDecision(address, invalid_api_key(problem if key is None else None))
+        if public or self.loopback_only or not self.settings.protected_mode or is_loopback_address(address):
+            return AccessDecision(address)
+        return AccessDecision(address, protected_mode_error(self.bound_host))
+
+    def check_relayed(self, request: AccessRequest) -> AccessDecision:
+        """A supervised child: the relay key, then the client the supervisor names."""
+        if not relayed_by_supervisor(request.headers):
+            return AccessDecision(request.client_address, GuardianError(
+                "This server is a supervised child: send requests to the supervisor's port.",
+                status=403, type="invalid_request_error", code=NOT_FROM_SUPERVISOR, retry=False))
+        return AccessDecision(request.headers.get(CLIENT_HEADER) or request.client_address)
+
+    def check_host(self, host_header: Optional[str]) -> Optional[GuardianError]:
+        if host_header is None:
+            return None  # HTTP/1.0 without Host: no browser sends that
+        name = host_name_of(host_header)
+        if name is not None and self.host_allowed(name):
+            return None
+        return GuardianError(
+            f"The Host header {host_header[:100]!r} is not a name this server answers to. "
+            "Add it to [access] allowed_hosts in --guardian-config.",
+            status=403, type="invalid_request_error", code=HOST_NOT_ALLOWED, retry=False)
+
+    def host_allowed(self, name: str) -> bool:
+        if is_loopback_name(name):
+            return True
+        if self.loopback_only:
+            return False
+        if is_ip_literal(name) or name in self._machine_names:
+            return True
+        for allowed in self.settings.allowed_hosts:
+            allowed = allowed.lower()
+            if allowed == "*" or name == allowed or (
+                    allowed.startswith(".") and (name.endswith(allowed) or name == allowed[1:])):
+                return True
+        return False
+
+    def check_origin(self, origin: Optional[str]) -> Optional[GuardianError]:
+        # "null": a sandboxed frame or a file:// page; refused unless "*" was asked for.
+        if origin is None or self.origins.allows(origin):
+            return None
+        return GuardianError(
+            f"Requests from web pages of origin {origin[:100]!r} are not allowed. Start the server "
+            "with --allowed-origins listing it to let that page in.",
+            status=403, type="invalid_request_error", code=ORIGIN_NOT_ALLOWED, retry=False)
+
+    def cors_origin(self, origin: Optional[str]) -> Optional[str]:
+        """The Access-Control-Allow-Origin value for a request's Origin, or None: no grant."""
+        if self.origins.any:
+            return "*"
+        if origin is not None and self.origins.allows(origin):
+            return origin
+        return None
+
+    def status(self) -> dict:
+        return {"mode": self.mode, "bound_host": self.bound_host, "allowed_origins": self.origins.describe(),
+                "public_paths": list(self.settings.public_paths), **self.keys.status()}
+
+
+def invalid_api_key(problem: Optional[str]) -> GuardianError:
+    """401 as OpenAI answers it; the openai SDK raises AuthenticationError and does not retry."""
+    message = problem or "Incorrect or missing API key. Send it as 'Authorization: Bearer <API key>'."
+    return GuardianError(message, status=401, type="invalid_request_error", code=INVALID_API_KEY,
+                         retry=False, headers={"WWW-Authenticate": "Bearer"})
+
+
+def protected_mode_error(bound_host: str) -> GuardianError:
+    """Redis's answer to the same problem: say exactly how to open the door."""
+    return GuardianError(
+        f"mlx-guardian is in protected mode: it listens on {bound_host}, beyond this machine, and no API "
+        "key is configured, so only clients on this machine are served. To serve this client, either "
+        "1) give the server API keys: --api-key-file FILE (or [access] api_key_file), one key a line, "
+        "and send one as 'Authorization: Bearer <key>'; or 2) on a network you trust, turn protected "
+        "mode off: [access] protected_mode = false in --guardian-config; or 3) bind to 127.0.0.1 and "
+        "put a proxy that checks clients in front.",
+        status=403, type="invalid_request_error", code=PROTECTED_MODE, retry=False)
