@@ -21,6 +21,7 @@ import structlog
 
 from guardian.config import AccessSettings, CommandLine, ConfigError, CoreSettings, load_config
 from guardian.exit_codes import EXIT_USAGE
+from guardian.access.keys import KeyRing
 from guardian.logs import bind_process, configure_logging
 
 log = structlog.get_logger("guardian.cli")
@@ -72,6 +73,8 @@ def prepare(namespace: argparse.Namespace) -> None:
         config = load_config(namespace.guardian_config)
         config.core = config.core.with_flags(namespace)
         config.access = config.access.with_flags(namespace)
+        # A key file that does not parse stops the start, as a bad config file does.
+        KeyRing(config.access.api_key_file or None)
         # Plugins and the core read their settings through it: the file may change.
         live = LiveConfig(config, flags=namespace)
         configure_logging(config.core.log_format, live.log_level())

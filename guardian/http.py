@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import io
 import json
-import socket
 import time
 from pathlib import Path
 from typing import Optional
@@ -25,6 +24,7 @@ import structlog
 
 from guardian import metrics, relay_protocol, stock
 from guardian.access.policy import AccessDecision, AccessRequest
+from guardian.connection import linger_close
 from guardian.admission.facts import context_length_of
 from guardian.context import (REQUEST_ID_HEADER, add_response_headers, current_request, request_scope,
                               sane_request_id)
@@ -309,23 +309,13 @@ class GuardianHandler(stock.DoorCorsHandler):
         del self.log_request
         return buffered.getvalue()
 
-    def discard_unread_body(self, linger_s: float = 2.0) -> None:
-        """Let a client that sent its body anyway read the 413 before the close.
-
-        Closing a socket with unread data sends a reset, which can destroy
-        the response before the client reads it. Like a web server's
-        lingering close: stop writing, then drop what arrives for a moment.
-        """
+    def discard_unread_body(self) -> None:
+        """Let a client that sent its body anyway read the refusal before the close."""
         try:
             self.wfile.flush()
-            self.connection.shutdown(socket.SHUT_WR)
-            deadline = time.monotonic() + linger_s
-            while (remaining := deadline - time.monotonic()) > 0:
-                self.connection.settimeout(remaining)
-                if not self.connection.recv(65536):
-                    return
         except OSError:
             return
+        linger_close(self.connection)
 
     def end_headers(self):
         # Headers admission set for this request (X-Guardian-...) and its
@@ -358,7 +348,7 @@ class GuardianHandler(stock.DoorCorsHandler):
         routine = self.command == "GET" and getattr(self, "path", "").partition("?")[0] in MONITORING_PATHS
         # The key's name, never the key: the request line and status are all the line holds.
         key_name = self.access.key_name if self.access is not None else None
-        (log.debug if routine else log.info)("http_access", client=self.client_address[0], line=format % args,
+        (log.debug if routine else log.info)("http_access", client=self.client_name, line=format % args,
                                              **({"api_key": key_name} if key_name else {}))
 
 

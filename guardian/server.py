@@ -18,7 +18,8 @@ import structlog
 
 from guardian import stock
 from guardian.access import make_door
-from guardian.config import AccessSettings, GuardianConfig
+from guardian.access.tls import ServesTLS, ServerCertificate, load_certificate
+from guardian.config import AccessSettings, ConfigError, GuardianConfig
 from guardian.counting import ActiveCount
 from guardian.admission.facts import served_model_config
 from guardian.admission.gate import AdmissionGate, AdmittingGenerator
@@ -81,6 +82,14 @@ def serve(host: str, port: int, model_provider, config: Union[GuardianConfig, Li
     elif started_by_supervisor():
         # A supervisor's child (it gave us its relay key): never outlive it.
         die_with_parent(lambda: exit_request(EXIT_OK))
+    try:  # before the model loads: a certificate that does not load is a usage error
+        # A supervised child serves only its supervisor, in plain HTTP on loopback:
+        # the supervisor's public port terminates TLS (the file's [access] is its).
+        tls = None if started_by_supervisor() else load_certificate(live.config.access)
+    except ConfigError as e:
+        log.critical("config_invalid", error_message=str(e))
+        print(f"mlx-guardian: {e}", file=sys.stderr)
+        return EXIT_USAGE
     try:
         model_provider.load_default()
     except Exception as e:
@@ -103,12 +112,12 @@ def serve(host: str, port: int, model_provider, config: Union[GuardianConfig, Li
     engine = served.engine
     if member is not None:
         member.watch(engine)
-    httpd = make_http_server(host, port, served, door)
+    httpd = make_http_server(host, port, served, door, tls)
     served.start()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: exit_request(EXIT_OK))
-    # SIGHUP re-reads --guardian-config and the key file (its default would end the process).
-    signal.signal(signal.SIGHUP, lambda *_: reload_on_sighup(live, door))
+    # SIGHUP re-reads --guardian-config, the key file and the certificate (its default would end the process).
+    signal.signal(signal.SIGHUP, lambda *_: reload_on_sighup(live, door, tls))
     live.follow()
     door.keys.follow()
 
@@ -117,6 +126,7 @@ def serve(host: str, port: int, model_provider, config: Union[GuardianConfig, Li
         "server_started",
         host=host,
         port=httpd.server_address[1],
+        scheme=httpd.scheme,
         model=model_provider.cli_args.model,
         mlx_lm_version=stock.STOCK_VERSION,
         access=door.mode,
@@ -206,22 +216,30 @@ class Guardian(AdmittingGenerator):
         return super().generate(request, generation_args, progress_callback)
 
 
-def reload_on_sighup(live: LiveConfig, door) -> None:
-    """SIGHUP: read --guardian-config and the key file again (each on a thread of its own)."""
+def reload_on_sighup(live: LiveConfig, door, tls: Optional[ServerCertificate] = None) -> None:
+    """SIGHUP: read --guardian-config, the key file and the certificate again (each on a thread of its own)."""
     live.request_reload("sighup")
     if door.keys.configured:
         threading.Thread(target=door.keys.reload, args=("sighup",), name="keys-reload", daemon=True).start()
+    if tls is not None:
+        threading.Thread(target=tls.reload, args=("sighup",), name="tls-reload", daemon=True).start()
 
 
-def make_http_server(host: str, port: int, served: Optional[Guardian], door=None) -> ThreadingHTTPServer:
+class GuardianHTTPServer(ServesTLS, ThreadingHTTPServer):
+    """Stock's threading HTTP server, serving HTTPS when given a certificate (guardian.access.tls)."""
+
+
+def make_http_server(host: str, port: int, served: Optional[Guardian], door=None,
+                     tls: Optional[ServerCertificate] = None) -> ThreadingHTTPServer:
     """The HTTP server; its handler lets a request in through ``door`` (an AccessPolicy,
-    guardian.access) and reaches the engine only through admission."""
+    guardian.access) and reaches the engine only through admission. ``tls``: serve HTTPS."""
     fingerprint = stock.get_system_fingerprint()
 
     def handler(*args, **kwargs):
         return GuardianHandler(served, *args, system_fingerprint=fingerprint, **kwargs)
 
-    httpd = ThreadingHTTPServer((host, port), handler)
+    httpd = GuardianHTTPServer((host, port), handler)
+    httpd.tls = tls
     # Handler threads must not keep a failed process alive past its exit.
     httpd.daemon_threads = True
     # Completion requests HTTP threads are answering now, for drain().

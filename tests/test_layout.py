@@ -13,7 +13,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 PACKAGE = REPO / "guardian"
-CONCERNS = {"engine", "admission", "health", "supervise", "plugins", "distributed"}
+CONCERNS = {"engine", "admission", "health", "supervise", "plugins", "distributed", "access"}
 
 
 def module_file(name: str) -> Path | None:
@@ -88,6 +88,16 @@ def test_subprocess_mode_imports_neither_mlx_nor_mlx_lm():
     }
     offenders = {module: names for module, names in offenders.items() if names}
     assert not offenders, f"subprocess mode would load mlx: {offenders}"
+
+
+@pytest.mark.parametrize("root", ["guardian.access", "guardian.access.policy", "guardian.plugins.access"])
+def test_the_door_imports_no_mlx(root):
+    """The supervisor's public port runs the same door as the server (issue 21)."""
+    reached = transitive_imports(root)
+    assert root in reached  # the walk starts where it should
+    offenders = {module: sorted(n for n in names if top(n) in ("mlx", "mlx_lm"))
+                 for module, names in reached.items()}
+    assert not {m: n for m, n in offenders.items() if n}, f"the door would load mlx: {offenders}"
 
 
 def test_the_engine_knows_nothing_of_admission():

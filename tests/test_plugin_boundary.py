@@ -16,7 +16,7 @@ from guardian.config import ConfigError, load_config
 from guardian.plugins import hookspecs
 from guardian.plugins.manager import REQUIRED_HOOKS, make_plugin_manager, plugin_entry_points
 
-BUILT_INS = {"recovery", "fault_injection", "prompt_guard", "generation_probe", "resources", "metrics"}
+BUILT_INS = {"recovery", "fault_injection", "prompt_guard", "generation_probe", "resources", "metrics", "access"}
 
 
 def config_with(tmp_path, text: str = ""):

@@ -24,6 +24,8 @@ from typing import Optional
 
 import structlog
 
+from guardian.settings import ConfigError
+
 log = structlog.get_logger("guardian.access")
 
 HASHED_PREFIX = "sha256:"
@@ -37,7 +39,7 @@ AUTHORIZATION = "Authorization"
 API_KEY_HEADER = "X-Api-Key"
 
 
-class KeyFileError(ValueError):
+class KeyFileError(ConfigError):
     """The key file cannot be used; the message names the line, never the key."""
 
 

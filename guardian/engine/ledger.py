@@ -55,7 +55,8 @@ class RequestRecord:
     _ids = itertools.count()
 
     def __init__(self, downstream: Queue, item: tuple, *, request_id: str, stream: bool, ledger,
-                 synthetic: bool = False, arrived_at: Optional[float] = None):
+                 synthetic: bool = False, arrived_at: Optional[float] = None,
+                 client: Optional[str] = None):
         self.seq = next(self._ids)
         self.downstream = downstream
         self.item = item  # (self, request, args) as the loop takes it
@@ -63,6 +64,9 @@ class RequestRecord:
         self.stream = stream
         self.ledger = ledger
         self.synthetic = synthetic  # a probe: never blamed for a failure
+        # Who sent it (an API key's name, or an address): fair admission takes
+        # turns across clients. None for a probe, which never waits its turn.
+        self.client = None if synthetic else client
         self.stage = Stage.QUEUED
         self.failures = 0
         self.failure_ids: list[int] = []  # the engine failures it was in flight at

@@ -22,6 +22,7 @@ from prometheus_client import Counter, Gauge, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
 from guardian import metrics
+from guardian.access.policy import REFUSALS as ACCESS_REFUSALS
 from guardian.exit_codes import EXIT_ENGINE_FAILED, EXIT_ENGINE_STALLED
 
 P = metrics.PREFIX + "supervisor_"
@@ -59,6 +60,11 @@ class SupervisorMetrics:
             "not yet answered, or a stream continued after the tokens its client has.", ["kind"], registry=r)
         for kind in ("request", "stream"):
             self.requests_resent.labels(kind)
+        self.access_refused = Counter(
+            P + "access_refused", "Requests the public port's door refused, by reason: invalid_api_key, "
+            "protected_mode, host_not_allowed, origin_not_allowed.", ["reason"], registry=r)
+        for reason in ACCESS_REFUSALS:
+            self.access_refused.labels(reason)
         self.child_metrics_up = Gauge(
             P + "child_metrics_up", "Whether this scrape includes the child's engine metrics.", registry=r)
         r.register(SupervisorCollector(supervisor))

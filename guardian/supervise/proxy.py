@@ -30,6 +30,10 @@ import httpx
 import structlog
 
 from guardian import relay_protocol
+from guardian.access.keys import API_KEY_HEADER, AUTHORIZATION
+from guardian.access.policy import CLIENT_HEADER, AccessDecision, AccessRequest
+from guardian.access.tls import ServerCertificate, ServesTLS
+from guardian.connection import linger_close
 from guardian.context import REQUEST_ID_HEADER, sane_request_id
 from guardian.supervise import metrics as supervise_metrics
 from guardian.supervise.crash_quarantine import fingerprint
@@ -52,7 +56,10 @@ HOP_BY_HOP = frozenset({
 })
 # httpx writes Host and Content-Length itself; the body is always sent
 # whole, so the child has no 100-continue to give.
-NOT_FORWARDED_UPSTREAM = HOP_BY_HOP | {"host", "content-length", "expect"} | relay_protocol.PRIVATE_HEADERS
+# The API key stops at the public port (the child serves only the supervisor),
+# and a client cannot name itself to the child.
+NOT_FORWARDED_UPSTREAM = (HOP_BY_HOP | {"host", "content-length", "expect"} | relay_protocol.PRIVATE_HEADERS
+                          | {AUTHORIZATION.lower(), API_KEY_HEADER.lower(), CLIENT_HEADER.lower()})
 # A child's word that it tagged a stream's tokens; not for the client.
 CONTINUABLE = relay_protocol.CONTINUABLE_HEADER.lower()
 # What relaying a request to one child came to (besides a stream cut, to continue).
@@ -80,14 +87,16 @@ MAX_HELD_EVENT_BYTES = 1 << 20
 CLIENT_GONE = (BrokenPipeError, ConnectionResetError, ConnectionAbortedError, TimeoutError)
 
 
-class PublicServer(ThreadingHTTPServer):
-    """The public host:port; one daemon thread per connection."""
+class PublicServer(ServesTLS, ThreadingHTTPServer):
+    """The public host:port; one daemon thread per connection. With a
+    certificate it serves HTTPS (the child behind it stays plain HTTP on loopback)."""
 
     # A failed supervisor must exit without waiting for slow clients.
     daemon_threads = True
 
-    def __init__(self, address, supervisor):
+    def __init__(self, address, supervisor, tls: Optional[ServerCertificate] = None):
         self.supervisor = supervisor
+        self.tls = tls
         super().__init__(address, ProxyHandler)
 
 
@@ -100,6 +109,32 @@ class ProxyHandler(BaseHTTPRequestHandler):
     server_version = "mlx-guardian-supervisor"
     # The crash quarantine's record of the request being relayed, if any.
     relay_record = None
+    # The door's decision on the request being answered (guardian.access).
+    access: Optional[AccessDecision] = None
+
+    def parse_request(self) -> bool:
+        """The door decides before anything is routed or read: the same code as
+        the one-process server's (guardian.access.policy)."""
+        self.access = None
+        if not super().parse_request():
+            return False
+        door = self.server.supervisor.door
+        self.access = door.check(AccessRequest(self.command, urlsplit(self.path).path, self.headers,
+                                               self.client_address[0]))
+        if self.access.allowed:
+            return True
+        self.server.supervisor.metrics.access_refused.labels(self.access.error.code).inc()
+        log.info("request_refused_at_door", path=urlsplit(self.path).path, code=self.access.error.code,
+                 client=self.client_address[0])
+        self.close_connection = True
+        self.send_error_json(self.access.error)
+        if self.headers.get("Content-Length", "0") not in ("", "0"):
+            try:
+                self.wfile.flush()
+            except OSError:
+                return False
+            linger_close(self.connection)
+        return False
 
     def do_GET(self):
         """Every method takes the same route; the child says which it supports."""
@@ -276,6 +311,8 @@ class ProxyHandler(BaseHTTPRequestHandler):
         """The client's headers minus hop-by-hop ones, plus who the client is."""
         headers = [(k, v) for k, v in self.headers.items() if k.lower() not in NOT_FORWARDED_UPSTREAM]
         headers.append(("X-Forwarded-For", self.client_address[0]))
+        if self.access is not None:  # who the door let in: the child's per-client limits and fairness
+            headers.append((CLIENT_HEADER, self.access.client))
         return headers
 
     def relay(self, child, upstream: "Upstream", stream):
@@ -447,7 +484,9 @@ class ProxyHandler(BaseHTTPRequestHandler):
     def log_message(self, format, *args):
         # The child logs every request it serves; the supervisor's own
         # access lines are for debugging only, as JSON like the rest.
-        log.debug("proxy_access", client=self.client_address[0], line=format % args)
+        key_name = self.access.key_name if self.access is not None else None
+        log.debug("proxy_access", client=self.client_address[0], line=format % args,
+                  **({"api_key": key_name} if key_name else {}))
 
 
 class Upstream:

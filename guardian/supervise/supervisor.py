@@ -34,7 +34,7 @@ from typing import Optional
 import httpx
 import structlog
 
-from guardian.config import CommandLine, ConfigError, CoreSettings, SupervisorSettings, load_config
+from guardian.config import AccessSettings, CommandLine, ConfigError, CoreSettings, SupervisorSettings, load_config
 from guardian.counting import ActiveCount, RecentEvents
 from guardian.supervise.crash_quarantine import CrashQuarantine
 from guardian.supervise.metrics import SupervisorMetrics
@@ -43,7 +43,9 @@ from guardian.errors import GuardianError
 from guardian import exit_codes
 from guardian.exit_codes import EXIT_OK, EXIT_SUPERVISOR_GAVE_UP, EXIT_USAGE
 from guardian.logs import configure_logging
-from guardian.relay_protocol import RELAY_KEY_ENV, new_relay_key
+from guardian.access import make_door
+from guardian.access.tls import ServerCertificate, load_certificate
+from guardian.relay_protocol import KEY_HEADER, RELAY_KEY_ENV, new_relay_key
 from guardian.supervise.proxy import CHILD_CONNECT_TIMEOUT_S, CHILD_HOST, PublicServer
 from guardian.health.sd_notify import SystemdNotifier
 
@@ -134,7 +136,8 @@ class Supervisor:
     """Owns the public port and one engine child; replaces it when it fails."""
 
     def __init__(self, options: argparse.Namespace, child_args: list[str],
-                 settings: Optional[SupervisorSettings] = None, core: Optional[CoreSettings] = None):
+                 settings: Optional[SupervisorSettings] = None, core: Optional[CoreSettings] = None,
+                 door=None):
         self.options = options
         # [supervisor] and [guardian] from --guardian-config, flags winning.
         self.settings = settings or SupervisorSettings().with_flags(options)
@@ -158,6 +161,7 @@ class Supervisor:
         # Requests in flight at crashes; the twice-struck are refused at the door.
         self.quarantine = CrashQuarantine(self.settings.quarantine_s, self.settings.window_s)
         self.httpd: Optional[PublicServer] = None
+        self.tls: Optional[ServerCertificate] = None  # HTTPS on the public port (run() loads it)
         self.metrics = SupervisorMetrics(self)  # GET /metrics on the public port
         self.notifier = SystemdNotifier()
         self.ready_sent = False
@@ -165,6 +169,8 @@ class Supervisor:
         self.next_watchdog_ping = time.monotonic()
         # Proves to each child that a request comes from here (guardian.relay_protocol).
         self.relay_key = new_relay_key()
+        # Who may come in at the public port (guardian.access): the same door as one process'.
+        self.door = door or public_door(options, child_args)
         self.health_timeout = min(max(self.settings.interval_s, HEALTH_TIMEOUT_MIN_S),
                                   HEALTH_TIMEOUT_MAX_S)
 
@@ -172,16 +178,24 @@ class Supervisor:
     def run(self) -> int:
         """Serve until stopped or given up; return the exit code."""
         self.install_signal_handlers()
+        try:  # the public port's certificate, from [access] or the flags
+            self.tls = load_certificate(self.door.settings)
+        except ConfigError as e:
+            log.critical("config_invalid", error_message=str(e))
+            print(f"mlx-guardian: {e}", file=sys.stderr)
+            return EXIT_USAGE
         try:
-            self.httpd = PublicServer(resolve(self.options.host, self.options.port), self)
+            self.httpd = PublicServer(resolve(self.options.host, self.options.port), self, self.tls)
         except OSError as e:
             log.critical("supervisor_bind_failed", host=self.options.host, port=self.options.port,
                          error_message=str(e))
             return EXIT_USAGE
         threading.Thread(target=self.httpd.serve_forever, args=(HTTP_POLL_S,), name="http",
                          daemon=True).start()
+        self.door.keys.follow()
         log.info("supervisor_started", host=self.options.host, port=self.httpd.server_address[1],
-                 engine=self.settings.engine, pid=os.getpid())
+                 engine=self.settings.engine, pid=os.getpid(), scheme=self.httpd.scheme, access=self.door.mode,
+                 api_keys=len(self.door.keys.names), allowed_origins=self.door.origins.describe())
         self.spawn_child()
         while not (self.exit_code is not None and self.child is None):
             for signum in self.wait_for_signals(self.seconds_to_next_duty()):
@@ -231,9 +245,14 @@ class Supervisor:
             self.next_watchdog_ping = time.monotonic() + self.watchdog_interval
 
     def handle_signal(self, signum: int) -> None:
-        """SIGCHLD only wakes the loop; SIGHUP goes to a guardian child (it re-reads
-        --guardian-config); SIGTERM/SIGINT stop, a second one hard-kills."""
+        """SIGCHLD only wakes the loop; SIGHUP re-reads the public port's key file and
+        certificate, and goes to a guardian child (it re-reads --guardian-config);
+        SIGTERM/SIGINT stop, a second one hard-kills."""
         if signum == signal.SIGHUP:
+            if self.door.keys.configured:
+                self.door.keys.reload("sighup")
+            if self.tls is not None:
+                self.tls.reload("sighup")
             if self.child is not None and self.settings.engine == "guardian":
                 log.info("signal_forwarded", signal="SIGHUP", pid=self.child.proc.pid)
                 signal_quietly(self.child.proc, signal.SIGHUP)
@@ -272,6 +291,8 @@ class Supervisor:
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=20),
             # Plain HTTP to 127.0.0.1: skip loading CA certificates (~40 ms a restart).
             verify=False,
+            # A guardian child serves only its supervisor: health checks and metrics too.
+            headers={KEY_HEADER: self.relay_key} if not stock_engine else None,
         )
         child = Child(proc, port, self.generation, has_readyz=not stock_engine, client=client)
         with self.lock:
@@ -584,6 +605,17 @@ def resolve(host: str, port: int) -> tuple:
     return address
 
 
+def public_door(options: argparse.Namespace, child_args: list[str]):
+    """The public port's door: [access] from --guardian-config, the key-file flag
+    winning, and the child's --allowed-origins (read here, passed on: the child's
+    CORS headers grant what this door lets in)."""
+    access = load_config(options.guardian_config).access.with_flags(options)
+    origins = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    origins.add_argument("--allowed-origins", type=lambda x: x.split(","), default=None)
+    allowed_origins = origins.parse_known_args(child_args)[0].allowed_origins
+    return make_door(access, bound_host=options.host, allowed_origins=allowed_origins)
+
+
 def signal_quietly(proc: subprocess.Popen, signum: int) -> None:
     """Send a signal; a child that already exited is no error (reap tells why)."""
     try:
@@ -619,6 +651,11 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--host", default=DEFAULT_HOST, help="public host (default: %(default)s)")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="public port (default: %(default)s)")
     SupervisorSettings.add_flags(parser)
+    # The door is the public port's: the key file stays with the supervisor.
+    AccessSettings.api_key_file.add_flag(parser)
+    # The public port terminates TLS; the child stays plain HTTP on loopback.
+    AccessSettings.ssl_certfile.add_flag(parser)
+    AccessSettings.ssl_keyfile.add_flag(parser)
     # Read here and passed on: the supervisor logs the way the child does.
     CoreSettings.log_format.add_flag(parser)
     parser.add_argument("--log-level", default=None, help=argparse.SUPPRESS)
@@ -634,9 +671,11 @@ def read_settings(options: argparse.Namespace) -> tuple[SupervisorSettings, Core
     config = load_config(options.guardian_config)
     settings = config.supervisor.with_flags(options)
     if settings.engine == "stock":
-        others = [name for name in config.tables if name != SupervisorSettings.table_name]
+        # [access] is the public port's, which the supervisor serves whatever the child.
+        others = [name for name in config.tables
+                  if name not in (SupervisorSettings.table_name, AccessSettings.table_name)]
         if others:
-            raise ConfigError(f"{config.source}: --engine stock reads only [supervisor]; "
+            raise ConfigError(f"{config.source}: --engine stock reads only [supervisor] and [access]; "
                               f"nothing reads [{others[0]}]")
     return settings, config.core.with_flags(options)
 
@@ -645,13 +684,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     options, child_args = make_parser().parse_known_args(sys.argv[1:] if argv is None else argv)
     try:
         settings, core = read_settings(options)
+        door = public_door(options, child_args)  # a key file that does not parse stops here
     except ConfigError as e:
         configure_logging(options.log_format or CoreSettings.log_format.default, options.log_level or "INFO")
         log.critical("config_invalid", error_message=str(e))
         print(f"mlx-guardian: {e}", file=sys.stderr)
         return EXIT_USAGE
     configure_logging(core.log_format, options.log_level or "INFO")
-    return Supervisor(options, child_args, settings, core).run()
+    return Supervisor(options, child_args, settings, core, door=door).run()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,156 @@
+"""TLS at the door: ``--ssl-certfile`` / ``--ssl-keyfile`` (vLLM's names), read again on SIGHUP.
+
+Imports no mlx: the one-process server and the supervisor's public port
+serve HTTPS the same way. ``ServesTLS`` is a mixin for a threading
+``socketserver`` server: the accept loop only accepts, and each connection's
+handshake runs on that connection's own thread, so a slow or silent client
+cannot hold up anyone else's. A new connection takes the newest context: a
+reload swaps one attribute, and connections already open keep the one they
+began with.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import ssl
+from typing import Optional
+
+import structlog
+
+from guardian.config import ConfigError
+from guardian.connection import linger_close
+from guardian.errors import GuardianError
+
+log = structlog.get_logger("guardian.access")
+
+# Each step of a handshake (the client's hello, its key exchange) waits at
+# most this long; a client that goes quiet costs one thread until then.
+HANDSHAKE_TIMEOUT_S = 10.0
+# A TLS connection's first byte: a handshake record (RFC 8446 §5.1). A plain
+# HTTP request starts with a method's letters.
+TLS_HANDSHAKE_RECORD = b"\x16"
+# What a client that sent plain HTTP to the TLS port gets, as nginx answers it.
+PLAIN_HTTP_TO_TLS_PORT = GuardianError(
+    "This port serves HTTPS: send the request to https:// instead of http://.",
+    status=400, type="invalid_request_error", code="https_required")
+
+
+class ServerCertificate:
+    """The server's certificate and key, as the SSL context new connections use."""
+
+    def __init__(self, certfile: str, keyfile: str = ""):
+        self.certfile = certfile
+        self.keyfile = keyfile or None  # None: the key is in certfile
+        self.context = self.load()
+
+    def load(self) -> ssl.SSLContext:
+        """A server-side context (TLS 1.2 or newer) from the files as they are now."""
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.minimum_version = ssl.TLSVersion.TLSv1_2
+        context.load_cert_chain(self.certfile, self.keyfile)
+        return context
+
+    def reload(self, reason: str = "sighup") -> bool:
+        """Read the files again; new connections present what they hold. Files
+        that do not load (half written, a key that does not match) change nothing."""
+        try:
+            context = self.load()
+        except (OSError, ValueError) as e:  # ssl.SSLError is an OSError
+            log.error("tls_reload_failed", reason=reason, certfile=self.certfile, keyfile=self.keyfile,
+                      error_message=str(e) or type(e).__name__)
+            return False
+        self.context = context
+        log.info("tls_reloaded", reason=reason, certfile=self.certfile, keyfile=self.keyfile)
+        return True
+
+    def handshake(self, sock: socket.socket, client_address) -> Optional[ssl.SSLSocket]:
+        """The TLS connection over ``sock``, or None once ``sock`` is closed: it
+        was not TLS (a plain HTTP request gets a 400 saying so), or the handshake
+        failed or timed out. A failure is the client's: logged at debug only."""
+        timeout = sock.gettimeout()
+        sock.settimeout(HANDSHAKE_TIMEOUT_S)
+        tls = None
+        try:
+            first = sock.recv(1, socket.MSG_PEEK)
+            if first != TLS_HANDSHAKE_RECORD:
+                if first.isalpha():
+                    answer_plain_http(sock)
+                why = "plain HTTP" if first.isalpha() else "not TLS" if first else "closed"
+                log.debug("tls_handshake_failed", client=client_address[0], error_message=why)
+                sock.close()
+                return None
+            tls = self.context.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+            tls.do_handshake()
+            tls.settimeout(timeout)
+            return tls
+        except (OSError, ValueError) as e:  # timeouts and ssl.SSLError are OSErrors
+            log.debug("tls_handshake_failed", client=client_address[0],
+                      error_message=str(e) or type(e).__name__)
+            (tls or sock).close()
+            return None
+
+
+def answer_plain_http(sock: socket.socket) -> None:
+    """Tell a plain HTTP client why it gets no answer here (it sent a request to the TLS port)."""
+    body = json.dumps(PLAIN_HTTP_TO_TLS_PORT.body()).encode()
+    head = (f"HTTP/1.0 400 Bad Request\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nx-should-retry: false\r\nConnection: close\r\n\r\n")
+    sock.sendall(head.encode() + body)
+    # The request is still unread: closing now could reset the answer away.
+    linger_close(sock)
+
+
+def send_close_notify(tls: ssl.SSLSocket) -> None:
+    """End the TLS session before the socket closes, without waiting for the
+    client's reply: a response that ends with the connection (a stream) is then
+    complete to clients that insist on it (curl, OpenSSL 3)."""
+    try:
+        tls.setblocking(False)
+        tls.unwrap()
+    except (OSError, ValueError):  # SSLWantReadError: ours is sent, the client's not awaited
+        pass
+
+
+class ServesTLS:
+    """Mixin for a ``socketserver.ThreadingMixIn`` server: HTTPS when ``tls`` is set.
+
+    The handshake runs on the connection's thread (``process_request_thread``),
+    never in the accept loop; a connection whose handshake fails ends there,
+    quietly, and the server goes on serving.
+    """
+
+    # The certificate new connections get; None: plain HTTP.
+    tls: Optional[ServerCertificate] = None
+
+    @property
+    def scheme(self) -> str:
+        return "http" if self.tls is None else "https"
+
+    def process_request_thread(self, request, client_address):
+        if self.tls is not None:
+            request = self.tls.handshake(request, client_address)
+            if request is None:
+                return
+        super().process_request_thread(request, client_address)
+
+    def shutdown_request(self, request):
+        if isinstance(request, ssl.SSLSocket):
+            send_close_notify(request)
+        super().shutdown_request(request)
+
+
+def load_certificate(settings) -> Optional[ServerCertificate]:
+    """The certificate the [access] table names, or None for plain HTTP; a
+    ConfigError naming the key when the files do not load."""
+    if not settings.ssl_certfile:
+        if settings.ssl_keyfile:
+            raise ConfigError("access.ssl_keyfile is set but access.ssl_certfile is not "
+                              "(--ssl-keyfile needs --ssl-certfile)")
+        return None
+    try:
+        return ServerCertificate(settings.ssl_certfile, settings.ssl_keyfile)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"access.ssl_certfile: cannot load {settings.ssl_certfile}"
+                          + (f" with the key {settings.ssl_keyfile}" if settings.ssl_keyfile else "")
+                          + f": {str(e) or type(e).__name__}") from None
