@@ -41,6 +41,8 @@ COMPLETION_PATHS = (TEXT_COMPLETION_PATH, "/v1/chat/completions", "/chat/complet
 # Polled by the supervisor, load balancers and Prometheus: their access
 # lines are routine, at DEBUG (what they report is logged as it changes).
 MONITORING_PATHS = frozenset({"/health", "/livez", "/readyz", "/guardian/status", "/metrics"})
+# Every path do_GET answers (and /v1/models/<id>); the door's test walks them all.
+GET_PATHS = (*sorted(MONITORING_PATHS), "/v1/models")
 
 
 class GuardianHandler(stock.DoorCorsHandler):
@@ -203,7 +205,8 @@ class GuardianHandler(stock.DoorCorsHandler):
         elif path == "/guardian/status":
             live = getattr(self.response_generator, "live", None)
             config = {"config": live.status()} if live is not None else {}
-            self.send_json(200, {**engine.status(), **watchdog.status(), **config})
+            self.send_json(200, {**engine.status(), **watchdog.status(), **config,
+                                 "access": self.server.door.status()})
         elif path == "/metrics":
             self.send_metrics(metrics.registry_of(self.response_generator.pm))
         elif path.startswith("/v1/models"):

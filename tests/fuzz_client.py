@@ -70,12 +70,14 @@ def error_code(payload: object) -> tuple[Optional[str], bool]:
     return None, False
 
 
-def send(client: httpx.Client, base_url: str, case: FuzzCase, timeout: float = 60.0) -> Answer:
-    """POST the case's bytes; read the whole answer (a stream to its end) within ``timeout``."""
+def send(client: httpx.Client, base_url: str, case: FuzzCase, timeout: float = 60.0,
+         default_headers: Optional[dict] = None) -> Answer:
+    """POST the case's bytes; read the whole answer (a stream to its end) within ``timeout``.
+    ``default_headers``: sent unless the case has a header of the same name."""
     answer = Answer()
     started = time.monotonic()
     deadline = started + timeout
-    headers = {"Content-Type": "application/json",
+    headers = {"Content-Type": "application/json", **(default_headers or {}),
                **{name: value.encode("latin-1") for name, value in case.headers}}
     try:
         with client.stream("POST", base_url + case.path, content=case.raw, headers=headers,
@@ -129,10 +131,11 @@ class Bystander(threading.Thread):
     BODY = {"messages": [{"role": "user", "content": "I am an innocent bystander."}],
             "max_tokens": 24, "stream": True}
 
-    def __init__(self, base_url: str, path: str = "/v1/chat/completions"):
+    def __init__(self, base_url: str, path: str = "/v1/chat/completions", headers: Optional[dict] = None):
         super().__init__(daemon=True)
         self.base_url = base_url
         self.path = path
+        self.headers = headers
         self.stopped = threading.Event()
         self.finished = 0
         self.hurt: list[tuple[float, str]] = []
@@ -140,7 +143,8 @@ class Bystander(threading.Thread):
     def run(self) -> None:
         with httpx.Client(timeout=60) as client:
             while not self.stopped.is_set():
-                answer = send(client, self.base_url, FuzzCase(self.path, json.dumps(self.BODY).encode()))
+                answer = send(client, self.base_url, FuzzCase(self.path, json.dumps(self.BODY).encode()),
+                              default_headers=self.headers)
                 if answer.status == 200 and answer.stream_done and not answer.stream_error:
                     self.finished += 1
                 else:

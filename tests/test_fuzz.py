@@ -76,7 +76,7 @@ class FuzzTarget:
 
     def engine_status(self) -> Optional[dict]:
         try:
-            return httpx.get(self.url + "/guardian/status", timeout=10).json()
+            return httpx.get(self.url + "/guardian/status", headers=AS_SUPERVISOR, timeout=10).json()
         except (httpx.HTTPError, ValueError):
             return None
 
@@ -114,9 +114,15 @@ def fuzz_target(tmp_path_factory, model_cache):
     target.stop()
 
 
+# The target runs as a supervised child (to reach the continuation header's
+# parsing), which serves only its supervisor: every case carries the relay key
+# but those that draw a guess (refused 403 not_from_supervisor).
+AS_SUPERVISOR = {"X-Guardian-Relay-Key": FUZZ_RELAY_KEY}
+
+
 def judge(target: FuzzTarget, client: httpx.Client, case: FuzzCase) -> list[str]:
     """Every way this body broke the contract; empty when it did not."""
-    answer = send(client, target.url, case, timeout=REQUEST_TIMEOUT_S)
+    answer = send(client, target.url, case, timeout=REQUEST_TIMEOUT_S, default_headers=AS_SUPERVISOR)
     problems = []
     if answer.problem():
         problems.append(answer.problem())
@@ -145,7 +151,7 @@ def test_no_body_hurts_the_server_or_a_bystander(fuzz_target, path):
     failures: list[str] = []
     judged = []
     started = time.monotonic()
-    with httpx.Client() as client, Bystander(fuzz_target.url) as bystander:
+    with httpx.Client() as client, Bystander(fuzz_target.url, headers=AS_SUPERVISOR) as bystander:
         # No shrinking: every body is judged and kept, so a failure has nothing to shrink.
         def fuzz(case):
             judged.append(case)

@@ -212,7 +212,10 @@ class AccessPolicy:
         return AccessDecision(address, protected_mode_error(self.bound_host))
 
     def check_relayed(self, request: AccessRequest) -> AccessDecision:
-        """A supervised child: the relay key, then the client the supervisor names."""
+        """A supervised child: the relay key, then the client the supervisor names.
+        Health checks stay open to anyone on this machine, as at the public port."""
+        if request.path in self.settings.public_paths and not relayed_by_supervisor(request.headers):
+            return AccessDecision(request.client_address)
         if not relayed_by_supervisor(request.headers):
             return AccessDecision(request.client_address, GuardianError(
                 "This server is a supervised child: send requests to the supervisor's port.",
@@ -263,7 +266,8 @@ class AccessPolicy:
 
     def status(self) -> dict:
         return {"mode": self.mode, "bound_host": self.bound_host, "allowed_origins": self.origins.describe(),
-                "public_paths": list(self.settings.public_paths), **self.keys.status()}
+                "public_paths": list(self.settings.public_paths), **self.keys.status(),
+                "clients": self.limits.status()}
 
 
 def invalid_api_key(problem: Optional[str]) -> GuardianError:

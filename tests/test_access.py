@@ -1,0 +1,234 @@
+"""The door's decisions, without a server: key files, presented keys, Host and Origin, modes.
+
+The servers that apply these decisions are tested end to end in
+tests/test_access_door.py (one process and --supervise) and
+tests/test_protected_mode.py (a client from another address).
+"""
+
+from __future__ import annotations
+
+import email.message
+import hashlib
+
+import pytest
+
+from guardian.access import make_door
+from guardian.access.keys import KeyFileError, KeyRing, parse_key_file, presented_key
+from guardian.access.policy import (AccessPolicy, AccessRequest, Origins, bound_to_loopback, host_name_of,
+                                    is_loopback_address)
+from guardian.config import AccessSettings
+
+ALICE = "sk-alice-0123456789"
+BOB = "sk-bob-0123456789"
+KEY_FILE = f"""
+# the team's keys
+alice:{ALICE}
+bob:sha256:{hashlib.sha256(BOB.encode()).hexdigest()}   # hashed: the file holds no secret
+sk-nameless-0123456789
+"""
+
+
+def headers(*pairs) -> email.message.Message:
+    """Headers as http.server parses them (every value latin-1 text)."""
+    message = email.message.Message()
+    for name, value in pairs:
+        message[name] = value
+    return message
+
+
+def keyring(tmp_path, text: str = KEY_FILE) -> KeyRing:
+    path = tmp_path / "keys.txt"
+    path.write_text(text)
+    return KeyRing(str(path))
+
+
+def door(tmp_path=None, *, host="127.0.0.1", keys: str | None = None, origins=None, **settings) -> AccessPolicy:
+    if keys is not None:
+        (tmp_path / "keys.txt").write_text(keys)
+        settings["api_key_file"] = str(tmp_path / "keys.txt")
+    return make_door(AccessSettings(**settings), bound_host=host, allowed_origins=origins)
+
+
+def ask(policy, path="/v1/models", address="127.0.0.1", method="GET", *pairs):
+    return policy.check(AccessRequest(method, path, headers(*pairs), address))
+
+
+# -- the key file --------------------------------------------------------------------
+def test_key_file_names_hashes_and_comments(tmp_path):
+    ring = keyring(tmp_path)
+    assert ring.names == ["alice", "bob", "key-5"]
+    assert ring.identify(ALICE.encode()) == "alice"
+    assert ring.identify(BOB.encode()) == "bob"  # only its digest is on file
+    assert ring.identify(b"sk-nameless-0123456789") == "key-5"
+    assert ring.identify(b"sk-alice-012345678") is None
+    assert ring.identify(hashlib.sha256(BOB.encode()).hexdigest().encode()) is None  # the digest is no key
+
+
+@pytest.mark.parametrize("line, complaint", [
+    ("alice:short", "at least 8"),
+    ("al ice:sk-0123456789", "a key's name"),
+    ("x:sha256:abc", "64 hex digits"),
+    ("alice:sk-0123456789\nalice:sk-9876543210", "used twice"),
+    ("sk-with space-0123", "no spaces"),
+])
+def test_a_bad_line_is_named_without_its_key(tmp_path, line, complaint):
+    with pytest.raises(KeyFileError, match=complaint) as raised:
+        parse_key_file(line, "keys.txt")
+    assert "line" in str(raised.value)
+    assert "0123456789" not in str(raised.value) and "short" not in str(raised.value)
+
+
+def test_a_broken_file_keeps_the_last_good_set(tmp_path):
+    ring = keyring(tmp_path)
+    (tmp_path / "keys.txt").write_text("alice:tiny\n")
+    assert ring.reload("test") is False
+    assert ring.identify(ALICE.encode()) == "alice" and "line 1" in ring.last_failure
+    (tmp_path / "keys.txt").write_text(f"carol:{ALICE}\n")
+    assert ring.reload("test") is True
+    assert ring.names == ["carol"] and ring.identify(ALICE.encode()) == "carol"
+
+
+# -- a presented key ---------------------------------------------------------------------
+@pytest.mark.parametrize("pairs, key, problem", [
+    ((("Authorization", f"Bearer {ALICE}"),), ALICE.encode(), None),
+    ((("Authorization", f"bearer   {ALICE} "),), ALICE.encode(), None),
+    ((("X-Api-Key", ALICE),), ALICE.encode(), None),
+    ((), None, None),
+    ((("Authorization", "Bearer"),), None, "Bearer <API key>"),
+    ((("Authorization", "Bearer "),), None, "Bearer <API key>"),
+    ((("Authorization", f"Basic {ALICE}"),), None, "Bearer <API key>"),
+    ((("X-Api-Key", ""),), None, "empty"),
+    ((("Authorization", f"Bearer {ALICE}"), ("Authorization", f"Bearer {BOB}")), None, "once"),
+    ((("Authorization", f"Bearer {ALICE}"), ("X-Api-Key", ALICE)), None, "once"),
+    ((("X-Api-Key", "sk-\xe9\xff-0123456789"),), "sk-\xe9\xff-0123456789".encode("latin-1"), None),
+])
+def test_presented_key(pairs, key, problem):
+    found, complaint = presented_key(headers(*pairs))
+    assert found == key
+    assert (complaint is None) if problem is None else (problem in complaint)
+
+
+def test_a_non_ascii_key_matches_its_utf8_bytes(tmp_path):
+    ring = keyring(tmp_path, "u:sk-ключ-0123456789\n")
+    # http.server reads the header's UTF-8 bytes as latin-1 text.
+    on_the_wire = "sk-ключ-0123456789".encode().decode("latin-1")
+    key, _ = presented_key(headers(("X-Api-Key", on_the_wire)))
+    assert ring.identify(key) == "u"
+
+
+# -- the decision ------------------------------------------------------------------------
+def test_loopback_without_keys_is_as_stock():
+    policy = door()
+    assert policy.mode == "loopback"
+    assert ask(policy).allowed and ask(policy).client == "127.0.0.1"
+
+
+def test_protected_mode_refuses_other_addresses_only(tmp_path):
+    policy = door(host="0.0.0.0")
+    assert policy.mode == "protected"
+    refused = ask(policy, address="192.0.2.7")
+    assert refused.error.status == 403 and refused.error.code == "protected_mode"
+    assert "--api-key-file" in refused.error.message and "protected_mode = false" in refused.error.message
+    assert ask(policy, address="127.0.0.1").allowed
+    assert ask(policy, address="::ffff:127.0.0.1").allowed
+    assert ask(policy, "/health", address="192.0.2.7").allowed  # a public path
+    assert ask(door(host="0.0.0.0", protected_mode=False), address="192.0.2.7").allowed
+
+
+def test_keys_are_needed_everywhere_but_public_paths(tmp_path):
+    policy = door(tmp_path, host="0.0.0.0", keys=KEY_FILE)
+    assert policy.mode == "api_keys"
+    for path in ("/v1/models", "/metrics", "/guardian/status", "/v1/chat/completions", "/nonesuch"):
+        refused = ask(policy, path, "127.0.0.1")
+        assert refused.error.status == 401 and refused.error.code == "invalid_api_key", path
+        assert refused.error.response_headers() == {"WWW-Authenticate": "Bearer", "x-should-retry": "false"}
+    for path in ("/livez", "/readyz", "/health"):
+        assert ask(policy, path, "192.0.2.7").allowed
+    assert ask(policy, "/v1/models", "127.0.0.1", "OPTIONS").allowed  # a preflight carries no key
+    let_in = ask(policy, "/metrics", "192.0.2.7", "GET", ("Authorization", f"Bearer {BOB}"))
+    assert let_in.allowed and let_in.client == "bob" and let_in.key_name == "bob"
+    wrong = ask(policy, "/metrics", "127.0.0.1", "GET", ("Authorization", f"Bearer {BOB}x"))
+    assert wrong.error.code == "invalid_api_key" and BOB not in wrong.error.message
+
+
+def test_public_paths_are_a_setting(tmp_path):
+    policy = door(tmp_path, keys=KEY_FILE, public_paths=["/livez", "/metrics"])
+    assert ask(policy, "/metrics").allowed
+    assert not ask(policy, "/health").allowed
+
+
+@pytest.mark.parametrize("host_header, bound, allowed", [
+    ("127.0.0.1:8080", "127.0.0.1", True),
+    ("localhost:8080", "127.0.0.1", True),
+    ("[::1]:8080", "127.0.0.1", True),
+    ("app.localhost", "127.0.0.1", True),
+    ("evil.example", "127.0.0.1", False),
+    ("evil.example:8080", "127.0.0.1", False),
+    ("192.0.2.5:8080", "127.0.0.1", False),  # bound to loopback: only loopback names
+    ("192.0.2.5:8080", "0.0.0.0", True),  # an address is no DNS name to rebind
+    ("evil.example", "0.0.0.0", False),
+    ("llm.example.com", "0.0.0.0", True),  # allowed_hosts below
+    ("a.llm.example.com", "0.0.0.0", True),
+    ("", "127.0.0.1", False),
+    ("localhost:notaport", "127.0.0.1", False),
+    ("localhost/x", "127.0.0.1", False),
+    ("user@localhost", "127.0.0.1", False),
+])
+def test_host_header(host_header, bound, allowed):
+    policy = door(host=bound, protected_mode=False, allowed_hosts=[".llm.example.com"])
+    decision = ask(policy, "/v1/models", "127.0.0.1", "GET", ("Host", host_header))
+    assert decision.allowed is allowed
+    if not allowed:
+        assert decision.error.status == 403 and decision.error.code == "host_not_allowed"
+
+
+def test_no_host_header_is_no_browser():
+    assert ask(door()).allowed
+
+
+@pytest.mark.parametrize("origin, explicit, allowed, granted", [
+    ("http://localhost:3000", None, True, "http://localhost:3000"),
+    ("http://127.0.0.1:8080", None, True, "http://127.0.0.1:8080"),
+    ("http://[::1]:5173", None, True, "http://[::1]:5173"),
+    ("https://localhost", None, True, "https://localhost"),
+    ("http://evil.example", None, False, None),
+    ("http://localhost.evil.example", None, False, None),
+    ("null", None, False, None),
+    ("http://evil.example", ["*"], True, "*"),
+    ("https://ui.example", ["https://ui.example"], True, "https://ui.example"),
+    ("http://localhost:3000", ["https://ui.example"], False, None),
+])
+def test_origins(origin, explicit, allowed, granted):
+    policy = door(origins=explicit)
+    decision = ask(policy, "/v1/models", "127.0.0.1", "GET", ("Origin", origin))
+    assert decision.allowed is allowed
+    if not allowed:
+        assert decision.error.code == "origin_not_allowed"
+    assert policy.cors_origin(origin) == granted
+
+
+def test_origins_describe_the_default():
+    assert "localhost" in Origins(None).describe()
+
+
+def test_a_supervised_child_serves_only_its_supervisor(monkeypatch):
+    monkeypatch.setenv("MLX_GUARDIAN_RELAY_KEY", "k" * 32)
+    policy = make_door(AccessSettings(), bound_host="127.0.0.1", allowed_origins=None, supervised_child=True)
+    assert policy.mode == "supervised_child"
+    assert ask(policy).error.code == "not_from_supervisor"
+    assert ask(policy, "/readyz").allowed  # health checks stay open on this machine
+    relayed = ask(policy, "/v1/models", "127.0.0.1", "GET", ("X-Guardian-Relay-Key", "k" * 32),
+                  ("X-Guardian-Client", "alice"))
+    assert relayed.allowed and relayed.client == "alice"
+    guessed = ask(policy, "/v1/models", "127.0.0.1", "GET", ("X-Guardian-Relay-Key", "guess"),
+                  ("X-Guardian-Client", "alice"))
+    assert guessed.error.code == "not_from_supervisor"
+
+
+def test_addresses_and_names():
+    assert is_loopback_address("127.0.0.2") and is_loopback_address("::1")
+    assert not is_loopback_address("192.0.2.1") and not is_loopback_address("localhost")
+    assert bound_to_loopback("127.0.0.1") and bound_to_loopback("localhost") and bound_to_loopback("::1")
+    assert not bound_to_loopback("0.0.0.0") and not bound_to_loopback("::")
+    assert host_name_of("Example.COM:80") == "example.com"
+    assert host_name_of("[::1]:8080") == "::1"

@@ -1,0 +1,290 @@
+"""The door, end to end: API keys, browsers' origins and Host names, in one process and under --supervise.
+
+Each server is real (the stock engine on the CPU, the demo model) and keyed
+with a key file; the same tests run against the one-process server and
+against a supervisor's public port (whose child serves only the supervisor).
+Protected mode, which needs a client from another address, is tested from a
+network namespace in tests/test_protected_mode.py.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import time
+
+import httpx
+import openai
+import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+from prometheus_client.parser import text_string_to_metric_families
+
+from conftest import Server, chat_body, free_port, poll, read_stream, spawn_guardian
+from fuzz_client import Bystander
+from guardian.http import COMPLETION_PATHS, GET_PATHS
+from guardian.supervise.proxy import HEALTH_PATHS, LIVENESS_PATH, METRICS_PATH, STATUS_PATH
+
+ALICE = "sk-alice-0123456789abcdef"
+BOB = "sk-bob-0123456789abcdef"
+CAROL = "sk-carol-0123456789abcdef"
+KEYS = f"""# who may use the model
+alice:{ALICE}
+bob:sha256:{hashlib.sha256(BOB.encode()).hexdigest()}
+"""
+PUBLIC = {"/livez", "/readyz", "/health"}
+METHODS = ("GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS")
+COMPLETIONS = "/v1/chat/completions"
+
+
+class DoorServer:
+    """A keyed server: one process, or a supervisor's public port."""
+
+    def __init__(self, kind: str, folder, model_cache):
+        self.kind = kind
+        self.keys = folder / "keys.txt"
+        self.keys.write_text(KEYS)
+        port = free_port()
+        self.log_path = folder / f"{kind}.log"
+        args = ["--port", str(port), "--api-key-file", str(self.keys)]
+        if kind == "supervised":
+            args = ["--supervise", *args]
+        proc = spawn_guardian(args, self.log_path, model_cache, start_new_session=True)
+        self.server = Server(proc, port, self.log_path)
+        self.url = self.server.url
+        self.server.wait_healthy()
+        if kind == "supervised":  # the supervisor's /readyz says ready once its child is
+            poll(lambda: self.get("/guardian/supervisor", ALICE).json()["state"] == "ready", 60)
+
+    @property
+    def paths(self) -> list[str]:
+        """Every path this server answers, and one it does not."""
+        own = [*GET_PATHS, "/v1/models/some-model", *COMPLETION_PATHS, "/nonesuch"]
+        if self.kind == "supervised":
+            own += [LIVENESS_PATH, *HEALTH_PATHS, STATUS_PATH, METRICS_PATH]
+        return sorted(set(own))
+
+    def get(self, path: str, key=None, **kwargs) -> httpx.Response:
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        return httpx.get(self.url + path, headers={**headers, **kwargs.pop("headers", {})}, timeout=30, **kwargs)
+
+    def refused_metric(self, reason: str) -> float:
+        name = ("mlx_guardian_supervisor_access_refused" if self.kind == "supervised"
+                else "mlx_guardian_access_refused")
+        text = self.get("/metrics", ALICE).text
+        for family in text_string_to_metric_families(text):
+            if family.name == name:
+                return sum(s.value for s in family.samples
+                           if s.name.endswith("_total") and s.labels.get("reason") == reason)
+        raise AssertionError(f"{name} missing from /metrics")
+
+    def events(self, name: str) -> list[dict]:
+        return self.server.events(name)
+
+    def signal_door(self, signum: int) -> None:
+        """SIGHUP to the process that holds the keys: the server, or the supervisor."""
+        os.kill(self.server.proc.pid, signum)
+
+    def stop(self) -> None:
+        try:
+            os.killpg(self.server.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.server.proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="module", params=["one_process", pytest.param("supervised", marks=pytest.mark.subprocess_mode)])
+def door_server(request, tmp_path_factory, model_cache):
+    server = DoorServer(request.param, tmp_path_factory.mktemp(request.param), model_cache)
+    yield server
+    server.stop()
+
+
+def test_every_route_needs_a_key_but_the_public_ones(door_server):
+    walked = []
+    with httpx.Client(timeout=30) as client:
+        for path in door_server.paths:
+            for method in METHODS:
+                without = client.request(method, door_server.url + path)
+                with_key = client.request(method, door_server.url + path, headers={"X-Api-Key": ALICE})
+                walked.append((method, path, without.status_code, with_key.status_code))
+                if path in PUBLIC or method == "OPTIONS":  # the written list, and CORS preflights
+                    assert without.status_code != 401, (method, path)
+                else:
+                    assert without.status_code == 401, (method, path, without.status_code)
+                    assert without.headers["WWW-Authenticate"] == "Bearer"
+                    assert without.headers["x-should-retry"] == "false"
+                    if method != "HEAD":
+                        assert without.json()["error"]["code"] == "invalid_api_key"
+                assert with_key.status_code not in (401, 403), (method, path, with_key.status_code)
+    assert len(walked) == len(door_server.paths) * len(METHODS)
+    # The door answers before anything is routed: an unknown path says nothing without a key.
+    assert ("GET", "/nonesuch", 401, 404) in walked
+
+
+def test_openai_sdk(door_server):
+    refused_before = door_server.refused_metric("invalid_api_key")
+    wrong = openai.OpenAI(base_url=door_server.url + "/v1", api_key="sk-wrong-0123456789", max_retries=2)
+    with pytest.raises(openai.AuthenticationError) as raised:
+        wrong.chat.completions.create(model="default_model", messages=[{"role": "user", "content": "hi"}],
+                                      max_tokens=4)
+    assert raised.value.code == "invalid_api_key"
+    # x-should-retry: false, and a 401 is never retried: the server saw one request.
+    assert door_server.refused_metric("invalid_api_key") == refused_before + 1
+    right = openai.OpenAI(base_url=door_server.url + "/v1", api_key=ALICE)
+    completion = right.chat.completions.create(model="default_model",
+                                               messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    assert completion.choices[0].finish_reason in ("length", "stop")
+    stream = right.chat.completions.create(model="default_model", messages=[{"role": "user", "content": "hi"}],
+                                           max_tokens=4, stream=True)
+    assert len(list(stream)) >= 1
+
+
+def test_logs_and_metrics_name_the_key_never_the_key(door_server):
+    for key in (ALICE, BOB):
+        assert door_server.get("/v1/models", key).status_code == 200
+    response = httpx.post(door_server.url + COMPLETIONS, json=chat_body(max_tokens=2),
+                          headers={"X-Api-Key": BOB}, timeout=60)
+    assert response.status_code == 200
+    httpx.get(door_server.url + "/v1/models", headers={"Authorization": f"Bearer {CAROL}"}, timeout=10)
+    metrics = door_server.get("/metrics", ALICE).text
+    assert 'api_key="bob"' in metrics or door_server.kind == "supervised"
+    log = door_server.log_path.read_text()
+    for secret in (ALICE, BOB, CAROL):
+        assert secret not in log and secret not in metrics
+    # The request's access line names the key that let it in (the child's, relayed: the client).
+    completions = [e for e in door_server.events("http_access") if COMPLETIONS in e.get("line", "")]
+    assert any(e.get("api_key") == "bob" or e.get("client") == "bob" for e in completions)
+    started = door_server.events("supervisor_started" if door_server.kind == "supervised" else "server_started")
+    assert started[0]["access"] == "api_keys" and started[0]["api_keys"] == 2
+
+
+def test_key_file_is_followed_live(door_server):
+    def status_with(key):
+        return door_server.get("/v1/models", key).status_code
+
+    try:
+        door_server.keys.write_text(KEYS + f"carol:{CAROL}\n")  # a key added, saved: the file watch
+        poll(lambda: status_with(CAROL) == 200, 10, what="carol's new key to work")
+        door_server.keys.write_text(f"carol:{CAROL}\n")  # alice and bob removed
+        poll(lambda: status_with(ALICE) == 401, 10, what="alice's removed key to be refused")
+        assert status_with(CAROL) == 200
+        failures = len(door_server.events("api_keys_reload_failed"))
+        door_server.keys.write_text(f"carol:{CAROL}\nalice:tiny\n")  # broken: changes nothing
+        poll(lambda: len(door_server.events("api_keys_reload_failed")) > failures, 10)
+        assert status_with(CAROL) == 200 and status_with(ALICE) == 401
+        failed = door_server.events("api_keys_reload_failed")[-1]
+        assert "line 2" in failed["error_message"] and "tiny" not in json.dumps(failed)
+        # SIGHUP reads it again too (the watch stopped, say, or a file on a network mount).
+        reloads = len(door_server.events("api_keys_reloaded"))
+        door_server.keys.write_text(KEYS)
+        door_server.signal_door(signal.SIGHUP)
+        poll(lambda: any(e["reason"] == "sighup" for e in door_server.events("api_keys_reloaded")[reloads:]), 10)
+        assert status_with(ALICE) == 200 and status_with(CAROL) == 401
+    finally:
+        door_server.keys.write_text(KEYS)
+        poll(lambda: status_with(ALICE) == 200, 10)
+
+
+def test_pages_from_other_origins_and_foreign_hosts_are_refused(door_server):
+    evil = {"Origin": "http://evil.example", "Authorization": f"Bearer {ALICE}"}
+    refused = httpx.post(door_server.url + COMPLETIONS, json=chat_body(max_tokens=2), headers=evil, timeout=30)
+    assert refused.status_code == 403 and refused.json()["error"]["code"] == "origin_not_allowed"
+    assert "access-control-allow-origin" not in refused.headers
+    preflight = httpx.options(door_server.url + COMPLETIONS, headers={
+        "Origin": "http://evil.example", "Access-Control-Request-Method": "POST"}, timeout=30)
+    assert "access-control-allow-origin" not in preflight.headers
+    # A page on this machine (a local web UI) is granted, and its key covers its requests.
+    local = {"Origin": "http://localhost:3000"}
+    preflight = httpx.options(door_server.url + COMPLETIONS, headers={
+        **local, "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization, content-type"}, timeout=30)
+    assert preflight.status_code == 204
+    assert preflight.headers["access-control-allow-origin"] == "http://localhost:3000"
+    assert "authorization" in preflight.headers["access-control-allow-headers"].lower()
+    answered = httpx.post(door_server.url + COMPLETIONS, json=chat_body(max_tokens=2),
+                          headers={**local, "Authorization": f"Bearer {ALICE}"}, timeout=60)
+    assert answered.status_code == 200
+    assert answered.headers["access-control-allow-origin"] == "http://localhost:3000"
+    # DNS rebinding: a name the attacker controls now points at 127.0.0.1.
+    rebound = door_server.get("/v1/models", ALICE, headers={"Host": "evil.example:8080"})
+    assert rebound.status_code == 403 and rebound.json()["error"]["code"] == "host_not_allowed"
+    assert door_server.get("/v1/models", ALICE, headers={"Host": "localhost"}).status_code == 200
+
+
+# Hostile key headers: huge, non-ASCII, repeated, "Bearer" with nothing, the
+# right key with something around it. Latin-1 text, as header bytes are read.
+HEADER_TEXT = st.text(st.characters(codec="latin-1", min_codepoint=32, exclude_characters="\x7f"),
+                      max_size=200).filter(lambda v: not any(0x80 <= ord(c) < 0xa0 for c in v)).map(str.strip)
+KEY_VALUES = st.one_of(
+    HEADER_TEXT,
+    st.just(ALICE), st.just(BOB),
+    HEADER_TEXT.map(lambda junk: ALICE + junk),
+    st.sampled_from(["", "Bearer", "Bearer ", "bearer", "Basic", "null", "undefined", "\xe9\xff" * 40]),
+    st.integers(1_000, 30_000).map(lambda n: "k" * n),
+)
+AUTH_HEADERS = st.lists(st.tuples(st.sampled_from(["Authorization", "X-Api-Key", "authorization", "x-api-key"]),
+                                  st.one_of(KEY_VALUES, KEY_VALUES.map(lambda v: f"Bearer {v}"))),
+                        min_size=0, max_size=3)
+
+
+def test_hostile_key_headers(door_server):
+    """Each answer is a 200 (exactly one header with exactly a key) or a 401 in
+    OpenAI's shape; the server keeps serving, and a bystander streaming with its
+    own key is never hurt."""
+    answers = []
+    with httpx.Client(timeout=30) as client, Bystander(door_server.url, headers={"X-Api-Key": ALICE}) as bystander:
+        @settings(max_examples=60, derandomize=True, database=None, deadline=None,
+                  suppress_health_check=list(HealthCheck))
+        @given(AUTH_HEADERS)
+        @example([("Authorization", f"Bearer {ALICE}")])
+        @example([("x-api-key", BOB)])
+        @example([("Authorization", "Bearer")])
+        @example([("X-Api-Key", ALICE), ("X-Api-Key", ALICE)])
+        def hostile(pairs):
+            wire = [(name, value.strip().encode("latin-1")) for name, value in pairs]
+            response = client.get(door_server.url + "/v1/models", headers=wire)
+            answers.append(response.status_code)
+            if response.status_code == 200:
+                [(name, value)] = pairs
+                presented = value.strip()
+                if name.lower() == "authorization":
+                    assert presented.split(None, 1)[1].strip() in (ALICE, BOB)
+                else:
+                    assert presented in (ALICE, BOB)
+            else:
+                assert response.status_code == 401, (pairs, response.status_code)
+                assert response.json()["error"]["code"] == "invalid_api_key"
+
+        hostile()
+        finished = bystander.finished
+        poll(lambda: bystander.finished > finished or bystander.hurt, 60, what="a bystander's stream")
+    assert not bystander.hurt and 401 in answers and answers.count(200) >= 2
+    assert door_server.get("/readyz").status_code == 200
+
+
+@pytest.mark.subprocess_mode
+@pytest.mark.parametrize("door_server", ["supervised"], indirect=True)
+def test_the_supervised_child_serves_only_its_supervisor(door_server):
+    child_port = door_server.get("/guardian/supervisor", ALICE).json()["child"]["port"]
+    child = f"http://127.0.0.1:{child_port}"
+    refused = httpx.get(child + "/v1/models", headers={"Authorization": f"Bearer {ALICE}"}, timeout=10)
+    assert refused.status_code == 403 and refused.json()["error"]["code"] == "not_from_supervisor"
+    direct = httpx.post(child + COMPLETIONS, json=chat_body(max_tokens=2), timeout=10)
+    assert direct.status_code == 403
+    assert httpx.get(child + "/readyz", timeout=10).status_code == 200  # health checks stay open
+
+
+def test_explicit_allowed_origins_are_honoured_and_loopback_is_unchanged(start_server):
+    server = start_server("", "--allowed-origins", "https://ui.example")
+    # No key file, bound to loopback: a drop-in user sees no change.
+    answered = httpx.post(server.url + COMPLETIONS, json=chat_body(max_tokens=2), timeout=60,
+                          headers={"Origin": "https://ui.example"})
+    assert answered.status_code == 200
+    assert answered.headers["access-control-allow-origin"] == "https://ui.example"
+    refused = httpx.get(server.url + "/v1/models", headers={"Origin": "http://localhost:3000"}, timeout=10)
+    assert refused.status_code == 403 and refused.json()["error"]["code"] == "origin_not_allowed"
+    assert server.events("server_started")[0]["access"] == "loopback"
