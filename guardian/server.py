@@ -17,7 +17,7 @@ from typing import Optional, Union
 import structlog
 
 from guardian import stock
-from guardian.access import make_door
+from guardian.access import announce, make_door
 from guardian.access.tls import ServesTLS, ServerCertificate, load_certificate
 from guardian.config import AccessSettings, ConfigError, GuardianConfig
 from guardian.counting import ActiveCount
@@ -133,6 +133,7 @@ def serve(host: str, port: int, model_provider, config: Union[GuardianConfig, Li
         api_keys=len(door.keys.names),
         allowed_origins=door.origins.describe(),
     )
+    announce(door)
     code = exit_request.wait()
     log.info("server_stopping", exit_code=code)
     served.stop_admitting()

@@ -75,9 +75,15 @@ def rank_pids(marker: str) -> dict[int, int]:
     return ranks
 
 
+# Rank 0's door is the one-process server's: the first test gives the group a
+# key file. A key sent to a server without keys is ignored.
+GROUP_KEY = "sk-group-0123456789"
+WITH_KEY = {"Authorization": f"Bearer {GROUP_KEY}"}
+
+
 def answer(url: str, body: dict) -> dict:
     """One client: its status (and error or error event), and when its answer ended."""
-    with httpx.Client(timeout=60) as client:
+    with httpx.Client(timeout=60, headers=WITH_KEY) as client:
         if body["stream"]:
             result = read_stream(client, url, body)
         else:
@@ -90,13 +96,13 @@ def answer(url: str, body: dict) -> dict:
 
 def engine_steps(server: Server) -> int:
     """Rank 0's engine steps so far (its /guardian/status)."""
-    return httpx.get(server.url + "/guardian/status", timeout=5).json()["steps"]
+    return httpx.get(server.url + "/guardian/status", headers=WITH_KEY, timeout=5).json()["steps"]
 
 
 def generating(server: Server, steps_before: int, requests: int = len(BURST)) -> bool:
     """The burst is being generated: the failure comes mid-burst."""
     try:
-        status = httpx.get(server.url + "/guardian/status", timeout=5).json()
+        status = httpx.get(server.url + "/guardian/status", headers=WITH_KEY, timeout=5).json()
     except httpx.TransportError:
         return False
     # Every request of the burst taken by the loop: none still on its way in
@@ -178,18 +184,22 @@ def ring_group(ring_port: int) -> list[str]:
 
 def test_rank_0_serves_and_a_failure_on_rank_1_ends_the_group_with_503s(launch, tmp_path):
     arm = tmp_path / "arm"
+    keys = tmp_path / "keys.txt"
+    keys.write_text(f"group:{GROUP_KEY}\n")
     group = launch(ring_group(free_ring_port()), config=(
         '[guardian]\nplugins = ["tests.plugins.rank_faults:RankFaults"]\n'
-        f'[rank_faults]\nrank = 1\narm_file = "{arm}"\n'))
+        f'[rank_faults]\nrank = 1\narm_file = "{arm}"\n[access]\napi_key_file = "{keys}"\n'))
     group.wait_healthy()
     ranks = group.ranks()
     assert sorted(ranks) == [0, 1]
 
-    # Rank 0 serves, as in stock; rank 1 follows its broadcast.
-    response = httpx.post(group.url + COMPLETIONS, json=chat_body(max_tokens=8), timeout=60)
+    # Rank 0 serves, as in stock, behind the same door as one process; rank 1 follows its broadcast.
+    assert httpx.post(group.url + COMPLETIONS, json=chat_body(max_tokens=8), timeout=60).status_code == 401
+    response = httpx.post(group.url + COMPLETIONS, json=chat_body(max_tokens=8), headers=WITH_KEY, timeout=60)
     assert response.status_code == 200, response.text
     assert response.json()["usage"]["completion_tokens"] == 8
     assert [e["rank"] for e in group.events("server_started")] == [0]
+    assert group.events("server_started")[0]["access"] == "api_keys"
     assert [e["rank"] for e in group.events("rank_started")] == [1]
     assert {e["rank"] for e in group.events("group_joined")} == {0, 1}
     guardian_lines = [e for e in group.logs() if "event" in e and "logger" in e]

@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 from typing import Optional
 
+import structlog
+
 from guardian.access.keys import KeyRing
 from guardian.access.policy import AccessPolicy, Origins
 from guardian.relay_protocol import RELAY_KEY_ENV
@@ -24,3 +26,16 @@ def make_door(settings, *, bound_host: str, allowed_origins: Optional[list[str]]
     keys = KeyRing(None if relay_key else settings.api_key_file or None)
     return AccessPolicy(settings, keys, bound_host=bound_host, origins=Origins(allowed_origins),
                         relay_key=relay_key)
+
+
+def announce(door: AccessPolicy, log=None) -> None:
+    """Say at start how the door stands when that needs a person's attention."""
+    log = log or structlog.get_logger("guardian.access")
+    if door.mode == "open":
+        log.warning("access_open", bound_host=door.bound_host,
+                    why="bound beyond loopback with no API key and [access] protected_mode = false: "
+                        "anyone who can reach this address may use the model")
+    elif door.mode == "protected":
+        log.info("access_protected_mode", bound_host=door.bound_host,
+                 why="bound beyond loopback with no API key: only clients on this machine are served; "
+                     "give --api-key-file, or set [access] protected_mode = false")

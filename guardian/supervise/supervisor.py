@@ -43,7 +43,7 @@ from guardian.errors import GuardianError
 from guardian import exit_codes
 from guardian.exit_codes import EXIT_OK, EXIT_SUPERVISOR_GAVE_UP, EXIT_USAGE
 from guardian.logs import configure_logging
-from guardian.access import make_door
+from guardian.access import announce, make_door
 from guardian.access.tls import ServerCertificate, load_certificate
 from guardian.relay_protocol import KEY_HEADER, RELAY_KEY_ENV, new_relay_key
 from guardian.supervise.proxy import CHILD_CONNECT_TIMEOUT_S, CHILD_HOST, PublicServer
@@ -196,6 +196,7 @@ class Supervisor:
         log.info("supervisor_started", host=self.options.host, port=self.httpd.server_address[1],
                  engine=self.settings.engine, pid=os.getpid(), scheme=self.httpd.scheme, access=self.door.mode,
                  api_keys=len(self.door.keys.names), allowed_origins=self.door.origins.describe())
+        announce(self.door)
         self.spawn_child()
         while not (self.exit_code is not None and self.child is None):
             for signum in self.wait_for_signals(self.seconds_to_next_duty()):
