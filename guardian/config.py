@@ -206,12 +206,13 @@ class AccessSettings(Table, name="access"):
         clients are served as always. false: serve everyone without keys (a
         trusted network, or a proxy in front that checks them).""", live=True)
     allowed_hosts = Setting(ListOf(Str()), [], """
-        Host header names served besides the ones this machine answers to. Bound
-        to loopback, only loopback names and addresses are served; bound beyond
-        it, also IP addresses, this machine's host name (and NAME.local), and
-        these: "name", ".example.com" (the domain and its subdomains) or "*"
-        (any). Another name is refused (403): a web page cannot reach the
-        server through a DNS name it controls (DNS rebinding).""", live=True)
+        Host header names served besides loopback names and addresses, which
+        always are, and, bound beyond loopback, IP addresses and this machine's
+        host name (and NAME.local): "name", ".example.com" (the domain and its
+        subdomains) or "*" (any). Behind a proxy that forwards its clients'
+        Host to a server bound to loopback, list the proxy's public name here.
+        Another name is refused (403): a web page cannot reach the server
+        through a DNS name it controls (DNS rebinding).""", live=True)
     client_max_concurrent = Setting(Int(min=0), 0, """
         Requests for completions each client (API key; client address when
         there are no keys) may have in flight at once; past it, 429

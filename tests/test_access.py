@@ -165,6 +165,7 @@ def test_public_paths_are_a_setting(tmp_path):
     ("evil.example", "127.0.0.1", False),
     ("evil.example:8080", "127.0.0.1", False),
     ("192.0.2.5:8080", "127.0.0.1", False),  # bound to loopback: only loopback names
+    ("llm.example.com", "127.0.0.1", True),  # ... and allowed_hosts (a proxy in front)
     ("192.0.2.5:8080", "0.0.0.0", True),  # an address is no DNS name to rebind
     ("evil.example", "0.0.0.0", False),
     ("llm.example.com", "0.0.0.0", True),  # allowed_hosts below

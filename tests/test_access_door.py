@@ -47,9 +47,11 @@ class DoorServer:
         self.kind = kind
         self.keys = folder / "keys.txt"
         self.keys.write_text(KEYS)
+        self.config = folder / "guardian.toml"
+        self.config.write_text("")
         port = free_port()
         self.log_path = folder / f"{kind}.log"
-        args = ["--port", str(port), "--api-key-file", str(self.keys)]
+        args = ["--port", str(port), "--api-key-file", str(self.keys), "--guardian-config", str(self.config)]
         if kind == "supervised":
             args = ["--supervise", *args]
         proc = spawn_guardian(args, self.log_path, model_cache, start_new_session=True)
@@ -187,6 +189,19 @@ def test_key_file_is_followed_live(door_server):
     finally:
         door_server.keys.write_text(KEYS)
         poll(lambda: status_with(ALICE) == 200, 10)
+
+
+def test_access_settings_are_live(door_server):
+    """[access]'s live settings change with the file: in one process, and at the supervisor's public port."""
+    try:
+        door_server.config.write_text('[access]\npublic_paths = ["/livez", "/readyz", "/health", "/v1/models"]\n'
+                                      'allowed_hosts = ["llm.example.com"]\n')
+        poll(lambda: door_server.get("/v1/models").status_code == 200, 10, what="/v1/models made public")
+        assert door_server.get("/metrics").status_code == 401
+        assert door_server.get("/v1/models", headers={"Host": "llm.example.com"}).status_code == 200
+    finally:
+        door_server.config.write_text("")
+        poll(lambda: door_server.get("/v1/models").status_code == 401, 10, what="/v1/models closed again")
 
 
 def test_pages_from_other_origins_and_foreign_hosts_are_refused(door_server):

@@ -14,6 +14,10 @@ its supervisor sends its requests again to the next engine and continues
 its streams there. (A stream whose bytes a killed plain replica had begun
 to send could be sent again by nobody between it and the client.) So no
 failure at all is allowed.
+
+Every replica requires an API key (``--api-key-file``) and the clients send
+it: HAProxy passes it on unchanged, and its health checks, which send none,
+keep working because /readyz is a public path.
 """
 
 from __future__ import annotations
@@ -72,6 +76,9 @@ exit_grace_s = 30.0
 """
 CONFIGS = {"replica1": STALLING, "replica2": "", "replica3": DRAINING}
 SUPERVISED = {"replica2"}
+# Every replica's key file; the clients send the key to HAProxy, which passes it on.
+API_KEY = "sk-haproxy-test-0123456789"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
 def stamp(event: dict) -> float:
@@ -164,7 +171,7 @@ class Load:
             thread.join(timeout=90)
 
     def _client(self, index: int) -> None:
-        with httpx.Client(timeout=60) as client:
+        with httpx.Client(timeout=60, headers=AUTH) as client:
             n = index
             while not self._stop.is_set():
                 n += 1
@@ -198,17 +205,19 @@ def cluster(tmp_path_factory, model_cache):
     folder = tmp_path_factory.mktemp("haproxy")
     replicas: dict[str, Server] = {}
     haproxy = None
+    (folder / "keys.txt").write_text(f"clients:{API_KEY}\n")
     try:
         for name, config in CONFIGS.items():
             port = free_port()
             (folder / f"{name}.toml").write_text(config)
             mode = ["--supervise"] if name in SUPERVISED else []
-            proc = spawn_guardian([*mode, "--port", str(port), "--guardian-config", str(folder / f"{name}.toml")],
-                                  folder / f"{name}.log", model_cache)
+            proc = spawn_guardian([*mode, "--port", str(port), "--guardian-config", str(folder / f"{name}.toml"),
+                                   "--api-key-file", str(folder / "keys.txt")], folder / f"{name}.log", model_cache)
             replicas[name] = Server(proc, port, folder / f"{name}.log")
         for server in replicas.values():
             server.wait_healthy()
         haproxy = HAProxy(folder, replicas)
+        # HAProxy's checks (GET /readyz, no key) bring every replica UP: /readyz is public.
         poll(lambda: all(haproxy.status(name) == "UP" for name in replicas), 15, interval=0.1,
              what=f"every replica UP in HAProxy (log: {haproxy.log_path})")
         haproxy.start_watching()
@@ -220,6 +229,17 @@ def cluster(tmp_path_factory, model_cache):
             server.stop()
 
 
+def test_the_api_key_passes_through_haproxy(cluster):
+    replicas, haproxy = cluster
+    with httpx.Client(timeout=60) as client:
+        refused = client.post(haproxy.url + COMPLETIONS, json=chat_body(max_tokens=4))
+        served = client.post(haproxy.url + COMPLETIONS, json=chat_body(max_tokens=4), headers=AUTH)
+    # The replica's own 401, not retried elsewhere (retry-on lists no 401).
+    assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
+    assert refused.headers["www-authenticate"] == "Bearer" and refused.headers["x-served-by"] in replicas
+    assert served.status_code == 200 and served.json()["choices"], served.text
+
+
 def test_clients_see_no_failure_through_a_stall_a_kill_and_a_drain(cluster):
     replicas, haproxy = cluster
     stalled, killed, drained = replicas["replica1"], replicas["replica2"], replicas["replica3"]
@@ -228,11 +248,11 @@ def test_clients_see_no_failure_through_a_stall_a_kill_and_a_drain(cluster):
         # 1. replica1's engine hangs in a step; while it does, replica2's engine dies.
         [hang] = stalled.wait_for_event("fault_injected", timeout=30)
         stalled_at = stamp(hang)
-        engine_pid = httpx.get(killed.url + "/guardian/supervisor", timeout=5).json()["child"]["pid"]
+        engine_pid = httpx.get(killed.url + "/guardian/supervisor", headers=AUTH, timeout=5).json()["child"]["pid"]
         os.kill(engine_pid, signal.SIGKILL)
         killed_at = time.time()
         stall_down_at, stall_check = haproxy.wait_marked("replica1", "DOWN", stalled_at, 15)
-        poll(lambda: httpx.get(killed.url + "/guardian/supervisor", timeout=5).json()["state"] == "ready",
+        poll(lambda: httpx.get(killed.url + "/guardian/supervisor", headers=AUTH, timeout=5).json()["state"] == "ready",
              30, interval=0.1, what="replica2's next engine ready")
         replaced_at = time.time()
         # The watchdog replaced the stuck loop; a probe proved it; HAProxy takes it back.
@@ -240,7 +260,7 @@ def test_clients_see_no_failure_through_a_stall_a_kill_and_a_drain(cluster):
         poll(lambda: load.served("replica1", stall_up_at) >= 3, 15, what="replica1 serving again")
 
         # 2. replica3 drains on SIGTERM with a long request of its own in flight.
-        with httpx.Client(timeout=60) as direct:
+        with httpx.Client(timeout=60, headers=AUTH) as direct:
             with direct.stream("POST", drained.url + COMPLETIONS,
                                json=chat_body("A long one.", max_tokens=1500, stream=True)) as long_stream:
                 lines = long_stream.iter_lines()

@@ -180,6 +180,10 @@ class AccessPolicy:
         # Per-client limits, applied at admission (the access plugin's admit_request).
         self.limits = ClientLimits(settings)
 
+    def use_settings(self, settings) -> None:
+        """Put a new [access] table in force (the supervisor's reload; one process reads a live view)."""
+        self.settings = self.limits.settings = settings
+
     @property
     def mode(self) -> str:
         """How the door is closed, for the start-up log and /guardian/status."""
@@ -234,18 +238,17 @@ class AccessPolicy:
             status=403, type="invalid_request_error", code=HOST_NOT_ALLOWED, retry=False)
 
     def host_allowed(self, name: str) -> bool:
+        """Loopback names, the names ``allowed_hosts`` lists (a proxy in front of a
+        server bound to loopback forwards its clients' Host), and, bound beyond
+        loopback, addresses and this machine's own names."""
         if is_loopback_name(name):
-            return True
-        if self.loopback_only:
-            return False
-        if is_ip_literal(name) or name in self._machine_names:
             return True
         for allowed in self.settings.allowed_hosts:
             allowed = allowed.lower()
             if allowed == "*" or name == allowed or (
                     allowed.startswith(".") and (name.endswith(allowed) or name == allowed[1:])):
                 return True
-        return False
+        return not self.loopback_only and (is_ip_literal(name) or name in self._machine_names)
 
     def check_origin(self, origin: Optional[str]) -> Optional[GuardianError]:
         # "null": a sandboxed frame or a file:// page; refused unless "*" was asked for.
@@ -285,5 +288,5 @@ def protected_mode_error(bound_host: str) -> GuardianError:
         "1) give the server API keys: --api-key-file FILE (or [access] api_key_file), one key a line, "
         "and send one as 'Authorization: Bearer <key>'; or 2) on a network you trust, turn protected "
         "mode off: [access] protected_mode = false in --guardian-config; or 3) bind to 127.0.0.1 and "
-        "put a proxy that checks clients in front.",
+        "put a proxy that checks clients in front (its public name in [access] allowed_hosts).",
         status=403, type="invalid_request_error", code=PROTECTED_MODE, retry=False)

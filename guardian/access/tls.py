@@ -103,8 +103,9 @@ def answer_plain_http(sock: socket.socket) -> None:
 
 def send_close_notify(tls: ssl.SSLSocket) -> None:
     """End the TLS session before the socket closes, without waiting for the
-    client's reply: a response that ends with the connection (a stream) is then
-    complete to clients that insist on it (curl, OpenSSL 3)."""
+    client's reply. A response that ends with the connection (stock's streams)
+    can only be told from a cut one by this (RFC 8446 §6.1); a strict client
+    (Python's ssl with suppress_ragged_eofs=False) reports an error without it."""
     try:
         tls.setblocking(False)
         tls.unwrap()

@@ -29,6 +29,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Optional
 
 import httpx
@@ -193,6 +194,7 @@ class Supervisor:
         threading.Thread(target=self.httpd.serve_forever, args=(HTTP_POLL_S,), name="http",
                          daemon=True).start()
         self.door.keys.follow()
+        self.follow_access()
         log.info("supervisor_started", host=self.options.host, port=self.httpd.server_address[1],
                  engine=self.settings.engine, pid=os.getpid(), scheme=self.httpd.scheme, access=self.door.mode,
                  api_keys=len(self.door.keys.names), allowed_origins=self.door.origins.describe())
@@ -210,6 +212,31 @@ class Supervisor:
         """Handlers only enqueue; the main loop does the work."""
         for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGCHLD, signal.SIGHUP):
             signal.signal(signum, lambda signum, frame: self.signals.put(signum))
+
+    def follow_access(self) -> None:
+        """Watch --guardian-config for [access]'s live settings, as a guardian child watches the rest."""
+        if self.options.guardian_config is not None:
+            from guardian.live_config import ConfigFileWatcher
+
+            self.access_watcher = ConfigFileWatcher(Path(self.options.guardian_config), self.reload_access)
+            self.access_watcher.start()
+
+    def reload_access(self, reason: str) -> None:
+        """[access]'s live settings from the file again; the others wait for a restart."""
+        if self.options.guardian_config is None:
+            return
+        try:
+            fresh = load_config(self.options.guardian_config).access.with_flags(self.options)
+        except ConfigError as e:
+            log.error("access_reload_failed", reason=reason, error_message=str(e))
+            return
+        current = self.door.settings
+        values = {key: getattr(fresh if setting.live else current, key)
+                  for key, setting in AccessSettings.settings.items()}
+        changed = sorted(key for key in values if values[key] != getattr(current, key))
+        self.door.use_settings(AccessSettings(**values))
+        if changed:
+            log.info("access_reloaded", reason=reason, changed=changed)
 
     def wait_for_signals(self, timeout: float) -> list[int]:
         """Every queued signal, waiting up to ``timeout`` for the first."""
@@ -250,6 +277,7 @@ class Supervisor:
         certificate, and goes to a guardian child (it re-reads --guardian-config);
         SIGTERM/SIGINT stop, a second one hard-kills."""
         if signum == signal.SIGHUP:
+            self.reload_access("sighup")
             if self.door.keys.configured:
                 self.door.keys.reload("sighup")
             if self.tls is not None:

@@ -1,0 +1,294 @@
+"""HTTPS at the door: ``--ssl-certfile`` / ``--ssl-keyfile``, the certificate read again on SIGHUP.
+
+Certificates come from ``trustme``: a CA made in the test, and a certificate
+it issues for 127.0.0.1. Clients trust that CA only, so a request that
+verifies proves which certificate the server presented. Each mode (one
+process, and ``--supervise``, where the supervisor's public port terminates
+TLS and its child stays plain HTTP) runs one server for the whole module.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import ssl
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import trustme
+
+from conftest import Server, chat_body, free_port, poll, read_stream, spawn_guardian
+from guardian.access import tls as tls_module
+from guardian.access.tls import ServerCertificate, ServesTLS
+from guardian.exit_codes import EXIT_USAGE
+
+COMPLETIONS = "/v1/chat/completions"
+HOST = "127.0.0.1"
+
+
+class Certificates:
+    """A CA's certificate for 127.0.0.1, written where the server reads it."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        self.certfile = folder / "cert.pem"
+        self.keyfile = folder / "key.pem"
+        self.ca_path = self.install(trustme.CA())
+
+    def install(self, ca: trustme.CA) -> Path:
+        """Write a certificate from ``ca`` to the server's files; the CA's PEM, to trust it."""
+        issued = ca.issue_cert(HOST, "localhost")
+        ca_path = self.folder / f"ca-{time.monotonic_ns()}.pem"
+        ca.cert_pem.write_to_path(str(ca_path))
+        write_atomically(self.keyfile, issued.private_key_pem.bytes())
+        write_atomically(self.certfile, b"".join(pem.bytes() for pem in issued.cert_chain_pems))
+        return ca_path
+
+
+def write_atomically(path: Path, data: bytes) -> None:
+    """As a deploy tool replaces a file: a reader sees the old one or the new one."""
+    staging = path.with_suffix(".tmp")
+    staging.write_bytes(data)
+    os.replace(staging, path)
+
+
+def trusting(ca_path: Path) -> ssl.SSLContext:
+    """A client's context that trusts ``ca_path`` only (httpx's way to give a CA)."""
+    return ssl.create_default_context(cafile=str(ca_path))
+
+
+class TLSServer(Server):
+    """A server (one process or a supervisor) serving HTTPS, its processes in one group."""
+
+    def __init__(self, proc, port: int, log_path: Path, certificates: Certificates):
+        super().__init__(proc, port, log_path)
+        self.url = f"https://{HOST}:{port}"
+        self.certificates = certificates
+        self.ca_path = certificates.ca_path  # the CA of the certificate it presents now
+
+    def client(self, ca_path: Path | None = None) -> httpx.Client:
+        return httpx.Client(verify=trusting(ca_path or self.ca_path), timeout=30)
+
+    def status(self, path: str, ca_path: Path | None = None) -> int:
+        try:
+            with self.client(ca_path) as client:
+                return client.get(self.url + path, timeout=5).status_code
+        except httpx.TransportError:
+            return 0
+
+    def sighup(self) -> None:
+        os.kill(self.proc.pid, signal.SIGHUP)
+
+    def stop(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(timeout=10)
+
+
+def closed_by_server(connection: socket.socket) -> bool:
+    """Whether the server ended the connection: an end of file, or a reset (it left our bytes unread)."""
+    try:
+        return connection.recv(1024) == b""
+    except ConnectionResetError:
+        return True
+
+
+def spawn(mode: str, folder: Path, model_cache: Path, *args: str) -> tuple:
+    """Start a server in ``mode`` with ``args``; its process, port and log."""
+    port = free_port()
+    log_path = folder / f"{mode}-{port}.log"
+    supervise = ["--supervise"] if mode == "supervise" else []
+    proc = spawn_guardian([*supervise, "--port", str(port), *args], log_path, model_cache,
+                          start_new_session=True)
+    return proc, port, log_path
+
+
+MODES = ["one_process", pytest.param("supervise", marks=pytest.mark.subprocess_mode)]
+
+
+@pytest.fixture(scope="module", params=MODES)
+def server(request, tmp_path_factory, model_cache):
+    """One HTTPS server per mode for the module's tests; each test leaves it as it found it."""
+    folder = tmp_path_factory.mktemp(f"tls-{request.param}")
+    certificates = Certificates(folder)
+    proc, port, log_path = spawn(request.param, folder, model_cache, "--ssl-certfile",
+                                 str(certificates.certfile), "--ssl-keyfile", str(certificates.keyfile))
+    served = TLSServer(proc, port, log_path, certificates)
+    served.mode = request.param
+    try:
+        served.wait_healthy()
+        yield served
+    finally:
+        served.stop()
+
+
+def test_completions_and_streams_over_https(server):
+    with server.client() as client:
+        response = client.post(server.url + COMPLETIONS, json=chat_body(max_tokens=4))
+        assert response.status_code == 200, response.text
+        assert response.json()["usage"]["completion_tokens"] == 4
+        result = read_stream(client, server.url + COMPLETIONS, chat_body(max_tokens=4, stream=True))
+        assert result["status"] == 200 and result["done"] and not result["errors"]
+    # A client that does not trust the CA is refused by its own check.
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(server.url + "/v1/models", timeout=5)
+    started = "supervisor_started" if server.mode == "supervise" else "server_started"
+    assert server.events(started)[0]["scheme"] == "https"
+
+
+def test_the_openai_sdk_over_https(server):
+    with httpx.Client(verify=trusting(server.ca_path)) as http_client:
+        sdk = openai.OpenAI(base_url=server.url + "/v1", api_key="x", http_client=http_client)
+        completion = sdk.chat.completions.create(model="default_model", max_tokens=4,
+                                                 messages=[{"role": "user", "content": "hi"}])
+        assert completion.usage.completion_tokens == 4
+        chunks = list(sdk.chat.completions.create(model="default_model", max_tokens=4, stream=True,
+                                                  messages=[{"role": "user", "content": "hi"}]))
+        assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_plain_http_and_garbage_are_turned_away_and_serving_goes_on(server):
+    # Plain HTTP to the TLS port: an answer in plain HTTP that says why.
+    response = httpx.post(f"http://{HOST}:{server.port}{COMPLETIONS}", json=chat_body(), timeout=10)
+    assert response.status_code == 400
+    assert response.json()["error"]["code"] == "https_required"
+    assert response.headers["x-should-retry"] == "false"
+    # Bytes that are neither: the connection is closed.
+    with socket.create_connection((HOST, server.port), timeout=10) as raw:
+        raw.sendall(b"\x00\x01\x02 not a TLS record\r\n\r\n")
+        assert closed_by_server(raw)
+    # A TLS client that breaks off mid-handshake.
+    with socket.create_connection((HOST, server.port), timeout=10) as raw:
+        raw.sendall(b"\x16\x03\x01\x00\x05hello")
+    # A client that connects and says nothing holds no one else up: the
+    # handshake runs on the connection's own thread, not in the accept loop.
+    with socket.create_connection((HOST, server.port), timeout=10):
+        with server.client() as client:
+            response = client.post(server.url + COMPLETIONS, json=chat_body(max_tokens=2), timeout=5)
+            assert response.status_code == 200, response.text
+    assert "Traceback" not in server.log_path.read_text()
+    assert not [line for line in server.logs() if "exception" in line or "exc_info" in line]
+
+
+def test_sighup_reloads_the_certificate_and_a_broken_one_changes_nothing(server):
+    first_ca = server.ca_path
+    reloads = len(server.events("tls_reloaded"))
+    try:
+        new_ca = server.certificates.install(trustme.CA())
+        server.sighup()
+        # New connections present the new certificate once it is read.
+        poll(lambda: server.status("/v1/models", new_ca) == 200, 10, interval=0.05, what="the new CA")
+        server.ca_path = new_ca
+        assert server.status("/v1/models", first_ca) == 0
+        assert len(server.wait_for_event("tls_reloaded", count=reloads + 1)) == reloads + 1
+        # A file that does not parse: logged, and the certificate in force stays.
+        failures = len(server.events("tls_reload_failed"))
+        write_atomically(server.certificates.certfile, b"-----BEGIN CERTIFICATE-----\nnot one\n")
+        server.sighup()
+        failed = server.wait_for_event("tls_reload_failed", count=failures + 1)[-1]
+        assert failed["certfile"] == str(server.certificates.certfile)
+        assert server.status("/v1/models", new_ca) == 200
+        with server.client() as client:
+            response = client.post(server.url + COMPLETIONS, json=chat_body(max_tokens=2))
+            assert response.status_code == 200, response.text
+    finally:
+        # Leave the module's server presenting a certificate of the CA it started with.
+        server.ca_path = server.certificates.ca_path = server.certificates.install(trustme.CA())
+        server.sighup()
+        poll(lambda: server.status("/v1/models") == 200, 10, interval=0.05, what="the restored CA")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_certificate_that_does_not_load_stops_the_start(mode, tmp_path, model_cache):
+    (tmp_path / "cert.pem").write_text("not a certificate\n")
+    proc, _, log_path = spawn(mode, tmp_path, model_cache, "--ssl-certfile", str(tmp_path / "cert.pem"))
+    try:
+        assert proc.wait(timeout=60) == EXIT_USAGE
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    invalid = [json.loads(line) for line in log_path.read_text().splitlines()
+               if line.startswith("{") and '"config_invalid"' in line]
+    assert invalid and "access.ssl_certfile" in invalid[0]["error_message"], log_path.read_text()
+
+
+# -- the mixin on its own, without a model ---------------------------------------------
+class Hello(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.0"
+
+    def do_GET(self):
+        self.send_response(200)
+        if self.path != "/stream":  # a stream, as stock's: it ends with the connection
+            self.send_header("Content-Length", "5")
+        self.end_headers()
+        self.wfile.write(b"hello")
+
+    def log_message(self, *args):
+        pass
+
+
+class HelloServer(ServesTLS, ThreadingHTTPServer):
+    daemon_threads = True
+
+
+@pytest.fixture
+def hello_server(tmp_path):
+    certificates = Certificates(tmp_path)
+    httpd = HelloServer((HOST, 0), Hello)
+    httpd.tls = ServerCertificate(str(certificates.certfile), str(certificates.keyfile))
+    httpd.certificates = certificates
+    threading.Thread(target=httpd.serve_forever, args=(0.05,), daemon=True).start()
+    yield httpd
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def test_a_silent_client_is_dropped_after_the_handshake_timeout(hello_server, monkeypatch):
+    monkeypatch.setattr(tls_module, "HANDSHAKE_TIMEOUT_S", 0.3)
+    url = f"https://{HOST}:{hello_server.server_address[1]}/"
+    with socket.create_connection((HOST, hello_server.server_address[1]), timeout=10) as silent:
+        # Served meanwhile: the silent client waits on its own thread.
+        assert httpx.get(url, verify=trusting(hello_server.certificates.ca_path)).text == "hello"
+        started = time.monotonic()
+        assert closed_by_server(silent)
+        assert time.monotonic() - started < 5
+
+
+def test_a_reload_that_fails_keeps_the_context(hello_server):
+    certificate = hello_server.tls
+    before = certificate.context
+    write_atomically(hello_server.certificates.keyfile, b"")
+    assert certificate.reload("test") is False
+    assert certificate.context is before
+    new_ca = hello_server.certificates.install(trustme.CA())
+    assert certificate.reload("test") is True
+    assert certificate.context is not before
+    url = f"https://{HOST}:{hello_server.server_address[1]}/"
+    assert httpx.get(url, verify=trusting(new_ca)).text == "hello"
+
+
+def test_a_response_that_ends_with_the_connection_ends_the_tls_session(hello_server):
+    """A strict client (no ragged EOFs) sees a stream's end as an end, not a cut: close_notify."""
+    context = trusting(hello_server.certificates.ca_path)
+    raw = socket.create_connection(hello_server.server_address, timeout=10)
+    with context.wrap_socket(raw, server_hostname=HOST, suppress_ragged_eofs=False) as tls:
+        tls.sendall(b"GET /stream HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")
+        received = b""
+        while chunk := tls.recv(4096):
+            received += chunk
+    assert received.startswith(b"HTTP/1.0 200") and received.endswith(b"hello")
+
+
+def test_the_context_is_a_server_one_of_tls_1_2_or_newer(hello_server):
+    context = hello_server.tls.context
+    assert context.protocol == ssl.PROTOCOL_TLS_SERVER
+    assert context.minimum_version == ssl.TLSVersion.TLSv1_2
