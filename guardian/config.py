@@ -37,7 +37,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
-__all__ = ["ConfigError", "CoreSettings", "WatchdogSettings", "SupervisorSettings", "AccessSettings", "CommandLine",
+__all__ = ["ConfigError", "CoreSettings", "WatchdogSettings", "SupervisorSettings", "AccessSettings", "HttpSettings", "CommandLine",
            "GuardianConfig", "load_config", "parse_settings", "example_toml"]
 
 SECONDS = Float(min=0)
@@ -233,8 +233,37 @@ class AccessSettings(Table, name="access"):
         flag="--ssl-keyfile", metavar="PATH")
 
 
+class HttpSettings(Table, name="http"):
+    """What the door holds (guardian.connection): both HTTP servers read every
+    request's headers and body under deadlines before a handler thread sees it,
+    and bound their handler threads. Live in one process; the supervisor reads
+    them at start."""
+
+    header_timeout_s = Setting(POSITIVE_SECONDS, 10.0, """
+        A connection's request headers must be complete this long after it
+        opened; else 408 and the close.""", live=True)
+    body_timeout_s = Setting(POSITIVE_SECONDS, 30.0, """
+        The body must be complete this long after the headers; else 408.""", live=True)
+    idle_timeout_s = Setting(POSITIVE_SECONDS, 5.0, """
+        A connection that sends nothing for this long after it opened is closed
+        without a word (as an idle keep-alive connection is).""", live=True)
+    send_timeout_s = Setting(SECONDS, 30.0, """
+        A write to a client that makes no progress for this long ends its
+        request: the client stopped reading (nginx's send_timeout). 0: none.""", live=True)
+    max_handlers = Setting(Int(min=0), 0, """
+        Requests handled at once (each holds a thread; a stream for its life).
+        Past it, a complete request gets 503 + Retry-After at once. 0: sized from
+        the engine, --decode-concurrency plus [prompt_guard] max_queued plus 32
+        for health checks, refusals and streams ending (the supervisor: from the
+        child's --decode-concurrency, plus [supervisor] hold_requests).""")
+    max_header_bytes = Setting(Int(min=1024), 64 * 1024, """
+        The request line and headers together; past it, 431.""", live=True)
+    max_header_count = Setting(Int(min=1), 100, """
+        Header lines; past it, 431.""", live=True)
+
+
 # Tables the core reads; every other table is a plugin's.
-CORE_TABLES = (CoreSettings, WatchdogSettings, SupervisorSettings, AccessSettings)
+CORE_TABLES = (CoreSettings, WatchdogSettings, SupervisorSettings, AccessSettings, HttpSettings)
 
 
 @dataclass
@@ -243,6 +272,7 @@ class GuardianConfig:
     watchdog: WatchdogSettings = field(default_factory=WatchdogSettings)
     supervisor: SupervisorSettings = field(default_factory=SupervisorSettings)
     access: AccessSettings = field(default_factory=AccessSettings)
+    http: HttpSettings = field(default_factory=HttpSettings)
     # Raw plugin tables, keyed by plugin name, validated when plugins load.
     plugin_tables: dict = field(default_factory=dict)
     # Each loaded plugin's settings, parsed from its table (filled as plugins load).
@@ -256,7 +286,7 @@ class GuardianConfig:
 
     # The core's tables by TOML name: the attribute holding each.
     _CORE_ATTRIBUTES = {"guardian": "core", "watchdog": "watchdog", "supervisor": "supervisor",
-                        "access": "access"}
+                        "access": "access", "http": "http"}
 
     def table(self, name: str):
         """A table's settings by TOML name: the core's, or a loaded plugin's.
@@ -296,7 +326,7 @@ def parse_config(raw: bytes, path) -> GuardianConfig:
         if not isinstance(table, dict):
             raise ConfigError(f"{path}: top-level key {name!r} must be a [table]")
     return GuardianConfig(core=core["guardian"], watchdog=core["watchdog"], supervisor=core["supervisor"],
-                          access=core["access"],
+                          access=core["access"], http=core["http"],
                           plugin_tables=data, source=Path(path), tables=present)
 
 

@@ -1,12 +1,106 @@
-"""What both HTTP servers (the engine's and the supervisor's public port) do to a connection."""
+"""What the door holds: the connection layer both HTTP servers stand behind.
+
+In the manner of gunicorn's threaded worker: the accept loop (socketserver's
+own) hands each new connection to one reader thread, which waits on all of
+them with a selector and reads each request's headers and body under
+deadlines. Only a complete request reaches a handler thread, and handler
+threads are bounded. So a slow or silent client costs a file descriptor and
+a few bytes, never a thread:
+
+- no byte within ``idle_timeout_s``: closed without a word (as a keep-alive
+  connection is);
+- headers not complete within ``header_timeout_s`` of the connection, or the
+  body within ``body_timeout_s`` of the headers: 408;
+- headers over ``max_header_bytes`` or ``max_header_count``: 431;
+- every handler thread busy: 503 + Retry-After at once;
+- a handler's write that makes no progress for ``send_timeout_s`` raises
+  ``TimeoutError`` (the client stopped reading: its request ends).
+
+The handler (stock's APIHandler, or the supervisor's ProxyHandler) then
+reads the buffered request from its ``rfile`` as if from the socket, and
+writes to the socket itself; a streaming response keeps its thread for its
+life. TLS handshakes happen in the reader, non-blocking, as any other read.
+Imports no mlx.
+"""
 
 from __future__ import annotations
 
+import collections
+import heapq
+import io
+import itertools
+import json
+import selectors
 import socket
+import ssl
+import threading
 import time
+from dataclasses import dataclass
+from typing import Optional
+
+import structlog
+
+from guardian.counting import ActiveCount
+
+log = structlog.get_logger("guardian.connection")
 
 # How long a refused client's unread body is drained before the close.
 LINGER_S = 2.0
+# The listen backlog we ask for; the kernel caps it at net.core.somaxconn
+# (Linux) or kern.ipc.somaxconn (macOS). socketserver's default is 5: a burst
+# of connections then waits for SYN retransmits.
+LISTEN_BACKLOG = 4096
+# A body longer than this is not buffered by the reader: the handler gets the
+# request at once and answers from its headers (413, or reads it itself).
+MAX_BUFFERED_BODY = 32 << 20
+# One read from a connection.
+READ_BYTES = 1 << 16
+HEADERS_END = b"\r\n\r\n"
+# The reader wakes at least this often to expire deadlines.
+TICK_S = 0.25
+# Answers the reader writes itself go out within this, or are dropped.
+REFUSAL_SEND_TIMEOUT_S = 1.0
+
+
+@dataclass
+class ConnectionLimits:
+    """The layer's deadlines and caps (the [http] settings, read at each use)."""
+
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    idle_timeout_s: float = 5.0
+    send_timeout_s: float = 30.0
+    max_handlers: int = 64
+    max_header_bytes: int = 64 << 10
+    max_header_count: int = 100
+    retry_after_s: float = 1.0
+
+
+class LiveLimits:
+    """[http] as the layer reads it, at each use: ``max_handlers`` 0 is ``auto_max_handlers``."""
+
+    def __init__(self, http, auto_max_handlers: int, retry_after_s=lambda: 1.0, extra_handlers: int = 0):
+        self._http = http
+        self._auto_max_handlers = auto_max_handlers
+        self._retry_after_s = retry_after_s
+        # A supervised child also answers its supervisor's health checks and scrapes.
+        self._extra_handlers = extra_handlers
+
+    def __getattr__(self, name):
+        return getattr(self._http, name)
+
+    @property
+    def max_handlers(self) -> int:
+        return (self._http.max_handlers or self._auto_max_handlers) + self._extra_handlers
+
+    @property
+    def retry_after_s(self) -> float:
+        return self._retry_after_s()
+
+
+# Handler threads beyond the engine's own concurrency and queue: health
+# checks, metrics scrapes, refusals, streams finishing their last writes.
+HANDLER_HEADROOM = 32
 
 
 def linger_close(connection: socket.socket, linger_s: float = LINGER_S) -> None:
@@ -26,3 +120,546 @@ def linger_close(connection: socket.socket, linger_s: float = LINGER_S) -> None:
                 return
     except OSError:
         return
+
+
+def listen_backlog() -> int:
+    """What to ask listen() for: the system's cap if it can be read, at least 1024."""
+    for path in ("/proc/sys/net/core/somaxconn",):
+        try:
+            with open(path) as f:
+                return max(1024, min(LISTEN_BACKLOG, int(f.read().strip())))
+        except (OSError, ValueError):
+            pass
+    return LISTEN_BACKLOG  # macOS and others: the kernel caps it silently
+
+
+# -- a request on its way in ------------------------------------------------------
+class Incoming:
+    """One connection the reader holds until its request is complete."""
+
+    __slots__ = ("sock", "address", "accepted_at", "buffer", "headers_end", "headers_at", "needed",
+                 "handshaking", "tls_checked")
+
+    def __init__(self, sock: socket.socket, address, tls: bool):
+        self.sock = sock
+        self.address = address
+        self.accepted_at = time.monotonic()
+        self.buffer = bytearray()
+        self.headers_end = -1  # offset past the blank line, once seen
+        self.headers_at = 0.0
+        self.needed = 0  # bytes the whole request has, once its headers are read
+        self.handshaking = tls
+        self.tls_checked = not tls
+
+    def deadline(self, limits: ConnectionLimits) -> tuple[float, bool]:
+        """(when this connection expires, whether it gets a 408 then)."""
+        if not self.buffer:
+            return self.accepted_at + limits.idle_timeout_s, False
+        if self.headers_end < 0:
+            return self.accepted_at + limits.header_timeout_s, True
+        return self.headers_at + limits.body_timeout_s, True
+
+
+def parse_head(head: bytes, limits: ConnectionLimits) -> tuple[Optional[int], Optional[str]]:
+    """(the body's length to wait for, or None: hand over now; a refusal code, or None)."""
+    lines = head.split(b"\r\n")
+    if len(lines) - 1 > limits.max_header_count:
+        return None, "too_many_headers"
+    length = 0
+    for line in lines[1:]:
+        name, _, value = line.partition(b":")
+        name = name.strip().lower()
+        if name == b"content-length":
+            try:
+                length = int(value.strip())
+            except ValueError:
+                return None, None  # the handler answers a bad length
+        elif name == b"transfer-encoding":
+            return None, None  # the handler answers what it does not support
+    if length < 0 or length > MAX_BUFFERED_BODY:
+        return None, None
+    return length, None
+
+
+class Watched:
+    """A connection whose request is being answered: its client's leaving ends the request."""
+
+    __slots__ = ("sock", "on_gone")
+
+    def __init__(self, sock: socket.socket, on_gone):
+        self.sock = sock
+        self.on_gone = on_gone
+
+
+def client_left(sock: socket.socket) -> bool:
+    """Whether a readable connection whose request was read whole is at its end (EOF or reset).
+
+    Peeks at the TCP stream under any TLS layer: a FIN or a reset is the end;
+    bytes (a TLS alert, a pipelined request) are not.
+    """
+    try:
+        return socket.socket.recv(sock, 1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except (BlockingIOError, InterruptedError):
+        return False
+    except OSError:
+        return True
+
+
+class RequestReader:
+    """The thread that reads every connection's request before a handler sees it,
+    and watches the connections of requests being answered for their clients' leaving."""
+
+    def __init__(self, server):
+        self.server = server
+        self.selector = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self.selector.register(self._wake_r, selectors.EVENT_READ, None)
+        self._arrivals: collections.deque = collections.deque()
+        # Registrations change from handler threads too (watch, unwatch).
+        self._lock = threading.Lock()
+        # (when, seq, callback) for call_at; a cancelled entry's callback is None.
+        self._timers: list = []
+        self._timer_ids = itertools.count()
+        self._stopped = False
+        self.held = 0
+        self.thread = threading.Thread(target=self._run, name="http-reader", daemon=True)
+        self.thread.start()
+
+    def add(self, sock: socket.socket, address) -> None:
+        """A connection just accepted (any thread)."""
+        self._arrivals.append((sock, address))
+        self._wake()
+
+    def watch(self, sock: socket.socket, on_gone) -> None:
+        """Call ``on_gone()`` (on this reader's thread) if the client closes or resets ``sock``."""
+        with self._lock:
+            try:
+                self.selector.register(sock, selectors.EVENT_READ, Watched(sock, on_gone))
+            except (KeyError, ValueError, OSError):
+                return
+        self._wake()
+
+    def call_at(self, when: float, callback) -> list:
+        """Call ``callback()`` on this reader's thread at ``when`` (time.monotonic());
+        the handle returned cancels it (``cancel_call``)."""
+        entry = [when, next(self._timer_ids), callback]
+        with self._lock:
+            heapq.heappush(self._timers, entry)
+        self._wake()
+        return entry
+
+    @staticmethod
+    def cancel_call(entry: list) -> None:
+        entry[2] = None
+
+    def _run_timers(self) -> float:
+        """Call what is due; seconds until the next one (at most a tick)."""
+        now = time.monotonic()
+        due = []
+        with self._lock:
+            while self._timers and self._timers[0][0] <= now:
+                due.append(heapq.heappop(self._timers)[2])
+            next_at = self._timers[0][0] if self._timers else now + TICK_S
+        for callback in due:
+            if callback is not None:
+                try:
+                    callback()
+                except Exception:  # noqa: BLE001 - one request's deadline must not stop the reader
+                    log.exception("deadline_callback_failed")
+        return max(0.0, min(TICK_S, next_at - now))
+
+    def unwatch(self, sock: socket.socket) -> None:
+        """Stop watching (before the socket is closed: its number may be reused)."""
+        with self._lock:
+            try:
+                self.selector.unregister(sock)
+            except (KeyError, ValueError, OSError):
+                pass
+
+    def _wake(self) -> None:
+        try:
+            self._wake_w.send(b"x")
+        except BlockingIOError:
+            pass  # already awake
+        except OSError:
+            pass
+
+    def stop(self) -> None:
+        self._stopped = True
+        self._wake()
+        self.thread.join(timeout=5)
+
+    # -- the reader's thread ---------------------------------------------------
+    def _run(self) -> None:
+        try:
+            wait = TICK_S
+            while not self._stopped:
+                events = self.selector.select(wait)
+                for key, _ in events:
+                    if key.data is None:
+                        self._drain_wakeups()
+                    elif isinstance(key.data, Watched):
+                        self._on_watched(key.data)
+                    else:
+                        self._on_readable(key.data)
+                self._take_arrivals()
+                self._expire()
+                wait = self._run_timers()
+        except Exception:  # noqa: BLE001 - the server must not go deaf silently
+            log.exception("http_reader_crashed")
+        finally:
+            for key in list(self.selector.get_map().values()):
+                if isinstance(key.data, Incoming):
+                    close_quietly(key.data.sock)
+            self.selector.close()
+            self._wake_r.close()
+            self._wake_w.close()
+
+    def _on_watched(self, watched: Watched) -> None:
+        """A watched connection is readable: its client left, or sent more (not watched further)."""
+        self.unwatch(watched.sock)
+        if client_left(watched.sock):
+            try:
+                watched.on_gone()
+            except Exception:  # noqa: BLE001 - one request's callback must not stop the reader
+                log.exception("client_gone_callback_failed")
+
+    def _drain_wakeups(self) -> None:
+        try:
+            while self._wake_r.recv(4096):
+                pass
+        except (BlockingIOError, OSError):
+            pass
+
+    def _take_arrivals(self) -> None:
+        tls = self.server.tls
+        while self._arrivals:
+            sock, address = self._arrivals.popleft()
+            try:
+                sock.setblocking(False)
+                incoming = Incoming(sock, address, tls is not None)
+                with self._lock:
+                    self.selector.register(sock, selectors.EVENT_READ, incoming)
+            except (OSError, ValueError, KeyError):
+                close_quietly(sock)
+                continue
+            self.held += 1
+
+    def _forget(self, incoming: Incoming) -> None:
+        with self._lock:
+            try:
+                self.selector.unregister(incoming.sock)
+            except (KeyError, ValueError, OSError):
+                pass
+        self.held -= 1
+
+    def _on_readable(self, incoming: Incoming) -> None:
+        if not incoming.tls_checked and not self._check_tls(incoming):
+            return
+        if incoming.handshaking and not self._handshake(incoming):
+            return
+        try:
+            while True:
+                chunk = incoming.sock.recv(READ_BYTES)
+                if not chunk:  # the client closed before its request was whole
+                    self._forget(incoming)
+                    close_quietly(incoming.sock)
+                    return
+                incoming.buffer += chunk
+                if len(chunk) < READ_BYTES and not getattr(incoming.sock, "pending", lambda: 0)():
+                    break
+        except (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
+            pass
+        except OSError:
+            self._forget(incoming)
+            close_quietly(incoming.sock)
+            return
+        self._advance(incoming)
+
+    def _check_tls(self, incoming: Incoming) -> bool:
+        """The first byte of a TLS port's connection: a handshake, or plain HTTP to refuse."""
+        from guardian.access.tls import TLS_HANDSHAKE_RECORD
+
+        try:
+            first = incoming.sock.recv(1, socket.MSG_PEEK)
+        except BlockingIOError:
+            return False
+        except OSError:
+            first = b""
+        incoming.tls_checked = True
+        if first == TLS_HANDSHAKE_RECORD:
+            incoming.sock = self.server.tls.context.wrap_socket(
+                incoming.sock, server_side=True, do_handshake_on_connect=False)
+            with self._lock:
+                self.selector.modify(incoming.sock, selectors.EVENT_READ, incoming)
+            return True
+        self._forget(incoming)
+        if first.isalpha():
+            log.debug("tls_handshake_failed", client=incoming.address[0], error_message="plain HTTP")
+            threading.Thread(target=self.server.refuse_plain_http, args=(incoming.sock,), daemon=True).start()
+        else:
+            close_quietly(incoming.sock)
+        return False
+
+    def _handshake(self, incoming: Incoming) -> bool:
+        try:
+            incoming.sock.do_handshake()
+        except ssl.SSLWantReadError:
+            with self._lock:
+                self.selector.modify(incoming.sock, selectors.EVENT_READ, incoming)
+            return False
+        except ssl.SSLWantWriteError:
+            with self._lock:
+                self.selector.modify(incoming.sock, selectors.EVENT_WRITE, incoming)
+            return False
+        except (OSError, ValueError) as e:
+            log.debug("tls_handshake_failed", client=incoming.address[0], error_message=str(e) or type(e).__name__)
+            self._forget(incoming)
+            close_quietly(incoming.sock)
+            return False
+        incoming.handshaking = False
+        with self._lock:
+            self.selector.modify(incoming.sock, selectors.EVENT_READ, incoming)
+        return True
+
+    def _advance(self, incoming: Incoming) -> None:
+        """Hand the request over once whole; refuse it once it cannot be."""
+        limits = self.server.limits
+        if incoming.headers_end < 0:
+            end = incoming.buffer.find(HEADERS_END, 0, limits.max_header_bytes + len(HEADERS_END))
+            if end < 0:
+                if len(incoming.buffer) > limits.max_header_bytes:
+                    return self._refuse(incoming, 431, "headers_too_large",
+                                        f"The request's headers exceed {limits.max_header_bytes} bytes.")
+                return
+            incoming.headers_end = end + len(HEADERS_END)
+            incoming.headers_at = time.monotonic()
+            length, refusal = parse_head(bytes(incoming.buffer[:end]), limits)
+            if refusal is not None:
+                return self._refuse(incoming, 431, refusal,
+                                    f"The request has more than {limits.max_header_count} headers.")
+            incoming.needed = incoming.headers_end + (length or 0)
+            if length is None:
+                incoming.needed = 0  # hand over now
+        if len(incoming.buffer) >= incoming.needed:
+            self._forget(incoming)
+            self.server.dispatch(incoming)
+
+    def _expire(self) -> None:
+        limits = self.server.limits
+        now = time.monotonic()
+        with self._lock:
+            keys = list(self.selector.get_map().values())
+        for key in keys:
+            incoming = key.data
+            if not isinstance(incoming, Incoming):
+                continue
+            deadline, answered = incoming.deadline(limits)
+            if now < deadline:
+                continue
+            if answered and not incoming.handshaking:
+                phase = "headers" if incoming.headers_end < 0 else "body"
+                self._refuse(incoming, 408, "request_timeout",
+                             f"The request's {phase} did not arrive in time.", close=True)
+            else:
+                self._forget(incoming)
+                close_quietly(incoming.sock)
+            self.server.count_closed("timeout_" + ("idle" if not incoming.buffer else
+                                                   "headers" if incoming.headers_end < 0 else "body"))
+
+    def _refuse(self, incoming: Incoming, status: int, code: str, message: str, close: bool = True) -> None:
+        self._forget(incoming)
+        send_refusal(incoming.sock, status, code, message)
+
+
+REASONS = {408: "Request Timeout", 431: "Request Header Fields Too Large", 503: "Service Unavailable"}
+
+
+def send_refusal(sock: socket.socket, status: int, code: str, message: str,
+                 retry_after_s: Optional[float] = None) -> None:
+    """An OpenAI-shaped error written straight to the socket, then the close (within a second)."""
+    body = json.dumps({"error": {"message": message, "type": "invalid_request_error" if status < 500
+                                 else "server_error", "param": None, "code": code}}).encode()
+    head = [f"HTTP/1.0 {status} {REASONS.get(status, '')}", "Content-Type: application/json",
+            f"Content-Length: {len(body)}", "Connection: close",
+            f"x-should-retry: {'true' if status in (408, 503) else 'false'}"]
+    if retry_after_s is not None:
+        head.append(f"Retry-After: {max(1, round(retry_after_s))}")
+    try:
+        sock.setblocking(True)
+        sock.settimeout(REFUSAL_SEND_TIMEOUT_S)
+        sock.sendall(("\r\n".join(head) + "\r\n\r\n").encode() + body)
+    except OSError:
+        pass
+    close_quietly(sock)
+
+
+def close_quietly(sock) -> None:
+    try:
+        sock.close()
+    except OSError:
+        pass
+
+
+# -- the handler's view of a request already read ---------------------------------------
+class _PrefixedReader(io.RawIOBase):
+    """The bytes the reader buffered, then whatever else the socket brings."""
+
+    def __init__(self, prefix: bytes, sock: socket.socket):
+        self._prefix = memoryview(prefix)
+        self._sock = sock
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, target) -> int:
+        if self._prefix:
+            n = min(len(target), len(self._prefix))
+            target[:n] = self._prefix[:n]
+            self._prefix = self._prefix[n:]
+            return n
+        return self._sock.recv_into(target)
+
+
+class BufferedConnection:
+    """The socket as a handler sees it: its ``makefile('rb')`` starts with what was read already."""
+
+    def __init__(self, sock: socket.socket, prefix: bytes):
+        self.sock = sock
+        self._prefix = prefix
+
+    def makefile(self, mode="r", buffering=None, **kwargs):
+        if "r" in mode:
+            reader = _PrefixedReader(self._prefix, self.sock)
+            self._prefix = b""
+            return io.BufferedReader(reader, buffering if buffering and buffering > 0 else io.DEFAULT_BUFFER_SIZE)
+        return self.sock.makefile(mode, buffering, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.sock, name)
+
+
+_READER_START = threading.Lock()
+
+
+def raw_socket(request):
+    """The socket under a handler's connection object."""
+    return request.sock if isinstance(request, BufferedConnection) else request
+
+
+class HeldConnections:
+    """Mixin for a ``socketserver.ThreadingMixIn`` TCP server: the connection layer.
+
+    Set ``limits`` (a ConnectionLimits, or any object with its attributes)
+    before serving; ``tls`` (guardian.access.tls.ServerCertificate) for HTTPS.
+    """
+
+    request_queue_size = listen_backlog()
+    limits = ConnectionLimits()
+    tls = None
+    _reader: Optional[RequestReader] = None
+
+    @property
+    def scheme(self) -> str:
+        return "http" if self.tls is None else "https"
+
+    def process_request(self, request, client_address):
+        """Accepted: to the reader, which reads the request before any thread is spent on it."""
+        self._ensure_reader()
+        self._reader.add(request, client_address)
+
+    def _ensure_reader(self) -> None:
+        with _READER_START:
+            if self._reader is None:
+                self.handlers = ActiveCount()
+                self.closed_counts = collections.Counter()
+                self._reader = RequestReader(self)
+
+    def dispatch(self, incoming: Incoming) -> None:
+        """A whole request: to a handler thread, or 503 if every one is busy."""
+        if self.handlers.active >= self.limits.max_handlers:
+            self.count_closed("handlers_busy")
+            log.warning("http_handlers_busy", client=incoming.address[0], handlers=self.handlers.active)
+            threading.Thread(target=send_refusal, daemon=True, args=(
+                incoming.sock, 503, "server_busy",
+                f"All {self.limits.max_handlers} request handlers are busy; send the request again.",
+                self.limits.retry_after_s)).start()
+            return
+        sock = incoming.sock
+        try:
+            sock.setblocking(True)
+            # A write that makes no progress this long raises TimeoutError: the
+            # client stopped reading (reads come from the buffer).
+            sock.settimeout(self.limits.send_timeout_s or None)
+        except OSError:
+            close_quietly(sock)
+            return
+        request = BufferedConnection(sock, bytes(incoming.buffer))
+        thread = threading.Thread(target=self._handle, args=(request, incoming.address), daemon=True,
+                                  name="http-handler")
+        self.handlers.__enter__()
+        try:
+            thread.start()
+        except RuntimeError:  # can't start a new thread
+            self.handlers.__exit__(None, None, None)
+            send_refusal(sock, 503, "server_busy", "The server cannot start a handler now.",
+                         self.limits.retry_after_s)
+
+    def _handle(self, request, client_address) -> None:
+        try:
+            self.process_request_thread(request, client_address)
+        finally:
+            self.handlers.__exit__(None, None, None)
+
+    def watch_client(self, request, on_gone) -> None:
+        """While a request is answered: ``on_gone()`` if its client closes the connection."""
+        if self._reader is not None:
+            self._reader.watch(raw_socket(request), on_gone)
+
+    def call_at(self, when: float, callback):
+        """Call ``callback()`` at ``when`` (monotonic) on the reader's thread; a handle for ``cancel_call``."""
+        self._ensure_reader()
+        return self._reader.call_at(when, callback)
+
+    def cancel_call(self, handle) -> None:
+        RequestReader.cancel_call(handle)
+
+    def unwatch_client(self, request) -> None:
+        if self._reader is not None:
+            self._reader.unwatch(raw_socket(request))
+
+    def count_closed(self, reason: str) -> None:
+        self.closed_counts[reason] += 1
+
+    def shutdown_request(self, request):
+        sock = raw_socket(request)
+        if isinstance(sock, ssl.SSLSocket):
+            from guardian.access.tls import send_close_notify
+
+            send_close_notify(sock)
+        super().shutdown_request(sock)
+
+    def refuse_plain_http(self, sock) -> None:
+        from guardian.access.tls import answer_plain_http
+
+        try:
+            sock.setblocking(True)
+            sock.settimeout(REFUSAL_SEND_TIMEOUT_S)
+            answer_plain_http(sock)
+        except OSError:
+            pass
+        close_quietly(sock)
+
+    def server_close(self):
+        super().server_close()
+        if self._reader is not None:
+            self._reader.stop()
+
+    def connection_status(self) -> dict:
+        """For /guardian/status: connections held by the reader, handler threads busy, closes by reason."""
+        if self._reader is None:
+            return {"held": 0, "handlers_active": 0, "max_handlers": self.limits.max_handlers, "closed": {}}
+        return {"held": self._reader.held, "handlers_active": self.handlers.active,
+                "max_handlers": self.limits.max_handlers, "closed": dict(self.closed_counts)}

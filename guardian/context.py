@@ -35,6 +35,9 @@ class RequestInfo:
     # Who sent it (guardian.access): an API key's name, or the client's address
     # when the server has no keys. Per-client limits and fair admission key on it.
     client: str = "-"
+    # Called (on another thread) if the client closes its connection while the
+    # request is answered; the engine adds its request's cancellation here.
+    on_client_gone: Optional[list] = None
 
 
 # The request's id goes back to its client in this header (the client's own
@@ -77,6 +80,26 @@ def at_request_end(callback: Callable[[], None]) -> bool:
     return True
 
 
+def when_client_leaves(callback: Callable[[], None]) -> bool:
+    """Call ``callback`` (on another thread) if the current request's client leaves
+    before the request ends. False outside a request scope."""
+    info = _current.get()
+    if info.on_client_gone is None:
+        return False
+    info.on_client_gone.append(callback)
+    return True
+
+
+def client_gone(info: RequestInfo) -> None:
+    """The client of the request ``info`` describes closed its connection: run its callbacks, once."""
+    callbacks = info.on_client_gone or []
+    while callbacks:
+        try:
+            callbacks.pop()()
+        except Exception:
+            log.exception("client_gone_callback_failed")
+
+
 def bind_log_fields(**fields) -> None:
     """Add fields to every later log line of the current request (no-op outside one)."""
     if _current.get().at_end is not None:
@@ -86,7 +109,7 @@ def bind_log_fields(**fields) -> None:
 @contextlib.contextmanager
 def request_scope(request_id: str, stream: bool, client: str = "-"):
     info = RequestInfo(request_id=request_id, stream=stream, response_headers={REQUEST_ID_HEADER: request_id},
-                       at_end=[], started_at=time.monotonic(), client=client)
+                       at_end=[], started_at=time.monotonic(), client=client, on_client_gone=[])
     token = _current.set(info)
     # Fields bound during the request must not follow the thread to the
     # next request of a keep-alive connection.
@@ -96,6 +119,7 @@ def request_scope(request_id: str, stream: bool, client: str = "-"):
             try:
                 yield
             finally:
+                info.on_client_gone.clear()  # answered: a close from now on is no one's leaving
                 for callback in info.at_end:
                     try:
                         callback()

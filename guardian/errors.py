@@ -142,3 +142,12 @@ _MODEL_NOT_FOUND_ERRORS = ("HFValidationError", "RepositoryNotFoundError", "Loca
 def is_model_not_found(exc: BaseException) -> bool:
     return isinstance(exc, FileNotFoundError) or type(exc).__name__ in _MODEL_NOT_FOUND_ERRORS
 
+
+
+class ClientLeft(ConnectionAbortedError):
+    """The client closed its connection while its request was being answered.
+
+    Put on a request's response queue when the connection layer sees the
+    close, so the HTTP thread waiting there stops at once (it has no one to
+    write to) and the engine drops the request at its next step.
+    """

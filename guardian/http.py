@@ -26,14 +26,16 @@ from guardian import metrics, relay_protocol, stock
 from guardian.access.policy import AccessDecision, AccessRequest
 from guardian.connection import linger_close
 from guardian.admission.facts import context_length_of
-from guardian.context import (REQUEST_ID_HEADER, add_response_headers, current_request, request_scope,
-                              sane_request_id)
+from guardian.context import (REQUEST_ID_HEADER, add_response_headers, client_gone, current_request,
+                              request_scope, sane_request_id)
 from guardian.errors import AbortRequest, GuardianError, from_stock_exception
 from guardian.plugins.manager import notify
 
 log = structlog.get_logger("guardian.http")
 
-_CLIENT_GONE = (BrokenPipeError, ConnectionResetError, ConnectionAbortedError)
+# A write that made no progress for [http] send_timeout_s raises TimeoutError: the
+# client stopped reading, which ends its request as a client that left does.
+_CLIENT_GONE = (BrokenPipeError, ConnectionResetError, ConnectionAbortedError, TimeoutError)
 
 # Stock's completion endpoints: the POST paths that carry a JSON body.
 TEXT_COMPLETION_PATH = "/v1/completions"
@@ -58,6 +60,7 @@ class GuardianHandler(stock.DoorCorsHandler):
         parsed = super().parse_request()
         self.client_request_id = sane_request_id(self.headers.get(REQUEST_ID_HEADER)) if parsed else None
         self.access = None
+        self._head_only = False
         return parsed and self.let_in()
 
     def let_in(self) -> bool:
@@ -92,9 +95,16 @@ class GuardianHandler(stock.DoorCorsHandler):
         self.resume_client_output()
         with self.server.completions, request_scope(self.client_request_id or self.request_id, bool(self.stream),
                                                     client=self.client_name):
-            if self.stream and relay_protocol.relayed_by_supervisor(self.headers):
-                return self.handle_relayed_stream(request, stop_words)
-            self.handle_completion_answered(request, stop_words)
+            # A client that closes its connection ends its request wherever it is:
+            # queued, in prefill, generating an answer not yet written (guardian.connection).
+            info = current_request()
+            self.server.watch_client(self.connection, lambda: client_gone(info))
+            try:
+                if self.stream and relay_protocol.relayed_by_supervisor(self.headers):
+                    return self.handle_relayed_stream(request, stop_words)
+                self.handle_completion_answered(request, stop_words)
+            finally:
+                self.server.unwatch_client(self.connection)
 
     def handle_relayed_stream(self, request, stop_words):
         """A stream the supervisor relays: tagged with its tokens, perhaps a continuation
@@ -206,13 +216,14 @@ class GuardianHandler(stock.DoorCorsHandler):
             live = getattr(self.response_generator, "live", None)
             config = {"config": live.status()} if live is not None else {}
             self.send_json(200, {**engine.status(), **watchdog.status(), **config,
-                                 "access": self.server.door.status()})
+                                 "access": self.server.door.status(),
+                                 "connections": self.server.connection_status()})
         elif path == "/metrics":
             self.send_metrics(metrics.registry_of(self.response_generator.pm))
         elif path.startswith("/v1/models"):
             self.send_models(engine.cli_args, self.response_generator.gate)
         else:
-            self.send_unknown_path()
+            self.send_method_not_allowed()
 
     def send_unknown_path(self):
         """OpenAI's answer to a path it does not have (stock: a text/plain "Not Found")."""
@@ -221,7 +232,34 @@ class GuardianHandler(stock.DoorCorsHandler):
             type="invalid_request_error", code="unknown_url",
         ))
 
-    do_PUT = do_PATCH = do_DELETE = send_unknown_path
+    def do_HEAD(self):
+        """GET's answer without its body, where GET has one (load balancers' checks, curl -I)."""
+        self._head_only = True
+        self.do_GET()
+
+    def send_method_not_allowed(self):
+        """405 with Allow for a path that exists under other methods; else the unknown path's 404."""
+        path = self.path.partition("?")[0]
+        if path in GET_PATHS or path.startswith("/v1/models/"):
+            allowed = "GET, HEAD, OPTIONS"
+        elif path in COMPLETION_PATHS:
+            allowed = "POST, OPTIONS"
+        else:
+            return self.send_unknown_path()
+        self.send_error_json(GuardianError(
+            f"{self.command} is not allowed on {path}; use {allowed.split(',')[0]}.", status=405,
+            type="invalid_request_error", code="method_not_allowed", retry=False, headers={"Allow": allowed}))
+
+    do_PUT = do_PATCH = do_DELETE = send_method_not_allowed
+
+    def send_error(self, code, message=None, explain=None):
+        # http.server answers a method no do_X exists for (TRACE, anything) 501: it is a 405 here.
+        if code == 501 and getattr(self, "command", None):
+            return self.send_method_not_allowed()
+        super().send_error(code, message, explain)
+
+    # HEAD: headers only (end_headers drops what is written after them).
+    _head_only = False
 
     def send_metrics(self, registry) -> None:
         """Prometheus' text (guardian.metrics); a 404 when the metrics plugin is disabled."""
@@ -330,6 +368,8 @@ class GuardianHandler(stock.DoorCorsHandler):
         for name, value in (headers or {}).items():
             self.send_header(name, value)
         super().end_headers()
+        if self._head_only:
+            self.wfile = _Discard()
 
     def send_health(self, engine, watchdog) -> None:
         """Stock's path, truthful: 200 only while the engine can generate."""
@@ -353,6 +393,16 @@ class GuardianHandler(stock.DoorCorsHandler):
         key_name = self.access.key_name if self.access is not None else None
         (log.debug if routine else log.info)("http_access", client=self.client_name, line=format % args,
                                              **({"api_key": key_name} if key_name else {}))
+
+
+class _Discard:
+    """Where a HEAD answer's body goes."""
+
+    def write(self, data) -> int:
+        return len(data)
+
+    def flush(self) -> None:
+        pass
 
 
 class RelayedGenerator:

@@ -268,7 +268,7 @@ def merge(current: GuardianConfig, new: GuardianConfig, started: GuardianConfig)
     merged = dataclasses.replace(
         new,
         core=tables["guardian"], watchdog=tables["watchdog"], supervisor=tables["supervisor"],
-        access=tables["access"],
+        access=tables["access"], http=tables["http"],
         plugin_settings={name: tables[name] for name in current.plugin_settings},
     )
     # Plugins' tables the running server has no plugin for (a plugin added to

@@ -18,8 +18,9 @@ import structlog
 
 from guardian import stock
 from guardian.access import announce, make_door
-from guardian.access.tls import ServesTLS, ServerCertificate, load_certificate
+from guardian.access.tls import ServerCertificate, load_certificate
 from guardian.config import AccessSettings, ConfigError, GuardianConfig
+from guardian.connection import HANDLER_HEADROOM, HeldConnections, LiveLimits
 from guardian.counting import ActiveCount
 from guardian.admission.facts import served_model_config
 from guardian.admission.gate import AdmissionGate, AdmittingGenerator
@@ -226,8 +227,9 @@ def reload_on_sighup(live: LiveConfig, door, tls: Optional[ServerCertificate] = 
         threading.Thread(target=tls.reload, args=("sighup",), name="tls-reload", daemon=True).start()
 
 
-class GuardianHTTPServer(ServesTLS, ThreadingHTTPServer):
-    """Stock's threading HTTP server, serving HTTPS when given a certificate (guardian.access.tls)."""
+class GuardianHTTPServer(HeldConnections, ThreadingHTTPServer):
+    """Stock's threading HTTP server behind the connection layer (guardian.connection):
+    requests read under deadlines, handler threads bounded, HTTPS when given a certificate."""
 
 
 def make_http_server(host: str, port: int, served: Optional[Guardian], door=None,
@@ -241,6 +243,10 @@ def make_http_server(host: str, port: int, served: Optional[Guardian], door=None
 
     httpd = GuardianHTTPServer((host, port), handler)
     httpd.tls = tls
+    if served is not None:
+        httpd.limits = LiveLimits(served.live.view("http"), auto_max_handlers(served),
+                                  lambda: served.config.core.retry_after_s,
+                                  extra_handlers=HANDLER_HEADROOM if started_by_supervisor() else 0)
     # Handler threads must not keep a failed process alive past its exit.
     httpd.daemon_threads = True
     # Completion requests HTTP threads are answering now, for drain().
@@ -248,6 +254,14 @@ def make_http_server(host: str, port: int, served: Optional[Guardian], door=None
     # Without one (tests that build a server by hand): the default door for the address.
     httpd.door = door or make_door(AccessSettings(), bound_host=host, allowed_origins=None)
     return httpd
+
+
+def auto_max_handlers(served: Guardian) -> int:
+    """Handler threads when [http] max_handlers is 0: the engine's decode concurrency,
+    the prompt guard's queue, and headroom (guardian.connection)."""
+    guard = served.config.plugin_settings.get("prompt_guard")
+    queued = getattr(guard, "max_queued", 0) if getattr(guard, "enabled", False) else 0
+    return getattr(served.cli_args, "decode_concurrency", 32) + queued + HANDLER_HEADROOM
 
 
 def drain(httpd, engine, grace_s: float) -> None:

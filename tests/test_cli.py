@@ -133,7 +133,7 @@ def test_stock_engine_reads_only_the_supervisor_table(tmp_path):
     path.write_text("[supervisor]\nengine = 'stock'\n")
     assert read_settings(supervisor_options("--guardian-config", str(path))[0])[0].engine == "stock"
     path.write_text("[supervisor]\nengine = 'stock'\n[recovery]\nmax_failures = 2\n")
-    with pytest.raises(ConfigError, match=r"--engine stock reads only \[supervisor\] and \[access\]; nothing reads \[recovery\]"):
+    with pytest.raises(ConfigError, match=r"--engine stock reads only \[supervisor\], \[access\] and \[http\]; nothing reads \[recovery\]"):
         read_settings(supervisor_options("--guardian-config", str(path))[0])
 
 

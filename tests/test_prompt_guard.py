@@ -372,7 +372,7 @@ def test_a_body_over_max_body_bytes_gets_413_without_being_read(start_server):
     server = start_server(guard(max_body_bytes=10_000))
     # Announce 40 MB and send none of it: only an answer from the header can come back.
     with socket.create_connection(("127.0.0.1", server.port), timeout=10) as raw:
-        raw.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: guardian\r\n"
+        raw.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\n"
                     b"Content-Type: application/json\r\nContent-Length: 40000000\r\n\r\n")
         received = b""
         while chunk := raw.recv(65536):
@@ -432,7 +432,7 @@ def test_stocks_other_refusals_get_openai_shaped_errors_and_the_engine_keeps_ser
 def test_a_negative_content_length_is_refused_without_waiting_for_the_body(start_server):
     server = start_server()
     with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
-        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\n"
                      b"Content-Type: application/json\r\nContent-Length: -5\r\n\r\n")
         answer = b""
         while b"\r\n\r\n" not in answer:
@@ -548,7 +548,7 @@ def test_each_request_is_tokenized_once_on_its_http_thread(counting_server, coun
     calls = user_calls()
     assert len(calls) == len(requests), calls
     # On the HTTP threads, none on the engine's.
-    assert all("process_request" in call["thread"] for call in calls), calls
+    assert all(call["thread"] == "http-handler" for call in calls), calls
     tooled = next(call for call in calls if call["messages"] == 2)
     assert tooled["n_tokens"] == count_chat(requests[2][1]["messages"], TOOLS)
     # The engine used those tokens: usage reports the same count.

@@ -46,7 +46,8 @@ def test_requests_in_flight_at_a_sigkill_and_sent_meanwhile_are_served(start_sup
     first = post_in_thread(supervised.url, chat_body("In flight at the kill.", max_tokens=300), in_flight)
     poll(lambda: supervised.supervisor()["in_flight"] >= 1, 10, what="the request relayed")
     # Its child has taken it and generates: the child's own steps move on.
-    child_status = f"http://127.0.0.1:{supervised.supervisor()['child']['port']}/guardian/status"
+    # The child's status, through the supervisor (the child serves only its supervisor).
+    child_status = supervised.url + "/guardian/status"
     steps_before = httpx.get(child_status, timeout=5).json()["steps"]
     poll(lambda: httpx.get(child_status, timeout=5).json()["steps"] >= steps_before + 5, 10,
          what="the child generating")

@@ -116,11 +116,12 @@ def test_a_client_cannot_claim_to_be_the_supervisor(start_supervisor):
     events = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
     assert "".join(c["delta"].get("content") or "" for e in events for c in e.get("choices", [])) == \
         streamed(honest.result)["text"]
-    # Straight to the child, without the key: not tagged, not continued.
+    # Straight to the child, without the key: refused (it serves only its supervisor), nothing tagged.
     child_url = f"http://127.0.0.1:{supervised.supervisor()['child']['port']}"
-    direct = read_whole(child_url + COMPLETIONS, body)
-    assert not any(line.startswith(": guardian-tokens") for line in direct.raw_lines)
-    assert streamed(direct.result)["text"] == streamed(honest.result)["text"]
+    direct = httpx.post(child_url + COMPLETIONS, json=body, timeout=30,
+                        headers={"X-Guardian-Continue-From": "1,2,3", "X-Guardian-Relay-Key": "guess"})
+    assert direct.status_code == 403 and direct.json()["error"]["code"] == "not_from_supervisor"
+    assert ": guardian-tokens" not in direct.text
 
 
 def test_past_max_resends_a_cut_stream_ends_with_an_error_event(start_supervisor, tmp_path):
@@ -203,7 +204,8 @@ def test_a_stream_cut_inside_a_tool_call_ends_with_an_error_not_a_second_call(st
     cut = StreamReader(supervised.url + COMPLETIONS, body)
     cut.start()
     poll(lambda: "check." in streamed(cut.result)["text"], 60, what="the text before the call")
-    child_status = f"http://127.0.0.1:{supervised.supervisor()['child']['port']}/guardian/status"
+    # The child's status, through the supervisor (the child serves only its supervisor).
+    child_status = supervised.url + "/guardian/status"
     steps = httpx.get(child_status, timeout=5).json()["steps"]
     # Some 5 tokens into the call: stock holds them back, nothing more reaches the client.
     poll(lambda: httpx.get(child_status, timeout=5).json()["steps"] >= steps + 5, 30, what="the call begun")

@@ -25,8 +25,8 @@ import pytest
 import trustme
 
 from conftest import Server, chat_body, free_port, poll, read_stream, spawn_guardian
-from guardian.access import tls as tls_module
-from guardian.access.tls import ServerCertificate, ServesTLS
+from guardian.access.tls import ServerCertificate
+from guardian.connection import ConnectionLimits, HeldConnections
 from guardian.exit_codes import EXIT_USAGE
 
 COMPLETIONS = "/v1/chat/completions"
@@ -170,7 +170,7 @@ def test_plain_http_and_garbage_are_turned_away_and_serving_goes_on(server):
     with socket.create_connection((HOST, server.port), timeout=10) as raw:
         raw.sendall(b"\x16\x03\x01\x00\x05hello")
     # A client that connects and says nothing holds no one else up: the
-    # handshake runs on the connection's own thread, not in the accept loop.
+    # connection layer's reader runs handshakes non-blocking, beside every other read.
     with socket.create_connection((HOST, server.port), timeout=10):
         with server.client() as client:
             response = client.post(server.url + COMPLETIONS, json=chat_body(max_tokens=2), timeout=5)
@@ -221,7 +221,7 @@ def test_a_certificate_that_does_not_load_stops_the_start(mode, tmp_path, model_
     assert invalid and "access.ssl_certfile" in invalid[0]["error_message"], log_path.read_text()
 
 
-# -- the mixin on its own, without a model ---------------------------------------------
+# -- the connection layer's TLS on its own, without a model --------------------------------
 class Hello(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.0"
 
@@ -236,8 +236,9 @@ class Hello(BaseHTTPRequestHandler):
         pass
 
 
-class HelloServer(ServesTLS, ThreadingHTTPServer):
+class HelloServer(HeldConnections, ThreadingHTTPServer):
     daemon_threads = True
+    limits = ConnectionLimits(idle_timeout_s=0.3, header_timeout_s=0.3)
 
 
 @pytest.fixture
@@ -252,8 +253,7 @@ def hello_server(tmp_path):
     httpd.server_close()
 
 
-def test_a_silent_client_is_dropped_after_the_handshake_timeout(hello_server, monkeypatch):
-    monkeypatch.setattr(tls_module, "HANDSHAKE_TIMEOUT_S", 0.3)
+def test_a_silent_client_is_dropped_after_the_idle_timeout(hello_server):
     url = f"https://{HOST}:{hello_server.server_address[1]}/"
     with socket.create_connection((HOST, hello_server.server_address[1]), timeout=10) as silent:
         # Served meanwhile: the silent client waits on its own thread.

@@ -222,11 +222,20 @@ def test_a_model_the_server_does_not_serve_is_404(server, field, tmp_path):
 
 
 @pytest.mark.parametrize("method, path", [("GET", "/v1/nothing"), ("POST", "/v1/nothing"),
-                                          ("DELETE", "/v1/chat/completions"), ("GET", "/")])
+                                          ("DELETE", "/v1/nothing"), ("GET", "/")])
 def test_an_unknown_path_is_an_openai_404(server, method, path):
     response = httpx.request(method, server.url + path, timeout=10)
     assert response.status_code == 404
     assert response.json()["error"]["code"] == "unknown_url"
+
+
+@pytest.mark.parametrize("method, path, allowed", [("DELETE", "/v1/chat/completions", "POST, OPTIONS"),
+                                                   ("GET", "/v1/completions", "POST, OPTIONS"),
+                                                   ("PUT", "/health", "GET, HEAD, OPTIONS")])
+def test_a_method_a_path_does_not_take_is_an_openai_405(server, method, path, allowed):
+    response = httpx.request(method, server.url + path, timeout=10)
+    assert response.status_code == 405 and response.headers["Allow"] == allowed
+    assert response.json()["error"]["code"] == "method_not_allowed"
 
 
 def test_malformed_input_is_logged_without_the_body(server):

@@ -1,12 +1,11 @@
 """TLS at the door: ``--ssl-certfile`` / ``--ssl-keyfile`` (vLLM's names), read again on SIGHUP.
 
 Imports no mlx: the one-process server and the supervisor's public port
-serve HTTPS the same way. ``ServesTLS`` is a mixin for a threading
-``socketserver`` server: the accept loop only accepts, and each connection's
-handshake runs on that connection's own thread, so a slow or silent client
-cannot hold up anyone else's. A new connection takes the newest context: a
-reload swaps one attribute, and connections already open keep the one they
-began with.
+serve HTTPS the same way, through the connection layer (guardian.connection),
+whose reader runs each handshake non-blocking beside every other
+connection's reads, under the same deadlines: a slow or silent client holds
+up no one. A new connection takes the newest context: a reload swaps one
+attribute, and connections already open keep the one they began with.
 """
 
 from __future__ import annotations
@@ -24,9 +23,6 @@ from guardian.errors import GuardianError
 
 log = structlog.get_logger("guardian.access")
 
-# Each step of a handshake (the client's hello, its key exchange) waits at
-# most this long; a client that goes quiet costs one thread until then.
-HANDSHAKE_TIMEOUT_S = 10.0
 # A TLS connection's first byte: a handshake record (RFC 8446 §5.1). A plain
 # HTTP request starts with a method's letters.
 TLS_HANDSHAKE_RECORD = b"\x16"
@@ -64,32 +60,6 @@ class ServerCertificate:
         log.info("tls_reloaded", reason=reason, certfile=self.certfile, keyfile=self.keyfile)
         return True
 
-    def handshake(self, sock: socket.socket, client_address) -> Optional[ssl.SSLSocket]:
-        """The TLS connection over ``sock``, or None once ``sock`` is closed: it
-        was not TLS (a plain HTTP request gets a 400 saying so), or the handshake
-        failed or timed out. A failure is the client's: logged at debug only."""
-        timeout = sock.gettimeout()
-        sock.settimeout(HANDSHAKE_TIMEOUT_S)
-        tls = None
-        try:
-            first = sock.recv(1, socket.MSG_PEEK)
-            if first != TLS_HANDSHAKE_RECORD:
-                if first.isalpha():
-                    answer_plain_http(sock)
-                why = "plain HTTP" if first.isalpha() else "not TLS" if first else "closed"
-                log.debug("tls_handshake_failed", client=client_address[0], error_message=why)
-                sock.close()
-                return None
-            tls = self.context.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
-            tls.do_handshake()
-            tls.settimeout(timeout)
-            return tls
-        except (OSError, ValueError) as e:  # timeouts and ssl.SSLError are OSErrors
-            log.debug("tls_handshake_failed", client=client_address[0],
-                      error_message=str(e) or type(e).__name__)
-            (tls or sock).close()
-            return None
-
 
 def answer_plain_http(sock: socket.socket) -> None:
     """Tell a plain HTTP client why it gets no answer here (it sent a request to the TLS port)."""
@@ -111,34 +81,6 @@ def send_close_notify(tls: ssl.SSLSocket) -> None:
         tls.unwrap()
     except (OSError, ValueError):  # SSLWantReadError: ours is sent, the client's not awaited
         pass
-
-
-class ServesTLS:
-    """Mixin for a ``socketserver.ThreadingMixIn`` server: HTTPS when ``tls`` is set.
-
-    The handshake runs on the connection's thread (``process_request_thread``),
-    never in the accept loop; a connection whose handshake fails ends there,
-    quietly, and the server goes on serving.
-    """
-
-    # The certificate new connections get; None: plain HTTP.
-    tls: Optional[ServerCertificate] = None
-
-    @property
-    def scheme(self) -> str:
-        return "http" if self.tls is None else "https"
-
-    def process_request_thread(self, request, client_address):
-        if self.tls is not None:
-            request = self.tls.handshake(request, client_address)
-            if request is None:
-                return
-        super().process_request_thread(request, client_address)
-
-    def shutdown_request(self, request):
-        if isinstance(request, ssl.SSLSocket):
-            send_close_notify(request)
-        super().shutdown_request(request)
 
 
 def load_certificate(settings) -> Optional[ServerCertificate]:

@@ -32,8 +32,8 @@ import structlog
 from guardian import relay_protocol
 from guardian.access.keys import API_KEY_HEADER, AUTHORIZATION
 from guardian.access.policy import CLIENT_HEADER, AccessDecision, AccessRequest
-from guardian.access.tls import ServerCertificate, ServesTLS
-from guardian.connection import linger_close
+from guardian.access.tls import ServerCertificate
+from guardian.connection import HeldConnections, linger_close
 from guardian.context import REQUEST_ID_HEADER, sane_request_id
 from guardian.supervise import metrics as supervise_metrics
 from guardian.supervise.crash_quarantine import fingerprint
@@ -87,16 +87,20 @@ MAX_HELD_EVENT_BYTES = 1 << 20
 CLIENT_GONE = (BrokenPipeError, ConnectionResetError, ConnectionAbortedError, TimeoutError)
 
 
-class PublicServer(ServesTLS, ThreadingHTTPServer):
-    """The public host:port; one daemon thread per connection. With a
-    certificate it serves HTTPS (the child behind it stays plain HTTP on loopback)."""
+class PublicServer(HeldConnections, ThreadingHTTPServer):
+    """The public host:port, behind the same connection layer as the engine's
+    server (guardian.connection): requests read under deadlines, handler threads
+    bounded. With a certificate it serves HTTPS (the child behind it stays plain
+    HTTP on loopback)."""
 
     # A failed supervisor must exit without waiting for slow clients.
     daemon_threads = True
 
-    def __init__(self, address, supervisor, tls: Optional[ServerCertificate] = None):
+    def __init__(self, address, supervisor, tls: Optional[ServerCertificate] = None, limits=None):
         self.supervisor = supervisor
         self.tls = tls
+        if limits is not None:
+            self.limits = limits
         super().__init__(address, ProxyHandler)
 
 
@@ -141,6 +145,12 @@ class ProxyHandler(BaseHTTPRequestHandler):
         self.route()
 
     do_POST = do_PUT = do_PATCH = do_DELETE = do_OPTIONS = do_HEAD = do_GET
+
+    def send_error(self, code, message=None, explain=None):
+        # http.server answers a method it has no do_X for 501: the child says what it allows.
+        if code == 501 and getattr(self, "command", None) and self.access is not None:
+            return self.route()
+        super().send_error(code, message, explain)
 
     def route(self) -> None:
         """Pick who answers: the supervisor itself, the crash quarantine, or the child's turn."""

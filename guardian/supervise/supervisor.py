@@ -47,6 +47,7 @@ from guardian.logs import configure_logging
 from guardian.access import announce, make_door
 from guardian.access.tls import ServerCertificate, load_certificate
 from guardian.relay_protocol import KEY_HEADER, RELAY_KEY_ENV, new_relay_key
+from guardian.connection import HANDLER_HEADROOM, ConnectionLimits
 from guardian.supervise.proxy import CHILD_CONNECT_TIMEOUT_S, CHILD_HOST, PublicServer
 from guardian.health.sd_notify import SystemdNotifier
 
@@ -186,7 +187,8 @@ class Supervisor:
             print(f"mlx-guardian: {e}", file=sys.stderr)
             return EXIT_USAGE
         try:
-            self.httpd = PublicServer(resolve(self.options.host, self.options.port), self, self.tls)
+            self.httpd = PublicServer(resolve(self.options.host, self.options.port), self, self.tls,
+                                      public_limits(self.options, self.child_args, self.settings))
         except OSError as e:
             log.critical("supervisor_bind_failed", host=self.options.host, port=self.options.port,
                          error_message=str(e))
@@ -573,6 +575,8 @@ class Supervisor:
             "in_flight": self.in_flight.active,
             "holding": self.holding,
             "quarantine": self.quarantine.status(),
+            "connections": self.httpd.connection_status() if self.httpd is not None else None,
+            "access": self.door.status(),
         }
 
 
@@ -645,6 +649,18 @@ def public_door(options: argparse.Namespace, child_args: list[str]):
     return make_door(access, bound_host=options.host, allowed_origins=allowed_origins)
 
 
+def public_limits(options: argparse.Namespace, child_args: list[str], settings: SupervisorSettings):
+    """The public port's connection layer: [http] from --guardian-config; its handler
+    threads, when not set, sized from the child's --decode-concurrency and the requests
+    the supervisor holds while no child is ready."""
+    http = load_config(options.guardian_config).http
+    flags = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    flags.add_argument("--decode-concurrency", type=int, default=32)  # stock's default
+    decode_concurrency = flags.parse_known_args(child_args)[0].decode_concurrency
+    auto = decode_concurrency + settings.hold_requests + HANDLER_HEADROOM
+    return ConnectionLimits(**{**vars(http), "max_handlers": http.max_handlers or auto})
+
+
 def signal_quietly(proc: subprocess.Popen, signum: int) -> None:
     """Send a signal; a child that already exited is no error (reap tells why)."""
     try:
@@ -702,9 +718,9 @@ def read_settings(options: argparse.Namespace) -> tuple[SupervisorSettings, Core
     if settings.engine == "stock":
         # [access] is the public port's, which the supervisor serves whatever the child.
         others = [name for name in config.tables
-                  if name not in (SupervisorSettings.table_name, AccessSettings.table_name)]
+                  if name not in (SupervisorSettings.table_name, AccessSettings.table_name, "http")]
         if others:
-            raise ConfigError(f"{config.source}: --engine stock reads only [supervisor] and [access]; "
+            raise ConfigError(f"{config.source}: --engine stock reads only [supervisor], [access] and [http]; "
                               f"nothing reads [{others[0]}]")
     return settings, config.core.with_flags(options)
 
