@@ -2,8 +2,8 @@
 
 Two servers serve the offline demo model on 127.0.0.1: ``mlx-guardian`` (the
 engine in the process that serves HTTP) and ``mlx-guardian --supervise`` (a
-supervisor on the public port relays every request with httpx to the same
-guardian running as its child). N looping clients each send their share of a
+supervisor on the public port relays every request to the same guardian
+running as its child). N looping clients each send their share of a
 burst of chat requests, streamed or not; every request has a prompt of its
 own (no prompt-cache hits) and the same ``max_tokens`` (the demo model never
 stops early). Round after round, each server takes its turn with each kind of
@@ -18,8 +18,18 @@ generation) and the clients get the others; ``--no-pin`` measures the machine
 unpinned. The supervisor's own CPU time per request and per token (read from
 /proc) is the relay's cost without the noise of throughput.
 
-    .venv/bin/python bench/relay_cost.py                 # ~5 min, a markdown table
+``--per-event`` measures what relaying one streamed event costs, apart from
+any engine: a stand-in child (a process that answers each connection with
+paced SSE events, one write each, as the engine's are) and a reading client
+(another process); between them, on one thread here, the supervisor's own
+``Upstream`` and ``ProxyHandler.relay_events``; the same with its own work
+timed, from each read's return to its write; and a bare loop (one read, one
+write per event: what any relay in Python pays, mostly the thread's
+wake-up), in turn. The thread's CPU time per event is the figure.
+
+    .venv/bin/python bench/relay_cost.py                 # 1-3 min, a markdown table
     .venv/bin/python bench/relay_cost.py --rounds 4 --json
+    .venv/bin/python bench/relay_cost.py --per-event     # ~20 s
 
 It is a benchmark, not a test: it never runs with the test suite.
 """
@@ -29,7 +39,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -114,8 +126,10 @@ def burst(server: Server, prompts: list[str], clients: int, max_tokens: int, str
     with ThreadPoolExecutor(clients) as pool:
         tokens = sum(pool.map(client_loop, [prompts[i::clients] for i in range(clients)]))
     wall = time.monotonic() - started
+    # The load average says how much else ran: other work on a shared machine skews a round.
     result = {"tokens": tokens, "requests": len(prompts), "wall_s": wall,
-              "tokens_per_s": tokens / wall, "requests_per_s": len(prompts) / wall}
+              "tokens_per_s": tokens / wall, "requests_per_s": len(prompts) / wall,
+              "load_1min": os.getloadavg()[0]}
     if cpu_before is not None:
         result["process_cpu_s"] = cpu_seconds(pid) - cpu_before
     return result
@@ -180,10 +194,13 @@ def summarize(results: dict) -> dict:
 def report(data: dict) -> str:
     pinned = (f"servers pinned to CPU {data['pinning']['servers']}, clients on {data['pinning']['client']}"
               if data["pinning"] else "unpinned")
+    loads = [run["load_1min"] for mode in MODES for kind in KINDS for run in data["results"][mode][kind]
+             if "load_1min" in run]
+    load = f"; load average {min(loads):.1f}–{max(loads):.1f}" if loads else ""
     lines = [
         f"Relay cost, {data['when']}: {data['environment']}; demo model; {data['clients']} looping clients, "
         f"bursts of {data['requests']} chat requests, max_tokens={data['max_tokens']}, {data['rounds']} rounds "
-        f"alternating; {pinned}; {data['wall_s'] / 60:.1f} min.",
+        f"alternating; {pinned}; {data['wall_s'] / 60:.1f} min{load}.",
         "",
         "| requests | in-process tok/s | supervise tok/s | ratio (median) | rounds min–max | IQR | "
         "supervisor CPU / request | / token | supervisor CPU share |",
@@ -204,6 +221,148 @@ def report(data: dict) -> str:
     return "\n".join(lines)
 
 
+# --per-event: a stand-in child, an event as the guardian's child writes it (its
+# token tag, then a chat chunk), and a client that reads until the end.
+PACED_CHILD = r'''
+import socket, sys, time
+events, gap_s = int(sys.argv[1]), float(sys.argv[2])
+event = (b": guardian-tokens %d\ndata: {\"id\": \"chatcmpl-d3b47202-5b10-45d6-94a3-2af447450a52\", "
+         b"\"object\": \"chat.completion.chunk\", \"model\": \"default_model\", \"created\": 1796157108, "
+         b"\"choices\": [{\"index\": 0, \"finish_reason\": null, \"delta\": {\"content\": \" guardian\"}}]}\n\n")
+listener = socket.create_server(("127.0.0.1", 0))
+print(listener.getsockname()[1], flush=True)
+while True:
+    conn, _ = listener.accept()
+    request = b""
+    while not request.endswith(b"\r\n\r\n{}"):
+        request += conn.recv(1 << 16)
+    conn.sendall(b"HTTP/1.0 200 OK\r\nContent-Type: text/event-stream\r\nX-Guardian-Continuable: 1\r\n\r\n")
+    for i in range(events):
+        conn.sendall(event % i)
+        time.sleep(gap_s)
+    conn.sendall(b"data: [DONE]\n\n")
+    conn.close()
+'''
+READING_CLIENT = r'''
+import socket, sys
+for _ in sys.stdin:
+    with socket.create_connection(("127.0.0.1", int(sys.argv[1]))) as sock:
+        print("connected", flush=True)
+        while sock.recv(1 << 16):
+            pass
+    print("read", flush=True)
+'''
+# As the connection layer sets a handler's socket ([http] send_timeout_s).
+CLIENT_SEND_TIMEOUT_S = 30.0
+
+
+def relay_events_loop(client, upstream, events: int) -> None:
+    """The supervisor's own relay of one stream: tags taken, events whole, one write per read."""
+    from guardian.relay_protocol import RelayedStream
+    from guardian.supervise.proxy import ProxyHandler
+
+    handler = ProxyHandler.__new__(ProxyHandler)  # relay_events needs only the client's connection
+    handler.connection = client
+    stream = RelayedStream()
+    cut = handler.relay_events(upstream, stream)
+    if cut is not None or len(stream.tokens) != events:
+        raise RuntimeError(f"relay_events: {cut!r}, {len(stream.tokens)} of {events} tokens")
+
+
+class StampedReads:
+    """The Upstream, each of its reads stamped as it returns."""
+
+    def __init__(self, upstream, stamps: list):
+        self.upstream, self.stamps = upstream, stamps
+
+    def chunks(self):
+        for chunk in self.upstream.chunks():
+            self.stamps.append(time.perf_counter())
+            yield chunk
+
+
+class StampedWrites:
+    """The client's connection, each write stamped as it starts, then written as the relay writes."""
+
+    def __init__(self, sock: socket.socket, stamps: list):
+        from guardian.supervise.proxy import client_writer
+
+        self.write, self.stamps = client_writer(sock), stamps
+
+    def sendall(self, data: bytes) -> None:
+        self.stamps.append(time.perf_counter())
+        self.write(data)
+
+
+def relay_events_timed(client: socket.socket, upstream, events: int) -> list[float]:
+    """relay_events with its own work timed, event by event: from a read's return to its write."""
+    reads, writes = [], []
+    relay_events_loop(StampedWrites(client, writes), StampedReads(upstream, reads), events)
+    # Each paced event is one read and one write; anything else cannot be paired.
+    return [1e6 * (w - r) for r, w in zip(reads, writes)] if len(reads) == len(writes) else []
+
+
+def bare_loop(client: socket.socket, upstream, events: int) -> None:
+    """One read and one write per event, nothing else: the floor of any relay written in Python."""
+    fd = client.fileno()
+    for chunk in upstream.chunks():
+        os.write(fd, chunk)
+
+
+def per_event(events: int, gap_s: float, repeats: int) -> dict:
+    """The relaying thread's CPU per event, for each loop, ``repeats`` times alternately."""
+    from guardian.supervise.proxy import Upstream
+
+    child = subprocess.Popen([sys.executable, "-c", PACED_CHILD, str(events), str(gap_s)],
+                             stdout=subprocess.PIPE, text=True)
+    listener = socket.create_server(("127.0.0.1", 0))
+    client = subprocess.Popen([sys.executable, "-c", READING_CLIENT, str(listener.getsockname()[1])],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    loops = {"relay_events": relay_events_loop, "relay_events, its work timed": relay_events_timed,
+             "bare read + write": bare_loop}
+    cpu_us = {name: [] for name in loops}
+    work_us = []
+    try:
+        child_port = int(child.stdout.readline())
+        for _ in range(repeats):
+            for name, loop in loops.items():
+                client.stdin.write("go\n")
+                client.stdin.flush()
+                conn, _ = listener.accept()
+                client.stdout.readline()
+                conn.settimeout(CLIENT_SEND_TIMEOUT_S)
+                upstream = Upstream(child_port, "POST", "/v1/chat/completions", [], b"{}")
+                started = time.thread_time()
+                work_us += loop(conn, upstream, events) or []
+                cpu_us[name].append(1e6 * (time.thread_time() - started) / events)
+                upstream.close()
+                conn.close()
+                client.stdout.readline()
+    finally:
+        child.kill()
+        client.kill()
+        listener.close()
+    return {"events": events, "gap_s": gap_s, "repeats": repeats, "cpu_us_per_event": cpu_us,
+            "relay_work_us_per_event": statistics.median(work_us) if work_us else None}
+
+
+def per_event_report(data: dict) -> str:
+    lines = [
+        f"Relay CPU per event, {data['when']}: {data['environment']}; {data['events']} events a stream, "
+        f"one every {data['gap_s'] * 1e3:g} ms (plus the write), {data['repeats']} streams per loop, alternating.",
+        "",
+        "| loop | relaying thread CPU per event (median) | min–max |",
+        "|---|---|---|",
+    ]
+    for name, values in data["cpu_us_per_event"].items():
+        lines.append(f"| {name} | **{statistics.median(values):.1f} µs** | {min(values):.1f}–{max(values):.1f} |")
+    if data["relay_work_us_per_event"] is not None:
+        lines += ["", f"relay_events' own work, from a read's return to its write (median over every event): "
+                      f"**{data['relay_work_us_per_event']:.1f} µs**; the rest is the thread's wake-up, the read "
+                      f"and the write."]
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=8)
@@ -212,7 +371,17 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--no-pin", action="store_true", help="let servers and clients share every CPU")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--per-event", action="store_true",
+                        help="the relay's CPU per streamed event, against a stand-in child (no engine)")
+    parser.add_argument("--events", type=int, default=2000, help="--per-event: events a stream")
+    parser.add_argument("--repeats", type=int, default=5, help="--per-event: streams per loop")
     args = parser.parse_args()
+
+    if args.per_event:
+        data = {"when": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "environment": environment(),
+                **per_event(args.events, 0.0005, args.repeats)}
+        print(json.dumps(data, indent=2) if args.json else per_event_report(data))
+        return
 
     from guardian.demo_model import ensure_demo_model
 

@@ -70,6 +70,12 @@ class CoreSettings(Table, name="guardian"):
     retry_after_s = Setting(SECONDS, 1.0, """
         Seconds clients are told to wait (Retry-After) on a 503 while the engine
         restarts, in-process or, with --supervise, as a new child process.""", live=True)
+    request_timeout_s = Setting(SECONDS, 0.0, """
+        A completion request still unanswered this long after it arrived is
+        stopped and answered 504 deadline_exceeded (a stream: an error event).
+        A client's own read timeout, which the openai SDK sends as
+        x-stainless-read-timeout, is a deadline too; the sooner wins. 0: none
+        but the client's.""", live=True)
     exit_grace_s = Setting(SECONDS, 5.0, """
         On exit, how long requests in flight get to reach their clients.""", live=True)
     allowed_models = Setting(ListOf(Str()), [], """
@@ -250,6 +256,11 @@ class HttpSettings(Table, name="http"):
     send_timeout_s = Setting(SECONDS, 30.0, """
         A write to a client that makes no progress for this long ends its
         request: the client stopped reading (nginx's send_timeout). 0: none.""", live=True)
+    send_buffer_bytes = Setting(Int(min=0), 256 * 1024, """
+        The kernel's send buffer for each client connection (SO_SNDBUF): what a
+        client that stopped reading can leave unsent before send_timeout_s
+        starts to count, and the kernel memory it holds (autotuned, a buffer can
+        grow to megabytes). 0: the system's autotuning.""", live=True)
     max_handlers = Setting(Int(min=0), 0, """
         Requests handled at once (each holds a thread; a stream for its life).
         Past it, a complete request gets 503 + Retry-After at once. 0: sized from

@@ -70,6 +70,7 @@ class ConnectionLimits:
     body_timeout_s: float = 30.0
     idle_timeout_s: float = 5.0
     send_timeout_s: float = 30.0
+    send_buffer_bytes: int = 256 * 1024
     max_handlers: int = 64
     max_header_bytes: int = 64 << 10
     max_header_count: int = 100
@@ -461,15 +462,14 @@ class RequestReader:
                 continue
             if answered and not incoming.handshaking:
                 phase = "headers" if incoming.headers_end < 0 else "body"
-                self._refuse(incoming, 408, "request_timeout",
-                             f"The request's {phase} did not arrive in time.", close=True)
+                self._refuse(incoming, 408, "request_timeout", f"The request's {phase} did not arrive in time.")
             else:
                 self._forget(incoming)
                 close_quietly(incoming.sock)
             self.server.count_closed("timeout_" + ("idle" if not incoming.buffer else
                                                    "headers" if incoming.headers_end < 0 else "body"))
 
-    def _refuse(self, incoming: Incoming, status: int, code: str, message: str, close: bool = True) -> None:
+    def _refuse(self, incoming: Incoming, status: int, code: str, message: str) -> None:
         self._forget(incoming)
         send_refusal(incoming.sock, status, code, message)
 
@@ -593,6 +593,8 @@ class HeldConnections:
             # A write that makes no progress this long raises TimeoutError: the
             # client stopped reading (reads come from the buffer).
             sock.settimeout(self.limits.send_timeout_s or None)
+            if self.limits.send_buffer_bytes:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.limits.send_buffer_bytes)
         except OSError:
             close_quietly(sock)
             return

@@ -38,6 +38,8 @@ class RequestInfo:
     # Called (on another thread) if the client closes its connection while the
     # request is answered; the engine adds its request's cancellation here.
     on_client_gone: Optional[list] = None
+    # The engine's records of this request (guardian.engine.ledger), for its deadline.
+    engine_requests: Optional[list] = None
 
 
 # The request's id goes back to its client in this header (the client's own
@@ -90,6 +92,21 @@ def when_client_leaves(callback: Callable[[], None]) -> bool:
     return True
 
 
+def track_engine_request(record) -> None:
+    """The engine queued the current request as ``record``: its client's leaving
+    cancels it (``record.client_left``), its deadline fails it (``record.time_out``)."""
+    info = _current.get()
+    if info.engine_requests is not None:
+        info.engine_requests.append(record)
+        info.on_client_gone.append(record.client_left)
+
+
+def deadline_passed(info: RequestInfo, error) -> None:
+    """The request ``info`` describes is past its deadline: it ends with ``error`` (a 504)."""
+    for record in list(info.engine_requests or ()):
+        record.time_out(error)
+
+
 def client_gone(info: RequestInfo) -> None:
     """The client of the request ``info`` describes closed its connection: run its callbacks, once."""
     callbacks = info.on_client_gone or []
@@ -109,7 +126,8 @@ def bind_log_fields(**fields) -> None:
 @contextlib.contextmanager
 def request_scope(request_id: str, stream: bool, client: str = "-"):
     info = RequestInfo(request_id=request_id, stream=stream, response_headers={REQUEST_ID_HEADER: request_id},
-                       at_end=[], started_at=time.monotonic(), client=client, on_client_gone=[])
+                       at_end=[], started_at=time.monotonic(), client=client, on_client_gone=[],
+                       engine_requests=[])
     token = _current.set(info)
     # Fields bound during the request must not follow the thread to the
     # next request of a keep-alive connection.

@@ -26,8 +26,8 @@ from guardian import metrics, relay_protocol, stock
 from guardian.access.policy import AccessDecision, AccessRequest
 from guardian.connection import linger_close
 from guardian.admission.facts import context_length_of
-from guardian.context import (REQUEST_ID_HEADER, add_response_headers, client_gone, current_request,
-                              request_scope, sane_request_id)
+from guardian.context import (REQUEST_ID_HEADER, add_response_headers, bind_log_fields, client_gone,
+                              current_request, deadline_passed, request_scope, sane_request_id)
 from guardian.errors import AbortRequest, GuardianError, from_stock_exception
 from guardian.plugins.manager import notify
 
@@ -60,7 +60,6 @@ class GuardianHandler(stock.DoorCorsHandler):
         parsed = super().parse_request()
         self.client_request_id = sane_request_id(self.headers.get(REQUEST_ID_HEADER)) if parsed else None
         self.access = None
-        self._head_only = False
         return parsed and self.let_in()
 
     def let_in(self) -> bool:
@@ -99,12 +98,29 @@ class GuardianHandler(stock.DoorCorsHandler):
             # queued, in prefill, generating an answer not yet written (guardian.connection).
             info = current_request()
             self.server.watch_client(self.connection, lambda: client_gone(info))
+            deadline = self.start_deadline(info)
             try:
                 if self.stream and relay_protocol.relayed_by_supervisor(self.headers):
                     return self.handle_relayed_stream(request, stop_words)
                 self.handle_completion_answered(request, stop_words)
             finally:
                 self.server.unwatch_client(self.connection)
+                if deadline is not None:
+                    self.server.cancel_call(deadline)
+
+    def start_deadline(self, info):
+        """The request's deadline ([guardian] request_timeout_s, or the client's own
+        read timeout, the sooner), on the connection layer's clock; None: none."""
+        deadline_s, source = client_deadline(self.headers, self.response_generator.config.core.request_timeout_s)
+        retries = self.headers.get(SDK_RETRY_COUNT_HEADER, "0")
+        if retries.isdigit() and int(retries) > 0:
+            bind_log_fields(client_retry=int(retries))  # the openai SDK sent it again
+        if deadline_s is None:
+            return None
+        error = GuardianError(
+            f"The request was not answered within its deadline of {deadline_s:g} s ({source}).",
+            status=504, type="server_error", code="deadline_exceeded", retry=False)
+        return self.server.call_at(info.started_at + deadline_s, lambda: deadline_passed(info, error))
 
     def handle_relayed_stream(self, request, stop_words):
         """A stream the supervisor relays: tagged with its tokens, perhaps a continuation
@@ -234,7 +250,7 @@ class GuardianHandler(stock.DoorCorsHandler):
 
     def do_HEAD(self):
         """GET's answer without its body, where GET has one (load balancers' checks, curl -I)."""
-        self._head_only = True
+        self.wfile = HeadersOnly(self.wfile)
         self.do_GET()
 
     def send_method_not_allowed(self):
@@ -257,9 +273,6 @@ class GuardianHandler(stock.DoorCorsHandler):
         if code == 501 and getattr(self, "command", None):
             return self.send_method_not_allowed()
         super().send_error(code, message, explain)
-
-    # HEAD: headers only (end_headers drops what is written after them).
-    _head_only = False
 
     def send_metrics(self, registry) -> None:
         """Prometheus' text (guardian.metrics); a 404 when the metrics plugin is disabled."""
@@ -368,8 +381,6 @@ class GuardianHandler(stock.DoorCorsHandler):
         for name, value in (headers or {}).items():
             self.send_header(name, value)
         super().end_headers()
-        if self._head_only:
-            self.wfile = _Discard()
 
     def send_health(self, engine, watchdog) -> None:
         """Stock's path, truthful: 200 only while the engine can generate."""
@@ -395,14 +406,41 @@ class GuardianHandler(stock.DoorCorsHandler):
                                              **({"api_key": key_name} if key_name else {}))
 
 
-class _Discard:
-    """Where a HEAD answer's body goes."""
+# The openai SDK's own read timeout (seconds), and how many times it sent this request before.
+SDK_READ_TIMEOUT_HEADER = "x-stainless-read-timeout"
+SDK_RETRY_COUNT_HEADER = "x-stainless-retry-count"
+
+
+def client_deadline(headers, request_timeout_s: float) -> tuple[Optional[float], str]:
+    """(seconds the request may take, where that comes from); (None, "") for no deadline."""
+    candidates = []
+    if request_timeout_s > 0:
+        candidates.append((request_timeout_s, "request_timeout_s"))
+    try:
+        client_s = float(headers.get(SDK_READ_TIMEOUT_HEADER) or "nan")
+    except ValueError:
+        client_s = float("nan")
+    if 0 < client_s < float("inf"):  # NaN fails both
+        candidates.append((client_s, f"the client's {SDK_READ_TIMEOUT_HEADER}"))
+    return min(candidates) if candidates else (None, "")
+
+
+class HeadersOnly:
+    """A HEAD answer's output: the status line and headers (one write, by
+    http.server's flush_headers), and nothing after them."""
+
+    def __init__(self, wrapped):
+        self.wrapped = wrapped
+        self.headers_sent = False
 
     def write(self, data) -> int:
+        if not self.headers_sent:
+            self.headers_sent = bytes(data).endswith(b"\r\n\r\n")
+            return self.wrapped.write(data)
         return len(data)
 
     def flush(self) -> None:
-        pass
+        self.wrapped.flush()
 
 
 class RelayedGenerator:

@@ -46,6 +46,8 @@ NOT_CONTINUABLE = b"-"
 # A continuation longer than this is not one the supervisor made.
 MAX_CONTINUED_TOKENS = 1 << 20
 _DATA = b"data: "
+_LF = ord("\n")
+_TAG_AFTER_LINE = b"\n" + TOKENS_COMMENT
 _FINISHED = b'"finish_reason": "'  # stock's json.dumps spacing; null while a stream goes on
 
 
@@ -157,15 +159,32 @@ class RelayedStream:
     """
 
     def __init__(self):
-        self.tokens: list[int] = []
+        # Each tag's ids as written ("12,873"), read only when asked (``tokens``):
+        # a supervisor thread relays every event of every stream.
+        self._tags: list[bytes] = []
         self.continuations = 0
         self.finished = False  # an event with a finish_reason went out
         self.continuable = True  # every text the client got is covered by tokens
         self._identity: Optional[dict] = None  # id and created of the first child's events
         self._tokens_at_continuation = 0  # the continuing child's prompt holds these
 
+    @property
+    def tokens(self) -> list[int]:
+        """The ids of the tokens whose text the client has, in order."""
+        tokens: list[int] = []
+        for tag in self._tags:
+            tokens.extend(map(int, tag.split(b",")))
+        return tokens
+
     def relay(self, block: bytes) -> bytes:
-        if TOKENS_COMMENT in block:
+        if block.startswith(TOKENS_COMMENT):
+            end = block.find(b"\n")
+            if end > 0 and block.find(_TAG_AFTER_LINE, end) < 0:  # one event, its tag first: the usual block
+                self._take_tag(block[len(TOKENS_COMMENT):end])
+                block = block[end + 1:]
+            else:
+                block = self._take_tags(block)
+        elif _TAG_AFTER_LINE in block:
             block = self._take_tags(block)
         if self._identity is None:
             self._identity = _identity_of(block)
@@ -180,17 +199,34 @@ class RelayedStream:
         self.continuations += 1
 
     def _take_tags(self, block: bytes) -> bytes:
+        """``block`` without its tag lines, their tokens taken. Looks only where
+        a tag is (once per event, or none): this runs for every relayed event."""
         kept = []
-        for line in block.split(b"\n"):
-            if line.startswith(TOKENS_COMMENT):
-                tag = line[len(TOKENS_COMMENT):]
-                if tag == NOT_CONTINUABLE:
-                    self.continuable = False
-                else:
-                    self.tokens.extend(int(part) for part in tag.split(b","))
-            else:
-                kept.append(line)
-        return b"\n".join(kept)
+        start = 0
+        find = block.find
+        at = find(TOKENS_COMMENT)
+        while at >= 0:
+            if at and block[at - 1] != _LF:  # inside a line, not a tag
+                at = find(TOKENS_COMMENT, at + 1)
+                continue
+            end = find(b"\n", at)
+            self._take_tag(block[at + len(TOKENS_COMMENT):end if end >= 0 else None])
+            kept.append(block[start:at])
+            if end < 0:  # the last line: it goes with the line break before it
+                return b"".join(kept)[:-1]
+            start = end + 1
+            at = find(TOKENS_COMMENT, start)
+        kept.append(block[start:])
+        return b"".join(kept)
+
+    def _take_tag(self, tag: bytes) -> None:
+        """One tag's text: the ids its event carries, or ``-`` (not continuable)."""
+        if tag.isdigit():  # one token, the usual tag
+            self._tags.append(tag)
+        elif tag == NOT_CONTINUABLE:
+            self.continuable = False
+        else:  # read now, so that ``tokens`` never fails
+            self._tags.append(b",".join(b"%d" % int(part) for part in tag.split(b",")))
 
     def _as_first_stream(self, block: bytes) -> bytes:
         """The continuing child's events with the first child's id and created,
@@ -217,8 +253,9 @@ class RelayedStream:
 
     def continuation_tokens(self) -> list[int]:
         """The ids to continue after; remembers how many the continuing child's prompt holds."""
-        self._tokens_at_continuation = len(self.tokens)
-        return list(self.tokens)
+        tokens = self.tokens
+        self._tokens_at_continuation = len(tokens)
+        return tokens
 
 
 def _identity_of(block: bytes) -> Optional[dict]:

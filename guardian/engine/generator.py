@@ -49,6 +49,12 @@ log = structlog.get_logger("guardian.engine")
 __all__ = ["EngineAbandoned", "EngineState", "GuardianEngine", "GuardianPromptCache"]
 
 
+def batch_places(cli_args) -> int:
+    """How many requests stock's BatchGenerator runs at once: it queues the rest,
+    first come, first served (its completion_batch_size, the larger of the two flags)."""
+    return max(getattr(cli_args, "decode_concurrency", 0) or 0, getattr(cli_args, "prompt_concurrency", 0) or 0)
+
+
 class GuardianPromptCache(stock.LRUPromptCache):
     """Stock's prompt cache, closed to probes and to abandoned loop threads."""
 
@@ -69,7 +75,8 @@ class GuardianPromptCache(stock.LRUPromptCache):
 
 
 class GuardianEngine(stock.SupervisableResponseGenerator):
-    def __init__(self, model_provider, prompt_cache_size: int, *, pm, core, on_exit: Callable[[int], None]):
+    def __init__(self, model_provider, prompt_cache_size: int, *, pm, core, on_exit: Callable[[int], None],
+                 access=None):
         # Stock's __init__ starts the generation thread: everything the
         # supervisor reads is set before it.
         prompt_cache = GuardianPromptCache(prompt_cache_size, engine_thread_check=self._check_owner)
@@ -85,7 +92,11 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
         self._abandoned_threads: list[threading.Thread] = []
         self.restart_clock = RestartClock()  # where a restart's time goes (engine_restarted)
         self.backoff = Backoff()  # a crash loop's waits; set by the recovery plugin
-        self.ledger = RequestLedger(beat=self._loop_polled, on_finished=self._request_finished)
+        # ``access``: the live [access] table, whose fair_admission the ledger follows.
+        self.ledger = RequestLedger(
+            beat=self._loop_polled, on_finished=self._request_finished,
+            fair=(lambda: access.fair_admission) if access is not None else (lambda: False),
+            capacity=batch_places(model_provider.cli_args))
         self.steps = 0
         self.last_beat = time.monotonic()
         # The crash-loop budget: failures nobody was blamed for (guardian.engine.blame).
@@ -135,7 +146,8 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
         pass
 
     def request_waiting(self) -> bool:
-        return self.ledger.has_waiting()
+        # A cancelled request ends the run too: stock drops it when the run ends.
+        return self.ledger.has_waiting() or self.ledger.cancelled_since_look()
 
     def configure_recovery(self, *, window_s: float, max_reruns: int, quarantine_s: float = 0.0,
                            max_continuations: int = 0, backoff_after_failures: int = 2,
@@ -718,6 +730,8 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
             "heartbeat_age_s": round(time.monotonic() - self.last_beat, 3),
             "mlx_lm_version": stock.STOCK_VERSION,
             "backoff": self.backoff.status(),
+            "requests_cancelled": dict(self.ledger.cancelled),
+            "tokens_after_cancel": self.ledger.tokens_after_cancel,
             **self.ledger.counts(),
         }
 

@@ -22,8 +22,8 @@ from typing import Callable, Optional
 import structlog
 
 from guardian import stock
-from guardian.context import current_request
-from guardian.errors import EngineStepError, GuardianError
+from guardian.context import current_request, track_engine_request
+from guardian.errors import ClientLeft, EngineStepError, GuardianError
 
 log = structlog.get_logger("guardian.engine")
 
@@ -38,6 +38,8 @@ class Stage(Enum):
 
 # How a request ended (``on_request_finished``'s ``outcome``).
 COMPLETED, FAILED, CANCELLED = "completed", "failed", "cancelled"
+# Why a request was cancelled (requests_cancelled_total's reason).
+CLIENT_LEFT, DEADLINE = "client_left", "deadline"
 
 
 class RequestRecord:
@@ -103,6 +105,10 @@ class RequestRecord:
         self.ledger.beat()
         with self._lock:
             if self.stage is Stage.DONE:
+                if isinstance(item, stock.Response):
+                    # Generated for nobody (its client left, or its deadline passed):
+                    # the loop drops it at its next step; the goal is 0 or 1 per request.
+                    self.ledger.tokens_after_cancel += 1
                 if isinstance(item, stock.GenerationContext):
                     # Ended before stock made its context (the client left,
                     # or it failed): stock must not generate it for nobody.
@@ -159,13 +165,29 @@ class RequestRecord:
         self.ledger.finished(self, COMPLETED if terminal is None else FAILED)
 
     def cancel(self) -> None:
-        """Nobody waits for this request any more (any thread)."""
+        """Nobody waits for this request any more (any thread): its client left
+        (a close, a write that failed or made no progress)."""
         if self._current_ctx is not None:
             stock.GenerationContext.stop(self._current_ctx)
         with self._lock:
             if self.stage is not Stage.DONE:
                 self.stage = Stage.DONE
+                self.ledger.count_cancelled(CLIENT_LEFT)
                 self.ledger.finished(self)
+
+    def client_left(self) -> None:
+        """Its client closed the connection (the connection layer's thread, any
+        stage): stop generating for it, and wake its HTTP thread, which has no
+        one to answer."""
+        self.cancel()
+        self.downstream.put(ClientLeft())
+
+    def time_out(self, error: GuardianError) -> None:
+        """Its deadline passed (any thread): stop generating; its client gets ``error``."""
+        if self.stage is not Stage.DONE:
+            self.ledger.count_cancelled(DEADLINE)
+        self.stop_generation()
+        self.fail(error)
 
     def fail(self, error: GuardianError) -> None:
         """End the request with an error (any thread)."""
@@ -227,6 +249,9 @@ class RequestRecord:
 # How long the loop's look at the queue waits for requests still being
 # admitted on their HTTP threads (see RequestLedger.get).
 GATHER_ARRIVING_S = 0.005
+# Fair admission keeps the batch's last free place for a client that sent a
+# request within this many seconds and has nothing in flight.
+OTHER_CLIENTS_RECENT_S = 60.0
 
 
 class RequestLedger:
@@ -243,11 +268,28 @@ class RequestLedger:
     still start together, ``get_nowait`` waits a moment (at most
     ``gather_arriving_s``, as stock's loop would spend that time tokenizing)
     for requests that are ``arriving()``.
+
+    Fair admission (``fair()``: the live ``[access] fair_admission``). Stock's
+    BatchGenerator runs ``capacity`` requests at once and queues the rest
+    first come, first served, out of the ledger's reach; so the ledger holds
+    new requests back while ``capacity`` are in flight (probes included: each
+    takes a row), and when a place frees it hands out the oldest request of
+    the waiting client served least recently: round-robin across clients,
+    one with nothing in flight first. The last free place is kept while a
+    client that is about (sent a request within ``OTHER_CLIENTS_RECENT_S``)
+    has nothing in flight: only such a client may take it, so its next
+    request starts at once instead of waiting for one of another client's
+    to end. A flood beside an interactive client thus runs one place short
+    while that client has nothing in flight; a lone client keeps them all.
+    Re-runs (they were in the batch when it failed) and probes (proof that
+    the loop generates) are never held back. Without fair admission requests
+    are taken first come, first served, as soon as the loop looks.
     """
 
     def __init__(self, beat: Callable[[], None] = lambda: None,
                  gather_arriving_s: float = GATHER_ARRIVING_S,
-                 on_finished: Callable[[RequestRecord, str], None] = lambda record, outcome: None):
+                 on_finished: Callable[[RequestRecord, str], None] = lambda record, outcome: None,
+                 fair: Callable[[], bool] = lambda: False, capacity: int = 0):
         self.beat = beat
         # Told of every request that ends, and how (COMPLETED, FAILED, CANCELLED).
         self.on_finished = on_finished
@@ -256,14 +298,29 @@ class RequestLedger:
         self._set_aside = 0  # of those, waiting for memory the loop must free
         self._this_thread = threading.local()
         self._cond = threading.Condition()
-        self._incoming: deque[tuple] = deque()
+        self.fair = fair
+        self.capacity = capacity  # places in stock's batch; 0: no limit
+        # New requests waiting, by client (None: probes), each oldest first.
+        self._waiting: dict[Optional[str], deque[RequestRecord]] = {}
         self._reruns: deque[RequestRecord] = deque()
         self._in_flight: dict[int, RequestRecord] = {}
+        self._client_in_flight: dict[Optional[str], int] = {}
+        # Fair admission's turns: when each client with requests waiting or in
+        # flight was last served (a count of takes; absent: not yet).
+        self._served_at: dict[Optional[str], int] = {}
+        self._takes = itertools.count(1)
+        # Clients by their last request (monotonic), oldest first: who is about.
+        self._recent_clients: dict[str, float] = {}
         self._isolated: Optional[RequestRecord] = None
         self.closed_error: Optional[GuardianError] = None
         # Requests that ended with their last token (probes included): proof
         # that the engine generates (see guardian.engine.blame).
         self.completed = 0
+        # Requests ended before their answer, by why (CLIENT_LEFT, DEADLINE); tokens
+        # the loop generated for them after that (it drops them at its next step).
+        self.cancelled: dict[str, int] = {CLIENT_LEFT: 0, DEADLINE: 0}
+        self.tokens_after_cancel = 0
+        self._cancels = self._cancels_seen = 0
         # The kinds of request (stock.sampling_kind) that have produced a token
         # in this process: their kernels are compiled.
         self.produced_kinds: set[tuple[str, ...]] = set()
@@ -313,8 +370,11 @@ class RequestLedger:
             ledger=self,
             synthetic=synthetic,
             arrived_at=info.started_at,
+            client=info.client,
         )
         record.item = (record, request, args)
+        # Its client's leaving, or its deadline, ends it wherever it is (guardian.connection).
+        track_engine_request(record)
         # Arrived: no longer counted as arriving, in the same step as queued.
         arrived = getattr(self._this_thread, "arriving", False)
         self._this_thread.arriving = False
@@ -322,7 +382,9 @@ class RequestLedger:
             self._arriving -= arrived
             refused = self.closed_error
             if refused is None:
-                self._incoming.append(record.item)
+                self._waiting.setdefault(record.client, deque()).append(record)
+                if not synthetic:
+                    self._saw(record.client)
             self._cond.notify_all()
         if refused is not None:
             record.fail(refused)
@@ -331,6 +393,7 @@ class RequestLedger:
     # -- the generation loop's side ---------------------------------------
     def get(self, block=True, timeout=None):
         self.beat()
+        self._cancels_seen = self._cancels
         if not block:
             timeout = self.gather_arriving_s
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -339,7 +402,7 @@ class RequestLedger:
                 item = self._next_item()
                 if item is not None:
                     return item
-                if not block and not (self._arriving and self._takes_new()):
+                if not block and not (self._arriving and self._takes_new() and self._room_for_arriving()):
                     raise Empty
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
@@ -356,7 +419,14 @@ class RequestLedger:
         atomic, and a wrong answer costs one look at the queue too many or
         too few (stock's own half-second look still comes).
         """
-        return bool(self._reruns or self._incoming) and self._takes_new()
+        if not self._takes_new():
+            return False
+        if self._reruns:
+            return True
+        if not self._waiting:
+            return False
+        # list(): one atomic copy of the clients, which HTTP threads add to.
+        return not self.fair() or any(self._room_for(client) for client in list(self._waiting))
 
     def _takes_new(self) -> bool:
         """Whether the loop takes a request now: not while a re-run runs alone,
@@ -365,10 +435,54 @@ class RequestLedger:
             return False
         return not (self._reruns and self._reruns[0].isolate and self._in_flight)
 
+    def _room_for_arriving(self) -> bool:
+        """Whether a request being admitted could take a place once put: else the
+        look does not wait for it. Not the kept place: with one client flooding,
+        each of its requests ending would hold the loop for GATHER_ARRIVING_S
+        while that client sends the next."""
+        if not self.fair():
+            return True
+        free = self._free_places()
+        return free > 1 or (free == 1 and not self._idle_client_about())
+
+    def _free_places(self) -> int:
+        if self.capacity <= 0:
+            return 1 << 30
+        return self.capacity - len(self._in_flight)
+
+    def _room_for(self, client: Optional[str]) -> bool:
+        """Fair admission: whether a request of ``client`` may take a place now (no lock needed)."""
+        if client is None:
+            return True  # a probe never waits for a place
+        free = self._free_places()
+        if free > 1:
+            return True
+        if free < 1:
+            return False
+        # The last place: kept while another client that is about has nothing in flight.
+        return not self._client_in_flight.get(client) or not self._idle_client_about(but=client)
+
+    def _idle_client_about(self, but: Optional[str] = None) -> bool:
+        """Whether a client (not ``but``) sent a request lately and has none in flight
+        now: the one the last place is kept for (no lock needed)."""
+        in_flight = self._client_in_flight
+        # list(): one atomic copy, which the loop's reads need while HTTP threads add to it.
+        return any(client != but and not in_flight.get(client) for client in list(self._recent_clients))
+
+    def _saw(self, client: str) -> None:
+        """Note a request of ``client``; forget clients quiet for OTHER_CLIENTS_RECENT_S."""
+        now = time.monotonic()
+        recent = self._recent_clients
+        recent.pop(client, None)
+        recent[client] = now  # last: the newest
+        horizon = now - OTHER_CLIENTS_RECENT_S
+        while True:  # ends at the latest at ``client``, just noted
+            oldest = next(iter(recent))
+            if recent[oldest] >= horizon:
+                return
+            del recent[oldest]
+
     def _next_item(self):
-        # Requests whose client left while they waited are dropped here.
-        while self._incoming and self._incoming[0][0].stage is Stage.DONE:
-            self._incoming.popleft()
         while self._reruns and self._reruns[0].stage is Stage.DONE:
             self._reruns.popleft()
         if not self._takes_new():
@@ -378,20 +492,58 @@ class RequestLedger:
             if record.isolate:
                 self._isolated = record
             return self._take(record.item)
-        if self._incoming:
-            return self._take(self._incoming.popleft())
-        return None
+        record = self._pick()
+        return None if record is None else self._take(record.item)
+
+    def _pick(self) -> Optional[RequestRecord]:
+        """Out of its client's queue, the new request to take now: the oldest; or
+        with fair admission the oldest of the client served least recently
+        among those that may take a place. None: none now."""
+        fair = self.fair()
+        chosen, chosen_key = None, None
+        for client, queue in list(self._waiting.items()):
+            # Requests whose client left while they waited are dropped here.
+            while queue and queue[0].stage is Stage.DONE:
+                queue.popleft()
+            if not queue:
+                del self._waiting[client]
+                self._forget_if_idle(client)
+                continue
+            if fair and not self._room_for(client):
+                continue
+            key = (self._served_at.get(client, 0), queue[0].seq) if fair else queue[0].seq
+            if chosen_key is None or key < chosen_key:
+                chosen, chosen_key = client, key
+        if chosen_key is None:
+            return None
+        queue = self._waiting[chosen]
+        record = queue.popleft()
+        if not queue:
+            del self._waiting[chosen]
+        self._served_at[chosen] = next(self._takes)
+        return record
 
     def _take(self, item):
         record = item[0]
         record.stage = Stage.TAKEN
         self._in_flight[record.seq] = record
+        self._client_in_flight[record.client] = self._client_in_flight.get(record.client, 0) + 1
         return item
+
+    def _forget_if_idle(self, client: Optional[str]) -> None:
+        """A client with nothing waiting or in flight loses its turn's place: it comes first next time."""
+        if not self._client_in_flight.get(client) and client not in self._waiting:
+            self._served_at.pop(client, None)
 
     def finished(self, record: RequestRecord, outcome: str = CANCELLED) -> None:
         with self._cond:
             self.completed += outcome == COMPLETED
-            self._in_flight.pop(record.seq, None)
+            if self._in_flight.pop(record.seq, None) is not None:
+                left = self._client_in_flight.pop(record.client, 0) - 1
+                if left > 0:
+                    self._client_in_flight[record.client] = left
+                else:
+                    self._forget_if_idle(record.client)
             if self._isolated is record:
                 self._isolated = None
             self._cond.notify_all()
@@ -403,6 +555,9 @@ class RequestLedger:
         with self._cond:
             records = sorted(self._in_flight.values(), key=lambda r: r.seq)
             self._in_flight.clear()
+            self._client_in_flight.clear()
+            for record in records:
+                self._forget_if_idle(record.client)
             self._isolated = None
             return records
 
@@ -420,21 +575,35 @@ class RequestLedger:
         """Refuse new requests; return every record not yet finished."""
         with self._cond:
             self.closed_error = error
-            waiting = [item[0] for item in self._incoming] + list(self._reruns)
-            self._incoming.clear()
+            waiting = sorted((r for queue in self._waiting.values() for r in queue), key=lambda r: r.seq)
+            waiting += self._reruns
+            self._waiting.clear()
             self._reruns.clear()
             waiting += self._in_flight.values()
             self._in_flight.clear()
+            self._client_in_flight.clear()
+            self._served_at.clear()
             self._isolated = None
             self._cond.notify_all()
         return waiting
+
+    def count_cancelled(self, reason: str) -> None:
+        with self._cond:
+            self.cancelled[reason] = self.cancelled.get(reason, 0) + 1
+            self._cancels += 1
+
+    def cancelled_since_look(self) -> bool:
+        """Whether a request was cancelled since the loop last looked at the queue:
+        its run of decode steps should end now, so stock drops it at this step's end
+        (asked between steps, lock-free like ``has_waiting``)."""
+        return self._cancels != self._cancels_seen
 
     def counts(self) -> dict:
         with self._cond:
             return {
                 "arriving": self._arriving,
                 "waiting_for_memory": self._set_aside,
-                "queued": len(self._incoming),
+                "queued": sum(len(queue) for queue in self._waiting.values()),
                 "rerun_queued": len(self._reruns),
                 "in_flight": len(self._in_flight),
             }
@@ -454,11 +623,11 @@ class RequestLedger:
 
     def has_work(self) -> bool:
         with self._cond:
-            return bool(self._incoming or self._reruns or self._in_flight)
+            return bool(self._waiting or self._reruns or self._in_flight)
 
     def has_user_work(self) -> bool:
         """Whether a request that is not a synthetic probe is queued or in flight."""
         with self._cond:
-            records = [item[0] for item in self._incoming]
+            records = [record for queue in self._waiting.values() for record in queue]
             records += [*self._reruns, *self._in_flight.values()]
         return any(not record.synthetic for record in records)

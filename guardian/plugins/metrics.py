@@ -201,6 +201,15 @@ class EngineCollector:
         yield state
         yield CounterMetricFamily(P + "engine_steps", "Engine steps since the process started.",
                                   value=status["steps"])
+        cancelled = CounterMetricFamily(P + "requests_cancelled", "Requests ended before their answer, by "
+                                        "reason: client_left (it closed its connection, or stopped "
+                                        "reading), deadline.", labels=["reason"])
+        for reason, count in sorted(status.get("requests_cancelled", {}).items()):
+            cancelled.add_metric([reason], count)
+        yield cancelled
+        yield CounterMetricFamily(P + "tokens_after_disconnect", "Tokens the engine generated for requests "
+                                  "already cancelled (it drops them at its next step; the goal is 0).",
+                                  value=status.get("tokens_after_cancel", 0))
         yield gauge("engine_heartbeat_age_seconds",
                     "Since the engine's loop last stepped, reported progress or polled for work.",
                     status["heartbeat_age_s"])

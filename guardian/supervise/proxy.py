@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
+import socket
 import subprocess
 from typing import Optional
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -33,7 +35,7 @@ from guardian import relay_protocol
 from guardian.access.keys import API_KEY_HEADER, AUTHORIZATION
 from guardian.access.policy import CLIENT_HEADER, AccessDecision, AccessRequest
 from guardian.access.tls import ServerCertificate
-from guardian.connection import HeldConnections, linger_close
+from guardian.connection import HeldConnections, linger_close, raw_socket
 from guardian.context import REQUEST_ID_HEADER, sane_request_id
 from guardian.supervise import metrics as supervise_metrics
 from guardian.supervise.crash_quarantine import fingerprint
@@ -171,8 +173,26 @@ class ProxyHandler(BaseHTTPRequestHandler):
         refusal = supervisor.quarantine.refusal(self.command, request_fingerprint)
         if refusal is not None:
             return self.send_error_json(refusal)
-        with supervisor.in_flight:
-            self.serve(path, body, request_fingerprint)
+        # A client that closes its connection: the relay to the child is cut at
+        # once, and the child, seeing its own client leave, ends the request.
+        self.server.watch_client(self.connection, self.client_left)
+        try:
+            with supervisor.in_flight:
+                self.serve(path, body, request_fingerprint)
+        finally:
+            self.server.unwatch_client(self.connection)
+
+    # Set when the client closed its connection; the relay in progress then.
+    gone = False
+    upstream: Optional["Upstream"] = None
+
+    def client_left(self) -> None:
+        """The client closed its connection (the connection layer's reader thread)."""
+        self.gone = True
+        upstream = self.upstream
+        if upstream is not None:
+            upstream.abort()
+        log.info("proxy_client_gone", path=self.path)
 
     def serve(self, path: str, body: bytes, request_fingerprint: str) -> None:
         """Relay to a ready child, waiting for one if need be. If it dies before
@@ -185,7 +205,7 @@ class ProxyHandler(BaseHTTPRequestHandler):
         supervisor = self.server.supervisor
         resends = 0
         stream = None  # a stream the client is receiving, once it can be continued
-        while True:
+        while not self.gone:
             child = supervisor.wait_for_child()
             if child is None:
                 return self.give_up(stream, supervisor.unavailable_error())
@@ -290,7 +310,7 @@ class ProxyHandler(BaseHTTPRequestHandler):
         else:
             headers.append((relay_protocol.KEY_HEADER, key))
         try:
-            upstream = Upstream(child.port, self.command, self.target(), headers, body)
+            upstream = Upstream(child.port, self.command, self.target(), headers, body, holder=self)
         except ChildUnreachable as e:
             # A dying child closes its port before it can be reaped (an
             # allocator's or a crash handler's teardown takes ~0.2 s on a GPU):
@@ -300,6 +320,8 @@ class ProxyHandler(BaseHTTPRequestHandler):
                      error_type=type(e.__cause__).__name__, error_message=str(e.__cause__))
             return CHILD_GONE
         except Exception as e:  # noqa: BLE001 - reset, or closed by a dying child
+            if self.gone:  # we cut it: the client left
+                return ANSWERED
             self.child_lost(child, e, sent=False)
             return NOTHING_SENT
         try:
@@ -340,6 +362,8 @@ class ProxyHandler(BaseHTTPRequestHandler):
                 self.give_up(stream, self.server.supervisor.lost_child_error())
                 return ANSWERED
             cut = self.relay_events(upstream, stream) if is_sse else self.relay_bytes(upstream)
+            if cut is not None and self.gone:  # we cut it: the client left
+                return ANSWERED
             if cut is not None:
                 self.child_lost(child, cut, sent=True, stream=is_sse, answer=stream is None)
                 if stream is None:
@@ -384,7 +408,7 @@ class ProxyHandler(BaseHTTPRequestHandler):
 
     def relay_bytes(self, upstream: "Upstream"):
         """Pass the body through chunk by chunk; the upstream error if it was cut."""
-        write = self.wfile.write
+        write = client_writer(self.connection)
         try:
             for chunk in upstream.chunks():
                 write(chunk)
@@ -402,19 +426,26 @@ class ProxyHandler(BaseHTTPRequestHandler):
         to the error event that follows it. A stream that ends without
         ``[DONE]`` was cut: both the guardian and stock always send it.
         """
-        write = self.connection.sendall  # what wfile.write does, one layer less per event
+        write = client_writer(self.connection)
+        relay = stream.relay if stream is not None else None
         held = b""
         done = False
         try:
+            # One read takes every event the child has written since the last
+            # (one write to the client for all of them); a child writes whole
+            # events, so a read rarely ends inside one.
             for chunk in upstream.chunks():
-                held = held + chunk if held else chunk
-                end = _last_event_end(held)
-                if end == 0 and len(held) > MAX_HELD_EVENT_BYTES:
-                    end = len(held)
-                if end:
-                    block, held = held[:end], held[end:]
-                    done = done or SSE_DONE in block
-                    write(stream.relay(block) if stream is not None else block)
+                if held:
+                    chunk, held = held + chunk, b""
+                if not chunk.endswith(b"\n\n"):
+                    end = _last_event_end(chunk)
+                    if end == 0 and len(chunk) > MAX_HELD_EVENT_BYTES:
+                        end = len(chunk)
+                    chunk, held = chunk[:end], chunk[end:]
+                    if not chunk:
+                        continue
+                done = done or SSE_DONE in chunk
+                write(relay(chunk) if relay is not None else chunk)
         except CLIENT_GONE:
             raise
         except Exception as e:  # noqa: BLE001 - any failure reading from the child is a cut
@@ -502,13 +533,18 @@ class ProxyHandler(BaseHTTPRequestHandler):
 class Upstream:
     """One request to the child on a connection of its own, its response headers read."""
 
-    def __init__(self, port: int, method: str, target: str, headers: list[tuple[str, str]], body: bytes):
+    def __init__(self, port: int, method: str, target: str, headers: list[tuple[str, str]], body: bytes,
+                 holder=None):
         self.connection = http.client.HTTPConnection(CHILD_HOST, port, timeout=CHILD_CONNECT_TIMEOUT_S)
         try:
             self.connection.connect()
         except OSError as e:
             self.connection.close()
             raise ChildUnreachable(f"the child's port {port} took no connection") from e
+        # Connected: from now on the handler may abort() it, while the child answers too.
+        self.sock = self.connection.sock
+        if holder is not None:
+            holder.upstream = self
         try:
             self.connection.sock.settimeout(None)  # the connect is bounded, reads are not
             # Host is the child's; Accept-Encoding is the client's, if it sent one.
@@ -547,6 +583,13 @@ class Upstream:
                 return
             yield chunk
 
+    def abort(self) -> None:
+        """From another thread: end the exchange now (a read in progress returns)."""
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except (OSError, AttributeError):
+            pass
+
     def close(self) -> None:
         """Close the connection: a child still writing sees its client leave."""
         self.response.close()
@@ -571,3 +614,29 @@ def _last_event_end(data: bytes) -> int:
     lf = data.rfind(b"\n\n")
     crlf = data.rfind(b"\r\n\r\n")
     return max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
+
+
+def client_writer(connection):
+    """A function that writes all of its bytes to the client, as ``sendall`` does,
+    in one system call where it can.
+
+    The connection layer gives a handler's socket a send timeout, and on such
+    a socket ``sendall`` polls before it sends: two system calls per relayed
+    event. One ``write(2)`` takes the whole event while the kernel has room
+    for it (always, unless the client stopped reading); ``sendall`` sends the
+    rest, under the timeout. A TLS socket writes through its own ``sendall``.
+    """
+    sock = raw_socket(connection)
+    if type(sock) is not socket.socket:
+        return connection.sendall
+    fd, sendall, write = sock.fileno(), sock.sendall, os.write
+
+    def send(data: bytes) -> None:
+        try:
+            sent = write(fd, data)
+        except BlockingIOError:  # the socket's buffer is full: sendall waits
+            sent = 0
+        if sent < len(data):
+            sendall(memoryview(data)[sent:])
+
+    return send

@@ -1,0 +1,165 @@
+"""Per-client limits: requests in flight, and tokens within any minute.
+
+``ClientLimits`` alone with a fake clock, then a real server with API keys:
+a client past a limit gets 429 ``rate_limit_exceeded`` with a Retry-After
+computed from the limit, while another client is served.
+"""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import httpx
+import pytest
+
+from conftest import Server, chat_body, free_port, poll, spawn_guardian
+from guardian.access.limits import CONCURRENCY_RETRY_AFTER_S, RATE_LIMITED, WINDOW_S, ClientLimits
+
+pytestmark = pytest.mark.one_version
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def limits(max_concurrent: int = 0, tokens_per_minute: int = 0) -> tuple[ClientLimits, SimpleNamespace, Clock]:
+    settings = SimpleNamespace(client_max_concurrent=max_concurrent, client_tokens_per_minute=tokens_per_minute)
+    clock = Clock()
+    return ClientLimits(settings, clock=clock), settings, clock
+
+
+def test_requests_in_flight_past_the_limit_are_refused_until_one_ends():
+    door, _, _ = limits(max_concurrent=2)
+    assert door.admit("alice", 10) is None
+    assert door.admit("alice", 10) is None
+    refused = door.admit("alice", 10)
+    assert (refused.status, refused.code, refused.retry_after_s) == (429, RATE_LIMITED, CONCURRENCY_RETRY_AFTER_S)
+    assert door.admit("bob", 10) is None  # each client its own count
+    door.release("alice")
+    assert door.admit("alice", 10) is None
+    assert door.status()["in_flight"] == {"alice": 2, "bob": 1}
+
+
+def test_tokens_past_the_limit_are_refused_until_enough_leave_the_window():
+    door, _, clock = limits(tokens_per_minute=100)
+    assert door.admit("alice", 30) is None  # at 0 s: 30 prompt tokens
+    door.release("alice")
+    clock.now += 10
+    door.charge("alice", 40)  # at 10 s: 40 generated
+    clock.now += 10
+    refused = door.admit("alice", 40)  # 70 used + 40 > 100
+    assert (refused.status, refused.code) == (429, RATE_LIMITED)
+    # Room for 40 once the first 30 leave the window, 60 s after they came.
+    assert refused.retry_after_s == 40
+    assert door.admit("bob", 40) is None
+    clock.now += 40
+    assert door.admit("alice", 40) is None
+    assert door.status()["tokens_last_minute"]["alice"] == 80
+
+
+def test_retry_after_is_whole_seconds_between_one_and_the_window():
+    door, _, clock = limits(tokens_per_minute=50)
+    assert door.admit("alice", 50) is None
+    clock.now += WINDOW_S - 0.3  # the tokens leave the window in 0.3 s
+    refused = door.admit("alice", 0)  # the limit is used: even an empty prompt waits
+    assert refused.retry_after_s == 1
+    clock.now += 0.3
+    assert door.admit("alice", 0) is None
+
+
+def test_a_prompt_over_the_limit_is_let_in_when_nothing_was_used():
+    door, _, _ = limits(tokens_per_minute=100)
+    assert door.admit("alice", 500) is None  # refusing it would refuse it forever
+    refused = door.admit("alice", 1)
+    assert refused.retry_after_s == WINDOW_S
+
+
+def test_limits_are_live_and_zero_turns_them_off():
+    door, settings, _ = limits()
+    for _ in range(5):
+        assert door.admit("alice", 10_000) is None
+    settings.client_max_concurrent = 5
+    assert door.admit("alice", 1).code == RATE_LIMITED
+    settings.client_max_concurrent = 0
+    settings.client_tokens_per_minute = 10
+    assert door.admit("alice", 5) is None  # tokens are counted from now on
+    assert door.admit("alice", 6).code == RATE_LIMITED
+    assert door.admit("bob", 6) is None
+
+
+# -- a real server ------------------------------------------------------------
+
+KEYS = {name: f"sk-{name}-0123456789" for name in ("alice", "bob", "carol", "dave")}
+CHAT = "/v1/chat/completions"
+TOKENS_PER_MINUTE = 400
+CONFIG = f"""\
+[watchdog]
+probe_interval_s = 600
+[access]
+client_max_concurrent = 1
+client_tokens_per_minute = {TOKENS_PER_MINUTE}
+"""
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, model_cache):
+    folder = tmp_path_factory.mktemp("client-limits")
+    keys = folder / "keys"
+    keys.write_text("".join(f"{name}:{key}\n" for name, key in KEYS.items()))
+    config = folder / "guardian.toml"
+    config.write_text(CONFIG)
+    port = free_port()
+    proc = spawn_guardian(["--port", str(port), "--guardian-config", str(config), "--api-key-file", str(keys)],
+                          folder / "server.log", model_cache)
+    server = Server(proc, port, folder / "server.log")
+    try:
+        server.wait_healthy()
+        yield server
+    finally:
+        server.stop()
+
+
+def chat(client: httpx.Client, server: Server, name: str, max_tokens: int = 4) -> httpx.Response:
+    return client.post(server.url + CHAT, json=chat_body("Tell me a story.", max_tokens=max_tokens),
+                       headers={"Authorization": f"Bearer {KEYS[name]}"})
+
+
+def assert_rate_limited(response: httpx.Response) -> int:
+    """A 429 rate_limit_exceeded that asks for a retry; its Retry-After in seconds."""
+    assert response.status_code == 429, response.text
+    assert response.json()["error"]["code"] == RATE_LIMITED
+    assert response.headers["x-should-retry"] == "true"
+    return int(response.headers["Retry-After"])
+
+
+def test_a_second_request_in_flight_of_one_key_is_refused_while_another_key_is_served(served):
+    body = chat_body("Tell me a long story.", max_tokens=2000, stream=True)
+    with httpx.Client(timeout=30) as client:
+        with client.stream("POST", served.url + CHAT, json=body,
+                           headers={"Authorization": f"Bearer {KEYS['alice']}"}) as stream:
+            assert stream.status_code == 200
+            lines = stream.iter_lines()
+            poll(lambda: next(lines).startswith("data: {"), 10, interval=0, what="alice's stream under way")
+            assert assert_rate_limited(chat(client, served, "alice")) == CONCURRENCY_RETRY_AFTER_S
+            assert chat(client, served, "bob").status_code == 200
+        # Alice's stream closed: her place comes back once the server sees her gone.
+        poll(lambda: chat(client, served, "alice").status_code == 200, 10, interval=0.05,
+             what="alice served again")
+
+
+def test_tokens_past_the_limit_are_refused_until_the_minute_has_passed(served):
+    started = time.monotonic()
+    with httpx.Client(timeout=30) as client:
+        for _ in range(20):  # about 120 tokens a request: the limit is reached within 4
+            response = chat(client, served, "carol", max_tokens=100)
+            if response.status_code != 200:
+                break
+        retry_after = assert_rate_limited(response)
+        # Until the tokens of carol's first requests leave the minute.
+        assert WINDOW_S - (time.monotonic() - started) - 1 <= retry_after <= WINDOW_S
+        assert chat(client, served, "dave").status_code == 200

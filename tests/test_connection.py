@@ -1,0 +1,185 @@
+"""What the door holds (guardian.connection), against real servers in both modes.
+
+Slow and silent clients cost a file descriptor, never a handler thread:
+half-sent headers and a slow body get 408, an idle connection is closed, and
+a request past the handler cap gets 503 + Retry-After at once, while normal
+requests are served meanwhile. The deadlines are short here ([http] below) so
+the tests are quick; their defaults are in config/guardian.example.toml.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from conftest import Server, chat_body, free_port, poll, spawn_guardian
+
+COMPLETIONS = "/v1/chat/completions"
+MAX_HANDLERS = 4
+CONFIG = f"""
+[http]
+header_timeout_s = 1.0
+body_timeout_s = 1.0
+idle_timeout_s = 0.5
+max_handlers = {MAX_HANDLERS}
+[fault_injection]
+enabled = true
+step_delay_s = 0.02
+"""
+SLOW_CLIENTS = 100
+
+
+class HeldServer:
+    """One server for the module: one process, or a supervisor's public port."""
+
+    def __init__(self, kind: str, folder, model_cache):
+        self.kind = kind
+        config = folder / "guardian.toml"
+        config.write_text(CONFIG)
+        self.port = free_port()
+        self.log_path = folder / f"{kind}.log"
+        args = ["--port", str(self.port), "--guardian-config", str(config)]
+        if kind == "supervised":
+            args = ["--supervise", *args]
+        proc = spawn_guardian(args, self.log_path, model_cache, start_new_session=True)
+        self.server = Server(proc, self.port, self.log_path)
+        self.url = self.server.url
+        self.server.wait_healthy()
+        if kind == "supervised":
+            poll(lambda: self.status()["state"] == "ready", 60, what="a ready child")
+
+    def status(self) -> dict:
+        path = "/guardian/supervisor" if self.kind == "supervised" else "/guardian/status"
+        return httpx.get(self.url + path, timeout=10).json()
+
+    def connections(self) -> dict:
+        return self.status()["connections"]
+
+    def connect(self) -> socket.socket:
+        return socket.create_connection(("127.0.0.1", self.port), timeout=10)
+
+    def stop(self) -> None:
+        try:
+            os.killpg(self.server.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.server.proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="module", params=["one_process", pytest.param("supervised", marks=pytest.mark.subprocess_mode)])
+def held(request, tmp_path_factory, model_cache):
+    server = HeldServer(request.param, tmp_path_factory.mktemp(request.param), model_cache)
+    yield server
+    server.stop()
+
+
+def answer_of(sock: socket.socket, timeout: float = 10) -> bytes:
+    """Everything the server sends until it closes the connection."""
+    sock.settimeout(timeout)
+    received = b""
+    while True:
+        try:
+            chunk = sock.recv(65536)
+        except (ConnectionResetError, socket.timeout):
+            return received
+        if not chunk:
+            return received
+        received += chunk
+
+
+def test_half_sent_headers_hold_no_thread_and_get_408(held):
+    sockets = [held.connect() for _ in range(SLOW_CLIENTS)]
+    try:
+        for sock in sockets:
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Le")
+        poll(lambda: held.connections()["held"] >= SLOW_CLIENTS, 10, what="the reader holding every client")
+        # Meanwhile a normal request is served, and no handler thread waits on the slow ones.
+        response = httpx.post(held.url + COMPLETIONS, json=chat_body(max_tokens=2), timeout=30)
+        assert response.status_code == 200, response.text
+        assert held.connections()["handlers_active"] <= 2  # this status request (and its relay)
+        answers = [answer_of(sock) for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+    assert all(a.startswith(b"HTTP/1.0 408") and b'"request_timeout"' in a for a in answers), answers[0]
+    poll(lambda: held.connections()["held"] == 0, 5, what="the slow clients released")
+
+
+def test_a_slow_body_gets_408(held):
+    with held.connect() as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json"
+                     b"\r\nContent-Length: 5000\r\n\r\n{\"messages\": [")
+        started = time.monotonic()
+        answer = answer_of(sock)
+    assert answer.startswith(b"HTTP/1.0 408") and b"body" in answer
+    assert 0.8 < time.monotonic() - started < 5
+
+
+def test_an_idle_connection_is_closed_without_a_word(held):
+    with held.connect() as sock:
+        started = time.monotonic()
+        assert answer_of(sock) == b""
+    assert time.monotonic() - started < 5
+
+
+def test_headers_past_the_limit_get_431(held):
+    huge = httpx.get(held.url + "/v1/models", headers={"X-Padding": "p" * 70_000}, timeout=10)
+    assert huge.status_code == 431 and huge.json()["error"]["code"] == "headers_too_large"
+    many = httpx.get(held.url + "/v1/models", headers={f"X-H{i}": "1" for i in range(120)}, timeout=10)
+    assert many.status_code == 431 and many.json()["error"]["code"] == "too_many_headers"
+
+
+def test_a_flood_past_the_handler_cap_gets_503_at_once(held):
+    streams = []
+    try:
+        # Long streams hold every handler thread (a stream keeps its thread for its life).
+        for _ in range(MAX_HANDLERS):
+            sock = held.connect()
+            body = b'{"messages": [{"role": "user", "content": "Go."}], "max_tokens": 2000, "stream": true}'
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
+                         b"application/json\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+            sock.settimeout(30)
+            assert sock.recv(64).startswith(b"HTTP/1.0 200")
+            streams.append(sock)
+        # Every handler holds a stream now (each sent its status line): the next requests are refused.
+        started = time.monotonic()
+        refused = [httpx.get(held.url + "/v1/models", timeout=10) for _ in range(5)]
+        assert time.monotonic() - started < 2.5  # at once: no thread was started for them
+        busy = [r for r in refused if r.status_code == 503]
+        assert busy, [r.status_code for r in refused]
+        assert busy[0].json()["error"]["code"] == "server_busy" and busy[0].headers["Retry-After"]
+    finally:
+        for sock in streams:
+            sock.close()
+    # Clients gone, their streams end at the next write: the handlers are free again.
+    poll(lambda: httpx.get(held.url + "/v1/models", timeout=10).status_code == 200, 30,
+         what="a handler free again")
+
+
+def test_head_and_other_methods(held):
+    head = httpx.head(held.url + "/v1/models", timeout=10)
+    assert head.status_code == 200 and head.content == b""
+    assert int(head.headers["Content-Length"]) > 0  # GET's headers
+    not_allowed = httpx.head(held.url + COMPLETIONS, timeout=10)
+    assert not_allowed.status_code == 405 and not_allowed.headers["Allow"] == "POST, OPTIONS"
+    put = httpx.put(held.url + "/v1/models", timeout=10)
+    assert put.status_code == 405 and put.json()["error"]["code"] == "method_not_allowed"
+    assert httpx.get(held.url + COMPLETIONS, timeout=10).status_code == 405
+    trace = httpx.request("TRACE", held.url + "/v1/models", timeout=10)
+    assert trace.status_code == 405
+
+
+@pytest.mark.skipif(not shutil.which("ss"), reason="ss (iproute2) reads a listening socket's backlog; Linux")
+def test_the_listen_backlog_is_at_least_1024(held):
+    out = subprocess.run(["ss", "-ltnH", f"sport = :{held.port}"], capture_output=True, text=True).stdout
+    backlog = int(out.split()[2])  # a listening socket's Send-Q is its backlog
+    assert backlog >= 1024, out
