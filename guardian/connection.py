@@ -223,6 +223,7 @@ class RequestReader:
         # (when, seq, callback) for call_at; a cancelled entry's callback is None.
         self._timers: list = []
         self._timer_ids = itertools.count()
+        self._next_expiry_pass = 0.0
         self._stopped = False
         self.held = 0
         self.thread = threading.Thread(target=self._run, name="http-reader", daemon=True)
@@ -449,8 +450,13 @@ class RequestReader:
             self.server.dispatch(incoming)
 
     def _expire(self) -> None:
-        limits = self.server.limits
+        # A pass looks at every connection held: at most once a tick, however
+        # many events (a flood of trickling clients) wake the loop meanwhile.
         now = time.monotonic()
+        if now < self._next_expiry_pass:
+            return
+        self._next_expiry_pass = now + TICK_S
+        limits = self.server.limits
         with self._lock:
             keys = list(self.selector.get_map().values())
         for key in keys:
