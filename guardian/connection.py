@@ -104,6 +104,13 @@ class LiveLimits:
 HANDLER_HEADROOM = 32
 
 
+def snapshot(limits) -> ConnectionLimits:
+    """The limits as they are now, as plain attributes."""
+    if isinstance(limits, ConnectionLimits):
+        return limits
+    return ConnectionLimits(**{name: getattr(limits, name) for name in ConnectionLimits.__dataclass_fields__})
+
+
 def linger_close(connection: socket.socket, linger_s: float = LINGER_S) -> None:
     """Let a client that sent a body we will not read get our answer first.
 
@@ -456,7 +463,8 @@ class RequestReader:
         if now < self._next_expiry_pass:
             return
         self._next_expiry_pass = now + TICK_S
-        limits = self.server.limits
+        # Read once a pass: a live view's attribute costs microseconds, times every connection.
+        limits = snapshot(self.server.limits)
         with self._lock:
             keys = list(self.selector.get_map().values())
         for key in keys:
