@@ -31,6 +31,7 @@ import io
 import itertools
 import json
 import selectors
+from http import HTTPStatus
 import socket
 import ssl
 import threading
@@ -41,6 +42,7 @@ from typing import Optional
 import structlog
 
 from guardian.counting import ActiveCount
+from guardian.errors import GuardianError
 
 log = structlog.get_logger("guardian.connection")
 
@@ -389,8 +391,6 @@ class RequestReader:
 
     def _check_tls(self, incoming: Incoming) -> bool:
         """The first byte of a TLS port's connection: a handshake, or plain HTTP to refuse."""
-        from guardian.access.tls import TLS_HANDSHAKE_RECORD
-
         try:
             first = incoming.sock.recv(1, socket.MSG_PEEK)
         except BlockingIOError:
@@ -407,7 +407,8 @@ class RequestReader:
         self._forget(incoming)
         if first.isalpha():
             log.debug("tls_handshake_failed", client=incoming.address[0], error_message="plain HTTP")
-            threading.Thread(target=self.server.refuse_plain_http, args=(incoming.sock,), daemon=True).start()
+            threading.Thread(target=send_refusal, args=(incoming.sock, PLAIN_HTTP_TO_TLS_PORT, True),
+                             daemon=True).start()
         else:
             close_quietly(incoming.sock)
         return False
@@ -485,29 +486,49 @@ class RequestReader:
 
     def _refuse(self, incoming: Incoming, status: int, code: str, message: str) -> None:
         self._forget(incoming)
-        send_refusal(incoming.sock, status, code, message)
+        # A late request may come in time on a new connection; oversized headers never will.
+        send_refusal(incoming.sock, GuardianError(message, status=status, type="invalid_request_error",
+                                                  code=code, retry=status == 408))
 
 
-REASONS = {408: "Request Timeout", 431: "Request Header Fields Too Large", 503: "Service Unavailable"}
+# A TLS connection's first byte: a handshake record (RFC 8446 §5.1). A plain
+# HTTP request starts with a method's letters.
+TLS_HANDSHAKE_RECORD = b"\x16"
+# What a client that sent plain HTTP to the TLS port gets, as nginx answers it.
+PLAIN_HTTP_TO_TLS_PORT = GuardianError(
+    "This port serves HTTPS: send the request to https:// instead of http://.",
+    status=400, type="invalid_request_error", code="https_required")
 
 
-def send_refusal(sock: socket.socket, status: int, code: str, message: str,
-                 retry_after_s: Optional[float] = None) -> None:
-    """An OpenAI-shaped error written straight to the socket, then the close (within a second)."""
-    body = json.dumps({"error": {"message": message, "type": "invalid_request_error" if status < 500
-                                 else "server_error", "param": None, "code": code}}).encode()
-    head = [f"HTTP/1.0 {status} {REASONS.get(status, '')}", "Content-Type: application/json",
+def send_refusal(sock: socket.socket, error: GuardianError, linger: bool = False) -> None:
+    """``error`` in OpenAI's shape (its headers: Retry-After, x-should-retry), written
+    straight to the socket within a second, then the close; ``linger``: the
+    request is unread, drain it first so the answer is not reset away."""
+    body = json.dumps(error.body()).encode()
+    head = [f"HTTP/1.0 {error.status} {HTTPStatus(error.status).phrase}", "Content-Type: application/json",
             f"Content-Length: {len(body)}", "Connection: close",
-            f"x-should-retry: {'true' if status in (408, 503) else 'false'}"]
-    if retry_after_s is not None:
-        head.append(f"Retry-After: {max(1, round(retry_after_s))}")
+            *(f"{name}: {value}" for name, value in error.response_headers().items())]
     try:
         sock.setblocking(True)
         sock.settimeout(REFUSAL_SEND_TIMEOUT_S)
         sock.sendall(("\r\n".join(head) + "\r\n\r\n").encode() + body)
+        if linger:
+            linger_close(sock)
     except OSError:
         pass
     close_quietly(sock)
+
+
+def send_close_notify(tls: ssl.SSLSocket) -> None:
+    """End the TLS session before the socket closes, without waiting for the
+    client's reply. A response that ends with the connection (stock's streams)
+    can only be told from a cut one by this (RFC 8446 §6.1); a strict client
+    (Python's ssl with suppress_ragged_eofs=False) reports an error without it."""
+    try:
+        tls.setblocking(False)
+        tls.unwrap()
+    except (OSError, ValueError):  # SSLWantReadError: ours is sent, the client's not awaited
+        pass
 
 
 def close_quietly(sock) -> None:
@@ -596,10 +617,9 @@ class HeldConnections:
         if self.handlers.active >= self.limits.max_handlers:
             self.count_closed("handlers_busy")
             log.warning("http_handlers_busy", client=incoming.address[0], handlers=self.handlers.active)
-            threading.Thread(target=send_refusal, daemon=True, args=(
-                incoming.sock, 503, "server_busy",
+            threading.Thread(target=send_refusal, daemon=True, args=(incoming.sock, GuardianError(
                 f"All {self.limits.max_handlers} request handlers are busy; send the request again.",
-                self.limits.retry_after_s)).start()
+                status=503, code="server_busy", retry_after_s=self.limits.retry_after_s))).start()
             return
         sock = incoming.sock
         try:
@@ -620,8 +640,8 @@ class HeldConnections:
             thread.start()
         except RuntimeError:  # can't start a new thread
             self.handlers.__exit__(None, None, None)
-            send_refusal(sock, 503, "server_busy", "The server cannot start a handler now.",
-                         self.limits.retry_after_s)
+            send_refusal(sock, GuardianError("The server cannot start a handler now.", status=503,
+                                             code="server_busy", retry_after_s=self.limits.retry_after_s))
 
     def _handle(self, request, client_address) -> None:
         try:
@@ -652,21 +672,8 @@ class HeldConnections:
     def shutdown_request(self, request):
         sock = raw_socket(request)
         if isinstance(sock, ssl.SSLSocket):
-            from guardian.access.tls import send_close_notify
-
             send_close_notify(sock)
         super().shutdown_request(sock)
-
-    def refuse_plain_http(self, sock) -> None:
-        from guardian.access.tls import answer_plain_http
-
-        try:
-            sock.setblocking(True)
-            sock.settimeout(REFUSAL_SEND_TIMEOUT_S)
-            answer_plain_http(sock)
-        except OSError:
-            pass
-        close_quietly(sock)
 
     def server_close(self):
         super().server_close()

@@ -10,27 +10,14 @@ attribute, and connections already open keep the one they began with.
 
 from __future__ import annotations
 
-import json
-import socket
 import ssl
 from typing import Optional
 
 import structlog
 
 from guardian.config import ConfigError
-from guardian.connection import linger_close
-from guardian.errors import GuardianError
 
 log = structlog.get_logger("guardian.access")
-
-# A TLS connection's first byte: a handshake record (RFC 8446 §5.1). A plain
-# HTTP request starts with a method's letters.
-TLS_HANDSHAKE_RECORD = b"\x16"
-# What a client that sent plain HTTP to the TLS port gets, as nginx answers it.
-PLAIN_HTTP_TO_TLS_PORT = GuardianError(
-    "This port serves HTTPS: send the request to https:// instead of http://.",
-    status=400, type="invalid_request_error", code="https_required")
-
 
 class ServerCertificate:
     """The server's certificate and key, as the SSL context new connections use."""
@@ -59,28 +46,6 @@ class ServerCertificate:
         self.context = context
         log.info("tls_reloaded", reason=reason, certfile=self.certfile, keyfile=self.keyfile)
         return True
-
-
-def answer_plain_http(sock: socket.socket) -> None:
-    """Tell a plain HTTP client why it gets no answer here (it sent a request to the TLS port)."""
-    body = json.dumps(PLAIN_HTTP_TO_TLS_PORT.body()).encode()
-    head = (f"HTTP/1.0 400 Bad Request\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\nx-should-retry: false\r\nConnection: close\r\n\r\n")
-    sock.sendall(head.encode() + body)
-    # The request is still unread: closing now could reset the answer away.
-    linger_close(sock)
-
-
-def send_close_notify(tls: ssl.SSLSocket) -> None:
-    """End the TLS session before the socket closes, without waiting for the
-    client's reply. A response that ends with the connection (stock's streams)
-    can only be told from a cut one by this (RFC 8446 §6.1); a strict client
-    (Python's ssl with suppress_ragged_eofs=False) reports an error without it."""
-    try:
-        tls.setblocking(False)
-        tls.unwrap()
-    except (OSError, ValueError):  # SSLWantReadError: ours is sent, the client's not awaited
-        pass
 
 
 def load_certificate(settings) -> Optional[ServerCertificate]:
