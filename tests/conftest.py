@@ -167,6 +167,41 @@ def start_server(tmp_path, model_cache):
         server.stop()
 
 
+# The two ways to run a server: tests parametrized over both run the same
+# assertions against one process and against a supervisor's public port
+# (`make test` runs the supervised ones against the newest mlx-lm only).
+BOTH_MODES = ["one_process", pytest.param("supervised", marks=pytest.mark.subprocess_mode)]
+
+
+class ModeServer(Server):
+    """A server a module's tests share, reconfigured live through ``self.config``:
+    one process, or (``kind`` "supervised") a supervisor in a session of its own."""
+
+    def __init__(self, kind: str, folder: Path, model_cache: Path, config: str = "", *args: str,
+                 headers: Optional[dict] = None):
+        self.kind = kind
+        self.config = folder / "guardian.toml"
+        self.config.write_text(config)
+        port = free_port()
+        argv = ["--port", str(port), "--guardian-config", str(self.config), *args]
+        if kind == "supervised":
+            argv = ["--supervise", *argv]
+        log_path = folder / f"{kind}.log"
+        super().__init__(spawn_guardian(argv, log_path, model_cache, start_new_session=True), port, log_path)
+        self.wait_healthy()
+        if kind == "supervised":  # its /readyz is the child's: ready once a child is
+            poll(lambda: httpx.get(self.url + "/guardian/supervisor", headers=headers or {},
+                                   timeout=5).json()["state"] == "ready", 60, what="a ready child")
+
+    def stop(self) -> None:
+        """Kill the process group: a supervisor's children too."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(timeout=10)
+
+
 # A tool the demo model's chat template renders into the prompt.
 TOOLS = [
     {

@@ -13,8 +13,6 @@ import hashlib
 import json
 import os
 import signal
-import subprocess
-import time
 
 import httpx
 import openai
@@ -23,7 +21,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import Server, chat_body, free_port, poll, read_stream, spawn_guardian
+from conftest import BOTH_MODES, ModeServer, chat_body, poll
 from fuzz_client import Bystander
 from guardian.http import COMPLETION_PATHS, GET_PATHS
 from guardian.supervise.proxy import HEALTH_PATHS, LIVENESS_PATH, METRICS_PATH, STATUS_PATH
@@ -40,26 +38,14 @@ METHODS = ("GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS")
 COMPLETIONS = "/v1/chat/completions"
 
 
-class DoorServer:
+class DoorServer(ModeServer):
     """A keyed server: one process, or a supervisor's public port."""
 
     def __init__(self, kind: str, folder, model_cache):
-        self.kind = kind
         self.keys = folder / "keys.txt"
         self.keys.write_text(KEYS)
-        self.config = folder / "guardian.toml"
-        self.config.write_text("")
-        port = free_port()
-        self.log_path = folder / f"{kind}.log"
-        args = ["--port", str(port), "--api-key-file", str(self.keys), "--guardian-config", str(self.config)]
-        if kind == "supervised":
-            args = ["--supervise", *args]
-        proc = spawn_guardian(args, self.log_path, model_cache, start_new_session=True)
-        self.server = Server(proc, port, self.log_path)
-        self.url = self.server.url
-        self.server.wait_healthy()
-        if kind == "supervised":  # the supervisor's /readyz says ready once its child is
-            poll(lambda: self.get("/guardian/supervisor", ALICE).json()["state"] == "ready", 60)
+        super().__init__(kind, folder, model_cache, "", "--api-key-file", str(self.keys),
+                         headers={"Authorization": f"Bearer {ALICE}"})
 
     @property
     def paths(self) -> list[str]:
@@ -83,22 +69,12 @@ class DoorServer:
                            if s.name.endswith("_total") and s.labels.get("reason") == reason)
         raise AssertionError(f"{name} missing from /metrics")
 
-    def events(self, name: str) -> list[dict]:
-        return self.server.events(name)
-
     def signal_door(self, signum: int) -> None:
         """SIGHUP to the process that holds the keys: the server, or the supervisor."""
-        os.kill(self.server.proc.pid, signum)
-
-    def stop(self) -> None:
-        try:
-            os.killpg(self.server.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.server.proc.wait(timeout=10)
+        os.kill(self.proc.pid, signum)
 
 
-@pytest.fixture(scope="module", params=["one_process", pytest.param("supervised", marks=pytest.mark.subprocess_mode)])
+@pytest.fixture(scope="module", params=BOTH_MODES)
 def door_server(request, tmp_path_factory, model_cache):
     server = DoorServer(request.param, tmp_path_factory.mktemp(request.param), model_cache)
     yield server

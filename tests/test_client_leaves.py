@@ -12,8 +12,6 @@ x-stainless-read-timeout) is stopped and answered 504.
 from __future__ import annotations
 
 import json
-import os
-import signal
 import socket
 import time
 
@@ -21,7 +19,7 @@ import httpx
 import openai
 import pytest
 
-from conftest import Server, chat_body, free_port, poll, spawn_guardian
+from conftest import BOTH_MODES, ModeServer, chat_body, poll
 
 COMPLETIONS = "/v1/chat/completions"
 STEP_S = 0.02
@@ -39,33 +37,20 @@ HE_TOKEN = 453
 LONG_PROMPT = " ".join(f"word{i}" for i in range(300))  # ~1,400 tokens of 2,048
 
 
-class EngineServer:
+class EngineServer(ModeServer):
     def __init__(self, kind: str, folder, model_cache):
-        self.kind = kind
-        self.config = folder / "guardian.toml"
-        self.config.write_text(CONFIG)
-        self.port = free_port()
-        self.log_path = folder / f"{kind}.log"
-        args = ["--port", str(self.port), "--guardian-config", str(self.config),
-                "--decode-concurrency", "1", "--prefill-step-size", "32"]
-        if kind == "supervised":
-            args = ["--supervise", *args]
-        proc = spawn_guardian(args, self.log_path, model_cache, start_new_session=True)
-        self.server = Server(proc, self.port, self.log_path)
-        self.url = self.server.url
-        self.server.wait_healthy()
-        if kind == "supervised":
-            poll(lambda: httpx.get(self.url + "/guardian/supervisor", timeout=5).json()["state"] == "ready", 60)
+        super().__init__(kind, folder, model_cache, CONFIG, "--decode-concurrency", "1",
+                         "--prefill-step-size", "32")
 
-    def status(self) -> dict:
+    def engine_status(self) -> dict:
         """The engine's /guardian/status (under --supervise, the child's, relayed)."""
         return httpx.get(self.url + "/guardian/status", timeout=10).json()
 
     def cancelled(self, reason: str) -> int:
-        return self.status()["requests_cancelled"][reason]
+        return self.engine_status()["requests_cancelled"][reason]
 
     def idle(self) -> bool:
-        status = self.status()
+        status = self.engine_status()
         return status["in_flight"] == 0 and status["queued"] == 0
 
     def send_raw(self, body: dict, rcvbuf: int = 0) -> socket.socket:
@@ -79,15 +64,8 @@ class EngineServer:
                      b"\r\nContent-Length: " + str(len(data)).encode() + b"\r\n\r\n" + data)
         return sock
 
-    def stop(self) -> None:
-        try:
-            os.killpg(self.server.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.server.proc.wait(timeout=10)
 
-
-@pytest.fixture(scope="module", params=["one_process", pytest.param("supervised", marks=pytest.mark.subprocess_mode)])
+@pytest.fixture(scope="module", params=BOTH_MODES)
 def engine_server(request, tmp_path_factory, model_cache):
     server = EngineServer(request.param, tmp_path_factory.mktemp(request.param), model_cache)
     yield server
@@ -97,27 +75,27 @@ def engine_server(request, tmp_path_factory, model_cache):
 def leave_and_check(server: EngineServer, sock: socket.socket, phase) -> None:
     """Close the client's connection once ``phase()`` holds; the engine must drop the request."""
     before = server.cancelled("client_left")
-    tokens_before = server.status()["tokens_after_cancel"]
+    tokens_before = server.engine_status()["tokens_after_cancel"]
     poll(phase, 30, interval=0.01, what="the request's phase")
     sock.close()
     left_at = time.monotonic()
     poll(server.idle, 5, interval=0.01, what="the engine dropping the request")
     assert time.monotonic() - left_at < 2  # a step is 20 ms; the watch and a status request add little
     assert server.cancelled("client_left") == before + 1
-    assert server.status()["tokens_after_cancel"] - tokens_before <= 2  # a step in flight at most
+    assert server.engine_status()["tokens_after_cancel"] - tokens_before <= 2  # a step in flight at most
 
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_client_that_leaves_while_decoding(engine_server, stream):
     sock = engine_server.send_raw(chat_body(max_tokens=3000, stream=stream))
-    started = engine_server.status()["steps"]
-    leave_and_check(engine_server, sock, lambda: engine_server.status()["steps"] > started + 10)
+    started = engine_server.engine_status()["steps"]
+    leave_and_check(engine_server, sock, lambda: engine_server.engine_status()["steps"] > started + 10)
 
 
 def test_a_client_that_leaves_during_prefill(engine_server):
     sock = engine_server.send_raw(chat_body(LONG_PROMPT, max_tokens=5))
     # Taken and started, and no token yet: in prefill (chunks of 32 tokens, 20 ms each).
-    leave_and_check(engine_server, sock, lambda: engine_server.status()["in_flight"] == 1)
+    leave_and_check(engine_server, sock, lambda: engine_server.engine_status()["in_flight"] == 1)
     # It never produced a token, whatever it had begun.
 
 
@@ -125,20 +103,20 @@ def test_a_client_that_leaves_while_queued(engine_server):
     # --decode-concurrency 1: a long stream holds the only place; the next waits.
     first = engine_server.send_raw(chat_body(max_tokens=3000, stream=True))
     try:
-        poll(lambda: engine_server.status()["in_flight"] == 1, 30)
-        tokens = engine_server.status()["steps"]
+        poll(lambda: engine_server.engine_status()["in_flight"] == 1, 30)
+        tokens = engine_server.engine_status()["steps"]
         second = engine_server.send_raw(chat_body("Wait your turn.", max_tokens=3000))
         before = engine_server.cancelled("client_left")
 
         def waiting() -> int:  # in the ledger's queue, or taken into stock's batch behind the first
-            status = engine_server.status()
+            status = engine_server.engine_status()
             return status["queued"] + status["in_flight"]
 
         poll(lambda: waiting() == 2, 10, what="the second request waiting")
         second.close()
         poll(lambda: waiting() == 1, 5, what="the waiting request dropped")
         assert engine_server.cancelled("client_left") == before + 1
-        assert engine_server.status()["steps"] > tokens  # the first goes on
+        assert engine_server.engine_status()["steps"] > tokens  # the first goes on
     finally:
         first.close()
     poll(engine_server.idle, 5)
@@ -163,7 +141,7 @@ def test_a_client_that_stops_reading_a_stream(engine_server):
 def test_a_request_past_its_deadline_gets_504(engine_server):
     try:
         engine_server.config.write_text(CONFIG.replace("[http]", "[guardian]\nrequest_timeout_s = 1.0\n[http]"))
-        poll(lambda: engine_server.status()["config"]["loads"] >= 2, 10, what="the new configuration")
+        poll(lambda: engine_server.engine_status()["config"]["loads"] >= 2, 10, what="the new configuration")
         before = engine_server.cancelled("deadline")
         started = time.monotonic()
         answer = httpx.post(engine_server.url + COMPLETIONS, json=chat_body(max_tokens=3000), timeout=30)
@@ -196,5 +174,5 @@ def test_the_openai_sdks_own_timeout_is_a_deadline(engine_server):
                         headers={"x-stainless-read-timeout": "1.0", "x-stainless-retry-count": "1"})
     assert answer.status_code == 504 and "x-stainless-read-timeout" in answer.json()["error"]["message"]
     # The access line (written as the request ends, a moment after its answer) says it was a retry.
-    poll(lambda: [e for e in engine_server.server.events("http_access") if e.get("client_retry") == 1], 5,
+    poll(lambda: [e for e in engine_server.events("http_access") if e.get("client_retry") == 1], 5,
          what="an access line with client_retry")

@@ -9,19 +9,15 @@ the tests are quick; their defaults are in config/guardian.example.toml.
 
 from __future__ import annotations
 
-import os
 import shutil
-import signal
 import socket
 import subprocess
-import sys
-import threading
 import time
 
 import httpx
 import pytest
 
-from conftest import Server, chat_body, free_port, poll, spawn_guardian
+from conftest import BOTH_MODES, ModeServer, chat_body, poll
 
 COMPLETIONS = "/v1/chat/completions"
 MAX_HANDLERS = 4
@@ -38,44 +34,24 @@ step_delay_s = 0.02
 SLOW_CLIENTS = 100
 
 
-class HeldServer:
+class HeldServer(ModeServer):
     """One server for the module: one process, or a supervisor's public port."""
 
     def __init__(self, kind: str, folder, model_cache):
-        self.kind = kind
-        config = folder / "guardian.toml"
-        config.write_text(CONFIG)
-        self.port = free_port()
-        self.log_path = folder / f"{kind}.log"
-        args = ["--port", str(self.port), "--guardian-config", str(config)]
-        if kind == "supervised":
-            args = ["--supervise", *args]
-        proc = spawn_guardian(args, self.log_path, model_cache, start_new_session=True)
-        self.server = Server(proc, self.port, self.log_path)
-        self.url = self.server.url
-        self.server.wait_healthy()
-        if kind == "supervised":
-            poll(lambda: self.status()["state"] == "ready", 60, what="a ready child")
+        super().__init__(kind, folder, model_cache, CONFIG)
 
-    def status(self) -> dict:
+    def server_status(self) -> dict:
         path = "/guardian/supervisor" if self.kind == "supervised" else "/guardian/status"
         return httpx.get(self.url + path, timeout=10).json()
 
     def connections(self) -> dict:
-        return self.status()["connections"]
+        return self.server_status()["connections"]
 
     def connect(self) -> socket.socket:
         return socket.create_connection(("127.0.0.1", self.port), timeout=10)
 
-    def stop(self) -> None:
-        try:
-            os.killpg(self.server.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.server.proc.wait(timeout=10)
 
-
-@pytest.fixture(scope="module", params=["one_process", pytest.param("supervised", marks=pytest.mark.subprocess_mode)])
+@pytest.fixture(scope="module", params=BOTH_MODES)
 def held(request, tmp_path_factory, model_cache):
     server = HeldServer(request.param, tmp_path_factory.mktemp(request.param), model_cache)
     yield server
