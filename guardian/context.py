@@ -38,8 +38,10 @@ class RequestInfo:
     # Called (on another thread) if the client closes its connection while the
     # request is answered; the engine adds its request's cancellation here.
     on_client_gone: Optional[list] = None
-    # The engine's records of this request (guardian.engine.ledger), for its deadline.
+    # The engine's records of this request (guardian.engine.ledger), for its deadline,
+    # and the deadline's error once it passed (perhaps before the engine had a record).
     engine_requests: Optional[list] = None
+    deadline_errors: Optional[list] = None
 
 
 # The request's id goes back to its client in this header (the client's own
@@ -99,10 +101,14 @@ def track_engine_request(record) -> None:
     if info.engine_requests is not None:
         info.engine_requests.append(record)
         info.on_client_gone.append(record.client_left)
+        if info.deadline_errors:  # it passed during admission: the request ends at once
+            record.time_out(info.deadline_errors[0])
 
 
 def deadline_passed(info: RequestInfo, error) -> None:
-    """The request ``info`` describes is past its deadline: it ends with ``error`` (a 504)."""
+    """The request ``info`` describes is past its deadline: it ends with ``error`` (a 504),
+    now or as soon as the engine queues it."""
+    info.deadline_errors.append(error)
     for record in list(info.engine_requests or ()):
         record.time_out(error)
 
@@ -127,7 +133,7 @@ def bind_log_fields(**fields) -> None:
 def request_scope(request_id: str, stream: bool, client: str = "-"):
     info = RequestInfo(request_id=request_id, stream=stream, response_headers={REQUEST_ID_HEADER: request_id},
                        at_end=[], started_at=time.monotonic(), client=client, on_client_gone=[],
-                       engine_requests=[])
+                       engine_requests=[], deadline_errors=[])
     token = _current.set(info)
     # Fields bound during the request must not follow the thread to the
     # next request of a keep-alive connection.

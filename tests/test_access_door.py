@@ -259,6 +259,40 @@ def test_hostile_key_headers(door_server):
     assert door_server.get("/readyz").status_code == 200
 
 
+# The other headers the door and the handler read: Host, Origin, and the openai
+# SDK's read timeout and retry count (a deadline, a log field).
+OTHER_HEADERS = st.lists(st.tuples(
+    st.sampled_from(["Host", "Origin", "x-stainless-read-timeout", "x-stainless-retry-count"]),
+    st.one_of(HEADER_TEXT, st.sampled_from(["localhost", "127.0.0.1:1", "[::1]", "http://localhost:3000", "null",
+                                            "nan", "inf", "-1", "0", "1e309", "0.000001", "99999999999"]))),
+    min_size=1, max_size=3, unique_by=lambda pair: pair[0])  # httpx sends one Host at most
+
+
+def test_hostile_host_origin_and_sdk_headers(door_server):
+    """Each answer is a 200, a 403 (Host, Origin) or a 504 (a deadline that short) in
+    OpenAI's shape, and the server keeps serving."""
+    answers = []
+    with httpx.Client(timeout=30) as client:
+        @settings(max_examples=40, derandomize=True, database=None, deadline=None,
+                  suppress_health_check=list(HealthCheck))
+        @given(OTHER_HEADERS)
+        @example([("x-stainless-read-timeout", "0.000001")])
+        @example([("x-stainless-read-timeout", "nan"), ("x-stainless-retry-count", "-3")])
+        def hostile(pairs):
+            wire = [(name, value.strip().encode("latin-1")) for name, value in pairs]
+            wire.append(("Authorization", f"Bearer {ALICE}".encode()))
+            response = client.post(door_server.url + COMPLETIONS, json=chat_body(max_tokens=2), headers=wire)
+            answers.append(response.status_code)
+            assert response.status_code in (200, 403, 504), (pairs, response.status_code, response.text)
+            if response.status_code != 200:
+                assert response.json()["error"]["code"] in ("host_not_allowed", "origin_not_allowed",
+                                                            "deadline_exceeded"), pairs
+
+        hostile()
+    assert 200 in answers and 504 in answers
+    assert door_server.get("/readyz").status_code == 200
+
+
 @pytest.mark.subprocess_mode
 @pytest.mark.parametrize("door_server", ["supervised"], indirect=True)
 def test_the_supervised_child_serves_only_its_supervisor(door_server):
