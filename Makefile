@@ -12,7 +12,7 @@ STOCK_TEST_DEPS := requests
 PORT ?= 8080
 ARGS ?=
 
-.PHONY: serve test test-newest test-0313 bench clean system-packages gpu-wheels
+.PHONY: serve test test-newest test-0313 bench docs clean system-packages gpu-wheels
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -53,6 +53,13 @@ test-0313: $(VENV_0313)/.installed
 
 bench: $(VENV)/.installed
 	$(VENV)/bin/python bench/bench_prompt_guard.py
+
+# The docs site (mkdocs.yml, docs/) into site/ (ignored): first the reference
+# pages written from the code (settings, hooks, exit codes, metrics, --help),
+# which tests/test_docs_site.py checks are current.
+docs: $(VENV)/.installed
+	$(VENV)/bin/python tools/docs_reference.py
+	$(VENV)/bin/python -m mkdocs build --strict --site-dir site
 
 # The wheels the lent CUDA machine lacks, in .whl/ (ignored), cut to fit the device
 # tool's 64 MiB a call; tools/gpu/run_on_device.md says how to run there.
