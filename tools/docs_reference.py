@@ -98,11 +98,12 @@ def settings_page() -> str:
     from guardian.config import CORE_TABLES, CommandLine, built_in_plugin_tables
 
     tables = [*CORE_TABLES, *built_in_plugin_tables(), CommandLine]
+    core = ", ".join(f"`[{table.table_name}]`" for table in CORE_TABLES)
     lines = [GENERATED_NOTE, "# Settings", "",
              "Every setting of `--guardian-config FILE` (TOML), declared once in the settings registry "
              "(`guardian/settings.py`; the core's tables in `guardian/config.py`, each built-in plugin's "
-             "beside its code). `[guardian]`, `[watchdog]`, `[supervisor]`, `[access]` and `[http]` "
-             "configure the core; every other table belongs to the plugin of that name. A key that is "
+             f"beside its code). {core} configure the core; every other table belongs to the plugin of "
+             "that name. A key that is "
              "not listed, or a value of the wrong type, stops the server at start (exit 2) with a "
              "message naming the key. *live*: takes effect when the file is saved or on SIGHUP, "
              "between requests; any other setting waits for a restart "
@@ -136,11 +137,14 @@ def call_mode(options: dict, doc: str) -> str:
 def hooks_page() -> str:
     from guardian.plugins import hookspecs as module
 
+    source = Path(module.__file__).resolve().relative_to(REPO)
+    # The docstring's first line says what the module is; this page says it for itself.
+    rules = inspect.cleandoc(module.__doc__).split("\n\n", 1)[-1]
     lines = [GENERATED_NOTE, "# Hooks", "",
-             "Every hook mlx-guardian calls (`guardian/plugins/hookspecs.py`), in the order the module "
-             "declares them. Implement one with `@guardian.hookimpl` on a method of the same name; "
+             f"Every hook mlx-guardian calls (`{source}`), in the order the module declares them. "
+             "Implement one with `@guardian.hookimpl` on a method of the same name; "
              "[Plugins](../plugins.md) says how a plugin is written and loaded.", "",
-             inspect.cleandoc(module.__doc__), ""]
+             rules, ""]
     for name, function, options in hookspecs():
         doc = inspect.getdoc(function) or ""
         signature = ", ".join(inspect.signature(function).parameters)
