@@ -1,7 +1,7 @@
-"""Exit codes, named so supervisors and the README agree on them.
+"""Exit codes, named so supervisors and the docs agree on them.
 
-``EXIT_CODES`` is the one table: the README's exit-code table is checked
-against it (tests/test_cli.py), and the supervisor logs a child's exit with
+``EXIT_CODES`` is the one table: docs/reference/exit-codes.md is written
+from it (tools/docs_reference.py), and the supervisor logs a child's exit with
 its ``reason``. Any non-zero code makes systemd's ``Restart=on-failure`` and
 launchd's ``KeepAlive`` with ``SuccessfulExit=false`` start the process again.
 """
@@ -37,7 +37,7 @@ class ExitCode(NamedTuple):
     code: int
     # Short: how the supervisor logs a child that exited with it.
     reason: str
-    # The README's row (markdown).
+    # The docs' row (markdown).
     meaning: str
 
 
@@ -66,7 +66,7 @@ def reason(code: int) -> str:
 
 
 def markdown_table() -> str:
-    """The README's exit-code table."""
+    """The docs' exit-code table (docs/reference/exit-codes.md)."""
     rows = [f"| {e.code} | {e.meaning} |" for e in EXIT_CODES]
     return "\n".join(["| code | meaning |", "|---|---|", *rows]) + "\n"
 

@@ -76,13 +76,14 @@ def test_missing_model_path_exits_with_boot_error(tmp_path):
     assert "model_load_failed" in events
 
 
-def test_readme_exit_code_table_is_the_exit_codes_table():
+def test_docs_exit_code_table_is_the_exit_codes_table():
     from pathlib import Path
 
     from guardian.exit_codes import markdown_table
 
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    assert markdown_table() in readme, "README's exit-code table differs from guardian.exit_codes.EXIT_CODES"
+    page = (Path(__file__).resolve().parent.parent / "docs" / "reference" / "exit-codes.md").read_text()
+    assert markdown_table() in page, ("docs/reference/exit-codes.md's table differs from guardian.exit_codes.EXIT_CODES: "
+                                      "regenerate it with python tools/docs_reference.py")
 
 
 def test_guardian_flags_come_from_the_settings_registry():

@@ -1,6 +1,6 @@
 """Readiness before the first probe has generated a token.
 
-The README (the watchdog, systemd): mlx-guardian writes ``READY=1`` "once
+docs/deploy.md (systemd and launchd): mlx-guardian writes ``READY=1`` "once
 the model is loaded and the first probe generated a token", and tests wait
 for ``/readyz`` as proof that "the start-up probe passed". Here the very
 first engine step, the start-up probe's, never returns. Before the fix,

@@ -8,7 +8,7 @@ it; /readyz says 503), another replica's engine process is SIGKILLed, and
 then the third is drained by SIGTERM (/readyz says 503 while its requests
 finish).
 
-The killed replica runs ``--supervise``, as the README recommends behind a
+The killed replica runs ``--supervise``, as docs/deploy.md recommends behind a
 load balancer: the OOM killer takes the biggest process, the engine, and
 its supervisor sends its requests again to the next engine and continues
 its streams there. (A stream whose bytes a killed plain replica had begun

@@ -200,7 +200,7 @@ def test_a_rerun_after_a_stall_is_served_though_the_stuck_loop_cached_its_prompt
                                json=chat_body(max_tokens=8, repetition_penalty=HANG_PENALTY))
         [stalled] = server.wait_for_event("engine_stalled")
         assert stalled["action"] == "restart"
-        # Re-run transparently (README, the watchdog: "re-run if their client has seen nothing").
+        # Re-run transparently (docs/recovery.md, the watchdog: "re-run if their client has seen nothing").
         assert response.status_code == 200, response.text
         assert server.events("engine_error") == []
 

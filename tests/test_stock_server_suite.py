@@ -19,8 +19,8 @@ fixture uses in the imported module:
 
 Every stock TestCase class is then exposed in this module's namespace, so
 pytest reports each stock test as its own item. The tests that cannot pass
-are listed once, in ``EXPECTED``, each with its reason; the README's
-"Stock's own tests" section repeats the list.
+are listed once, in ``EXPECTED``, each with its reason; the "Stock's own
+tests" section of docs/development.md repeats the list.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ class GuardianWouldNotStart(Exception):
 # --- the stock tests that cannot pass, and why: the one list --------------------------------
 # Keys are "Class.test"; "versions": the mlx-lm version prefixes the entry is for (each
 # of them has the test); "raises": how the test fails.
-# The README's "Stock's own tests" section has one line per entry.
+# docs/development.md's "Stock's own tests" section has one line per entry.
 CHANGED = "behaviour changed on purpose: "
 DEMO = "the random-weight demo model: "
 GUARDIAN_BUG = "GUARDIAN BUG: "
@@ -78,7 +78,7 @@ EXPECTED = {
     "TestServer.test_health_endpoint": dict(
         outcome="xfail", raises=AssertionError, versions=("0.32.",),
         reason=CHANGED + "/health's body also names the engine's state "
-        "({\"status\": \"ok\", \"state\": \"ready\"}, README \"The watchdog\"); "
+        "({\"status\": \"ok\", \"state\": \"ready\"}, docs/recovery.md, \"The watchdog\"); "
         "stock's test compares the whole body"),
     "TestServer.test_handle_completions": dict(
         outcome="xfail", raises=AssertionError, versions=("0.32.",),
@@ -302,11 +302,11 @@ def test_every_expected_outcome_names_a_stock_test():
     assert not stale
 
 
-def test_readme_lists_every_expected_outcome():
-    """The README's "Stock's own tests" section has one line per entry, with its reason."""
-    readme = (REPO / "README.md").read_text()
-    section = re.search(r"^## Stock's own tests\n(.*?)(?=^## )", readme, re.S | re.M)
-    assert section, "README.md has no \"## Stock's own tests\" section"
+def test_docs_list_every_expected_outcome():
+    """docs/development.md's "Stock's own tests" section has one line per entry, with its reason."""
+    page = (REPO / "docs" / "development.md").read_text()
+    section = re.search(r"^## Stock's own tests\n(.*?)(?=^## |\Z)", page, re.S | re.M)
+    assert section, "docs/development.md has no \"## Stock's own tests\" section"
     missing = [test_id for test_id in EXPECTED if f"`{test_id}`" not in section.group(1)]
     assert not missing
 
