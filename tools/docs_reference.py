@@ -206,7 +206,7 @@ def loop_bindings(loop: ast.For, namespace: dict, bindings: list[dict]) -> list[
     for binding in bindings:
         try:
             items = list(eval(compile(ast.Expression(loop.iter), "<loop>", "eval"), namespace, dict(binding)))
-        except NameError:  # a loop over something local: its variables name no metric
+        except Exception:  # a loop over something local (self.x, an argument): it names no metric
             return []
         for item in items:
             scope = dict(binding)
