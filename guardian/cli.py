@@ -23,6 +23,7 @@ from guardian.config import AccessSettings, CommandLine, ConfigError, CoreSettin
 from guardian.exit_codes import EXIT_USAGE
 from guardian.access.keys import KeyRing
 from guardian.logs import bind_process, configure_logging
+from guardian.open_files import raise_open_files_limit
 
 log = structlog.get_logger("guardian.cli")
 
@@ -150,6 +151,8 @@ SUPERVISE_SUMMARY = ("subprocess mode: a supervisor runs the server as a child p
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
+    # Every connection held is a file descriptor (the door holds thousands).
+    raise_open_files_limit()
     if argv and argv[0] in COMMANDS:
         command = COMMANDS[argv[0]][0]
         raise SystemExit(command(argv[1:]))

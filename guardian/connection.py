@@ -60,6 +60,8 @@ READ_BYTES = 1 << 16
 HEADERS_END = b"\r\n\r\n"
 # The reader wakes at least this often to expire deadlines.
 TICK_S = 0.25
+# Connections accepted in one go before the reader reads the others again.
+ACCEPT_BATCH = 64
 # Answers the reader writes itself go out within this, or are dropped.
 REFUSAL_SEND_TIMEOUT_S = 1.0
 
@@ -191,6 +193,15 @@ def parse_head(head: bytes, limits: ConnectionLimits) -> tuple[Optional[int], Op
     return length, None
 
 
+class Listening:
+    """The server's listening socket, as the reader's selector holds it."""
+
+    __slots__ = ("sock",)
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+
+
 class Watched:
     """A connection whose request is being answered: its client's leaving ends the request."""
 
@@ -241,6 +252,19 @@ class RequestReader:
     def add(self, sock: socket.socket, address) -> None:
         """A connection just accepted (any thread)."""
         self._arrivals.append((sock, address))
+        self._wake()
+
+    def listen(self, listener: socket.socket) -> None:
+        """Accept ``listener``'s connections on this thread from now on.
+
+        One thread that both accepts and reads never waits on another for the
+        GIL: with accepts on a thread of their own, each accept waited up to a
+        switch interval (5 ms) behind the reader busy with a flood, and a
+        client queued behind a thousand reconnecting ones waited seconds.
+        """
+        listener.setblocking(False)
+        with self._lock:
+            self.selector.register(listener, selectors.EVENT_READ, Listening(listener))
         self._wake()
 
     def watch(self, sock: socket.socket, on_gone) -> None:
@@ -313,6 +337,8 @@ class RequestReader:
                         self._drain_wakeups()
                     elif isinstance(key.data, Watched):
                         self._on_watched(key.data)
+                    elif isinstance(key.data, Listening):
+                        self._accept(key.data)
                     else:
                         self._on_readable(key.data)
                 self._take_arrivals()
@@ -344,19 +370,34 @@ class RequestReader:
         except (BlockingIOError, OSError):
             pass
 
-    def _take_arrivals(self) -> None:
-        tls = self.server.tls
-        while self._arrivals:
-            sock, address = self._arrivals.popleft()
+    def _accept(self, listening: "Listening") -> None:
+        """Take every waiting connection, up to a batch (reads of the others go on meanwhile)."""
+        for _ in range(ACCEPT_BATCH):
             try:
-                sock.setblocking(False)
-                incoming = Incoming(sock, address, tls is not None)
-                with self._lock:
-                    self.selector.register(sock, selectors.EVENT_READ, incoming)
-            except (OSError, ValueError, KeyError):
-                close_quietly(sock)
-                continue
-            self.held += 1
+                sock, address = listening.sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:  # out of file descriptors: stop accepting for a tick
+                log.warning("http_accept_failed", error_message=str(e))
+                self.unwatch(listening.sock)
+                self.call_at(time.monotonic() + TICK_S, lambda: self.listen(listening.sock))
+                return
+            self._hold(sock, address)
+
+    def _take_arrivals(self) -> None:
+        while self._arrivals:
+            self._hold(*self._arrivals.popleft())
+
+    def _hold(self, sock: socket.socket, address) -> None:
+        try:
+            sock.setblocking(False)
+            incoming = Incoming(sock, address, self.server.tls is not None)
+            with self._lock:
+                self.selector.register(sock, selectors.EVENT_READ, incoming)
+        except (OSError, ValueError, KeyError):
+            close_quietly(sock)
+            return
+        self.held += 1
 
     def _forget(self, incoming: Incoming) -> None:
         with self._lock:
@@ -576,6 +617,27 @@ class BufferedConnection:
         return getattr(self.sock, name)
 
 
+class Serving:
+    """serve_forever's life: shutdown() asks it to end and waits until it has."""
+
+    def __init__(self):
+        self._asked = threading.Event()
+        self._ended = threading.Event()
+        self._started = False
+
+    def wait_for_shutdown(self) -> None:
+        self._started = True
+        self._asked.wait()
+
+    def stopped(self) -> None:
+        self._ended.set()
+
+    def shut_down(self) -> None:
+        self._asked.set()
+        if self._started:
+            self._ended.wait()
+
+
 _READER_START = threading.Lock()
 
 
@@ -605,9 +667,23 @@ class HeldConnections:
         self._ensure_reader()
         self._reader.add(request, client_address)
 
+    def serve_forever(self, poll_interval=0.5):
+        """Serve until ``shutdown()``: the reader's thread accepts, this one waits."""
+        self._ensure_reader()
+        self._reader.listen(self.socket)
+        self._serving.wait_for_shutdown()
+        self._reader.unwatch(self.socket)
+        self._serving.stopped()
+
+    def shutdown(self):
+        """Stop serving and wait until ``serve_forever`` returns (as socketserver's)."""
+        if self._reader is not None:
+            self._serving.shut_down()
+
     def _ensure_reader(self) -> None:
         with _READER_START:
             if self._reader is None:
+                self._serving = Serving()
                 self.handlers = ActiveCount()
                 self.closed_counts = collections.Counter()
                 self._reader = RequestReader(self)

@@ -21,12 +21,19 @@ import types
 from typing import Callable, Iterator, Optional
 
 import mlx.core as mx
-import mlx_lm.sample_utils as sample_utils
-import mlx_lm.server as server
-from mlx_lm.tokenizer_utils import TokenizerWrapper
-from huggingface_hub.utils import CacheNotFound
 
 from guardian.errors import EngineStepError
+from guardian.open_files import never_lowered
+
+# mlx_lm.utils sets the open-files limit to (2048, 4096) when imported, hard
+# limit included: a server could then never hold more connections than that.
+with never_lowered():
+    import mlx_lm.sample_utils as sample_utils
+    import mlx_lm.server as server
+    from mlx.utils import tree_flatten
+    from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+    from huggingface_hub.utils import CacheNotFound
 
 # The module, not the function mlx_lm's package exports under the same name.
 generate_module = importlib.import_module("mlx_lm.generate")
@@ -40,6 +47,7 @@ INSTANCE_ATTRIBUTES = {
     "requests": "the engine's request queue, replaced by the ledger",
     "_stop": "set to make the loop leave at its next turn",
     "_time_budget": "the run of decode steps between looks at the queue; ended early when a request waits",
+    "_is_distributed": "a rank of an mlx.launch group: a failed batch's KV is not kept (ranks must prefill alike)",
 }
 
 # (object, attribute) pairs the guardian relies on, with why. The contract
@@ -67,6 +75,11 @@ REQUIRED = {
     "LRUPromptCache.trim_to": "drop least recently used entries: under memory pressure (resources), after a stall",
     "LRUPromptCache.nbytes": "the prompt cache's bytes: how much a trim must drop; resource samples",
     "BatchGenerator.prompt_cache_nbytes": "the KV caches of the requests in the batch, for resource samples",
+    "BatchGenerator.insert_segments": "how the loop adds a request to the batch: its row is tracked",
+    "BatchGenerator.remove": "how the loop drops requests from the batch: their rows are forgotten",
+    "BatchGenerator.extract_cache": "a failed batch's KV caches, kept for the requests it re-runs",
+    "BatchGenerator.stream": "the stream a batch's arrays belong to, where its KV caches are copied",
+    "LRUPromptCache.fetch_nearest_cache": "where the loop looks up a request's cached prefix: a re-run's kept KV first",
     "ModelProvider._load": "what load() calls with the model key it computed",
     "APIHandler.handle_models_request": "stock's /v1/models listing, extended",
     "scan_cache_dir": "module global the listing calls; made safe without a hub cache",
@@ -512,19 +525,40 @@ def _drop_loaded_model(model_provider) -> None:
 
 def step_observed(stock_class, observe: Callable[[], None], returned: Callable[[], None] = lambda: None):
     """A subclass of stock BatchGenerator calling ``observe()`` before each step
-    and ``returned()`` after it."""
+    and ``returned()`` after it, which knows its requests' rows and whether
+    their KV caches are those of a completed step (``rows_of_completed_steps``)."""
 
     class ObservedBatchGenerator(stock_class):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
+            # The uids of the requests inserted and not yet finished or removed.
+            self._guardian_rows: set[int] = set()
+            # False while a step or a removal changes the KV caches: one that
+            # raised may have left them half written.
+            self._guardian_settled = True
             # The engine whose loop made it may read its requests' KV caches.
             made: Optional[Callable[[object], None]] = getattr(_this_loop, "batch_made", None)
             if made is not None:
                 made(self)
 
+        def insert_segments(self, *args, **kwargs):
+            uids = super().insert_segments(*args, **kwargs)
+            self._guardian_rows.update(uids)
+            return uids
+
+        def remove(self, uids, *args, **kwargs):
+            self._guardian_settled = False
+            removed = super().remove(uids, *args, **kwargs)
+            self._guardian_rows.difference_update(uids)
+            self._guardian_settled = True
+            return removed
+
         def next(self):
-            observe()
+            observe()  # a fault planted here leaves the last step's KV as it was
+            self._guardian_settled = False
             responses = super().next()
+            self._guardian_settled = True
+            _forget_finished_rows(self._guardian_rows, responses)
             # A stuck step may return long after the watchdog replaced its loop:
             # what stock does next with the responses evaluates arrays
             # (logprobs[token].item()), GPU work beside the live loop's.
@@ -533,6 +567,83 @@ def step_observed(stock_class, observe: Callable[[], None], returned: Callable[[
 
     ObservedBatchGenerator.__name__ = f"Observed{stock_class.__name__}"
     return ObservedBatchGenerator
+
+
+def _forget_finished_rows(rows: set[int], responses) -> None:
+    """Drop the rows whose request ended at this step (stock drops them from its batch)."""
+    _, generated = responses  # (prompt responses, generation responses), 0.31 and 0.32
+    for response in generated:
+        if response.finish_reason is not None:
+            rows.discard(response.uid)
+
+
+def rows_of_completed_steps(batch_generator) -> Optional[list[tuple[list[int], list]]]:
+    """The KV cache of each request in an observed BatchGenerator (``step_observed``),
+    copied out of the batch, with the tokens it holds: the prompt (as far as it
+    was prefilled), then every token the request's steps produced, the last one
+    possibly not yet sent. None when a step or a removal raised half way: its
+    caches may be half written.
+
+    The copies are evaluated here, so a step whose work failed after it returned
+    (mlx raises such an error at the next evaluation) raises here too; the caller
+    then keeps nothing. Call on the loop thread that made the batch, before its
+    frames are released.
+    """
+    if not batch_generator._guardian_settled:
+        return None
+    with mx.stream(batch_generator.stream):
+        extracted = batch_generator.extract_cache(sorted(batch_generator._guardian_rows))
+        rows = [(list(tokens), cache) for cache, tokens in extracted.values() if len(tokens)]
+        mx.eval([_arrays(cache) for _, cache in rows])
+    return rows
+
+
+def _arrays(cache: list) -> list:
+    """The arrays of one request's KV cache (each layer's state may hold numbers and Nones too)."""
+    return [leaf for layer in cache for _, leaf in tree_flatten(layer.state) if isinstance(leaf, mx.array)]
+
+
+def cache_nbytes(cache: list) -> int:
+    return sum(layer.nbytes for layer in cache)
+
+
+def common_prefix_length(a: list[int], b: list[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share (list slices compare in C)."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    shared, differs = 0, n  # a[:shared] == b[:shared], a[:differs] != b[:differs]
+    while differs - shared > 1:
+        middle = (shared + differs) // 2
+        if a[:middle] == b[:middle]:
+            shared = middle
+        else:
+            differs = middle
+    return shared
+
+
+def reusable_length(prompt: list[int], kept_tokens: list[int], cache: list) -> int:
+    """How many of ``prompt``'s leading tokens a KV cache holding ``kept_tokens``
+    can spare the prefill (0: none). At least the prompt's last token is left
+    to prefill, as stock's prompt cache leaves it: the request's next token is
+    sampled from that prefill. A cache holding more than that must be cut back
+    (``cut_cache``), which only trimmable caches allow."""
+    usable = min(common_prefix_length(prompt, kept_tokens), len(prompt) - 1)
+    if usable < len(kept_tokens) and not can_trim_prompt_cache(cache):
+        return 0
+    return max(usable, 0)
+
+
+def cut_cache(cache: list, holds: int, keep: int) -> list:
+    """A KV cache holding ``holds`` tokens, cut in place to its first ``keep``."""
+    if holds > keep:
+        trim_prompt_cache(cache, holds - keep)
+    return cache
+
+
+def is_distributed(response_generator) -> bool:
+    """Whether stock serves as one rank of an mlx.launch group (its ranks must prefill alike)."""
+    return bool(getattr(response_generator, "_is_distributed", False))
 
 
 def stream_observed(stock_stream_generate, observe: Callable[[], None], returned: Callable[[], None] = lambda: None):

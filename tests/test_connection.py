@@ -9,9 +9,11 @@ the tests are quick; their defaults are in config/guardian.example.toml.
 
 from __future__ import annotations
 
+import resource
 import shutil
 import socket
 import subprocess
+import sys
 import time
 
 import httpx
@@ -159,3 +161,23 @@ def test_the_listen_backlog_is_at_least_1024(held):
     out = subprocess.run(["ss", "-ltnH", f"sport = :{held.port}"], capture_output=True, text=True).stdout
     backlog = int(out.split()[2])  # a listening socket's Send-Q is its backlog
     assert backlog >= 1024, out
+
+
+@pytest.mark.skipif(not hasattr(resource, "prlimit"), reason="resource.prlimit reads another process's limits; Linux")
+def test_the_server_may_hold_as_many_connections_as_its_hard_limit(held):
+    """mlx_lm lowers the open-files limit to (2048, 4096) on import; the door
+    would refuse every connection past about 2,000 (EMFILE) until some timed out."""
+    soft, hard = resource.prlimit(held.proc.pid, resource.RLIMIT_NOFILE)
+    spawned_with = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    assert hard == spawned_with and soft == hard, (soft, hard, spawned_with)
+
+
+def test_importing_stock_never_lowers_the_open_files_limit():
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    code = ("import resource; from guardian.open_files import raise_open_files_limit; "
+            "raise_open_files_limit(); import guardian.stock, mlx_lm.utils; "
+            "print(*resource.getrlimit(resource.RLIMIT_NOFILE))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard)))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [str(hard), str(hard)]
