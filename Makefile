@@ -31,16 +31,10 @@ serve: $(VENV)/.installed
 
 test: test-newest test-0313
 
-# Real components some tests run, Debian's/Ubuntu's packages: HAProxy
-# (tests/test_haproxy.py) and Open MPI (tests/test_mpi_kept_out.py).
-SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
-
+# Real components some tests run (HAProxy, Open MPI), from Homebrew or apt-get
+# where they can be installed; their tests skip, naming what is missing, where not.
 system-packages:
-	@missing=""; \
-	  { command -v haproxy >/dev/null 2>&1 || test -x /usr/sbin/haproxy; } || missing="haproxy"; \
-	  command -v mpirun >/dev/null 2>&1 || missing="$$missing openmpi-bin"; \
-	  [ -z "$$missing" ] || { $(SUDO) apt-get update -qq && \
-	    DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq $$missing; }
+	@tools/system_packages.sh
 
 test-newest: $(VENV)/.installed system-packages
 	$(VENV)/bin/python -m pytest

@@ -134,15 +134,17 @@ def linger_close(connection: socket.socket, linger_s: float = LINGER_S) -> None:
         return
 
 
+# Linux's cap on a listen backlog; macOS has none to read (sysctl kern.ipc.somaxconn).
+SOMAXCONN_PATH = "/proc/sys/net/core/somaxconn"
+
+
 def listen_backlog() -> int:
     """What to ask listen() for: the system's cap if it can be read, at least 1024."""
-    for path in ("/proc/sys/net/core/somaxconn",):
-        try:
-            with open(path) as f:
-                return max(1024, min(LISTEN_BACKLOG, int(f.read().strip())))
-        except (OSError, ValueError):
-            pass
-    return LISTEN_BACKLOG  # macOS and others: the kernel caps it silently
+    try:
+        with open(SOMAXCONN_PATH) as f:
+            return max(1024, min(LISTEN_BACKLOG, int(f.read().strip())))
+    except (OSError, ValueError):
+        return LISTEN_BACKLOG  # macOS and others: the kernel caps it silently
 
 
 # -- a request on its way in ------------------------------------------------------

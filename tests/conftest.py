@@ -253,7 +253,26 @@ def read_stream(client: httpx.Client, url: str, body: dict) -> dict:
 
 
 def pytest_collection_modifyitems(items):
-    """Mark the supervisor's tests: `make test` runs them in one venv only (see the Makefile)."""
+    """Mark the supervisor's tests: `make test` runs them in one venv only (see the
+    Makefile); skip a test marked ``linux(reason)`` elsewhere, saying why."""
     for item in items:
         if item.path.name.startswith("test_supervisor"):
             item.add_marker(pytest.mark.subprocess_mode)
+        linux = item.get_closest_marker("linux")
+        if linux is not None and not sys.platform.startswith("linux"):
+            item.add_marker(pytest.mark.skip(reason=f"Linux only: {linux.args[0]}"))
+
+
+def system_tool(name: str, install: str) -> tuple[Optional[str], str]:
+    """(the path of a system tool on PATH or None, the reason to skip without it).
+
+    PATH only, so that a machine without the tool can be tried by hiding it
+    from PATH; ``install`` says how to get it (``make system-packages`` does).
+    """
+    return shutil.which(name), f"{name} is not on PATH ({install}; Debian puts some in /usr/sbin)"
+
+
+def needs_tool(name: str, install: str):
+    """Skip unless ``name`` is on PATH."""
+    path, reason = system_tool(name, install)
+    return pytest.mark.skipif(path is None, reason=reason)

@@ -5,7 +5,7 @@ broadcasts each request to the others), so a group's serving and its end
 at a failure are tested on both; what does not depend on mlx-lm's version
 (a stopped rank, the supervised group) on the newest only. Every group is launched in a session of its own, so cleanup
 kills the launcher and every rank even when a test fails, and each test
-checks by pid (a /proc scan) that no rank outlived its group.
+checks by pid that no rank outlived its group.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 
 from conftest import REPO, Server, chat_body, free_port, poll, read_stream
@@ -57,21 +58,17 @@ def free_ring_port() -> int:
 
 
 def rank_pids(marker: str) -> dict[int, int]:
-    """{rank: pid} of the live ranks whose environment carries ``marker`` (a /proc scan)."""
+    """{rank: pid} of the live ranks whose environment carries ``marker``."""
     ranks = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
+    for process in psutil.process_iter():
         try:
-            environ = (entry / "environ").read_bytes().split(b"\0")
-            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
+            environ = process.environ()
+            if environ.get("GROUP_TEST") != marker or process.status() == psutil.STATUS_ZOMBIE:
+                continue
+        except (psutil.Error, OSError):
             continue
-        if f"GROUP_TEST={marker}".encode() not in environ or state == "Z":
-            continue
-        for variable in environ:
-            if variable.startswith(b"MLX_RANK="):
-                ranks[int(variable.split(b"=", 1)[1])] = int(entry.name)
+        if "MLX_RANK" in environ:
+            ranks[int(environ["MLX_RANK"])] = process.pid
     return ranks
 
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 import csv
 import io
 import os
-import shutil
 import signal
 import subprocess
 import threading
@@ -36,17 +35,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import REPO, Server, chat_body, free_port, poll, spawn_guardian
+from conftest import REPO, Server, chat_body, free_port, poll, spawn_guardian, system_tool
 
 RECIPE = REPO / "config" / "haproxy" / "haproxy.cfg"
-# Debian installs it in /usr/sbin, which a user's PATH may lack.
-HAPROXY = shutil.which("haproxy") or next(
-    (p for p in ("/usr/sbin/haproxy", "/usr/local/sbin/haproxy") if os.access(p, os.X_OK)), None)
+HAPROXY, WITHOUT_HAPROXY = system_tool("haproxy", "make system-packages: apt-get or brew install haproxy")
 
-pytestmark = [
-    pytest.mark.one_version,
-    pytest.mark.skipif(HAPROXY is None, reason="haproxy is not installed (apt-get install -y haproxy)"),
-]
+pytestmark = [pytest.mark.one_version, pytest.mark.skipif(HAPROXY is None, reason=WITHOUT_HAPROXY)]
 
 COMPLETIONS = "/v1/chat/completions"
 # replica1's engine hangs in a step under load, for good (a native deadlock).

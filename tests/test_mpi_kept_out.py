@@ -19,15 +19,20 @@ import sys
 
 import pytest
 
-from conftest import Server, free_port, poll, spawn_guardian
+from conftest import Server, free_port, poll, spawn_guardian, system_tool
 from guardian.demo_model import ensure_demo_model
 from guardian.distributed.group import NO_MPI_LIBRARY, keep_mpi_out
 
 pytestmark = pytest.mark.one_version
 
 LIBMPI = ctypes.util.find_library("mpi")
-needs_open_mpi = pytest.mark.skipif(
-    LIBMPI is None, reason="Open MPI is not installed (apt-get install -y openmpi-bin)")
+MPIRUN, WITHOUT_MPIRUN = system_tool("mpirun", "make system-packages: apt-get install openmpi-bin, or brew install open-mpi")
+
+def needs_open_mpi(test):
+    """Open MPI installed, and /proc to read a process's signal handlers and libraries."""
+    test = pytest.mark.skipif(LIBMPI is None or MPIRUN is None,
+                              reason=WITHOUT_MPIRUN if MPIRUN is None else "Open MPI's libmpi is not installed")(test)
+    return pytest.mark.linux("reads /proc/PID/status and /proc/PID/maps")(test)
 SIGNALS_OPEN_MPI_CATCHES = (signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE, signal.SIGABRT)
 
 

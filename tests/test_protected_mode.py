@@ -17,7 +17,6 @@ import hashlib
 import ipaddress
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -28,16 +27,15 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import Server, chat_body, free_port, poll, spawn_guardian
+from conftest import Server, chat_body, free_port, poll, spawn_guardian, system_tool
 
 pytestmark = [
     # The door imports no mlx_lm: what it decides does not depend on mlx-lm's version.
     pytest.mark.one_version,
-    pytest.mark.skipif(sys.platform != "linux", reason="network namespaces (ip netns) are Linux's"),
+    pytest.mark.linux("network namespaces (ip netns) are Linux's"),
 ]
 
-# iproute2's ip; /sbin may be missing from PATH.
-IP = shutil.which("ip") or next((p for p in ("/usr/sbin/ip", "/sbin/ip") if os.access(p, os.X_OK)), None)
+IP, WITHOUT_IP = system_tool("ip", "iproute2")
 COMPLETIONS = "/v1/chat/completions"
 PUBLIC_PATHS = ("/health", "/livez", "/readyz")
 # alice's key is in the file as it is; bob's only as its SHA-256.
@@ -105,7 +103,7 @@ def netns():
     if os.geteuid() != 0:
         pytest.skip("creating a network namespace needs root")
     if IP is None:
-        pytest.skip("iproute2's ip is not installed")
+        pytest.skip(WITHOUT_IP)
     name, host_end, ns_end = f"guardian-test-{os.getpid()}", f"gt{os.getpid()}h", f"gt{os.getpid()}n"
     made = ip("netns", "add", name, check=False)
     if made.returncode != 0:

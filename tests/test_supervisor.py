@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Optional
 
 import httpx
+import psutil
 import pytest
 
 from conftest import Server, chat_body, free_port, poll, read_stream, spawn_guardian
@@ -426,7 +427,7 @@ def test_a_request_the_dying_childs_port_refused_is_no_crash_suspect(start_super
         child_port = supervised.supervisor()["child"]["port"]
         supervised.signal_child(pid, signal.SIGSEGV)
         poll(lambda: port_refuses(child_port), 10, what="the dying child's port to refuse")
-        assert supervised.proc.poll() is None and Path(f"/proc/{pid}").exists()  # not yet reaped
+        assert supervised.proc.poll() is None and psutil.pid_exists(pid)  # not yet reaped
         response = httpx.post(supervised.url + COMPLETIONS, json=innocent, timeout=60)
         assert response.status_code == 200, response.text
         pid = supervised.wait_ready(not_pid=pid)

@@ -20,7 +20,9 @@ class SystemdNotifier:
         self.address = address or None
         self._socket = None
         if self.address:
-            self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+            # Not inherited by children (Python's sockets never are, PEP 446);
+            # SOCK_CLOEXEC itself is Linux's, absent on macOS.
+            self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
 
     @property
     def enabled(self) -> bool:

@@ -1,0 +1,117 @@
+"""The product's Linux-only paths, and their branch elsewhere (macOS), tried
+here by simulating the platform: the parent-death signal (prctl), /proc reads,
+sd_notify's socket flags, the open-files limit. No server, no model."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import resource
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from conftest import poll
+from guardian import connection, open_files
+from guardian.health import parent_watch
+from guardian.health.sd_notify import SystemdNotifier
+
+
+def test_on_macos_no_prctl_is_asked_for(monkeypatch):
+    monkeypatch.setattr(sys, "platform", "darwin")
+    monkeypatch.setattr(ctypes, "CDLL", lambda *a, **k: pytest.fail("prctl is Linux's: no libc call on macOS"))
+    parent_watch.ask_for_sigterm_when_parent_dies()
+
+
+# A process that watches its parent as on macOS (no prctl): when the parent
+# dies it writes ORPHANED to the file named by its argument, then exits.
+ORPHAN = textwrap.dedent("""
+    import os, sys, time
+    sys.platform = "darwin"
+    from guardian.health import parent_watch
+    parent_watch.POLL_S = 0.05
+    def orphaned():
+        open(sys.argv[1], "w").write("ORPHANED")
+        os._exit(0)
+    parent_watch.die_with_parent(orphaned)
+    open(sys.argv[1] + ".ready", "w").write(str(os.getpid()))
+    time.sleep(60)
+""")
+# Its parent: starts it, then waits to be killed.
+PARENT = textwrap.dedent("""
+    import subprocess, sys, time
+    subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2]])
+    time.sleep(60)
+""")
+
+
+def test_on_macos_the_parent_watch_notices_the_parent_die(tmp_path):
+    marker = tmp_path / "orphan"
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, ORPHAN, str(marker)])
+    try:
+        ready = tmp_path / "orphan.ready"
+        poll(ready.exists, 30, what="the child watching its parent")
+        poll(lambda: ready.read_text().strip().isdigit(), 5, what="the child's pid")
+        child = int(ready.read_text())
+        parent.kill()
+        parent.wait(timeout=10)
+        poll(lambda: marker.exists() and marker.read_text() == "ORPHANED", 10, what="the orphaned child's callback")
+    finally:
+        parent.kill()
+        if "child" in locals():
+            try:
+                os.kill(child, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def test_without_procs_somaxconn_the_backlog_asked_is_the_default(monkeypatch, tmp_path):
+    monkeypatch.setattr(connection, "SOMAXCONN_PATH", str(tmp_path / "absent"))  # macOS has no /proc
+    assert connection.listen_backlog() == connection.LISTEN_BACKLOG
+
+
+def test_a_readable_somaxconn_caps_the_backlog_at_no_less_than_1024(monkeypatch, tmp_path):
+    somaxconn = tmp_path / "somaxconn"
+    monkeypatch.setattr(connection, "SOMAXCONN_PATH", str(somaxconn))
+    somaxconn.write_text("128\n")
+    assert connection.listen_backlog() == 1024
+    somaxconn.write_text("2048\n")
+    assert connection.listen_backlog() == 2048
+
+
+def test_sd_notify_needs_no_linux_socket_flag(monkeypatch, notify_receiver):
+    monkeypatch.delattr(socket, "SOCK_CLOEXEC", raising=False)  # as on macOS
+    notifier = SystemdNotifier(notify_receiver.address)
+    assert notifier.notify("READY=1")
+    notify_receiver.wait_for("READY=1", 5)
+
+
+def test_on_macos_the_open_files_limit_is_raised_within_what_the_kernel_takes(monkeypatch):
+    """macOS reports an unlimited hard limit but refuses a soft one above
+    kern.maxfilesperproc (10240 here, simulated)."""
+    applied = []
+
+    def setrlimit(kind, limits):
+        if limits[0] > 10240:
+            raise ValueError("not allowed to raise maximum limit")
+        applied.append(limits)
+
+    monkeypatch.setattr(resource, "getrlimit", lambda kind: (256, resource.RLIM_INFINITY))
+    monkeypatch.setattr(resource, "setrlimit", setrlimit)
+    assert open_files.raise_open_files_limit() == 10240
+    assert applied == [(10240, resource.RLIM_INFINITY)]
+
+
+def test_a_library_may_raise_the_open_files_limit_but_never_lower_it(monkeypatch):
+    limits = {"now": (4096, 8192)}
+    monkeypatch.setattr(resource, "getrlimit", lambda kind: limits["now"])
+    monkeypatch.setattr(resource, "setrlimit", lambda kind, value: limits.update(now=value))
+    with open_files.never_lowered():
+        resource.setrlimit(resource.RLIMIT_NOFILE, (2048, 4096))  # what mlx_lm.utils asks
+        assert limits["now"] == (4096, 8192)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (6000, 9000))
+        assert limits["now"] == (6000, 9000)
