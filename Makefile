@@ -12,7 +12,7 @@ STOCK_TEST_DEPS := requests
 PORT ?= 8080
 ARGS ?=
 
-.PHONY: serve test test-newest test-0313 bench docs clean system-packages gpu-wheels
+.PHONY: serve test test-fast test-newest test-0313 bench docs clean system-packages gpu-wheels
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,11 @@ test: test-newest test-0313
 # where they can be installed; their tests skip, naming what is missing, where not.
 system-packages:
 	@tools/system_packages.sh
+# The unit tier: every test that needs no model (no engine, no server serving
+# one), in under a minute; `make test` runs them too.
+test-fast: $(VENV)/.installed
+	$(VENV)/bin/python -m pytest -m unit
+
 
 test-newest: $(VENV)/.installed system-packages
 	$(VENV)/bin/python -m pytest

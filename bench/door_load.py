@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 
 import httpx
+import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from servers import Server, free_port  # noqa: E402
@@ -52,37 +53,19 @@ def raise_file_limit() -> int:
     return hard
 
 
-def process_tree(pid: int) -> list[int]:
-    """``pid`` and its descendants (Linux /proc)."""
-    children = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-                children.setdefault(ppid, []).append(int(entry))
-            except (OSError, ValueError, IndexError):
-                pass
-    tree, todo = [], [pid]
-    while todo:
-        current = todo.pop()
-        tree.append(current)
-        todo.extend(children.get(current, []))
-    return tree
-
-
 def threads_and_rss(pid: int) -> tuple[int, int]:
     """Threads and resident bytes of a server's whole process tree."""
     threads = rss = 0
-    for member in process_tree(pid):
+    try:
+        root = psutil.Process(pid)
+        members = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0, 0
+    for member in members:
         try:
-            with open(f"/proc/{member}/status") as f:
-                for line in f:
-                    if line.startswith("Threads:"):
-                        threads += int(line.split()[1])
-                    elif line.startswith("VmRSS:"):
-                        rss += int(line.split()[1]) * 1024
-        except OSError:
+            threads += member.num_threads()
+            rss += member.memory_info().rss
+        except psutil.NoSuchProcess:
             pass
     return threads, rss
 

@@ -258,6 +258,10 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if item.path.name.startswith("test_supervisor"):
             item.add_marker(pytest.mark.subprocess_mode)
+        # The tiers: a test that needs no model (so no engine, no server that
+        # serves one) is a unit test, run alone by `make test-fast`.
+        if "model_cache" not in item.fixturenames:
+            item.add_marker(pytest.mark.unit)
         linux = item.get_closest_marker("linux")
         if linux is not None and not sys.platform.startswith("linux"):
             item.add_marker(pytest.mark.skip(reason=f"Linux only: {linux.args[0]}"))
