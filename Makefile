@@ -31,15 +31,15 @@ serve: $(VENV)/.installed
 
 test: test-newest test-0313
 
-# Real components some tests run (HAProxy, Open MPI), from Homebrew or apt-get
-# where they can be installed; their tests skip, naming what is missing, where not.
-system-packages:
-	@tools/system_packages.sh
 # The unit tier: every test that needs no model (no engine, no server serving
 # one), in under a minute; `make test` runs them too.
 test-fast: $(VENV)/.installed
 	$(VENV)/bin/python -m pytest -m unit
 
+# Real components some tests run (HAProxy, Open MPI), from Homebrew or apt-get
+# where they can be installed; their tests skip, naming what is missing, where not.
+system-packages:
+	@tools/system_packages.sh
 
 test-newest: $(VENV)/.installed system-packages
 	$(VENV)/bin/python -m pytest
