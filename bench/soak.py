@@ -391,6 +391,10 @@ def run_inprocess(args) -> dict:
                    "max_continuations_of_one_request": max((e.get("continuations", 0) for e in reruns), default=0)},
         "server_request_failed": len(events["request_failed"]),
         "server_request_blamed": len(events["request_blamed"]),
+        # Throughput: what a run with faults compares with a fault-free one.
+        "completion_tokens_per_s": round(sum(r["tokens"] or 0 for r in records if not r["failure"]) / elapsed, 1),
+        "rerun_prompt_tokens": (status or {}).get("rerun_prompt_tokens"),
+        "rerun_prompt_tokens_cached": (status or {}).get("rerun_prompt_tokens_cached"),
         "outcomes": outcomes(records, faults),
         "failed_requests": [r for r in records if r["failure"]][:50],
         "status_at_end": status,

@@ -127,3 +127,92 @@ def test_sampling_kind_names_what_stocks_arguments_turn_on():
     assert stock.sampling_kind(sampled) == ("temperature", "top_p", "top_k", "min_p", "xtc", "logit_bias",
                                             "repetition_penalty", "presence_penalty", "frequency_penalty",
                                             "logprobs")
+
+
+# -- the continuation path: a failed batch's KV (guardian.engine.kept_kv) ----------
+
+def _greedy_tokens(batch, uids: list[int], limit: int) -> dict[int, list[int]]:
+    """Step ``batch`` until each of ``uids`` produced ``limit`` tokens or finished."""
+    produced = {uid: [] for uid in uids}
+    finished: set[int] = set()
+    for _ in range(10 * limit + 20):  # prefill steps and all: bounded
+        if all(uid in finished or len(produced[uid]) >= limit for uid in uids):
+            break
+        for response in batch.next()[1]:
+            produced[response.uid].append(response.token)
+            if response.finish_reason is not None:
+                finished.add(response.uid)
+    return produced
+
+
+def test_a_failed_batchs_kv_goes_on_as_the_batch_would_have(model_cache):
+    """What the guardian keeps of a failed batch: ``BatchGenerator.extract_cache``
+    gives each request's KV with the tokens it holds (its prompt, then each token
+    its steps produced), and a new batch started from that KV, cut to leave the
+    prompt's last token (``LRUPromptCache.fetch_nearest_cache``'s convention), goes
+    on with the very greedy tokens the first batch would have produced. If this
+    fails, mlx-lm changed what a batch's KV holds: see guardian/stock.py's
+    ``rows_of_completed_steps``."""
+    from mlx_lm import load
+
+    from guardian.demo_model import ensure_demo_model
+
+    model, tokenizer = load(str(ensure_demo_model(model_cache)))
+    batch_class = stock.step_observed(stock.STOCK_BATCH_GENERATOR, observe=lambda: None)
+    prompts = [tokenizer.encode("Once upon a time"), tokenizer.encode("The quick brown fox jumps over the")]
+    total, before_failure = 24, 9
+
+    def run(limit: int):
+        batch = batch_class(model)
+        uids = batch.insert_segments([[prompt] for prompt in prompts], max_tokens=[total] * len(prompts))
+        return batch, uids, _greedy_tokens(batch, uids, limit)
+
+    _, uids, unfailed = run(total)
+    batch, uids, produced = run(before_failure)
+    rows = stock.rows_of_completed_steps(batch)
+    assert rows is not None and len(rows) == len(prompts)
+    for prompt, uid in zip(prompts, uids):
+        continued_prompt = prompt + produced[uid]
+        [(held, cache)] = [(tokens, cache) for tokens, cache in rows if tokens[: len(prompt)] == prompt]
+        assert held == continued_prompt, "a batch's KV no longer holds the prompt and the tokens produced"
+        reused = stock.reusable_length(continued_prompt, held, cache)
+        assert reused == len(continued_prompt) - 1
+        cache = stock.cut_cache(cache, len(held), reused)
+        again = batch_class(model)
+        [new_uid] = again.insert_segments([[continued_prompt[reused:]]], max_tokens=[total - len(produced[uid])],
+                                          caches=[cache], all_tokens=[continued_prompt[:reused]])
+        rest = _greedy_tokens(again, [new_uid], total)[new_uid]
+        assert produced[uid] + rest == unfailed[uid]
+
+
+def test_a_batch_whose_step_raised_half_way_offers_no_kv(model_cache):
+    """A fault before a step (the guardian's step hook) leaves the last step's KV;
+    one inside stock's step may have written it half way: nothing is offered."""
+    from mlx_lm import load
+
+    from guardian.demo_model import ensure_demo_model
+
+    model, tokenizer = load(str(ensure_demo_model(model_cache)))
+    planted = {"before": False, "inside": False}
+
+    def observe():
+        if planted["before"]:
+            raise RuntimeError("planted before the step")
+
+    class FailingInside(stock.STOCK_BATCH_GENERATOR):
+        def next(self):
+            if planted["inside"]:
+                raise RuntimeError("planted inside the step")
+            return super().next()
+
+    batch = stock.step_observed(FailingInside, observe=observe)(model)
+    [uid] = batch.insert_segments([[tokenizer.encode("Once upon a time")]], max_tokens=[20])
+    _greedy_tokens(batch, [uid], 3)
+    planted["before"] = True
+    with pytest.raises(RuntimeError, match="before"):
+        batch.next()
+    assert stock.rows_of_completed_steps(batch)
+    planted.update(before=False, inside=True)
+    with pytest.raises(RuntimeError, match="inside"):
+        batch.next()
+    assert stock.rows_of_completed_steps(batch) is None
