@@ -116,7 +116,10 @@ class AdmissionGate:
 
     def warm_tokenizer(self) -> None:
         """Make the first private tokenizer copy now, not on the first request."""
-        with private_tokenizer(self.model_provider.tokenizer):
+        tokenizer = self.model_provider.tokenizer
+        if tokenizer is None:
+            return  # a load is under way: the first request makes the copy
+        with private_tokenizer(tokenizer):
             pass
 
     def request_bounds(self, body: dict) -> RequestBounds:
@@ -127,7 +130,7 @@ class AdmissionGate:
         requested_key = access.requested_key(body) if access is not None else loaded_key
         if requested_key is None or requested_key == loaded_key:
             # The loaded model (or model fields of the wrong type, refused anyway).
-            limits = self.model_limits(loaded_key) if loaded_key is not None else None
+            limits = self.served_limits()
             return RequestBounds(limits.vocab_size if limits else None,
                                  accepts_images=getattr(provider, "processor", None) is not None)  # 0.31: none
         # Another model: what its config says, before its weights are loaded.
@@ -232,11 +235,20 @@ class AdmissionGate:
             # What stock would have put on the request's queue: its fault.
             raise from_stock_exception(e) from e
 
-    def model_limits(self, model_key) -> ModelLimits:
+    def served_limits(self) -> Optional[ModelLimits]:
+        """The loaded model's limits; None while no model is loaded: stock's ``_load``
+        drops the served model before it reads one (a reload, a switch)."""
+        provider = self.model_provider
+        model_key, model = provider.model_key, provider.model
+        if model_key is None or model is None:
+            return None
+        return self.model_limits(model_key, model)
+
+    def model_limits(self, model_key, model=None) -> ModelLimits:
         """Context length and KV cache sizes of the loaded model, read once per model."""
         if self._limits is None or self._limits[0] != model_key:
             cli = self.cli_args
-            model = self.model_provider.model
+            model = model if model is not None else self.model_provider.model
             limits = ModelLimits.of(
                 model,
                 served_model_config(model_key[0], model),

@@ -660,11 +660,20 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
         result["duration_ms"] = round((time.monotonic() - started) * 1000, 1)
         return result
 
-    def remember_probe_prompt(self, prompt: str) -> None:
+    def remember_probe_prompt(self, prompt: str, *, deferred: bool = False) -> None:
         """Keep probe prompts out of the prompt cache."""
+        tokenizer = self.model_provider.tokenizer
+        if tokenizer is None:
+            # A reload is reading the weights: the loop asks for work again only
+            # once it has them, and then tokenizes the prompt (once).
+            if not deferred:
+                self._loop_chores.append(lambda: self.remember_probe_prompt(prompt, deferred=True))
+            else:
+                log.warning("probe_prompt_not_tokenized", reason="no model is loaded")
+            return
         # On a copy: the loop thread may be using the tokenizer, and fast
         # tokenizers shared between threads can fail ("Already borrowed").
-        tokens = copy.deepcopy(self.model_provider.tokenizer).encode(prompt)
+        tokens = copy.deepcopy(tokenizer).encode(prompt)
         self.prompt_cache.skip_prefixes.append(list(tokens))
 
     def fail(self, record: RequestRecord, error: GuardianError) -> None:

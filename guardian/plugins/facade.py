@@ -58,9 +58,9 @@ class EngineView:
 
     # -- limits ----------------------------------------------------------------
     def served_limits(self):
-        """The served model's ``ModelLimits`` (context length, KV bytes per token, weights)."""
-        provider = self._engine.model_provider
-        return self._admission.model_limits(provider.model_key)
+        """The served model's ``ModelLimits`` (context length, KV bytes per token, weights);
+        None while no model is loaded (a reload or a switch reads the weights)."""
+        return self._admission.served_limits()
 
     def set_context_length(self, n_tokens: Optional[int]) -> None:
         """The context length the server advertises (``GET /v1/models``); None: the model's."""

@@ -208,7 +208,13 @@ class PromptGuard:
         engine.set_max_body_bytes(s.max_body_bytes or None)
         # The first private tokenizer copy is made now, not on the first request.
         engine.warm_tokenizer()
-        limits = self.served_limits = engine.served_limits()
+        # During a reload no model is loaded: the limits of the one it reads again.
+        limits = engine.served_limits()
+        limits = limits if limits is not None else self.served_limits
+        if limits is None:
+            log.warning("prompt_guard_not_applied", reason="no model is loaded")
+            return
+        self.served_limits = limits
         n_ctx = self.context_limit(limits)
         engine.set_context_length(n_ctx)
         if limits.context_length is None:

@@ -154,7 +154,9 @@ class Resources:
         trim, refuse, resume = self.thresholds()
         # A KV cache is a keys and a values array per layer (an estimate: a
         # quantized cache has more, stock may grow a cache in several steps).
-        arrays_per_cache = 2 * len(engine.served_limits().kv_layers)
+        # Unknown while no model is loaded (a reload): the rest is sampled then too.
+        limits = engine.served_limits()
+        arrays_per_cache = 2 * len(limits.kv_layers) if limits is not None else None
         return {
             "active_memory_bytes": active,
             "cache_memory_bytes": cache,
@@ -171,7 +173,8 @@ class Resources:
             "requests_in_flight": engine.requests_in_flight(),
             "requests_started": started,
             "requests_kv_cache_bytes": engine.requests_kv_bytes(),
-            "kv_cache_arrays_estimate": (sequences + started) * arrays_per_cache,
+            "kv_cache_arrays_estimate": (None if arrays_per_cache is None
+                                         else (sequences + started) * arrays_per_cache),
         }
 
     @guardian.hookimpl
