@@ -109,6 +109,12 @@ class WatchdogSettings(Table, name="watchdog"):
         heartbeats in the last pace_samples looks: steps slow down as the batch
         grows, and each chunk of a long prompt attends to more context than the
         one before (up to twice as much from the second chunk on).""", live=True)
+    stall_busy_extra_s = Setting(Float(min=0), 30.0, """
+        A step that outlasts the stall limit while the engine's threads compute
+        (kernels compiling, a long prefill on the CPU) may run this much longer
+        before it is a stall; a step that waits (a deadlock: no CPU) is a stall
+        at the limit. Judged by per-thread CPU time (Linux; elsewhere every step
+        is judged by the limit alone). 0: no extra time.""", live=True)
     pace_samples = Setting(Int(min=1), 32, """
         How many of the watchdog's looks at a moving heartbeat the pace
         remembers: about 8 s of fast steps (one look every interval_s), or the

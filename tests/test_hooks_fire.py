@@ -3,7 +3,8 @@
 One server runs a scenario that makes each hook fire: start-up, a
 completion, a refused request, probe rounds, resource samples, a planted
 engine failure and its restarts, a request that fails, a step that blocks
-until the watchdog climbs its first rung, and a clean shutdown. The
+until the watchdog climbs its first rung, a pause of the whole process
+(SIGSTOP), and a clean shutdown. The
 ``hook_recorder`` test plugin, generated from the hookspecs themselves,
 writes one JSON line per hook call; the meta-test enumerates the hookspecs
 and names any that never fired (datasette's practice: a hook nobody tests
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import signal
 import textwrap
+import time
 
 import httpx
 import pytest
@@ -28,6 +30,7 @@ from plugins.hook_recorder import hook_specs, read_records
 
 POISON = "POISON-FOR-HOOKS"
 HANG_PENALTY = 1.25
+PAUSE_S = 2.0  # past the scenario's stall_min_s (1 s)
 
 
 @pytest.fixture(scope="module")
@@ -74,6 +77,15 @@ def scenario(tmp_path_factory, model_cache):
             stalled = client.post(url, json=chat_body(max_tokens=8, repetition_penalty=HANG_PENALTY))
             assert stalled.status_code == 200, stalled.text
             poll(lambda: server.status("/readyz") == 200, 30, what="ready after the stall")
+        # The whole process paused (SIGSTOP): the watchdog's look comes late.
+        proc.send_signal(signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        try:
+            poll(lambda: time.monotonic() - stopped_at >= PAUSE_S, PAUSE_S + 5, interval=0.1, what="the pause")
+        finally:
+            proc.send_signal(signal.SIGCONT)
+        poll(lambda: any(r["hook"] == "on_process_paused" for r in read_records(records_path)),
+             10, what="on_process_paused")
         # Resource samples come every 0.2 s; wait for one after all of that.
         sampled = len([r for r in read_records(records_path) if r["hook"] == "on_resource_sample"])
         poll(lambda: len([r for r in read_records(records_path) if r["hook"] == "on_resource_sample"]) > sampled,
@@ -146,6 +158,12 @@ def test_stall_hook_names_the_rung(scenario):
     [stall] = calls(records, "on_stall")
     assert stall["action"] == "restart"
     assert stall["heartbeat_age_s"] >= 1.0
+
+
+def test_pause_hook_says_how_long(scenario):
+    records, _ = scenario
+    [paused] = [p for p in calls(records, "on_process_paused") if p["paused_s"] >= PAUSE_S - 0.5]
+    assert paused["paused_s"] < PAUSE_S + 5
 
 
 def test_probe_and_resource_hooks(scenario):

@@ -52,6 +52,7 @@ class Pace:
         self._beat = 0.0
         self._first_seen: dict[int, int] = {}  # requests without a token: the step count then
         self._unknown: Optional[str] = "no look yet"
+        self._skip_gap = False  # the next gap spans a pause of the whole process
 
     def observe(self, *, beat: float, steps: int, loop: tuple, waiting: Iterable[int],
                 novel: bool = False) -> None:
@@ -65,8 +66,9 @@ class Pace:
             self._first_seen.clear()
             self._loop, self._loop_steps, self._beat = loop, steps, beat
         elif beat > self._beat:
-            self.gaps.append(beat - self._beat)
-            self._beat = beat
+            if not self._skip_gap:
+                self.gaps.append(beat - self._beat)
+            self._beat, self._skip_gap = beat, False
         self._first_seen = {r: self._first_seen.get(r, steps) for r in waiting}
         if steps < self._loop_steps + 2:
             self._unknown = "this loop has not completed a step yet"
@@ -76,6 +78,10 @@ class Pace:
             self._unknown = "a request without a token has not completed a step yet"
         else:
             self._unknown = None
+
+    def paused(self) -> None:
+        """The whole process was paused: the gap that spans the pause is no step's."""
+        self._skip_gap = True
 
     def limit(self, ceiling_s: float) -> float:
         """How long the heartbeat may stop now before it is a stall."""

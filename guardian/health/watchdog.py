@@ -10,6 +10,16 @@ escalation ladder: replace the loop thread, reload the model, exit for the
 supervisor. Probes prove generation works while idle; while busy, progress
 proves it and probes are skipped.
 
+A pause is not a stall. The watchdog measures its own lateness: a look
+that comes later than due by more than the shortest stall limit means the
+whole process was paused or starved (SIGSTOP, a debugger, a swap storm, a
+cgroup freeze, a paused VM, a GPU driver holding every thread). No engine
+is blamed for that time: the heartbeat's clock restarts from that look
+(``process_paused``, counted in /guardian/status and /metrics). And a step
+that outlasts the stall limit while the engine's threads compute (kernels
+compiling, a long prefill on the CPU; ``guardian.health.step_cpu``) may run
+``stall_busy_extra_s`` longer; one that waits is a stall at the limit.
+
 The watchdog detects and asks; it never writes the engine's state. A stall
 is reported to the engine's lifecycle (``lifecycle.stalled``), which may
 refuse it (the engine gave up or stopped meanwhile), and a probe that
@@ -29,6 +39,7 @@ from guardian.config import WatchdogSettings
 from guardian.counting import RecentEvents
 from guardian.engine.lifecycle import EngineState
 from guardian.health.pace import Pace
+from guardian.health.step_cpu import StepCpu
 from guardian.logs import probe_running
 from guardian.plugins.manager import notify
 from guardian.health.sd_notify import SystemdNotifier
@@ -46,6 +57,12 @@ class Watchdog:
         self.pace = Pace(samples=settings.pace_samples, factor=settings.stall_pace_factor,
                          floor_s=settings.stall_min_s)
         self.stall_limit_s = settings.stall_timeout_s
+        self.step_cpu = StepCpu()
+        # The heartbeat's clock restarts here after a pause of the whole process.
+        self.resumed_at = float("-inf")
+        self.pauses = 0
+        self.paused_s = 0.0
+        self._busy_logged_for: Optional[float] = None  # the beat whose busy step was logged
         self.last_probe: Optional[dict] = None
         self.probes_run = 0  # rounds, for /guardian/status
         self.last_sample: Optional[dict] = None
@@ -85,33 +102,68 @@ class Watchdog:
         return self._stopped.is_set()
 
     def _run(self) -> None:
+        due = time.monotonic() + self.settings.interval_s
         while not self._stopped.wait(self.settings.interval_s):
-            try:
-                self.tick(time.monotonic())
-            except Exception:
-                log.exception("watchdog_tick_failed")
+            now = time.monotonic()
+            self.tick(now, late_s=now - due)
+            due = time.monotonic() + self.settings.interval_s
 
-    def tick(self, now: float) -> None:
-        """One look at the engine: progress, probes, resources, systemd."""
+    def tick(self, now: float, late_s: float = 0.0) -> None:
+        """One look at the engine: progress, probes, resources, systemd.
+        ``late_s``: how much later than due this look comes."""
         if self._settings_changed:
-            self._follow_settings()
-        self._check_progress(now)
-        self._maybe_probe(now)
-        self._maybe_sample(now)
-        self._ping_systemd(now)
+            self._contained(self._follow_settings)
+        # Each part on its own: a plugin's failing sample must not stop the
+        # stall checks or the systemd pings (systemd would kill for a gauge).
+        self._contained(self._notice_pause, now, late_s)
+        for part in (self._check_progress, self._maybe_probe, self._maybe_sample, self._ping_systemd):
+            self._contained(part, now)
+
+    @staticmethod
+    def _contained(part, *args) -> None:
+        try:
+            part(*args)
+        except Exception:
+            log.exception("watchdog_tick_failed", part=part.__name__)
+
+    # -- pauses of the whole process ------------------------------------------
+    def _notice_pause(self, now: float, late_s: float) -> None:
+        """A look late by more than the shortest stall limit: the process was paused
+        or starved, the engine with it; its heartbeat's clock restarts now."""
+        if late_s <= min(self.stall_limit_s, self.settings.stall_min_s):
+            return
+        self.resumed_at = now
+        self.pauses += 1
+        self.paused_s += late_s
+        self.pace.paused()
+        self.step_cpu.forget()
+        log.warning("process_paused", paused_s=round(late_s, 3), pauses=self.pauses,
+                    heartbeat_age_s=round(now - self.engine.last_beat, 3),
+                    hint="the whole process did not run (SIGSTOP, a debugger, swapping, a frozen "
+                         "cgroup or VM); no engine is blamed for that time")
+        notify(self.pm.hook.on_process_paused, engine=self.engine.plugin_view, paused_s=late_s)
+
+    def heartbeat_age(self, now: float) -> float:
+        """Since the engine's last heartbeat, or since the process resumed from a pause."""
+        return now - max(self.engine.last_beat, self.resumed_at)
 
     # -- stalls -------------------------------------------------------------
     def _check_progress(self, now: float) -> None:
         engine = self.engine
         beat = engine.last_beat
-        age = now - beat
+        age = self.heartbeat_age(now)
         self._observe_pace(beat)
         state = engine.state
         if state is EngineState.READY:
-            if engine.ledger.has_work() and age > self.stall_limit_s:
-                self._on_stall(age, f"no engine step or prompt progress (limit {self.stall_limit_s:.1f} s)")
+            if not engine.ledger.has_work():
+                return
+            self.step_cpu.observe(beat=beat, now=now, loop_ident=engine.lifecycle.owner)
+            if age > self.stall_limit_s and not self._busy_step_allowed(age, beat):
+                self._on_stall(age, self._stall_reason())
         elif state in (EngineState.RESTARTING, EngineState.STALLED):
-            if engine.lifecycle.troubled_for(now) > self.settings.restart_timeout_s:
+            # A pause of the process is no restart's fault either.
+            troubled_for = min(engine.lifecycle.troubled_for(now), now - self.resumed_at)
+            if troubled_for > self.settings.restart_timeout_s:
                 why = ("the restarted loop never asked for work" if state is EngineState.RESTARTING
                        else "the replacement loop was not proven by a probe")
                 self._on_stall(self._restarted_loop_silent_for(now), why)
@@ -122,7 +174,30 @@ class Watchdog:
         stuck loop's silence: a replacement that never asked for work and failed
         its probe (probe_timeout_s, 10 s) after a 30 s stall is silent for 10 s, not 40."""
         trouble_at = self.engine.lifecycle.trouble_at
-        return now - max(self.engine.last_beat, trouble_at if trouble_at is not None else float("-inf"))
+        return min(self.heartbeat_age(now), now - (trouble_at if trouble_at is not None else float("-inf")))
+
+    def _busy_step_allowed(self, age: float, beat: float) -> bool:
+        """Past the stall limit, a step whose engine threads compute may go on, up to
+        ``stall_busy_extra_s`` more; one that waits may not (nor an unknown one)."""
+        if not self.step_cpu.busy() or age > self.stall_limit_s + self.settings.stall_busy_extra_s:
+            return False
+        if self._busy_logged_for != beat:
+            self._busy_logged_for = beat
+            log.info("engine_step_busy", heartbeat_age_s=round(age, 3),
+                     stall_limit_s=round(self.stall_limit_s, 3),
+                     cpu_share=round(self.step_cpu.share, 2),
+                     allowed_until_s=round(self.stall_limit_s + self.settings.stall_busy_extra_s, 3))
+        return True
+
+    def _stall_reason(self) -> str:
+        limit = f"limit {self.stall_limit_s:.1f} s"
+        share = self.step_cpu.share
+        if share is None:
+            return f"no engine step or prompt progress ({limit})"
+        if self.step_cpu.busy():
+            return (f"a step computing past its allowance ({limit} + "
+                    f"{self.settings.stall_busy_extra_s:g} s; engine threads at {share:.0%} of a core)")
+        return f"no engine step or prompt progress ({limit}; engine threads at {share:.0%} of a core)"
 
     def _observe_pace(self, beat: float) -> None:
         """Feed the pace one look at the heartbeat; set how long it may stop now."""
@@ -216,14 +291,14 @@ class Watchdog:
 
     # -- readiness ------------------------------------------------------------
     def heartbeat_fresh(self) -> bool:
-        return time.monotonic() - self.engine.last_beat < self.stall_limit_s
+        return self.heartbeat_age(time.monotonic()) < self.stall_limit_s
 
     def progressing(self) -> bool:
         """Users' work is in flight and the heartbeat moved within a probe's
         deadline: a probe now would only wait behind it. A probe in flight is
         no proof of its own: its first step may be the one that never returns."""
         engine = self.engine
-        age = time.monotonic() - engine.last_beat
+        age = self.heartbeat_age(time.monotonic())
         window = min(self.settings.stall_timeout_s, self.settings.probe_timeout_s)
         return age < window and engine.ledger.has_user_work()
 
@@ -234,7 +309,7 @@ class Watchdog:
             return False, "the server is stopping"  # draining: take no new work
         if engine.state is not EngineState.READY:
             return False, f"engine {engine.state.value}"
-        age = time.monotonic() - engine.last_beat
+        age = self.heartbeat_age(time.monotonic())
         if age > self.stall_limit_s:
             return False, f"no heartbeat for {age:.1f} s"
         if self.progressing():
@@ -283,6 +358,9 @@ class Watchdog:
             "stalls": self.engine.lifecycle.stalls,
             "stall_limit_s": round(self.stall_limit_s, 3),
             **self.pace.status(),
+            "process_pauses": self.pauses,
+            "process_paused_s": round(self.paused_s, 3),
+            "busy_step_detection": self.step_cpu.available,
             "probes_run": self.probes_run,
             "last_probe": probe or None,
             "last_resource_sample": self.last_sample,

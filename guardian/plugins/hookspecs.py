@@ -223,6 +223,16 @@ def on_stall(engine, heartbeat_age_s, action):
 
 
 @hookspec
+def on_process_paused(engine, paused_s):
+    """The whole process did not run for ``paused_s`` seconds (SIGSTOP, a
+    debugger, swapping, a frozen cgroup or VM): the watchdog's look came that
+    much late. No engine is blamed for the time; its heartbeat's clock restarts.
+
+    Watchdog thread, after the pause. Return value ignored.
+    """
+
+
+@hookspec
 def sample_resources(engine):
     """Contribute gauges to a resource sample.
 

@@ -78,6 +78,11 @@ class Metrics:
                               ["rung"], registry=r)
         for rung in ACTIONS:  # known in advance: 0 until the first, so rate() sees the first
             self.stalls.labels(rung)
+        self.pauses = Counter(P + "process_pauses", "Pauses of the whole process the watchdog saw (its "
+                              "look came late by more than the shortest stall limit): no engine was blamed.",
+                              registry=r)
+        self.paused_seconds = Counter(P + "process_paused_seconds", "How long those pauses lasted, in all.",
+                                      registry=r)
         self.probes = Counter(P + "probes", "Probe results, by probe and result (ok, failed).",
                               ["probe", "result"], registry=r)
         self.probe_seconds = Histogram(P + "probe_duration_seconds", "How long each probe took.",
@@ -131,6 +136,11 @@ class Metrics:
     @guardian.hookimpl
     def on_stall(self, action):
         self.stalls.labels(action).inc()
+
+    @guardian.hookimpl
+    def on_process_paused(self, paused_s):
+        self.pauses.inc()
+        self.paused_seconds.inc(paused_s)
 
     @guardian.hookimpl
     def on_probe_result(self, results):

@@ -10,6 +10,10 @@ blocks or is slow (a native deadlock, a kernel compile).
   blocks, for ``hang_s`` seconds or, with 0, until the server shuts down.
   ``stock_step_hang`` is logged as it blocks, ``stock_step_hang_ended`` when
   it returns to stock's code.
+- ``busy_at_call``: the Nth call of ``next()`` computes (burns CPU in its
+  own thread, as a kernel compile does) for ``busy_s`` seconds before stock's
+  step runs. ``stock_step_busy`` is logged as it begins, ``stock_step_busy_ended``
+  when it ends.
 - ``first_call_delay_s``: the first ``next()`` of every BatchGenerator (the
   first step of a loop at start and after each restart, when mlx compiles
   kernels) takes this much longer.
@@ -33,6 +37,7 @@ from __future__ import annotations
 import importlib
 import os
 import threading
+import time
 from dataclasses import dataclass
 
 import structlog
@@ -48,6 +53,8 @@ generate = importlib.import_module("mlx_lm.generate")
 class StockStepFaultsSettings:
     hang_at_call: int = 0
     hang_s: float = 0.0
+    busy_at_call: int = 0
+    busy_s: float = 0.0
     first_call_delay_s: float = 0.0
     delay_s: float = 0.0
     prefill_delay_s: float = 0.0
@@ -102,6 +109,10 @@ class StockStepFaults:
                 log.warning("stock_step_hang", call=call, thread=threading.current_thread().name)
                 plugin.released.wait(settings.hang_s or None)
                 log.warning("stock_step_hang_ended", call=call)
+            if call == settings.busy_at_call:
+                log.warning("stock_step_busy", call=call, busy_s=settings.busy_s)
+                _burn_cpu(settings.busy_s)
+                log.warning("stock_step_busy_ended", call=call)
             responses = stock_next(generator)
             # (prompt responses, generation responses), in 0.31 and 0.32
             if settings.token_delay_s and responses[1] and _disarm(settings.token_delay_armed_by):
@@ -110,6 +121,13 @@ class StockStepFaults:
             return responses
 
         generate.BatchGenerator.next = next
+
+
+def _burn_cpu(seconds: float) -> None:
+    """Compute for ``seconds`` on the calling thread."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        sum(i * i for i in range(10_000))
 
 
 def _disarm(path: str) -> bool:

@@ -1,0 +1,136 @@
+"""A pause is not a stall; a step that computes is not a stuck one.
+
+Measured before this: a 5 s SIGSTOP then SIGCONT of a one-process server,
+with one long request in flight, counted a stall and an engine restart and
+left a parked loop thread; three such pauses a few seconds apart climbed the
+whole ladder (restart, reload, exit 5), and the request in flight during the
+third got a 503. A whole process pauses like that under swap storms, cgroup
+freezes, VM pauses or a debugger; on an H200 it paused ~5 s while servers
+started and CUDA kernels compiled, and both engines restarted needlessly.
+
+Now the watchdog measures its own lateness (``process_paused``), and a step
+past the stall limit whose engine threads compute gets ``stall_busy_extra_s``
+more, while one that waits is a stall at the limit (faults planted inside
+stock's own ``BatchGenerator.next``: tests/plugins/stock_step_faults.py).
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from conftest import chat_body, poll
+from guardian.health.step_cpu import BUSY_CPU_SHARE, StepCpu
+from test_stall_detection import STEP_FAULTS, table
+
+COMPLETIONS = "/v1/chat/completions"
+PAUSE_S = 5.0
+# Small limits for a fast test, which a 5 s pause exceeds: the floor, and the
+# ceiling for what the pace cannot know.
+WATCHDOG = dict(interval_s=0.05, stall_min_s=1.0, stall_timeout_s=2.0)
+
+
+def post_in_background(url: str, body: dict) -> tuple[threading.Thread, dict]:
+    """POST in a thread; the dict gets ``response`` (or ``error``)."""
+    result: dict = {}
+
+    def send():
+        try:
+            with httpx.Client(timeout=120) as client:
+                result["response"] = client.post(url, json=body)
+        except httpx.TransportError as e:
+            result["error"] = e
+
+    thread = threading.Thread(target=send, daemon=True)
+    thread.start()
+    return thread, result
+
+
+def in_flight(server) -> bool:
+    try:
+        return httpx.get(server.url + "/guardian/status", timeout=5).json()["in_flight"] >= 1
+    except httpx.TransportError:
+        return False
+
+
+def pause(proc, seconds: float) -> None:
+    """SIGSTOP the whole process for ``seconds``, then SIGCONT it."""
+    proc.send_signal(signal.SIGSTOP)
+    try:
+        stopped_at = time.monotonic()
+        # Nothing to poll for but time itself: the process cannot answer meanwhile.
+        poll(lambda: time.monotonic() - stopped_at >= seconds, seconds + 5, interval=0.1, what="the pause")
+    finally:
+        proc.send_signal(signal.SIGCONT)
+
+
+def metric(text: str, name: str) -> float:
+    """The sum of every sample of ``name`` in a Prometheus text exposition."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + " ") or line.startswith(name + "{"))
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGSTOP"), reason="SIGSTOP/SIGCONT are POSIX signals")
+def test_three_pauses_of_the_whole_process_with_requests_in_flight_are_not_stalls(start_server):
+    # Every stock step 0.1 s longer: a request of 40 tokens stays in flight ~4 s.
+    config = STEP_FAULTS + table("stock_step_faults", delay_s=0.1) + table("watchdog", **WATCHDOG)
+    server = start_server(config)
+    for round_ in range(1, 4):
+        sender, result = post_in_background(server.url + COMPLETIONS, chat_body(max_tokens=40))
+        poll(lambda: in_flight(server), 30, interval=0.05, what="the request in flight")
+        pause(server.proc, PAUSE_S)
+        sender.join(timeout=120)
+        assert "response" in result, result
+        assert result["response"].status_code == 200, result["response"].text
+        assert result["response"].json()["usage"]["completion_tokens"] > 0
+        paused = server.wait_for_event("process_paused", timeout=10, count=round_)
+        assert paused[-1]["paused_s"] >= PAUSE_S - 0.5, paused[-1]
+    assert server.proc.poll() is None, "the server exited"
+    assert server.events("engine_stalled") == []
+    status = httpx.get(server.url + "/guardian/status").json()
+    assert status["restarts"] == 0 and status["stalls"] == 0, status
+    assert status["abandoned_loop_threads"] == 0
+    long_pauses = [e for e in server.events("process_paused") if e["paused_s"] >= PAUSE_S - 0.5]
+    assert len(long_pauses) == 3
+    assert status["process_pauses"] >= 3 and status["process_paused_s"] >= 3 * (PAUSE_S - 0.5), status
+    metrics = httpx.get(server.url + "/metrics").text
+    assert metric(metrics, "mlx_guardian_process_pauses_total") >= 3
+    assert metric(metrics, "mlx_guardian_process_paused_seconds_total") >= 3 * (PAUSE_S - 0.5)
+    assert metric(metrics, "mlx_guardian_engine_restarts_total") == 0
+    assert metric(metrics, "mlx_guardian_engine_stalls_total") == 0
+
+
+BUSY_S = 4.0  # past the 2 s ceiling and the 1 s floor, well within 2 s + the allowance
+ALLOWANCE_S = 10.0
+
+
+@pytest.mark.parametrize("step", ["computes", "waits"])
+def test_a_step_past_the_stall_limit_is_a_stall_only_if_it_waits(start_server, step):
+    if step == "computes" and not StepCpu().available:
+        pytest.skip("per-thread CPU times of this process' threads are not readable here (psutil's "
+                    "thread ids are not the system's on macOS): every step is judged by the limit")
+    # Stock's own step, at its 20th call (a request's decode), computes or
+    # waits for 4 s, with a stall limit of 1-2 s and 10 s more for a step that computes.
+    fault = dict(busy_at_call=20, busy_s=BUSY_S) if step == "computes" else dict(hang_at_call=20, hang_s=BUSY_S)
+    config = (STEP_FAULTS + table("stock_step_faults", **fault)
+              + table("watchdog", stall_busy_extra_s=ALLOWANCE_S, **WATCHDOG))
+    server = start_server(config)
+    with httpx.Client(timeout=120) as client:
+        response = client.post(server.url + COMPLETIONS, json=chat_body(max_tokens=40))
+    assert response.status_code == 200, response.text
+    if step == "computes":
+        server.wait_for_event("stock_step_busy_ended", timeout=10)
+        assert server.events("engine_stalled") == []
+        [busy] = server.events("engine_step_busy")
+        assert busy["cpu_share"] >= BUSY_CPU_SHARE and busy["heartbeat_age_s"] < BUSY_S, busy
+        assert httpx.get(server.url + "/guardian/status").json()["restarts"] == 0
+    else:
+        [stalled] = server.wait_for_event("engine_stalled", timeout=10)
+        assert stalled["heartbeat_age_s"] < BUSY_S, stalled  # at the limit, before the step returned
+        assert server.events("engine_step_busy") == []
+        if StepCpu().available:
+            assert "of a core" in stalled["reason"], stalled
