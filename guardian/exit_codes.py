@@ -49,7 +49,8 @@ EXIT_CODES = (
              "work with this model (`flags_invalid`)"),
     ExitCode(EXIT_BOOT_ERROR, "the model could not be loaded", "the model could not be loaded at start"),
     ExitCode(EXIT_ENGINE_FAILED, "the engine kept failing",
-             "the engine kept failing: more than `recovery.max_failures` within `recovery.window_s`"),
+             "the engine kept failing without progress: more than `recovery.max_failures` failures "
+             "within `recovery.window_s` with no token generated or request completed between them"),
     ExitCode(EXIT_ENGINE_STALLED, "the engine stalled and could not be replaced in-process",
              "the engine stalled and could not be replaced in-process"),
     ExitCode(EXIT_SUPERVISOR_GAVE_UP, "the supervisor gave up",

@@ -51,8 +51,8 @@ def completion(server, content: str = "CRASH and tell me a story.", timeout: flo
 
 # -- the policy, without a server ------------------------------------------------------
 def delays(backoff: Backoff, failures: list[tuple[int, int]]) -> list[float]:
-    """The waits after failures given as (failures_in_window, completed)."""
-    return [backoff.delay_after_failure(failures_in_window=n, completed=c) for n, c in failures]
+    """The waits after failures given as (failures_in_window, the engine's progress)."""
+    return [backoff.delay_after_failure(failures_in_window=n, progress=c) for n, c in failures]
 
 
 def test_waits_double_from_the_threshold_and_are_capped():
@@ -161,7 +161,9 @@ def test_a_sustained_crash_loop_still_exits_with_code_4_after_its_waits(start_se
 def test_blamed_failures_do_not_back_off(start_server):
     """A poison request fails twice alone and is blamed; its failures are forgiven
     (the start-up probe completed), so no wait comes before the restart."""
-    server = start_server(toml(fault_injection={"enabled": True, "poison_marker": "POISON"},
+    # A poison, not the incident's memory failure (that is answered 503, never blamed).
+    server = start_server(toml(fault_injection={"enabled": True, "poison_marker": "POISON",
+                                                "message": "planted poison"},
                                recovery={"backoff_after_failures": 2}))
     with httpx.Client(timeout=60) as client:
         blamed = client.post(server.url + "/v1/chat/completions",

@@ -76,7 +76,7 @@ def two_servers(tmp_path, model_cache):
     model = str(ensure_demo_model(model_cache))
     watchdog = "[watchdog]\ninterval_s = 0.05\n"
     configs = {
-        "a": watchdog + f'[fault_injection]\nenabled = true\npoison_marker = "{POISON}"\n',
+        "a": watchdog + f'[fault_injection]\nenabled = true\npoison_marker = "{POISON}"\nmessage = "planted poison"\n',
         "b": watchdog,
     }
     paths = []

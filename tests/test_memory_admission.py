@@ -3,7 +3,10 @@
 The failure is planted (fault_injection raising CUDA's out-of-memory message
 while a marked request is started): the CPU backend reports no free memory,
 so the cap is the one learned from the failure, the KV admitted when the
-device ran out, less the margin (guardian.admission.memory_cap). On a GPU
+device ran out, less the margin (guardian.admission.memory_cap). The cap is
+temporary: a request over it that fits the configured budget gets 503
+memory_shortage with Retry-After (it was 400 kv_cache_budget_exceeded, which
+no SDK retries); only one over the configured budget gets 400. On a GPU
 bench/gpu_oom.py runs the real failure, with the measured cap.
 """
 
@@ -23,6 +26,8 @@ def device_reports_free_memory() -> bool:
     return device_free_memory() is not None
 
 CUDA_OOM = "cudaMallocAsync(&data, size, stream) failed: out of memory"
+# Four and a half of the demo model's 256-token KV blocks (131,072 bytes each).
+CONFIGURED_BUDGET = 600_000
 OOM_ONCE = f"""
 [fault_injection]
 enabled = true
@@ -35,8 +40,8 @@ max_faults = 1
 @pytest.mark.skipif(device_reports_free_memory(),
                     reason="the device reports its free memory (CUDA): a planted failure with the memory "
                     "free lifts the cap at once; bench/gpu_oom.py runs a real one there")
-def test_after_a_memory_failure_a_request_that_cannot_fit_is_refused_at_the_door(start_server):
-    server = start_server(OOM_ONCE)
+def test_after_a_memory_failure_a_request_over_the_cap_is_told_to_come_back(start_server):
+    server = start_server(OOM_ONCE + f"[prompt_guard]\nkv_budget_bytes = {CONFIGURED_BUDGET}\n")
     # Over 256 tokens: two of the KV cache's 256-token steps, where a small request takes one.
     big = chat_body("OOM-HERE " + "word " * 300, max_tokens=64)
     with httpx.Client(timeout=60) as client:
@@ -49,13 +54,24 @@ def test_after_a_memory_failure_a_request_that_cannot_fit_is_refused_at_the_door
         assert 0 < lowered["kv_budget_bytes"] < lowered["kv_budget_configured_bytes"]
 
         # The same request again needs the KV that did not fit: refused at the
-        # door, the engine never sees it.
+        # door, the engine never sees it; for now only, so 503 and Retry-After:
+        # the cap lifts memory_cap_hold_s (60 s) after the failure.
         again = client.post(server.url + "/v1/chat/completions", json=big)
-        assert again.status_code == 400, again.text
+        assert again.status_code == 503, again.text
         body = again.json()["error"]
-        assert body["code"] == "kv_cache_budget_exceeded"
+        assert body["code"] == "memory_shortage"
         assert "ran out of device memory" in body["message"]
         assert body["kv_budget_bytes"] == lowered["kv_budget_bytes"]
+        assert body["kv_budget_configured_bytes"] == lowered["kv_budget_configured_bytes"]
+        assert again.headers["x-should-retry"] == "true"
+        assert 2 <= int(again.headers["retry-after"]) <= 60
+
+        # Over the configured budget (the device's total here): it never fits, 400 as before.
+        never = client.post(server.url + "/v1/chat/completions", json=chat_body("word " * 300, max_tokens=1000))
+        assert never.status_code == 400, never.text
+        assert never.json()["error"]["code"] == "kv_cache_budget_exceeded"
+        assert never.json()["error"]["kv_budget_bytes"] == CONFIGURED_BUDGET
+        assert never.headers["x-should-retry"] == "false"
 
         # What fits in what the device gave is still served.
         small = client.post(server.url + "/v1/chat/completions", json=chat_body("hello", max_tokens=4))
@@ -82,7 +98,7 @@ def test_a_memory_failure_inside_stocks_own_step_caps_the_budget_too(start_serve
         assert error["classification"] == "out_of_memory"
         [lowered] = server.wait_for_event("kv_budget_lowered")
         again = client.post(server.url + "/v1/chat/completions", json=big)
-        assert again.status_code == 400 and again.json()["error"]["code"] == "kv_cache_budget_exceeded"
+        assert again.status_code == 503 and again.json()["error"]["code"] == "memory_shortage"
         assert again.json()["error"]["kv_budget_bytes"] == lowered["kv_budget_bytes"]
 
 

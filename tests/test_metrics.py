@@ -66,6 +66,8 @@ def served(tmp_path_factory, model_cache):
         [fault_injection]
         enabled = true
         poison_marker = "{POISON}"
+        # A poison, not the incident's memory failure (that is answered 503, never blamed).
+        message = "planted poison"
     """))
     port = free_port()
     server = Server(spawn_guardian(["--port", str(port), "--guardian-config", str(config)],
@@ -164,7 +166,7 @@ def test_a_planted_failure_moves_the_restart_counter_with_its_classification(ser
         again = client.post(url, json=chat_body(f"{POISON} pill", max_tokens=4))
         assert again.json()["error"]["code"] == "request_quarantined"
     restarts = "mlx_guardian_engine_restarts_total"
-    label = {"classification": "metal_resource_limit"}
+    label = {"classification": "unknown"}
     after = moved(served.url, restarts, 2, before.value(restarts, **label), **label)
     assert after.value(restarts) - before.value(restarts) == 2  # no other classification moved
     assert (after.value("mlx_guardian_engine_restart_duration_seconds_count")

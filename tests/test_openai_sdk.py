@@ -150,7 +150,8 @@ def in_flight(server) -> int:
 
 
 def test_a_blamed_poison_request_is_an_internal_error_sent_once(start_server):
-    server = start_server(table("fault_injection", enabled=True, poison_marker="POISON"))
+    # A poison, not the incident's memory failure (that is answered 503, never blamed).
+    server = start_server(table("fault_injection", enabled=True, poison_marker="POISON", message="planted poison"))
     with pytest.raises(openai.InternalServerError) as raised:
         sdk(server).chat.completions.create(model="default_model", messages=user("POISON pill"), max_tokens=8)
     error = raised.value

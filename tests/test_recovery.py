@@ -179,7 +179,9 @@ def test_failure_every_n_steps_over_100_requests(start_server):
 
 
 def test_poison_request_fails_alone(start_server):
-    server = start_server(faults(poison_marker="POISON"))
+    # A poison, not the incident's memory failure (that is answered 503, never
+    # blamed: tests/test_failure_progress.py).
+    server = start_server(faults(poison_marker="POISON", message="planted poison"))
     url = server.url + "/v1/chat/completions"
 
     def client_call(content):
@@ -195,7 +197,7 @@ def test_poison_request_fails_alone(start_server):
     assert poison.status_code == 500
     error = poison.json()["error"]
     assert error["code"] == "request_failed_repeatedly"
-    assert "metal_resource_limit" in error["message"]
+    assert "unknown: RuntimeError: planted poison" in error["message"]
     for response in others:
         assert response.status_code == 200, response.text
         assert response.json()["usage"]["completion_tokens"] == 24
@@ -206,7 +208,7 @@ def test_poison_request_fails_alone(start_server):
 def test_crash_loop_exits_with_documented_code(start_server):
     from guardian.exit_codes import EXIT_ENGINE_FAILED
 
-    server = start_server(faults(poison_marker="POISON") + "[recovery]\nmax_failures = 3\n")
+    server = start_server(faults(poison_marker="POISON", message="planted poison") + "[recovery]\nmax_failures = 3\n")
     with httpx.Client(timeout=30) as client:
         # Every step of a poison request fails. Each is blamed after two
         # failures; a blame forgives its failures only if the engine completed

@@ -226,3 +226,38 @@ def test_a_stream_cut_inside_a_tool_call_ends_with_an_error_not_a_second_call(st
     assert again.result["done"] and not again.result["errors"]
     assert [tc["function"] for e in again.result["events"] for c in e["choices"]
             for tc in c["delta"].get("tool_calls") or ()] == [call["function"]]
+
+
+def test_a_stream_that_progressed_between_two_crashes_is_no_poison(start_supervisor, tmp_path):
+    # Two children die under one stream, with tokens relayed between the two
+    # deaths: the crash quarantine strikes it once at each (it progressed), so
+    # it is neither quarantined nor refused; on main the second crash made it a
+    # poison body (two strikes) and the stream ended with request_quarantined.
+    config = tmp_path / "slow.toml"
+    config.write_text(SLOW_STEPS)  # steps of at least 10 ms: each kill lands mid-stream
+    supervised = start_supervisor("--guardian-config", str(config), "--supervisor-max-resends", "2")
+    first_pid = supervised.wait_ready()
+    body = greedy_stream("Go on across two crashes.", max_tokens=300)
+    reference = read_whole(supervised.url + COMPLETIONS, body)
+    assert reference.result["done"] and not reference.result["errors"]
+
+    cut = StreamReader(supervised.url + COMPLETIONS, body)
+    cut.start()
+    poll(lambda: len(cut.result["events"]) >= 60, 60, what="events relayed from the first child")
+    os.kill(first_pid, signal.SIGKILL)
+    second_pid = supervised.wait_ready(not_pid=first_pid, timeout=60)
+    at_first_crash = len(cut.result["events"])
+    poll(lambda: len(cut.result["events"]) >= at_first_crash + 60, 60, what="events relayed from the second child")
+    os.kill(second_pid, signal.SIGKILL)
+    cut.join(timeout=120)
+    assert not cut.is_alive()
+
+    assert cut.result["status"] == 200 and cut.result["done"] and not cut.result["errors"], cut.result["errors"]
+    assert streamed(cut.result) == streamed(reference.result)
+    first, second = supervised.supervisor_events("crash_suspects")
+    assert [s["strikes"] for s in first["suspects"]] == [1]
+    [struck] = second["suspects"]
+    assert struck["strikes"] == 1 and struck["progressed"] and not struck["quarantined"]
+    assert struck["position"] > first["suspects"][0]["position"] > 0
+    quarantine = supervised.supervisor()["quarantine"]
+    assert quarantine["quarantined"] == [] and quarantine["refused"] == 0

@@ -2,32 +2,51 @@
 
 Every request the dead loop had taken was in flight at the failure,
 whatever its stage: one that raised while stock prepared it (before its
-GenerationContext) is as much a suspect as one that was decoding. A
-request in flight at more failures than ``max_reruns`` is the suspect;
-if it failed alone it is blamed, else it runs once more alone first.
+GenerationContext) is as much a suspect as one that was decoding.
 
-A request that had generated tokens is continued rather than re-run (its
-client keeps what it was sent; see guardian.engine.ledger), at most
-``max_continuations`` times; a continuation counts as a re-run for blame.
-Past that bound a stream that sent tokens is cut (an error event), and a
-non-streaming request is re-run from nothing.
+Blame needs reproduction. A poison request fails at the same point every
+time; a failure from the environment (memory pressure, a fault elsewhere)
+does not. So a request is judged by its failures *at one point*: in
+flight at failures with no new token between them (``stuck_failures``,
+see ``RequestRecord.note_failure``). A request that generated a token
+since its previous failure starts again at one: it is continued (its
+client keeps what it was sent; see guardian.engine.ledger), however often
+the engine failed under it, so its budget is its own progress, bounded by
+its ``max_tokens``. In flight at more than ``max_reruns`` failures at one
+point it is the suspect: if it failed alone it is blamed, else it runs
+once more alone first. ``max_continuations`` bounds how often it is
+continued at one point; past that a stream that sent tokens is cut (an
+error event), and a non-streaming request is re-run from nothing.
+
+A suspect that failed alone for want of memory (``MEMORY_CLASSIFICATIONS``)
+is not blamed: it needed memory the device lacked at that moment, and the
+same request succeeds once the memory is back. It gets 503 with Retry-After
+(``Verdict.SHORTAGE``) and is never quarantined.
 
 The crash-loop budget (``recovery.max_failures`` within ``window_s``)
-counts failures nobody is blamed for. A failure a blamed request was in
-flight at is forgiven, but only if the engine has completed a request
-(a user's or a probe) since the previous blame: an engine that fails
-every request blames each in turn without ever completing one, and its
-failures keep counting until the process exits with code 4. Synthetic
-probes are never blamed, so a failure with only probes in flight always
-counts.
+counts failures without progress: no token generated and no request
+completed since the previous failure (the first failure always counts:
+there is nothing to compare it with). An engine that keeps serving while
+it fails is degraded, not dead: it stays up. A failure a blamed (or
+memory-short) request was in flight at is forgiven too, but only if the
+engine has completed a request (a user's or a probe) since the previous
+blame: an engine that fails every request blames each in turn without
+ever completing one, and its failures keep counting until the process
+exits with code 4. Synthetic probes are never blamed, so a failure with
+only probes in flight counts unless the engine progressed.
 """
 
 from __future__ import annotations
 
 import itertools
 import time
+from collections import deque
 from enum import Enum
-from typing import Iterable, Optional
+from typing import Hashable, Iterable, Optional
+
+# Classifications (guardian.plugins.recovery.classify) that mean the device
+# ran out of memory: the environment's doing, not the request's.
+MEMORY_CLASSIFICATIONS = frozenset({"metal_resource_limit", "out_of_memory"})
 
 
 class Verdict(Enum):
@@ -36,12 +55,15 @@ class Verdict(Enum):
     RERUN = "rerun"  # re-run transparently, from nothing
     CONTINUE = "continue"  # go on after the tokens it generated
     ISOLATE = "isolate"  # re-run (or continue) alone before blaming it
-    BLAME = "blame"  # failed alone: 500, and its fingerprint quarantined
+    BLAME = "blame"  # failed alone at the same point: 500, and its fingerprint quarantined
+    SHORTAGE = "shortage"  # failed alone at the same point for want of memory: 503, retry; not quarantined
 
 
-def verdicts(records: list, max_reruns: int, max_continuations: int = 0) -> list[tuple]:
-    """(record, Verdict) for every request the dead loop had taken; their
-    ``failures`` already count this failure."""
+def verdicts(records: list, max_reruns: int, max_continuations: int = 0, *,
+             memory: bool = False) -> list[tuple]:
+    """(record, Verdict) for every request the dead loop had taken; each has
+    noted this failure (``note_failure``). ``memory``: the failure was the
+    device running out of memory."""
     alone = len(records) == 1
     decided = []
     for record in records:
@@ -50,12 +72,12 @@ def verdicts(records: list, max_reruns: int, max_continuations: int = 0) -> list
             verdict = Verdict.CUT
         elif max_reruns == 0:
             verdict = Verdict.ANSWER
-        elif record.failures <= max_reruns:
+        elif record.stuck_failures <= max_reruns:
             verdict = Verdict.CONTINUE if may_continue else Verdict.RERUN
         elif record.synthetic:
             verdict = Verdict.ANSWER  # a probe is never blamed: its failures count
         elif alone or record.isolate:
-            verdict = Verdict.BLAME
+            verdict = Verdict.SHORTAGE if memory else Verdict.BLAME
         else:
             verdict = Verdict.ISOLATE
         decided.append((record, verdict))
@@ -63,19 +85,45 @@ def verdicts(records: list, max_reruns: int, max_continuations: int = 0) -> list
 
 
 class FailureBudget:
-    """Engine failures within ``window_s`` that count toward the crash loop."""
+    """Engine failures within ``window_s``: every one (the failure rate, whether
+    the engine is degraded, the time lost), and those that count toward the
+    crash loop: the failures without progress."""
 
     def __init__(self, window_s: float):
         self.window_s = window_s
-        self._times: dict[int, float] = {}  # failure id -> monotonic time
+        self._times: dict[int, float] = {}  # counted failure id -> monotonic time
         self._ids = itertools.count(1)
+        # Every failure within the window: [monotonic time, seconds the engine was down after it].
+        self._recent: deque[list] = deque()
+        # The engine's progress (guardian.engine.generator: completed requests and
+        # tokens generated) at the previous failure; None before the first.
+        self._progress_seen: Optional[Hashable] = None
         self.forgiven = 0
+        self.after_progress = 0  # failures not counted: the engine had progressed
+        self.total = 0
+        self.time_lost_s = 0.0
 
-    def add(self, now: Optional[float] = None) -> int:
-        """Count a failure; return its id (for ``forgive``)."""
+    def add(self, progress: Hashable, now: Optional[float] = None) -> Optional[int]:
+        """A failure happened with the engine's progress at ``progress``: count it
+        unless that moved since the previous failure. Its id (for ``forgive``),
+        or None when it is not counted."""
+        now = time.monotonic() if now is None else now
+        self.total += 1
+        self._recent.append([now, 0.0])
+        progressed = self._progress_seen is not None and progress != self._progress_seen
+        self._progress_seen = progress
+        if progressed:
+            self.after_progress += 1
+            return None
         failure_id = next(self._ids)
-        self._times[failure_id] = time.monotonic() if now is None else now
+        self._times[failure_id] = now
         return failure_id
+
+    def lost(self, seconds: float) -> None:
+        """The engine was down ``seconds`` after the last failure (its restart, backoff included)."""
+        self.time_lost_s += seconds
+        if self._recent:
+            self._recent[-1][1] += seconds
 
     def forgive(self, failure_ids: Iterable[int]) -> int:
         """Stop counting these failures; return how many were still counted."""
@@ -84,8 +132,35 @@ class FailureBudget:
         return forgiven
 
     def count(self, now: Optional[float] = None) -> int:
+        """The failures the crash-loop budget counts now."""
         now = time.monotonic() if now is None else now
         for failure_id, at in list(self._times.items()):
             if at < now - self.window_s:
                 del self._times[failure_id]
         return len(self._times)
+
+    def recent(self, now: Optional[float] = None) -> list:
+        """Every failure within the window, oldest first: [time, seconds lost]."""
+        now = time.monotonic() if now is None else now
+        while self._recent and self._recent[0][0] < now - self.window_s:
+            self._recent.popleft()
+        return list(self._recent)
+
+    def degraded_until(self, max_failures: int, now: Optional[float] = None) -> Optional[float]:
+        """While more than ``max_failures`` failures fall within the window (as
+        many as would have ended the process, were they all without progress)
+        the engine is degraded: until when (monotonic), or None if it is not."""
+        recent = self.recent(now)
+        if len(recent) <= max_failures:
+            return None
+        return recent[-(max_failures + 1)][0] + self.window_s
+
+    def rate(self, now: Optional[float] = None) -> dict:
+        """The failures within the window, per minute, and the time the engine was down after them."""
+        recent = self.recent(now)
+        per_minute = len(recent) * 60.0 / self.window_s if self.window_s > 0 else None
+        return {
+            "failures_recent": len(recent),
+            "failure_rate_per_min": None if per_minute is None else round(per_minute, 2),
+            "time_lost_recent_s": round(sum(lost for _, lost in recent), 3),
+        }

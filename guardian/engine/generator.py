@@ -24,7 +24,8 @@ import mlx.core as mx
 import structlog
 
 from guardian import stock
-from guardian.engine.blame import FailureBudget, Verdict, verdicts
+from guardian.engine.blame import MEMORY_CLASSIFICATIONS, FailureBudget, Verdict, verdicts
+from guardian.engine.kept_kv import KeptKV
 from guardian.engine.lifecycle import EngineAbandoned, EngineState, Lifecycle
 from guardian.engine.restart import Backoff, RestartClock, release_dead_loop
 from guardian.context import request_scope
@@ -39,7 +40,7 @@ from guardian.exit_codes import EXIT_ENGINE_FAILED, EXIT_ENGINE_STALLED, exit_no
 from guardian.engine.ledger import RequestLedger, RequestRecord, Stage
 from guardian.plugins.manager import active_hook, notify
 from guardian.relay_protocol import started_by_supervisor
-from guardian.settings import ACTIONS, EXIT, RELOAD
+from guardian.settings import ACTIONS, EXIT, RELOAD, RESTART
 from guardian.quarantine import Entry, Quarantine, short
 
 log = structlog.get_logger("guardian.engine")
@@ -56,12 +57,22 @@ def batch_places(cli_args) -> int:
 
 
 class GuardianPromptCache(stock.LRUPromptCache):
-    """Stock's prompt cache, closed to probes and to abandoned loop threads."""
+    """Stock's prompt cache, closed to probes and to abandoned loop threads,
+    which hands a re-run the KV its failed batch held first (``kept``)."""
 
     def __init__(self, *args, engine_thread_check: Callable[[], None], **kwargs):
         super().__init__(*args, **kwargs)
         self._check_thread = engine_thread_check
         self.skip_prefixes: list[list[int]] = []
+        self.kept = KeptKV()
+
+    def fetch_nearest_cache(self, model, tokens):
+        self._check_thread()
+        # Outside the LRU entries, so a batch's worth of rows never evicts users' caches.
+        kept = self.kept.take(model, tokens) if len(self.kept) else None
+        if kept is not None:
+            return kept
+        return super().fetch_nearest_cache(model, tokens)
 
     def insert_cache(self, model, tokens, prompt_cache, **kwargs):
         self._check_thread()
@@ -80,6 +91,10 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
         # Stock's __init__ starts the generation thread: everything the
         # supervisor reads is set before it.
         prompt_cache = GuardianPromptCache(prompt_cache_size, engine_thread_check=self._check_owner)
+        # Stock deletes its prompt cache when its loop stops: status reads this.
+        self._kept_kv = prompt_cache.kept
+        # Caches kept from a failed batch wait for re-runs the loop has not taken yet.
+        self._kept_kv_waiting = False
         self.pm = pm
         self.core = core
         self.on_exit = on_exit
@@ -99,8 +114,13 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
             capacity=batch_places(model_provider.cli_args))
         self.steps = 0
         self.last_beat = time.monotonic()
-        # The crash-loop budget: failures nobody was blamed for (guardian.engine.blame).
+        # The crash-loop budget: failures without progress, nobody blamed for
+        # them (guardian.engine.blame); and the failure rate.
         self.failures = FailureBudget(window_s=60.0)
+        # More failures than this within the window, with progress between: degraded.
+        self.max_failures = 5
+        # Until when the engine is degraded (monotonic), as last logged; None: it is not.
+        self._degraded_until: Optional[float] = None
         self.quarantine = Quarantine()
         # ledger.completed at the last blame: a blame forgives failures only
         # if the engine completed a request since the one before.
@@ -150,6 +170,7 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
         return self.ledger.has_waiting() or self.ledger.cancelled_since_look()
 
     def configure_recovery(self, *, window_s: float, max_reruns: int, quarantine_s: float = 0.0,
+                           max_failures: int = 5,
                            max_continuations: int = 0, backoff_after_failures: int = 2,
                            backoff_base_s: float = 0.0, backoff_max_s: float = 0.0) -> None:
         self.failures.window_s = window_s
@@ -158,6 +179,7 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
         backoff.after_failures, backoff.base_s, backoff.max_s = backoff_after_failures, backoff_base_s, backoff_max_s
         self.max_reruns = max_reruns
         self.max_continuations = max_continuations
+        self.max_failures = max_failures
         self.quarantine.quarantine_s = quarantine_s
 
     # -- health -------------------------------------------------------------
@@ -192,8 +214,12 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
     def _loop_polled(self) -> None:
         """The stock loop asked for work or reported progress: it is alive."""
         self._check_owner()
-        self.last_beat = time.monotonic()
+        self.last_beat = now = time.monotonic()
         self.lifecycle.loop_polled()
+        if self._degraded_until is not None and now >= self._degraded_until:
+            self._degraded_ended()
+        if self._kept_kv_waiting:
+            self._drop_kept_kv_once_reruns_taken()
         while self._loop_chores:
             chore = self._loop_chores.popleft()
             try:
@@ -297,6 +323,9 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
             except Exception as exc:
                 self.restart_clock.start()
                 action = self._on_failure(exc)
+                if action == RESTART:
+                    self._keep_batch_kv()  # while the dead loop's frames still hold its batch
+                    self.restart_clock.mark("keep_kv")
                 # The dead loop's frames, BatchGenerator and KV arrays go now,
                 # before the new loop allocates (guardian.engine.restart).
                 released = release_dead_loop(exc)
@@ -316,11 +345,42 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
             self._back_off()
             self.restart_clock.mark("backoff")
 
+    def _keep_batch_kv(self) -> None:
+        """Keep the KV caches of the failed loop's batch for the requests it re-runs
+        (guardian.engine.kept_kv), when its last step completed; else keep nothing:
+        the re-runs prefill as before."""
+        batch = self._batch() if self._batch is not None else None
+        if batch is None or stock.is_distributed(self) or not self.ledger.counts()["rerun_queued"]:
+            return
+        try:
+            rows = stock.rows_of_completed_steps(batch)
+        except Exception as e:  # copying the caches evaluated a step that had failed after all
+            log.warning("continuation_kv_discarded", reason="copying the batch's KV failed",
+                        error_type=type(e).__name__, error_message=str(e))
+            return
+        if rows is None:
+            log.info("continuation_kv_discarded", reason="the failure came in the middle of a step")
+            return
+        self._kept_kv.keep(self.model_provider.model_key, rows)
+        self._kept_kv_waiting = bool(rows)
+        log.info("continuation_kv_kept", requests=len(rows), tokens=sum(len(tokens) for tokens, _ in rows),
+                 bytes=sum(stock.cache_nbytes(cache) for _, cache in rows))
+
+    def _drop_kept_kv_once_reruns_taken(self) -> None:
+        """At a look at the queue: once the loop has taken every re-run, drop the
+        kept caches none of them used (their clients left, or they were answered)."""
+        if self.ledger.counts()["rerun_queued"]:
+            return
+        self._kept_kv_waiting = False
+        dropped = self._kept_kv.drop()
+        if dropped:
+            log.info("continuation_kv_dropped", requests=dropped, reason="no re-run took them")
+
     def _back_off(self) -> None:
         """In a crash loop, wait before restarting: requests stay queued, /health says restarting."""
         failures_in_window = self.failures.count()
         delay_s = self.backoff.delay_after_failure(failures_in_window=failures_in_window,
-                                                   completed=self.ledger.completed)
+                                                   progress=self._progress())
         if not delay_s:
             return
         log.warning(
@@ -343,10 +403,13 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
         failed_at = self.lifecycle.trouble_at
         counts = self.ledger.counts()
         records = self.ledger.take_in_flight()
-        decided = self._judge(records, self.failures.add(failed_at))
-        blamed = [r for r, verdict in decided if verdict is Verdict.BLAME]
-        forgiven = self._forgive(blamed)
+        failure_id = self.failures.add(self._progress(), failed_at)
+        decided = self._judge(records, failure_id, memory=classification in MEMORY_CLASSIFICATIONS)
+        # Answered for what they did alone (poison), or needed (memory): their failures are explained.
+        explained = [r for r, verdict in decided if verdict in (Verdict.BLAME, Verdict.SHORTAGE)]
+        forgiven = self._forgive(explained)
         failures_in_window = self.failures.count(failed_at)
+        rate = self.failures.rate(failed_at)
         self.restart_clock.mark("judge")
         self.last_error = {
             "type": type(cause).__name__,
@@ -362,11 +425,16 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
             classification=classification,
             traceback="".join(traceback.format_exception(cause)),
             step=self.steps,
+            # Progress since the previous failure: a token, or a completed request.
+            progressed=failure_id is None,
             failures_in_window=failures_in_window,
-            blamed=[r.request_id for r in blamed],
+            blamed=[r.request_id for r, verdict in decided if verdict is Verdict.BLAME],
+            short_of_memory=[r.request_id for r, verdict in decided if verdict is Verdict.SHORTAGE],
             failures_forgiven=forgiven,
+            **rate,
             **counts,
         )
+        self._note_degraded(failed_at, rate)
         self.restart_clock.mark("log")
         action = self.pm.hook.on_engine_error(
             error=cause,
@@ -387,19 +455,49 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
         self.restart_clock.mark("settle")
         return action
 
-    def _judge(self, records: list[RequestRecord], failure_id: Optional[int]) -> list[tuple]:
+    def _judge(self, records: list[RequestRecord], failure_id: Optional[int], *,
+               memory: bool = False) -> list[tuple]:
         """Count the failure for every request the dead loop had taken,
-        whatever its stage, and decide what becomes of each."""
+        whatever its stage, and decide what becomes of each. ``failure_id``:
+        the failure as the crash-loop budget counts it (None: not counted)."""
         for record in records:
-            record.failures += 1
+            record.note_failure()
             if failure_id is not None:
                 record.failure_ids.append(failure_id)
-        return verdicts(records, self.max_reruns, self.max_continuations)
+        return verdicts(records, self.max_reruns, self.max_continuations, memory=memory)
+
+    def _progress(self) -> tuple[int, int]:
+        """The engine's progress: requests completed, tokens generated (guardian.engine.blame)."""
+        return self.ledger.completed, self.ledger.tokens_generated
+
+    def _note_degraded(self, now: float, rate: dict) -> None:
+        """After a failure: log when the engine becomes degraded, serving while it fails."""
+        until = self.failures.degraded_until(self.max_failures, now)
+        if until is not None and self._degraded_until is None:
+            log.warning("engine_degraded", window_s=self.failures.window_s, max_failures=self.max_failures,
+                        failures_after_progress=self.failures.after_progress, **rate)
+        self._degraded_until = until
+
+    def _degraded_ended(self) -> None:
+        """On the loop thread: the failures that made the engine degraded left the window."""
+        until = self.failures.degraded_until(self.max_failures)
+        if until is not None:
+            self._degraded_until = until  # a later failure keeps it degraded longer
+            return
+        self._degraded_until = None
+        log.info("engine_degraded_ended", window_s=self.failures.window_s,
+                 failures_total=self.failures.total, time_lost_s=round(self.failures.time_lost_s, 3))
+
+    @property
+    def degraded(self) -> bool:
+        """Whether the engine fails often (more than max_failures within the window)
+        but keeps generating between the failures, so it stays up."""
+        return self.failures.degraded_until(self.max_failures) is not None
 
     def _forgive(self, blamed: list[RequestRecord]) -> int:
-        """Take the failures the blamed requests were in flight at off the
-        crash-loop budget, if the engine completed a request since the last
-        blame (see guardian.engine.blame); return how many."""
+        """Take the failures the blamed (or memory-short) requests were in flight
+        at off the crash-loop budget, if the engine completed a request since the
+        last blame (see guardian.engine.blame); return how many."""
         if not blamed:
             return 0
         completed = self.ledger.completed
@@ -420,6 +518,8 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
                 self.fail(record, self._restarting_error(classification))
             elif verdict is Verdict.BLAME:
                 self._blame(record, cause, classification)
+            elif verdict is Verdict.SHORTAGE:
+                self._short_of_memory(record, cause, classification)
             else:
                 # ISOLATE: it failed more than once, but never alone: try it
                 # alone before blaming it.
@@ -441,6 +541,22 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
                 continuations=record.continuations + (record in continued),
             )
         self.ledger.rerun(reruns, continued)
+
+    def _short_of_memory(self, record: RequestRecord, cause: BaseException, classification: str) -> None:
+        """The request failed alone, at the same point, for want of memory: the
+        device lacked it at that moment (others hold it), so it is not quarantined
+        and its client is told to come back."""
+        log.warning("request_short_of_memory", request_id=record.request_id, failures=record.failures,
+                    stuck_failures=record.stuck_failures, generated=len(record.generated),
+                    classification=classification)
+        self.fail(record, GuardianError(
+            f"The device ran out of memory for this request ({classification}: {type(cause).__name__}: "
+            f"{cause}); it failed alone, with the memory in use at that moment. It is not at fault: "
+            "retry once memory is free.",
+            status=503,
+            code="memory_shortage",
+            retry_after_s=self.core.retry_after_s,
+        ))
 
     def _blame(self, record: RequestRecord, cause: BaseException, classification: str) -> None:
         """The request failed alone: answer it, and quarantine its fingerprint."""
@@ -490,6 +606,8 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
 
     def _restarted(self, duration_s: float, classification: Optional[str], restarts: int) -> None:
         """The lifecycle counted a restart (once, whoever saw it first): log it, tell the plugins."""
+        if classification != "stall":  # a stall is the watchdog's to count
+            self.failures.lost(duration_s)
         log.info(
             "engine_restarted",
             duration_ms=round(duration_s * 1000, 1),
@@ -626,6 +744,8 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
         """Forget what the stuck loop cached: its arrays may still be unevaluated
         on its own stream, which a new loop thread cannot evaluate ("There is
         no Stream(cpu, 1) in current thread"), failing the request re-run."""
+        self._kept_kv.drop()
+        self._kept_kv_waiting = False
         sequences = len(self.prompt_cache)
         if sequences:
             self.prompt_cache.trim_to(n_sequences=0)
@@ -702,8 +822,9 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
         if entry is not None:
             quarantined = f" Identical requests are refused until {entry.until_iso}."
         return GuardianError(
-            f"This request was in flight at {record.failures} engine failures in a row, "
-            f"the last one alone, and is their cause; it will not be retried.{quarantined} "
+            f"This request was in flight at {record.stuck_failures} engine failures at the same point "
+            f"({len(record.generated)} tokens generated, none between them), the last one alone, "
+            f"and is their cause; it will not be retried.{quarantined} "
             f"Last failure: {classification}: {type(cause).__name__}: {cause}",
             status=500,
             code="request_failed_repeatedly",
@@ -731,6 +852,13 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
             "restarts": self.restarts,
             "failures_in_window": self.failures.count(),
             "failures_forgiven": self.failures.forgiven,
+            # Serving while it fails: more than max_failures failures within the
+            # window, with progress between them (guardian.engine.blame).
+            "degraded": self.degraded,
+            "failures_total": self.failures.total,
+            "failures_after_progress": self.failures.after_progress,
+            "time_lost_s": round(self.failures.time_lost_s, 3),
+            **self.failures.rate(),
             "quarantine": self.quarantine.status(),
             "last_error": self.last_error,
             "steps": self.steps,
@@ -741,6 +869,9 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
             "backoff": self.backoff.status(),
             "requests_cancelled": dict(self.ledger.cancelled),
             "tokens_after_cancel": self.ledger.tokens_after_cancel,
+            "rerun_prompt_tokens": self.ledger.rerun_prompt_tokens,
+            "rerun_prompt_tokens_cached": self.ledger.rerun_cached_tokens,
+            "continuation_kv": self._kept_kv.status(),
             **self.ledger.counts(),
         }
 

@@ -71,7 +71,11 @@ class RequestRecord:
         self.client = None if synthetic else client
         self.stage = Stage.QUEUED
         self.failures = 0
-        self.failure_ids: list[int] = []  # the engine failures it was in flight at
+        self.failure_ids: list[int] = []  # the counted engine failures it was in flight at
+        # Failures at its current point: with no token generated between them
+        # (guardian.engine.blame); and that point, in tokens generated.
+        self.stuck_failures = 0
+        self.failed_at_position: Optional[int] = None
         self.isolate = False
         self.first_args = item[2]  # as the handler made them (continuations copy them)
         # Its samplers and logits processors (stock.sampling_kind), read once.
@@ -131,7 +135,12 @@ class RequestRecord:
         if self._first_ctx is None:
             self._first_ctx = ctx
             self.downstream.put(ctx)
-        elif self.continuations:
+            return
+        # A re-run: what its prefill cost (its prompt is a continuation's prompt,
+        # generated tokens included; cached: KV kept from the failed batch, or stock's cache).
+        self.ledger.rerun_prompt_tokens += len(ctx.prompt)
+        self.ledger.rerun_cached_tokens += max(ctx.prompt_cache_count, 0)
+        if self.continuations:
             log.info(
                 "request_continuation_started",
                 request_id=self.request_id,
@@ -150,6 +159,7 @@ class RequestRecord:
             self._kind_counted_in = produced
         self.generated.append(response.token)
         self.token_times.append(time.monotonic())
+        self.ledger.tokens_generated += 1
         if self.stream:
             self.stage = Stage.STREAMING
             self.downstream.put(response)
@@ -240,9 +250,26 @@ class RequestRecord:
         """Whether the request generated tokens a re-run would throw away."""
         return bool(self.generated)
 
+    def note_failure(self) -> bool:
+        """The engine failed with this request in flight: count it; whether the
+        request had progressed, a token past where it stood at its previous
+        failure (always, at its first). Without progress the failure is at the
+        same point (or, re-run from nothing, an earlier one) as the previous one."""
+        position = len(self.generated)
+        progressed = self.failed_at_position is None or position > self.failed_at_position
+        self.failures += 1
+        if progressed:
+            self.failed_at_position = position
+            self.stuck_failures = 1
+            self.isolate = False  # no longer a suspect: it runs beside the others again
+        else:
+            self.stuck_failures += 1
+        return progressed
+
     def may_continue(self, max_continuations: int) -> bool:
-        """Whether, after a failure, it may go on from the tokens it generated."""
-        return (self.has_output and self.continuations < max_continuations
+        """Whether, after a failure, it may go on from the tokens it generated: at
+        most ``max_continuations`` times at one point (guardian.engine.blame)."""
+        return (self.has_output and self.stuck_failures <= max_continuations
                 and stock.continuable(self.request))
 
 
@@ -313,14 +340,19 @@ class RequestLedger:
         self._recent_clients: dict[str, float] = {}
         self._isolated: Optional[RequestRecord] = None
         self.closed_error: Optional[GuardianError] = None
-        # Requests that ended with their last token (probes included): proof
-        # that the engine generates (see guardian.engine.blame).
+        # Requests that ended with their last token (probes included), and the
+        # tokens generated (re-runs' included): the engine's progress, proof that
+        # it generates (see guardian.engine.blame). Tokens: loop thread only.
         self.completed = 0
+        self.tokens_generated = 0
         # Requests ended before their answer, by why (CLIENT_LEFT, DEADLINE); tokens
         # the loop generated for them after that (it drops them at its next step).
         self.cancelled: dict[str, int] = {CLIENT_LEFT: 0, DEADLINE: 0}
         self.tokens_after_cancel = 0
         self._cancels = self._cancels_seen = 0
+        # Prompt tokens of requests re-run after an engine failure, and of those
+        # the ones their prefill was spared (loop thread only).
+        self.rerun_prompt_tokens = self.rerun_cached_tokens = 0
         # The kinds of request (stock.sampling_kind) that have produced a token
         # in this process: their kernels are compiled.
         self.produced_kinds: set[tuple[str, ...]] = set()

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 import traceback
-from typing import Optional
+from typing import Hashable, Optional
 
 import mlx.core as mx
 
@@ -54,10 +54,10 @@ class Backoff:
     """How long a failed loop waits before restarting: nothing for a failure
     after progress, exponential in a crash loop, capped.
 
-    ``failures in a row`` are the engine failures since it last completed a
-    request (a user's or a probe), as far as they still count toward
-    ``max_failures`` (blamed failures are forgiven there, so they do not grow
-    the wait either). From ``after_failures`` in a row on, the wait is
+    ``failures in a row`` are the engine failures since it last made progress
+    (generated a token, or completed a request: a user's or a probe), as far
+    as they still count toward ``max_failures`` (blamed failures are forgiven
+    there, so they do not grow the wait either). From ``after_failures`` in a row on, the wait is
     ``base_s`` doubled for each further one, at most ``max_s``; ``base_s`` 0
     never waits. The crash-loop budget is the recovery plugin's: a loop that
     keeps failing still exits, after the waits.
@@ -66,15 +66,16 @@ class Backoff:
     def __init__(self, *, after_failures: int = 2, base_s: float = 0.0, max_s: float = 0.0):
         self.after_failures, self.base_s, self.max_s = after_failures, base_s, max_s
         self.in_a_row = 0
-        self._completed_seen: Optional[int] = None
+        self._progress_seen: Optional[Hashable] = None
         self.delay_s = 0.0  # the last wait decided
         self._until: Optional[float] = None  # monotonic end of the wait in progress
 
-    def delay_after_failure(self, *, failures_in_window: int, completed: int) -> float:
+    def delay_after_failure(self, *, failures_in_window: int, progress: Hashable) -> float:
         """A failure happened: the wait before the restart (0: none).
-        ``completed``: the engine's count of completed requests."""
-        if completed != self._completed_seen:
-            self._completed_seen, self.in_a_row = completed, 0
+        ``progress``: the engine's progress (anything that changes when it
+        completes a request or generates a token)."""
+        if progress != self._progress_seen:
+            self._progress_seen, self.in_a_row = progress, 0
         self.in_a_row += 1
         counted = min(self.in_a_row, failures_in_window)
         if not self.base_s or counted < self.after_failures:

@@ -139,9 +139,11 @@ def on_engine_error(error, classification, failures_in_window, engine):
     """Decide what to do after the stock loop raised.
 
     Generation thread, after ``engine_error`` is logged and before any
-    request is answered. ``failures_in_window`` counts failures, this one
-    included, within the recovery plugin's window, less those forgiven
-    because a request was blamed for them (see ``guardian.engine.blame``). Return ``"restart"`` (a
+    request is answered. ``failures_in_window`` counts failures without
+    progress (no token generated, no request completed since the previous
+    failure), this one included if it is one, within the recovery plugin's
+    window, less those forgiven because a request was blamed for them (see
+    ``guardian.engine.blame``). Return ``"restart"`` (a
     fresh loop on the loaded weights), ``"reload"`` (read the weights again,
     then restart) or ``"exit"`` (answer every request and exit the process
     with EXIT_ENGINE_FAILED). Stops at first non-None result; the built-in

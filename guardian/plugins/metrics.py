@@ -223,8 +223,9 @@ class EngineCollector:
         yield gauge("engine_heartbeat_age_seconds",
                     "Since the engine's loop last stepped, reported progress or polled for work.",
                     status["heartbeat_age_s"])
-        yield gauge("engine_failures_in_window", "Engine failures the crash-loop budget counts now.",
-                    status["failures_in_window"])
+        yield gauge("engine_failures_in_window", "Engine failures the crash-loop budget counts now "
+                    "(those without progress since the previous failure).", status["failures_in_window"])
+        yield from self.failures(status)
         yield gauge("engine_abandoned_loop_threads", "Loop threads a stall replaced that are still alive: "
                     "stuck in a step, or parked once it returned.", status.get("abandoned_loop_threads", 0))
         for key, (name, documentation) in REQUEST_GAUGES.items():
@@ -236,6 +237,28 @@ class EngineCollector:
         yield gauge("quarantined_requests", "Fingerprints of requests blamed for an engine failure, "
                     "refused at the door until their quarantine ends.", quarantine.get("quarantined_count", 0))
         yield from self.probes()
+
+    @staticmethod
+    def failures(status: dict):
+        """Engine failures by whether the engine progressed before them, the time
+        they cost, and whether it is degraded (serving while it fails often)."""
+        total = status.get("failures_total", 0)
+        after_progress = status.get("failures_after_progress", 0)
+        family = CounterMetricFamily(P + "engine_failures", "Engine failures, by whether the engine had "
+                                     "generated a token or completed a request since the previous one "
+                                     "(after_progress: those do not count toward the crash loop).",
+                                     labels=["after_progress"])
+        family.add_metric(["true"], after_progress)
+        family.add_metric(["false"], total - after_progress)
+        yield family
+        yield CounterMetricFamily(P + "engine_failure_time_lost_seconds", "From each engine failure to the "
+                                  "restarted loop polling for work (backoff included).",
+                                  value=status.get("time_lost_s", 0.0))
+        yield gauge("engine_failures_recent", "Engine failures within recovery.window_s, of any kind.",
+                    status.get("failures_recent", 0))
+        yield gauge("engine_degraded", "1 while the engine fails often (more than recovery.max_failures "
+                    "within recovery.window_s) but keeps serving between the failures.",
+                    float(bool(status.get("degraded"))))
 
     def memory(self):
         yield gauge("mlx_active_memory_bytes", "Memory mlx has in live arrays.", mx.get_active_memory())

@@ -14,7 +14,10 @@ by the engine) and, before anything is enqueued:
 - optionally drops the oldest messages until the prompt fits;
 - keeps the KV cache of admitted requests within a memory budget: 400
   ``kv_cache_budget_exceeded`` for one request over it, a bounded wait
-  then 429 with Retry-After when the requests in flight fill it;
+  then 429 with Retry-After when the requests in flight fill it; after the
+  device ran out of memory the budget is capped for a while
+  (guardian.admission.memory_cap), and a request over that temporary cap
+  only gets 503 ``memory_shortage`` with Retry-After;
 - has the HTTP handler answer 413 to bodies over ``max_body_bytes``.
 """
 
@@ -80,6 +83,12 @@ class PromptGuardSettings(Table, name="prompt_guard"):
     kv_budget_margin = Setting(Float(min=0.0), 0.25, """
         Fraction of (device memory - weights) kept out of the default budget for
         activations, the prompt cache and everything else.""", live=True)
+    memory_cap_hold_s = Setting(Float(min=0.0), 60.0, """
+        After the engine ran out of device memory the KV budget is capped at what
+        the device could give; where mlx cannot measure free memory (Metal, the
+        CPU) the cap is lifted once this many seconds pass without another memory
+        failure. A request over the cap but within the budget gets 503
+        memory_shortage with Retry-After until then.""", live=True)
     max_queued = Setting(Int(min=0), 16, """
         Requests that arrive while the budget is full wait first come, first
         served: at most max_queued of them, each at most max_queue_wait_s; then
@@ -184,7 +193,7 @@ class PromptGuard:
         self.settings = settings
         self.budget: Optional[KVBudget] = None
         self.served_limits: Optional[ModelLimits] = None
-        self.memory_cap = MemoryCap(margin=settings.kv_budget_margin)
+        self.memory_cap = MemoryCap(margin=settings.kv_budget_margin, hold_s=settings.memory_cap_hold_s)
         self._kv_at_failure = 0  # KV admitted when the engine last failed
 
     # -- start-up -------------------------------------------------------------
@@ -336,9 +345,10 @@ class PromptGuard:
             switch = (f" (the model this request names has {describe_bytes(admission.limits.weights_bytes)} "
                       "of weights)")
         if nbytes > budget:
-            if self.budget.cap_bytes is not None and not switch:
-                switch = (f", lowered from {describe_bytes(self.budget.configured_bytes)} to what the "
-                          "device can give since the engine ran out of device memory")
+            if not switch and nbytes <= self.budget.configured_bytes:
+                return self.shortage(admission, nbytes, budget)  # only the temporary cap refuses it
+            if not switch:
+                budget = self.budget.configured_bytes  # the device's total: it never fits
             return GuardianError(
                 f"This request needs {describe_bytes(nbytes)} of KV cache "
                 f"({admission.n_prompt_tokens} prompt + {admission.args.max_tokens} completion "
@@ -364,6 +374,22 @@ class PromptGuard:
             admission.on_finish(lambda: self.budget.release(reserved))
         return error
 
+    def shortage(self, admission: Admission, nbytes: int, cap: int) -> GuardianError:
+        """A request over the temporary cap, within the budget: 503, come back when it lifts."""
+        retry_after_s = max(self.settings.retry_after_s, self.memory_cap.retry_in_s() or 0.0)
+        return GuardianError(
+            f"This request needs {describe_bytes(nbytes)} of KV cache "
+            f"({admission.n_prompt_tokens} prompt + {admission.args.max_tokens} completion tokens); "
+            f"the device is short of memory now: the KV cache budget was lowered from "
+            f"{describe_bytes(self.budget.configured_bytes)} to {describe_bytes(cap)}, what the device "
+            "could give since the engine ran out of device memory. Retry later.",
+            status=503,
+            code="memory_shortage",
+            retry_after_s=retry_after_s,
+            extra={"kv_cache_bytes": nbytes, "kv_budget_bytes": cap,
+                   "kv_budget_configured_bytes": self.budget.configured_bytes},
+        )
+
     # -- memory the device could not give (guardian.admission.memory_cap) ---------
     @guardian.hookimpl(tryfirst=True)  # firstresult: a classifier run before it would skip the note
     def classify_engine_error(self):
@@ -379,6 +405,7 @@ class PromptGuard:
         if classification != "out_of_memory" or self.budget is None or self.served_limits is None:
             return
         self.memory_cap.margin = self.settings.kv_budget_margin
+        self.memory_cap.hold_s = self.settings.memory_cap_hold_s
         self.memory_cap.engine_failed(self._kv_at_failure)
         self._set_cap(self.memory_cap.restarted(self.served_limits.weights_bytes, self.budget.configured_bytes),
                       lifted=False)
@@ -388,6 +415,7 @@ class PromptGuard:
         """While capped, look again: memory that came back is admitted again."""
         if self.budget is None or self.served_limits is None or self.budget.cap_bytes is None:
             return
+        self.memory_cap.hold_s = self.settings.memory_cap_hold_s  # live
         cap, lifted = self.memory_cap.resample(self.served_limits.weights_bytes, self.budget.configured_bytes)
         if lifted or cap != self.budget.cap_bytes:
             self._set_cap(cap, lifted=lifted)

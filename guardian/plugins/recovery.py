@@ -11,19 +11,24 @@ from guardian.settings import EXIT, RELOAD, RESTART, Float, Int, Setting, Table
 
 class RecoverySettings(Table, name="recovery"):
     max_failures = Setting(Int(min=1), 5, """
-        More than this many engine failures within window_s: answer every request
-        and exit with code 4, so launchd or systemd starts a fresh process.""", live=True)
+        More than this many engine failures without progress within window_s: answer
+        every request and exit with code 4, so launchd or systemd starts a fresh
+        process. A failure after the engine generated a token or completed a request
+        since the previous failure does not count (the first failure always does):
+        an engine that keeps serving while it fails stays up, and with more than
+        this many failures of any kind within window_s it reports "degraded"
+        (/guardian/status, /metrics, engine_degraded in the log).""", live=True)
     window_s = Setting(Float(min=0), 60.0, live=True)
     reload_after_failures = Setting(Int(min=0), 3, """
         From this many failures within the window on, read the weights again
         before restarting (0: never; restart on the loaded weights).""", live=True)
     backoff_after_failures = Setting(Int(min=1), 2, """
         In a crash loop, wait before restarting or reloading: from this many engine
-        failures in a row (none of them forgiven, no request completed between them)
-        on. The engine stays "restarting" meanwhile (/health 503) and requests wait in
-        its queue; the wait shows in /guardian/status ("backoff") and the log
-        (engine_backoff). A failure after the engine completed a request restarts at
-        once.""", live=True)
+        failures in a row (none of them forgiven, no token generated and no request
+        completed between them) on. The engine stays "restarting" meanwhile (/health
+        503) and requests wait in its queue; the wait shows in /guardian/status
+        ("backoff") and the log (engine_backoff). A failure after the engine made
+        progress restarts at once.""", live=True)
     backoff_base_s = Setting(Float(min=0), 0.25, """
         The first wait; each further failure in a row doubles it (0: never wait).
         With the defaults a loop that fails every request waits 0.25, 0.5, 1 and 2 s
@@ -32,24 +37,31 @@ class RecoverySettings(Table, name="recovery"):
         The longest wait. A request queued meanwhile waits through it; the wait does
         not count toward [watchdog] restart_timeout_s.""", live=True)
     max_reruns = Setting(Int(min=0), 1, """
-        How often a request whose client has seen nothing yet is re-run after a
-        failure (0: answer 503 instead). A request in flight at more failures
-        than this is re-run alone once; if it fails alone it gets a 500
-        "request_failed_repeatedly", and the requests beside it are not blamed.""", live=True)
+        How often a request is re-run (or continued) after failures at the same
+        point: with no token generated since its previous failure (0: answer 503
+        instead). A request that generated a token since then starts counting
+        again, so a request that progresses is never blamed. A request in flight
+        at more failures at one point than this is re-run alone once; if it fails
+        alone at that point it gets a 500 "request_failed_repeatedly" (or, when the
+        device ran out of memory, a 503 "memory_shortage" with Retry-After, never
+        quarantined), and the requests beside it are not blamed.""", live=True)
     max_continuations = Setting(Int(min=0), 2, """
         How often a request that had generated tokens when the engine failed is
-        continued: given to the restarted engine with those tokens appended to its
-        prompt, so a stream goes on where it stopped (no token repeated or missing)
-        and a non-streaming request does not start over. A continuation counts as a
-        re-run for max_reruns. Past this bound (0: never) a stream that sent tokens
-        ends with an error event, and a non-streaming request is re-run from nothing.""", live=True)
+        continued at the same point: given to the restarted engine with those tokens
+        appended to its prompt, so a stream goes on where it stopped (no token
+        repeated or missing) and a non-streaming request does not start over. A
+        continuation that generates a token starts the count again: a request is
+        continued as long as it progresses (at most max_tokens times). Past this
+        bound (0: never) a stream that sent tokens ends with an error event, and a
+        non-streaming request is re-run from nothing.""", live=True)
     quarantine_s = Setting(Float(min=0), 600.0, """
         A request blamed that way is quarantined: it and every identical request
         (same prompt tokens and generation parameters) get a 500
         "request_quarantined" at the door, without reaching the engine, for this
         many seconds (0: never). Failures a blamed request was in flight at do not
         count toward max_failures, if the engine completed a request since the last
-        blame; an engine that fails every request still exits with code 4.""", live=True)
+        blame; an engine that fails every request still exits with code 4. A
+        request that failed for want of memory is never quarantined.""", live=True)
 
 
 class Recovery:
@@ -71,6 +83,7 @@ class Recovery:
     def configure(self, engine):
         engine.configure_recovery(
             window_s=self.settings.window_s,
+            max_failures=self.settings.max_failures,
             max_reruns=self.settings.max_reruns,
             quarantine_s=self.settings.quarantine_s,
             max_continuations=self.settings.max_continuations,

@@ -10,6 +10,12 @@ suspect (in flight at one crash) is relayed alone (``guardian.supervise.isolatio
 so the innocent requests beside the guilty one at the first crash are not
 beside it again at the second; a suspect answered in full is cleared.
 
+Blame needs reproduction: a poison body crashes the engine at the same point
+every time. A stream continued on the next child that relayed tokens past
+where it stood at its previous crash progressed: it is no poison, and its
+strikes start again at one. (A non-streaming request is sent again from
+nothing: the supervisor sees no progress of it, so its strikes add up.)
+
 Identical means the same fingerprint: method, target and the body, as
 canonical JSON when it parses (key order and whitespace do not matter),
 without ``stream`` and ``stream_options``: they change how tokens reach
@@ -95,6 +101,13 @@ class Relay:
     path: str
     lost: bool = False
     answered: bool = False
+    # The stream relayed (a guardian.relay_protocol.RelayedStream), set by the proxy once known.
+    stream: Optional[object] = None
+
+    @property
+    def position(self) -> int:
+        """Where the request stands: the tokens its client has (0: none, or not a stream)."""
+        return len(self.stream.tokens) if self.stream is not None else 0
 
 
 @dataclass
@@ -104,6 +117,7 @@ class Suspect:
     method: str
     path: str
     crash_times: list = field(default_factory=list)  # monotonic
+    position: int = 0  # its tokens relayed at its last crash
 
     def strikes(self, now: float, window_s: float) -> int:
         """Crashes it was in flight at within the last ``window_s`` seconds."""
@@ -236,10 +250,16 @@ class CrashQuarantine:
                     quarantine_s=self.quarantine_s, **exit_info)
 
     def _strike(self, fp: str, relay: Relay, now: float) -> dict:
-        """One more crash for ``fp``; quarantine it at the second within the window."""
+        """One more crash for ``fp``; quarantine it at the second at one point within the window."""
+        position = relay.position  # outside the lock: a stream's tokens are parsed from its tags
         with self.lock:
-            suspect = self.suspects.pop(fp, None) or Suspect(relay.method, relay.path)
-            suspect.crash_times = [t for t in suspect.crash_times if t > now - self.strike_window_s]
+            suspect = self.suspects.pop(fp, None)
+            progressed = suspect is not None and position > suspect.position
+            if suspect is None:
+                suspect = Suspect(relay.method, relay.path)
+            suspect.position = max(position, suspect.position)
+            suspect.crash_times = [t for t in suspect.crash_times
+                                   if t > now - self.strike_window_s and not progressed]
             suspect.crash_times.append(now)
             strikes = len(suspect.crash_times)
             quarantine = self.enabled and strikes >= STRIKES_TO_QUARANTINE
@@ -250,7 +270,8 @@ class CrashQuarantine:
                 while len(self.suspects) > MAX_SUSPECTS:
                     self.suspects.popitem(last=False)
         described = {"fingerprint": short(fp), "method": relay.method, "path": relay.path,
-                     "strikes": strikes, "lost": relay.lost, "quarantined": quarantine}
+                     "strikes": strikes, "lost": relay.lost, "quarantined": quarantine,
+                     "position": position, "progressed": progressed}
         if quarantine:
             log.error("request_quarantined", fingerprint=short(fp), method=relay.method,
                       path=relay.path, strikes=strikes, quarantine_s=self.quarantine_s,

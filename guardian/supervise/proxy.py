@@ -250,6 +250,7 @@ class ProxyHandler(BaseHTTPRequestHandler):
         supervisor = self.server.supervisor
         with supervisor.quarantine.relaying(child.generation, self.command, path,
                                             request_fingerprint) as self.relay_record:
+            self.relay_record.stream = stream  # a continuation: where it stands (no strike for progress)
             return self.proxy(child, body, stream)
 
     def give_up(self, stream, error: Optional[GuardianError]) -> None:
@@ -353,6 +354,8 @@ class ProxyHandler(BaseHTTPRequestHandler):
         try:
             if stream is None:
                 is_sse, stream = self.relay_head(response)
+                if self.relay_record is not None:
+                    self.relay_record.stream = stream
             elif self.continues(response):
                 is_sse = True
                 stream.continued()

@@ -1,0 +1,217 @@
+"""Failures are judged by progress: blame needs reproduction, giving up needs
+no progress, and a memory shortage is answered as one (issue 23).
+
+Real ``mlx-guardian`` servers on the CPU; faults planted inside stock's own
+step (the fault-injection plugin's step hook, or ``tests/plugins/position_faults.py``
+wrapping ``BatchGenerator``). A fault every 25 steps is what sustained
+memory pressure did to a server on main: requests that had progressed were
+blamed (500), and the process exited 4 while it was still serving.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from conftest import chat_body, poll, read_stream
+from test_blame import stream_signalling_start
+from test_memory_admission import device_reports_free_memory
+
+COMPLETIONS = "/v1/chat/completions"
+POSITION_FAULTS = '[guardian]\nplugins = ["tests.plugins.position_faults:PositionFaults"]\n'
+POISON = "POISON-AT-A-TOKEN"
+
+
+def table(name: str, **settings) -> str:
+    return f"[{name}]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in settings.items())
+
+
+def status(server) -> dict:
+    return httpx.get(server.url + "/guardian/status", timeout=5).json()
+
+
+def scraped(server, name: str) -> float:
+    """The sum of a metric's samples (every label) in a scrape of /metrics."""
+    text = httpx.get(server.url + "/metrics", timeout=5).text
+    values = [sample.value for family in text_string_to_metric_families(text)
+              for sample in family.samples if sample.name == name]
+    assert values, f"{name} not in the scrape"
+    return sum(values)
+
+
+def eight_clients(server, requests_each: int, max_tokens: int) -> list[tuple[bool, dict]]:
+    """8 clients, each sending ``requests_each`` requests one after the other,
+    every other client streaming: (stream, result) for every request."""
+    url = server.url + COMPLETIONS
+
+    def client(i: int) -> list:
+        stream = i % 2 == 0
+        results = []
+        with httpx.Client(timeout=60) as http:
+            for n in range(requests_each):
+                body = chat_body(f"Client {i}, request {n}: tell me a story.", max_tokens=max_tokens, stream=stream)
+                if stream:
+                    results.append((True, read_stream(http, url, body)))
+                else:
+                    response = http.post(url, json=body)
+                    results.append((False, {"status": response.status_code, "body": response.json()}))
+        return results
+
+    with ThreadPoolExecutor(8) as pool:
+        return [result for results in pool.map(client, range(8)) for result in results]
+
+
+def test_a_fault_every_25_steps_under_8_clients_completes_every_request(start_server):
+    # Recovery at its defaults: on main the sixth failure within 60 s exited
+    # the process (code 4), and requests in flight at two failures were blamed.
+    server = start_server(table("fault_injection", enabled=True, every_n_steps=25)
+                          + table("watchdog", probe_interval_s=3600.0))
+    results = eight_clients(server, requests_each=3, max_tokens=64)
+
+    assert len(results) == 24
+    for stream, result in results:
+        assert result["status"] == 200, result
+        if stream:
+            assert result["done"] and not result["errors"], result
+            assert result["events"][-1]["choices"][0]["finish_reason"] == "length"
+        else:
+            assert result["body"]["usage"]["completion_tokens"] == 64
+    errors = server.events("engine_error")
+    assert len(errors) > 5, "more failures than max_failures (5) within the window"
+    # Only the first counts: every later one came after tokens were generated.
+    assert [e["progressed"] for e in errors] == [False] + [True] * (len(errors) - 1)
+    assert all(e["failures_in_window"] <= 1 for e in errors)
+    assert server.proc.poll() is None and server.events("engine_gave_up") == []
+    assert server.events("request_blamed") == [] and server.events("request_quarantined") == []
+    # Serving while it fails: degraded, in the status, the metrics and the log.
+    now = status(server)
+    assert now["degraded"] and now["state"] == "ready"
+    assert now["quarantine"]["quarantined_count"] == 0
+    assert now["failures_total"] == len(errors) and now["failures_after_progress"] == len(errors) - 1
+    assert now["failure_rate_per_min"] > 5 and now["time_lost_s"] > 0
+    assert scraped(server, "mlx_guardian_engine_degraded") == 1.0
+    assert scraped(server, "mlx_guardian_engine_failures_total") >= len(errors)
+    [degraded] = server.events("engine_degraded")
+    assert degraded["failures_recent"] == 6 and degraded["failure_rate_per_min"] > 0
+    assert server.health() == 200
+
+
+def test_a_poison_that_fails_at_the_same_token_is_blamed_once_it_reproduces_alone(start_server):
+    server = start_server(POSITION_FAULTS + table("position_faults", marker=POISON, fail_at=5))
+    url = server.url + COMPLETIONS
+    poison = chat_body(f"{POISON} in a story.", max_tokens=16)
+    started = [threading.Event() for _ in range(3)]
+    with ThreadPoolExecutor(3) as pool:
+        bystanders = [pool.submit(stream_signalling_start, url, chat_body(f"Bystander {i}.", max_tokens=400,
+                                                                            stream=True), event)
+                      for i, event in enumerate(started)]
+        poll(lambda: all(event.is_set() for event in started), 30, what="the bystanders streaming")
+        with httpx.Client(timeout=60) as http:
+            blamed = http.post(url, json=poison)
+        bystanders = [f.result() for f in bystanders]
+
+    assert blamed.status_code == 500, blamed.text
+    error = blamed.json()["error"]
+    assert error["code"] == "request_failed_repeatedly"
+    assert "5 tokens generated" in error["message"]
+    assert blamed.headers["x-should-retry"] == "false"
+    for result in bystanders:
+        assert result["status"] == 200 and result["done"] and not result["errors"], result
+    # At token 5 beside the bystanders; continued, at token 5 again: run alone;
+    # at token 5 alone: blamed. (Its second failure came in the step that
+    # prefilled every continuation, before the bystanders' next token: they
+    # were run alone too, one after the other, and completed.)
+    errors = server.events("engine_error")
+    assert len(errors) == 3 and all("planted poison at token 5" in e["error_message"] for e in errors)
+    [blamed_event] = server.events("request_blamed")
+    assert [e["blamed"] for e in errors] == [[], [], [blamed_event["request_id"]]]
+    reruns = [e for e in server.events("request_rerun") if e["request_id"] == blamed_event["request_id"]]
+    assert [(e["generated"], e["continued"], e["isolated"]) for e in reruns] == [(5, True, False), (5, True, True)]
+    with httpx.Client(timeout=30) as http:
+        again = http.post(url, json=poison)
+        assert again.status_code == 500 and again.json()["error"]["code"] == "request_quarantined"
+    assert len(server.events("engine_error")) == 3
+    assert server.proc.poll() is None
+
+
+def test_a_stream_continued_at_one_point_past_max_continuations_is_cut(start_server):
+    # The count that bounds continuations is of failures at one point: this
+    # stream fails at its token 5 each time (max_reruns raised so that it is
+    # not blamed first).
+    server = start_server(POSITION_FAULTS + table("position_faults", marker=POISON, fail_at=5)
+                          + table("recovery", max_continuations=1, max_reruns=5))
+    with httpx.Client(timeout=60) as http:
+        result = read_stream(http, server.url + COMPLETIONS,
+                             chat_body(f"{POISON} streamed.", max_tokens=16, stream=True))
+    assert result["status"] == 200 and result["done"], result
+    assert [e["code"] for e in result["errors"]] == ["engine_restarting"]
+    assert len(server.events("engine_error")) == 2
+    [continued] = server.events("request_rerun")
+    assert continued["continued"] and continued["generated"] == 5
+
+
+def test_out_of_memory_for_a_request_that_fits_is_a_503_then_it_is_served(start_server):
+    # The request fails the engine out of memory at every step, twice: alone,
+    # and alone again when re-run. It needs far less than the device has: 503
+    # with Retry-After, never quarantined; once the shortage passes (the KV
+    # budget's cap lifts after memory_cap_hold_s without another memory failure,
+    # where nothing measures free memory) the same request is served.
+    server = start_server(table("fault_injection", enabled=True, exception="MemoryError",
+                                message="planted: out of memory", poison_marker="OOM-HERE", max_faults=2)
+                          + table("prompt_guard", memory_cap_hold_s=2.0)
+                          + table("watchdog", resource_interval_s=0.2))
+    url = server.url + COMPLETIONS
+    body = chat_body("OOM-HERE, then a story.", max_tokens=8)
+    with httpx.Client(timeout=60) as http:
+        short = http.post(url, json=body)
+        assert short.status_code == 503, short.text
+        assert short.json()["error"]["code"] == "memory_shortage"
+        assert short.headers["x-should-retry"] == "true" and int(short.headers["retry-after"]) >= 1
+        errors = server.events("engine_error")
+        assert [e["classification"] for e in errors] == ["out_of_memory"] * 2
+        [shortage] = server.events("request_short_of_memory")
+        assert errors[-1]["short_of_memory"] == [shortage["request_id"]] and errors[-1]["blamed"] == []
+        assert server.events("request_quarantined") == []
+        assert status(server)["quarantine"]["quarantined_count"] == 0
+
+        answers = []
+
+        def served():
+            response = http.post(url, json=body)
+            answers.append(response)
+            return response.status_code == 200
+
+        poll(served, 30, interval=0.2, what="the request served once the shortage passed")
+        # Where nothing measures free memory the cap holds for memory_cap_hold_s: the door refused meanwhile.
+        assert len(answers) > 1 or device_reports_free_memory()
+        for refused in answers[:-1]:  # the door's answer while the KV budget was capped
+            assert refused.status_code == 503 and refused.json()["error"]["code"] == "memory_shortage"
+            assert refused.headers["x-should-retry"] == "true" and "retry-after" in refused.headers
+        assert answers[-1].json()["usage"]["completion_tokens"] == 8
+    assert len(server.events("engine_error")) == 2 and server.proc.poll() is None
+
+
+def test_a_crash_suspect_whose_stream_progressed_is_not_quarantined():
+    # The supervisor's side (guardian.supervise.crash_quarantine), its decision alone:
+    # a stream continued on the next child that relayed tokens since its first
+    # crash is struck once again, not twice; one that did not is quarantined.
+    from guardian.supervise.crash_quarantine import CrashQuarantine
+
+    class Stream:
+        def __init__(self, tokens):
+            self.tokens = tokens
+
+    quarantine = CrashQuarantine(quarantine_s=600, strike_window_s=300)
+    for generation, tokens in enumerate(([1, 2], [1, 2, 3, 4], [1, 2, 3, 4]), start=1):
+        with quarantine.relaying(generation, "POST", "/v1/chat/completions", "fp") as relay:
+            relay.stream = Stream(tokens)
+            relay.lost = True
+        quarantine.child_exited(generation, crashed=True)
+        struck = quarantine.status()
+        if generation < 3:  # the first crash, then one after progress
+            assert struck["suspects"][0]["strikes"] == 1 and struck["quarantined_count"] == 0
+    assert struck["quarantined_count"] == 1, "the third crash found it where the second did"
