@@ -9,24 +9,36 @@ VENV := .venv
 VENV_0313 := .venv-0313
 # Stock's tests/test_server.py talks to the server with requests.
 STOCK_TEST_DEPS := requests
+# The optional first-party plugins (plugins/), each its own distribution: the
+# tests run them as a third party's would be, loaded through their entry points.
+FIRST_PARTY_PLUGINS := plugins/notifier plugins/example
+PLUGIN_PROJECTS := $(addsuffix /pyproject.toml,$(FIRST_PARTY_PLUGINS))
 PORT ?= 8080
 ARGS ?=
 
 .PHONY: serve test test-fast test-newest test-0313 bench docs clean system-packages gpu-wheels
 
-$(VENV)/.installed: pyproject.toml Makefile
+$(VENV)/.installed: pyproject.toml Makefile $(PLUGIN_PROJECTS)
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
-	$(VENV)/bin/pip install -q -e '.[test]' $(STOCK_TEST_DEPS)
+	$(VENV)/bin/pip install -q -e '.[test]' $(addprefix -e ,$(FIRST_PARTY_PLUGINS)) $(STOCK_TEST_DEPS)
 	touch $@
 
-$(VENV_0313)/.installed: pyproject.toml Makefile
+$(VENV_0313)/.installed: pyproject.toml Makefile $(PLUGIN_PROJECTS)
 	$(PYTHON) -m venv $(VENV_0313)
 	$(VENV_0313)/bin/pip install -q --upgrade pip
-	$(VENV_0313)/bin/pip install -q -e '.[test]' $(STOCK_TEST_DEPS) 'mlx-lm==0.31.3'
+	$(VENV_0313)/bin/pip install -q -e '.[test]' $(addprefix -e ,$(FIRST_PARTY_PLUGINS)) $(STOCK_TEST_DEPS) 'mlx-lm==0.31.3'
 	touch $@
 
-serve: $(VENV)/.installed
+# What serving needs, without the test extras: a first `make serve` installs
+# less. `make test` adds the rest to the same venv.
+$(VENV)/.serving: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install -q --upgrade pip
+	$(VENV)/bin/pip install -q -e .
+	touch $@
+
+serve: $(VENV)/.serving
 	$(VENV)/bin/mlx-guardian --port $(PORT) $(ARGS)
 
 test: test-newest test-0313
