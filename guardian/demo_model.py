@@ -2,9 +2,13 @@
 
 Real models are gigabytes and need a hub download; the guardian's tests and
 demos only need *something* that ``mlx_lm.load`` accepts and that generates
-tokens.  This module makes such a model from nothing in about a second: a
-two-layer Llama with random weights and a byte-level BPE tokenizer trained on
-a few KB of built-in text.  Its output is gibberish by design.
+tokens.  This module makes such a model in about a second: a two-layer Llama
+(0.5 MB) and a byte-level BPE tokenizer trained on a few KB of built-in text.
+Its weights ship beside this file (demo_weights.safetensors, trained once by
+tools/train_demo_model.py, because training on a CPU takes minutes): it
+answers any prompt by reciting the built-in stories from some sentence on,
+chosen by the prompt's last token.  It never picks an end-of-turn token, so
+every request runs to max_tokens.
 
 Public API:
 
@@ -15,6 +19,7 @@ Public API:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -32,7 +37,7 @@ __all__ = [
 
 # Bump the suffix whenever the files written below change in any way, so
 # caches made by an older guardian are not mistaken for the new format.
-DEMO_MODEL_NAME = "demo-model-v1"
+DEMO_MODEL_NAME = "demo-model-v2"
 
 # The guardian reads max_position_embeddings as the context length, so this is
 # the context length the demo model advertises.
@@ -45,6 +50,10 @@ IM_END = "<|im_end|>"
 SPECIAL_TOKENS = [ENDOFTEXT, IM_START, IM_END]
 
 TARGET_VOCAB_SIZE = 1000
+
+# Weights for seed 0, trained against the tokenizer _train_tokenizer makes
+# (float16, widened to float32 when written).
+TRAINED_WEIGHTS = Path(__file__).with_name("demo_weights.safetensors")
 
 # Every file a finished model folder holds.  ensure_demo_model uses this to
 # tell a finished cache from a folder that merely has the right name.
@@ -246,6 +255,20 @@ def _train_tokenizer():
     return tokenizer
 
 
+def _tokenizer_fingerprint(tokenizer) -> str:
+    """A digest of the tokenizer's vocabulary and merges.
+
+    The shipped weights were trained against one token numbering; this tells
+    whether the tokenizer trained here numbers tokens the same way.  It reads
+    only the vocabulary and the merges, as pairs, so the JSON layout of one
+    tokenizers version or another does not change it.
+    """
+    model = json.loads(tokenizer.to_str())["model"]
+    merges = [m.split(" ") if isinstance(m, str) else list(m) for m in model["merges"]]
+    payload = json.dumps([sorted(model["vocab"].items()), merges])
+    return hashlib.sha256(payload.encode("utf-8")).hexdigest()
+
+
 def _tokenizer_config() -> dict:
     """tokenizer_config.json, written by hand rather than by transformers.
 
@@ -305,13 +328,43 @@ def _model_config(vocab_size: int) -> dict:
     }
 
 
-def _build_model(config: dict, seed: int):
-    """A llama.Model whose weights depend on ``seed`` and nothing else."""
+def _trained_weights(model, tokenizer_fingerprint: str) -> Optional[dict]:
+    """The shipped weights as float32, or None where they do not fit.
+
+    They do not fit a model resized by config overrides, nor a tokenizer
+    that numbers tokens differently (a tokenizers release that trains other
+    merges): the model then gets random weights, and still works.
+    """
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    if not TRAINED_WEIGHTS.is_file():
+        return None
+    weights, metadata = mx.load(str(TRAINED_WEIGHTS), return_metadata=True)
+    if metadata.get("tokenizer_fingerprint") != tokenizer_fingerprint:
+        return None
+    shapes = {name: value.shape for name, value in tree_flatten(model.parameters())}
+    if shapes != {name: value.shape for name, value in weights.items()}:
+        return None
+    return {name: value.astype(mx.float32) for name, value in weights.items()}
+
+
+def _build_model(config: dict, seed: int, tokenizer_fingerprint: str = ""):
+    """A llama.Model whose weights depend on ``seed`` and nothing else.
+
+    Seed 0 gets the trained weights where they fit; other seeds (and seed 0
+    where they do not fit) get random ones.
+    """
     import mlx.core as mx
     from mlx.utils import tree_flatten, tree_unflatten
     from mlx_lm.models import llama
 
     model = llama.Model(llama.ModelArgs.from_dict(config))
+    trained = _trained_weights(model, tokenizer_fingerprint) if seed == 0 else None
+    if trained is not None:
+        model.update(tree_unflatten(list(trained.items())))
+        mx.eval(model.parameters())
+        return model
 
     # Draw every weight from an explicit key instead of calling
     # mx.random.seed(): the result is the same for the same seed, and the
@@ -368,6 +421,8 @@ def write_demo_model(path: Path, seed: int = 0, **config_overrides) -> Path:
     """Write a tiny Llama model folder that ``mlx_lm.load(path)`` accepts.
 
     The same ``seed`` gives byte-identical weights and the same tokenizer.
+    Seed 0 is the trained model; any other seed gives random weights (its
+    output is not words).
     ``config_overrides`` replace entries of the Llama config, to size the
     model for an experiment: ``num_hidden_layers``, ``num_key_value_heads``
     and ``head_dim`` set its KV cache per token (bench/gpu_oom.py makes one
@@ -396,7 +451,7 @@ def write_demo_model(path: Path, seed: int = 0, **config_overrides) -> Path:
         # The model must have exactly one embedding row per token; training
         # may stop short of the target if the corpus runs out of merges.
         config = {**_model_config(tokenizer.get_vocab_size()), **config_overrides}
-        save_model(tmp, _build_model(config, seed))
+        save_model(tmp, _build_model(config, seed, _tokenizer_fingerprint(tokenizer)))
         # save_config sorts the keys and drops ones mlx_lm does not want.
         save_config(dict(config), tmp / "config.json")
 

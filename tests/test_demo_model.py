@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -77,13 +78,57 @@ def test_loads_with_mlx_lm_and_generates(loaded, model_dir):
             model, tokenizer, prompt, max_tokens=8, sampler=make_sampler(temp=0.0)
         )
     )
-    # The end-of-turn embedding is zeroed, so the model runs to max_tokens.
+    # No training target was an end-of-turn token, so the model runs to max_tokens.
     assert responses[-1].generation_tokens == 8
     assert responses[-1].finish_reason == "length"
 
     # Greedy decoding of a fixed model is reproducible, and generate() agrees.
     text = "".join(r.text for r in responses)
     assert mlx_lm.generate(model, tokenizer, prompt, max_tokens=8) == text
+
+
+def _greedy(loaded, prompt, max_tokens: int) -> str:
+    import mlx_lm
+    from mlx_lm.sample_utils import make_sampler
+
+    model, tokenizer = loaded
+    return mlx_lm.generate(model, tokenizer, prompt, max_tokens=max_tokens, sampler=make_sampler(temp=0.0))
+
+
+def test_greedy_answers_are_english_words(loaded):
+    from guardian.demo_model import _CORPUS
+
+    _, tokenizer = loaded
+    corpus_words = set(re.findall(r"[A-Za-z]+", _CORPUS))
+    chat = [
+        tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True)
+        for question in ("What is the weather like today in Paris?", "Hello", "x")
+    ]
+    plain = [tokenizer.encode(text) for text in ("Tell me a story", " ".join(f"word{i}" for i in range(300)))]
+    answers = [_greedy(loaded, prompt, max_tokens=60) for prompt in chat + plain]
+    for answer in answers:
+        assert "\ufffd" not in answer and answer.isascii(), answer
+        words = re.findall(r"[^\s.,;:!?]+", answer)
+        # The last word may be cut short by max_tokens.
+        assert len(words) >= 20 and set(words[:-1]) <= corpus_words, answer
+    # The answer depends on the prompt.
+    assert len(set(answers)) >= 3, answers
+
+
+def test_runs_to_max_tokens_and_stays_readable(loaded):
+    import mlx_lm
+    from mlx_lm.sample_utils import make_sampler
+
+    model, tokenizer = loaded
+    prompt = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True)
+    # Sampled, not greedy: an end-of-turn token must stay unlikely, not only
+    # lose the argmax.
+    responses = list(mlx_lm.stream_generate(model, tokenizer, prompt, max_tokens=600,
+                                            sampler=make_sampler(temp=0.7)))
+    assert responses[-1].finish_reason == "length"
+    assert responses[-1].generation_tokens == 600
+    text = "".join(r.text for r in responses)
+    assert "\ufffd" not in text and text.isascii()
 
 
 def test_chat_template_with_and_without_tools(loaded):
@@ -155,6 +200,25 @@ def test_same_seed_same_bytes(tmp_path):
         c / "model.safetensors"
     ).read_bytes()
     assert (a / "tokenizer.json").read_bytes() == (c / "tokenizer.json").read_bytes()
+
+
+def test_shipped_weights_fit_the_tokenizer_trained_here():
+    """Else seed 0 would silently fall back to random weights: a tokenizers
+    release that trains other merges needs tools/train_demo_model.py run again."""
+    import mlx.core as mx
+
+    from guardian.demo_model import TRAINED_WEIGHTS, _tokenizer_fingerprint, _train_tokenizer
+
+    _, metadata = mx.load(str(TRAINED_WEIGHTS), return_metadata=True)
+    assert metadata["tokenizer_fingerprint"] == _tokenizer_fingerprint(_train_tokenizer())
+
+
+def test_resized_model_gets_random_weights(tmp_path):
+    import mlx_lm
+
+    model, tokenizer = mlx_lm.load(str(write_demo_model(tmp_path / "m", num_hidden_layers=3)))
+    assert len(model.layers) == 3
+    assert len(mlx_lm.generate(model, tokenizer, "Hello", max_tokens=4)) > 0
 
 
 def test_write_refuses_existing_model(tmp_path):

@@ -69,7 +69,6 @@ class GuardianWouldNotStart(Exception):
 # of them has the test); "raises": how the test fails.
 # docs/development.md's "Stock's own tests" section has one line per entry.
 CHANGED = "behaviour changed on purpose: "
-DEMO = "the random-weight demo model: "
 GUARDIAN_BUG = "GUARDIAN BUG: "
 KV_FLAGS = ("the guardian refuses to start with flags that can never work (exit 2); the "
             "fixture's --kv-bits 4 --kv-group-size 64 cannot quantize the demo model's KV cache "
@@ -80,11 +79,6 @@ EXPECTED = {
         reason=CHANGED + "/health's body also names the engine's state "
         "({\"status\": \"ok\", \"state\": \"ready\"}, docs/recovery.md, \"The watchdog\"); "
         "stock's test compares the whole body"),
-    "TestServer.test_handle_completions": dict(
-        outcome="xfail", raises=AssertionError, versions=("0.32.",),
-        reason=DEMO + "stock 0.32 fails it too (the same two texts): the second seeded request "
-        "reuses the first's prompt cache, its logits differ in the last bits, and at temperature "
-        "0.5 random weights' near-flat distribution turns that into other tokens"),
     "TestServerKVCacheQuantization.test_quantized_kv_disables_batching": dict(
         outcome="xfail", raises=GuardianWouldNotStart, versions=("0.32.",),
         reason=CHANGED + KV_FLAGS),
