@@ -22,7 +22,7 @@ import structlog
 from guardian.config import AccessSettings, CommandLine, ConfigError, CoreSettings, load_config
 from guardian.exit_codes import EXIT_USAGE
 from guardian.access.keys import KeyRing
-from guardian.logs import bind_process, configure_logging
+from guardian.logs import bind_process, configure_logging, keep_stock_request_lines
 from guardian.open_files import raise_open_files_limit
 
 log = structlog.get_logger("guardian.cli")
@@ -79,6 +79,7 @@ def prepare(namespace: argparse.Namespace) -> None:
         # Plugins and the core read their settings through it: the file may change.
         live = LiveConfig(config, flags=namespace)
         configure_logging(config.core.log_format, live.log_level())
+        keep_stock_request_lines(config.core.stock_request_logs)
         pm = make_plugin_manager(config, live=live)
     except ConfigError as e:
         log.critical("config_invalid", error_message=str(e))
@@ -115,7 +116,8 @@ def run(host, port, model_provider, *args, **kwargs):
 def demo_model_command(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="mlx-guardian demo-model", description=COMMANDS["demo-model"][2])
     parser.add_argument("path", type=Path, help="folder to write the model into")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0,
+                        help="0: the trained weights; any other seed: random ones (output is not words)")
     args = parser.parse_args(argv)
     from guardian.demo_model import write_demo_model
 
@@ -143,7 +145,7 @@ COMMANDS = {
     "plugins": (plugins_command, "[--guardian-config FILE]",
                 "print the plugins loaded (built-in, entry points, the config's) and the hooks each implements"),
     "demo-model": (demo_model_command, "PATH [--seed N]",
-                   "write the small random demo model (served when --model is not given) into PATH"),
+                   "write the small demo model (served when --model is not given) into PATH"),
 }
 SUPERVISE_SUMMARY = ("subprocess mode: a supervisor runs the server as a child process and replaces it "
                      "when it dies; its own flags: mlx-guardian --supervise --help")

@@ -67,6 +67,11 @@ class CoreSettings(Table, name="guardian"):
         The log level: "DEBUG", "INFO", "WARNING", "ERROR" or "CRITICAL". "": the
         --log-level flag's (default INFO). Set here, it wins over the flag, so that
         an edit of the file changes it while the server runs.""", live=True)
+    stock_request_logs = Setting(Bool(), False, """
+        Keep stock's own INFO lines for each request (its prompt-cache tables and
+        prefill progress, six lines a chat completion) at INFO. false: they are
+        written at DEBUG, and a request writes one line at INFO, its http_access.
+        Stock's warnings and errors are written either way.""", live=True)
     retry_after_s = Setting(SECONDS, 1.0, """
         Seconds clients are told to wait (Retry-After) on a 503 while the engine
         restarts, in-process or, with --supervise, as a new child process.""", live=True)

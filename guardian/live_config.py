@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterator, Optional
 import structlog
 
 from guardian.config import CORE_TABLES, ConfigError, GuardianConfig, load_config, parse_settings
-from guardian.logs import set_log_level
+from guardian.logs import keep_stock_request_lines, set_log_level
 from guardian.settings import Table, table_of_dataclass
 
 log = structlog.get_logger("guardian.live_config")
@@ -163,6 +163,8 @@ class LiveConfig:
                         hint="these settings are bound at start; restart the server to apply them")
         if any(key == "guardian.log_level" for key in change.applied):
             set_log_level(self.log_level())
+        if "guardian.stock_request_logs" in change.applied:
+            keep_stock_request_lines(merged.core.stock_request_logs)
         for listener in self._listeners:
             try:
                 listener(change)

@@ -6,7 +6,9 @@ every line has one shape whichever library wrote it. So do Python's
 warnings (``logging.captureWarnings``) and libraries that print through a
 handler of their own (transformers). Lines that repeat at INFO while
 nothing happens (probes, the supervisor's health checks) are written at
-DEBUG, so an idle server at INFO writes nothing.
+DEBUG, so an idle server at INFO writes nothing; so are stock's own INFO
+lines for each request (unless ``[guardian] stock_request_logs``), so a
+request writes one line at INFO, its ``http_access``.
 """
 
 from __future__ import annotations
@@ -63,6 +65,24 @@ class DropRawRequestBodies(logging.Filter):
 # health check the supervisor makes of its child (every interval_s).
 ROUTINE_LIBRARY_LOGGERS = ("httpx",)
 
+# Stock logs through the root logger (``logging.info(...)``): for each chat
+# completion two "Prompt Cache" tables of two lines each and two "Prompt
+# processing progress" lines, six lines beside the guardian's one access
+# line. Written at DEBUG unless ``[guardian] stock_request_logs`` keeps them;
+# its warnings and errors keep their level either way.
+STOCK_LOGGERS = ("root", "mlx_lm")
+
+
+class _StockRequestLines:
+    """Whether stock's INFO lines stay at INFO (``keep_stock_request_lines``)."""
+
+    kept = False
+
+
+def keep_stock_request_lines(keep: bool) -> None:
+    """Write stock's per-request INFO lines at INFO (True) or DEBUG (False), from now on."""
+    _StockRequestLines.kept = keep
+
 
 class _ProbesRunning:
     """How many synthetic probes are generating now (see ``probe_running``)."""
@@ -85,7 +105,7 @@ def probe_running():
 
     Stock writes four "Prompt Cache: ..." lines at INFO for every request its
     loop takes, a probe's too: four lines every probe_interval_s on an idle
-    server. Users' requests keep them, as stock writes them. The watchdog
+    server. Users' requests keep them where ``stock_request_logs`` does. The watchdog
     probes only while no user's request is in flight, so what libraries log
     during a probe is the probe's (a request arriving during one would have
     its lines at DEBUG too: a probe takes milliseconds).
@@ -99,13 +119,16 @@ def probe_running():
 
 class RoutineLibraryLinesAtDebug(logging.Filter):
     """Writes at DEBUG the INFO lines of libraries that only repeat routine work:
-    during a probe (``probe_running``), and ``ROUTINE_LIBRARY_LOGGERS``' always.
-    The guardian's own events keep the level they were logged at."""
+    during a probe (``probe_running``), ``ROUTINE_LIBRARY_LOGGERS``' always, and
+    stock's (``STOCK_LOGGERS``) unless they are kept. The guardian's own events
+    keep the level they were logged at."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno != logging.INFO or record.name.startswith("guardian"):
             return True
-        routine = record.name.split(".", 1)[0] in ROUTINE_LIBRARY_LOGGERS
+        library = record.name.split(".", 1)[0]
+        routine = library in ROUTINE_LIBRARY_LOGGERS or (
+            library in STOCK_LOGGERS and not _StockRequestLines.kept)
         if not (routine or _probes.count):
             return True
         record.levelno, record.levelname = logging.DEBUG, "DEBUG"

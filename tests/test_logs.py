@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import json
 import re
+import subprocess
+import sys
 
 import httpx
 
-from conftest import chat_body
+from conftest import REPO, chat_body
 
 
 def test_every_line_is_json_and_stock_records_carry_the_request_id(start_server):
-    server = start_server()
+    # Stock's per-request lines are kept at INFO (by default they are written
+    # at DEBUG: test_quiet_logs.py).
+    server = start_server("[guardian]\nstock_request_logs = true\n")
     response = httpx.post(server.url + "/v1/chat/completions", json=chat_body(max_tokens=4), timeout=30)
     request_id = response.json()["id"]
     # The access line is written once the response is sent: it may trail the client.
@@ -21,9 +26,30 @@ def test_every_line_is_json_and_stock_records_carry_the_request_id(start_server)
     # and lines written while serving the request name it.
     stock_lines = [line for line in lines if line.get("logger") == "root"]
     assert any(line.get("request_id") == request_id for line in stock_lines)
+    # At INFO, the prefill's progress and the prompt cache's tables alike.
+    events = [line["event"] for line in stock_lines if line["level"] == "info"]
+    assert any(e.startswith("Prompt processing progress") for e in events), events
+    assert any(e.startswith("Prompt Cache") for e in events), events
     guardian_events = {line["event"] for line in lines if line.get("logger", "").startswith("guardian")}
     assert {"server_started", "engine_ready", "http_access"} <= guardian_events
     assert all(re.fullmatch(r"[a-z][a-z0-9_]*", event) for event in guardian_events)
+
+
+def stock_lines_written(keep: bool) -> list[dict]:
+    """What stock's logging calls write once logging is configured, kept or not."""
+    code = ("import logging; from guardian.logs import configure_logging, keep_stock_request_lines; "
+            f"configure_logging('json', 'INFO'); keep_stock_request_lines({keep}); "
+            "logging.info('Prompt processing progress: 1/2'); logging.warning('stock warns'); "
+            "logging.error('stock fails')")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert result.returncode == 0, result.stderr
+    return [json.loads(text) for text in result.stderr.splitlines()]
+
+
+def test_stock_warnings_and_errors_stay_visible_and_its_info_lines_only_when_kept():
+    assert [(line["level"], line["event"]) for line in stock_lines_written(False)] == [
+        ("warning", "stock warns"), ("error", "stock fails")]
+    assert [line["level"] for line in stock_lines_written(True)] == ["info", "warning", "error"]
 
 
 def test_console_format_is_for_people(start_server):
@@ -35,7 +61,7 @@ def test_console_format_is_for_people(start_server):
 
 def test_one_access_line_with_the_status_the_client_got(start_server):
     # A poison request: stock buffers a 200 for it, then the guardian answers 500.
-    server = start_server('[fault_injection]\nenabled = true\npoison_marker = "POISON"\n')
+    server = start_server('[fault_injection]\nenabled = true\npoison_marker = "POISON"\nmessage = "planted poison"\n')
     response = httpx.post(server.url + "/v1/chat/completions", json=chat_body("POISON", max_tokens=4),
                           timeout=60)
     assert response.status_code == 500, response.text

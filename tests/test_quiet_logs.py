@@ -1,6 +1,7 @@
-"""What an operator reads: an idle server writes nothing at INFO, every line
-is JSON whichever library wrote it, and each request's id comes back in
-``X-Request-ID`` and is the id on the request's log lines.
+"""What an operator reads: an idle server writes nothing at INFO, a request
+writes one line, every line is JSON whichever library wrote it, and each
+request's id comes back in ``X-Request-ID`` and is the id on the request's
+log lines.
 
 One server for the module (probes every 0.2 s, the default log level); the
 idle test runs first, before any request, so no line of another test can
@@ -91,8 +92,21 @@ def test_the_clients_request_id_is_echoed_and_on_its_log_lines(server):
     access = poll(lambda: [line for line in lines_of(server, "client-id-42") if line["event"] == "http_access"],
                   10, what="the request's access line")
     assert '"POST /v1/chat/completions' in access[0]["line"]
-    poll(lambda: any(line.get("logger") == "root" for line in lines_of(server, "client-id-42")), 10,
-         what="stock's own lines with the request id")  # stock's lines too
+
+
+def test_a_chat_completion_writes_one_line_at_info(server):
+    # Stock's six (prompt-cache tables, prefill progress) are written at DEBUG
+    # (test_logs.py: [guardian] stock_request_logs brings them back). Past the
+    # start-up probe (INFO), whose line must not land in the window.
+    poll(lambda: probes_run(server) >= 2, 15, what="a second probe")
+    lines_before = len(server.logs())
+    response = httpx.post(server.url + COMPLETIONS, json=chat_body("One line for me, please.", max_tokens=8),
+                          headers={"X-Request-ID": "one-line-1"}, timeout=30)
+    assert response.status_code == 200
+    # The access line is the request's last: once it is there, all of them are.
+    poll(lambda: lines_of(server, "one-line-1"), 10, what="the request's access line")
+    [line] = server.logs()[lines_before:]
+    assert line["event"] == "http_access" and line["request_id"] == "one-line-1"
 
 
 @pytest.mark.parametrize("given", [None, "has spaces in it", "x" * 200, "-starts-with-a-dash"])
