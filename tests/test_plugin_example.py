@@ -13,7 +13,6 @@ import sys
 
 import httpx
 import pytest
-
 from conftest import REPO, chat_body
 
 BLOCKED = '[blocked_words]\nwords = ["forbidden", "secret project"]\n'
@@ -21,7 +20,7 @@ BLOCKED = '[blocked_words]\nwords = ["forbidden", "secret project"]\n'
 
 def test_the_example_is_loaded_through_its_entry_point():
     listed = subprocess.run([sys.executable, "-m", "guardian", "plugins"], capture_output=True,
-                            text=True, cwd=REPO, timeout=60)
+                            text=True, cwd=REPO, timeout=60, check=False)
     plugins = {p["name"]: p["hooks"] for p in json.loads(listed.stdout)}
     assert plugins.get("blocked_words") == ["admit_request"], \
         "the example plugin is not installed: pip install -e plugins/example (make test does)"

@@ -21,7 +21,6 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
-
 from conftest import REPO, chat_body, free_port, poll, read_stream
 
 
@@ -29,7 +28,7 @@ from conftest import REPO, chat_body, free_port, poll, read_stream
 def notifier_installed():
     """Fail with the fix when the plugin is not installed (it is a distribution of its own)."""
     listed = subprocess.run([sys.executable, "-m", "guardian", "plugins"], capture_output=True,
-                            text=True, cwd=REPO, timeout=60)
+                            text=True, cwd=REPO, timeout=60, check=False)
     plugins = {p["name"]: p["hooks"] for p in json.loads(listed.stdout)}
     assert "notifier" in plugins, "the notifier is not installed: pip install -e plugins/notifier (make test does)"
     return plugins
@@ -183,7 +182,7 @@ def storm(server, requests: range) -> None:
 def test_a_restart_storm_is_one_message_and_the_next_says_how_many_were_held_back(
         start_server, receiver, tmp_path):
     rx = receiver()
-    notifier = dict(webhook_urls=[rx.url("/hook")], storm_restarts=2)  # the default dedup window: 300 s
+    notifier = {"webhook_urls": [rx.url("/hook")], "storm_restarts": 2}  # the default dedup window: 300 s
     config = (toml_table("fault_injection", enabled=True, poison_marker="STORM", message="poisoned prompt")
               + toml_table("recovery", max_failures=1000, reload_after_failures=0, backoff_base_s=0.0))
     server = start_server(config + toml_table("notifier", **notifier))
@@ -197,7 +196,7 @@ def test_a_restart_storm_is_one_message_and_the_next_says_how_many_were_held_bac
         config + toml_table("notifier", **notifier, dedup_window_s=0.0))
     server.wait_for_event("config_reloaded", timeout=30)
     storm(server, range(5, 6))
-    first, later, last = [r.json() for r in rx.wait_for("/hook", count=3)]
+    _, later, last = [r.json() for r in rx.wait_for("/hook", count=3)]
     assert later["suppressed"] == 8 and "8 more like it" in later["message"], later
     assert last["suppressed"] == 0
     server.proc.terminate()
@@ -338,6 +337,6 @@ def test_bad_settings_stop_the_start_naming_the_key_but_not_the_url(tmp_path, ta
     config = tmp_path / "guardian.toml"
     config.write_text(f"[notifier]\n{table}\n")
     result = subprocess.run([sys.executable, "-m", "guardian", "plugins", "--guardian-config", str(config)],
-                            capture_output=True, text=True, cwd=REPO, timeout=60)
+                            capture_output=True, text=True, cwd=REPO, timeout=60, check=False)
     assert result.returncode == 2, result.stdout + result.stderr
     assert message in result.stderr and "SECRET" not in result.stderr

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Optional
 
 import guardian
 from guardian.errors import GuardianError
@@ -38,7 +37,7 @@ class BlockedWords:
         self.settings = settings
 
     @guardian.hookimpl
-    def admit_request(self, admission) -> Optional[GuardianError]:
+    def admit_request(self, admission) -> GuardianError | None:
         """HTTP thread, before the request is queued: None lets it in."""
         words = self.settings.words
         if not words:
@@ -73,7 +72,7 @@ def prompt_text(request) -> str:
     return "\n".join(parts)
 
 
-def first_blocked_word(text: str, words: list) -> Optional[str]:
+def first_blocked_word(text: str, words: list) -> str | None:
     for word in words:
         if re.search(rf"\b{re.escape(word)}\b", text, flags=re.IGNORECASE):
             return word

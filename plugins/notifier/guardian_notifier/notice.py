@@ -27,7 +27,7 @@ class Notice:
     pid: int = field(default_factory=os.getpid)
     at: str = field(default_factory=lambda: datetime.now(timezone.utc).isoformat(timespec="seconds"))
 
-    def with_suppressed(self, count: int) -> "Notice":
+    def with_suppressed(self, count: int) -> Notice:
         return replace(self, suppressed=count)
 
     def text(self) -> str:

@@ -22,7 +22,6 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Optional
 
 import httpx
 import structlog
@@ -45,7 +44,7 @@ class Destination:
         """What logs show of the URL: scheme, host and port, never the path or query."""
         try:
             url = httpx.URL(self.url)
-        except Exception:  # an invalid URL: say so without echoing it
+        except (httpx.InvalidURL, TypeError, ValueError):  # say so without echoing it
             return "<invalid url>"
         port = f":{url.port}" if url.port else ""
         return f"{url.scheme}://{url.host}{port}"
@@ -67,7 +66,7 @@ class Dedup:
         self._last_sent: dict[str, float] = {}
         self._held: dict[str, int] = {}
 
-    def admit(self, notice: Notice, window_s: float, now: float) -> Optional[Notice]:
+    def admit(self, notice: Notice, window_s: float, now: float) -> Notice | None:
         """The notice to send (carrying how many were held back since the last), or None."""
         with self._lock:
             last = self._last_sent.get(notice.kind)
@@ -108,7 +107,7 @@ class Outbox:
         self.dropped = 0
         self.closed = False
         self._lock = threading.Lock()
-        self._thread: Optional[threading.Thread] = None
+        self._thread: threading.Thread | None = None
         # Set at exit once the flush time is over: ends a backoff wait at once.
         self._stopping = threading.Event()
         logging.getLogger("httpx").addFilter(_httpx_filter)  # the same filter once, however many outboxes
@@ -184,9 +183,9 @@ class Outbox:
             attempt_number += 1
             started = time.monotonic()
             attempt = self._attempt(client, destination, notice)
-            fields = dict(kind=notice.kind, channel=destination.channel, destination=destination.redacted(),
-                          attempts=attempt_number, outcome=attempt.outcome,
-                          duration_ms=round((time.monotonic() - started) * 1000, 1))
+            fields = {"kind": notice.kind, "channel": destination.channel,
+                      "destination": destination.redacted(), "attempts": attempt_number,
+                      "outcome": attempt.outcome, "duration_ms": round((time.monotonic() - started) * 1000, 1)}
             if attempt.sent:
                 log.info("notification_sent", **fields)
                 return
@@ -202,9 +201,9 @@ class Outbox:
     def _attempt(self, client: httpx.Client, destination: Destination, notice: Notice) -> Attempt:
         s = self.settings
         if destination.channel == "ntfy":
-            request = dict(content=notice.text().encode(), headers=notice.ntfy_headers(s.ntfy_token))
+            request = {"content": notice.text().encode(), "headers": notice.ntfy_headers(s.ntfy_token)}
         else:
-            request = dict(json=notice.webhook_json())
+            request = {"json": notice.webhook_json()}
         try:
             # timeout_s bounds each phase: connecting, sending, and each wait for bytes.
             response = client.post(destination.url, timeout=s.timeout_s, **request)

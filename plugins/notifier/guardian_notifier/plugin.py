@@ -26,7 +26,6 @@ import structlog
 import guardian
 from guardian.config import ConfigError
 from guardian.exit_codes import reason as exit_reason
-
 from guardian_notifier.notice import DEFAULT, HIGH, URGENT, Notice
 from guardian_notifier.outbox import Outbox, destinations
 
