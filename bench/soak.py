@@ -139,6 +139,22 @@ def summary(values: list[float]) -> dict:
             "p99": round(percentile(values, 99), 4), "max": round(max(values), 4)}
 
 
+def server_cpu_s(server) -> float:
+    """CPU seconds the server process has used, all its threads (user + system)."""
+    import psutil
+
+    try:
+        times = psutil.Process(server.proc.pid).cpu_times()
+    except psutil.NoSuchProcess:  # it died: the run reports that
+        return float("nan")
+    return times.user + times.system
+
+
+def completed_tokens(records: list[dict]) -> int:
+    """Completion tokens of the requests that succeeded."""
+    return sum(r["tokens"] or 0 for r in records if not r["failure"])
+
+
 def log_time(event: dict) -> float:
     return datetime.fromisoformat(event["timestamp"].replace("Z", "+00:00")).timestamp()
 
@@ -354,12 +370,14 @@ def run_inprocess(args) -> dict:
         if not server.wait_ready():
             raise SystemExit("the guardian did not start:\n" + "\n".join(server.log_tail()))
         clients = Clients(server.url + "/v1/chat/completions", args.clients)
+        cpu_at_start = server_cpu_s(server)
         t0 = time.time()
         clients.start()
         done = poll_until(lambda: not server.alive() or len(server.log_events("fault_injected")) >= args.failures,
                           args.timeout, interval=1.0)
         clients.finish()
         elapsed = time.time() - t0
+        cpu_s = server_cpu_s(server) - cpu_at_start
         alive = server.alive()
         events = {name: server.log_events(name) for name in
                   ("fault_injected", "engine_error", "engine_restarted", "request_rerun", "engine_backoff",
@@ -391,8 +409,12 @@ def run_inprocess(args) -> dict:
                    "max_continuations_of_one_request": max((e.get("continuations", 0) for e in reruns), default=0)},
         "server_request_failed": len(events["request_failed"]),
         "server_request_blamed": len(events["request_blamed"]),
-        # Throughput: what a run with faults compares with a fault-free one.
-        "completion_tokens_per_s": round(sum(r["tokens"] or 0 for r in records if not r["failure"]) / elapsed, 1),
+        # Throughput: what a run with faults compares with a fault-free one. Per
+        # CPU-second of the server too: on a machine shared with other jobs the
+        # wall clock measures their load as much as the server's work.
+        "completion_tokens_per_s": round(completed_tokens(records) / elapsed, 1),
+        "server_cpu_s": round(cpu_s, 2),
+        "completion_tokens_per_cpu_s": round(completed_tokens(records) / cpu_s, 1) if cpu_s > 0 else None,
         "rerun_prompt_tokens": (status or {}).get("rerun_prompt_tokens"),
         "rerun_prompt_tokens_cached": (status or {}).get("rerun_prompt_tokens_cached"),
         "outcomes": outcomes(records, faults),
