@@ -10,7 +10,11 @@ says how to get there) each server in turn:
 3. wave "pressure": ``--long`` prompts of ``--prompt-tokens`` tokens at once
    (each needs ~0.75 GiB of KV cache), then one short request;
 4. wave "pressure_again": the same, memory still held;
-5. the holder exits; wave "freed": the same again, with the memory back.
+5. wave "sdk_retries_across_release": the same long requests through the
+   openai SDK (``--sdk-retries``, 8); once each has been answered (the
+   shortage), the holder exits, and the SDK's own retries, after each
+   answer's Retry-After, meet the memory back;
+6. wave "freed": the same again, with the memory back.
 
 Reported per request: the status and error code each client got, its time;
 per server: /health after each wave, whether the process lived, and for
@@ -182,6 +186,57 @@ class Run:
                                                    + (f" {r['code']}" if r.get("code") else "")
                                                    for r in results), flush=True)
 
+    def sdk_wave(self, release) -> None:
+        """The long requests again, through the openai SDK, while the memory is held:
+        ``release()`` frees it once each has been answered at least once. The SDK
+        retries a 503 that says ``x-should-retry: true``, after its Retry-After."""
+        import openai
+
+        args, attempts, lock = self.args, {}, threading.Lock()
+
+        def record(response: httpx.Response) -> None:
+            name = response.request.headers.get("x-wave-request")
+            with lock:
+                attempts.setdefault(name, []).append(
+                    {"status": response.status_code, "retry_after": response.headers.get("Retry-After"),
+                     "at_s": round(time.monotonic() - started, 2)})
+
+        def one(i: int) -> dict:
+            name = f"long-{i}"
+            outcome: dict = {"request": name}
+            try:
+                answer = client.completions.create(
+                    model=str(self.model), max_tokens=args.max_tokens, temperature=0.0,
+                    prompt=prompt_of(self.tokenizer, args.prompt_tokens, f"{self.kind} sdk {i}"),
+                    extra_headers={"x-wave-request": name})
+                outcome.update(status=200, completion_tokens=answer.usage.completion_tokens)
+            except openai.APIStatusError as e:
+                outcome.update(status=e.status_code, code=(e.body or {}).get("code") if isinstance(e.body, dict) else None)
+            except openai.APIError as e:
+                outcome.update(status=type(e).__name__)
+            outcome["elapsed_s"] = round(time.monotonic() - started, 2)
+            return outcome
+
+        http_client = httpx.Client(timeout=args.request_timeout_s, event_hooks={"response": [record]})
+        client = openai.OpenAI(base_url=self.server.url + "/v1", api_key="unused", http_client=http_client,
+                               max_retries=args.sdk_retries)
+        started = time.monotonic()
+        with ThreadPoolExecutor(args.long) as pool:
+            futures = [pool.submit(one, i) for i in range(args.long)]
+            # Every request answered once (the shortage): then the memory comes back.
+            poll_until(lambda: len(attempts) >= args.long, args.request_timeout_s, interval=0.1)
+            released_at = round(time.monotonic() - started, 2)
+            release()
+            results = [f.result() for f in futures]
+        http_client.close()
+        for result in results:
+            result["attempts"] = attempts.get(result["request"], [])
+        self.report["waves"].append({"wave": "sdk_retries_across_release", "released_at_s": released_at,
+                                     "requests": results, "health_after": self.server.health(),
+                                     "alive_after": self.server.alive()})
+        print(f"  {self.kind} sdk: released at {released_at} s; " + ", ".join(
+            f"{r['request']} {r['status']} after {len(r['attempts'])} attempts" for r in results), flush=True)
+
     def warm_up(self) -> None:
         # Kernels are compiled at first use: not under the held memory.
         with httpx.Client(timeout=300) as client:
@@ -240,7 +295,10 @@ def run_one(kind: str, model: Path, args, folder: Path, tokenizer) -> dict:
             run.report["holder"] = holder.info
         run.wave("pressure")
         run.wave("pressure_again")
-        if holder is not None:
+        if args.sdk_retries:
+            run.sdk_wave(holder.release if holder is not None else lambda: None)
+            holder = None
+        elif holder is not None:
             holder.release()
             holder = None
         released_at = time.monotonic()
@@ -268,6 +326,8 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--request-timeout-s", type=float, default=40.0)
     parser.add_argument("--settle-s", type=float, default=2.0)
+    parser.add_argument("--sdk-retries", type=int, default=8,
+                        help="the openai SDK's max_retries in the wave that spans the release (0: no such wave)")
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "gpu_oom.json"))
     args = parser.parse_args()
 
@@ -308,7 +368,7 @@ def summary(report: dict) -> str:
             short = next((r for r in wave["requests"] if r["request"] == "short"), {})
             lines.append(f"| {kind} | {wave['wave']} | "
                          + ", ".join(f"{n}x {k}" for k, n in longs.items())
-                         + f" | {short.get('status')} {short.get('code') or ''} | {wave['health_after']} |")
+                         + f" | {short.get('status', '-')} {short.get('code') or ''} | {wave['health_after']} |")
     guardian = report["runs"].get("guardian", {})
     if guardian.get("engine_errors") is not None:
         lines.append("")
