@@ -29,10 +29,10 @@ SENTENCE = "The guardian watches a language model server and keeps it alive. "
 
 
 def build_guardian():
-    """The engine with its admission and watchdog, as ``guardian.server.serve`` wires them."""
+    """The engine with its admission and watchdog, as ``guardian.serving.assembly.serve`` wires them."""
     from guardian import cli, stock
     from guardian.demo_model import ensure_demo_model
-    from guardian.server import Guardian
+    from guardian.serving.assembly import ServedModel
 
     captured = {}
 
@@ -40,11 +40,11 @@ def build_guardian():
         captured["model_provider"] = model_provider
 
     sys.argv = ["mlx-guardian", "--model", str(ensure_demo_model()), "--log-level", "WARNING"]
-    stock.run_stock_main(capture, add_arguments=cli.add_guardian_arguments, after_parse=cli.prepare)
+    stock.handler.run_stock_main(capture, add_arguments=cli.add_guardian_arguments, after_parse=cli.prepare)
     model_provider = captured["model_provider"]
     model_provider.load_default()
     config, pm = model_provider.cli_args.guardian_runtime
-    served = Guardian(model_provider, config, pm, on_exit=lambda code: None)
+    served = ServedModel(model_provider, config, pm, on_exit=lambda code: None)
     pm.hook.guardian_startup(engine=served.engine, config=config)
     return served
 
@@ -52,7 +52,7 @@ def build_guardian():
 def chat_request(i: int):
     from guardian import stock
 
-    return stock.server.CompletionRequest(
+    return stock.contract.server.CompletionRequest(
         "chat", "", [{"role": "user", "content": f"Request {i}. " + SENTENCE * 6}], None, None
     )
 
@@ -63,22 +63,22 @@ def main() -> None:
     args = parser.parse_args()
 
     from guardian import stock
-    from guardian.context import request_scope
+    from guardian.request_context import request_scope
 
     served = build_guardian()
     engine, gate = served.engine, served.gate
     cli_args = engine.cli_args
     admit_ms, tokenize_ms = [], []
     for i in range(args.requests):
-        _, generation_args = stock.make_request("", max_tokens=128, cli_args=cli_args)
+        _, generation_args = stock.requests.make_request("", max_tokens=128, cli_args=cli_args)
         with request_scope(f"bench-{i}", stream=True):
             started = time.perf_counter()
             admission = gate.admit(chat_request(i), generation_args, engine=engine)
             admit_ms.append((time.perf_counter() - started) * 1000)
             admission.finish()
         started = time.perf_counter()
-        stock.tokenize_as_stock(engine.model_provider, engine.model_provider.tokenizer, chat_request(i),
-                                generation_args)
+        stock.requests.tokenize_as_stock(engine.model_provider, engine.model_provider.tokenizer, chat_request(i),
+                                         generation_args)
         tokenize_ms.append((time.perf_counter() - started) * 1000)
 
     def describe(values):
@@ -87,12 +87,12 @@ def main() -> None:
                 f"p99 {ordered[int(len(ordered) * 0.99)]:.3f} ms")
 
     print(f"{args.requests} chat requests of {len(admission.prompt_tokens)} prompt tokens, "
-          f"mlx-lm {stock.STOCK_VERSION}")
+          f"mlx-lm {stock.contract.STOCK_VERSION}")
     print(f"admission (prompt_guard on), HTTP thread: {describe(admit_ms)}")
     print(f"stock _tokenize alone, the generation thread's work it replaces: {describe(tokenize_ms)}")
     print(f"the guard's own work: {statistics.median(admit_ms) - statistics.median(tokenize_ms):.3f} ms "
           "a request (median difference)")
-    stock.stop_generation_thread(engine)
+    stock.loop.stop_generation_thread(engine)
     os._exit(0)  # the engine's threads are daemons of a server that never served
 
 

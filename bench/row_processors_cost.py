@@ -1,7 +1,7 @@
 """What keeping 0.31's logits processors in step with the batch rows costs.
 
 On mlx-lm 0.31 the guardian gives each request a truthy list of logits
-processors (``AlwaysTruthyProcessors`` in guardian/stock.py), so stock's
+processors (``AlwaysTruthyProcessors`` in guardian/stock/sampling.py), so stock's
 ``GenerationBatch.filter`` keeps the list in step with the rows; as a side
 effect stock steps each row's (empty) processors separately. This runs two
 guardians side by side, one as shipped and one with plain lists (stock's

@@ -19,11 +19,13 @@ from pathlib import Path
 
 import structlog
 
-from guardian.config import AccessSettings, CommandLine, ConfigError, CoreSettings, load_config
+from guardian.config.tables import AccessSettings, CommandLine, CoreSettings
+from guardian.config.registry import ConfigError
+from guardian.config.loading import load_config
 from guardian.exit_codes import EXIT_USAGE
 from guardian.access.keys import KeyRing
-from guardian.logs import bind_process, configure_logging, keep_stock_request_lines
-from guardian.open_files import raise_open_files_limit
+from guardian.observability.logs import bind_process, configure_logging, keep_stock_request_lines
+from guardian.serving.open_files import raise_open_files_limit
 
 log = structlog.get_logger("guardian.cli")
 
@@ -61,9 +63,9 @@ def other_commands_help() -> str:
 
 def prepare(namespace: argparse.Namespace) -> None:
     """After stock parsed the flags: logging, config, plugins, demo model."""
-    from guardian.live_config import LiveConfig
+    from guardian.config.live import LiveConfig
     from guardian.distributed.group import current_group
-    from guardian.plugins.manager import make_plugin_manager
+    from guardian.plugin_manager import make_plugin_manager
 
     # Under mlx.launch every rank logs to the launcher's one stderr: each line says which.
     namespace.guardian_group = current_group()
@@ -95,13 +97,13 @@ def prepare(namespace: argparse.Namespace) -> None:
 
 def run(host, port, model_provider, *args, **kwargs):
     """Replaces stock ``run``; stock ``main()`` calls it after parsing."""
-    from guardian.server import serve
+    from guardian.serving.assembly import serve
 
     live, pm = model_provider.cli_args.guardian_runtime
     group = model_provider.cli_args.guardian_group
     if group is not None and not group.leader:
         # As stock: only rank 0 serves HTTP; the others follow its broadcast.
-        from guardian.distributed.member import serve_follower
+        from guardian.serving.follower import serve_follower
 
         code = serve_follower(model_provider, live, pm, group)
     else:
@@ -129,7 +131,7 @@ def plugins_command(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="mlx-guardian plugins", description=COMMANDS["plugins"][2])
     CommandLine.guardian_config.add_flag(parser)
     args = parser.parse_args(argv)
-    from guardian.plugins.manager import describe, make_plugin_manager
+    from guardian.plugin_manager import describe, make_plugin_manager
 
     try:
         pm = make_plugin_manager(load_config(args.guardian_config))
@@ -167,4 +169,4 @@ def main(argv: list[str] | None = None) -> None:
     from guardian import stock
 
     sys.argv = ["mlx-guardian", *argv]
-    stock.run_stock_main(run, add_arguments=add_guardian_arguments, after_parse=prepare)
+    stock.handler.run_stock_main(run, add_arguments=add_guardian_arguments, after_parse=prepare)

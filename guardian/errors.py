@@ -98,7 +98,7 @@ class AbortRequest(BaseException):
 def engine_unavailable(message: str, retry_after_s: Optional[float] = None) -> GuardianError:
     """A 503 that says come back: after ``retry_after_s``, by default ``[guardian] retry_after_s``'s default."""
     if retry_after_s is None:
-        from guardian.config import CoreSettings
+        from guardian.config.tables import CoreSettings
 
         retry_after_s = CoreSettings.retry_after_s.default
     return GuardianError(

@@ -5,7 +5,7 @@ child dies mid-stream, the supervisor sends the request to the next child
 as a continuation: the same body, plus the token ids the client already has
 the text of; the new child's engine goes on after them (the same prompt-
 cache, stop-matching and detokenizer priming as an in-process continuation,
-``guardian.stock.continuation_args``), and the supervisor relays its events
+``guardian.stock.continuation.continuation_args``), and the supervisor relays its events
 as the rest of the first stream (same ``id`` and ``created``, ``usage``
 counting every token).
 

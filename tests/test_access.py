@@ -16,7 +16,7 @@ from guardian.access import make_door
 from guardian.access.keys import KeyFileError, KeyRing, parse_key_file, presented_key
 from guardian.access.policy import (AccessPolicy, AccessRequest, Origins, bound_to_loopback, host_name_of,
                                     is_loopback_address)
-from guardian.config import AccessSettings
+from guardian.config.tables import AccessSettings
 
 ALICE = "sk-alice-0123456789"
 BOB = "sk-bob-0123456789"

@@ -87,7 +87,7 @@ def test_docs_exit_code_table_is_the_exit_codes_table():
 
 
 def test_guardian_flags_come_from_the_settings_registry():
-    from guardian.config import CommandLine, CoreSettings
+    from guardian.config.tables import CommandLine, CoreSettings
 
     help_text = run("--help").stdout
     for setting in [*CommandLine.settings.values(), CoreSettings.log_format]:
@@ -119,7 +119,7 @@ def test_supervisor_reads_its_table_and_flags_win(tmp_path):
 
 
 def test_supervisor_defaults_without_a_file():
-    from guardian.config import SupervisorSettings
+    from guardian.config.tables import SupervisorSettings
     from guardian.supervise.supervisor import read_settings
 
     settings, core = read_settings(supervisor_options()[0])
@@ -127,7 +127,7 @@ def test_supervisor_defaults_without_a_file():
 
 
 def test_stock_engine_reads_only_the_supervisor_table(tmp_path):
-    from guardian.config import ConfigError
+    from guardian.config.registry import ConfigError
     from guardian.supervise.supervisor import read_settings
 
     path = tmp_path / "guardian.toml"

@@ -11,9 +11,10 @@ from typing import Optional
 
 import pytest
 
-from guardian.config import ConfigError, load_config
+from guardian.config.registry import ConfigError
+from guardian.config.loading import load_config
 from guardian.exit_codes import EXIT_USAGE
-from guardian.plugins.manager import make_plugin_manager
+from guardian.plugin_manager import make_plugin_manager
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "config" / "guardian.example.toml"
@@ -42,8 +43,8 @@ def test_every_loaded_settings_table_is_in_the_example():
     # The example is written from the registry (tests/test_example_config.py
     # compares it byte for byte); a built-in whose settings are not a
     # registry Table would be missing from it.
-    from guardian.config import CORE_TABLES
-    from guardian.settings import Table
+    from guardian.config.tables import CORE_TABLES
+    from guardian.config.registry import Table
 
     pm = make_plugin_manager(load_config(None))
     text = EXAMPLE.read_text()
@@ -124,7 +125,7 @@ def test_third_party_plugin_from_config(tmp_path, monkeypatch):
 
 
 def test_engine_step_hook_is_skipped_unless_a_plugin_is_active(tmp_path):
-    from guardian.plugins.manager import active_hook
+    from guardian.plugin_manager import active_hook
 
     assert active_hook(make_plugin_manager(load_config(None)), "on_engine_step") is None
     enabled = write(tmp_path, "[fault_injection]\nenabled = true\n")
@@ -133,7 +134,7 @@ def test_engine_step_hook_is_skipped_unless_a_plugin_is_active(tmp_path):
 
 
 def test_a_third_party_settings_dataclass_is_checked_by_the_registry_types():
-    from guardian.config import parse_settings
+    from guardian.config.loading import parse_settings
 
     @dataclass
     class Settings:
@@ -153,9 +154,9 @@ def test_a_third_party_settings_dataclass_is_checked_by_the_registry_types():
 
 
 def test_the_ladder_and_recovery_decide_among_one_set_of_actions():
-    from guardian.config import WatchdogSettings
+    from guardian.config.tables import WatchdogSettings
     from guardian.plugins.recovery import Recovery, RecoverySettings
-    from guardian.settings import ACTIONS
+    from guardian.config.registry import ACTIONS
 
     assert WatchdogSettings().ladder == list(ACTIONS)
     recovery = Recovery(RecoverySettings())
@@ -176,7 +177,7 @@ def test_third_party_plugin_may_declare_a_registry_table(tmp_path, monkeypatch):
     module = tmp_path / "my_table_plugin.py"
     module.write_text(textwrap.dedent('''
         import guardian
-        from guardian.settings import Float, Setting, Table
+        from guardian.config.registry import Float, Setting, Table
 
         class Pager:
             name = "pager"

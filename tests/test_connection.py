@@ -1,4 +1,4 @@
-"""What the door holds (guardian.connection), against real servers in both modes.
+"""What the door holds (guardian.serving.connection), against real servers in both modes.
 
 Slow and silent clients cost a file descriptor, never a handler thread:
 half-sent headers and a slow body get 408, an idle connection is closed, and
@@ -174,7 +174,7 @@ def test_the_server_may_hold_as_many_connections_as_its_hard_limit(held):
 
 def test_importing_stock_never_lowers_the_open_files_limit():
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
-    code = ("import resource; from guardian.open_files import raise_open_files_limit; "
+    code = ("import resource; from guardian.serving.open_files import raise_open_files_limit; "
             "raise_open_files_limit(); import guardian.stock, mlx_lm.utils; "
             "print(*resource.getrlimit(resource.RLIMIT_NOFILE))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from guardian.plugins import hookspecs
+from guardian import hookspecs
 from guardian.exit_codes import (
     EXIT_BOOT_ERROR,
     EXIT_ENGINE_FAILED,

@@ -9,7 +9,7 @@ server gave up (exit 5).
 
 The two servers run in one child process (TWO_SERVERS below), each with its
 own model provider, plugin manager and HTTP server, wired by
-``guardian.server.Guardian`` as ``serve`` wires one; the first has a planted
+``guardian.serving.assembly.ServedModel`` as ``serve`` wires one; the first has a planted
 fault (fault_injection's ``poison_marker``).
 """
 
@@ -34,10 +34,10 @@ TWO_SERVERS = textwrap.dedent('''
     from pathlib import Path
 
     from guardian import stock
-    from guardian.config import load_config
-    from guardian.logs import configure_logging
-    from guardian.plugins.manager import make_plugin_manager
-    from guardian.server import Guardian, make_http_server
+    from guardian.config.loading import load_config
+    from guardian.observability.logs import configure_logging
+    from guardian.plugin_manager import make_plugin_manager
+    from guardian.serving.assembly import ServedModel, make_http_server
 
     model, ports_path, *config_paths = sys.argv[1:]
     configure_logging("json", "INFO")
@@ -46,8 +46,8 @@ TWO_SERVERS = textwrap.dedent('''
         """Stock's ModelProvider for --model, built by stock's own main()."""
         built = []
         sys.argv = ["mlx-guardian", "--model", model]
-        stock.run_stock_main(lambda host, port, provider: built.append(provider),
-                             add_arguments=lambda parser: None, after_parse=lambda namespace: None)
+        stock.handler.run_stock_main(lambda host, port, provider: built.append(provider),
+                                     add_arguments=lambda parser: None, after_parse=lambda namespace: None)
         built[0].load_default()
         return built[0]
 
@@ -56,7 +56,7 @@ TWO_SERVERS = textwrap.dedent('''
     servers = []
     for name, config_path in zip("ab", config_paths):
         config = load_config(config_path)
-        served = Guardian(model_provider(), config, make_plugin_manager(config),
+        served = ServedModel(model_provider(), config, make_plugin_manager(config),
                           on_exit=lambda code, name=name: print(f"engine {name} asked to exit {code}"))
         servers.append((name, served, make_http_server("127.0.0.1", 0, served)))
     ports = []

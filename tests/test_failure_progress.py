@@ -196,10 +196,10 @@ def test_out_of_memory_for_a_request_that_fits_is_a_503_then_it_is_served(start_
 
 
 def test_a_crash_suspect_whose_stream_progressed_is_not_quarantined():
-    # The supervisor's side (guardian.supervise.crash_quarantine), its decision alone:
+    # The supervisor's side (guardian.quarantine.crashes), its decision alone:
     # a stream continued on the next child that relayed tokens since its first
     # crash is struck once again, not twice; one that did not is quarantined.
-    from guardian.supervise.crash_quarantine import CrashQuarantine
+    from guardian.quarantine.crashes import CrashQuarantine
 
     class Stream:
         def __init__(self, tokens):

@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from conftest import Server, chat_body, free_port, poll, spawn_guardian
-from guardian.context import request_scope
+from guardian.request_context import request_scope
 from guardian.engine.ledger import RequestLedger
 
 

@@ -1,4 +1,4 @@
-"""Every hook in guardian/plugins/hookspecs.py fires in a real server.
+"""Every hook in guardian/hookspecs.py fires in a real server.
 
 One server runs a scenario that makes each hook fire: start-up, a
 completion, a refused request, probe rounds, resource samples, a planted

@@ -22,7 +22,7 @@ from guardian.engine.lifecycle import (
     Lifecycle,
 )
 from conftest import poll
-from guardian.plugins import hookspecs
+from guardian import hookspecs
 
 S = EngineState
 

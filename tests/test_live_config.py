@@ -235,7 +235,7 @@ class Restarts:
 
 def test_memory_that_grows_across_engine_restarts_is_a_suspected_leak(capsys):
     """Real mlx memory held across four 'restarts' (the plugin's hook called in-process)."""
-    from guardian.logs import configure_logging
+    from guardian.observability.logs import configure_logging
     from guardian.plugins.resources import Resources, ResourcesSettings
 
     configure_logging("json", "INFO")

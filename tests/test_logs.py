@@ -37,7 +37,7 @@ def test_every_line_is_json_and_stock_records_carry_the_request_id(start_server)
 
 def stock_lines_written(keep: bool) -> list[dict]:
     """What stock's logging calls write once logging is configured, kept or not."""
-    code = ("import logging; from guardian.logs import configure_logging, keep_stock_request_lines; "
+    code = ("import logging; from guardian.observability.logs import configure_logging, keep_stock_request_lines; "
             f"configure_logging('json', 'INFO'); keep_stock_request_lines({keep}); "
             "logging.info('Prompt processing progress: 1/2'); logging.warning('stock warns'); "
             "logging.error('stock fails')")

@@ -16,7 +16,7 @@ import textwrap
 import pytest
 
 from conftest import poll
-from guardian import connection, open_files
+from guardian.serving import connection, open_files
 from guardian.health import parent_watch
 from guardian.health.sd_notify import SystemdNotifier
 

@@ -12,9 +12,10 @@ import textwrap
 
 import pytest
 
-from guardian.config import ConfigError, load_config
-from guardian.plugins import hookspecs
-from guardian.plugins.manager import REQUIRED_HOOKS, make_plugin_manager, plugin_entry_points
+from guardian.config.registry import ConfigError
+from guardian.config.loading import load_config
+from guardian import hookspecs
+from guardian.plugin_manager import REQUIRED_HOOKS, make_plugin_manager, plugin_entry_points
 
 BUILT_INS = {"recovery", "fault_injection", "prompt_guard", "generation_probe", "resources", "metrics", "access"}
 

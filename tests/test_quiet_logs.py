@@ -70,7 +70,7 @@ def test_a_prompt_longer_than_the_tokenizer_knows_is_logged_as_json(server):
 
 
 def test_python_warnings_are_json_lines():
-    code = ("from guardian.logs import configure_logging; configure_logging('json', 'INFO'); "
+    code = ("from guardian.observability.logs import configure_logging; configure_logging('json', 'INFO'); "
             "import warnings; warnings.warn('a library deprecates something')")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO)
     [line] = [json.loads(text) for text in result.stderr.splitlines()]

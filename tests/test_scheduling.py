@@ -17,7 +17,7 @@ import pytest
 
 from conftest import chat_body, poll
 from guardian import stock
-from guardian.context import request_scope
+from guardian.request_context import request_scope
 from guardian.engine.ledger import RequestLedger
 
 # Stock's run of decode steps between looks at the queue, in seconds.
@@ -30,7 +30,7 @@ MAX_TOKENS_MEANWHILE = 32
 
 def test_a_run_of_steps_ends_when_a_request_waits():
     waiting = threading.Event()
-    budget = stock.RequestAwareTimeBudget(waiting.is_set)
+    budget = stock.loop.RequestAwareTimeBudget(waiting.is_set)
     steps = 0
     for _ in budget:
         steps += 1
@@ -43,7 +43,7 @@ def test_a_run_of_steps_ends_when_a_request_waits():
 
 
 def test_a_run_of_steps_lasts_stock_s_budget_when_nothing_waits():
-    budget = stock.RequestAwareTimeBudget(lambda: False)
+    budget = stock.loop.RequestAwareTimeBudget(lambda: False)
     started = time.monotonic()
     for _ in budget:
         pass

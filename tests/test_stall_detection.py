@@ -230,7 +230,7 @@ def test_a_replacement_loop_is_judged_by_its_own_silence(start_server):
               + table("watchdog", stall_timeout_s=5.0, stall_min_s=5.0, probe_timeout_s=4.0))
     server = start_server(config)
     # The client waits through both stalls: a client that leaves takes its request
-    # with it (guardian.connection), and with no work waiting there is no stall to see.
+    # with it (guardian.serving.connection), and with no work waiting there is no stall to see.
     with httpx.Client(timeout=20) as client:
         try:
             client.post(server.url + "/v1/chat/completions", json=chat_body(max_tokens=200))

@@ -1,7 +1,7 @@
 """The seams into stock mlx_lm still exist in the installed mlx-lm.
 
 If one of these fails after an mlx-lm upgrade, the message names the seam;
-guardian/stock.py is the only module to change.
+guardian/stock/ is the only module to change.
 """
 
 from __future__ import annotations
@@ -20,32 +20,32 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def test_installed_mlx_lm_has_every_seam():
-    missing = stock.missing_names()
+    missing = stock.contract.missing_names()
     assert not missing, (
-        f"mlx-lm {stock.STOCK_VERSION} changed: it lacks {missing}; "
-        "update guardian/stock.py"
+        f"mlx-lm {stock.contract.STOCK_VERSION} changed: it lacks {missing}; "
+        "update guardian/stock/"
     )
 
 
 def test_installed_mlx_lm_is_a_tested_version():
-    assert stock.STOCK_VERSION in stock.TESTED_VERSIONS, (
-        f"mlx-lm {stock.STOCK_VERSION} has not been tested with mlx-guardian "
-        f"(tested: {stock.TESTED_VERSIONS}); run the suite and add it to TESTED_VERSIONS"
+    assert stock.contract.STOCK_VERSION in stock.contract.TESTED_VERSIONS, (
+        f"mlx-lm {stock.contract.STOCK_VERSION} has not been tested with mlx-guardian "
+        f"(tested: {stock.contract.TESTED_VERSIONS}); run the suite and add it to TESTED_VERSIONS"
     )
 
 
 def test_a_moved_seam_is_named_at_start(monkeypatch):
     monkeypatch.delattr(server.ResponseGenerator, "_tokenize")
-    with pytest.raises(stock.StockChanged, match=r"mlx_lm\.server\.ResponseGenerator\._tokenize"):
-        stock.check_stock()
+    with pytest.raises(stock.contract.StockChanged, match=r"mlx_lm\.server\.ResponseGenerator\._tokenize"):
+        stock.contract.check_stock()
 
 
 def test_a_seam_outside_the_server_module_is_named_at_start(monkeypatch):
     from mlx_lm.tokenizer_utils import TokenizerWrapper
 
     monkeypatch.setattr(TokenizerWrapper, "detokenizer", None)
-    with pytest.raises(stock.StockChanged, match=r"mlx_lm\.tokenizer_utils\.TokenizerWrapper\.detokenizer"):
-        stock.check_stock()
+    with pytest.raises(stock.contract.StockChanged, match=r"mlx_lm\.tokenizer_utils\.TokenizerWrapper\.detokenizer"):
+        stock.contract.check_stock()
 
 
 def test_generation_loop_is_still_a_method_the_thread_runs():
@@ -60,7 +60,7 @@ def test_instance_attributes_stock_sets_are_still_set():
     import inspect
 
     source = inspect.getsource(server.ResponseGenerator.__init__)
-    for name in stock.INSTANCE_ATTRIBUTES:
+    for name in stock.contract.INSTANCE_ATTRIBUTES:
         assert f"self.{name} =" in source, f"stock ResponseGenerator no longer sets self.{name}"
 
 
@@ -108,14 +108,14 @@ def test_only_stock_py_touches_mlx_lm_server_or_private_names():
         uses = _private_mlx_lm_uses(path)
         if uses:
             offenders[str(path.relative_to(REPO))] = uses
-    assert not offenders, f"private mlx_lm names outside guardian/stock.py: {offenders}"
+    assert not offenders, f"private mlx_lm names outside guardian/stock/: {offenders}"
 
 
 def test_sampling_kind_names_what_stocks_arguments_turn_on():
     """The watchdog's new-kind rule reads stock's argument dataclasses by field
     name: a renamed field would silently drop out of every kind."""
-    _, greedy = stock.make_request("hi", max_tokens=4, cli_args=SimpleNamespace(num_draft_tokens=3))
-    assert stock.sampling_kind(greedy) == ()
+    _, greedy = stock.requests.make_request("hi", max_tokens=4, cli_args=SimpleNamespace(num_draft_tokens=3))
+    assert stock.sampling.sampling_kind(greedy) == ()
     sampled = dataclasses.replace(
         greedy,
         sampling=dataclasses.replace(greedy.sampling, temperature=0.7, top_p=0.9, top_k=5, min_p=0.05,
@@ -124,9 +124,9 @@ def test_sampling_kind_names_what_stocks_arguments_turn_on():
                                    presence_penalty=0.5, frequency_penalty=0.5),
         logprobs=True,
     )
-    assert stock.sampling_kind(sampled) == ("temperature", "top_p", "top_k", "min_p", "xtc", "logit_bias",
-                                            "repetition_penalty", "presence_penalty", "frequency_penalty",
-                                            "logprobs")
+    assert stock.sampling.sampling_kind(sampled) == ("temperature", "top_p", "top_k", "min_p", "xtc", "logit_bias",
+                                                     "repetition_penalty", "presence_penalty", "frequency_penalty",
+                                                     "logprobs")
 
 
 # -- the continuation path: a failed batch's KV (guardian.engine.kept_kv) ----------
@@ -151,14 +151,14 @@ def test_a_failed_batchs_kv_goes_on_as_the_batch_would_have(model_cache):
     its steps produced), and a new batch started from that KV, cut to leave the
     prompt's last token (``LRUPromptCache.fetch_nearest_cache``'s convention), goes
     on with the very greedy tokens the first batch would have produced. If this
-    fails, mlx-lm changed what a batch's KV holds: see guardian/stock.py's
+    fails, mlx-lm changed what a batch's KV holds: see guardian/stock/'s
     ``rows_of_completed_steps``."""
     from mlx_lm import load
 
     from guardian.demo_model import ensure_demo_model
 
     model, tokenizer = load(str(ensure_demo_model(model_cache)))
-    batch_class = stock.step_observed(stock.STOCK_BATCH_GENERATOR, observe=lambda: None)
+    batch_class = stock.loop.step_observed(stock.contract.STOCK_BATCH_GENERATOR, observe=lambda: None)
     prompts = [tokenizer.encode("Once upon a time"), tokenizer.encode("The quick brown fox jumps over the")]
     total, before_failure = 24, 9
 
@@ -169,15 +169,15 @@ def test_a_failed_batchs_kv_goes_on_as_the_batch_would_have(model_cache):
 
     _, uids, unfailed = run(total)
     batch, uids, produced = run(before_failure)
-    rows = stock.rows_of_completed_steps(batch)
+    rows = stock.continuation.rows_of_completed_steps(batch)
     assert rows is not None and len(rows) == len(prompts)
     for prompt, uid in zip(prompts, uids):
         continued_prompt = prompt + produced[uid]
         [(held, cache)] = [(tokens, cache) for tokens, cache in rows if tokens[: len(prompt)] == prompt]
         assert held == continued_prompt, "a batch's KV no longer holds the prompt and the tokens produced"
-        reused = stock.reusable_length(continued_prompt, held, cache)
+        reused = stock.continuation.reusable_length(continued_prompt, held, cache)
         assert reused == len(continued_prompt) - 1
-        cache = stock.cut_cache(cache, len(held), reused)
+        cache = stock.continuation.cut_cache(cache, len(held), reused)
         again = batch_class(model)
         [new_uid] = again.insert_segments([[continued_prompt[reused:]]], max_tokens=[total - len(produced[uid])],
                                           caches=[cache], all_tokens=[continued_prompt[:reused]])
@@ -199,20 +199,20 @@ def test_a_batch_whose_step_raised_half_way_offers_no_kv(model_cache):
         if planted["before"]:
             raise RuntimeError("planted before the step")
 
-    class FailingInside(stock.STOCK_BATCH_GENERATOR):
+    class FailingInside(stock.contract.STOCK_BATCH_GENERATOR):
         def next(self):
             if planted["inside"]:
                 raise RuntimeError("planted inside the step")
             return super().next()
 
-    batch = stock.step_observed(FailingInside, observe=observe)(model)
+    batch = stock.loop.step_observed(FailingInside, observe=observe)(model)
     [uid] = batch.insert_segments([[tokenizer.encode("Once upon a time")]], max_tokens=[20])
     _greedy_tokens(batch, [uid], 3)
     planted["before"] = True
     with pytest.raises(RuntimeError, match="before"):
         batch.next()
-    assert stock.rows_of_completed_steps(batch)
+    assert stock.continuation.rows_of_completed_steps(batch)
     planted.update(before=False, inside=True)
     with pytest.raises(RuntimeError, match="inside"):
         batch.next()
-    assert stock.rows_of_completed_steps(batch) is None
+    assert stock.continuation.rows_of_completed_steps(batch) is None

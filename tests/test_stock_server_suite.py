@@ -11,11 +11,11 @@ fixture uses in the imported module:
   for ``--model DEMO`` (the guardian's offline demo model), serving that
   model under the two names the dummy answers to, ``default_model`` and
   ``chat_model``;
-- ``ResponseGenerator`` becomes ``guardian.server.Guardian`` (the engine,
-  admission and watchdog), built and started as ``guardian.server.serve``
+- ``ResponseGenerator`` becomes ``guardian.serving.assembly.ServedModel`` (the engine,
+  admission and watchdog), built and started as ``guardian.serving.assembly.serve``
   does (``guardian_engine``: the one place to adapt when that changes);
 - ``APIHandler`` becomes ``GuardianHandler`` and ``http.server.HTTPServer``
-  the guardian's HTTP server (``guardian.server.make_http_server``).
+  the guardian's HTTP server (``guardian.serving.assembly.make_http_server``).
 
 Every stock TestCase class is then exposed in this module's namespace, so
 pytest reports each stock test as its own item. The tests that cannot pass
@@ -43,11 +43,11 @@ import pytest
 from guardian import stock
 from guardian.admission.facts import served_model_config
 from guardian.admission.startup_checks import impossible_flags
-from guardian.config import load_config
+from guardian.config.loading import load_config
 from guardian.exit_codes import EXIT_BOOT_ERROR, EXIT_USAGE
-from guardian.http import GuardianHandler
-from guardian.plugins.manager import make_plugin_manager
-from guardian.server import Guardian, make_http_server
+from guardian.serving.handler import GuardianHandler
+from guardian.plugin_manager import make_plugin_manager
+from guardian.serving.assembly import ServedModel, make_http_server
 
 REPO = Path(__file__).resolve().parent.parent
 STOCK_VERSION = importlib.metadata.version("mlx-lm")
@@ -61,7 +61,7 @@ pytestmark = pytest.mark.timeout(60)
 
 
 class GuardianWouldNotStart(Exception):
-    """guardian.server.serve would exit before serving; the message has its exit code and why."""
+    """guardian.serving.assembly.serve would exit before serving; the message has its exit code and why."""
 
 
 # --- the stock tests that cannot pass, and why: the one list --------------------------------
@@ -179,8 +179,8 @@ def demo_model_provider(with_draft=False, kv_bits=None, quantized_kv_start=0):
     saved_argv = sys.argv
     sys.argv = argv
     try:
-        stock.run_stock_main(lambda host, port, provider: built.append(provider),
-                             add_arguments=lambda parser: None, after_parse=lambda namespace: None)
+        stock.handler.run_stock_main(lambda host, port, provider: built.append(provider),
+                                     add_arguments=lambda parser: None, after_parse=lambda namespace: None)
     finally:
         sys.argv = saved_argv
     provider = built[0]
@@ -193,7 +193,7 @@ def demo_model_provider(with_draft=False, kv_bits=None, quantized_kv_start=0):
 
 def guardian_engine(model_provider, prompt_cache=None):
     """Stands in for stock's ``ResponseGenerator(model_provider, prompt_cache)``:
-    the guardian as guardian.server.serve checks, builds and starts it."""
+    the guardian as guardian.serving.assembly.serve checks, builds and starts it."""
     try:
         model_provider.load_default()
     except Exception as e:
@@ -206,7 +206,7 @@ def guardian_engine(model_provider, prompt_cache=None):
     pm = make_plugin_manager(config)
     # The exit codes the engine asks for (serve would exit with the first).
     exit_codes: list[int] = []
-    served = StockFacingGuardian(model_provider, config, pm, on_exit=exit_codes.append)
+    served = StockFacingServedModel(model_provider, config, pm, on_exit=exit_codes.append)
     served.exit_codes = exit_codes
     served.start()
     if prompt_cache is not None:
@@ -216,11 +216,11 @@ def guardian_engine(model_provider, prompt_cache=None):
     return served
 
 
-class StockFacingGuardian(Guardian):
-    """guardian.server.Guardian, with what stock's tests reach on a ResponseGenerator."""
+class StockFacingServedModel(ServedModel):
+    """guardian.serving.assembly.ServedModel, with what stock's tests reach on a ResponseGenerator."""
 
     def __getattr__(self, name):
-        # Only for names Guardian lacks: stock's tests call ResponseGenerator
+        # Only for names ServedModel lacks: stock's tests call ResponseGenerator
         # internals (_is_batchable, _make_state_machine, model_provider).
         engine = self.__dict__.get("engine")
         if engine is None:
@@ -229,14 +229,14 @@ class StockFacingGuardian(Guardian):
 
     def stop_and_join(self):
         """Stop as serve() stops: the watchdog, the loop, then the shutdown hooks."""
-        self.watchdog.stop()
+        self.stall_detector.stop()
         self.engine.stop_and_join()
         self.pm.hook.guardian_shutdown(engine=self.engine, exit_code=0)
 
 
 def guardian_handler(served, *args, **kwargs):
     """Stands in for stock's ``APIHandler(response_generator, ...)``."""
-    return GuardianHandler(served, *args, system_fingerprint=stock.get_system_fingerprint(), **kwargs)
+    return GuardianHandler(served, *args, system_fingerprint=stock.contract.get_system_fingerprint(), **kwargs)
 
 
 def guardian_http_server(address, handler_factory):

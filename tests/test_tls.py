@@ -26,7 +26,7 @@ import trustme
 
 from conftest import Server, chat_body, free_port, poll, read_stream, spawn_guardian
 from guardian.access.tls import ServerCertificate
-from guardian.connection import ConnectionLimits, HeldConnections
+from guardian.serving.connection import ConnectionLimits, HeldConnections
 from guardian.exit_codes import EXIT_USAGE
 
 COMPLETIONS = "/v1/chat/completions"

@@ -199,7 +199,7 @@ def test_the_served_model_named_by_its_path_is_served(server):
 
 def test_adapters_beside_the_default_model_follow_stocks_mapping(server, tmp_path):
     response = httpx.post(server.url + CHAT, json=chat(adapters=str(tmp_path / "adapter")), timeout=60)
-    if stock.STOCK_VERSION.startswith("0.31."):
+    if stock.contract.STOCK_VERSION.startswith("0.31."):
         # 0.31 loads the adapter onto the default model: a switch, refused.
         assert response.status_code == 404, response.text
         assert response.json()["error"]["param"] == "adapters"
@@ -270,7 +270,7 @@ def test_a_flag_that_can_never_work_stops_the_server_at_start(model_cache, flags
     assert message in result.stderr
 
 
-@pytest.mark.skipif(stock.STOCK_VERSION.startswith("0.31."), reason="mlx-lm 0.31 has no --kv-bits")
+@pytest.mark.skipif(stock.contract.STOCK_VERSION.startswith("0.31."), reason="mlx-lm 0.31 has no --kv-bits")
 def test_kv_bits_that_cannot_quantize_the_heads_stop_the_server(model_cache):
     # The demo model's heads are 16 wide; the default group of 64 cannot divide them.
     result = run_guardian("--kv-bits", "4", model_cache=model_cache)

@@ -6,9 +6,9 @@
 Each page is rendered from the one place the code declares it, in the manner
 of gunicorn's settings page and datasette's `cog --check`:
 
-- settings.md   the settings registry (guardian/settings.py: the core's tables
-                in guardian/config.py, each built-in plugin's beside its code)
-- hooks.md      the hookspecs (guardian/plugins/hookspecs.py): signature, call
+- settings.md   the settings registry (guardian/config/registry.py: the core's tables
+                in guardian/config/tables.py, each built-in plugin's beside its code)
+- hooks.md      the hookspecs (guardian/hookspecs.py): signature, call
                 mode and docstring
 - exit-codes.md guardian/exit_codes.py's EXIT_CODES
 - metrics.md    every metric's name, type, labels and help, read from the
@@ -59,7 +59,7 @@ def cell(text: str) -> str:
 # -- settings -----------------------------------------------------------------------------------
 def describe_type(setting_type) -> str:
     """A setting's type in a few words, with its bounds."""
-    from guardian import settings as s
+    from guardian.config import registry as s
 
     if isinstance(setting_type, s.Bool):
         return "bool"
@@ -95,13 +95,14 @@ def settings_table(table) -> list[str]:
 
 
 def settings_page() -> str:
-    from guardian.config import CORE_TABLES, CommandLine, built_in_plugin_tables
+    from guardian.config.tables import CORE_TABLES, CommandLine
+    from guardian.config.reference import built_in_plugin_tables
 
     tables = [*CORE_TABLES, *built_in_plugin_tables(), CommandLine]
     core = ", ".join(f"`[{table.table_name}]`" for table in CORE_TABLES)
     lines = [GENERATED_NOTE, "# Settings", "",
              "Every setting of `--guardian-config FILE` (TOML), declared once in the settings registry "
-             "(`guardian/settings.py`; the core's tables in `guardian/config.py`, each built-in plugin's "
+             "(`guardian/config/registry.py`; the core's tables in `guardian/config/tables.py`, each built-in plugin's "
              f"beside its code). {core} configure the core; every other table belongs to the plugin of "
              "that name. A key that is "
              "not listed, or a value of the wrong type, stops the server at start (exit 2) with a "
@@ -109,7 +110,7 @@ def settings_page() -> str:
              "between requests; any other setting waits for a restart "
              "([live configuration](../operations.md#changing-the-configuration-without-a-restart)). "
              "A flag wins over its key. `config/guardian.example.toml` is the same registry as a file "
-             "(`python -m guardian.settings > config/guardian.example.toml`).", ""]
+             "(`python -m guardian.config.reference > config/guardian.example.toml`).", ""]
     for table in tables:
         lines += settings_table(table)
     return "\n".join(lines)
@@ -118,7 +119,7 @@ def settings_page() -> str:
 # -- hooks -------------------------------------------------------------------------------------
 def hookspecs() -> list[tuple[str, Callable, dict]]:
     """Every hookspec, in the order the module declares them, with its options."""
-    from guardian.plugins import hookspecs as module
+    from guardian import hookspecs as module
 
     marker = module.PROJECT_NAME + "_spec"
     return [(name, f, getattr(f, marker)) for name, f in vars(module).items()
@@ -135,7 +136,7 @@ def call_mode(options: dict, doc: str) -> str:
 
 
 def hooks_page() -> str:
-    from guardian.plugins import hookspecs as module
+    from guardian import hookspecs as module
 
     source = Path(module.__file__).resolve().relative_to(REPO)
     # The docstring's first line says what the module is; this page says it for itself.

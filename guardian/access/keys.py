@@ -24,7 +24,7 @@ from typing import Optional
 
 import structlog
 
-from guardian.settings import ConfigError
+from guardian.config.registry import ConfigError
 
 log = structlog.get_logger("guardian.access")
 
@@ -192,7 +192,7 @@ class KeyRing:
         """Reload on every save of the file (SIGHUP is the caller's to route to ``reload``)."""
         if self.path is None or self._watcher is not None:
             return
-        from guardian.live_config import ConfigFileWatcher
+        from guardian.config.live import ConfigFileWatcher
 
         self._watcher = ConfigFileWatcher(self.path, self.reload)
         self._watcher.start()

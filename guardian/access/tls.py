@@ -1,7 +1,7 @@
 """TLS at the door: ``--ssl-certfile`` / ``--ssl-keyfile`` (vLLM's names), read again on SIGHUP.
 
 Imports no mlx: the one-process server and the supervisor's public port
-serve HTTPS the same way, through the connection layer (guardian.connection),
+serve HTTPS the same way, through the connection layer (guardian.serving.connection),
 whose reader runs each handshake non-blocking beside every other
 connection's reads, under the same deadlines: a slow or silent client holds
 up no one. A new connection takes the newest context: a reload swaps one
@@ -15,7 +15,7 @@ from typing import Optional
 
 import structlog
 
-from guardian.config import ConfigError
+from guardian.config.registry import ConfigError
 
 log = structlog.get_logger("guardian.access")
 

@@ -25,9 +25,9 @@ from guardian.admission.facts import (
     served_model_config,
     vocab_size_of,
 )
-from guardian.context import add_response_headers, at_request_end, bind_log_fields, current_request
+from guardian.request_context import add_response_headers, at_request_end, bind_log_fields, current_request
 from guardian.errors import AbortRequest, GuardianError, from_stock_exception
-from guardian.plugins.manager import notify
+from guardian.plugin_manager import notify
 from guardian.admission.unloaded_models import UnloadedModels
 from guardian.admission.validation import RequestBounds, check_body
 
@@ -85,7 +85,7 @@ class AdmissionGate:
         # The server's AccessPolicy (guardian.access): admit_request hooks get it
         # for its per-client limits. None: no door (a bench, a unit test).
         self.door = door
-        # The live configuration (guardian.live_config): a request is admitted
+        # The live configuration (guardian.config.live): a request is admitted
         # under one version of it, pinned for the whole admission.
         self.live = live
         # The guard's context limit for the served model, for /v1/models; set
@@ -183,7 +183,7 @@ class AdmissionGate:
         if error is not None:
             admission.finish()
             raise AbortRequest(error)
-        stock.attach_tokens(admission.request, model_key, admission.tokenized)
+        stock.requests.attach_tokens(admission.request, model_key, admission.tokenized)
         add_response_headers(admission.response_headers)
         return admission
 
@@ -195,11 +195,11 @@ class AdmissionGate:
         on this machine: stock would download it.
         """
         provider = self.model_provider
-        loaded = stock.loaded_tokenizer(provider, args)
+        loaded = stock.models.loaded_tokenizer(provider, args)
         if loaded is not None:
             model_key, tokenizer = loaded
             return model_key, tokenizer, self.model_limits(model_key)
-        model_key = stock.requested_model_key(provider, args.model)
+        model_key = stock.models.requested_model_key(provider, args.model)
         if self._unloaded_models is None:
             self._unloaded_models = UnloadedModels(self.cli_args)
         unloaded = self._unloaded_models.get(model_key)
@@ -230,7 +230,7 @@ class AdmissionGate:
         """Stock's tokenization of ``request``, on a private copy of the tokenizer."""
         try:
             with private_tokenizer(tokenizer) as private:
-                return stock.tokenize_as_stock(self.model_provider, private, request, args)
+                return stock.requests.tokenize_as_stock(self.model_provider, private, request, args)
         except Exception as e:
             # What stock would have put on the request's queue: its fault.
             raise from_stock_exception(e) from e

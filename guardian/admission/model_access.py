@@ -30,7 +30,7 @@ class ModelAccess:
     def __init__(self, model_provider, *, allowed_models: list, allow_any_model: bool):
         self.model_provider = model_provider
         # The key load_default() gave: what "default_model" and the served paths map to.
-        self.served_key = stock.requested_model_key(model_provider, describe({}))
+        self.served_key = stock.models.requested_model_key(model_provider, describe({}))
         self.allowed = frozenset(allowed_models)
         self.allow_any_model = allow_any_model
 
@@ -41,7 +41,7 @@ class ModelAccess:
         names = (description.model, description.adapter, description.draft)
         if not all(name is None or isinstance(name, str) for name in names):
             return None
-        return stock.requested_model_key(self.model_provider, description)
+        return stock.models.requested_model_key(self.model_provider, description)
 
     def disallowed_field(self, key: tuple) -> Optional[str]:
         """The field naming a model this server does not serve, in ``key``'s order; or None."""

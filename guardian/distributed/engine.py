@@ -16,7 +16,7 @@ import structlog
 import guardian
 from guardian.engine.generator import GuardianEngine
 from guardian.exit_codes import EXIT_GROUP_FAILED
-from guardian.settings import EXIT
+from guardian.config.registry import EXIT
 
 log = structlog.get_logger("guardian.group")
 

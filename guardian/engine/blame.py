@@ -44,7 +44,7 @@ from collections import deque
 from enum import Enum
 from typing import Hashable, Iterable, Optional
 
-# Classifications (guardian.plugins.recovery.classify) that mean the device
+# Classifications (guardian.engine.failures.classify) that mean the device
 # ran out of memory: the environment's doing, not the request's.
 MEMORY_CLASSIFICATIONS = frozenset({"metal_resource_limit", "out_of_memory"})
 

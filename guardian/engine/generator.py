@@ -28,7 +28,7 @@ from guardian.engine.blame import MEMORY_CLASSIFICATIONS, FailureBudget, Verdict
 from guardian.engine.kept_kv import KeptKV
 from guardian.engine.lifecycle import EngineAbandoned, EngineState, Lifecycle
 from guardian.engine.restart import Backoff, RestartClock, release_dead_loop
-from guardian.context import request_scope
+from guardian.request_context import request_scope
 from guardian.errors import (
     AbortRequest,
     EngineStepError,
@@ -38,10 +38,11 @@ from guardian.errors import (
 )
 from guardian.exit_codes import EXIT_ENGINE_FAILED, EXIT_ENGINE_STALLED, exit_now
 from guardian.engine.ledger import RequestLedger, RequestRecord, Stage
-from guardian.plugins.manager import active_hook, notify
+from guardian.plugin_manager import active_hook, notify
 from guardian.relay_protocol import started_by_supervisor
-from guardian.settings import ACTIONS, EXIT, RELOAD, RESTART
-from guardian.quarantine import Entry, Quarantine, short
+from guardian.config.registry import ACTIONS, EXIT, RELOAD, RESTART
+from guardian.quarantine.blamed import Entry, Quarantine
+from guardian.quarantine.table import short
 
 log = structlog.get_logger("guardian.engine")
 
@@ -56,7 +57,7 @@ def batch_places(cli_args) -> int:
     return max(getattr(cli_args, "decode_concurrency", 0) or 0, getattr(cli_args, "prompt_concurrency", 0) or 0)
 
 
-class GuardianPromptCache(stock.LRUPromptCache):
+class GuardianPromptCache(stock.contract.LRUPromptCache):
     """Stock's prompt cache, closed to probes and to abandoned loop threads,
     which hands a re-run the KV its failed batch held first (``kept``)."""
 
@@ -85,7 +86,7 @@ class GuardianPromptCache(stock.LRUPromptCache):
         return super().insert_cache(model, tokens, prompt_cache, **kwargs)
 
 
-class GuardianEngine(stock.SupervisableResponseGenerator):
+class GuardianEngine(stock.loop.GuardedResponseGenerator):
     def __init__(self, model_provider, prompt_cache_size: int, *, pm, core, on_exit: Callable[[int], None],
                  access=None):
         # Stock's __init__ starts the generation thread: everything the
@@ -138,7 +139,7 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
         self._batch = None
         self._requests_kv_bytes: Optional[int] = None
         self._kv_measure_pending = False
-        # What hooks receive as ``engine`` (a guardian.plugins.facade.EngineView),
+        # What hooks receive as ``engine`` (a guardian.engine_view.EngineView),
         # set by whoever serves this engine before the first request.
         self.plugin_view = None
         # Called before every engine step: no plugin call at all by default.
@@ -153,7 +154,7 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
             threading.Thread(target=self._report_finished_requests, name="request-reports",
                              daemon=True).start()
         # A loop abandoned while it reads weights must not assign them later.
-        stock.guard_model_loads(model_provider, self._check_load_owner)
+        stock.models.guard_model_loads(model_provider, self._check_load_owner)
         super().__init__(model_provider, prompt_cache)
 
     # Stock's __init__ assigns a plain Queue; the engine's queue is the ledger.
@@ -236,7 +237,7 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
         unwinding freed its batch's arrays, then the thread ended) and the
         process died: "cudaStreamEndCapture failed: operation failed due to a
         previous error during capture". So the live loop drains its queue and
-        waits while this thread unwinds, and ``supervise`` then parks it."""
+        waits while this thread unwinds, and ``run_guarded`` then parks it."""
         if getattr(self._leaving, "way_out", None) is not None:
             return  # let go already: still unwinding
         leaving = _Leaving()
@@ -287,7 +288,7 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
             raise AbortRequest(from_stock_exception(e)) from None
 
     # -- supervision ----------------------------------------------------------
-    def supervise(self, run_stock_loop) -> None:
+    def run_guarded(self, run_stock_loop) -> None:
         """The loop thread: own the engine, route stock's seams here, run the loop."""
         try:
             self.lifecycle.loop_started()
@@ -295,8 +296,8 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
             # on a new loop thread every kind of request compiles again
             # (guardian.health.pace). A restart on the same thread keeps them.
             self.ledger.produced_kinds = set()
-            stock.route_loop_thread(observe=self._observe_step, pin=self._pin_on_request,
-                                    batch_made=self._batch_made, returned=self._check_owner)
+            stock.loop.route_loop_thread(observe=self._observe_step, pin=self._pin_on_request,
+                                         batch_made=self._batch_made, returned=self._check_owner)
             self._restart_until_stopped(run_stock_loop)
         except EngineAbandoned:
             leaving: Optional[_Leaving] = getattr(self._leaving, "way_out", None)
@@ -333,7 +334,7 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
             if action == EXIT:
                 return
             if action == RELOAD:
-                stock.reset_model_provider(self.model_provider)
+                stock.models.reset_model_provider(self.model_provider)
             # A full collection (the tail of a restart) only where clearing the
             # frames freed no arrays, or before the weights are read again.
             full_gc = released <= 0 or action == RELOAD
@@ -350,10 +351,10 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
         (guardian.engine.kept_kv), when its last step completed; else keep nothing:
         the re-runs prefill as before."""
         batch = self._batch() if self._batch is not None else None
-        if batch is None or stock.is_distributed(self) or not self.ledger.counts()["rerun_queued"]:
+        if batch is None or stock.loop.is_distributed(self) or not self.ledger.counts()["rerun_queued"]:
             return
         try:
-            rows = stock.rows_of_completed_steps(batch)
+            rows = stock.continuation.rows_of_completed_steps(batch)
         except Exception as e:  # copying the caches evaluated a step that had failed after all
             log.warning("continuation_kv_discarded", reason="copying the batch's KV failed",
                         error_type=type(e).__name__, error_message=str(e))
@@ -364,7 +365,7 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
         self._kept_kv.keep(self.model_provider.model_key, rows)
         self._kept_kv_waiting = bool(rows)
         log.info("continuation_kv_kept", requests=len(rows), tokens=sum(len(tokens) for tokens, _ in rows),
-                 bytes=sum(stock.cache_nbytes(cache) for _, cache in rows))
+                 bytes=sum(stock.continuation.cache_nbytes(cache) for _, cache in rows))
 
     def _drop_kept_kv_once_reruns_taken(self) -> None:
         """At a look at the queue: once the loop has taken every re-run, drop the
@@ -560,7 +561,7 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
 
     def _blame(self, record: RequestRecord, cause: BaseException, classification: str) -> None:
         """The request failed alone: answer it, and quarantine its fingerprint."""
-        fingerprint = stock.attached_fingerprint(record.args)
+        fingerprint = stock.requests.attached_fingerprint(record.args)
         entry = None
         if fingerprint is not None:
             entry = self.quarantine.add(
@@ -580,7 +581,7 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
     # -- a request's own sampling failed: it alone ends -------------------------
     def _pin_on_request(self, args, exc: BaseException, where: str) -> bool:
         """A request's sampler or logits processor raised (see
-        stock.guard_request_sampling): end that request and drop it from the
+        stock.sampling.guard_request_sampling): end that request and drop it from the
         batch; the others go on. False when no request in flight has ``args``."""
         record = self.ledger.record_for_args(args)
         if record is None:
@@ -659,7 +660,7 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
         log.critical("engine_gave_up", reason=reason, exit_code=exit_code)
         for record in [*self.ledger.close(error), *records]:
             self.fail(record, error)
-        stock.stop_generation_thread(self)
+        stock.loop.stop_generation_thread(self)
         self.on_exit(exit_code)
 
     def recover_from_stall(self, reason: str, rung: str) -> None:
@@ -683,8 +684,8 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
         self._settle(decided, TimeoutError(reason), "stall")
         self._drop_prompt_cache()
         if reload:
-            stock.reset_model_provider(self.model_provider)
-        replaced = stock.start_generation_thread(self)
+            stock.models.reset_model_provider(self.model_provider)
+        replaced = stock.loop.start_generation_thread(self)
         if replaced is not None:
             self._abandoned_threads = [t for t in self._abandoned_threads if t.is_alive()] + [replaced]
 
@@ -758,7 +759,7 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
         longer than ``timeout_s``.
         """
         started = time.monotonic()
-        request, args = stock.make_request(prompt, max_tokens=1, cli_args=self.cli_args)
+        request, args = stock.requests.make_request(prompt, max_tokens=1, cli_args=self.cli_args)
         responses: Queue = Queue()
         with request_scope(f"probe-{next(self._probe_ids)}", stream=True):
             record = self.ledger.put((responses, request, args), synthetic=True)
@@ -770,7 +771,7 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
                 if isinstance(item, BaseException):
                     result["error"] = f"{type(item).__name__}: {item}"
                     break
-                if isinstance(item, stock.Response):
+                if isinstance(item, stock.contract.Response):
                     result.update(ok=True, token=item.token)
                 if item is None:
                     break
@@ -865,7 +866,7 @@ class GuardianEngine(stock.SupervisableResponseGenerator):
             # Each holds its stack's arrays (stuck) or what mlx keeps per thread (parked).
             "abandoned_loop_threads": sum(t.is_alive() for t in self._abandoned_threads),
             "heartbeat_age_s": round(time.monotonic() - self.last_beat, 3),
-            "mlx_lm_version": stock.STOCK_VERSION,
+            "mlx_lm_version": stock.contract.STOCK_VERSION,
             "backoff": self.backoff.status(),
             "requests_cancelled": dict(self.ledger.cancelled),
             "tokens_after_cancel": self.ledger.tokens_after_cancel,

@@ -8,7 +8,7 @@ again, generated tokens and all, and under frequent failures that prefill
 was most of the work (bench/soak.py). When the failure left the batch's KV
 caches as its last completed step wrote them, the engine copies each
 request's cache out before the dead loop is released
-(``stock.rows_of_completed_steps``) and keeps it here; the prompt cache
+(``stock.continuation.rows_of_completed_steps``) and keeps it here; the prompt cache
 (``GuardianPromptCache.fetch_nearest_cache``) hands a re-run the kept cache
 that holds the longest prefix of its prompt, cut back so that at least the
 prompt's last token is prefilled. Each kept cache serves one request; what
@@ -50,7 +50,7 @@ class KeptKV:
         for index, (model, tokens, cache) in enumerate(rows):
             if model != model_key:
                 continue
-            length = stock.reusable_length(prompt, tokens, cache)
+            length = stock.continuation.reusable_length(prompt, tokens, cache)
             if length > best_length:
                 best, best_length = index, length
         if best is None:
@@ -59,7 +59,7 @@ class KeptKV:
         self._rows = rows[:best] + rows[best + 1:]
         self.reused += 1
         self.reused_tokens += best_length
-        return stock.cut_cache(cache, len(tokens), best_length), prompt[best_length:]
+        return stock.continuation.cut_cache(cache, len(tokens), best_length), prompt[best_length:]
 
     def drop(self) -> int:
         """Forget every kept cache; return how many there were."""
@@ -69,7 +69,7 @@ class KeptKV:
 
     @property
     def nbytes(self) -> int:
-        return sum(stock.cache_nbytes(cache) for _, _, cache in self._rows)
+        return sum(stock.continuation.cache_nbytes(cache) for _, _, cache in self._rows)
 
     def status(self) -> dict:
         """For /guardian/status: kept caches, and how many re-runs used one."""

@@ -22,7 +22,7 @@ from typing import Callable, Optional
 import structlog
 
 from guardian import stock
-from guardian.context import current_request, track_engine_request
+from guardian.request_context import current_request, track_engine_request
 from guardian.errors import ClientLeft, EngineStepError, GuardianError
 
 log = structlog.get_logger("guardian.engine")
@@ -78,8 +78,8 @@ class RequestRecord:
         self.failed_at_position: Optional[int] = None
         self.isolate = False
         self.first_args = item[2]  # as the handler made them (continuations copy them)
-        # Its samplers and logits processors (stock.sampling_kind), read once.
-        self.kind = stock.sampling_kind(self.first_args)
+        # Its samplers and logits processors (stock.sampling.sampling_kind), read once.
+        self.kind = stock.sampling.sampling_kind(self.first_args)
         # The ledger's produced_kinds this request's kind was added to: a new
         # loop thread brings a new set (an identity check per token, no hashing).
         self._kind_counted_in: Optional[set] = None
@@ -109,19 +109,19 @@ class RequestRecord:
         self.ledger.beat()
         with self._lock:
             if self.stage is Stage.DONE:
-                if isinstance(item, stock.Response):
+                if isinstance(item, stock.contract.Response):
                     # Generated for nobody (its client left, or its deadline passed):
                     # the loop drops it at its next step; the goal is 0 or 1 per request.
                     self.ledger.tokens_after_cancel += 1
-                if isinstance(item, stock.GenerationContext):
+                if isinstance(item, stock.contract.GenerationContext):
                     # Ended before stock made its context (the client left,
                     # or it failed): stock must not generate it for nobody.
-                    stock.GenerationContext.stop(item)
+                    stock.contract.GenerationContext.stop(item)
                 return
             # Tokens first: they are nearly every call.
-            if isinstance(item, stock.Response):
+            if isinstance(item, stock.contract.Response):
                 self._on_token(item)
-            elif isinstance(item, stock.GenerationContext):
+            elif isinstance(item, stock.contract.GenerationContext):
                 self._on_context(item)
             elif item is None or isinstance(item, BaseException):
                 self._finish(item)
@@ -178,7 +178,7 @@ class RequestRecord:
         """Nobody waits for this request any more (any thread): its client left
         (a close, a write that failed or made no progress)."""
         if self._current_ctx is not None:
-            stock.GenerationContext.stop(self._current_ctx)
+            stock.contract.GenerationContext.stop(self._current_ctx)
         with self._lock:
             if self.stage is not Stage.DONE:
                 self.stage = Stage.DONE
@@ -210,22 +210,22 @@ class RequestRecord:
         """Make stock drop this request from its batch at its next step, as it
         drops one whose client left."""
         if self._current_ctx is not None:
-            stock.GenerationContext.stop(self._current_ctx)
+            stock.contract.GenerationContext.stop(self._current_ctx)
 
     def prepare_rerun(self, *, continued: bool = False) -> None:
         """Forget what the failed run produced that the client never saw; or,
-        ``continued``, keep it all and go on after it (stock.continuation_args)."""
+        ``continued``, keep it all and go on after it (stock.continuation.continuation_args)."""
         with self._lock:
             if continued:
                 self.continuations += 1
-                args = stock.continuation_args(self.first_args, self.generated)
+                args = stock.continuation.continuation_args(self.first_args, self.generated)
             else:
                 self._held.clear()
                 self.generated.clear()
                 args = self.first_args
             self.item = (self, self.request, args)
             if self._current_ctx is not None:
-                stock.GenerationContext.stop(self._current_ctx)
+                stock.contract.GenerationContext.stop(self._current_ctx)
             if self.stage is not Stage.DONE:  # its client may have left meanwhile
                 self.stage = Stage.QUEUED
 
@@ -270,7 +270,7 @@ class RequestRecord:
         """Whether, after a failure, it may go on from the tokens it generated: at
         most ``max_continuations`` times at one point (guardian.engine.blame)."""
         return (self.has_output and self.stuck_failures <= max_continuations
-                and stock.continuable(self.request))
+                and stock.continuation.continuable(self.request))
 
 
 # How long the loop's look at the queue waits for requests still being
@@ -353,7 +353,7 @@ class RequestLedger:
         # Prompt tokens of requests re-run after an engine failure, and of those
         # the ones their prefill was spared (loop thread only).
         self.rerun_prompt_tokens = self.rerun_cached_tokens = 0
-        # The kinds of request (stock.sampling_kind) that have produced a token
+        # The kinds of request (stock.sampling.sampling_kind) that have produced a token
         # in this process: their kernels are compiled.
         self.produced_kinds: set[tuple[str, ...]] = set()
 
@@ -405,7 +405,7 @@ class RequestLedger:
             client=info.client,
         )
         record.item = (record, request, args)
-        # Its client's leaving, or its deadline, ends it wherever it is (guardian.connection).
+        # Its client's leaving, or its deadline, ends it wherever it is (guardian.serving.connection).
         track_engine_request(record)
         # Arrived: no longer counted as arriving, in the same step as queued.
         arrived = getattr(self._this_thread, "arriving", False)

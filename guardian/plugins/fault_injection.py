@@ -16,9 +16,9 @@ import threading
 import structlog
 
 import guardian
-from guardian.config import ConfigError
-from guardian.plugins.manager import resolve
-from guardian.settings import Bool, Float, Int, Setting, Str, Table
+from guardian.config.registry import ConfigError
+from guardian.plugin_manager import resolve
+from guardian.config.registry import Bool, Float, Int, Setting, Str, Table
 
 log = structlog.get_logger("guardian.fault_injection")
 

@@ -8,7 +8,7 @@ cache, and it never passes through the HTTP layer or its access log.
 from __future__ import annotations
 
 import guardian
-from guardian.settings import Setting, Str, Table
+from guardian.config.registry import Setting, Str, Table
 
 
 class GenerationProbeSettings(Table, name="generation_probe"):

@@ -5,7 +5,7 @@ something (a restart, a stall, a probe, an admission decision, a request
 that ended), and gauges are read when Prometheus scrapes (the engine's
 state and queues, the prompt cache, mlx's memory), so nothing is sampled
 on a timer and the engine never calls into metrics. The registry is this
-plugin's own (guardian.metrics): one per server, never the global one.
+plugin's own (guardian.observability.metrics): one per server, never the global one.
 Disable it with ``[guardian] disabled_plugins = ["metrics"]``; /metrics
 then answers 404.
 
@@ -24,13 +24,13 @@ from prometheus_client import Counter, Histogram, PlatformCollector, ProcessColl
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 
 import guardian
-from guardian import metrics
+from guardian.observability import metrics
 from guardian.access.policy import REFUSALS as ACCESS_REFUSALS
 from guardian.admission.facts import device_info, device_memory
 from guardian.engine.lifecycle import EngineState
 from guardian.engine.ledger import CANCELLED, COMPLETED, FAILED
-from guardian.plugins.recovery import CLASSIFICATIONS
-from guardian.settings import ACTIONS
+from guardian.engine.failures import CLASSIFICATIONS
+from guardian.config.registry import ACTIONS
 
 P = metrics.PREFIX
 

@@ -41,7 +41,7 @@ from guardian.admission.facts import (
     device_memory,
 )
 from guardian.errors import GuardianError
-from guardian.settings import Bool, Float, Int, OneOf, Setting, Table
+from guardian.config.registry import Bool, Float, Int, OneOf, Setting, Table
 
 log = structlog.get_logger("guardian.prompt_guard")
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import guardian
 from guardian import stock
-from guardian.quarantine import request_fingerprint
-from guardian.settings import EXIT, RELOAD, RESTART, Float, Int, Setting, Table
+from guardian.quarantine.blamed import request_fingerprint
+from guardian.config.registry import EXIT, RELOAD, RESTART, Float, Int, Setting, Table
+from guardian.engine.failures import classify
 
 
 class RecoverySettings(Table, name="recovery"):
@@ -104,7 +105,7 @@ class Recovery:
         if not engine.quarantine_enabled:
             return None
         fingerprint = request_fingerprint(admission.prompt_tokens, admission.args)
-        stock.attach_fingerprint(admission.args, fingerprint)
+        stock.requests.attach_fingerprint(admission.args, fingerprint)
         return engine.quarantine_refusal(fingerprint)
 
     @guardian.hookimpl(trylast=True)
@@ -119,20 +120,3 @@ class Recovery:
         if reload_after and failures_in_window >= reload_after:
             return RELOAD
         return RESTART
-
-
-# What ``classify`` answers; plugins may add their own.
-CLASSIFICATIONS = ("metal_resource_limit", "out_of_memory", "unknown")
-
-
-def classify(exc: BaseException) -> str:
-    """A stable name for an engine exception: what an operator searches for."""
-    text = str(exc)
-    if "Resource limit" in text and "metal" in text:
-        return "metal_resource_limit"
-    if isinstance(exc, MemoryError) or any(
-        marker in text.lower()
-        for marker in ("out of memory", "insufficient memory", "attempting to allocate")
-    ):
-        return "out_of_memory"
-    return "unknown"

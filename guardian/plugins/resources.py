@@ -32,7 +32,7 @@ import structlog
 import guardian
 from guardian.admission.facts import describe_bytes, device_info, device_memory, memory_in_use
 from guardian.errors import GuardianError
-from guardian.settings import Float, Int, Setting, Table
+from guardian.config.registry import Float, Int, Setting, Table
 
 log = structlog.get_logger("guardian.resources")
 

@@ -21,7 +21,7 @@ import httpx
 from prometheus_client import Counter, Gauge, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
-from guardian import metrics
+from guardian.observability import metrics
 from guardian.access.policy import REFUSALS as ACCESS_REFUSALS
 from guardian.exit_codes import EXIT_ENGINE_FAILED, EXIT_ENGINE_STALLED
 
@@ -103,7 +103,7 @@ class SupervisorCollector:
 
     def collect(self):
         supervisor = self.supervisor
-        from guardian.supervise.supervisor import State  # the supervisor imports this module
+        from guardian.supervise.state import State  # the supervisor imports this module
 
         state = GaugeMetricFamily(P + "state", "The supervisor's state: 1 for the current one.", labels=["state"])
         for value in (State.STARTING, State.READY, State.UNHEALTHY, State.RESTARTING, State.STOPPING, State.FAILED):

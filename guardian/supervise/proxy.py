@@ -10,7 +10,7 @@ headers. When the child dies under a request, the request is sent again to
 the next child; a stream the client had begun to receive is continued there
 after the tokens it already has (``guardian.relay_protocol``). Past
 ``max_resends`` (or while no child comes) the client gets a 503 if nothing
-was sent yet, or an error event and ``[DONE]`` if a stream had started. The crash quarantine (``guardian.supervise.crash_quarantine``)
+was sent yet, or an error event and ``[DONE]`` if a stream had started. The crash quarantine (``guardian.quarantine.crashes``)
 sees every POST: it refuses the ones it quarantined and holds its
 suspects back until they can run alone. No read from the child needs a timeout: the supervisor
 forgets a child only once it is reaped, and the kernel has then closed the
@@ -35,10 +35,10 @@ from guardian import relay_protocol
 from guardian.access.keys import API_KEY_HEADER, AUTHORIZATION
 from guardian.access.policy import CLIENT_HEADER, AccessDecision, AccessRequest
 from guardian.access.tls import ServerCertificate
-from guardian.connection import HeldConnections, linger_close, raw_socket
-from guardian.context import REQUEST_ID_HEADER, sane_request_id
+from guardian.serving.connection import HeldConnections, linger_close, raw_socket
+from guardian.request_context import REQUEST_ID_HEADER, sane_request_id
 from guardian.supervise import metrics as supervise_metrics
-from guardian.supervise.crash_quarantine import fingerprint
+from guardian.quarantine.crashes import fingerprint
 from guardian.errors import GuardianError
 
 log = structlog.get_logger("guardian.supervisor")
@@ -91,7 +91,7 @@ CLIENT_GONE = (BrokenPipeError, ConnectionResetError, ConnectionAbortedError, Ti
 
 class PublicServer(HeldConnections, ThreadingHTTPServer):
     """The public host:port, behind the same connection layer as the engine's
-    server (guardian.connection): requests read under deadlines, handler threads
+    server (guardian.serving.connection): requests read under deadlines, handler threads
     bounded. With a certificate it serves HTTPS (the child behind it stays plain
     HTTP on loopback)."""
 

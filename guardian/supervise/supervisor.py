@@ -7,7 +7,7 @@ with ``--engine stock``. It relays every request to the child
 (``guardian.supervise.proxy``), checks the child's health, and replaces a child that
 died, crashed in native code, or stopped answering (even SIGSTOPped).
 A request in flight at two crashes is refused at the door for a while
-(``guardian.supervise.crash_quarantine``), so one body that crashes the engine
+(``guardian.quarantine.crashes``), so one body that crashes the engine
 natively cannot crash-loop the service.
 
 Modelled on gunicorn's Arbiter: signal handlers only enqueue; the main
@@ -35,21 +35,25 @@ from typing import Optional
 import httpx
 import structlog
 
-from guardian.config import AccessSettings, CommandLine, ConfigError, CoreSettings, SupervisorSettings, load_config
-from guardian.counting import ActiveCount, RecentEvents
-from guardian.supervise.crash_quarantine import CrashQuarantine
+from guardian.config.tables import AccessSettings, CommandLine, CoreSettings, SupervisorSettings
+from guardian.config.registry import ConfigError
+from guardian.config.loading import load_config
+from guardian.observability.counting import ActiveCount, RecentEvents
+from guardian.quarantine.crashes import CrashQuarantine
 from guardian.supervise.metrics import SupervisorMetrics
 from guardian.distributed.launch import LauncherProcess, group_command, kill_leftovers
 from guardian.errors import GuardianError
 from guardian import exit_codes
 from guardian.exit_codes import EXIT_OK, EXIT_SUPERVISOR_GAVE_UP, EXIT_USAGE
-from guardian.logs import configure_logging
+from guardian.observability.logs import configure_logging
 from guardian.access import announce, make_door
 from guardian.access.tls import ServerCertificate, load_certificate
 from guardian.relay_protocol import KEY_HEADER, RELAY_KEY_ENV, new_relay_key
-from guardian.connection import HANDLER_HEADROOM, ConnectionLimits
+from guardian.serving.connection import HANDLER_HEADROOM, ConnectionLimits
 from guardian.supervise.proxy import CHILD_CONNECT_TIMEOUT_S, CHILD_HOST, PublicServer
 from guardian.health.sd_notify import SystemdNotifier
+from guardian.supervise.state import HOLDING, SERVING, State
+
 
 log = structlog.get_logger("guardian.supervisor")
 
@@ -82,22 +86,6 @@ SIGNAL_HINTS = {
 }
 
 
-class State:
-    """What the supervisor is doing; /guardian/supervisor reports it."""
-
-    STARTING = "starting"  # the first child has not answered healthy yet
-    READY = "ready"  # the child answers healthy: requests go to it
-    UNHEALTHY = "unhealthy"  # checks fail, not yet for --supervisor-unhealthy-after
-    RESTARTING = "restarting"  # a child is being stopped, or its successor is not ready yet
-    STOPPING = "stopping"  # SIGTERM/SIGINT: the child is being stopped for good
-    FAILED = "failed"  # gave up: crash loop, or flags the child refuses
-
-
-# Requests go to the child in these states; a briefly unhealthy child still
-# knows best (a guardian child answers 503 itself while it recovers).
-SERVING = (State.READY, State.UNHEALTHY)
-# No child can take requests now, but one is coming: requests wait for it (bounded).
-HOLDING = (State.STARTING, State.RESTARTING)
 # A relay cut with nothing sent: a child that crashed is reaped within
 # milliseconds. One still alive after this long dropped the connection on its
 # own (stock does when its generation thread dies): no crash to send again after.
@@ -218,7 +206,7 @@ class Supervisor:
     def follow_access(self) -> None:
         """Watch --guardian-config for [access]'s live settings, as a guardian child watches the rest."""
         if self.options.guardian_config is not None:
-            from guardian.live_config import ConfigFileWatcher
+            from guardian.config.live import ConfigFileWatcher
 
             self.access_watcher = ConfigFileWatcher(Path(self.options.guardian_config), self.reload_access)
             self.access_watcher.start()

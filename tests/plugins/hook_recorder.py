@@ -2,7 +2,7 @@
 
 A test plugin (``[guardian] plugins = ["tests.plugins.hook_recorder:HookRecorder"]``,
 ``[hook_recorder] path = "..."``, or the ``HOOK_RECORDER_PATH`` environment
-variable). Its methods are generated from ``guardian.plugins.hookspecs``,
+variable). Its methods are generated from ``guardian.hookspecs``,
 each with its spec's own arguments, so it implements every hook there is,
 including hooks added later, without naming one. It decides nothing:
 deciding hooks (first result, collect-all) return None, which means no
@@ -18,7 +18,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-import guardian.plugins.hookspecs as hookspecs
+import guardian.hookspecs as hookspecs
 
 PROJECT = hookspecs.hookspec.project_name
 hookimpl = hookspecs.hookimpl

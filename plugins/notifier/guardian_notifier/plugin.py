@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import structlog
 
 import guardian
-from guardian.config import ConfigError
+from guardian.config.registry import ConfigError
 from guardian.exit_codes import reason as exit_reason
 from guardian_notifier.notice import DEFAULT, HIGH, URGENT, Notice
 from guardian_notifier.outbox import Outbox, destinations

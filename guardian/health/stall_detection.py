@@ -35,19 +35,19 @@ from typing import Optional
 
 import structlog
 
-from guardian.config import WatchdogSettings
-from guardian.counting import RecentEvents
+from guardian.config.tables import WatchdogSettings
+from guardian.observability.counting import RecentEvents
 from guardian.engine.lifecycle import EngineState
 from guardian.health.pace import Pace
 from guardian.health.step_cpu import StepCpu
-from guardian.logs import probe_running
-from guardian.plugins.manager import notify
+from guardian.observability.logs import probe_running
+from guardian.plugin_manager import notify
 from guardian.health.sd_notify import SystemdNotifier
 
 log = structlog.get_logger("guardian.watchdog")
 
 
-class Watchdog:
+class StallDetector:
     def __init__(self, engine, pm, settings: WatchdogSettings, notifier: Optional[SystemdNotifier] = None):
         self.engine = engine
         self.pm = pm

@@ -10,15 +10,15 @@ and everything else is derived from those declarations: the TOML
 validation (``Table.from_toml``: unknown keys, wrong types and bounds name
 the key), the argparse flags (``Setting.add_flag``), a flag winning over
 the file (``Table.with_flags``), and config/guardian.example.toml
-(``guardian.config.example_toml``). An instance of a table holds one value
+(``guardian.config.reference.example_toml``). An instance of a table holds one value
 per setting as a plain attribute (``settings.max_failures``).
 
 A setting declared ``live=True`` takes effect when the file changes while
-the server runs (guardian.live_config); any other is bound at start, and a
+the server runs (guardian.config.live); any other is bound at start, and a
 change to it is logged as needing a restart. The declaration is the one
 place that says which is which.
 
-``python -m guardian.settings > config/guardian.example.toml`` writes the
+``python -m guardian.config.reference > config/guardian.example.toml`` writes the
 example file from the registry.
 """
 
@@ -339,9 +339,3 @@ def _type_of_hint(hint: Any, metadata) -> Type:
     if python == (float,):
         return Float(min=metadata.get("min"))
     return Type(*python)
-
-
-if __name__ == "__main__":
-    from guardian.config import example_toml
-
-    print(example_toml(), end="")

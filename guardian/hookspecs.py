@@ -7,7 +7,7 @@ An exception raised by an observer hook (``on_*``, ``guardian_startup`` and
 by a deciding hook propagates.
 
 Wherever a hook takes ``engine``, it is an ``EngineView``
-(guardian/plugins/facade.py): the engine's status, the served model's
+(guardian/engine_view.py): the engine's status, the served model's
 limits, probes, and memory set aside, and nothing else. The engine's own
 objects stay behind it, so they can change without breaking plugins.
 """

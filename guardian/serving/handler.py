@@ -7,7 +7,7 @@ an OpenAI-shaped body with the right status before any byte was sent, or
 an SSE error event followed by ``[DONE]`` once a stream has started.
 
 Stock's handler calls its ``response_generator``; here that is a
-``guardian.server.Guardian``, whose ``generate`` runs admission and then the
+``guardian.serving.assembly.ServedModel``, whose ``generate`` runs admission and then the
 engine. The handler's own endpoints read its ``engine``, ``gate`` (request
 limits) and ``watchdog`` (health).
 """
@@ -22,14 +22,15 @@ from typing import Optional
 
 import structlog
 
-from guardian import metrics, relay_protocol, stock
+from guardian.observability import metrics
+from guardian import relay_protocol, stock
 from guardian.access.policy import AccessDecision, AccessRequest
-from guardian.connection import linger_close
+from guardian.serving.connection import linger_close
 from guardian.admission.facts import context_length_of
-from guardian.context import (REQUEST_ID_HEADER, add_response_headers, bind_log_fields, client_gone,
-                              current_request, deadline_passed, request_scope, sane_request_id)
+from guardian.request_context import (REQUEST_ID_HEADER, add_response_headers, bind_log_fields, client_gone,
+                                      current_request, deadline_passed, request_scope, sane_request_id)
 from guardian.errors import AbortRequest, GuardianError, from_stock_exception
-from guardian.plugins.manager import notify
+from guardian.plugin_manager import notify
 
 log = structlog.get_logger("guardian.http")
 
@@ -47,7 +48,7 @@ MONITORING_PATHS = frozenset({"/health", "/livez", "/readyz", "/guardian/status"
 GET_PATHS = (*sorted(MONITORING_PATHS), "/v1/models")
 
 
-class GuardianHandler(stock.DoorCorsHandler):
+class GuardianHandler(stock.handler.DoorCorsHandler):
     # Where responses go while stock's do_POST has not yet dispatched (see do_POST).
     _client_wfile = None
     # The client's X-Request-ID for the request being answered, when sane.
@@ -95,7 +96,7 @@ class GuardianHandler(stock.DoorCorsHandler):
         with self.server.completions, request_scope(self.client_request_id or self.request_id, bool(self.stream),
                                                     client=self.client_name):
             # A client that closes its connection ends its request wherever it is:
-            # queued, in prefill, generating an answer not yet written (guardian.connection).
+            # queued, in prefill, generating an answer not yet written (guardian.serving.connection).
             info = current_request()
             self.server.watch_client(self.connection, lambda: client_gone(info))
             deadline = self.start_deadline(info)
@@ -199,7 +200,7 @@ class GuardianHandler(stock.DoorCorsHandler):
     def send_json(self, status: int, payload: dict, headers: Optional[dict] = None) -> None:
         """A JSON response with stock's status line and CORS headers."""
         body = json.dumps(payload).encode()
-        stock.set_completion_headers(self, status)
+        stock.handler.set_completion_headers(self, status)
         for name, value in (headers or {}).items():
             self.send_header(name, value)
         self.send_header("Content-Length", str(len(body)))
@@ -221,7 +222,7 @@ class GuardianHandler(stock.DoorCorsHandler):
 
     def do_GET(self):
         path, _, query = self.path.partition("?")
-        engine, watchdog = self.response_generator.engine, self.response_generator.watchdog
+        engine, watchdog = self.response_generator.engine, self.response_generator.stall_detector
         if path == "/health":
             self.send_health(engine, watchdog)
         elif path == "/livez":
@@ -275,7 +276,7 @@ class GuardianHandler(stock.DoorCorsHandler):
         super().send_error(code, message, explain)
 
     def send_metrics(self, registry) -> None:
-        """Prometheus' text (guardian.metrics); a 404 when the metrics plugin is disabled."""
+        """Prometheus' text (guardian.observability.metrics); a 404 when the metrics plugin is disabled."""
         if registry is None:
             return self.send_unknown_path()
         body, content_type = metrics.exposition(registry, self.headers.get("Accept"))
@@ -287,7 +288,7 @@ class GuardianHandler(stock.DoorCorsHandler):
 
     def send_models(self, cli_args, gate) -> None:
         """Stock's listing with each model's ``context_length``; no hub cache is no error."""
-        listing = stock.models_listing(self)
+        listing = stock.models.models_listing(self)
         served = cli_args.model
         served_ids = {served, str(Path(served).resolve())} if served else set()
         for model in listing.get("data", []):
@@ -460,7 +461,7 @@ class RelayedGenerator:
                     f"{relay_protocol.CONTINUE_HEADER} holds {len(self._continued)} tokens, "
                     f"max_tokens is {args.max_tokens}", status=400, type="invalid_request_error",
                     param="max_tokens", code="invalid_request"))
-            args = stock.continuation_args(args, self._continued)
+            args = stock.continuation.continuation_args(args, self._continued)
         ctx, responses = self._generator.generate(request, args, progress_callback)
         return ctx, relay_protocol.tap_tokens(responses, self._output)
 

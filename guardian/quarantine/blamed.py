@@ -20,17 +20,17 @@ import hashlib
 import threading
 import time
 from collections import OrderedDict
-from datetime import datetime, timezone
 from typing import Optional
 
 import structlog
 
 from guardian.errors import GuardianError
+from guardian.quarantine.table import quarantine_error, short, utc_iso
+
 
 log = structlog.get_logger("guardian.quarantine")
 
-# Enough of a fingerprint to tell entries apart in logs and status.
-FINGERPRINT_PREFIX_CHARS = 12
+
 # A stream of distinct blamed requests cannot grow the table without
 # limit; the oldest entry goes first.
 MAX_QUARANTINED = 1024
@@ -52,16 +52,6 @@ def _canonical(value):
     if isinstance(value, (list, tuple)):
         return tuple(_canonical(v) for v in value)
     return value
-
-
-def short(fingerprint: str) -> str:
-    """The fingerprint prefix that logs and status show."""
-    return fingerprint[:FINGERPRINT_PREFIX_CHARS]
-
-
-def utc_iso(wall_time: float) -> str:
-    """A wall-clock time as ISO 8601 UTC, to the second."""
-    return datetime.fromtimestamp(wall_time, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 @dataclasses.dataclass
@@ -134,19 +124,3 @@ class Quarantine:
                 for fp, e in live[-20:]
             ],
         }
-
-
-def quarantine_error(why: str, until_wall: float) -> GuardianError:
-    """A 500 that tells the client not to send this request again before ``until_wall``.
-
-    ``why`` says what the request was in on (an engine failure, process crashes).
-    """
-    until = utc_iso(until_wall)
-    return GuardianError(
-        f"{why}, and is quarantined: identical requests are refused until {until}. "
-        "Change the request, or ask the operator to look at the failure.",
-        status=500,
-        code="request_quarantined",
-        retry=False,  # the same request would fail the same way
-        extra={"quarantined_until": until},
-    )

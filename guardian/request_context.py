@@ -45,7 +45,7 @@ class RequestInfo:
 
 
 # The request's id goes back to its client in this header (the client's own
-# when it sent a sane one: guardian.http).
+# when it sent a sane one: guardian.serving.handler).
 REQUEST_ID_HEADER = "X-Request-ID"
 # A client's X-Request-ID is used as the request's id when it is one token
 # of these characters: it goes into log lines and back into a header.

@@ -2,43 +2,16 @@
 
 ``[guardian]`` configures the core, ``[watchdog]`` the watchdog,
 ``[supervisor]`` subprocess mode; every other table belongs to the plugin of
-that name, which declares it like these (``guardian.settings``). A key
+that name, which declares it like these (``guardian.config.registry``). A key
 nobody declared, or a value of the wrong type, stops the server at start
 with a message naming the key. config/guardian.example.toml is written from
-these declarations (``python -m guardian.settings``).
+these declarations (``python -m guardian.config.reference``).
 """
 
 from __future__ import annotations
 
-import hashlib
-import inspect
-import os
-import sys
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Optional
+from guardian.config.registry import ACTIONS, Bool, Float, Int, ListOf, OneOf, Setting, Str, Table
 
-from guardian.settings import (
-    ACTIONS,
-    Bool,
-    ConfigError,
-    Float,
-    Int,
-    ListOf,
-    OneOf,
-    Setting,
-    Str,
-    Table,
-    table_of_dataclass,
-)
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - exercised on Python 3.10 only
-    import tomli as tomllib
-
-__all__ = ["ConfigError", "CoreSettings", "WatchdogSettings", "SupervisorSettings", "AccessSettings", "HttpSettings", "CommandLine",
-           "GuardianConfig", "load_config", "parse_settings", "example_toml"]
 
 SECONDS = Float(min=0)
 POSITIVE_SECONDS = Float(above=0)
@@ -251,7 +224,7 @@ class AccessSettings(Table, name="access"):
 
 
 class HttpSettings(Table, name="http"):
-    """What the door holds (guardian.connection): both HTTP servers read every
+    """What the door holds (guardian.serving.connection): both HTTP servers read every
     request's headers and body under deadlines before a handler thread sees it,
     and bound their handler threads. Live in one process; the supervisor reads
     them at start."""
@@ -286,145 +259,3 @@ class HttpSettings(Table, name="http"):
 
 # Tables the core reads; every other table is a plugin's.
 CORE_TABLES = (CoreSettings, WatchdogSettings, SupervisorSettings, AccessSettings, HttpSettings)
-
-
-@dataclass
-class GuardianConfig:
-    core: CoreSettings = field(default_factory=CoreSettings)
-    watchdog: WatchdogSettings = field(default_factory=WatchdogSettings)
-    supervisor: SupervisorSettings = field(default_factory=SupervisorSettings)
-    access: AccessSettings = field(default_factory=AccessSettings)
-    http: HttpSettings = field(default_factory=HttpSettings)
-    # Raw plugin tables, keyed by plugin name, validated when plugins load.
-    plugin_tables: dict = field(default_factory=dict)
-    # Each loaded plugin's settings, parsed from its table (filled as plugins load).
-    plugin_settings: dict = field(default_factory=dict)
-    source: Optional[Path] = None
-    # The tables the file has, in its order.
-    tables: tuple = ()
-    # Which version of the file this is: the sha256 of its bytes, and its mtime.
-    sha256: Optional[str] = None
-    mtime: Optional[float] = None
-
-    # The core's tables by TOML name: the attribute holding each.
-    _CORE_ATTRIBUTES = {"guardian": "core", "watchdog": "watchdog", "supervisor": "supervisor",
-                        "access": "access", "http": "http"}
-
-    def table(self, name: str):
-        """A table's settings by TOML name: the core's, or a loaded plugin's.
-        Called at every read of a live setting (guardian.live_config.TableView)."""
-        attribute = self._CORE_ATTRIBUTES.get(name)
-        return getattr(self, attribute) if attribute is not None else self.plugin_settings[name]
-
-
-def load_config(path) -> GuardianConfig:
-    """Read and check the TOML file; no file means every default."""
-    if path is None:
-        return GuardianConfig()
-    try:
-        with open(path, "rb") as f:
-            mtime = os.fstat(f.fileno()).st_mtime
-            raw = f.read()
-    except FileNotFoundError:
-        raise ConfigError(f"guardian config file not found: {path}") from None
-    except OSError as e:
-        raise ConfigError(f"{path}: cannot be read: {e}") from None
-    config = parse_config(raw, path)
-    config.sha256, config.mtime = hashlib.sha256(raw).hexdigest(), mtime
-    return config
-
-
-def parse_config(raw: bytes, path) -> GuardianConfig:
-    """The file's bytes, parsed and the core's tables checked."""
-    try:
-        data = tomllib.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"{path}: not valid TOML: not UTF-8 ({e})") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{path}: not valid TOML: {e}") from None
-    present = tuple(data)
-    core = {table.table_name: table.from_toml(data.pop(table.table_name, {})) for table in CORE_TABLES}
-    for name, table in data.items():
-        if not isinstance(table, dict):
-            raise ConfigError(f"{path}: top-level key {name!r} must be a [table]")
-    return GuardianConfig(core=core["guardian"], watchdog=core["watchdog"], supervisor=core["supervisor"],
-                          access=core["access"], http=core["http"],
-                          plugin_tables=data, source=Path(path), tables=present)
-
-
-def parse_settings(settings_class, table: dict, section: str):
-    """A plugin's settings from its TOML table, naming any bad key.
-
-    ``settings_class`` is a ``Table`` (the built-ins) or a third-party
-    plugin's ``Settings`` dataclass, checked through the same types.
-    """
-    if isinstance(settings_class, type) and issubclass(settings_class, Table):
-        return settings_class.from_toml(table)
-    checked = table_of_dataclass(settings_class, section).from_toml(table)
-    return settings_class(**{k: v for k, v in vars(checked).items() if k in table})
-
-
-# -- the example file ------------------------------------------------------------------
-EXAMPLE_HEADER = """\
-# mlx-guardian configuration, passed with --guardian-config FILE.
-#
-# Every key is shown with its default. A key that is not listed here, or a
-# value of the wrong type, stops the server at start with a message that
-# names the key. [guardian], [watchdog] and [supervisor] configure the core;
-# every other table belongs to the plugin of that name, and a table for a
-# plugin that is not loaded is an error too.
-#
-# The server watches this file (and re-reads it on SIGHUP): keys marked
-# "# live" take effect when it is saved, between requests; a change to any
-# other key is logged (config_change_needs_restart) and waits for a restart.
-# A saved file that does not parse or validate changes nothing
-# (config_reload_failed); /guardian/status shows which version is live.
-#
-# Written from the settings each table declares (guardian/config.py and
-# guardian/plugins/*.py); tests/test_example_config.py checks it. After
-# changing a setting, regenerate it:
-#   python -m guardian.settings > config/guardian.example.toml
-"""
-
-
-def example_toml() -> str:
-    """config/guardian.example.toml: the core's tables, then each built-in plugin's."""
-    tables = [*CORE_TABLES, *built_in_plugin_tables()]
-    return EXAMPLE_HEADER + "".join("\n" + render_table(table) for table in tables)
-
-
-def built_in_plugin_tables() -> list:
-    """The settings tables of our own entry points (the built-in plugins), by name."""
-    import importlib.metadata
-
-    from guardian.plugins.hookspecs import PROJECT_NAME
-
-    found = {}
-    for entry_point in importlib.metadata.entry_points(group=PROJECT_NAME):
-        dist = getattr(entry_point, "dist", None)
-        if dist is not None and dist.metadata["Name"] == "mlx-guardian":
-            settings = getattr(entry_point.load(), "Settings", None)
-            if isinstance(settings, type) and issubclass(settings, Table):
-                found[settings.table_name] = settings
-    return [found[name] for name in sorted(found)]
-
-
-def render_table(table: type[Table]) -> str:
-    """One table of the example: its comment, then each key's comment and default."""
-    lines = [f"[{table.table_name}]", *comment(table.__dict__.get("__doc__") or "")]
-    first = next(iter(table.settings.values()), None)
-    if len(lines) > 1 and first is not None and first.doc:
-        lines.append("#")
-    for setting in table.settings.values():
-        doc = setting.doc
-        if setting.flag:
-            doc += f"\nThe {setting.flag} flag wins over this."
-        lines += comment(doc)
-        live = "  # live" if setting.live else ""
-        lines.append(f"{setting.name} = {setting.type.toml(setting.default)}{live}")
-    return "\n".join(lines) + "\n"
-
-
-def comment(text: str) -> list[str]:
-    """Text as TOML comment lines."""
-    return [f"# {line}".rstrip() for line in inspect.cleandoc(text).splitlines()] if text else []

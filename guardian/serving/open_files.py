@@ -10,8 +10,8 @@ a client queued behind the flood waits until some connection times out.
 
 from __future__ import annotations
 
-import contextlib
 import resource
+
 
 # macOS reports an unlimited hard limit but refuses a soft one above
 # kern.maxfilesperproc: try these, highest first.
@@ -30,23 +30,3 @@ def raise_open_files_limit() -> int:
             continue
         return target
     return soft
-
-
-@contextlib.contextmanager
-def never_lowered():
-    """Within: a library's ``setrlimit(RLIMIT_NOFILE, ...)`` may raise the limit, never lower it."""
-    real = resource.setrlimit
-
-    def setrlimit(kind, limits):
-        if kind == resource.RLIMIT_NOFILE:
-            soft, hard = resource.getrlimit(kind)
-            wanted_soft, wanted_hard = limits
-            # Quietly: this runs at import, before logging is set up.
-            limits = (max(soft, wanted_soft), hard if hard == resource.RLIM_INFINITY else max(hard, wanted_hard))
-        real(kind, limits)
-
-    resource.setrlimit = setrlimit
-    try:
-        yield
-    finally:
-        resource.setrlimit = real

@@ -14,8 +14,9 @@ import importlib.metadata
 import pluggy
 import structlog
 
-from guardian.plugins import hookspecs
-from guardian.config import ConfigError, GuardianConfig, parse_settings
+from guardian import hookspecs
+from guardian.config.registry import ConfigError
+from guardian.config.loading import GuardianConfig, parse_settings
 
 log = structlog.get_logger("guardian.plugins")
 
@@ -37,7 +38,7 @@ def make_plugin_manager(config: GuardianConfig, live=None) -> pluggy.PluginManag
     are called first (pluggy calls the newest first), as before they were
     entry points; their fallbacks are marked trylast. Each plugin's parsed
     settings go into ``config.plugin_settings``; with ``live`` (a
-    guardian.live_config.LiveConfig over ``config``) a plugin gets a view
+    guardian.config.live.LiveConfig over ``config``) a plugin gets a view
     that reads the version of its table in force at each use.
     """
     pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)

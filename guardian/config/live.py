@@ -4,7 +4,7 @@ The file is watched (the ``watchdog`` package: file-system events on its
 folder, so an editor's save by rename is seen like a write in place) and
 re-read on SIGHUP. Each new version is parsed and checked in full, as at
 start, into a new ``GuardianConfig``; then one reference is swapped.
-Settings declared ``live`` (guardian.settings) take the new values; the
+Settings declared ``live`` (guardian.config.registry) take the new values; the
 others keep the values the server started with, and their change is logged
 as needing a restart (``config_change_needs_restart``). A version that does
 not parse or validate changes nothing (``config_reload_failed``).
@@ -31,9 +31,11 @@ from typing import Any, Callable, Iterator, Optional
 
 import structlog
 
-from guardian.config import CORE_TABLES, ConfigError, GuardianConfig, load_config, parse_settings
-from guardian.logs import keep_stock_request_lines, set_log_level
-from guardian.settings import Table, table_of_dataclass
+from guardian.config.tables import CORE_TABLES
+from guardian.config.registry import ConfigError
+from guardian.config.loading import GuardianConfig, load_config, parse_settings
+from guardian.observability.logs import keep_stock_request_lines, set_log_level
+from guardian.config.registry import Table, table_of_dataclass
 
 log = structlog.get_logger("guardian.live_config")
 

@@ -41,7 +41,7 @@ from typing import Optional
 
 import structlog
 
-from guardian.counting import ActiveCount
+from guardian.observability.counting import ActiveCount
 from guardian.errors import GuardianError
 
 log = structlog.get_logger("guardian.connection")

@@ -40,7 +40,7 @@ def add_process_fields(logger, method_name, event_dict):
 
 # Shared by structlog events and stdlib records alike.
 SHARED_PROCESSORS = [
-    # Request ids bound by guardian.context reach every line of that thread.
+    # Request ids bound by guardian.request_context reach every line of that thread.
     structlog.contextvars.merge_contextvars,
     add_process_fields,
     structlog.stdlib.add_log_level,

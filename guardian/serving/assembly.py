@@ -19,22 +19,24 @@ import structlog
 from guardian import stock
 from guardian.access import announce, make_door
 from guardian.access.tls import ServerCertificate, load_certificate
-from guardian.config import AccessSettings, ConfigError, GuardianConfig
-from guardian.connection import HANDLER_HEADROOM, HeldConnections, LiveLimits
-from guardian.counting import ActiveCount
+from guardian.config.tables import AccessSettings
+from guardian.config.registry import ConfigError
+from guardian.config.loading import GuardianConfig
+from guardian.serving.connection import HANDLER_HEADROOM, HeldConnections, LiveLimits
+from guardian.observability.counting import ActiveCount
 from guardian.admission.facts import served_model_config
 from guardian.admission.gate import AdmissionGate, AdmittingGenerator
 from guardian.engine.generator import GuardianEngine
 from guardian.errors import AbortRequest, GuardianError
 from guardian.exit_codes import EXIT_BOOT_ERROR, EXIT_OK, EXIT_USAGE
-from guardian.http import GuardianHandler
-from guardian.live_config import LiveConfig
+from guardian.serving.handler import GuardianHandler
+from guardian.config.live import LiveConfig
 from guardian.admission.model_access import ModelAccess
 from guardian.admission.startup_checks import impossible_flags
 from guardian.health.parent_watch import die_with_parent
-from guardian.health.watchdog import Watchdog
-from guardian.plugins.facade import EngineView
-from guardian.plugins.manager import notify
+from guardian.health.stall_detection import StallDetector
+from guardian.engine_view import EngineView
+from guardian.plugin_manager import notify
 from guardian.relay_protocol import started_by_supervisor
 
 log = structlog.get_logger("guardian.server")
@@ -108,7 +110,7 @@ def serve(host: str, port: int, model_provider, config: Union[GuardianConfig, Li
     door = make_door(live.view("access"), bound_host=host,
                      allowed_origins=model_provider.cli_args.allowed_origins,
                      supervised_child=started_by_supervisor())
-    served = Guardian(model_provider, live, pm, on_exit=exit_request,
+    served = ServedModel(model_provider, live, pm, on_exit=exit_request,
                       engine_class=GuardianEngine if member is None else member.engine_class, door=door)
     engine = served.engine
     if member is not None:
@@ -129,7 +131,7 @@ def serve(host: str, port: int, model_provider, config: Union[GuardianConfig, Li
         port=httpd.server_address[1],
         scheme=httpd.scheme,
         model=model_provider.cli_args.model,
-        mlx_lm_version=stock.STOCK_VERSION,
+        mlx_lm_version=stock.contract.STOCK_VERSION,
         access=door.mode,
         api_keys=len(door.keys.names),
         allowed_origins=door.origins.describe(),
@@ -143,7 +145,7 @@ def serve(host: str, port: int, model_provider, config: Union[GuardianConfig, Li
     drain(httpd, engine, live.config.core.exit_grace_s)
     httpd.shutdown()
     httpd.server_close()
-    stock.stop_generation_thread(engine)
+    stock.loop.stop_generation_thread(engine)
     if member is not None:
         # A rank lost while this one stopped (mlx.launch signals the others
         # as a rank dies) turns the stop into the group's failure (ExitRequest.fail).
@@ -155,7 +157,7 @@ def serve(host: str, port: int, model_provider, config: Union[GuardianConfig, Li
     return code
 
 
-class Guardian(AdmittingGenerator):
+class ServedModel(AdmittingGenerator):
     """One served model: its engine, admission and watchdog, wired as ``serve`` runs them.
 
     What the HTTP handler calls its response generator: ``generate`` admits a
@@ -179,7 +181,7 @@ class Guardian(AdmittingGenerator):
         # Hooks see the engine and admission through this facade only.
         engine.plugin_view = EngineView(engine, gate)
         super().__init__(gate, engine)
-        self.watchdog = Watchdog(engine, pm, live.view("watchdog"))
+        self.stall_detector = StallDetector(engine, pm, live.view("watchdog"))
         self.pm = pm
         live.on_change(self._config_changed)
 
@@ -190,25 +192,25 @@ class Guardian(AdmittingGenerator):
 
     def _config_changed(self, change) -> None:
         """A new version of the file applied live settings: tell what derives state from them."""
-        self.watchdog.settings_changed()
+        self.stall_detector.settings_changed()
         notify(self.pm.hook.on_config_reloaded, engine=self.engine.plugin_view, changed=list(change.applied))
 
     def start(self) -> None:
         """Run the start-up hooks, then the watchdog."""
         notify(self.pm.hook.guardian_startup, engine=self.engine.plugin_view, config=self.config)
         if self.config.watchdog.enabled:
-            self.watchdog.start()
+            self.stall_detector.start()
 
     @property
     def stopping(self) -> bool:
         """Set once the process is exiting (``stop_admitting``); requests in flight drain meanwhile."""
-        return self.watchdog.stopped
+        return self.stall_detector.stopped
 
     def stop_admitting(self) -> None:
         """From now on /readyz says 503 (a load balancer takes this replica out,
         see config/haproxy/) and a new request gets 503 + Retry-After (one that
         retries on 503 sends it to another replica) instead of lengthening the drain."""
-        self.watchdog.stop()
+        self.stall_detector.stop()
 
     def generate(self, request, generation_args, progress_callback=None):
         if self.stopping:
@@ -228,15 +230,15 @@ def reload_on_sighup(live: LiveConfig, door, tls: Optional[ServerCertificate] = 
 
 
 class GuardianHTTPServer(HeldConnections, ThreadingHTTPServer):
-    """Stock's threading HTTP server behind the connection layer (guardian.connection):
+    """Stock's threading HTTP server behind the connection layer (guardian.serving.connection):
     requests read under deadlines, handler threads bounded, HTTPS when given a certificate."""
 
 
-def make_http_server(host: str, port: int, served: Optional[Guardian], door=None,
+def make_http_server(host: str, port: int, served: Optional[ServedModel], door=None,
                      tls: Optional[ServerCertificate] = None) -> ThreadingHTTPServer:
     """The HTTP server; its handler lets a request in through ``door`` (an AccessPolicy,
     guardian.access) and reaches the engine only through admission. ``tls``: serve HTTPS."""
-    fingerprint = stock.get_system_fingerprint()
+    fingerprint = stock.contract.get_system_fingerprint()
 
     def handler(*args, **kwargs):
         return GuardianHandler(served, *args, system_fingerprint=fingerprint, **kwargs)
@@ -256,9 +258,9 @@ def make_http_server(host: str, port: int, served: Optional[Guardian], door=None
     return httpd
 
 
-def auto_max_handlers(served: Guardian) -> int:
+def auto_max_handlers(served: ServedModel) -> int:
     """Handler threads when [http] max_handlers is 0: the engine's decode concurrency,
-    the prompt guard's queue, and headroom (guardian.connection)."""
+    the prompt guard's queue, and headroom (guardian.serving.connection)."""
     guard = served.config.plugin_settings.get("prompt_guard")
     queued = getattr(guard, "max_queued", 0) if getattr(guard, "enabled", False) else 0
     return getattr(served.cli_args, "decode_concurrency", 32) + queued + HANDLER_HEADROOM

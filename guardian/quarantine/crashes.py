@@ -6,7 +6,7 @@ requests it had relayed to the child and not yet seen answered. A request
 in flight at two crashes within the strike window is quarantined: identical
 requests are refused at the proxy for ``quarantine_s`` seconds, so one
 poison body and its clients' retries cannot crash-loop the service. A
-suspect (in flight at one crash) is relayed alone (``guardian.supervise.isolation``),
+suspect (in flight at one crash) is relayed alone (``guardian.quarantine.isolation``),
 so the innocent requests beside the guilty one at the first crash are not
 beside it again at the second; a suspect answered in full is cleared.
 
@@ -44,8 +44,8 @@ from typing import Iterator, Optional
 import structlog
 
 from guardian.errors import GuardianError
-from guardian.supervise.isolation import IsolationGate
-from guardian.quarantine import quarantine_error, short, utc_iso
+from guardian.quarantine.isolation import IsolationGate
+from guardian.quarantine.table import quarantine_error, short, utc_iso
 
 log = structlog.get_logger("guardian.supervisor")
 

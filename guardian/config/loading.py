@@ -1,0 +1,95 @@
+"""The TOML file given with ``--guardian-config``: read, parsed, every table checked."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from guardian.config.registry import ConfigError, Table, table_of_dataclass
+from guardian.config.tables import (AccessSettings, CORE_TABLES, CoreSettings, HttpSettings,
+                                    SupervisorSettings, WatchdogSettings)
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib
+
+
+@dataclass
+class GuardianConfig:
+    core: CoreSettings = field(default_factory=CoreSettings)
+    watchdog: WatchdogSettings = field(default_factory=WatchdogSettings)
+    supervisor: SupervisorSettings = field(default_factory=SupervisorSettings)
+    access: AccessSettings = field(default_factory=AccessSettings)
+    http: HttpSettings = field(default_factory=HttpSettings)
+    # Raw plugin tables, keyed by plugin name, validated when plugins load.
+    plugin_tables: dict = field(default_factory=dict)
+    # Each loaded plugin's settings, parsed from its table (filled as plugins load).
+    plugin_settings: dict = field(default_factory=dict)
+    source: Optional[Path] = None
+    # The tables the file has, in its order.
+    tables: tuple = ()
+    # Which version of the file this is: the sha256 of its bytes, and its mtime.
+    sha256: Optional[str] = None
+    mtime: Optional[float] = None
+
+    # The core's tables by TOML name: the attribute holding each.
+    _CORE_ATTRIBUTES = {"guardian": "core", "watchdog": "watchdog", "supervisor": "supervisor",
+                        "access": "access", "http": "http"}
+
+    def table(self, name: str):
+        """A table's settings by TOML name: the core's, or a loaded plugin's.
+        Called at every read of a live setting (guardian.config.live.TableView)."""
+        attribute = self._CORE_ATTRIBUTES.get(name)
+        return getattr(self, attribute) if attribute is not None else self.plugin_settings[name]
+
+
+def load_config(path) -> GuardianConfig:
+    """Read and check the TOML file; no file means every default."""
+    if path is None:
+        return GuardianConfig()
+    try:
+        with open(path, "rb") as f:
+            mtime = os.fstat(f.fileno()).st_mtime
+            raw = f.read()
+    except FileNotFoundError:
+        raise ConfigError(f"guardian config file not found: {path}") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot be read: {e}") from None
+    config = parse_config(raw, path)
+    config.sha256, config.mtime = hashlib.sha256(raw).hexdigest(), mtime
+    return config
+
+
+def parse_config(raw: bytes, path) -> GuardianConfig:
+    """The file's bytes, parsed and the core's tables checked."""
+    try:
+        data = tomllib.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML: not UTF-8 ({e})") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    present = tuple(data)
+    core = {table.table_name: table.from_toml(data.pop(table.table_name, {})) for table in CORE_TABLES}
+    for name, table in data.items():
+        if not isinstance(table, dict):
+            raise ConfigError(f"{path}: top-level key {name!r} must be a [table]")
+    return GuardianConfig(core=core["guardian"], watchdog=core["watchdog"], supervisor=core["supervisor"],
+                          access=core["access"], http=core["http"],
+                          plugin_tables=data, source=Path(path), tables=present)
+
+
+def parse_settings(settings_class, table: dict, section: str):
+    """A plugin's settings from its TOML table, naming any bad key.
+
+    ``settings_class`` is a ``Table`` (the built-ins) or a third-party
+    plugin's ``Settings`` dataclass, checked through the same types.
+    """
+    if isinstance(settings_class, type) and issubclass(settings_class, Table):
+        return settings_class.from_toml(table)
+    checked = table_of_dataclass(settings_class, section).from_toml(table)
+    return settings_class(**{k: v for k, v in vars(checked).items() if k in table})

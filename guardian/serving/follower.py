@@ -1,0 +1,69 @@
+"""A rank of an mlx.launch group other than 0: no HTTP, stock's loop fed by rank 0's broadcast."""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+import structlog
+
+from guardian import stock
+from guardian.distributed.engine import GroupEngine
+from guardian.distributed.group import Group
+from guardian.exit_codes import EXIT_BOOT_ERROR, EXIT_OK
+from guardian.distributed.member import GroupMember
+
+
+log = structlog.get_logger("guardian.group")
+
+
+# A signalled rank other than 0 waits for rank 0's drain, and this much more.
+STOP_MARGIN_S = 2.0
+
+
+def _leave_later(exit_request, delay_s: float) -> None:
+    log.info("rank_signalled", leave_after_s=delay_s)
+    timer = threading.Timer(delay_s, exit_request, (EXIT_OK,))
+    timer.daemon = True
+    timer.start()
+
+
+def serve_follower(model_provider, config, pm, group: Group) -> int:
+    """A rank other than 0: no HTTP; stock's loop, fed by rank 0's broadcast, supervised."""
+    from guardian.plugin_manager import notify
+    from guardian.serving.assembly import ExitRequest, ServedModel
+
+    exit_request = ExitRequest()
+    # A LiveConfig (the file followed while serving), or a GuardianConfig.
+    settings = getattr(config, "config", config)
+    member = GroupMember(group, settings.watchdog.peer_timeout_s, exit_request)
+    member.join(pm)
+    try:
+        model_provider.load_default()
+    except Exception as e:
+        log.critical("model_load_failed", model=model_provider.cli_args.model,
+                     error_type=type(e).__name__, error_message=str(e), exc_info=True)
+        member.failing(f"the model could not be loaded: {e}")
+        member.leave(EXIT_BOOT_ERROR)
+        return EXIT_BOOT_ERROR
+    served = ServedModel(model_provider, config, pm, on_exit=exit_request, engine_class=GroupEngine)
+    member.watch(served.engine)
+    # Start-up hooks as on rank 0 (the probe's prompt kept out of the prompt
+    # cache: every rank's cache must hold the same entries), no watchdog:
+    # this rank's stall stops rank 0's loop in a collective, and rank 0's
+    # watchdog sees it there.
+    notify(pm.hook.guardian_startup, engine=served.engine.plugin_view, config=served.config)
+    # Rank 0 has the clients: it drains them, then tells this rank to stop
+    # (the launcher or supervisor signals every rank at once). Alone, a
+    # signalled rank leaves after that long anyway, and the group with it.
+    leave_after_s = settings.core.exit_grace_s + STOP_MARGIN_S
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: _leave_later(exit_request, leave_after_s))
+    log.info("rank_started", model=model_provider.cli_args.model,
+             mlx_lm_version=stock.contract.STOCK_VERSION)
+    code = exit_request.wait()
+    stock.loop.stop_generation_thread(served.engine)
+    notify(pm.hook.guardian_shutdown, engine=served.engine.plugin_view, exit_code=code)
+    member.leave(code)
+    log.info("rank_stopped", exit_code=code)
+    return code

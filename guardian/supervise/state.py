@@ -1,0 +1,21 @@
+"""What the supervisor is doing: its states, and which of them serve or hold requests."""
+
+from __future__ import annotations
+
+
+class State:
+    """What the supervisor is doing; /guardian/supervisor reports it."""
+
+    STARTING = "starting"  # the first child has not answered healthy yet
+    READY = "ready"  # the child answers healthy: requests go to it
+    UNHEALTHY = "unhealthy"  # checks fail, not yet for --supervisor-unhealthy-after
+    RESTARTING = "restarting"  # a child is being stopped, or its successor is not ready yet
+    STOPPING = "stopping"  # SIGTERM/SIGINT: the child is being stopped for good
+    FAILED = "failed"  # gave up: crash loop, or flags the child refuses
+
+
+# Requests go to the child in these states; a briefly unhealthy child still
+# knows best (a guardian child answers 503 itself while it recovers).
+SERVING = (State.READY, State.UNHEALTHY)
+# No child can take requests now, but one is coming: requests wait for it (bounded).
+HOLDING = (State.STARTING, State.RESTARTING)
