@@ -2,6 +2,11 @@
 
 A running process only shows the imports one path through the code made;
 the source shows every import, including those inside functions.
+
+guardian/ is one level of packages by concern, in layers: a module imports
+modules of its own layer and of the layers below, never above, and no two
+modules import each other, directly or around a loop (docs/development.md,
+"Layout").
 """
 
 from __future__ import annotations
@@ -13,7 +18,34 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 PACKAGE = REPO / "guardian"
-CONCERNS = {"engine", "admission", "health", "supervise", "plugins", "distributed", "access"}
+CONCERNS = {"access", "admission", "config", "distributed", "engine", "health", "observability", "plugins",
+            "quarantine", "serving", "stock", "supervise"}
+# The modules at the package's root: the public face, the plugin machinery, what every layer shares.
+ROOT_MODULES = {"__init__", "__main__", "cli", "hookspecs", "plugin_manager", "engine_view", "errors",
+                "exit_codes", "relay_protocol", "request_context", "demo_model"}
+
+# Bottom to top. A module belongs to the longest prefix listed; ``guardian`` is
+# the package's __init__ (hookimpl, EngineView, GuardianError: what plugins import).
+LAYERS = (
+    # Leaves: they import nothing of guardian.
+    {"guardian.observability", "guardian.exit_codes", "guardian.relay_protocol", "guardian.hookspecs"},
+    # What every layer reads: errors, the configuration, the request a thread serves.
+    {"guardian.errors", "guardian.config", "guardian.request_context", "guardian.demo_model"},
+    # The plugin machinery: the manager, the view hooks receive, the public face.
+    {"guardian.plugin_manager", "guardian.engine_view", "guardian"},
+    # Stock mlx_lm, embedded.
+    {"guardian.stock"},
+    # The door (no mlx: the supervisor runs it too).
+    {"guardian.access"},
+    # The engine, what stands before it and what watches it; a group of ranks is an engine too.
+    {"guardian.admission", "guardian.engine", "guardian.health", "guardian.quarantine", "guardian.distributed"},
+    # The built-in plugins, registered like anyone's.
+    {"guardian.plugins"},
+    # Processes: one server, the supervisor.
+    {"guardian.serving", "guardian.supervise"},
+    # The command.
+    {"guardian.cli", "guardian.__main__"},
+)
 
 
 def module_file(name: str) -> Path | None:
@@ -29,26 +61,28 @@ def module_file(name: str) -> Path | None:
 
 
 def module_name(path: Path) -> str:
-    """guardian/a/b.py -> guardian.a.b; a package's __init__ counts as a module inside it."""
-    return ".".join(path.relative_to(REPO).with_suffix("").parts)
+    """guardian/a/b.py -> guardian.a.b; guardian/a/__init__.py -> guardian.a."""
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
 def imported_names(path: Path, module: str | None = None) -> set[str]:
     """Every module an ``import`` anywhere in the file names (functions included)."""
     names = set()
-    package = module or module_name(path)
+    name = module or module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
             if node.level:  # relative: resolve against the file's package
-                base = package.rsplit(".", node.level)[0]
-                module = f"{base}.{node.module}" if node.module else base
+                base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                imported = f"{base}.{node.module}" if node.module else base
             else:
-                module = node.module
-            names.add(module)
-            # ``from guardian.plugins import hookspecs`` imports a module too.
-            names.update(f"{module}.{alias.name}" for alias in node.names)
+                imported = node.module
+            names.add(imported)
+            # ``from guardian.stock import loop`` imports a module too.
+            names.update(f"{imported}.{alias.name}" for alias in node.names)
     return names
 
 
@@ -77,6 +111,114 @@ def transitive_imports(root: str) -> dict[str, set[str]]:
 
 def top(name: str) -> str:
     return name.split(".")[0]
+
+
+# -- the graph of guardian's own imports ---------------------------------------------------------
+def guardian_modules() -> dict[str, Path]:
+    return {module_name(path): path for path in PACKAGE.rglob("*.py")}
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Each guardian module -> the guardian modules it imports (the module named, not its parents)."""
+    modules = guardian_modules()
+    graph = {}
+    for name, path in modules.items():
+        targets = set()
+        for imported in imported_names(path):
+            # ``from a import b``: the module a.b if there is one, else a.
+            while imported and imported not in modules:
+                imported = imported.rpartition(".")[0]
+            if imported and imported != name:
+                targets.add(imported)
+        graph[name] = targets
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Groups of modules that import each other, directly or around a loop (Tarjan's SCCs)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in sorted(graph.get(node, ())):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            group = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                group.append(member)
+                if member == node:
+                    break
+            if len(group) > 1:
+                cycles.append(sorted(group))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return cycles
+
+
+def layer_of(module: str) -> int | None:
+    """The layer of the longest prefix of ``module`` that LAYERS lists."""
+    for name in reversed(with_parents(module)):
+        for level, members in enumerate(LAYERS):
+            if name in members:
+                return level
+    return None
+
+
+# -- tests -----------------------------------------------------------------------------------------
+def test_no_module_imports_itself_back():
+    """No import cycle among guardian's modules, counting imports inside functions."""
+    cycles = import_cycles(import_graph())
+    assert not cycles, "modules that import each other: " + "; ".join(" <-> ".join(c) for c in cycles)
+
+
+def test_every_module_has_a_layer():
+    unplaced = sorted(m for m in guardian_modules() if layer_of(m) is None)
+    assert not unplaced, f"add these to LAYERS in tests/test_layout.py: {unplaced}"
+
+
+def test_no_import_goes_up_the_layers():
+    upward = sorted(f"{module} (layer {layer_of(module)}) imports {target} (layer {layer_of(target)})"
+                    for module, targets in import_graph().items() for target in targets
+                    if layer_of(target) > layer_of(module))
+    assert not upward, "imports up the layers:\n" + "\n".join(upward)
+
+
+def test_a_built_in_plugin_imports_no_other_plugin():
+    """Each built-in can be disabled ([guardian] disabled_plugins): none may need another."""
+    offenders = {module: sorted(t for t in targets if t.startswith("guardian.plugins."))
+                 for module, targets in import_graph().items() if module.startswith("guardian.plugins.")}
+    offenders = {module: targets for module, targets in offenders.items() if targets}
+    assert not offenders, f"built-in plugins importing plugins: {offenders}"
+
+
+def test_the_plugin_machinery_lives_at_the_root():
+    """guardian/plugins/ holds built-in plugins only; the hookspecs and the manager are the core's."""
+    assert (PACKAGE / "hookspecs.py").exists() and (PACKAGE / "plugin_manager.py").exists()
+    for path in (PACKAGE / "plugins").glob("*.py"):
+        if path.name != "__init__.py":
+            classes = [n for n in ast.parse(path.read_text()).body if isinstance(n, ast.ClassDef)]
+            assert any(any(isinstance(s, ast.Assign) and any(getattr(t, "id", None) == "name" for t in s.targets)
+                           for s in c.body) for c in classes), f"{path.name} is not a plugin (a class with a name)"
+
+
+def test_the_root_holds_only_what_every_concern_shares():
+    loose = {p.stem for p in PACKAGE.glob("*.py")}
+    assert loose == ROOT_MODULES, f"modules at guardian/'s root: {sorted(loose - ROOT_MODULES)} new, " \
+                                  f"{sorted(ROOT_MODULES - loose)} gone; put a module in its concern's package"
 
 
 def test_subprocess_mode_imports_neither_mlx_nor_mlx_lm():
@@ -124,6 +266,12 @@ def test_each_concern_says_what_it_is(concern):
 def test_the_walk_sees_imports_inside_functions(tmp_path):
     source = tmp_path / "m.py"
     source.write_text("def f():\n    import mlx.core as mx\n    from mlx_lm import server\n"
-                      "    from ..stock import x\n")
+                      "    from ..stock import contract\n")
     names = imported_names(source, module="guardian.supervise.m")
-    assert {"mlx.core", "mlx_lm", "mlx_lm.server", "guardian.stock"} <= names
+    assert {"mlx.core", "mlx_lm", "mlx_lm.server", "guardian.stock", "guardian.stock.contract"} <= names
+
+
+def test_a_cycle_is_found_however_long():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+    assert import_cycles(graph) == [["a", "b", "c"]]
+    assert import_cycles({"a": {"b"}, "b": set()}) == []

@@ -19,6 +19,7 @@ from conftest import poll
 from guardian.serving import connection, open_files
 from guardian.health import parent_watch
 from guardian.health.sd_notify import SystemdNotifier
+from guardian.stock.import_guard import never_lowered
 
 
 def test_on_macos_no_prctl_is_asked_for(monkeypatch):
@@ -110,7 +111,7 @@ def test_a_library_may_raise_the_open_files_limit_but_never_lower_it(monkeypatch
     limits = {"now": (4096, 8192)}
     monkeypatch.setattr(resource, "getrlimit", lambda kind: limits["now"])
     monkeypatch.setattr(resource, "setrlimit", lambda kind, value: limits.update(now=value))
-    with open_files.never_lowered():
+    with never_lowered():
         resource.setrlimit(resource.RLIMIT_NOFILE, (2048, 4096))  # what mlx_lm.utils asks
         assert limits["now"] == (4096, 8192)
         resource.setrlimit(resource.RLIMIT_NOFILE, (6000, 9000))
