@@ -41,8 +41,8 @@ from guardian.engine.ledger import RequestLedger, RequestRecord, Stage
 from guardian.plugin_manager import active_hook, notify
 from guardian.relay_protocol import started_by_supervisor
 from guardian.config.registry import ACTIONS, EXIT, RELOAD, RESTART
-from guardian.quarantine.blamed import Entry, Quarantine
-from guardian.quarantine.table import short
+from guardian.quarantine.blamed import Quarantine
+from guardian.quarantine.table import Entry, short
 
 log = structlog.get_logger("guardian.engine")
 
@@ -564,7 +564,7 @@ class GuardianEngine(stock.loop.GuardedResponseGenerator):
         fingerprint = stock.requests.attached_fingerprint(record.args)
         entry = None
         if fingerprint is not None:
-            entry = self.quarantine.add(
+            entry = self.quarantine.blame(
                 fingerprint,
                 request_id=record.request_id,
                 reason=f"{classification}: {type(cause).__name__}",

@@ -45,7 +45,7 @@ import structlog
 
 from guardian.errors import GuardianError
 from guardian.quarantine.isolation import IsolationGate
-from guardian.quarantine.table import quarantine_error, short, utc_iso
+from guardian.quarantine.table import STATUS_ENTRIES, ExpiringTable, short
 
 log = structlog.get_logger("guardian.supervisor")
 
@@ -59,17 +59,14 @@ DELIVERY_FIELDS = ("stream", "stream_options")
 # holding the GIL that every relay shares); bigger ones are hashed as sent,
 # which still matches a client's retry byte for byte.
 MAX_CANONICAL_BYTES = 1 << 20
-# Bounds on the tables: a stream of distinct bodies (each in flight at one
-# crash) cannot grow the supervisor without limit; the oldest go first.
+# A stream of distinct bodies (each in flight at one crash) cannot grow the
+# supervisor without limit; the oldest go first (so do quarantined ones: the table's bound).
 MAX_SUSPECTS = 1024
-MAX_QUARANTINED = 1024
 # At most this many in-flight records of one child: relays cut while the
 # child lived on (a reset connection) wait there for its death.
 MAX_RELAYS_PER_CHILD = 4096
 # How long a suspect waits to run alone, and others wait behind it.
 ISOLATION_MAX_WAIT_S = 30.0
-# /guardian/supervisor lists the newest entries only.
-STATUS_ENTRIES = 20
 
 
 def fingerprint(method: str, target: str, body: bytes) -> str:
@@ -124,22 +121,10 @@ class Suspect:
         return sum(1 for t in self.crash_times if t > now - window_s)
 
 
-@dataclass
-class Quarantined:
-    """A fingerprint refused at the door until ``until`` (monotonic)."""
-
-    method: str
-    path: str
-    until: float
-    until_wall: float
-    strikes: int
-
-
 class CrashQuarantine:
     """Tracks relays per child; strikes their fingerprints at crashes; refuses the twice-struck."""
 
     def __init__(self, quarantine_s: float, strike_window_s: float):
-        self.quarantine_s = quarantine_s
         self.strike_window_s = strike_window_s
         self.lock = threading.Lock()
         # generation -> {relay id: Relay}; a child's entry goes when it is reaped.
@@ -147,33 +132,25 @@ class CrashQuarantine:
         # Children reaped so far: a relay that reaches a dead child is not tracked.
         self.settled_through = 0
         self.suspects: OrderedDict[str, Suspect] = OrderedDict()
-        self.quarantined: OrderedDict[str, Quarantined] = OrderedDict()
-        self.refused = 0
+        self.quarantined = ExpiringTable(quarantine_s, log)
         self.cleared = 0
         self.isolation = IsolationGate(ISOLATION_MAX_WAIT_S)
 
     @property
+    def quarantine_s(self) -> float:
+        return self.quarantined.quarantine_s
+
+    @property
     def enabled(self) -> bool:
         """0 seconds switches quarantining off (suspects are still logged)."""
-        return self.quarantine_s > 0
+        return self.quarantined.enabled
 
     # -- HTTP threads ---------------------------------------------------------
     def refusal(self, method: str, fp: str) -> Optional[GuardianError]:
         """The error for a quarantined request, or None to relay it."""
         if method != TRACKED_METHOD or not self.enabled:
             return None
-        with self.lock:
-            entry = self.quarantined.get(fp)
-            if entry is not None and entry.until <= time.monotonic():
-                del self.quarantined[fp]
-                entry = None
-            if entry is None:
-                return None
-            self.refused += 1
-        log.warning("quarantined_request_refused", fingerprint=short(fp), method=method,
-                    path=entry.path, until=utc_iso(entry.until_wall), strikes=entry.strikes)
-        return quarantine_error(f"This request was in flight at {entry.strikes} crashes of the engine process",
-                                entry.until_wall)
+        return self.quarantined.refusal(fp)
 
     @contextmanager
     def turn(self, method: str, fp: str) -> Iterator[bool]:
@@ -263,47 +240,27 @@ class CrashQuarantine:
             suspect.crash_times.append(now)
             strikes = len(suspect.crash_times)
             quarantine = self.enabled and strikes >= STRIKES_TO_QUARANTINE
-            if quarantine:
-                self._quarantine(fp, suspect, now)
-            else:
+            if not quarantine:
                 self.suspects[fp] = suspect  # newest last: eviction takes the oldest
                 while len(self.suspects) > MAX_SUSPECTS:
                     self.suspects.popitem(last=False)
-        described = {"fingerprint": short(fp), "method": relay.method, "path": relay.path,
-                     "strikes": strikes, "lost": relay.lost, "quarantined": quarantine,
-                     "position": position, "progressed": progressed}
         if quarantine:
-            log.error("request_quarantined", fingerprint=short(fp), method=relay.method,
-                      path=relay.path, strikes=strikes, quarantine_s=self.quarantine_s,
-                      until=utc_iso(self.quarantined[fp].until_wall))
-        return described
-
-    def _quarantine(self, fp: str, suspect: Suspect, now: float) -> None:
-        """Refuse ``fp`` for quarantine_s from now (the lock is held)."""
-        self.quarantined.pop(fp, None)
-        self.quarantined[fp] = Quarantined(suspect.method, suspect.path, now + self.quarantine_s,
-                                           time.time() + self.quarantine_s, len(suspect.crash_times))
-        while len(self.quarantined) > MAX_QUARANTINED:
-            self.quarantined.popitem(last=False)
+            self.quarantined.add(fp, why=f"This request was in flight at {strikes} crashes of the engine process",
+                                 shown={"method": suspect.method, "path": suspect.path, "strikes": strikes})
+        return {"fingerprint": short(fp), "method": relay.method, "path": relay.path,
+                "strikes": strikes, "lost": relay.lost, "quarantined": quarantine,
+                "position": position, "progressed": progressed}
 
     # -- status -----------------------------------------------------------------
     def status(self) -> dict:
         """What /guardian/supervisor shows: the newest quarantined and suspect fingerprints."""
         now = time.monotonic()
         with self.lock:
-            quarantined = [(fp, q) for fp, q in self.quarantined.items() if q.until > now]
             suspects = list(self.suspects.items())
         return {
-            "quarantine_s": self.quarantine_s,
-            "refused": self.refused,
+            **self.quarantined.status(),
             "cleared": self.cleared,
             "isolation": self.isolation.status(),
-            "quarantined_count": len(quarantined),
-            "quarantined": [
-                {"fingerprint": short(fp), "method": q.method, "path": q.path, "strikes": q.strikes,
-                 "until": utc_iso(q.until_wall), "remaining_s": round(q.until - now, 1)}
-                for fp, q in quarantined[-STATUS_ENTRIES:]
-            ],
             "suspects_count": len(suspects),
             "suspects": [
                 {"fingerprint": short(fp), "method": s.method, "path": s.path,

@@ -1,14 +1,31 @@
-"""The quarantine's one table: fingerprints refused until their time runs out, and the refusal."""
+"""The quarantine's one table: fingerprints refused until their time runs out, and the refusal.
+
+The engine's table (``guardian.quarantine.blamed``: a request that failed the
+engine alone) and the supervisor's (``guardian.quarantine.crashes``: a request
+in flight at two crashes of the engine process) are this one; they differ in
+what makes a fingerprint quarantined and in what their logs and status show
+of it. Every refusal is the same 500 ``request_quarantined``, logged as
+``quarantined_request_refused``.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import threading
+import time
+from collections import OrderedDict
 from datetime import datetime, timezone
+from typing import Optional
 
 from guardian.errors import GuardianError
 
-
 # Enough of a fingerprint to tell entries apart in logs and status.
 FINGERPRINT_PREFIX_CHARS = 12
+# A stream of distinct quarantined requests cannot grow a table without
+# limit; the oldest entry goes first.
+MAX_QUARANTINED = 1024
+# Status lists the newest entries only.
+STATUS_ENTRIES = 20
 
 
 def short(fingerprint: str) -> str:
@@ -35,3 +52,79 @@ def quarantine_error(why: str, until_wall: float) -> GuardianError:
         retry=False,  # the same request would fail the same way
         extra={"quarantined_until": until},
     )
+
+
+@dataclasses.dataclass
+class Entry:
+    """One quarantined fingerprint, refused until ``until``."""
+
+    until: float  # monotonic
+    until_wall: float
+    # The refusal's first words: what the request was in on.
+    why: str
+    # What logs and status show of it besides the fingerprint (who was blamed; the method, path and strikes).
+    shown: dict
+
+    @property
+    def until_iso(self) -> str:
+        return utc_iso(self.until_wall)
+
+
+class ExpiringTable:
+    """Fingerprints refused at the door until their time runs out (any thread)."""
+
+    def __init__(self, quarantine_s: float, log):
+        self.quarantine_s = quarantine_s
+        self.refused = 0
+        self._log = log
+        self._entries: OrderedDict[str, Entry] = OrderedDict()
+        self._lock = threading.Lock()
+
+    @property
+    def enabled(self) -> bool:
+        """0 seconds switches quarantining off."""
+        return self.quarantine_s > 0
+
+    def add(self, fingerprint: str, *, why: str, shown: dict, **logged) -> Optional[Entry]:
+        """Refuse ``fingerprint`` for quarantine_s from now; None when switched off.
+        ``logged``: what the ``request_quarantined`` line says besides ``shown``."""
+        if not self.enabled:
+            return None
+        entry = Entry(time.monotonic() + self.quarantine_s, time.time() + self.quarantine_s, why, shown)
+        with self._lock:
+            self._entries.pop(fingerprint, None)
+            self._entries[fingerprint] = entry
+            while len(self._entries) > MAX_QUARANTINED:
+                self._entries.popitem(last=False)
+        self._log.error("request_quarantined", fingerprint=short(fingerprint), **shown,
+                        quarantine_s=self.quarantine_s, until=entry.until_iso, **logged)
+        return entry
+
+    def refusal(self, fingerprint: str) -> Optional[GuardianError]:
+        """The error for a quarantined fingerprint, or None to let the request in."""
+        with self._lock:
+            entry = self._entries.get(fingerprint)
+            if entry is not None and entry.until <= time.monotonic():
+                del self._entries[fingerprint]
+                entry = None
+            if entry is None:
+                return None
+            self.refused += 1
+        self._log.warning("quarantined_request_refused", fingerprint=short(fingerprint), **entry.shown,
+                          until=entry.until_iso)
+        return quarantine_error(entry.why, entry.until_wall)
+
+    def status(self) -> dict:
+        """The table's time and refusals, and its newest entries still in force."""
+        now = time.monotonic()
+        with self._lock:
+            live = [(fp, e) for fp, e in self._entries.items() if e.until > now]
+        return {
+            "quarantine_s": self.quarantine_s,
+            "refused": self.refused,
+            "quarantined_count": len(live),
+            "quarantined": [
+                {"fingerprint": short(fp), **e.shown, "until": e.until_iso, "remaining_s": round(e.until - now, 1)}
+                for fp, e in live[-STATUS_ENTRIES:]
+            ],
+        }
