@@ -184,7 +184,7 @@ METRIC_TYPES = {
 }
 # Classes whose third positional argument is the label names (a family's is its value).
 LABELS_THIRD = {"Counter", "Gauge", "Histogram", "Summary", "Info"}
-# The metrics modules' own helper: gauge(name, help, value) is a gauge named P + name.
+# guardian.observability.metrics.gauge(name, help, value): a gauge, named in full.
 GAUGE_HELPER = "gauge"
 # What prometheus_client appends to the name a scrape shows.
 EXPOSED_SUFFIX = {"counter": "_total", "info": "_info"}
@@ -252,7 +252,7 @@ def metrics_of(module_name: str) -> list[dict]:
         name = evaluate(call.args[0], namespace, binding, where)
         help_text = evaluate(call.args[1], namespace, binding, where)
         if kind == GAUGE_HELPER:
-            name, metric_type, labels = namespace["P"] + name, "gauge", []
+            metric_type, labels = "gauge", []
         else:
             metric_type = METRIC_TYPES[kind]
             keywords = {k.arg: k.value for k in call.keywords}

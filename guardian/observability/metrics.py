@@ -5,7 +5,7 @@ Each server (the in-process guardian, the supervisor) keeps its metrics in a
 two servers in one process (tests, several engines) count apart. In the
 in-process server the registry belongs to the built-in ``metrics`` plugin
 (guardian/plugins/metrics.py), which fills it from the observer hooks; the
-engine knows nothing of metrics. Imports neither mlx nor mlx_lm: the
+engine knows nothing of metrics. The supervisor's are in guardian/supervise/metrics.py. Imports neither mlx nor mlx_lm: the
 supervisor uses it too.
 """
 
@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Optional
 
 from prometheus_client import CollectorRegistry, disable_created_metrics
+from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import choose_encoder
 
 # Every metric name starts so (Prometheus: one prefix per exporter).
@@ -40,3 +41,8 @@ def exposition(registry: CollectorRegistry, accept: Optional[str]) -> tuple[byte
     (Prometheus' text format; OpenMetrics if its Accept header prefers it)."""
     encode, content_type = choose_encoder(accept or "")
     return encode(registry), content_type
+
+
+def gauge(name: str, documentation: str, value) -> GaugeMetricFamily:
+    """A gauge read at scrape time (a collector's), named in full: ``PREFIX + ...``."""
+    return GaugeMetricFamily(name, documentation, value=float(value))

@@ -25,6 +25,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoM
 
 import guardian
 from guardian.observability import metrics
+from guardian.observability.metrics import gauge
 from guardian.access.policy import REFUSALS as ACCESS_REFUSALS
 from guardian.admission.facts import device_info, device_memory
 from guardian.engine.lifecycle import EngineState
@@ -220,21 +221,21 @@ class EngineCollector:
         yield CounterMetricFamily(P + "tokens_after_disconnect", "Tokens the engine generated for requests "
                                   "already cancelled (it drops them at its next step; the goal is 0).",
                                   value=status.get("tokens_after_cancel", 0))
-        yield gauge("engine_heartbeat_age_seconds",
+        yield gauge(P + "engine_heartbeat_age_seconds",
                     "Since the engine's loop last stepped, reported progress or polled for work.",
                     status["heartbeat_age_s"])
-        yield gauge("engine_failures_in_window", "Engine failures the crash-loop budget counts now "
+        yield gauge(P + "engine_failures_in_window", "Engine failures the crash-loop budget counts now "
                     "(those without progress since the previous failure).", status["failures_in_window"])
         yield from self.failures(status)
-        yield gauge("engine_abandoned_loop_threads", "Loop threads a stall replaced that are still alive: "
+        yield gauge(P + "engine_abandoned_loop_threads", "Loop threads a stall replaced that are still alive: "
                     "stuck in a step, or parked once it returned.", status.get("abandoned_loop_threads", 0))
         for key, (name, documentation) in REQUEST_GAUGES.items():
-            yield gauge(name, documentation, status.get(key, 0))
+            yield gauge(P + name, documentation, status.get(key, 0))
         sequences, cache_bytes = engine.prompt_cache_usage()
-        yield gauge("prompt_cache_sequences", "Sequences held by the prompt cache.", sequences)
-        yield gauge("prompt_cache_bytes", "Bytes held by the prompt cache.", cache_bytes)
+        yield gauge(P + "prompt_cache_sequences", "Sequences held by the prompt cache.", sequences)
+        yield gauge(P + "prompt_cache_bytes", "Bytes held by the prompt cache.", cache_bytes)
         quarantine = status.get("quarantine") or {}
-        yield gauge("quarantined_requests", "Fingerprints of requests blamed for an engine failure, "
+        yield gauge(P + "quarantined_requests", "Fingerprints of requests blamed for an engine failure, "
                     "refused at the door until their quarantine ends.", quarantine.get("quarantined_count", 0))
         yield from self.probes()
 
@@ -254,17 +255,17 @@ class EngineCollector:
         yield CounterMetricFamily(P + "engine_failure_time_lost_seconds", "From each engine failure to the "
                                   "restarted loop polling for work (backoff included).",
                                   value=status.get("time_lost_s", 0.0))
-        yield gauge("engine_failures_recent", "Engine failures within recovery.window_s, of any kind.",
+        yield gauge(P + "engine_failures_recent", "Engine failures within recovery.window_s, of any kind.",
                     status.get("failures_recent", 0))
-        yield gauge("engine_degraded", "1 while the engine fails often (more than recovery.max_failures "
+        yield gauge(P + "engine_degraded", "1 while the engine fails often (more than recovery.max_failures "
                     "within recovery.window_s) but keeps serving between the failures.",
                     float(bool(status.get("degraded"))))
 
     def memory(self):
-        yield gauge("mlx_active_memory_bytes", "Memory mlx has in live arrays.", mx.get_active_memory())
-        yield gauge("mlx_cache_memory_bytes", "Memory mlx keeps in its buffer cache for reuse.", mx.get_cache_memory())
-        yield gauge("mlx_peak_memory_bytes", "The most memory mlx has had in live arrays.", mx.get_peak_memory())
-        yield gauge("mlx_memory_limit_bytes", "mlx's memory limit (mx.get_memory_limit()).", mx.get_memory_limit())
+        yield gauge(P + "mlx_active_memory_bytes", "Memory mlx has in live arrays.", mx.get_active_memory())
+        yield gauge(P + "mlx_cache_memory_bytes", "Memory mlx keeps in its buffer cache for reuse.", mx.get_cache_memory())
+        yield gauge(P + "mlx_peak_memory_bytes", "The most memory mlx has had in live arrays.", mx.get_peak_memory())
+        yield gauge(P + "mlx_memory_limit_bytes", "mlx's memory limit (mx.get_memory_limit()).", mx.get_memory_limit())
         limit = self.plugin._device_limit
         if limit is not None:
             family = GaugeMetricFamily(
@@ -273,7 +274,7 @@ class EngineCollector:
             family.add_metric([limit[1]], limit[0])
             yield family
         if self.plugin._device_resource_limit is not None:
-            yield gauge("device_resource_limit", "Metal's limit on live buffers; mlx reports no live count.",
+            yield gauge(P + "device_resource_limit", "Metal's limit on live buffers; mlx reports no live count.",
                         self.plugin._device_resource_limit)
 
     def probes(self):
@@ -285,8 +286,4 @@ class EngineCollector:
         for name, result in sorted(last.items()):
             family.add_metric([name], float(bool(result.get("ok"))))
         yield family
-
-
-def gauge(name: str, documentation: str, value) -> GaugeMetricFamily:
-    return GaugeMetricFamily(P + name, documentation, value=float(value))
 

@@ -22,6 +22,7 @@ from prometheus_client import Counter, Gauge, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
 from guardian.observability import metrics
+from guardian.observability.metrics import gauge
 from guardian.access.policy import REFUSALS as ACCESS_REFUSALS
 from guardian.exit_codes import EXIT_ENGINE_FAILED, EXIT_ENGINE_STALLED
 
@@ -110,16 +111,16 @@ class SupervisorCollector:
             state.add_metric([value], float(supervisor.state == value))
         yield state
         child = supervisor.child
-        yield gauge("child_up", "Whether a child is running and has answered healthy.",
+        yield gauge(P + "child_up", "Whether a child is running and has answered healthy.",
                     child is not None and child.ready_at is not None)
         if child is not None:
-            yield gauge("child_uptime_seconds", "Since the running child started.", time.monotonic() - child.started_at)
-        yield gauge("requests_held", "Requests waiting now for a child to be ready.", supervisor.holding)
-        yield gauge("requests_in_flight", "Requests the supervisor is relaying now.", supervisor.in_flight.active)
-        yield gauge("restarts_in_window", "Child restarts within the crash-loop window "
+            yield gauge(P + "child_uptime_seconds", "Since the running child started.", time.monotonic() - child.started_at)
+        yield gauge(P + "requests_held", "Requests waiting now for a child to be ready.", supervisor.holding)
+        yield gauge(P + "requests_in_flight", "Requests the supervisor is relaying now.", supervisor.in_flight.active)
+        yield gauge(P + "restarts_in_window", "Child restarts within the crash-loop window "
                     "(the supervisor gives up past max_restarts).", supervisor.restart_times.count())
         quarantine = supervisor.quarantine.status()
-        yield gauge("quarantined_requests", "Requests struck by two child crashes, refused at the door "
+        yield gauge(P + "quarantined_requests", "Requests struck by two child crashes, refused at the door "
                     "until their quarantine ends.", quarantine.get("quarantined_count", 0))
 
 
@@ -135,7 +136,3 @@ def restart_reason(dead) -> str:
         except ValueError:
             return f"signal_{-code}"
     return f"exit_{code}"
-
-
-def gauge(name: str, documentation: str, value) -> GaugeMetricFamily:
-    return GaugeMetricFamily(P + name, documentation, value=float(value))
