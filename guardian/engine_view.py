@@ -48,13 +48,13 @@ class EngineView:
     def requests_kv_bytes(self) -> Optional[int]:
         """Bytes of the KV caches the requests in stock's batch hold (measured by the
         loop at its last look at the queue); None: no batch."""
-        return self._engine.requests_kv_bytes()
+        return self._engine.memory.requests_kv_bytes()
 
     def relieve_memory(self, target_bytes: int, reason: str) -> bool:
         """Soon, on the loop thread: ``mx.clear_cache()``, then drop least recently
         used prompt-cache entries until mlx's memory is at most ``target_bytes``
         (or the cache is empty); logged as ``memory_trimmed``. False: one is pending."""
-        return self._engine.relieve_memory(target_bytes, reason)
+        return self._engine.memory.relieve(target_bytes, reason)
 
     # -- limits ----------------------------------------------------------------
     def served_limits(self):
@@ -77,11 +77,11 @@ class EngineView:
     # -- probes ------------------------------------------------------------------
     def probe(self, prompt: str, timeout_s: float) -> dict:
         """Generate one token through users' queue and loop: ``{"ok", "duration_ms", "error", "token"}``."""
-        return self._engine.probe(prompt, timeout_s)
+        return self._engine.probes.probe(prompt, timeout_s)
 
     def keep_out_of_prompt_cache(self, prompt: str) -> None:
         """Never store (or evict users' entries for) prompts starting like ``prompt``."""
-        self._engine.remember_probe_prompt(prompt)
+        self._engine.probes.keep_out_of_prompt_cache(prompt)
 
     # -- memory set aside ----------------------------------------------------------
     @contextlib.contextmanager
@@ -106,9 +106,9 @@ class EngineView:
 
     def quarantine_refusal(self, fingerprint: str):
         """The GuardianError for a quarantined fingerprint, or None; None always when quarantine is off."""
-        quarantine = self._engine.quarantine
+        quarantine = self._engine.failures.quarantine
         return quarantine.refusal(fingerprint) if quarantine.enabled else None
 
     @property
     def quarantine_enabled(self) -> bool:
-        return self._engine.quarantine.enabled
+        return self._engine.failures.quarantine.enabled

@@ -236,7 +236,8 @@ def engine_callbacks(pm):
     from guardian.engine.generator import GuardianEngine
     from guardian.engine.restart import RestartClock
 
-    stand_in = types.SimpleNamespace(pm=pm, steps=0, restart_clock=RestartClock())
+    stand_in = types.SimpleNamespace(pm=pm, steps=0, restart_clock=RestartClock(),
+                                     failures=types.SimpleNamespace(restarted=lambda duration_s, classification: None))
     return {
         "on_ready": lambda: GuardianEngine._ready(stand_in),
         "on_restarted": lambda *a: GuardianEngine._restarted(stand_in, *a),

@@ -15,6 +15,7 @@ import structlog
 
 import guardian
 from guardian.engine.generator import GuardianEngine
+from guardian.engine.memory import EngineMemory
 from guardian.exit_codes import EXIT_GROUP_FAILED
 from guardian.config.registry import EXIT
 
@@ -27,16 +28,35 @@ COLLECTIVE_ERRORS = ("[ring]", "[jaccl]", "[nccl]", "[mpi]", "[distributed]")
 PEER_REPORT_WAIT_S = 1.0
 
 
+class GroupMemory(EngineMemory):
+    """A rank's engine memory: trims never touch the prompt cache."""
+
+    _trim_refused = False
+
+    def trim_prompt_cache(self, target_bytes: int, reason: str) -> None:
+        """Only mlx's buffer cache, never prompt-cache entries: each rank looks a
+        prompt up in its own prompt cache, and a hit on one rank with a miss on
+        another would have them prefill different tokens between collectives.
+        The ranks' caches stay identical only while every rank inserts and
+        evicts the same entries, which a trim decided on one rank would break."""
+        mx.clear_cache()
+        if not self._trim_refused:
+            self._trim_refused = True
+            log.warning("prompt_cache_trim_skipped", reason=reason, target_bytes=target_bytes,
+                        why="the ranks of a group must keep identical prompt caches")
+
+
 class GroupEngine(GuardianEngine):
     """GuardianEngine for a rank of a group: failures and stalls end the group."""
 
     # The rank's membership (guardian.distributed.member), set once it watches this engine.
     group_member = None
+    memory_class = GroupMemory
 
     def give_up(self, reason: str, exit_code: int = EXIT_GROUP_FAILED, records=()) -> None:
         """Tell the other ranks first (they are waiting in a collective), then give up with code 7."""
         member = self.group_member
-        error = self.last_error  # set by a failure of this loop: the first is the last in a group
+        error = self.failures.last_error  # set by a failure of this loop: the first is the last in a group
         first_give_up = self.generation_available()
         if error is not None and first_give_up:
             reason = f"the engine failed: {error['type']}: {error['message']}"
@@ -58,20 +78,6 @@ class GroupEngine(GuardianEngine):
     def recover_from_stall(self, reason: str, rung: str) -> None:
         """No rung but exit: a replacement loop would start at a collective the others are not in."""
         self.give_up(f"the engine stalled: {reason}")
-
-    def _trim_prompt_cache(self, target_bytes: int, reason: str) -> None:
-        """Only mlx's buffer cache, never prompt-cache entries: each rank looks a
-        prompt up in its own prompt cache, and a hit on one rank with a miss on
-        another would have them prefill different tokens between collectives.
-        The ranks' caches stay identical only while every rank inserts and
-        evicts the same entries, which a trim decided on one rank would break."""
-        mx.clear_cache()
-        if not self._trim_refused:
-            self._trim_refused = True
-            log.warning("prompt_cache_trim_skipped", reason=reason, target_bytes=target_bytes,
-                        why="the ranks of a group must keep identical prompt caches")
-
-    _trim_refused = False
 
 
 class GroupPolicy:

@@ -1,7 +1,31 @@
-"""Engine failures: what each is called."""
+"""Engine failures: what each is called, and what follows one.
+
+``FailureHandler`` is the engine's collaborator for a failure of its loop:
+every request the dead loop had taken is judged (guardian.engine.blame), the
+failure is counted toward the crash-loop budget and logged, the plugins
+decide (restart, reload, exit), and the requests are settled: re-run,
+continued, or answered (a request blamed for the failure is quarantined). A
+request whose own sampling raises ends alone, on the loop thread, while the
+others go on.
+"""
 
 from __future__ import annotations
 
+import time
+import traceback
+from typing import Optional
+
+import structlog
+
+from guardian import stock
+from guardian.config.registry import ACTIONS, EXIT
+from guardian.engine.blame import MEMORY_CLASSIFICATIONS, FailureBudget, Verdict, verdicts
+from guardian.engine.ledger import RequestRecord
+from guardian.errors import EngineStepError, GuardianError
+from guardian.quarantine.blamed import Quarantine
+from guardian.quarantine.table import Entry, short
+
+log = structlog.get_logger("guardian.engine")
 
 # What ``classify`` answers; plugins may add their own.
 CLASSIFICATIONS = ("metal_resource_limit", "out_of_memory", "unknown")
@@ -18,3 +42,302 @@ def classify(exc: BaseException) -> str:
     ):
         return "out_of_memory"
     return "unknown"
+
+
+class FailureHandler:
+    """What follows a failure of one engine's loop (its loop thread), and what it reports."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        # The crash-loop budget: failures without progress, nobody blamed for
+        # them (guardian.engine.blame); and the failure rate.
+        self.budget = FailureBudget(window_s=60.0)
+        # More failures than this within the window, with progress between: degraded.
+        self.max_failures = 5
+        self.max_reruns = 1
+        self.max_continuations = 0  # set by the recovery plugin
+        # Until when the engine is degraded (monotonic), as last logged; None: it is not.
+        self._degraded_until: Optional[float] = None
+        self.quarantine = Quarantine()
+        # ledger.completed at the last blame: a blame forgives failures only
+        # if the engine completed a request since the one before.
+        self._completed_at_last_blame = 0
+        self.last_error: Optional[dict] = None
+
+    def configure(self, *, window_s: float, max_failures: int, max_reruns: int, max_continuations: int,
+                  quarantine_s: float) -> None:
+        """The recovery plugin's settings (EngineView.configure_recovery)."""
+        self.budget.window_s = window_s
+        self.max_failures = max_failures
+        self.max_reruns = max_reruns
+        self.max_continuations = max_continuations
+        self.quarantine.quarantine_s = quarantine_s
+
+    def handle(self, exc: Exception) -> str:
+        """On the loop thread that failed: log, judge every taken request, decide,
+        settle them; return the action (restart, reload, exit)."""
+        cause = exc.cause if isinstance(exc, EngineStepError) else exc
+        classification = self.engine.pm.hook.classify_engine_error(error=cause) or "unknown"
+        if not self.engine.lifecycle.failed(classification):
+            return EXIT  # the engine gave up or stopped meanwhile: nothing to restart
+        self.engine.restart_clock.mark("classify")
+        failed_at = self.engine.lifecycle.trouble_at
+        counts = self.engine.ledger.counts()
+        records = self.engine.ledger.take_in_flight()
+        failure_id = self.budget.add(self.progress(), failed_at)
+        decided = self._judge(records, failure_id, memory=classification in MEMORY_CLASSIFICATIONS)
+        # Answered for what they did alone (poison), or needed (memory): their failures are explained.
+        explained = [r for r, verdict in decided if verdict in (Verdict.BLAME, Verdict.SHORTAGE)]
+        forgiven = self._forgive(explained)
+        failures_in_window = self.budget.count(failed_at)
+        rate = self.budget.rate(failed_at)
+        self.engine.restart_clock.mark("judge")
+        self.last_error = {
+            "type": type(cause).__name__,
+            "message": str(cause),
+            "classification": classification,
+            "at": time.time(),
+            "step": self.engine.steps,
+        }
+        log.error(
+            "engine_error",
+            error_type=type(cause).__name__,
+            error_message=str(cause),
+            classification=classification,
+            traceback="".join(traceback.format_exception(cause)),
+            step=self.engine.steps,
+            # Progress since the previous failure: a token, or a completed request.
+            progressed=failure_id is None,
+            failures_in_window=failures_in_window,
+            blamed=[r.request_id for r, verdict in decided if verdict is Verdict.BLAME],
+            short_of_memory=[r.request_id for r, verdict in decided if verdict is Verdict.SHORTAGE],
+            failures_forgiven=forgiven,
+            **rate,
+            **counts,
+        )
+        self._note_degraded(failed_at, rate)
+        self.engine.restart_clock.mark("log")
+        action = self.engine.pm.hook.on_engine_error(
+            error=cause,
+            classification=classification,
+            failures_in_window=failures_in_window,
+            engine=self.engine.plugin_view,
+        )
+        self.engine.restart_clock.mark("decide")
+        if action not in ACTIONS:
+            raise RuntimeError(f"on_engine_error returned {action!r}")
+        if action == EXIT:
+            self.engine.give_up(
+                f"the engine failed {failures_in_window} times within {self.budget.window_s:g} s",
+                records=records,
+            )
+        else:
+            self._settle(decided, cause, classification)
+        self.engine.restart_clock.mark("settle")
+        return action
+
+    def _judge(self, records: list[RequestRecord], failure_id: Optional[int], *,
+               memory: bool = False) -> list[tuple]:
+        """Count the failure for every request the dead loop had taken,
+        whatever its stage, and decide what becomes of each. ``failure_id``:
+        the failure as the crash-loop budget counts it (None: not counted)."""
+        for record in records:
+            record.note_failure()
+            if failure_id is not None:
+                record.failure_ids.append(failure_id)
+        return verdicts(records, self.max_reruns, self.max_continuations, memory=memory)
+
+    def progress(self) -> tuple[int, int]:
+        """The engine's progress: requests completed, tokens generated (guardian.engine.blame)."""
+        return self.engine.ledger.completed, self.engine.ledger.tokens_generated
+
+    def _note_degraded(self, now: float, rate: dict) -> None:
+        """After a failure: log when the engine becomes degraded, serving while it fails."""
+        until = self.budget.degraded_until(self.max_failures, now)
+        if until is not None and self._degraded_until is None:
+            log.warning("engine_degraded", window_s=self.budget.window_s, max_failures=self.max_failures,
+                        failures_after_progress=self.budget.after_progress, **rate)
+        self._degraded_until = until
+
+    def _degraded_ended(self) -> None:
+        """On the loop thread: the failures that made the engine degraded left the window."""
+        until = self.budget.degraded_until(self.max_failures)
+        if until is not None:
+            self._degraded_until = until  # a later failure keeps it degraded longer
+            return
+        self._degraded_until = None
+        log.info("engine_degraded_ended", window_s=self.budget.window_s,
+                 failures_total=self.budget.total, time_lost_s=round(self.budget.time_lost_s, 3))
+
+    @property
+    def degraded(self) -> bool:
+        """Whether the engine fails often (more than max_failures within the window)
+        but keeps generating between the failures, so it stays up."""
+        return self.budget.degraded_until(self.max_failures) is not None
+
+    def _forgive(self, blamed: list[RequestRecord]) -> int:
+        """Take the failures the blamed (or memory-short) requests were in flight
+        at off the crash-loop budget, if the engine completed a request since the
+        last blame (see guardian.engine.blame); return how many."""
+        if not blamed:
+            return 0
+        completed = self.engine.ledger.completed
+        proven = completed != self._completed_at_last_blame
+        self._completed_at_last_blame = completed
+        if not proven:
+            return 0
+        return self.budget.forgive(i for record in blamed for i in record.failure_ids)
+
+    def _settle(self, decided: list[tuple], cause: BaseException, classification: str) -> None:
+        """Re-run, continue or answer every request the dead loop had taken, as judged."""
+        reruns = []
+        continued = []
+        for record, verdict in decided:
+            if verdict is Verdict.CUT:
+                self.engine.fail(record, self._restarting_error(classification, mid_stream=True))
+            elif verdict is Verdict.ANSWER:
+                self.engine.fail(record, self._restarting_error(classification))
+            elif verdict is Verdict.BLAME:
+                self._blame(record, cause, classification)
+            elif verdict is Verdict.SHORTAGE:
+                self._short_of_memory(record, cause, classification)
+            else:
+                # ISOLATE: it failed more than once, but never alone: try it
+                # alone before blaming it.
+                record.isolate = record.isolate or verdict is Verdict.ISOLATE
+                reruns.append(record)
+                if verdict is Verdict.CONTINUE or (
+                    verdict is Verdict.ISOLATE and record.may_continue(self.max_continuations)
+                ):
+                    continued.append(record)
+        for record in reruns:
+            log.info(
+                "request_rerun",
+                request_id=record.request_id,
+                continued=record in continued,
+                failures=record.failures,
+                isolated=record.isolate,
+                stage=record.stage.value,
+                generated=len(record.generated),
+                continuations=record.continuations + (record in continued),
+            )
+        self.engine.ledger.rerun(reruns, continued)
+
+    def _short_of_memory(self, record: RequestRecord, cause: BaseException, classification: str) -> None:
+        """The request failed alone, at the same point, for want of memory: the
+        device lacked it at that moment (others hold it), so it is not quarantined
+        and its client is told to come back."""
+        log.warning("request_short_of_memory", request_id=record.request_id, failures=record.failures,
+                    stuck_failures=record.stuck_failures, generated=len(record.generated),
+                    classification=classification)
+        self.engine.fail(record, GuardianError(
+            f"The device ran out of memory for this request ({classification}: {type(cause).__name__}: "
+            f"{cause}); it failed alone, with the memory in use at that moment. It is not at fault: "
+            "retry once memory is free.",
+            status=503,
+            code="memory_shortage",
+            retry_after_s=self.engine.core.retry_after_s,
+        ))
+
+    def _blame(self, record: RequestRecord, cause: BaseException, classification: str) -> None:
+        """The request failed alone: answer it, and quarantine its fingerprint."""
+        fingerprint = stock.requests.attached_fingerprint(record.args)
+        entry = None
+        if fingerprint is not None:
+            entry = self.quarantine.blame(
+                fingerprint,
+                request_id=record.request_id,
+                reason=f"{classification}: {type(cause).__name__}",
+            )
+        log.warning(
+            "request_blamed",
+            request_id=record.request_id,
+            failures=record.failures,
+            fingerprint=short(fingerprint) if fingerprint else None,
+            quarantined=entry is not None,
+        )
+        self.engine.fail(record, self._blamed_error(record, cause, classification, entry))
+
+    def settle_stall(self, reason: str) -> None:
+        """Settle the requests of a loop thread a stall abandoned, as after a failure.
+        A stall is the watchdog's to count (its ladder), not the budget's."""
+        decided = self._judge(self.engine.ledger.take_in_flight(), None)
+        self._forgive([r for r, verdict in decided if verdict is Verdict.BLAME])
+        self._settle(decided, TimeoutError(reason), "stall")
+
+    def restarted(self, duration_s: float, classification: Optional[str]) -> None:
+        """A restart's time is lost to the failure that caused it (a stall's to the watchdog)."""
+        if classification != "stall":
+            self.budget.lost(duration_s)
+
+    def loop_polled(self, now: float) -> None:
+        """At the loop's look at the queue: whether the engine stopped being degraded."""
+        if self._degraded_until is not None and now >= self._degraded_until:
+            self._degraded_ended()
+
+    def status(self) -> dict:
+        """The failures' part of ``GET /guardian/status``'s engine."""
+        return {
+            "failures_in_window": self.budget.count(),
+            "failures_forgiven": self.budget.forgiven,
+            # Serving while it fails: more than max_failures failures within the
+            # window, with progress between them (guardian.engine.blame).
+            "degraded": self.degraded,
+            "failures_total": self.budget.total,
+            "failures_after_progress": self.budget.after_progress,
+            "time_lost_s": round(self.budget.time_lost_s, 3),
+            **self.budget.rate(),
+            "quarantine": self.quarantine.status(),
+            "last_error": self.last_error,
+        }
+
+    # -- a request's own sampling failed: it alone ends -------------------------
+    def pin_on_request(self, args, exc: BaseException, where: str) -> bool:
+        """A request's sampler or logits processor raised (see
+        stock.sampling.guard_request_sampling): end that request and drop it from the
+        batch; the others go on. False when no request in flight has ``args``."""
+        record = self.engine.ledger.record_for_args(args)
+        if record is None:
+            return False
+        record.stop_generation()
+        log.error(
+            "request_sampling_failed",
+            request_id=record.request_id,
+            where=where,
+            in_flight=len(self.engine.ledger.in_flight()),
+            error_type=type(exc).__name__,
+            error_message=str(exc),
+            traceback="".join(traceback.format_exception(exc)),
+        )
+        self.engine.fail(record, GuardianError(
+            f"This request's {where.replace('_', ' ')} raised {type(exc).__name__}: {exc}. "
+            "The request was stopped; the requests beside it went on.",
+            status=500,
+            code="sampling_failed",
+            retry=False,  # the same parameters would fail the same way
+        ))
+        return True
+
+    # -- errors clients get -------------------------------------------------
+    def _restarting_error(self, classification: str, *, mid_stream: bool = False) -> GuardianError:
+        when = " after this stream had started" if mid_stream else ""
+        return GuardianError(
+            f"The engine failed ({classification}){when}; it is restarting, retry the request.",
+            status=503,
+            code="engine_restarting",
+            retry_after_s=self.engine.core.retry_after_s,
+        )
+
+    def _blamed_error(self, record, cause, classification, entry: Optional[Entry] = None) -> GuardianError:
+        quarantined = ""
+        if entry is not None:
+            quarantined = f" Identical requests are refused until {entry.until_iso}."
+        return GuardianError(
+            f"This request was in flight at {record.stuck_failures} engine failures at the same point "
+            f"({len(record.generated)} tokens generated, none between them), the last one alone, "
+            f"and is their cause; it will not be retried.{quarantined} "
+            f"Last failure: {classification}: {type(cause).__name__}: {cause}",
+            status=500,
+            code="request_failed_repeatedly",
+            retry=False,  # the same request would fail the same way
+        )

@@ -1,0 +1,74 @@
+"""Probes: a synthetic request that proves the engine generates.
+
+``Probes`` is the engine's collaborator for them: one token generated
+through the same queue and loop as users' requests (the generation_probe
+plugin's ``probe`` hook calls it through the EngineView), its prompt kept out
+of the prompt cache so a probe never evicts users' entries.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import time
+from queue import Empty, Queue
+
+import structlog
+
+from guardian import stock
+from guardian.request_context import request_scope
+
+log = structlog.get_logger("guardian.engine")
+
+
+class Probes:
+    """One engine's probes."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self._ids = itertools.count(1)
+
+    def probe(self, prompt: str, timeout_s: float) -> dict:
+        """Generate one token through the same queue and loop as users' requests.
+
+        Returns ``{"ok", "duration_ms", "error", "token"}``; never waits
+        longer than ``timeout_s``.
+        """
+        started = time.monotonic()
+        request, args = stock.requests.make_request(prompt, max_tokens=1, cli_args=self.engine.cli_args)
+        responses: Queue = Queue()
+        with request_scope(f"probe-{next(self._ids)}", stream=True):
+            record = self.engine.ledger.put((responses, request, args), synthetic=True)
+        result = {"ok": False, "error": None, "token": None}
+        deadline = started + timeout_s
+        try:
+            while True:
+                item = responses.get(timeout=max(0.0, deadline - time.monotonic()))
+                if isinstance(item, BaseException):
+                    result["error"] = f"{type(item).__name__}: {item}"
+                    break
+                if isinstance(item, stock.contract.Response):
+                    result.update(ok=True, token=item.token)
+                if item is None:
+                    break
+        except Empty:
+            result["error"] = f"no token within {timeout_s:g} s"
+            record.cancel()
+        result["duration_ms"] = round((time.monotonic() - started) * 1000, 1)
+        return result
+
+    def keep_out_of_prompt_cache(self, prompt: str, *, deferred: bool = False) -> None:
+        """Keep probe prompts out of the prompt cache."""
+        tokenizer = self.engine.model_provider.tokenizer
+        if tokenizer is None:
+            # A reload is reading the weights: the loop asks for work again only
+            # once it has them, and then tokenizes the prompt (once).
+            if not deferred:
+                self.engine.on_loop_thread(lambda: self.keep_out_of_prompt_cache(prompt, deferred=True))
+            else:
+                log.warning("probe_prompt_not_tokenized", reason="no model is loaded")
+            return
+        # On a copy: the loop thread may be using the tokenizer, and fast
+        # tokenizers shared between threads can fail ("Already borrowed").
+        tokens = copy.deepcopy(tokenizer).encode(prompt)
+        self.engine.prompt_cache.skip_prefixes.append(list(tokens))
