@@ -8,8 +8,8 @@ an SSE error event followed by ``[DONE]`` once a stream has started.
 
 Stock's handler calls its ``response_generator``; here that is a
 ``guardian.serving.assembly.ServedModel``, whose ``generate`` runs admission and then the
-engine. The handler's own endpoints read its ``engine``, ``gate`` (request
-limits) and ``watchdog`` (health).
+engine. The handler's own endpoints (``GET``, guardian.serving.endpoints) read its
+``engine``, ``gate`` (request limits) and ``stall_detector`` (health).
 """
 
 from __future__ import annotations
@@ -17,16 +17,14 @@ from __future__ import annotations
 import io
 import json
 import time
-from pathlib import Path
 from typing import Optional
 
 import structlog
 
-from guardian.observability import metrics
 from guardian import relay_protocol, stock
 from guardian.access.policy import AccessDecision, AccessRequest
 from guardian.serving.connection import linger_close
-from guardian.admission.facts import context_length_of
+from guardian.serving.endpoints import GET_PATHS, MONITORING_PATHS, Endpoints
 from guardian.request_context import (REQUEST_ID_HEADER, add_response_headers, bind_log_fields, client_gone,
                                       current_request, deadline_passed, request_scope, sane_request_id)
 from guardian.errors import AbortRequest, GuardianError, from_stock_exception
@@ -41,14 +39,9 @@ _CLIENT_GONE = (BrokenPipeError, ConnectionResetError, ConnectionAbortedError, T
 # Stock's completion endpoints: the POST paths that carry a JSON body.
 TEXT_COMPLETION_PATH = "/v1/completions"
 COMPLETION_PATHS = (TEXT_COMPLETION_PATH, "/v1/chat/completions", "/chat/completions")
-# Polled by the supervisor, load balancers and Prometheus: their access
-# lines are routine, at DEBUG (what they report is logged as it changes).
-MONITORING_PATHS = frozenset({"/health", "/livez", "/readyz", "/guardian/status", "/metrics"})
-# Every path do_GET answers (and /v1/models/<id>); the door's test walks them all.
-GET_PATHS = (*sorted(MONITORING_PATHS), "/v1/models")
 
 
-class GuardianHandler(stock.handler.DoorCorsHandler):
+class GuardianHandler(Endpoints, stock.handler.DoorCorsHandler):
     # Where responses go while stock's do_POST has not yet dispatched (see do_POST).
     _client_wfile = None
     # The client's X-Request-ID for the request being answered, when sane.
@@ -220,39 +213,12 @@ class GuardianHandler(stock.handler.DoorCorsHandler):
             raise AbortRequest(error)
         super().validate_model_parameters()
 
-    def do_GET(self):
-        path, _, query = self.path.partition("?")
-        engine, watchdog = self.response_generator.engine, self.response_generator.stall_detector
-        if path == "/health":
-            self.send_health(engine, watchdog)
-        elif path == "/livez":
-            self.send_json(200, {"status": "ok"})
-        elif path == "/readyz":
-            self.send_readiness(engine, watchdog, deep="deep=1" in query.split("&"))
-        elif path == "/guardian/status":
-            live = getattr(self.response_generator, "live", None)
-            config = {"config": live.status()} if live is not None else {}
-            self.send_json(200, {**engine.status(), **watchdog.status(), **config,
-                                 "access": self.server.door.status(),
-                                 "connections": self.server.connection_status()})
-        elif path == "/metrics":
-            self.send_metrics(metrics.registry_of(self.response_generator.pm))
-        elif path.startswith("/v1/models"):
-            self.send_models(engine.cli_args, self.response_generator.gate)
-        else:
-            self.send_method_not_allowed()
-
     def send_unknown_path(self):
         """OpenAI's answer to a path it does not have (stock: a text/plain "Not Found")."""
         self.send_error_json(GuardianError(
             f"Invalid URL ({self.command} {self.path.partition('?')[0]})", status=404,
             type="invalid_request_error", code="unknown_url",
         ))
-
-    def do_HEAD(self):
-        """GET's answer without its body, where GET has one (load balancers' checks, curl -I)."""
-        self.wfile = HeadersOnly(self.wfile)
-        self.do_GET()
 
     def send_method_not_allowed(self):
         """405 with Allow for a path that exists under other methods; else the unknown path's 404."""
@@ -274,31 +240,6 @@ class GuardianHandler(stock.handler.DoorCorsHandler):
         if code == 501 and getattr(self, "command", None):
             return self.send_method_not_allowed()
         super().send_error(code, message, explain)
-
-    def send_metrics(self, registry) -> None:
-        """Prometheus' text (guardian.observability.metrics); a 404 when the metrics plugin is disabled."""
-        if registry is None:
-            return self.send_unknown_path()
-        body, content_type = metrics.exposition(registry, self.headers.get("Accept"))
-        self.send_response(200)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def send_models(self, cli_args, gate) -> None:
-        """Stock's listing with each model's ``context_length``; no hub cache is no error."""
-        listing = stock.models.models_listing(self)
-        served = cli_args.model
-        served_ids = {served, str(Path(served).resolve())} if served else set()
-        for model in listing.get("data", []):
-            if model.get("id") in served_ids and gate.served_context_length:
-                context_length = gate.served_context_length
-            else:
-                context_length = context_length_of(model.get("id", ""))
-            if context_length is not None:
-                model["context_length"] = context_length
-        self.send_json(200, listing)
 
     def do_POST(self):
         """Stock's, behind a body guard (413 unread past max_body_bytes), its refusals OpenAI-shaped."""
@@ -383,20 +324,6 @@ class GuardianHandler(stock.handler.DoorCorsHandler):
             self.send_header(name, value)
         super().end_headers()
 
-    def send_health(self, engine, watchdog) -> None:
-        """Stock's path, truthful: 200 only while the engine can generate."""
-        healthy = engine.is_healthy and watchdog.heartbeat_fresh()
-        body = {"status": "ok" if healthy else "unavailable", "state": engine.state.value}
-        self.send_json(200 if healthy else 503, body)
-
-    def send_readiness(self, engine, watchdog, deep: bool) -> None:
-        if deep and engine.is_healthy and not watchdog.progressing():
-            watchdog.run_probes()
-        ready, reason = watchdog.readiness()
-        body = {"status": "ready" if ready else "unavailable", "reason": reason,
-                "state": engine.state.value, "last_probe": watchdog.status()["last_probe"]}
-        self.send_json(200 if ready else 503, body)
-
     def log_message(self, format, *args):
         # BaseHTTPRequestHandler writes access lines straight to stderr;
         # route them through structlog so every line is JSON.
@@ -424,24 +351,6 @@ def client_deadline(headers, request_timeout_s: float) -> tuple[Optional[float],
     if 0 < client_s < float("inf"):  # NaN fails both
         candidates.append((client_s, f"the client's {SDK_READ_TIMEOUT_HEADER}"))
     return min(candidates) if candidates else (None, "")
-
-
-class HeadersOnly:
-    """A HEAD answer's output: the status line and headers (one write, by
-    http.server's flush_headers), and nothing after them."""
-
-    def __init__(self, wrapped):
-        self.wrapped = wrapped
-        self.headers_sent = False
-
-    def write(self, data) -> int:
-        if not self.headers_sent:
-            self.headers_sent = bytes(data).endswith(b"\r\n\r\n")
-            return self.wrapped.write(data)
-        return len(data)
-
-    def flush(self) -> None:
-        self.wrapped.flush()
 
 
 class RelayedGenerator:

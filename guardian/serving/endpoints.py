@@ -1,0 +1,110 @@
+"""The handler's own endpoints: health, readiness, status, metrics, the models listing.
+
+``Endpoints`` is a part of ``guardian.serving.handler.GuardianHandler``: its
+``do_GET`` (and ``do_HEAD``). They read the served model (``ServedModel``,
+guardian.serving.assembly): its engine, its stall detection (``/health``,
+``/readyz``), its admission gate (the models' context lengths), its plugins
+(``/metrics``), and the server's door and connections (``/guardian/status``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from guardian import stock
+from guardian.admission.facts import context_length_of
+from guardian.observability import metrics
+
+# Polled by the supervisor, load balancers and Prometheus: their access
+# lines are routine, at DEBUG (what they report is logged as it changes).
+MONITORING_PATHS = frozenset({"/health", "/livez", "/readyz", "/guardian/status", "/metrics"})
+# Every path do_GET answers (and /v1/models/<id>); the door's test walks them all.
+GET_PATHS = (*sorted(MONITORING_PATHS), "/v1/models")
+
+
+class Endpoints:
+    """``GET`` and ``HEAD``: what monitoring reads, and ``/v1/models``."""
+
+    def do_GET(self):
+        path, _, query = self.path.partition("?")
+        engine, stall_detector = self.response_generator.engine, self.response_generator.stall_detector
+        if path == "/health":
+            self.send_health(engine, stall_detector)
+        elif path == "/livez":
+            self.send_json(200, {"status": "ok"})
+        elif path == "/readyz":
+            self.send_readiness(engine, stall_detector, deep="deep=1" in query.split("&"))
+        elif path == "/guardian/status":
+            live = getattr(self.response_generator, "live", None)
+            config = {"config": live.status()} if live is not None else {}
+            self.send_json(200, {**engine.status(), **stall_detector.status(), **config,
+                                 "access": self.server.door.status(),
+                                 "connections": self.server.connection_status()})
+        elif path == "/metrics":
+            self.send_metrics(metrics.registry_of(self.response_generator.pm))
+        elif path.startswith("/v1/models"):
+            self.send_models(engine.cli_args, self.response_generator.gate)
+        else:
+            self.send_method_not_allowed()
+
+    def do_HEAD(self):
+        """GET's answer without its body, where GET has one (load balancers' checks, curl -I)."""
+        self.wfile = HeadersOnly(self.wfile)
+        self.do_GET()
+
+    def send_metrics(self, registry) -> None:
+        """Prometheus' text (guardian.observability.metrics); a 404 when the metrics plugin is disabled."""
+        if registry is None:
+            return self.send_unknown_path()
+        body, content_type = metrics.exposition(registry, self.headers.get("Accept"))
+        self.send_response(200)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def send_models(self, cli_args, gate) -> None:
+        """Stock's listing with each model's ``context_length``; no hub cache is no error."""
+        listing = stock.models.models_listing(self)
+        served = cli_args.model
+        served_ids = {served, str(Path(served).resolve())} if served else set()
+        for model in listing.get("data", []):
+            if model.get("id") in served_ids and gate.served_context_length:
+                context_length = gate.served_context_length
+            else:
+                context_length = context_length_of(model.get("id", ""))
+            if context_length is not None:
+                model["context_length"] = context_length
+        self.send_json(200, listing)
+
+    def send_health(self, engine, stall_detector) -> None:
+        """Stock's path, truthful: 200 only while the engine can generate."""
+        healthy = engine.is_healthy and stall_detector.heartbeat_fresh()
+        body = {"status": "ok" if healthy else "unavailable", "state": engine.state.value}
+        self.send_json(200 if healthy else 503, body)
+
+    def send_readiness(self, engine, stall_detector, deep: bool) -> None:
+        if deep and engine.is_healthy and not stall_detector.progressing():
+            stall_detector.run_probes()
+        ready, reason = stall_detector.readiness()
+        body = {"status": "ready" if ready else "unavailable", "reason": reason,
+                "state": engine.state.value, "last_probe": stall_detector.status()["last_probe"]}
+        self.send_json(200 if ready else 503, body)
+
+
+class HeadersOnly:
+    """A HEAD answer's output: the status line and headers (one write, by
+    http.server's flush_headers), and nothing after them."""
+
+    def __init__(self, wrapped):
+        self.wrapped = wrapped
+        self.headers_sent = False
+
+    def write(self, data) -> int:
+        if not self.headers_sent:
+            self.headers_sent = bytes(data).endswith(b"\r\n\r\n")
+            return self.wrapped.write(data)
+        return len(data)
+
+    def flush(self) -> None:
+        self.wrapped.flush()
