@@ -1,4 +1,4 @@
-"""The TOML file given with ``--guardian-config``, and the core's settings.
+"""The core's settings: the tables the core reads from ``--guardian-config``.
 
 ``[guardian]`` configures the core, ``[watchdog]`` the watchdog,
 ``[supervisor]`` subprocess mode; every other table belongs to the plugin of

@@ -1,4 +1,4 @@
-"""A rank's engine: stock's loop supervised, but never restarted alone.
+"""A rank's engine: stock's loop guarded, but never restarted alone.
 
 Each rank runs stock's loop, and the loops meet in a collective at every
 step and every look at the queue. A rank that restarted its loop by itself

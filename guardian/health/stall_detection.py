@@ -1,4 +1,4 @@
-"""The watchdog: stall detection, probes, resource samples, systemd pings.
+"""Stall detection, the ``[watchdog]`` table's: stalls, probes, resource samples, systemd pings.
 
 A thread that never takes part in generation. The engine's heartbeat
 (``engine.last_beat``) advances at every engine step, every prompt-progress
@@ -48,6 +48,8 @@ log = structlog.get_logger("guardian.watchdog")
 
 
 class StallDetector:
+    """The watchdog's thread for one engine: its heartbeat judged, its ladder climbed, probes run."""
+
     def __init__(self, engine, pm, settings: WatchdogSettings, notifier: Optional[SystemdNotifier] = None):
         self.engine = engine
         self.pm = pm

@@ -10,10 +10,12 @@ import structlog
 from guardian import stock
 from guardian.distributed.engine import GroupEngine
 from guardian.distributed.group import Group
-from guardian.exit_codes import EXIT_BOOT_ERROR, EXIT_OK
 from guardian.distributed.member import GroupMember
+from guardian.exit_codes import EXIT_BOOT_ERROR, EXIT_OK
+from guardian.plugin_manager import notify
+from guardian.serving.assembly import ExitRequest, ServedModel
 
-
+# A rank's events, as guardian.distributed.member logs them.
 log = structlog.get_logger("guardian.group")
 
 
@@ -29,10 +31,7 @@ def _leave_later(exit_request, delay_s: float) -> None:
 
 
 def serve_follower(model_provider, config, pm, group: Group) -> int:
-    """A rank other than 0: no HTTP; stock's loop, fed by rank 0's broadcast, supervised."""
-    from guardian.plugin_manager import notify
-    from guardian.serving.assembly import ExitRequest, ServedModel
-
+    """A rank other than 0: no HTTP; stock's loop, fed by rank 0's broadcast, guarded."""
     exit_request = ExitRequest()
     # A LiveConfig (the file followed while serving), or a GuardianConfig.
     settings = getattr(config, "config", config)

@@ -1,11 +1,13 @@
-"""The one place that touches mlx_lm's private or internal names.
+"""The seams into stock mlx_lm, named and checked at import.
 
 mlx-guardian embeds stock ``mlx_lm.server`` instead of copying it. Embedding
 needs a few seams that mlx_lm does not publish: the generation loop method,
 module globals the loop looks up at call time, the flag parser built inside
-``main()``. Every such seam is named here, checked at import, and covered by
-``tests/test_stock_contract.py``, so an mlx-lm release that moves one fails
-loudly with the name instead of misbehaving quietly.
+``main()``. Every such seam is named here (``REQUIRED``), checked at import,
+and covered by ``tests/test_stock_contract.py``, so an mlx-lm release that
+moves one fails loudly with the name instead of misbehaving quietly; the
+other modules of guardian.stock use them. Stock's originals of what the
+guardian swaps are kept here before anything swaps them.
 """
 
 from __future__ import annotations
