@@ -188,7 +188,7 @@ class LoopFaults:
 
 def left_the_loop(thread: threading.Thread) -> bool:
     """Whether an abandoned loop thread has left stock's loop: ended, or parked by
-    the engine (its innermost frame waits, called from ``supervise``)."""
+    the engine (its innermost frame waits, called from ``run_guarded``)."""
     frame = sys._current_frames().get(thread.ident) if thread.is_alive() else None
     if frame is None:
         return True
@@ -196,4 +196,4 @@ def left_the_loop(thread: threading.Thread) -> bool:
     while frame is not None:
         names.append(frame.f_code.co_name)
         frame = frame.f_back
-    return "supervise" in names and "_restart_until_stopped" not in names and names[0] == "wait"
+    return "run_guarded" in names and "_restart_until_stopped" not in names and names[0] == "wait"
