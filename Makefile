@@ -41,7 +41,11 @@ $(VENV)/.serving: pyproject.toml
 serve: $(VENV)/.serving
 	$(VENV)/bin/mlx-guardian --port $(PORT) $(ARGS)
 
-test: test-newest test-0313
+# Both venvs installed at once, then the suite in three lanes at once
+# (tools/test_lanes.sh says which); test-newest and test-0313 run one venv alone.
+test: system-packages
+	$(MAKE) -j2 $(VENV)/.installed $(VENV_0313)/.installed
+	tools/test_lanes.sh
 
 # The unit tier: every test that needs no model (no engine, no server serving
 # one), in under a minute; `make test` runs them too.
