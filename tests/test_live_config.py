@@ -25,7 +25,8 @@ pytestmark = pytest.mark.one_version
 
 CHAT = "/v1/chat/completions"
 # Probes stay out of the way (the start-up one makes the server ready);
-# samples come often, so thresholds act quickly; thresholds off.
+# samples come often, so thresholds act quickly; thresholds off; faults may
+# be armed by a save (armable is read at start), none are.
 BASE = """\
 [watchdog]
 probe_interval_s = 600
@@ -33,6 +34,8 @@ resource_interval_s = 0.2
 [resources]
 trim_above = 0
 refuse_above = 0
+[fault_injection]
+armable = true
 """
 # About 30 prompt tokens with the demo model's chat template.
 PROMPT = "Tell me a long story about a cat who sails around the world."
@@ -131,11 +134,11 @@ def test_a_broken_edit_changes_nothing_and_says_why(served):
 
 def test_a_setting_bound_at_start_is_logged_as_needing_a_restart(served):
     save_and_wait(served, BASE)
-    live = save_and_wait(served, BASE + "[guardian]\nallow_any_model = true\nretry_after_s = 3\n"
-                         "[fault_injection]\nmax_faults = 2\n")["config"]
+    # seed = 2: a key of BASE's last table, [fault_injection].
+    live = save_and_wait(served, BASE + "seed = 2\n[guardian]\nallow_any_model = true\nretry_after_s = 3\n")["config"]
     [*_, needs] = served.wait_for_event("config_change_needs_restart")
-    assert set(needs["settings"]) == {"guardian.allow_any_model", "fault_injection.max_faults"}
-    assert set(live["pending_restart"]) == {"guardian.allow_any_model", "fault_injection.max_faults"}
+    assert set(needs["settings"]) == {"guardian.allow_any_model", "fault_injection.seed"}
+    assert set(live["pending_restart"]) == {"guardian.allow_any_model", "fault_injection.seed"}
     assert served.events("config_reloaded")[-1]["changed"] == ["guardian.retry_after_s"]
     # Not applied: a request naming another model is still refused at the door.
     response = httpx.post(served.url + CHAT, json=chat_body(model="some/other-model"), timeout=30)
@@ -254,3 +257,32 @@ def test_memory_that_grows_across_engine_restarts_is_a_suspected_leak(capsys):
     for restart in range(1, 6):
         steady.on_engine_restarted(restarts=restart)
     assert "memory_leak_suspected" not in capsys.readouterr().err
+
+
+FAULTS = BASE + """\
+enabled = {enabled}
+poison_marker = "POISON"
+message = "planted poison"
+"""  # keys of BASE's last table, [fault_injection]
+
+
+def test_faults_are_armed_and_disarmed_by_saving_the_file(served):
+    """A server started with [fault_injection] armable keeps the plugin on the
+    engine's step: saving enabled = true plants faults in the running server
+    (tests share one server between fault-free and faulty cases), false removes them."""
+    save_and_wait(served, FAULTS.format(enabled="false"))
+    with httpx.Client(timeout=60) as client:
+        before = client.post(served.url + CHAT, json=chat_body("POISON before arming.", max_tokens=4))
+        assert before.status_code == 200, before.text
+        save_and_wait(served, FAULTS.format(enabled="true"))
+        poisoned = client.post(served.url + CHAT, json=chat_body("POISON armed.", max_tokens=4))
+        assert poisoned.status_code == 500, poisoned.text
+        assert poisoned.json()["error"]["code"] == "request_failed_repeatedly"
+        assert "planted poison" in poisoned.json()["error"]["message"]
+        innocent = client.post(served.url + CHAT, json=chat_body("An innocent request.", max_tokens=4))
+        assert innocent.status_code == 200, innocent.text
+        save_and_wait(served, FAULTS.format(enabled="false"))
+        after = client.post(served.url + CHAT, json=chat_body("POISON disarmed.", max_tokens=4))
+        assert after.status_code == 200, after.text
+    assert served.events("fault_injection_armed") and served.events("fault_injection_disarmed")
+    save_and_wait(served, BASE)

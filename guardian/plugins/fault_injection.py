@@ -28,39 +28,51 @@ INCIDENT_MESSAGE = "[metal::malloc] Resource limit (499000) exceeded."
 class FaultInjectionSettings(Table, name="fault_injection"):
     """Rehearse the incident. Off unless enabled; triggers combine."""
 
-    enabled = Setting(Bool(), False)
+    enabled = Setting(Bool(), False, """
+        Plant the faults below. Live where ``armable`` is set at start.""", live=True)
+    armable = Setting(Bool(), False, """
+        Keep the plugin on the engine's step (one hook call a step) even while
+        ``enabled`` is false, so that saving the configuration file arms or
+        disarms faults without a restart: a test shares one server between
+        fault-free and faulty cases. Read at start.""")
     exception = Setting(Str(), "RuntimeError", """
-        A builtin exception name, or "package.module:Class".""")
+        A builtin exception name, or "package.module:Class". Read at start.""")
     message = Setting(Str(), INCIDENT_MESSAGE, """
-        The default is the incident's message.""")
+        The default is the incident's message.""", live=True)
     at_step = Setting(Int(min=0), 0, """
-        Raise once, at this engine step (1-based, counted from the process start). 0: off.""")
+        Raise once, at this engine step (1-based, counted from when faults were
+        enabled: the process start, or the save that armed them). 0: off.""", live=True)
     every_n_steps = Setting(Int(min=0), 0, """
-        Raise at every Nth engine step. 0: off.""")
+        Raise at every Nth engine step. 0: off.""", live=True)
     probability = Setting(Float(min=0.0), 0.0, """
-        Raise at each step with this probability (seeded, so runs repeat).""")
+        Raise at each step with this probability (seeded, so runs repeat).""", live=True)
     seed = Setting(Int(), 0)
     poison_marker = Setting(Str(), "", """
-        Raise at every step while a started request's prompt contains this text. "": off.""")
+        Raise at every step while a started request's prompt contains this text. "": off.""", live=True)
     segfault_marker = Setting(Str(), "", """
         Crash the process with a real SIGSEGV at a step while a started request's
-        prompt contains this text (a body that kills the engine natively). "": off.""")
+        prompt contains this text (a body that kills the engine natively). "": off.""", live=True)
     min_started = Setting(Int(min=0), 0, """
         Count steps for at_step and every_n_steps only while at least this many
-        requests are started (8: fail with 8 clients mid-generation).""")
+        requests are started (8: fail with 8 clients mid-generation).""", live=True)
     max_faults = Setting(Int(min=0), 0, """
-        Stop raising after this many faults. 0: no limit.""")
+        Stop raising after this many faults. 0: no limit.""", live=True)
     hang_at_step = Setting(Int(min=0), 0, """
-        Block the engine thread at this step, as a native deadlock would. 0: off.""")
+        Block the engine thread at this step, as a native deadlock would. 0: off.""", live=True)
     hang_s = Setting(Float(min=0.0), 0.0, """
-        How long the hang lasts in seconds; 0 blocks until shutdown.""")
+        How long the hang lasts in seconds; 0 blocks until shutdown.""", live=True)
     step_delay_s = Setting(Float(min=0.0), 0.0, """
         Sleep this long before every step: slow steps that still progress (a long
-        prefill on a big model), to check the watchdog raises no false alarm.""")
+        prefill on a big model), to check the watchdog raises no false alarm.""", live=True)
     rank = Setting(Int(min=-1), -1, """
         Under mlx.launch: plant faults on this rank of the group only, counting its
         steps (the ranks step together); -1: on every rank. A process alone is rank 0.
         Requests are known on rank 0 only: min_started and the markers work there.""")
+
+
+# What the armed log line says (the triggers).
+ARMED_FIELDS = ("at_step", "every_n_steps", "probability", "poison_marker", "segfault_marker",
+                "min_started", "max_faults", "hang_at_step", "step_delay_s")
 
 
 class FaultInjection:
@@ -69,13 +81,14 @@ class FaultInjection:
 
     def __init__(self, settings: FaultInjectionSettings):
         self.settings = settings
-        # Disabled, it stays off the engine's per-step hot path entirely; so
-        # does it on the ranks of a group other than the one it targets.
-        self.active = settings.enabled and on_this_rank(settings.rank)
+        # Disabled (and not armable), it stays off the engine's per-step hot
+        # path entirely; so does it on the ranks of a group other than the one it targets.
+        self.active = (settings.enabled or settings.armable) and on_this_rank(settings.rank)
         self.exception_class = self._exception_class(settings.exception)
         self.random = random.Random(settings.seed)
         self.faults = 0
         self.armed_steps = 0
+        self.armed = False
         self.released = threading.Event()
 
     @staticmethod
@@ -97,7 +110,7 @@ class FaultInjection:
     @guardian.hookimpl
     def on_engine_step(self, step, engine):
         s = self.settings
-        if not self.active:
+        if not self.active or not self._armed(s):
             return
         if s.step_delay_s:
             self.released.wait(s.step_delay_s)
@@ -113,6 +126,17 @@ class FaultInjection:
             self.faults += 1
             log.warning("fault_injected", kind="raise", step=step, trigger=reason)
             raise self.exception_class(s.message)
+
+    def _armed(self, s) -> bool:
+        """Whether faults are enabled now; armed afresh (by a save), the counts start again."""
+        if s.enabled and not self.armed:
+            self.faults = self.armed_steps = 0
+            if self.settings.armable:
+                log.warning("fault_injection_armed", **{k: getattr(s, k) for k in ARMED_FIELDS})
+        elif not s.enabled and self.armed:
+            log.warning("fault_injection_disarmed", faults=self.faults)
+        self.armed = s.enabled
+        return self.armed
 
     @staticmethod
     def _segfault(step):
