@@ -264,9 +264,12 @@ class RequestReader:
         switch interval (5 ms) behind the reader busy with a flood, and a
         client queued behind a thousand reconnecting ones waited seconds.
         """
-        listener.setblocking(False)
-        with self._lock:
-            self.selector.register(listener, selectors.EVENT_READ, Listening(listener))
+        try:
+            listener.setblocking(False)
+            with self._lock:
+                self.selector.register(listener, selectors.EVENT_READ, Listening(listener))
+        except (OSError, ValueError, KeyError):  # closed meanwhile (a pause after EMFILE, then a stop)
+            return
         self._wake()
 
     def watch(self, sock: socket.socket, on_gone) -> None:
