@@ -19,7 +19,7 @@ import time
 import httpx
 import pytest
 
-from conftest import BOTH_MODES, ModeServer, chat_body, poll
+from conftest import BOTH_MODES, ModeServer, Server, chat_body, free_port, poll, spawn_guardian
 
 COMPLETIONS = "/v1/chat/completions"
 MAX_HANDLERS = 4
@@ -181,3 +181,32 @@ def test_importing_stock_never_lowers_the_open_files_limit():
                          preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard)))
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == [str(hard), str(hard)]
+
+
+@pytest.mark.linux("a low open-files limit set for the server alone (preexec_fn)")
+def test_out_of_file_descriptors_the_door_pauses_and_serves_again(tmp_path, model_cache):
+    """Past its open-files limit the server cannot accept (EMFILE): it stops
+    accepting for a tick instead of spinning on the listening socket, and
+    serves again as soon as connections close."""
+    limit = 256
+    port = free_port()
+    log_path = tmp_path / "server.log"
+    proc = spawn_guardian(["--port", str(port)], log_path, model_cache,
+                          preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit)))
+    server = Server(proc, port, log_path)
+    try:
+        server.wait_healthy()
+        flood = []
+        try:
+            for _ in range(limit):
+                flood.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+            server.wait_for_event("http_accept_failed", timeout=10)
+            assert server.proc.poll() is None
+        finally:
+            for sock in flood:
+                sock.close()
+        poll(lambda: server.health() == 200, 10, what="/health once the flood's connections closed")
+        answer = httpx.post(server.url + COMPLETIONS, json=chat_body(max_tokens=4), timeout=30)
+        assert answer.status_code == 200, answer.text
+    finally:
+        server.stop()

@@ -10,15 +10,18 @@ import resource
 
 @contextlib.contextmanager
 def never_lowered():
-    """Within: a library's ``setrlimit(RLIMIT_NOFILE, ...)`` may raise the limit, never lower it."""
+    """Within: a library's ``setrlimit(RLIMIT_NOFILE, ...)`` may raise the soft limit
+    up to the hard one, and lowers neither (mlx_lm's (2048, 4096) would also raise
+    a hard limit under 4096, which an unprivileged process may not: stock fails to import there)."""
     real = resource.setrlimit
 
     def setrlimit(kind, limits):
         if kind == resource.RLIMIT_NOFILE:
             soft, hard = resource.getrlimit(kind)
-            wanted_soft, wanted_hard = limits
+            wanted_soft, _ = limits
             # Quietly: this runs at import, before logging is set up.
-            limits = (max(soft, wanted_soft), hard if hard == resource.RLIM_INFINITY else max(hard, wanted_hard))
+            raised = max(soft, wanted_soft)
+            limits = (raised if hard == resource.RLIM_INFINITY else min(raised, hard), hard)
         real(kind, limits)
 
     resource.setrlimit = setrlimit
