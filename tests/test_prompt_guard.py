@@ -1,12 +1,19 @@
 """The prompt guard: what cannot fit is turned away at the door.
 
-Every test runs a real ``mlx-guardian`` child with the demo model (context
-2048, a ChatML template that renders tools) and counts tokens with the same
-tokenizer, loaded here, to check the server's counts exactly.
+Every test runs against a real ``mlx-guardian`` child with the demo model
+(context 2048, a ChatML template that renders tools) and counts tokens with
+the same tokenizer, loaded here, to check the server's counts exactly.
+
+Every ``[prompt_guard]`` setting is live, so most tests share one server
+(``guarded_server``), reconfigured through its file at each test's start and
+back to the defaults at its end. A test keeps a server of its own only for
+what is bound at start: another model, environment, a wrapped stock, or a
+plugin setting that is not live (each says which).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import socket
@@ -19,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from conftest import REPO, TOOLS, Server, chat_body, free_port, read_stream
+from conftest import REPO, TOOLS, ModeServer, Server, chat_body, free_port, poll, read_stream
 
 N_CTX = 2048
 # ~17 demo tokens a sentence: 8600 of them are the incident's ~145K tokens.
@@ -71,13 +78,80 @@ def assert_context_error(body: dict, n_prompt: int, param: str = "messages") -> 
     ), error["message"]
 
 
+# -- the shared server ------------------------------------------------------------
+class GuardServer(ModeServer):
+    """The server the tests whose settings are all live share. ``configure``
+    saves its ``[prompt_guard]`` table and waits until the server runs it;
+    ``logs`` (so ``events``) then holds only the lines since: the test's own."""
+
+    def __init__(self, folder, model_cache):
+        super().__init__("one_process", folder, model_cache)
+        self.settings: dict = {}  # the [prompt_guard] table in force
+        self.log_start = 0  # where in the log the current test's lines start
+
+    def logs(self) -> list[dict]:
+        with open(self.log_path, "rb") as log:
+            log.seek(self.log_start)
+            text = log.read().decode(errors="replace")
+        lines = []
+        for line in text.splitlines():
+            try:
+                lines.append(json.loads(line))
+            except json.JSONDecodeError:
+                lines.append({"event": "non_json_line", "line": line})
+        return lines
+
+    def configure(self, settings: dict) -> None:
+        self.log_start = self.log_path.stat().st_size
+        text = guard(**settings) if settings else ""
+        changes = effective_guard(settings) != effective_guard(self.settings)
+        self.config.write_text(text)
+        wanted = hashlib.sha256(text.encode()).hexdigest()
+        poll(lambda: self.config_status()["sha256"] == wanted, 10,
+             what=f"the server to load [prompt_guard] {settings}")
+        # The plugin applies the change just after the new version is in force.
+        if changes:
+            self.wait_for_event("prompt_guard_reconfigured")
+        self.settings = settings
+
+    def config_status(self) -> dict:
+        return httpx.get(self.url + "/guardian/status", timeout=10).json()["config"]
+
+
+def effective_guard(settings: dict) -> dict:
+    """Every [prompt_guard] setting: those given, the defaults for the rest."""
+    from guardian.plugins.prompt_guard import PromptGuardSettings
+
+    return {key: settings.get(key, setting.default) for key, setting in PromptGuardSettings.settings.items()}
+
+
+@pytest.fixture(scope="module")
+def shared_guard_server(tmp_path_factory, model_cache):
+    server = GuardServer(tmp_path_factory.mktemp("prompt-guard"), model_cache)
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def guarded_server(shared_guard_server):
+    """``guarded_server(**settings)``: the shared server running these [prompt_guard]
+    settings (the rest at their defaults); the defaults again after the test."""
+
+    def configure(**settings) -> GuardServer:
+        shared_guard_server.configure(settings)
+        return shared_guard_server
+
+    yield configure
+    shared_guard_server.configure({})
+
+
 # -- over the context ------------------------------------------------------------
-def test_incident_sized_prompt_is_refused_in_under_a_second_beside_a_normal_stream(start_server, count_chat):
+def test_incident_sized_prompt_is_refused_in_under_a_second_beside_a_normal_stream(guarded_server, count_chat):
     # "Under a second" on an idle machine; on a busy one, at most a few times
     # what tokenizing the same history here takes (measured before each
     # request, under the same load): a refusal costs about one tokenization,
     # never a prefill (stock took 9.8 s to prefill a 13K prompt).
-    server = start_server()
+    server = guarded_server()
     url = server.url + "/v1/chat/completions"
     history = [{"role": "user", "content": SENTENCE * 8600}]
     n_prompt = count_chat(history)
@@ -123,8 +197,8 @@ def test_incident_sized_prompt_is_refused_in_under_a_second_beside_a_normal_stre
     assert all(r["status"] == 400 and r["code"] == "context_length_exceeded" for r in rejected)
 
 
-def test_text_completion_over_the_context_is_refused(start_server, tokenizer):
-    server = start_server()
+def test_text_completion_over_the_context_is_refused(guarded_server, tokenizer):
+    server = guarded_server()
     prompt = SENTENCE * 200
     n_prompt = len(tokenizer.encode(prompt))
     assert n_prompt > N_CTX
@@ -143,8 +217,8 @@ def test_text_completion_over_the_context_is_refused(start_server, tokenizer):
         assert response.json()["usage"]["prompt_tokens"] == len(tokenizer.encode(short))
 
 
-def test_a_prompt_of_exactly_the_context_leaves_no_room(start_server, tokenizer):
-    server = start_server(guard(max_context_tokens=300))
+def test_a_prompt_of_exactly_the_context_leaves_no_room(guarded_server, tokenizer):
+    server = guarded_server(max_context_tokens=300)
     # Find a prompt of exactly 300 tokens: the context is full before the first token.
     prompt = next(p for n in range(1, 400) if len(tokenizer.encode(p := "a " * n)) == 300)
     with httpx.Client(timeout=30) as client:
@@ -156,8 +230,8 @@ def test_a_prompt_of_exactly_the_context_leaves_no_room(start_server, tokenizer)
 
 
 # -- prompt + max_tokens over the context ---------------------------------------------
-def test_clamp_lowers_max_tokens_and_says_so(start_server, count_chat):
-    server = start_server()
+def test_clamp_lowers_max_tokens_and_says_so(guarded_server, count_chat):
+    server = guarded_server()
     messages = [{"role": "user", "content": SENTENCE * 110}]
     n_prompt = count_chat(messages)
     room = N_CTX - n_prompt
@@ -180,8 +254,8 @@ def test_clamp_lowers_max_tokens_and_says_so(start_server, count_chat):
     assert clamped["requested"] == 1000 and clamped["clamped"] == room
 
 
-def test_reject_mode_refuses_prompt_plus_max_tokens_over_the_context(start_server, count_chat):
-    server = start_server(guard(on_overflow="reject"))
+def test_reject_mode_refuses_prompt_plus_max_tokens_over_the_context(guarded_server, count_chat):
+    server = guarded_server(on_overflow="reject")
     messages = [{"role": "user", "content": SENTENCE * 110}]
     n_prompt = count_chat(messages)
     body = {"messages": messages, "max_tokens": 1000}
@@ -199,14 +273,14 @@ def test_reject_mode_refuses_prompt_plus_max_tokens_over_the_context(start_serve
         assert "x-guardian-clamped-max-tokens" not in fits.headers
 
 
-def test_tools_rendered_by_the_template_count(start_server, count_chat):
+def test_tools_rendered_by_the_template_count(guarded_server, count_chat):
     messages = [
         {"role": "system", "content": "You are a helpful assistant."},
         {"role": "user", "content": "What is the weather like today in Paris?"},
     ]
     without_tools, with_tools = count_chat(messages), count_chat(messages, TOOLS)
     assert with_tools > without_tools + 20
-    server = start_server(guard(max_prompt_tokens=without_tools + 5))
+    server = guarded_server(max_prompt_tokens=without_tools + 5)
     with httpx.Client(timeout=30) as client:
         plain = client.post(server.url + "/v1/chat/completions", json={"messages": messages, "max_tokens": 4})
         assert plain.status_code == 200, plain.text
@@ -226,11 +300,12 @@ def test_tools_rendered_by_the_template_count(start_server, count_chat):
 # request of up to 256 tokens holds 131072 bytes. A budget of 200000 bytes
 # holds one such request; the engine is slowed to 50 ms a step so the first
 # request is still running while the others arrive.
+# [fault_injection] is not live: these tests start a server of their own.
 SLOW_ENGINE = table("fault_injection", {"enabled": True, "step_delay_s": 0.05})
 
 
-def test_one_request_over_the_budget_is_refused(start_server):
-    server = start_server(guard(kv_budget_bytes=200_000))
+def test_one_request_over_the_budget_is_refused(guarded_server):
+    server = guarded_server(kv_budget_bytes=200_000)
     with httpx.Client(timeout=30) as client:
         response = client.post(server.url + "/v1/chat/completions", json=chat_body(max_tokens=400))
         assert response.status_code == 400
@@ -324,8 +399,8 @@ def conversation(turns: int) -> list[dict]:
     return messages
 
 
-def test_truncation_drops_the_oldest_turns_until_the_prompt_fits(start_server, count_chat):
-    server = start_server(guard(truncate_messages=True))
+def test_truncation_drops_the_oldest_turns_until_the_prompt_fits(guarded_server, count_chat):
+    server = guarded_server(truncate_messages=True)
     messages = conversation(12)
     assert count_chat(messages) > N_CTX
     max_tokens = 16
@@ -345,8 +420,8 @@ def test_truncation_drops_the_oldest_turns_until_the_prompt_fits(start_server, c
     assert event["dropped"] == dropped and event["n_prompt_tokens"] == n_prompt
 
 
-def test_truncation_never_drops_the_last_user_message(start_server, count_chat):
-    server = start_server(guard(truncate_messages=True))
+def test_truncation_never_drops_the_last_user_message(guarded_server, count_chat):
+    server = guarded_server(truncate_messages=True)
     messages = conversation(2)
     messages[-1]["content"] = SENTENCE * 200  # alone, it is over the context
     with httpx.Client(timeout=30) as client:
@@ -356,8 +431,8 @@ def test_truncation_never_drops_the_last_user_message(start_server, count_chat):
     assert_context_error(response.json(), count_chat(messages))
 
 
-def test_truncation_is_off_by_default(start_server, count_chat):
-    server = start_server()
+def test_truncation_is_off_by_default(guarded_server, count_chat):
+    server = guarded_server()
     messages = conversation(12)
     with httpx.Client(timeout=30) as client:
         response = client.post(server.url + "/v1/chat/completions",
@@ -368,8 +443,8 @@ def test_truncation_is_off_by_default(start_server, count_chat):
 
 
 # -- the body guard ----------------------------------------------------------------------
-def test_a_body_over_max_body_bytes_gets_413_without_being_read(start_server):
-    server = start_server(guard(max_body_bytes=10_000))
+def test_a_body_over_max_body_bytes_gets_413_without_being_read(guarded_server):
+    server = guarded_server(max_body_bytes=10_000)
     # Announce 40 MB and send none of it: only an answer from the header can come back.
     with socket.create_connection(("127.0.0.1", server.port), timeout=10) as raw:
         raw.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\n"
@@ -391,8 +466,8 @@ def test_a_body_over_max_body_bytes_gets_413_without_being_read(start_server):
         assert client.post(server.url + "/v1/chat/completions", json=chat_body(max_tokens=2)).status_code == 200
 
 
-def test_malformed_and_non_object_bodies_get_openai_shaped_400s(start_server):
-    server = start_server()
+def test_malformed_and_non_object_bodies_get_openai_shaped_400s(guarded_server):
+    server = guarded_server()
     with httpx.Client(timeout=30) as client:
         for content, message in ((b'{"messages": [', "Invalid JSON in request body"),
                                  (b"[1, 2]", "Request should be a JSON dictionary")):
@@ -405,8 +480,8 @@ def test_malformed_and_non_object_bodies_get_openai_shaped_400s(start_server):
             assert error["message"].startswith(message)
 
 
-def test_stocks_other_refusals_get_openai_shaped_errors_and_the_engine_keeps_serving(start_server):
-    server = start_server()
+def test_stocks_other_refusals_get_openai_shaped_errors_and_the_engine_keeps_serving(guarded_server):
+    server = guarded_server()
     url = server.url + "/v1/chat/completions"
     with httpx.Client(timeout=30) as client:
         # Not UTF-8: stock's own handler raises before it can answer.
@@ -429,8 +504,8 @@ def test_stocks_other_refusals_get_openai_shaped_errors_and_the_engine_keeps_ser
         assert client.post(url, json=chat_body(max_tokens=4)).status_code == 200
 
 
-def test_a_negative_content_length_is_refused_without_waiting_for_the_body(start_server):
-    server = start_server()
+def test_a_negative_content_length_is_refused_without_waiting_for_the_body(guarded_server):
+    server = guarded_server()
     with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
         sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\n"
                      b"Content-Type: application/json\r\nContent-Length: -5\r\n\r\n")
@@ -443,6 +518,7 @@ def test_a_negative_content_length_is_refused_without_waiting_for_the_body(start
 
 
 # -- /v1/models -------------------------------------------------------------------------
+# A server of its own: the hub cache's place is the environment it starts with.
 def test_models_report_their_context_length_without_a_hub_cache(start_server, tmp_path):
     missing = tmp_path / "no-hub-cache"
     server = start_server("", env={"HF_HUB_CACHE": str(missing), "HF_HUB_OFFLINE": "1"})
@@ -453,8 +529,8 @@ def test_models_report_their_context_length_without_a_hub_cache(start_server, tm
     assert model["object"] == "model"
 
 
-def test_a_configured_context_limit_is_reported_and_enforced(start_server, tokenizer):
-    server = start_server(guard(max_context_tokens=512))
+def test_a_configured_context_limit_is_reported_and_enforced(guarded_server, tokenizer):
+    server = guarded_server(max_context_tokens=512)
     [model] = httpx.get(server.url + "/v1/models", timeout=10).json()["data"]
     assert model["context_length"] == 512
     prompt = SENTENCE * 40
@@ -463,7 +539,8 @@ def test_a_configured_context_limit_is_reported_and_enforced(start_server, token
     response = httpx.post(server.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 4}, timeout=30)
     assert response.status_code == 400
     assert response.json()["error"]["n_ctx"] == 512
-    [ready] = server.events("prompt_guard_ready")
+    # Set live: the server reports the new limit as it applies it.
+    [ready] = server.events("prompt_guard_reconfigured")
     assert ready["max_context_tokens"] == 512 and ready["model_context_length"] == N_CTX
 
 
@@ -495,6 +572,7 @@ main(sys.argv[1:])
 PROBE_PROMPT = "mlx-guardian probe"
 
 
+# A server of its own: stock is wrapped before the guardian starts.
 @pytest.fixture
 def counting_server(tmp_path, model_cache):
     port = free_port()
@@ -613,6 +691,7 @@ def test_context_length_keys(config, expected):
     assert context_length_from_config(config) == expected
 
 
+# A server of its own: another --model, and what is logged at start.
 def test_a_model_without_a_context_length_is_reported_at_start(start_server, model_cache, tmp_path, tokenizer):
     import shutil
 
