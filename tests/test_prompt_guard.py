@@ -6,9 +6,10 @@ the same tokenizer, loaded here, to check the server's counts exactly.
 
 Every ``[prompt_guard]`` setting is live, so most tests share one server
 (``guarded_server``), reconfigured through its file at each test's start and
-back to the defaults at its end. A test keeps a server of its own only for
-what is bound at start: another model, environment, a wrapped stock, or a
-plugin setting that is not live (each says which).
+back to the defaults at its end; it starts with ``[fault_injection] armable``,
+so a test slows its engine by a save too. A test keeps a server of its own
+only for what is bound at start: another model, environment, a wrapped stock
+(each says which).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Optional
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -85,7 +87,8 @@ class GuardServer(ModeServer):
     ``logs`` (so ``events``) then holds only the lines since: the test's own."""
 
     def __init__(self, folder, model_cache):
-        super().__init__("one_process", folder, model_cache)
+        # armable (read at start): a test may slow the engine by a save too.
+        super().__init__("one_process", folder, model_cache, ARMABLE)
         self.settings: dict = {}  # the [prompt_guard] table in force
         self.log_start = 0  # where in the log the current test's lines start
 
@@ -101,9 +104,9 @@ class GuardServer(ModeServer):
                 lines.append({"event": "non_json_line", "line": line})
         return lines
 
-    def configure(self, settings: dict) -> None:
+    def configure(self, settings: dict, faults: Optional[dict] = None) -> None:
         self.log_start = self.log_path.stat().st_size
-        text = guard(**settings) if settings else ""
+        text = (guard(**settings) if settings else "") + table("fault_injection", {"armable": True, **(faults or {})})
         changes = effective_guard(settings) != effective_guard(self.settings)
         self.config.write_text(text)
         wanted = hashlib.sha256(text.encode()).hexdigest()
@@ -116,6 +119,9 @@ class GuardServer(ModeServer):
 
     def config_status(self) -> dict:
         return httpx.get(self.url + "/guardian/status", timeout=10).json()["config"]
+
+
+ARMABLE = table("fault_injection", {"armable": True})
 
 
 def effective_guard(settings: dict) -> dict:
@@ -137,8 +143,8 @@ def guarded_server(shared_guard_server):
     """``guarded_server(**settings)``: the shared server running these [prompt_guard]
     settings (the rest at their defaults); the defaults again after the test."""
 
-    def configure(**settings) -> GuardServer:
-        shared_guard_server.configure(settings)
+    def configure(faults: Optional[dict] = None, **settings) -> GuardServer:
+        shared_guard_server.configure(settings, faults)
         return shared_guard_server
 
     yield configure
@@ -300,8 +306,8 @@ def test_tools_rendered_by_the_template_count(guarded_server, count_chat):
 # request of up to 256 tokens holds 131072 bytes. A budget of 200000 bytes
 # holds one such request; the engine is slowed to 50 ms a step so the first
 # request is still running while the others arrive.
-# [fault_injection] is not live: these tests start a server of their own.
-SLOW_ENGINE = table("fault_injection", {"enabled": True, "step_delay_s": 0.05})
+# Armed by a save on the shared server ([fault_injection] armable).
+SLOW_ENGINE = {"enabled": True, "step_delay_s": 0.05}
 
 
 def test_one_request_over_the_budget_is_refused(guarded_server):
@@ -337,9 +343,9 @@ def start_stream(url: str, body: dict) -> tuple[threading.Thread, dict, threadin
     return thread, result, started
 
 
-def test_requests_over_the_budget_wait_in_a_bounded_queue_then_get_429(start_server):
-    server = start_server(guard(kv_budget_bytes=200_000, max_queued=1, max_queue_wait_s=1.0,
-                                retry_after_s=3.0) + SLOW_ENGINE)
+def test_requests_over_the_budget_wait_in_a_bounded_queue_then_get_429(guarded_server):
+    server = guarded_server(kv_budget_bytes=200_000, max_queued=1, max_queue_wait_s=1.0, retry_after_s=3.0,
+                            faults=SLOW_ENGINE)
     url = server.url + "/v1/chat/completions"
     running, running_result, started = start_stream(url, chat_body(max_tokens=60, stream=True))
     try:
@@ -371,8 +377,8 @@ def test_requests_over_the_budget_wait_in_a_bounded_queue_then_get_429(start_ser
         assert client.post(url, json=chat_body(max_tokens=8)).status_code == 200
 
 
-def test_a_waiting_request_is_let_in_when_memory_frees(start_server):
-    server = start_server(guard(kv_budget_bytes=200_000, max_queue_wait_s=30.0) + SLOW_ENGINE)
+def test_a_waiting_request_is_let_in_when_memory_frees(guarded_server):
+    server = guarded_server(kv_budget_bytes=200_000, max_queue_wait_s=30.0, faults=SLOW_ENGINE)
     url = server.url + "/v1/chat/completions"
     running, running_result, started = start_stream(url, chat_body(max_tokens=30, stream=True))
     try:
