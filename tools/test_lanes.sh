@@ -7,36 +7,36 @@
 #   rest-newest    subprocess mode (the supervisor imports no mlx_lm) and the
 #                  tests marked one_version, against the newest only
 # Each lane's output goes to .test-logs/LANE.log and is printed whole when the
-# lanes are done; the exit status is the first failing lane's.
+# lanes are done; the exit status is the first failing lane's. Arguments are
+# passed to every pytest. (Plain arrays: macOS's /bin/bash is 3.2.)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 VERSION_TESTS="not subprocess_mode and not one_version"
-declare -A LANES=(
-    [engine-newest]=".venv/bin/python -m pytest -m '$VERSION_TESTS'"
-    [engine-0313]=".venv-0313/bin/python -m pytest -m '$VERSION_TESTS'"
-    [rest-newest]=".venv/bin/python -m pytest -m 'subprocess_mode or one_version'"
-)
-ORDER=(engine-newest engine-0313 rest-newest)
+NAMES=(engine-newest engine-0313 rest-newest)
+PYTHONS=(.venv/bin/python .venv-0313/bin/python .venv/bin/python)
+MARKS=("$VERSION_TESTS" "$VERSION_TESTS" "subprocess_mode or one_version")
 mkdir -p .test-logs
-declare -A PIDS
 started=$SECONDS
-for lane in "${ORDER[@]}"; do
-    bash -c "${LANES[$lane]} $*" > ".test-logs/$lane.log" 2>&1 &
-    PIDS[$lane]=$!
-    echo "lane $lane: ${LANES[$lane]} $* (log: .test-logs/$lane.log)"
+PIDS=()
+for i in 0 1 2; do
+    "${PYTHONS[$i]}" -m pytest -m "${MARKS[$i]}" "$@" > ".test-logs/${NAMES[$i]}.log" 2>&1 &
+    PIDS[$i]=$!
+    echo "lane ${NAMES[$i]}: ${PYTHONS[$i]} -m pytest -m '${MARKS[$i]}' $* (log: .test-logs/${NAMES[$i]}.log)"
 done
 status=0
-declare -A RESULTS
-for lane in "${ORDER[@]}"; do
-    wait "${PIDS[$lane]}"
+RESULTS=()
+for i in 0 1 2; do
+    wait "${PIDS[$i]}"
     code=$?
-    RESULTS[$lane]="exit $code at $((SECONDS - started)) s"
+    RESULTS[$i]="exit $code at $((SECONDS - started)) s"
     [ "$status" = 0 ] && status=$code
 done
-for lane in "${ORDER[@]}"; do
-    echo; echo "================ lane $lane (${RESULTS[$lane]}) ================"
-    cat ".test-logs/$lane.log"
+for i in 0 1 2; do
+    echo; echo "================ lane ${NAMES[$i]} (${RESULTS[$i]}) ================"
+    cat ".test-logs/${NAMES[$i]}.log"
 done
 echo; echo "lanes done in $((SECONDS - started)) s:"
-for lane in "${ORDER[@]}"; do echo "  $lane: ${RESULTS[$lane]}; $(tail -n 1 ".test-logs/$lane.log")"; done
+for i in 0 1 2; do
+    echo "  ${NAMES[$i]}: ${RESULTS[$i]}; $(tail -n 1 ".test-logs/${NAMES[$i]}.log")"
+done
 exit "$status"
