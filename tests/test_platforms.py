@@ -31,7 +31,7 @@ def test_on_macos_no_prctl_is_asked_for(monkeypatch):
 # A process that watches its parent as on macOS (no prctl): when the parent
 # dies it writes ORPHANED to the file named by its argument, then exits.
 ORPHAN = textwrap.dedent("""
-    import os, sys, time
+    import os, sys, threading
     sys.platform = "darwin"
     from guardian.health import parent_watch
     parent_watch.POLL_S = 0.05
@@ -40,13 +40,13 @@ ORPHAN = textwrap.dedent("""
         os._exit(0)
     parent_watch.die_with_parent(orphaned)
     open(sys.argv[1] + ".ready", "w").write(str(os.getpid()))
-    time.sleep(60)
+    threading.Event().wait(60)  # until the watch ends it (bounded: the test kills it too)
 """)
 # Its parent: starts it, then waits to be killed.
 PARENT = textwrap.dedent("""
-    import subprocess, sys, time
-    subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2]])
-    time.sleep(60)
+    import subprocess, sys
+    child = subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2]])
+    child.wait(timeout=60)  # until the test kills this process
 """)
 
 
