@@ -57,7 +57,7 @@ from pathlib import Path
 from typing import Callable
 
 import httpx
-from servers import Server, free_port
+from servers import Server, cpu_split, free_port
 from stats import environment, percentile
 
 SENTENCE = "The guardian watches a language model server and keeps it alive. "
@@ -86,16 +86,6 @@ LABELS = {
     "unguarded": "mlx-guardian, prompt_guard disabled",
     "guardian": "mlx-guardian (default: prompt_guard on)",
 }
-
-
-def cpu_split() -> tuple[set[int], set[int]] | None:
-    """(the servers' CPU, the client's CPUs), or None where pinning is not possible."""
-    if not hasattr(os, "sched_setaffinity"):
-        return None
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < 2:
-        return None
-    return {cpus[-1]}, set(cpus[:-1])
 
 
 def start_servers(model: Path, workdir: Path, order: tuple, cpus: set[int] | None = None,

@@ -32,8 +32,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_prompt_guard import LABELS, SENTENCE, burst_prompts, cpu_split, run_load, start_servers
-from servers import poll_until
+from bench_prompt_guard import LABELS, SENTENCE, burst_prompts, run_load, start_servers
+from servers import cpu_split, poll_until
 
 PROFILED_SERVER = Path(__file__).resolve().parent / "profiled_server.py"
 

@@ -53,7 +53,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import httpx
-from servers import Server, free_port
+from servers import Server, cpu_split, free_port
 from stats import environment, percentile
 
 KINDS = ("stock", "guardian, fair_admission = false", "guardian, fair_admission = true")
@@ -64,16 +64,6 @@ PHASES = ("unloaded", "busy", "loaded")
 # How long A runs before B's block in a busy or loaded phase starts: its queue fills.
 FILL_S = 1.0
 SENTENCE = "The guardian watches a language model server and keeps it alive. "
-
-
-def cpu_split() -> tuple[set[int], set[int]] | None:
-    """(the server's CPU, the clients' CPUs), or None where pinning is not possible."""
-    if not hasattr(os, "sched_setaffinity"):
-        return None
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < 2:
-        return None
-    return {cpus[-1]}, set(cpus[:-1])
 
 
 def start(kind: str, model: Path, places: int, workdir: Path, cpus: set[int] | None) -> Server:

@@ -50,23 +50,13 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import httpx
-from servers import Server, free_port
+from servers import Server, cpu_split, free_port
 from stats import environment
 
 SENTENCE = "The guardian watches a language model server and keeps it alive. "
 KINDS = ("in-process", "supervise")
 MODES = ("stream", "non-stream")
 START_TIMEOUT_S = 120.0
-
-
-def cpu_split() -> tuple[set[int], set[int]] | None:
-    """(the servers' CPU, the clients' CPUs), or None where pinning is not possible."""
-    if not hasattr(os, "sched_setaffinity"):
-        return None
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < 2:
-        return None
-    return {cpus[-1]}, set(cpus[:-1])
 
 
 def start_servers(model: Path, workdir: Path, cpus: set[int] | None) -> dict[str, Server]:

@@ -1,7 +1,6 @@
 """Server child processes for the benchmarks: started, polled, read, stopped.
 
-Shared by bench/incident.py and bench/bench_prompt_guard.py, which run as
-scripts (``python bench/NAME.py``), so this folder is on their import path.
+Shared by the benchmarks, which run as scripts (``python bench/NAME.py``), so this folder is on their import path.
 """
 
 from __future__ import annotations
@@ -17,6 +16,16 @@ from typing import Callable, Optional
 import httpx
 
 START_TIMEOUT_S = 60.0
+
+
+def cpu_split() -> tuple[set[int], set[int]] | None:
+    """(the servers' CPU, the clients' CPUs), or None where pinning is not possible."""
+    if not hasattr(os, "sched_setaffinity"):
+        return None
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        return None
+    return {cpus[-1]}, set(cpus[:-1])
 
 
 def free_port() -> int:
