@@ -187,7 +187,8 @@ def test_importing_stock_never_lowers_the_open_files_limit():
 def test_out_of_file_descriptors_the_door_pauses_and_serves_again(tmp_path, model_cache):
     """Past its open-files limit the server cannot accept (EMFILE): it stops
     accepting for a tick instead of spinning on the listening socket, and
-    serves again as soon as connections close."""
+    serves again as soon as connections close. A server of its own: the
+    limit is the process's, set before it starts."""
     limit = 256
     port = free_port()
     log_path = tmp_path / "server.log"

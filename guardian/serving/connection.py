@@ -668,7 +668,8 @@ class HeldConnections:
         return "http" if self.tls is None else "https"
 
     def process_request(self, request, client_address):
-        """Accepted: to the reader, which reads the request before any thread is spent on it."""
+        """Accepted by socketserver's handle_request(): to the reader, which reads the
+        request before any thread is spent on it (serve_forever accepts on the reader itself)."""
         self._ensure_reader()
         self._reader.add(request, client_address)
 
