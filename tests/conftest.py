@@ -7,6 +7,7 @@ deadline.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -200,6 +201,45 @@ class ModeServer(Server):
         except ProcessLookupError:
             pass
         self.proc.wait(timeout=10)
+
+
+class SharedServer(ModeServer):
+    """One process a module's tests share, each reconfiguring it live: ``configure``
+    saves the whole file (the keys read at start as they were, the live ones as the
+    test wants) and waits until the server runs that version; ``logs`` (so
+    ``events``) then hold only the lines since, the test's own. With
+    ``[fault_injection] armable`` at start, a save arms or disarms faults."""
+
+    def __init__(self, folder: Path, model_cache: Path, config: str = "", *args: str):
+        super().__init__("one_process", folder, model_cache, config, *args)
+        self.log_start = 0  # where in the log the current test's lines start
+
+    def logs(self) -> list[dict]:
+        with open(self.log_path, "rb") as log:
+            log.seek(self.log_start)
+            text = log.read().decode(errors="replace")
+        lines = []
+        for line in text.splitlines():
+            try:
+                lines.append(json.loads(line))
+            except json.JSONDecodeError:
+                lines.append({"event": "non_json_line", "line": line})
+        return lines
+
+    def configure(self, text: str) -> "SharedServer":
+        """Save ``text`` as the configuration; return once its version is in force."""
+        self.log_start = self.log_path.stat().st_size
+        self.config.write_text(text)
+        wanted = hashlib.sha256(text.encode()).hexdigest()
+        poll(lambda: httpx.get(self.url + "/guardian/status", timeout=10).json()["config"]["sha256"] == wanted,
+             10, what="the server to load its new configuration")
+        return self
+
+    def alive(self) -> bool:
+        """Running, its engine up (not restarting): fit for the next test. (Not
+        /readyz: a server that lives past probe_max_age_s idle, probes off, is
+        not ready, and healthy still.)"""
+        return self.proc.poll() is None and self.health() == 200
 
 
 # A tool the demo model's chat template renders into the prompt.

@@ -6,6 +6,12 @@ issue's goal; the limit's floor is 3 s), while steps that are slow but return
 kernels) raise no false alarm. Hangs are planted with the fault-injection
 plugin (the guardian's step hook) and, from outside the guardian, inside
 stock's own ``BatchGenerator.next`` (tests/plugins/stock_step_faults.py).
+
+The tests whose faults are slow steps and the [watchdog] settings they need
+(all live) share one server (``slowed_server``), armed by a save of its file at
+each test's start, and none waits for a start-up probe run at the slow pace. A
+test whose fault is bound at start (a process's Nth step, a new loop's first
+step, a plugin's hang) keeps a server of its own.
 """
 
 from __future__ import annotations
@@ -15,8 +21,9 @@ import time
 from datetime import datetime
 
 import httpx
+import pytest
 
-from conftest import chat_body, poll, read_stream
+from conftest import SharedServer, chat_body, poll, read_stream
 
 STEP_FAULTS = '[guardian]\nplugins = ["tests.plugins.stock_step_faults:StockStepFaults"]\n'
 GOAL_S = 5.0  # issue 11: a step that never returns is reported within 5 s
@@ -47,6 +54,44 @@ def post_all(server, bodies: list[dict], timeout: float = 120) -> list[httpx.Res
     for thread in threads:
         thread.join()
     return responses
+
+
+# The shared server: stock's step wrapped (nothing planted until a save),
+# fault injection armable, 32-token prefill chunks (a short chat is one chunk).
+# No idle probe in its life: a probe's steps would take a test's slow steps or
+# its armed slow token, and a server of each test's own never lived the 30 s
+# to its first.
+SHARED_ARGS = ("--prefill-step-size", "32")
+SHARED_WATCHDOG = dict(probe_interval_s=600.0)
+
+
+def shared_config(step_faults: dict, faults: dict, watchdog: dict) -> str:
+    return (STEP_FAULTS + table("stock_step_faults", **step_faults)
+            + table("fault_injection", armable=True, enabled=bool(faults), **faults)
+            + table("watchdog", **{**SHARED_WATCHDOG, **watchdog}))
+
+
+@pytest.fixture(scope="module")
+def shared_server(tmp_path_factory, model_cache):
+    server = SharedServer(tmp_path_factory.mktemp("stall-detection"), model_cache,
+                          shared_config({}, {}, {}), *SHARED_ARGS)
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def slowed_server(shared_server):
+    """``slowed_server(step_faults={...}, faults={...}, watchdog={...})``: the shared
+    server running these faults and settings; all off again after the test, and
+    the server checked healthy (bounded) for the next one."""
+    poll(shared_server.alive, 30, interval=0.1, what="the shared server healthy")
+
+    def configure(step_faults: dict = {}, faults: dict = {}, watchdog: dict = {}) -> SharedServer:
+        return shared_server.configure(shared_config(step_faults, faults, watchdog))
+
+    yield configure
+    shared_server.configure(shared_config({}, {}, {}))
+    poll(shared_server.alive, 30, interval=0.1, what="the shared server healthy after the test")
 
 
 class LimitRecorder:
@@ -113,9 +158,13 @@ def test_hang_in_the_step_hook_is_reported_within_5_s(start_server):
     poll(lambda: server.status("/readyz") == 200, 15, what="ready again")
 
 
-def test_a_slow_model_is_not_a_stall(start_server):
+def test_a_slow_model_is_not_a_stall(slowed_server):
     # Every step 1.5 s: half the 3 s floor, yet the limit follows the pace (4 x 1.5 s).
-    server = start_server(table("fault_injection", enabled=True, step_delay_s=1.5))
+    server = slowed_server(faults=dict(step_delay_s=1.5))
+    # The pace known first, from slow steps (a server of its own had its
+    # start-up probe's): a request that arrives is judged by it at once.
+    with httpx.Client(timeout=120) as client:
+        assert client.post(server.url + "/v1/chat/completions", json=chat_body(max_tokens=1)).status_code == 200
     with LimitRecorder(server) as recorder, httpx.Client(timeout=120) as client:
         response = client.post(server.url + "/v1/chat/completions", json=chat_body(max_tokens=4))
     assert response.status_code == 200, response.text
@@ -124,7 +173,7 @@ def test_a_slow_model_is_not_a_stall(start_server):
     assert known and min(known) >= 4 * 1.4, recorder.limits
 
 
-def test_a_long_prefill_of_slow_chunks_is_not_a_stall(start_server):
+def test_a_long_prefill_of_slow_chunks_is_not_a_stall(slowed_server):
     # After fast steps, a long prompt whose every 32-token chunk takes 2 s (a big
     # model's prefill) under a 1.5 s floor: a fixed limit at the floor would fire
     # at the first chunk. The request's first chunks are judged by
@@ -132,14 +181,13 @@ def test_a_long_prefill_of_slow_chunks_is_not_a_stall(start_server):
     # those. (Scaled down from 4 s chunks and the 3 s default floor: the same
     # proof in a quarter of the time.)
     chunk_s, floor_s = 2.0, 1.5
-    config = (STEP_FAULTS + table("stock_step_faults", prefill_delay_s=chunk_s)
-              + table("watchdog", stall_min_s=floor_s,
-                      # The start-up probe's prefill is slow too: give it time.
-                      probe_timeout_s=30.0,
-                      # A short memory (~2 s of looks): its slow steps age out sooner.
-                      pace_samples=8))
-    server = start_server(config, "--prefill-step-size", "32")
-    # The start-up probe's slow steps age out of the pace; idle looks remain.
+    server = slowed_server(step_faults=dict(prefill_delay_s=chunk_s),
+                           watchdog=dict(stall_min_s=floor_s,
+                                         # A probe's prefill would be slow too: give it time.
+                                         probe_timeout_s=30.0,
+                                         # A short memory (~2 s of looks): slow steps age out sooner.
+                                         pace_samples=8))
+    # No slow step is in the pace (an earlier test's have aged out); idle looks remain.
     poll(lambda: (httpx.get(server.url + "/guardian/status").json()["longest_recent_gap_s"] or 9) < 1.0,
          30, interval=0.2, what="a fast pace")
     with LimitRecorder(server) as recorder, httpx.Client(timeout=120) as client:
@@ -155,11 +203,15 @@ def test_a_long_prefill_of_slow_chunks_is_not_a_stall(start_server):
 
 
 def test_a_slow_first_step_after_start_and_after_a_restart_is_not_a_stall(start_server):
-    # Every new BatchGenerator's first step takes 6 s (mlx compiling kernels):
+    # Every new BatchGenerator's first step takes 2.5 s (mlx compiling kernels):
     # at start (the start-up probe's) and after the engine fails and its loop
-    # runs again (the re-run request's). Nothing is known of a new loop yet.
-    config = (STEP_FAULTS + table("stock_step_faults", first_call_delay_s=6.0)
-              + table("fault_injection", enabled=True, at_step=20))
+    # runs again (the re-run request's). Nothing is known of a new loop yet: it
+    # is judged by stall_timeout_s, not by the 1 s floor nor the old loop's fast
+    # pace. (Scaled down from 6 s steps and the 3 s default floor: the same proof
+    # in less than half the time.)
+    config = (STEP_FAULTS + table("stock_step_faults", first_call_delay_s=2.5)
+              + table("fault_injection", enabled=True, at_step=20)
+              + table("watchdog", stall_min_s=1.0))
     server = start_server(config)
     with httpx.Client(timeout=120) as client:
         response = client.post(server.url + "/v1/chat/completions", json=chat_body(max_tokens=64))
@@ -171,7 +223,7 @@ def test_a_slow_first_step_after_start_and_after_a_restart_is_not_a_stall(start_
     assert server.events("engine_stalled") == []
 
 
-def test_a_new_kind_of_requests_first_token_may_compile_kernels_and_is_not_a_stall(start_server, tmp_path):
+def test_a_new_kind_of_requests_first_token_may_compile_kernels_and_is_not_a_stall(slowed_server, tmp_path):
     # mlx compiles a sampler's kernels when it samples its first token, steps
     # after the prompt's: on CUDA with a cold kernel cache that took 25 s, and a
     # stock test's first sampled request was stalled, restarted and blamed.
@@ -180,12 +232,11 @@ def test_a_new_kind_of_requests_first_token_may_compile_kernels_and_is_not_a_sta
     # a kind of request (its samplers) that never produced a token, not a
     # stall; for a kind that did (kernels compiled), a stall as before.
     armed = tmp_path / "slow-token"
-    config = (STEP_FAULTS + table("stock_step_faults", token_delay_s=2.5, token_delay_armed_by=str(armed),
-                                  prefill_delay_s=0.3)
-              # A short memory of the pace: the slow step is forgotten in ~1 s.
-              + table("watchdog", stall_min_s=1.0, pace_samples=4))
-    # Prompts of several chunks: steps go by before the first token is sampled.
-    server = start_server(config, "--prefill-step-size", "32")
+    # Prompts of several chunks (32 tokens each): steps go by before the first token is sampled.
+    server = slowed_server(step_faults=dict(token_delay_s=2.5, token_delay_armed_by=str(armed),
+                                            prefill_delay_s=0.3),
+                           # A short memory of the pace: the slow step is forgotten in ~1 s.
+                           watchdog=dict(stall_min_s=1.0, pace_samples=4))
 
     def fast_pace():
         return (httpx.get(server.url + "/guardian/status").json()["longest_recent_gap_s"] or 9) < 0.5

@@ -30,6 +30,11 @@ blocks or is slow (a native deadlock, a kernel compile).
   next ``next()`` that returns a generated token takes this much longer (as
   when mlx compiles a sampler's kernels at its first token) and removes the
   file. ``stock_step_slow_token`` is logged.
+
+The delays, the raise and their arming files are live (a save of the file
+changes them in a running server, so a module's tests can share one); the
+call counts (``hang_at_call``, ``busy_at_call``, ``prefill_delay_from_call``)
+are the process's, read at start.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ import importlib
 import os
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import structlog
 
@@ -49,20 +54,25 @@ log = structlog.get_logger("tests.stock_step_faults")
 generate = importlib.import_module("mlx_lm.generate")
 
 
+def live(default):
+    """A setting a save changes while the server runs."""
+    return field(default=default, metadata={"live": True})
+
+
 @dataclass
 class StockStepFaultsSettings:
     hang_at_call: int = 0
     hang_s: float = 0.0
     busy_at_call: int = 0
     busy_s: float = 0.0
-    first_call_delay_s: float = 0.0
-    delay_s: float = 0.0
-    prefill_delay_s: float = 0.0
+    first_call_delay_s: float = live(0.0)
+    delay_s: float = live(0.0)
+    prefill_delay_s: float = live(0.0)
     prefill_delay_from_call: int = 1
-    raise_message: str = ""
-    armed_by: str = ""
-    token_delay_s: float = 0.0
-    token_delay_armed_by: str = ""
+    raise_message: str = live("")
+    armed_by: str = live("")
+    token_delay_s: float = live(0.0)
+    token_delay_armed_by: str = live("")
 
 
 class StockStepFaults:
