@@ -2,6 +2,12 @@
 
 A hang is a step that never returns (fault_injection's hang_at_step), as a
 native deadlock would be; slow progress is a delay before every step.
+
+The tests whose faults and settings are all live share one server
+(``watched_server``), armed by a save of its file at each test's start
+([fault_injection] armable at its start). A test keeps a server of its own
+where it exits, needs a clean prompt cache, a plugin that hangs or systemd's
+environment.
 """
 
 from __future__ import annotations
@@ -13,8 +19,9 @@ import time
 from datetime import datetime
 
 import httpx
+import pytest
 
-from conftest import chat_body, poll, read_stream
+from conftest import SharedServer, chat_body, poll, read_stream
 from guardian.exit_codes import EXIT_ENGINE_STALLED
 
 
@@ -29,6 +36,38 @@ def watchdog(**settings) -> str:
 
 
 HANG = "[fault_injection]\nenabled = true\nhang_at_step = 5\n"
+
+
+def shared_config(faults: dict, watchdog_settings: dict, extra: str = "") -> str:
+    """The shared server's file: faults armable; every stall the ladder's first
+    rung, as on a server of its own (ladder_window_s 0 forgets the earlier ones)."""
+    lines = ["[fault_injection]", "armable = true", f"enabled = {json.dumps(bool(faults))}"]
+    lines += [f"{k} = {json.dumps(v)}" for k, v in faults.items()]
+    return "\n".join(lines) + "\n" + watchdog(ladder_window_s=0, **watchdog_settings) + extra
+
+
+@pytest.fixture(scope="module")
+def shared_server(tmp_path_factory, model_cache):
+    # 16-token prefill chunks: a long prompt's prefill is many steps (a short chat's, one or two).
+    server = SharedServer(tmp_path_factory.mktemp("watchdog"), model_cache, shared_config({}, {}),
+                          "--prefill-step-size", "16")
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def watched_server(shared_server):
+    """``watched_server(faults, watchdog_settings, extra_toml)``: the shared server
+    running these; faults off again after the test, and the server checked
+    healthy (bounded) for the next one."""
+    poll(shared_server.alive, 30, interval=0.1, what="the shared server healthy")
+
+    def configure(faults: dict, watchdog_settings: dict, extra: str = "") -> SharedServer:
+        return shared_server.configure(shared_config(faults, watchdog_settings, extra))
+
+    yield configure
+    shared_server.configure(shared_config({}, {}))
+    poll(shared_server.alive, 30, interval=0.1, what="the shared server healthy after the test")
 
 
 class HealthRecorder:
@@ -58,8 +97,9 @@ class HealthRecorder:
         self._thread.join(timeout=5)
 
 
-def test_hang_is_detected_answered_and_replaced(start_server):
-    server = start_server(HANG + watchdog(stall_timeout_s=1.0))
+def test_hang_is_detected_answered_and_replaced(watched_server):
+    server = watched_server(dict(hang_at_step=5), dict(stall_timeout_s=1.0))
+    stalls_before = httpx.get(server.url + "/guardian/status").json()["stalls"]
     with HealthRecorder(server) as recorder, httpx.Client(timeout=30) as client:
         response = client.post(server.url + "/v1/chat/completions", json=chat_body(max_tokens=16))
         # Nothing had reached the client: the request is re-run on the new loop.
@@ -75,11 +115,11 @@ def test_hang_is_detected_answered_and_replaced(start_server):
         assert client.post(server.url + "/v1/chat/completions", json=chat_body(max_tokens=4)).status_code == 200
     assert 503 in recorder.seen["/health"] and 503 in recorder.seen["/readyz"]
     status = httpx.get(server.url + "/guardian/status").json()
-    assert status["stalls"] == 1 and status["state"] == "ready"
+    assert status["stalls"] == stalls_before + 1 and status["state"] == "ready"
 
 
-def test_reload_rung_reads_the_weights_again_and_serves(start_server):
-    server = start_server(HANG + watchdog(stall_timeout_s=1.0, ladder=["reload"]))
+def test_reload_rung_reads_the_weights_again_and_serves(watched_server):
+    server = watched_server(dict(hang_at_step=5), dict(stall_timeout_s=1.0, ladder=["reload"]))
     with httpx.Client(timeout=30) as client:
         response = client.post(server.url + "/v1/chat/completions", json=chat_body(max_tokens=8))
         assert response.status_code == 200, response.text
@@ -92,11 +132,10 @@ def test_reload_rung_reads_the_weights_again_and_serves(start_server):
         assert client.post(server.url + "/v1/chat/completions", json=chat_body(max_tokens=4)).status_code == 200
 
 
-def test_hang_mid_stream_ends_the_stream_with_an_error(start_server):
+def test_hang_mid_stream_ends_the_stream_with_an_error(watched_server):
     # Past [recovery] max_continuations (here 0); within it the stream is
     # continued (tests/test_continuation.py).
-    server = start_server(HANG.replace("= 5", "= 20") + watchdog(stall_timeout_s=1.0)
-                          + "[recovery]\nmax_continuations = 0\n")
+    server = watched_server(dict(hang_at_step=20), dict(stall_timeout_s=1.0), "[recovery]\nmax_continuations = 0\n")
     with httpx.Client(timeout=30) as client:
         result = read_stream(client, server.url + "/v1/chat/completions", chat_body(max_tokens=64, stream=True))
     assert result["status"] == 200 and result["done"]
@@ -114,11 +153,10 @@ def test_hang_with_exit_ladder_exits_for_the_supervisor(start_server):
     assert server.proc.wait(timeout=15) == EXIT_ENGINE_STALLED
 
 
-def test_long_progressing_prefill_is_not_a_stall(start_server):
+def test_long_progressing_prefill_is_not_a_stall(watched_server):
     # 16-token prefill chunks, each step 0.25 s: a prefill of ~4 s whose
     # steps all report progress, against a 1 s stall timeout.
-    config = "[fault_injection]\nenabled = true\nstep_delay_s = 0.25\n" + watchdog(stall_timeout_s=1.0)
-    server = start_server(config, "--prefill-step-size", "16")
+    server = watched_server(dict(step_delay_s=0.25), dict(stall_timeout_s=1.0))
     started = time.monotonic()
     with httpx.Client(timeout=60) as client:
         response = client.post(server.url + "/v1/chat/completions", json=chat_body(content="word " * 200, max_tokens=2))

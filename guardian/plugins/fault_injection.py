@@ -58,7 +58,9 @@ class FaultInjectionSettings(Table, name="fault_injection"):
     max_faults = Setting(Int(min=0), 0, """
         Stop raising after this many faults. 0: no limit.""", live=True)
     hang_at_step = Setting(Int(min=0), 0, """
-        Block the engine thread at this step, as a native deadlock would. 0: off.""", live=True)
+        Block the engine thread at this step, as a native deadlock would (1-based,
+        counted from when faults were enabled, as at_step is, though every step
+        counts). 0: off.""", live=True)
     hang_s = Setting(Float(min=0.0), 0.0, """
         How long the hang lasts in seconds; 0 blocks until shutdown.""", live=True)
     step_delay_s = Setting(Float(min=0.0), 0.0, """
@@ -87,8 +89,12 @@ class FaultInjection:
         self.exception_class = self._exception_class(settings.exception)
         self.random = random.Random(settings.seed)
         self.faults = 0
-        self.armed_steps = 0
+        self.armed_steps = 0  # steps that count for at_step and every_n_steps
+        self.steps_since_armed = 0  # every step, for hang_at_step
         self.armed = False
+        # Set by a save that changed this table: the next step arms afresh, even
+        # where no step ran between a disarming save and an arming one.
+        self.resaved = False
         self.released = threading.Event()
 
     @staticmethod
@@ -108,13 +114,19 @@ class FaultInjection:
         self.released.set()
 
     @guardian.hookimpl
+    def on_config_reloaded(self, changed):
+        if any(key.startswith(f"{self.name}.") for key in changed):
+            self.resaved = True
+
+    @guardian.hookimpl
     def on_engine_step(self, step, engine):
         s = self.settings
         if not self.active or not self._armed(s):
             return
+        self.steps_since_armed += 1
         if s.step_delay_s:
             self.released.wait(s.step_delay_s)
-        if s.hang_at_step and step == s.hang_at_step:
+        if s.hang_at_step and self.steps_since_armed == s.hang_at_step:
             log.warning("fault_injected", kind="hang", step=step)
             self.released.wait(s.hang_s or None)
         if s.segfault_marker and engine.started_prompt_contains(s.segfault_marker):
@@ -129,8 +141,9 @@ class FaultInjection:
 
     def _armed(self, s) -> bool:
         """Whether faults are enabled now; armed afresh (by a save), the counts start again."""
-        if s.enabled and not self.armed:
-            self.faults = self.armed_steps = 0
+        resaved, self.resaved = self.resaved, False
+        if s.enabled and (not self.armed or resaved):
+            self.faults = self.armed_steps = self.steps_since_armed = 0
             if self.settings.armable:
                 log.warning("fault_injection_armed", **{k: getattr(s, k) for k in ARMED_FIELDS})
         elif not s.enabled and self.armed:
