@@ -1,7 +1,12 @@
 """The incident, rehearsed: the generation thread raises, the server recovers.
 
-Each test starts a real ``mlx-guardian`` child with the fault-injection
-plugin set to raise the incident's RuntimeError inside the stock engine.
+A real ``mlx-guardian`` child with the fault-injection plugin set to raise
+the incident's RuntimeError inside the stock engine. Every [fault_injection]
+trigger and [recovery] setting is live, so the tests share one server
+(``failing_server``, [fault_injection] armable at its start), each arming its
+faults by a save of the file; each test's failures follow a request the engine
+completed, so none counts toward an earlier one's crash loop. The crash-loop
+test, whose server exits, has a server of its own.
 """
 
 from __future__ import annotations
@@ -11,17 +16,47 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 
 import httpx
+import pytest
 
-from conftest import chat_body, poll, read_stream
+from conftest import SharedServer, chat_body, poll, read_stream
 
 INCIDENT = "[metal::malloc] Resource limit (499000) exceeded."
 
 
-def faults(**settings) -> str:
-    lines = ["[fault_injection]", "enabled = true"]
+def faults(enabled: bool = True, **settings) -> str:
+    lines = ["[fault_injection]", "armable = true", f"enabled = {str(enabled).lower()}"]
     for key, value in settings.items():
         lines.append(f"{key} = {value!r}".replace("'", '"') if isinstance(value, str) else f"{key} = {str(value).lower() if isinstance(value, bool) else value}")
     return "\n".join(lines) + "\n"
+
+
+# No idle probe in the shared server's life (a probe's steps would count
+# toward a test's at_step); a server of each test's own never lived the 30 s to its first.
+SHARED_WATCHDOG = "[watchdog]\nprobe_interval_s = 600.0\n"
+
+
+@pytest.fixture(scope="module")
+def shared_server(tmp_path_factory, model_cache):
+    # 16-token prefill chunks: a long prompt's first steps are all prefill (a short chat's, one or two).
+    server = SharedServer(tmp_path_factory.mktemp("recovery"), model_cache,
+                          faults(enabled=False) + SHARED_WATCHDOG, "--prefill-step-size", "16")
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def failing_server(shared_server):
+    """``failing_server(config)``: the shared server running ``config`` (its
+    [fault_injection] and [recovery] tables); faults off and the defaults again
+    after the test, the server checked healthy (bounded) for the next one."""
+    poll(shared_server.alive, 30, interval=0.1, what="the shared server healthy")
+
+    def configure(config: str) -> SharedServer:
+        return shared_server.configure(config + SHARED_WATCHDOG)
+
+    yield configure
+    shared_server.configure(faults(enabled=False) + SHARED_WATCHDOG)
+    poll(shared_server.alive, 30, interval=0.1, what="the shared server healthy after the test")
 
 
 def completion(client, server, **body):
@@ -36,8 +71,8 @@ def assert_recovered(server, client):
     assert response.json()["usage"]["completion_tokens"] == 4
 
 
-def test_failure_during_decode_is_rerun_transparently(start_server):
-    server = start_server(faults(at_step=10))
+def test_failure_during_decode_is_rerun_transparently(failing_server):
+    server = failing_server(faults(at_step=10))
     with httpx.Client(timeout=30) as client:
         response = completion(client, server, max_tokens=32)
         assert response.status_code == 200, response.text
@@ -54,22 +89,24 @@ def test_failure_during_decode_is_rerun_transparently(start_server):
         assert_recovered(server, client)
 
 
-def test_failure_during_prefill_is_rerun(start_server):
+def test_failure_during_prefill_is_rerun(failing_server):
     # A long prompt in 16-token chunks: the first steps are all prefill.
-    server = start_server(faults(at_step=3), "--prefill-step-size", "16")
+    server = failing_server(faults(at_step=3))
+    # at_step counts from the save; the log's step, since the process started.
+    steps_before = httpx.get(server.url + "/guardian/status").json()["steps"]
     with httpx.Client(timeout=30) as client:
         response = completion(client, server, content="word " * 200, max_tokens=4)
         assert response.status_code == 200, response.text
         assert response.json()["usage"]["prompt_tokens"] > 100
         [error] = server.events("engine_error")
-        assert error["step"] == 3
+        assert error["step"] == steps_before + 3
         assert_recovered(server, client)
 
 
-def test_failure_on_the_non_batched_path(start_server):
+def test_failure_on_the_non_batched_path(failing_server):
     # A request with a seed is served by stock's sequential path, which
     # catches exceptions itself: the guardian still sees an engine failure.
-    server = start_server(faults(at_step=4))
+    server = failing_server(faults(at_step=4))
     with httpx.Client(timeout=30) as client:
         response = completion(client, server, max_tokens=8, seed=7)
         assert response.status_code == 200, response.text
@@ -79,8 +116,8 @@ def test_failure_on_the_non_batched_path(start_server):
         assert_recovered(server, client)
 
 
-def test_streaming_request_before_its_first_token_is_rerun(start_server):
-    server = start_server(faults(at_step=3), "--prefill-step-size", "16")
+def test_streaming_request_before_its_first_token_is_rerun(failing_server):
+    server = failing_server(faults(at_step=3))
     with httpx.Client(timeout=30) as client:
         result = read_stream(client, server.url + "/v1/chat/completions",
                              chat_body(content="word " * 200, max_tokens=6, stream=True))
@@ -108,10 +145,10 @@ def concurrent_clients(server, count: int, max_tokens: int, timeout: float = 60)
         return list(pool.map(client_call, range(count)))
 
 
-def test_eight_clients_mid_generation(start_server):
+def test_eight_clients_mid_generation(failing_server):
     """The issue's "done when": 8 clients, half streaming, fault mid-decode.
     Every request that had generated tokens is continued: no error reaches a client."""
-    server = start_server(faults(at_step=12, min_started=8))
+    server = failing_server(faults(at_step=12, min_started=8))
     # Long completions, so all 8 overlap despite stock's 0.5 s decode slices.
     results = concurrent_clients(server, 8, max_tokens=1500)
 
@@ -128,9 +165,9 @@ def test_eight_clients_mid_generation(start_server):
         assert_recovered(server, client)
 
 
-def test_eight_clients_past_the_continuation_bound(start_server):
+def test_eight_clients_past_the_continuation_bound(failing_server):
     """With max_continuations = 0 a stream that sent tokens is cut: error event, [DONE]."""
-    server = start_server(faults(at_step=12, min_started=8) + "[recovery]\nmax_continuations = 0\n")
+    server = failing_server(faults(at_step=12, min_started=8) + "[recovery]\nmax_continuations = 0\n")
     results = concurrent_clients(server, 8, max_tokens=1500)
 
     [error] = server.events("engine_error")
@@ -161,8 +198,8 @@ def test_eight_clients_past_the_continuation_bound(start_server):
         assert_recovered(server, client)
 
 
-def test_failure_every_n_steps_over_100_requests(start_server):
-    server = start_server(
+def test_failure_every_n_steps_over_100_requests(failing_server):
+    server = failing_server(
         faults(every_n_steps=60) + "[recovery]\nmax_failures = 1000\nreload_after_failures = 0\n"
     )
     results = concurrent_clients(server, 100, max_tokens=8)
@@ -178,10 +215,10 @@ def test_failure_every_n_steps_over_100_requests(start_server):
         assert_recovered(server, client)
 
 
-def test_poison_request_fails_alone(start_server):
+def test_poison_request_fails_alone(failing_server):
     # A poison, not the incident's memory failure (that is answered 503, never
     # blamed: tests/test_failure_progress.py).
-    server = start_server(faults(poison_marker="POISON", message="planted poison"))
+    server = failing_server(faults(poison_marker="POISON", message="planted poison"))
     url = server.url + "/v1/chat/completions"
 
     def client_call(content):
