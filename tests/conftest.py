@@ -226,13 +226,19 @@ class SharedServer(ModeServer):
                 lines.append({"event": "non_json_line", "line": line})
         return lines
 
-    def configure(self, text: str) -> "SharedServer":
-        """Save ``text`` as the configuration; return once its version is in force."""
-        self.log_start = self.log_path.stat().st_size
+    def configure(self, text: str, then: str = "", mid_test: bool = False) -> "SharedServer":
+        """Save ``text`` as the configuration; return once its version is in force
+        and, if named, the event ``then`` is logged (a plugin that applies its
+        change just after the new version is in force). The test's own log lines
+        start here, unless ``mid_test`` (a test that changes the settings as it goes)."""
+        if not mid_test:
+            self.log_start = self.log_path.stat().st_size
         self.config.write_text(text)
         wanted = hashlib.sha256(text.encode()).hexdigest()
         poll(lambda: httpx.get(self.url + "/guardian/status", timeout=10).json()["config"]["sha256"] == wanted,
              10, what="the server to load its new configuration")
+        if then:
+            self.wait_for_event(then)
         return self
 
     def alive(self) -> bool:

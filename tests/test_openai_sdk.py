@@ -5,6 +5,11 @@ unless the response's ``x-should-retry`` header says otherwise, and it waits
 what ``Retry-After`` asks (up to 60 s). So the server's headers decide how
 many times a refused request comes back. Each test counts the POSTs the
 server logged (``http_access`` lines) for the request the SDK made once.
+
+Every setting the tests differ by is live ([prompt_guard], [recovery], and
+[fault_injection]'s triggers with ``armable`` at start), so they share one
+server (``sdk_server``), reconfigured by a save at each test's start; its log
+lines from then on are the test's own.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import httpx
 import openai
 import pytest
 
-from conftest import chat_body, poll
+from conftest import SharedServer, chat_body, poll
 
 CHAT_PATH = "/v1/chat/completions"
 LONG_PROMPT = "word " * 3000  # ~6000 tokens: the demo model's context is 2048
@@ -25,6 +30,39 @@ LONG_PROMPT = "word " * 3000  # ~6000 tokens: the demo model's context is 2048
 
 def table(name: str, **settings) -> str:
     return f"[{name}]\n" + "".join(f"{key} = {json.dumps(value)}\n" for key, value in settings.items())
+
+
+@pytest.fixture(scope="module")
+def shared_server(tmp_path_factory, model_cache):
+    server = SharedServer(tmp_path_factory.mktemp("openai-sdk"), model_cache, shared_config({}, {}, {}))
+    server.guard = {}  # the [prompt_guard] table in force
+    yield server
+    server.stop()
+
+
+def shared_config(guard: dict, faults: dict, recovery: dict) -> str:
+    return ((table("prompt_guard", **guard) if guard else "")
+            + table("fault_injection", armable=True, enabled=bool(faults), **faults)
+            + (table("recovery", **recovery) if recovery else ""))
+
+
+@pytest.fixture
+def sdk_server(shared_server):
+    """``sdk_server(guard={...}, faults={...}, recovery={...})``: the shared server
+    running these tables (the defaults for the rest); the defaults again after
+    the test, and the server checked healthy (bounded) for the next one."""
+
+    def configure(guard: dict = {}, faults: dict = {}, recovery: dict = {}) -> SharedServer:
+        # The prompt guard applies a change just after the new version is in force.
+        then = "prompt_guard_reconfigured" if guard != shared_server.guard else ""
+        shared_server.configure(shared_config(guard, faults, recovery), then=then)
+        shared_server.guard = guard
+        return shared_server
+
+    poll(shared_server.alive, 30, interval=0.1, what="the shared server healthy")
+    yield configure
+    configure()
+    poll(shared_server.alive, 30, interval=0.1, what="the shared server healthy after the test")
 
 
 def sdk(server) -> openai.OpenAI:
@@ -66,8 +104,8 @@ def user(content: str) -> list[dict]:
     return [{"role": "user", "content": content}]
 
 
-def test_a_prompt_over_the_context_is_a_bad_request_sent_once(start_server):
-    server = start_server()
+def test_a_prompt_over_the_context_is_a_bad_request_sent_once(sdk_server):
+    server = sdk_server()
     with pytest.raises(openai.BadRequestError) as raised:
         sdk(server).chat.completions.create(model="default_model", messages=user(LONG_PROMPT), max_tokens=8)
     error = raised.value
@@ -79,8 +117,8 @@ def test_a_prompt_over_the_context_is_a_bad_request_sent_once(start_server):
     assert settled_posts(server) == [400]
 
 
-def test_an_invalid_parameter_is_a_bad_request_naming_the_field_sent_once(start_server):
-    server = start_server()
+def test_an_invalid_parameter_is_a_bad_request_naming_the_field_sent_once(sdk_server):
+    server = sdk_server()
     with pytest.raises(openai.BadRequestError) as raised:
         sdk(server).chat.completions.create(model="default_model", messages=user("hi"), max_tokens=8,
                                             temperature=-1)
@@ -93,8 +131,8 @@ def test_an_invalid_parameter_is_a_bad_request_naming_the_field_sent_once(start_
     assert settled_posts(server) == [400]
 
 
-def test_a_body_over_max_body_bytes_is_413_sent_once(start_server):
-    server = start_server(table("prompt_guard", max_body_bytes=10_000))
+def test_a_body_over_max_body_bytes_is_413_sent_once(sdk_server):
+    server = sdk_server(guard=dict(max_body_bytes=10_000))
     with pytest.raises(openai.APIStatusError) as raised:
         sdk(server).chat.completions.create(model="default_model", messages=user("x" * 20_000), max_tokens=8)
     error = raised.value
@@ -110,12 +148,12 @@ def test_a_body_over_max_body_bytes_is_413_sent_once(start_server):
 # a time (tests/test_prompt_guard.py): a 200,000-byte budget holds one small
 # request. With no waiting room, a second request is turned away at once.
 # Engine steps of 50 ms keep the first request running through the retries.
-BUSY_CONFIG = (table("prompt_guard", kv_budget_bytes=200_000, max_queued=0, retry_after_s=1.0)
-               + table("fault_injection", enabled=True, step_delay_s=0.05))
+BUSY_GUARD = dict(kv_budget_bytes=200_000, max_queued=0, retry_after_s=1.0)
+SLOW_STEPS = dict(step_delay_s=0.05)
 
 
-def test_kv_budget_busy_is_a_rate_limit_retried_after_retry_after(start_server):
-    server = start_server(BUSY_CONFIG)
+def test_kv_budget_busy_is_a_rate_limit_retried_after_retry_after(sdk_server):
+    server = sdk_server(guard=BUSY_GUARD, faults=SLOW_STEPS)
     holder_done = threading.Event()
 
     def hold_the_budget():
@@ -132,6 +170,9 @@ def test_kv_budget_busy_is_a_rate_limit_retried_after_retry_after(start_server):
             sdk(server).chat.completions.create(model="default_model", messages=user("hi"), max_tokens=8)
         elapsed = time.monotonic() - started
         assert not holder_done.is_set(), "the budget was free again before the retries ended"
+        # The retries are over: steps at full speed again, so the holder ends
+        # now rather than after the rest of its 200 slow steps.
+        server.configure(shared_config(BUSY_GUARD, {}, {}), mid_test=True)
     finally:
         holder.join(120)
     error = raised.value
@@ -149,9 +190,9 @@ def in_flight(server) -> int:
     return httpx.get(server.url + "/guardian/status", timeout=5).json()["in_flight"]
 
 
-def test_a_blamed_poison_request_is_an_internal_error_sent_once(start_server):
+def test_a_blamed_poison_request_is_an_internal_error_sent_once(sdk_server):
     # A poison, not the incident's memory failure (that is answered 503, never blamed).
-    server = start_server(table("fault_injection", enabled=True, poison_marker="POISON", message="planted poison"))
+    server = sdk_server(faults=dict(poison_marker="POISON", message="planted poison"))
     with pytest.raises(openai.InternalServerError) as raised:
         sdk(server).chat.completions.create(model="default_model", messages=user("POISON pill"), max_tokens=8)
     error = raised.value
@@ -163,13 +204,12 @@ def test_a_blamed_poison_request_is_an_internal_error_sent_once(start_server):
     assert settled_posts(server) == [500]
 
 
-def test_a_stream_cut_by_an_engine_failure_raises_api_error_with_its_code(start_server):
-    # The engine fails at its 40th step with a request in it (the start-up
-    # probe's steps count too): the stream has sent tokens by then, and with
+def test_a_stream_cut_by_an_engine_failure_raises_api_error_with_its_code(sdk_server):
+    # The engine fails at the 40th step with a request in it since the save
+    # that armed the fault: the stream has sent tokens by then, and with
     # no continuation allowed it ends with an error event. (Within
     # max_continuations it goes on: tests/test_continuation.py.)
-    server = start_server(table("fault_injection", enabled=True, at_step=40, min_started=1)
-                          + table("recovery", max_continuations=0))
+    server = sdk_server(faults=dict(at_step=40, min_started=1), recovery=dict(max_continuations=0))
     chunks = []
     with pytest.raises(openai.APIError) as raised:
         stream = sdk(server).chat.completions.create(model="default_model", messages=user("Tell me a story."),
