@@ -1,15 +1,17 @@
-"""What subprocess mode's relay costs: the in-process guardian and ``--supervise``, side by side.
+"""What subprocess mode costs: the in-process guardian and ``--supervise``, side by side.
 
-Two servers serve the offline demo model on 127.0.0.1: ``mlx-guardian`` (the
-engine in the process that serves HTTP) and ``mlx-guardian --supervise`` (a
-supervisor on the public port relays every request to the same guardian
-running as its child). N looping clients each send their share of a
+Three servers serve the offline demo model on 127.0.0.1: ``mlx-guardian`` (the
+engine in the process that serves HTTP), ``mlx-guardian --supervise`` (a
+supervisor on the public port hands each request's connection to the same
+guardian running as its child, which answers on it: guardian.handoff), and
+``--supervise`` with ``[supervisor] hand_off = false`` ("supervise-relay": the
+supervisor relays every byte, as where the hand-off cannot be used: TLS, macOS). N looping clients each send their share of a
 burst of chat requests, streamed or not; every request has a prompt of its
 own (no prompt-cache hits) and the same ``max_tokens`` (the demo model never
 stops early). Round after round, each server takes its turn with each kind of
 request, in alternating order, and a round's ratio compares two bursts run
 back to back, so slow drifts of the machine cancel. The ratio reported is the
-median over rounds (supervise / in-process tokens/s) with the rounds' range
+median over rounds (supervise / in-process tokens/s, and supervise-relay's) with the rounds' range
 and interquartile spread.
 
 By default (Linux, 2+ CPUs) both servers are pinned to one CPU (the
@@ -54,7 +56,8 @@ from servers import Server, cpu_split, free_port
 from stats import environment
 
 SENTENCE = "The guardian watches a language model server and keeps it alive. "
-KINDS = ("in-process", "supervise")
+KINDS = ("in-process", "supervise", "supervise-relay")
+SUPERVISED = ("supervise", "supervise-relay")
 MODES = ("stream", "non-stream")
 START_TIMEOUT_S = 120.0
 
@@ -66,6 +69,8 @@ def start_servers(model: Path, workdir: Path, cpus: set[int] | None) -> dict[str
     commands = {
         "in-process": [sys.executable, "-m", "guardian", *common],
         "supervise": [sys.executable, "-m", "guardian", "--supervise", *common],
+        "supervise-relay": [sys.executable, "-m", "guardian", "--supervise", *common,
+                            "--guardian-config", str(relaying_config(workdir))],
     }
     servers = {}
     for kind in KINDS:
@@ -75,6 +80,12 @@ def start_servers(model: Path, workdir: Path, cpus: set[int] | None) -> dict[str
         if not servers[kind].wait_ready(START_TIMEOUT_S):
             raise SystemExit(f"{kind} did not start:\n" + "\n".join(servers[kind].log_tail(20)))
     return servers
+
+
+def relaying_config(workdir: Path) -> Path:
+    path = workdir / "relay.toml"
+    path.write_text("[supervisor]\nhand_off = false\n")
+    return path
 
 
 def cpu_seconds(pid: int) -> float:
@@ -151,34 +162,31 @@ def quartiles(values: list[float]) -> tuple[float, float]:
 
 
 def summarize(results: dict) -> dict:
+    """Per mode and supervised kind: the ratio to in-process over rounds, and the supervisor's CPU."""
     summary = {}
-    pooled = []
+    pooled = {kind: [] for kind in SUPERVISED}
     for mode in MODES:
         runs = results[mode]
-        ratios = [s["tokens_per_s"] / i["tokens_per_s"] for s, i in zip(runs["supervise"], runs["in-process"])]
-        pooled += ratios
-        row = {
-            "ratio_median": statistics.median(ratios),
-            "ratio_range": [min(ratios), max(ratios)],
-            "ratio_iqr": list(quartiles(ratios)),
-            "rounds": ratios,
-        }
-        for kind in KINDS:
-            row[kind] = {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs[kind]),
-                         "requests_per_s": statistics.median(r["requests_per_s"] for r in runs[kind])}
-        supervisor = [r for r in runs["supervise"] if "process_cpu_s" in r]
-        if supervisor:
-            row["supervisor_cpu_ms_per_request"] = statistics.median(
-                1000 * r["process_cpu_s"] / r["requests"] for r in supervisor)
-            row["supervisor_cpu_us_per_token"] = statistics.median(
-                1e6 * r["process_cpu_s"] / r["tokens"] for r in supervisor)
-            row["supervisor_cpu_share"] = statistics.median(r["process_cpu_s"] / r["wall_s"] for r in supervisor)
+        row = {kind: {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs[kind]),
+                      "requests_per_s": statistics.median(r["requests_per_s"] for r in runs[kind])}
+               for kind in KINDS}
+        for kind in SUPERVISED:
+            ratios = [s["tokens_per_s"] / i["tokens_per_s"] for s, i in zip(runs[kind], runs["in-process"])]
+            pooled[kind] += ratios
+            row[kind].update(ratio_median=statistics.median(ratios), ratio_range=[min(ratios), max(ratios)],
+                             ratio_iqr=list(quartiles(ratios)), rounds=ratios)
+            supervisor = [r for r in runs[kind] if "process_cpu_s" in r]
+            if supervisor:
+                row[kind].update(
+                    supervisor_cpu_ms_per_request=statistics.median(
+                        1000 * r["process_cpu_s"] / r["requests"] for r in supervisor),
+                    supervisor_cpu_us_per_token=statistics.median(
+                        1e6 * r["process_cpu_s"] / r["tokens"] for r in supervisor),
+                    supervisor_cpu_share=statistics.median(r["process_cpu_s"] / r["wall_s"] for r in supervisor))
         summary[mode] = row
-    summary["both"] = {"ratio_median": statistics.median(pooled), "ratio_range": [min(pooled), max(pooled)],
-                       "ratio_iqr": list(quartiles(pooled))}
+    summary["both"] = {kind: {"ratio_median": statistics.median(ratios), "ratio_range": [min(ratios), max(ratios)],
+                              "ratio_iqr": list(quartiles(ratios))} for kind, ratios in pooled.items()}
     return summary
-
-
 
 
 def report(data: dict) -> str:
@@ -192,22 +200,23 @@ def report(data: dict) -> str:
         f"bursts of {data['requests']} chat requests, max_tokens={data['max_tokens']}, {data['rounds']} rounds "
         f"alternating; {pinned}; {data['wall_s'] / 60:.1f} min{load}.",
         "",
-        "| requests | in-process tok/s | supervise tok/s | ratio (median) | rounds min–max | IQR | "
+        "| requests | supervisor | in-process tok/s | supervised tok/s | ratio (median) | rounds min–max | IQR | "
         "supervisor CPU / request | / token | supervisor CPU share |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for mode in MODES:
-        row = data["summary"][mode]
-        cpu = ("| {:.2f} ms | {:.0f} µs | {:.1%} |".format(row["supervisor_cpu_ms_per_request"],
-                                                          row["supervisor_cpu_us_per_token"],
-                                                          row["supervisor_cpu_share"])
-               if "supervisor_cpu_ms_per_request" in row else "| – | – | – |")
-        lines.append(f"| {mode} | {row['in-process']['tokens_per_s']:.0f} | {row['supervise']['tokens_per_s']:.0f} | "
-                     f"**{row['ratio_median']:.3f}** | {row['ratio_range'][0]:.3f}–{row['ratio_range'][1]:.3f} | "
-                     f"{row['ratio_iqr'][0]:.3f}–{row['ratio_iqr'][1]:.3f} {cpu}")
-    both = data["summary"]["both"]
-    lines.append(f"| both | | | **{both['ratio_median']:.3f}** | {both['ratio_range'][0]:.3f}–"
-                 f"{both['ratio_range'][1]:.3f} | {both['ratio_iqr'][0]:.3f}–{both['ratio_iqr'][1]:.3f} | | | |")
+    for mode in (*MODES, "both"):
+        for kind in SUPERVISED:
+            row = data["summary"][mode][kind]
+            cpu = ("| {:.2f} ms | {:.0f} µs | {:.1%} |".format(row["supervisor_cpu_ms_per_request"],
+                                                              row["supervisor_cpu_us_per_token"],
+                                                              row["supervisor_cpu_share"])
+                   if "supervisor_cpu_ms_per_request" in row else "| | | |")
+            speeds = (f"{data['summary'][mode]['in-process']['tokens_per_s']:.0f} | {row['tokens_per_s']:.0f}"
+                      if mode != "both" else " | ")
+            how = "hands off" if kind == "supervise" else "relays"
+            lines.append(f"| {mode} | {how} | {speeds} | **{row['ratio_median']:.3f}** | "
+                         f"{row['ratio_range'][0]:.3f}–{row['ratio_range'][1]:.3f} | "
+                         f"{row['ratio_iqr'][0]:.3f}–{row['ratio_iqr'][1]:.3f} {cpu}")
     return "\n".join(lines)
 
 

@@ -6,6 +6,9 @@ import json
 from dataclasses import dataclass, field
 from typing import Optional
 
+# The code of a 503 from a server that is stopping (its requests drain meanwhile).
+SERVER_STOPPING = "server_stopping"
+
 
 @dataclass
 class GuardianError(Exception):

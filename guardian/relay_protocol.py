@@ -146,6 +146,57 @@ def tap_tokens(responses: Iterable, output: TokenTaggingOutput):
 
 
 # -- the supervisor's end -------------------------------------------------
+# Methods whose requests carry a Content-Length even when empty.
+BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
+# RFC 9110 §7.6.1: these describe one connection, never the message.
+HOP_BY_HOP = frozenset({
+    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization",
+    "proxy-connection", "te", "trailer", "trailers", "transfer-encoding", "upgrade",
+})
+SSE_CONTENT_TYPE = "text/event-stream"
+SSE_DONE = b"data: [DONE]"
+# An "event" this long with no blank line is not SSE framing: pass it on.
+MAX_HELD_EVENT_BYTES = 1 << 20
+
+
+class EventRelay:
+    """A child's SSE body as the client gets it: whole events only, a continuable
+    stream's tags stripped (``stream``, a RelayedStream; None: passed as they are).
+
+    A chunk is passed on up to its last complete event, so nothing waits on a
+    well-formed stream, and a cut never leaves half an event glued to the
+    error event that follows it. ``done``: ``[DONE]`` went out (a stream that
+    ends without it was cut: both the guardian and stock always send it).
+    """
+
+    __slots__ = ("stream", "held", "done")
+
+    def __init__(self, stream: Optional["RelayedStream"]):
+        self.stream = stream
+        self.held = b""
+        self.done = False
+
+    def pass_on(self, chunk: bytes) -> bytes:
+        if self.held:
+            chunk, self.held = self.held + chunk, b""
+        if not chunk.endswith(b"\n\n"):
+            end = last_event_end(chunk)
+            if end == 0 and len(chunk) > MAX_HELD_EVENT_BYTES:
+                end = len(chunk)
+            chunk, self.held = chunk[:end], chunk[end:]
+            if not chunk:
+                return b""
+        self.done = self.done or SSE_DONE in chunk
+        return self.stream.relay(chunk) if self.stream is not None else chunk
+
+
+def last_event_end(data: bytes) -> int:
+    """Offset just past the last complete SSE event in ``data``, or 0."""
+    lf = data.rfind(b"\n\n")
+    crlf = data.rfind(b"\r\n\r\n")
+    return max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
+
+
 def continue_headers(key: str, tokens: list[int]) -> list[tuple[str, str]]:
     return [(KEY_HEADER, key), (CONTINUE_HEADER, ",".join(map(str, tokens)))]
 

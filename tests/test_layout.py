@@ -22,7 +22,7 @@ CONCERNS = {"access", "admission", "config", "distributed", "engine", "health", 
             "quarantine", "serving", "stock", "supervise"}
 # The modules at the package's root: the public face, the plugin machinery, what every layer shares.
 ROOT_MODULES = {"__init__", "__main__", "cli", "hookspecs", "plugin_manager", "engine_view", "errors",
-                "exit_codes", "relay_protocol", "request_context", "demo_model"}
+                "exit_codes", "relay_protocol", "handoff", "request_context", "demo_model"}
 
 # Bottom to top. A module belongs to the longest prefix listed; ``guardian`` is
 # the package's __init__ (hookimpl, EngineView, GuardianError: what plugins import).
@@ -30,7 +30,8 @@ LAYERS = (
     # Leaves: they import nothing of guardian.
     {"guardian.observability", "guardian.exit_codes", "guardian.relay_protocol", "guardian.hookspecs"},
     # What every layer reads: errors, the configuration, the request a thread serves.
-    {"guardian.errors", "guardian.config", "guardian.request_context", "guardian.demo_model"},
+    # The hand-off (both ends, like the relay protocol it carries).
+    {"guardian.errors", "guardian.config", "guardian.request_context", "guardian.demo_model", "guardian.handoff"},
     # The plugin machinery: the manager, the view hooks receive, the public face.
     {"guardian.plugin_manager", "guardian.engine_view", "guardian"},
     # Stock mlx_lm, embedded.

@@ -434,7 +434,8 @@ def test_a_request_the_dying_childs_port_refused_is_no_crash_suspect(start_super
     # Nothing was in flight at either crash: no suspects, no strikes.
     assert [e["suspects"] for e in supervised.supervisor_events("crash_suspects")] == [[], []]
     unreachable = supervised.supervisor_events("proxy_child_unreachable")
-    assert len(unreachable) == 2 and unreachable[0]["error_type"] == "ConnectionRefusedError"
+    # Refused by the port (relayed), or by the closed hand-off socket (guardian.handoff).
+    assert len(unreachable) == 2 and unreachable[0]["error_type"] in ("ConnectionRefusedError", "BrokenPipeError")
     assert not supervised.supervisor_events("proxy_child_lost")
 
 

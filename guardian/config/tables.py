@@ -164,6 +164,14 @@ class SupervisorSettings(Table, name="supervisor"):
         within this many seconds; otherwise, and whenever the supervisor holds
         the child unhealthy, they answer 503 from the supervisor's own checks.""",
         flag="--supervisor-health-timeout", metavar="S")
+    hand_off = Setting(Bool(), True, """
+        Hand each relayed request's connection to the child (SCM_RIGHTS), which
+        answers on it directly: a stream then costs the supervisor nothing per
+        token. The supervisor keeps a copy and a journal of the child's writes,
+        so a child's death is handled as when relaying (the request sent again,
+        or its stream continued on the next child). Used where the kernel counts
+        a socket's bytes (Linux) and the port is plain HTTP with a guardian child,
+        one process; elsewhere, and with false, every byte is relayed.""")
     launch_args = Setting(Str(), "", """
         Run the server as an mlx.launch group instead of one process: mlx.launch's
         own arguments (hosts or hostfile, backend, ...), e.g. "--backend ring -n 2".

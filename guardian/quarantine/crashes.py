@@ -89,17 +89,33 @@ def canonical_body(body: bytes) -> bytes:
     return json.dumps(parsed, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
 
 
-@dataclass
 class Relay:
-    """One request relayed to a child: ``lost`` if the child failed under it, ``answered`` in full."""
+    """One request relayed to a child: ``lost`` if the child failed under it, ``answered`` in full.
 
-    fingerprint: str
-    method: str
-    path: str
-    lost: bool = False
-    answered: bool = False
-    # The stream relayed (a guardian.relay_protocol.RelayedStream), set by the proxy once known.
-    stream: Optional[object] = None
+    Its fingerprint may be worked out only when a crash asks for it (``request``:
+    the target and body it comes from): the reader's hand-off makes none while
+    no crash suspect is about.
+    """
+
+    def __init__(self, fp: Optional[str], method: str, path: str,
+                 request: Optional[tuple[str, bytes]] = None):
+        self._fingerprint = fp
+        self._request = request
+        self.method = method
+        self.path = path
+        self.lost = False
+        self.answered = False
+        self.admitted = False  # counted by the isolation gate (a fast relay), until released
+        # The stream relayed (a guardian.relay_protocol.RelayedStream, or anything
+        # with ``tokens``), set by the proxy once known.
+        self.stream: Optional[object] = None
+
+    @property
+    def fingerprint(self) -> str:
+        if self._fingerprint is None:
+            target, body = self._request
+            self._fingerprint, self._request = fingerprint(self.method, target, body), None
+        return self._fingerprint
 
     @property
     def position(self) -> int:
@@ -185,6 +201,44 @@ class CrashQuarantine:
                 self._remove(generation, key)
             if relay.answered:
                 self._clear(fp)
+
+    # -- the reader's hand-off (guardian.supervise.fast_handoff) -----------------
+    def start_fast_relay(self, generation: int, method: str, path: str, target: str,
+                         body: bytes) -> Optional[Relay]:
+        """Put a relay on record without waiting; None when the quarantine has a say
+        (the request is quarantined or a suspect, or a suspect runs or waits to run
+        alone): the handler path then decides, waiting if need be."""
+        relay = Relay(None, method, path, (target, body))
+        if method != TRACKED_METHOD:
+            return relay
+        if self.enabled:
+            if self.quarantined.has_entries() or self.suspects:
+                # Only then is the fingerprint worth its cost now.
+                if self.quarantined.holds(relay.fingerprint) or relay.fingerprint in self.suspects:
+                    return None
+            if not self.isolation.try_admit():
+                return None
+            relay.admitted = True
+        self._add(generation, id(relay), relay)
+        return relay
+
+    def end_fast_relay(self, generation: int, relay: Relay, answered: bool, sent: bool = True) -> None:
+        """The child's word on a fast relay: answered, or left to the handler path
+        (which ends it with ``settle``)."""
+        if relay.method != TRACKED_METHOD:
+            return
+        if relay.admitted:
+            relay.admitted = False
+            self.isolation.release()
+        if answered or not sent:
+            self.settle(generation, relay, answered)
+
+    def settle(self, generation: int, relay: Relay, answered: bool) -> None:
+        """A relay's end: off the record unless the child failed under it; a suspect answered is cleared."""
+        if not relay.lost:
+            self._remove(generation, id(relay))
+        if answered and self.suspects:
+            self._clear(relay.fingerprint)
 
     def _add(self, generation: int, key: int, relay: Relay) -> bool:
         """Put a relay on its child's record; False if that child is already reaped."""

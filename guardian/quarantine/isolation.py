@@ -40,6 +40,19 @@ class IsolationGate:
                 self.alone = self.alone and not alone
                 self.condition.notify_all()
 
+    def try_admit(self) -> bool:
+        """Admit a request that is no suspect if it need not wait; ``release`` it when done."""
+        with self.condition:
+            if self.suspects_waiting or self.alone:
+                return False
+            self.running += 1
+            return True
+
+    def release(self) -> None:
+        with self.condition:
+            self.running -= 1
+            self.condition.notify_all()
+
     def _wait_until_alone(self) -> bool:
         """Until nothing else runs (the condition is held); False if the wait ran out."""
         self.suspects_waiting += 1

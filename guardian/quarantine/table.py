@@ -100,6 +100,16 @@ class ExpiringTable:
                         quarantine_s=self.quarantine_s, until=entry.until_iso, **logged)
         return entry
 
+    def has_entries(self) -> bool:
+        """Whether anything is (or was until lately) quarantined: refusal() is worth asking."""
+        return bool(self._entries)
+
+    def holds(self, fingerprint: str) -> bool:
+        """Whether ``fingerprint`` is quarantined now (nothing counted or logged)."""
+        with self._lock:
+            entry = self._entries.get(fingerprint)
+            return entry is not None and entry.until > time.monotonic()
+
     def refusal(self, fingerprint: str) -> Optional[GuardianError]:
         """The error for a quarantined fingerprint, or None to let the request in."""
         with self._lock:

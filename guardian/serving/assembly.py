@@ -27,7 +27,7 @@ from guardian.observability.counting import ActiveCount
 from guardian.admission.facts import served_model_config
 from guardian.admission.gate import AdmissionGate, AdmittingGenerator
 from guardian.engine.generator import GuardianEngine
-from guardian.errors import AbortRequest, GuardianError
+from guardian.errors import SERVER_STOPPING, AbortRequest, GuardianError
 from guardian.exit_codes import EXIT_BOOT_ERROR, EXIT_OK, EXIT_USAGE
 from guardian.serving.handler import GuardianHandler
 from guardian.config.live import LiveConfig
@@ -37,6 +37,7 @@ from guardian.health.parent_watch import die_with_parent
 from guardian.health.stall_detection import StallDetector
 from guardian.engine_view import EngineView
 from guardian.plugin_manager import notify
+from guardian import handoff
 from guardian.relay_protocol import started_by_supervisor
 
 log = structlog.get_logger("guardian.server")
@@ -116,6 +117,9 @@ def serve(host: str, port: int, model_provider, config: Union[GuardianConfig, Li
     if member is not None:
         member.watch(engine)
     httpd = make_http_server(host, port, served, door, tls)
+    channel = handoff.child_channel()
+    if channel is not None:  # our supervisor hands us its clients' connections
+        httpd.take_handoffs(channel)
     served.start()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: exit_request(EXIT_OK))
@@ -215,7 +219,7 @@ class ServedModel(AdmittingGenerator):
     def generate(self, request, generation_args, progress_callback=None):
         if self.stopping:
             raise AbortRequest(GuardianError(
-                "The server is stopping; send the request again.", status=503, code="server_stopping",
+                "The server is stopping; send the request again.", status=503, code=SERVER_STOPPING,
                 retry_after_s=self.config.core.retry_after_s))
         return super().generate(request, generation_args, progress_callback)
 

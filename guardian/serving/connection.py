@@ -41,6 +41,7 @@ from typing import Optional
 
 import structlog
 
+from guardian import handoff
 from guardian.observability.counting import ActiveCount
 from guardian.errors import GuardianError
 
@@ -152,7 +153,7 @@ class Incoming:
     """One connection the reader holds until its request is complete."""
 
     __slots__ = ("sock", "address", "accepted_at", "buffer", "headers_end", "headers_at", "needed",
-                 "handshaking", "tls_checked")
+                 "handshaking", "tls_checked", "handed_off")
 
     def __init__(self, sock: socket.socket, address, tls: bool):
         self.sock = sock
@@ -164,6 +165,8 @@ class Incoming:
         self.needed = 0  # bytes the whole request has, once its headers are read
         self.handshaking = tls
         self.tls_checked = not tls
+        # A connection the supervisor handed over, its request read (guardian.handoff).
+        self.handed_off: Optional[handoff.Received] = None
 
     def deadline(self, limits: ConnectionLimits) -> tuple[float, bool]:
         """(when this connection expires, whether it gets a 408 then)."""
@@ -198,10 +201,17 @@ def parse_head(head: bytes, limits: ConnectionLimits) -> tuple[Optional[int], Op
 class Listening:
     """The server's listening socket, as the reader's selector holds it."""
 
-    __slots__ = ("sock",)
+    __slots__ = ("sock", "kind")
 
     def __init__(self, sock: socket.socket):
         self.sock = sock
+        # What each accepted socket is, read once: socket.accept() converts the
+        # listener's family and type to enums for every connection (~40 us here).
+        self.kind = (int(sock.family), int(sock.type), sock.proto)
+
+    def accept(self) -> tuple[socket.socket, object]:
+        fd, address = self.sock._accept()
+        return socket.socket(*self.kind, fileno=fd), address
 
 
 class Watched:
@@ -214,18 +224,51 @@ class Watched:
         self.on_gone = on_gone
 
 
+class Readable:
+    """A socket whose next readable moment calls ``callback`` (on the reader's thread), once."""
+
+    __slots__ = ("sock", "callback")
+
+    def __init__(self, sock: socket.socket, callback):
+        self.sock = sock
+        self.callback = callback
+
+
+class HandoffChannel:
+    """A supervised child's hand-off socket: connections arrive on it with their requests."""
+
+    __slots__ = ("sock",)
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+
+
+# Where a handed-over request seems to come from: its supervisor, as when relayed.
+HANDED_OFF_ADDRESS = ("127.0.0.1", 0)
+
+
 def client_left(sock: socket.socket) -> bool:
     """Whether a readable connection whose request was read whole is at its end (EOF or reset).
 
     Peeks at the TCP stream under any TLS layer: a FIN or a reset is the end;
-    bytes (a TLS alert, a pipelined request) are not.
+    bytes (a TLS alert, a pipelined request) are not. Never waits, even on a
+    socket with a timeout (Python would first wait for it to be readable).
     """
+    timeout = sock.gettimeout()
     try:
+        if timeout:
+            sock.settimeout(0)
         return socket.socket.recv(sock, 1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
     except (BlockingIOError, InterruptedError):
         return False
     except OSError:
         return True
+    finally:
+        if timeout:
+            try:
+                sock.settimeout(timeout)
+            except OSError:
+                pass
 
 
 class RequestReader:
@@ -270,6 +313,19 @@ class RequestReader:
                 self.selector.register(listener, selectors.EVENT_READ, Listening(listener))
         except (OSError, ValueError, KeyError):  # closed meanwhile (a pause after EMFILE, then a stop)
             return
+        self._wake()
+
+    def take_handoffs(self, channel: socket.socket) -> None:
+        """Serve the connections a supervisor hands over on ``channel`` (guardian.handoff)."""
+        channel.setblocking(False)
+        with self._lock:
+            self.selector.register(channel, selectors.EVENT_READ, HandoffChannel(channel))
+        self._wake()
+
+    def when_readable(self, sock: socket.socket, callback) -> None:
+        """Call ``callback()`` on this reader's thread once ``sock`` is readable (or closed)."""
+        with self._lock:
+            self.selector.register(sock, selectors.EVENT_READ, Readable(sock, callback))
         self._wake()
 
     def watch(self, sock: socket.socket, on_gone) -> None:
@@ -344,6 +400,10 @@ class RequestReader:
                         self._on_watched(key.data)
                     elif isinstance(key.data, Listening):
                         self._accept(key.data)
+                    elif isinstance(key.data, HandoffChannel):
+                        self._take_handoffs(key.data)
+                    elif isinstance(key.data, Readable):
+                        self._on_ready(key.data)
                     else:
                         self._on_readable(key.data)
                 self._take_arrivals()
@@ -368,6 +428,13 @@ class RequestReader:
             except Exception:  # noqa: BLE001 - one request's callback must not stop the reader
                 log.exception("client_gone_callback_failed")
 
+    def _on_ready(self, readable: Readable) -> None:
+        self.unwatch(readable.sock)
+        try:
+            readable.callback()
+        except Exception:  # noqa: BLE001 - one request's callback must not stop the reader
+            log.exception("readable_callback_failed")
+
     def _drain_wakeups(self) -> None:
         try:
             while self._wake_r.recv(4096):
@@ -379,7 +446,7 @@ class RequestReader:
         """Take every waiting connection, up to a batch (reads of the others go on meanwhile)."""
         for _ in range(ACCEPT_BATCH):
             try:
-                sock, address = listening.sock.accept()
+                sock, address = listening.accept()
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as e:  # out of file descriptors: stop accepting for a tick
@@ -388,6 +455,23 @@ class RequestReader:
                 self.call_at(time.monotonic() + TICK_S, lambda: self.listen(listening.sock))
                 return
             self._hold(sock, address)
+
+    def _take_handoffs(self, channel: HandoffChannel) -> None:
+        """Every connection handed over so far: its request is whole, straight to a handler."""
+        for _ in range(ACCEPT_BATCH):
+            try:
+                received = handoff.receive(channel.sock)
+            except (EOFError, OSError) as e:  # the supervisor is gone
+                log.info("handoff_channel_closed", reason=str(e))
+                self.unwatch(channel.sock)
+                close_quietly(channel.sock)
+                return
+            if received is None:
+                return
+            incoming = Incoming(received.client, HANDED_OFF_ADDRESS, tls=False)
+            incoming.buffer += received.request
+            incoming.handed_off = received
+            self.server.dispatch(incoming)
 
     def _take_arrivals(self) -> None:
         while self._arrivals:
@@ -546,10 +630,12 @@ PLAIN_HTTP_TO_TLS_PORT = GuardianError(
     status=400, type="invalid_request_error", code="https_required")
 
 
-def send_refusal(sock: socket.socket, error: GuardianError, linger: bool = False) -> None:
+def send_refusal(sock: socket.socket, error: GuardianError, linger: bool = False,
+                 handed_off: Optional[handoff.Received] = None) -> None:
     """``error`` in OpenAI's shape (its headers: Retry-After, x-should-retry), written
     straight to the socket within a second, then the close; ``linger``: the
-    request is unread, drain it first so the answer is not reset away."""
+    request is unread, drain it first so the answer is not reset away;
+    ``handed_off``: the supervisor is told once the answer is written."""
     body = json.dumps(error.body()).encode()
     head = [f"HTTP/1.0 {error.status} {HTTPStatus(error.status).phrase}", "Content-Type: application/json",
             f"Content-Length: {len(body)}", "Connection: close",
@@ -560,9 +646,13 @@ def send_refusal(sock: socket.socket, error: GuardianError, linger: bool = False
         sock.sendall(("\r\n".join(head) + "\r\n\r\n").encode() + body)
         if linger:
             linger_close(sock)
+        elif handed_off is not None:
+            sock.shutdown(socket.SHUT_WR)  # the supervisor's copy keeps it open
     except OSError:
         pass
     close_quietly(sock)
+    if handed_off is not None:
+        handed_off.finish()
 
 
 def send_close_notify(tls: ssl.SSLSocket) -> None:
@@ -620,6 +710,43 @@ class BufferedConnection:
 
     def __getattr__(self, name):
         return getattr(self.sock, name)
+
+
+class HandedOffConnection(BufferedConnection):
+    """A connection the supervisor handed over (guardian.handoff): every write is
+    journaled, then sent as the client may see it."""
+
+    def __init__(self, sock: socket.socket, prefix: bytes, received: handoff.Received):
+        super().__init__(sock, prefix)
+        self.handed_off = received
+
+    def sendall(self, data) -> None:
+        self.handed_off.write(self.sock, data)
+
+    def makefile(self, mode="r", buffering=None, **kwargs):
+        if "r" in mode:
+            return super().makefile(mode, buffering, **kwargs)
+        return _HandedOffWriter(self)
+
+    def give_back(self) -> bool:
+        """Answer nothing: the supervisor sends the request to its next child
+        (False: something was written already)."""
+        return self.handed_off.give_back()
+
+    def finish(self) -> None:
+        self.handed_off.finish()
+
+
+class _HandedOffWriter(io.RawIOBase):
+    def __init__(self, connection: HandedOffConnection):
+        self._connection = connection
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:
+        self._connection.sendall(data)
+        return len(data)
 
 
 class Serving:
@@ -696,12 +823,13 @@ class HeldConnections:
 
     def dispatch(self, incoming: Incoming) -> None:
         """A whole request: to a handler thread, or 503 if every one is busy."""
-        if self.handlers.active >= self.limits.max_handlers:
+        if self.busy():
             self.count_closed("handlers_busy")
             log.warning("http_handlers_busy", client=incoming.address[0], handlers=self.handlers.active)
             threading.Thread(target=send_refusal, daemon=True, args=(incoming.sock, GuardianError(
                 f"All {self.limits.max_handlers} request handlers are busy; send the request again.",
-                status=503, code="server_busy", retry_after_s=self.limits.retry_after_s))).start()
+                status=503, code="server_busy", retry_after_s=self.limits.retry_after_s),
+                False, incoming.handed_off)).start()
             return
         sock = incoming.sock
         try:
@@ -713,17 +841,29 @@ class HeldConnections:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.limits.send_buffer_bytes)
         except OSError:
             close_quietly(sock)
+            if incoming.handed_off is not None:
+                incoming.handed_off.finish()
             return
-        request = BufferedConnection(sock, bytes(incoming.buffer))
-        thread = threading.Thread(target=self._handle, args=(request, incoming.address), daemon=True,
+        if incoming.handed_off is not None:
+            request = HandedOffConnection(sock, bytes(incoming.buffer), incoming.handed_off)
+        else:
+            request = BufferedConnection(sock, bytes(incoming.buffer))
+        if not self.start_handler(request, incoming.address):
+            send_refusal(sock, GuardianError("The server cannot start a handler now.", status=503,
+                                             code="server_busy", retry_after_s=self.limits.retry_after_s),
+                         handed_off=incoming.handed_off)
+
+    def start_handler(self, request, client_address) -> bool:
+        """A handler thread for ``request`` (a BufferedConnection); False if none can start."""
+        thread = threading.Thread(target=self._handle, args=(request, client_address), daemon=True,
                                   name="http-handler")
         self.handlers.__enter__()
         try:
             thread.start()
         except RuntimeError:  # can't start a new thread
             self.handlers.__exit__(None, None, None)
-            send_refusal(sock, GuardianError("The server cannot start a handler now.", status=503,
-                                             code="server_busy", retry_after_s=self.limits.retry_after_s))
+            return False
+        return True
 
     def _handle(self, request, client_address) -> None:
         try:
@@ -755,10 +895,37 @@ class HeldConnections:
         sock = raw_socket(request)
         if isinstance(sock, ssl.SSLSocket):
             send_close_notify(sock)
+        if isinstance(request, HandedOffConnection):
+            if request.handed_off.given_back:  # the supervisor's again: no FIN from here
+                close_quietly(sock)
+            else:
+                super().shutdown_request(sock)
+            request.finish()
+            return
         super().shutdown_request(sock)
+
+    def when_readable(self, sock: socket.socket, callback) -> None:
+        """Call ``callback()`` on the reader's thread once ``sock`` is readable."""
+        self._ensure_reader()
+        self._reader.when_readable(sock, callback)
+
+    # A supervised child's hand-off socket, once it serves one (guardian.handoff).
+    handoff_channel: Optional[socket.socket] = None
+
+    def take_handoffs(self, channel: socket.socket) -> None:
+        """Also serve connections a supervisor hands over on ``channel`` (guardian.handoff)."""
+        self._ensure_reader()
+        self.handoff_channel = channel
+        self._reader.take_handoffs(channel)
+
+    def busy(self) -> bool:
+        """Whether every handler is taken: a new request gets 503 + Retry-After."""
+        return self.handlers.active >= self.limits.max_handlers
 
     def server_close(self):
         super().server_close()
+        if self.handoff_channel is not None:  # the supervisor's next hand-off fails at once
+            close_quietly(self.handoff_channel)
         if self._reader is not None:
             self._reader.stop()
 

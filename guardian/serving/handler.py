@@ -27,7 +27,7 @@ from guardian.serving.connection import linger_close
 from guardian.serving.endpoints import GET_PATHS, MONITORING_PATHS, Endpoints
 from guardian.request_context import (REQUEST_ID_HEADER, add_response_headers, bind_log_fields, client_gone,
                                       current_request, deadline_passed, request_scope, sane_request_id)
-from guardian.errors import AbortRequest, GuardianError, from_stock_exception
+from guardian.errors import SERVER_STOPPING, AbortRequest, GuardianError, from_stock_exception
 from guardian.plugin_manager import notify
 
 log = structlog.get_logger("guardian.http")
@@ -144,6 +144,8 @@ class GuardianHandler(Endpoints, stock.handler.DoorCorsHandler):
         try:
             super().handle_completion(request, stop_words)
         except AbortRequest as abort:
+            if abort.error.code == SERVER_STOPPING and self.give_back():
+                return
             self.send_error_json(abort.error)
         except _CLIENT_GONE:
             log.info("client_disconnected")
@@ -166,6 +168,16 @@ class GuardianHandler(Endpoints, stock.handler.DoorCorsHandler):
             self._access_status = code
             return
         super().log_request(code, size)
+
+    def give_back(self) -> bool:
+        """A stopping child refuses a request its supervisor handed over by giving the
+        connection back untouched: the supervisor sends it to the next child."""
+        give_back = getattr(self.connection, "give_back", None)
+        if give_back is None or not give_back():
+            return False
+        self.close_connection = True
+        log.info("request_given_back", reason=SERVER_STOPPING)
+        return True
 
     def finish_with_error(self, error: GuardianError) -> None:
         """End a request whose headers stock has prepared or sent."""

@@ -61,6 +61,12 @@ class SupervisorMetrics:
             "not yet answered, or a stream continued after the tokens its client has.", ["kind"], registry=r)
         for kind in ("request", "stream"):
             self.requests_resent.labels(kind)
+        self.requests_passed = Counter(
+            P + "requests_passed", "Requests passed to a child, by how: handed_off (the child answered "
+            "on the client's connection, guardian.handoff) or relayed (every byte through the "
+            "supervisor).", ["how"], registry=r)
+        for how in ("handed_off", "relayed"):
+            self.requests_passed.labels(how)
         self.access_refused = Counter(
             P + "access_refused", "Requests the public port's door refused, by reason: invalid_api_key, "
             "protected_mode, host_not_allowed, origin_not_allowed.", ["reason"], registry=r)

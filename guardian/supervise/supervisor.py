@@ -42,12 +42,13 @@ from guardian.observability.counting import ActiveCount, RecentEvents
 from guardian.quarantine.crashes import CrashQuarantine
 from guardian.supervise.metrics import SupervisorMetrics
 from guardian.distributed.launch import LauncherProcess, group_command, kill_leftovers
-from guardian.errors import GuardianError
+from guardian.errors import SERVER_STOPPING, GuardianError
 from guardian import exit_codes
 from guardian.exit_codes import EXIT_OK, EXIT_SUPERVISOR_GAVE_UP, EXIT_USAGE
 from guardian.observability.logs import configure_logging
 from guardian.access import announce, make_door
 from guardian.access.tls import ServerCertificate, load_certificate
+from guardian import handoff
 from guardian.relay_protocol import KEY_HEADER, RELAY_KEY_ENV, new_relay_key
 from guardian.serving.connection import HANDLER_HEADROOM, ConnectionLimits
 from guardian.supervise.proxy import CHILD_CONNECT_TIMEOUT_S, CHILD_HOST, PublicServer
@@ -106,6 +107,8 @@ class Child:
     last_ok: Optional[float] = None
     last_check_at: Optional[float] = None
     last_check: str = "not checked yet"
+    # Its hand-off socket (guardian.handoff); None: every request is relayed.
+    handoff: Optional[handoff.Channel] = None
     kill_reason: Optional[str] = None
     hard_kill_at: Optional[float] = None
     hard_killed: bool = False
@@ -300,9 +303,18 @@ class Supervisor:
         if not stock_engine:  # streams it tags can be continued on the next child
             env[RELAY_KEY_ENV] = self.relay_key
         popen = subprocess.Popen
+        channel = None
         if self.settings.launch_args:  # an mlx.launch group (guardian.distributed.launch)
             command, popen = group_command(self.settings.launch_args, command), LauncherProcess
-        proc = popen(command, stdin=subprocess.DEVNULL, env=env)  # stdout, stderr: ours
+        elif self.settings.hand_off and not stock_engine and handoff.supported():
+            channel = handoff.Channel()
+            env.update(channel.child_env())
+        try:
+            proc = popen(command, stdin=subprocess.DEVNULL, env=env,  # stdout, stderr: ours
+                         **({"pass_fds": channel.child_fds()} if channel is not None else {}))
+        finally:
+            if channel is not None:
+                channel.started()
         client = httpx.Client(
             base_url=f"http://{CHILD_HOST}:{port}",
             timeout=httpx.Timeout(None, connect=CHILD_CONNECT_TIMEOUT_S),
@@ -313,7 +325,7 @@ class Supervisor:
             # A guardian child serves only its supervisor: health checks and metrics too.
             headers={KEY_HEADER: self.relay_key} if not stock_engine else None,
         )
-        child = Child(proc, port, self.generation, has_readyz=not stock_engine, client=client)
+        child = Child(proc, port, self.generation, has_readyz=not stock_engine, client=client, handoff=channel)
         with self.lock:
             self.child = child
         log.info("child_started", pid=proc.pid, port=port, generation=self.generation,
@@ -340,6 +352,8 @@ class Supervisor:
         if self.exit_code is None:
             self.set_state(State.RESTARTING)
         close_quietly(child.client)
+        if child.handoff is not None:
+            child.handoff.close()
         if self.exit_code is None:
             self.replace_child(child)
 
@@ -527,7 +541,7 @@ class Supervisor:
                                  "the server is exiting to be restarted.",
                                  status=503, code="engine_failed", retry_after_s=self.core.retry_after_s)
         if state == State.STOPPING:
-            return GuardianError("The server is stopping.", status=503, code="server_stopping",
+            return GuardianError("The server is stopping.", status=503, code=SERVER_STOPPING,
                                  retry_after_s=self.core.retry_after_s)
         return GuardianError(f"The engine is {state}; retry the request.", status=503,
                              code="engine_restarting", retry_after_s=self.core.retry_after_s)

@@ -48,6 +48,10 @@ class SlowDeath:
     def _die_slowly(self, signum, frame) -> None:
         for server in [o for o in gc.get_objects() if isinstance(o, socketserver.BaseServer)]:
             server.socket.close()
+            # Its supervisor's hand-off socket too (guardian.handoff): a dying
+            # process's descriptors close together.
+            if getattr(server, "handoff_channel", None) is not None:
+                server.handoff_channel.close()
         log.warning("slow_death_port_closed", teardown_s=self.settings.teardown_s)
         # The GPU's teardown: the process lives on with its port closed.
         self.released.wait(self.settings.teardown_s)

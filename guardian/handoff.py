@@ -1,0 +1,401 @@
+"""Subprocess mode's hand-off: the child answers on the client's own connection.
+
+Relaying a stream costs the supervisor a wake-up, a read and a write for
+every event (~26 us of CPU, ``bench/relay_cost.py --per-event``), taken from
+generation wherever they share cores. Instead, the supervisor passes the
+client's connection to the child (SCM_RIGHTS) with the request it read, and
+keeps a copy. The child writes its answer straight to the client and says
+when it has finished; the supervisor wakes twice per request, not per event.
+
+What the supervisor still needs is what the client has, should the child die
+under the request: to send it again untouched, or to continue its stream on
+the next child (``guardian.relay_protocol``). So per request it makes:
+
+- a **journal**, an anonymous file holding the request, then every write the
+  child makes to the client, each appended *before* it is written;
+- a **control** socket pair, on which the child says ``DONE`` (or ``GIVEN_BACK``:
+  a stopping child that took nothing on) and which a dying child closes
+  without a word.
+
+Both go to the child with the client's socket over the child's hand-off
+socket, inherited when the child started. The child writes through a
+``ClientView``, which drops what only the supervisor may see (the relay
+protocol's token tags and its header, hop-by-hop headers) exactly as the
+relay would have. When the child dies, the kernel's count of the bytes the
+client's socket has taken since the hand-off (Linux: TCP_INFO's bytes acked
+plus SIOCOUTQ's bytes queued) places the cut in the journal; the supervisor
+replays the journal through its own ``ClientView`` up to there, writes the
+rest of an event cut in the middle, and knows the stream's tokens as the
+relay would have. Where the kernel gives no such count (macOS), or the door
+speaks TLS, the supervisor relays as before. Imports no mlx.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import socket
+import struct
+import sys
+import tempfile
+import termios
+import threading
+from typing import Iterator, Optional
+
+import guardian.relay_protocol as relay_protocol
+
+# The child's end of its hand-off socket: an inherited descriptor's number.
+HANDOFF_FD_ENV = "MLX_GUARDIAN_HANDOFF_FD"
+# What the child says on a request's control socket.
+DONE = b"d"
+GIVEN_BACK = b"g"
+# One hand-off: one byte carrying the client's socket, the journal and the control socket.
+_HANDOFF_BYTE = b"h"
+_FDS_PER_HANDOFF = 3
+_REQUEST_LENGTH = struct.Struct("<Q")
+_RECORD_LENGTH = struct.Struct("<I")
+# A response head longer than this is not one: passed on as it is.
+MAX_HEAD_BYTES = 1 << 20
+# struct tcp_info (linux/tcp.h): tcpi_bytes_acked, since Linux 4.1.
+_TCPI_BYTES_ACKED = struct.Struct("<Q")
+_TCPI_BYTES_ACKED_OFFSET = 120
+_TCP_INFO_BYTES = 232
+
+
+# -- the kernel's count ---------------------------------------------------------
+def socket_bytes_taken(sock: socket.socket) -> Optional[int]:
+    """Every byte written to this TCP socket so far by any process holding it:
+    acknowledged by the peer plus still queued (Linux); None where the kernel
+    does not say."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO_BYTES)
+        if len(info) < _TCPI_BYTES_ACKED_OFFSET + _TCPI_BYTES_ACKED.size:
+            return None  # a kernel older than 4.1
+        (acked,) = _TCPI_BYTES_ACKED.unpack_from(info, _TCPI_BYTES_ACKED_OFFSET)
+        (queued,) = struct.unpack("<i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0"))
+    except (OSError, AttributeError, ImportError):
+        return None
+    return acked + queued
+
+
+def supported() -> bool:
+    """Whether this platform can hand connections off: it passes descriptors and,
+    for each connection, ``socket_bytes_taken`` says how many bytes it took."""
+    return sys.platform.startswith("linux") and hasattr(socket, "TCP_INFO") and hasattr(socket, "send_fds")
+
+
+# -- what the client sees ---------------------------------------------------------
+class ClientView:
+    """A child's writes as the client gets them: the head without hop-by-hop
+    headers or the continuation header (plus ``Connection: close``), a
+    continuable stream's events whole and untagged (``relay_protocol.EventRelay``).
+
+    The child writes through one; the supervisor replays the journal through
+    another, so both agree on every byte.
+    """
+
+    def __init__(self):
+        self._head = b""
+        self.head_done = False
+        self.status: Optional[int] = None
+        self.is_sse = False
+        self.events: Optional[relay_protocol.EventRelay] = None
+
+    @property
+    def stream(self) -> Optional[relay_protocol.RelayedStream]:
+        """The stream's tokens and end, if the child tagged it for continuation."""
+        return self.events.stream if self.events is not None and self.events.stream is not None else None
+
+    @property
+    def done(self) -> bool:
+        """Whether a stream's ``[DONE]`` went out."""
+        return self.events is not None and self.events.done
+
+    def visible(self, raw: bytes) -> bytes:
+        if self.head_done:
+            return self.events.pass_on(raw) if self.events is not None else raw
+        self._head += raw
+        end = self._head.find(b"\r\n\r\n")
+        if end < 0:
+            if len(self._head) <= MAX_HEAD_BYTES:
+                return b""
+            end = len(self._head) - 4  # not a head: everything passes
+        head, body = self._head[:end + 4], self._head[end + 4:]
+        self._head, self.head_done = b"", True
+        out = self._filtered(head)
+        return out + self.visible(body) if body else out
+
+    def _filtered(self, head: bytes) -> bytes:
+        lines = head[:-4].split(b"\r\n")
+        status_line, kept, continuable = lines[0], [lines[0]], False
+        parts = status_line.split(b" ", 2)
+        if len(parts) >= 2 and parts[1].isdigit():
+            self.status = int(parts[1])
+        for line in lines[1:]:
+            name, _, value = line.partition(b":")
+            lowered = name.strip().lower().decode("latin-1")
+            if lowered == relay_protocol.CONTINUABLE_HEADER.lower():
+                continuable = True
+            elif lowered not in relay_protocol.HOP_BY_HOP:
+                kept.append(line)
+                if lowered == "content-type":
+                    self.is_sse = value.strip().startswith(relay_protocol.SSE_CONTENT_TYPE.encode())
+        kept.append(b"Connection: close")
+        if self.is_sse:
+            self.events = relay_protocol.EventRelay(relay_protocol.RelayedStream() if continuable else None)
+        return b"\r\n".join(kept) + b"\r\n\r\n"
+
+
+# -- the supervisor's end ---------------------------------------------------------
+def request_bytes(method: str, target: str, headers: list[tuple[str, str]], body: bytes) -> bytes:
+    """The request as the child reads it, HTTP/1.1 framing with the body whole."""
+    lines = [f"{method} {target} HTTP/1.1"]
+    lines += [f"{name}: {value}" for name, value in headers]
+    if body or method in relay_protocol.BODY_METHODS:
+        lines.append(f"Content-Length: {len(body)}")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
+
+
+class Channel:
+    """The supervisor's end of one child's hand-off socket."""
+
+    def __init__(self):
+        self.sock, self.child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._lock = threading.Lock()
+
+    def child_env(self) -> dict[str, str]:
+        """What the child's environment says: which inherited descriptor is its end."""
+        return {HANDOFF_FD_ENV: str(self.child_end.fileno())}
+
+    def child_fds(self) -> tuple[int, ...]:
+        """For ``subprocess.Popen(pass_fds=...)``."""
+        return (self.child_end.fileno(),)
+
+    def started(self) -> None:
+        """The child has its end: ours would keep the channel open past its death."""
+        self.child_end.close()
+
+    def hand(self, client: socket.socket, request: bytes) -> Optional["HandedOff"]:
+        """Pass ``client`` and its request to the child; None if the kernel cannot count
+        the client's bytes (then relay). Raises OSError if the child is gone."""
+        taken_before = socket_bytes_taken(client)
+        return None if taken_before is None else HandedOff(self, client, request, taken_before)
+
+    def send(self, fds: list[int]) -> None:
+        with self._lock:
+            socket.send_fds(self.sock, [_HANDOFF_BYTE], fds)
+
+    def close(self) -> None:
+        for sock in (self.sock, self.child_end):
+            try:
+                sock.close()
+            except OSError:
+                pass
+
+
+def _anonymous_file() -> int:
+    if hasattr(os, "memfd_create"):
+        return os.memfd_create("mlx-guardian-handoff", os.MFD_CLOEXEC)
+    with tempfile.TemporaryFile() as file:
+        return os.dup(file.fileno())
+
+
+class HandedOff:
+    """One request handed to a child: the journal, the control socket, and where the client's count stood."""
+
+    def __init__(self, channel: Channel, client: socket.socket, request: bytes, taken_before: int):
+        self.client = client
+        self.taken_before = taken_before
+        self.journal = _anonymous_file()
+        self.control, child_control = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            _write_all(self.journal, _REQUEST_LENGTH.pack(len(request)) + request)
+            self.records_start = _REQUEST_LENGTH.size + len(request)
+            channel.send([client.fileno(), self.journal, child_control.fileno()])
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            child_control.close()
+
+    def wait(self) -> bytes:
+        """Until the child has finished with the connection: DONE, GIVEN_BACK, or b"" (it died)."""
+        try:
+            return self.control.recv(1)
+        except OSError:
+            return b""
+
+    def written(self) -> int:
+        """Bytes the child wrote to the client, by the kernel's count."""
+        taken = socket_bytes_taken(self.client)
+        if taken is None:
+            raise OSError("the kernel no longer counts the client's bytes")
+        return taken - self.taken_before
+
+    def taken(self) -> bool:
+        """Whether the child took the connection (its first record says so): one that
+        died before reading the hand-off never had the request."""
+        return len(os.pread(self.journal, _RECORD_LENGTH.size, self.records_start)) == _RECORD_LENGTH.size
+
+    def records(self) -> Iterator[bytes]:
+        """The child's writes, in order, as journaled (the empty record saying it took the request first)."""
+        offset = self.records_start
+        while True:
+            length = os.pread(self.journal, _RECORD_LENGTH.size, offset)
+            if len(length) < _RECORD_LENGTH.size:
+                return
+            (size,) = _RECORD_LENGTH.unpack(length)
+            record = os.pread(self.journal, size, offset + _RECORD_LENGTH.size)
+            if len(record) < size:  # cut short: the child died writing it (never written on)
+                return
+            yield record
+            offset += _RECORD_LENGTH.size + size
+
+    def replay(self, written: int) -> tuple[ClientView, bytes]:
+        """The view as of the client's ``written`` bytes, and the rest of a write the
+        child's death cut in the middle (the client gets it before anything else)."""
+        view, seen = ClientView(), 0
+        for record in self.records():
+            if seen >= written:
+                break
+            shown = view.visible(record)
+            if seen + len(shown) > written:
+                return view, shown[written - seen:]
+            seen += len(shown)
+        return view, b""
+
+    def status(self) -> Optional[int]:
+        """The status the child answered with, from its first write."""
+        view = ClientView()
+        for record in self.records():
+            view.visible(record)
+            if view.head_done:
+                return view.status
+        return None
+
+    def progress(self) -> "JournalProgress":
+        return JournalProgress(self)
+
+    def close(self) -> None:
+        for close in (self.control.close, lambda: os.close(self.journal)):
+            try:
+                close()
+            except OSError:
+                pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class JournalProgress:
+    """Where a handed-off stream stands, read from its journal when asked (the crash quarantine's position)."""
+
+    def __init__(self, handed: HandedOff):
+        self._handed = handed
+
+    @property
+    def tokens(self) -> list[int]:
+        view = ClientView()
+        try:
+            for record in self._handed.records():
+                view.visible(record)
+        except OSError:  # closed meanwhile
+            return []
+        return view.stream.tokens if view.stream is not None else []
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+# -- the child's end ---------------------------------------------------------------
+def child_channel() -> Optional[socket.socket]:
+    """This child's hand-off socket, if its supervisor gave it one."""
+    value = os.environ.get(HANDOFF_FD_ENV, "")
+    if not value.isdigit():
+        return None
+    try:
+        sock = socket.socket(fileno=int(value))
+    except OSError:
+        return None
+    os.set_inheritable(sock.fileno(), False)  # not for this child's own children
+    return sock
+
+
+class Received:
+    """A connection handed to this child: the client's socket, its request, and how to answer back."""
+
+    def __init__(self, client: socket.socket, journal: int, control: socket.socket):
+        self.client = client
+        self.journal = journal
+        self.control = control
+        (length,) = _REQUEST_LENGTH.unpack(os.pread(journal, _REQUEST_LENGTH.size, 0))
+        self.request = os.pread(journal, length, _REQUEST_LENGTH.size)
+        self.view = ClientView()
+        self.wrote = False
+        self._finished = False
+        self.given_back = False
+        # An empty record first: the supervisor can tell a request this child took
+        # (a suspect, should it die) from one still in the channel at its death.
+        _write_all(journal, _RECORD_LENGTH.pack(0))
+
+    def write(self, sock: socket.socket, data) -> None:
+        """Journal a write of the child's, then send what the client may see of it."""
+        if self.given_back:
+            return
+        data = bytes(data)
+        shown = self.view.visible(data)
+        _write_all(self.journal, _RECORD_LENGTH.pack(len(data)) + data)
+        self.wrote = True
+        if shown:
+            sock.sendall(shown)
+
+    def give_back(self) -> bool:
+        """Take nothing on (a stopping child): the supervisor sends the request to its
+        next child. False if something was written already (too late)."""
+        if self.wrote or self._finished:
+            return False
+        self.given_back = True
+        self.finish(GIVEN_BACK)
+        return True
+
+    def finish(self, word: bytes = DONE) -> None:
+        """Tell the supervisor this child is done with the connection (once)."""
+        if self._finished:
+            return
+        self._finished = True
+        try:
+            self.control.send(word)
+        except OSError:
+            pass
+        for close in (self.control.close, lambda: os.close(self.journal)):
+            try:
+                close()
+            except OSError:
+                pass
+
+
+def receive(channel: socket.socket) -> Optional[Received]:
+    """The next connection handed over; None when none is waiting (a non-blocking channel).
+    Raises EOFError once the supervisor has gone."""
+    try:
+        data, fds, _, _ = socket.recv_fds(channel, 1, _FDS_PER_HANDOFF)
+    except (BlockingIOError, InterruptedError):
+        return None
+    if not data:
+        for fd in fds:
+            os.close(fd)
+        raise EOFError("the supervisor closed the hand-off socket")
+    if len(fds) != _FDS_PER_HANDOFF:
+        for fd in fds:
+            os.close(fd)
+        return None
+    client_fd, journal, control_fd = fds
+    return Received(socket.socket(fileno=client_fd), journal, socket.socket(fileno=control_fd))

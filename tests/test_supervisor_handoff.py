@@ -1,0 +1,212 @@
+"""Subprocess mode hands the client's connection to the child (guardian.handoff).
+
+The child answers on the client's own socket; the supervisor keeps a copy,
+a journal of the child's writes and the kernel's count of the bytes the
+socket took, so a child's death is handled as when relaying. The unit
+tests drive the mechanism with real sockets and a stand-in child (a thread
+on the child's end of a real hand-off socket), including a death in the
+middle of a write, which a real child can only do by luck; the end-to-end
+tests compare a handed-off supervisor with a relaying one on the demo
+model. The continuation across a SIGKILL or SIGSEGV runs through the hand-off
+in tests/test_supervisor_streams.py.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import threading
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from conftest import chat_body, read_stream
+from guardian import handoff, relay_protocol
+from guardian.supervise.fast_handoff import RequestHead
+from test_supervisor import COMPLETIONS, start_supervisor  # noqa: F401 - a fixture
+
+HEAD = (b"HTTP/1.0 200 OK\r\nServer: BaseHTTP/0.6\r\nContent-Type: text/event-stream\r\n"
+        b"Connection: keep-alive\r\nX-Guardian-Continuable: 1\r\nX-Request-ID: abc\r\n\r\n")
+
+
+def event(text: str, *tokens: int, finish: str = "null") -> bytes:
+    """One tagged event, as the child's TokenTaggingOutput writes it."""
+    tag = relay_protocol.TOKENS_COMMENT + ",".join(map(str, tokens)).encode() + b"\n" if tokens else b""
+    finish_reason = f'"{finish}"' if finish != "null" else "null"
+    return tag + (f'data: {{"id": "x", "created": 1, "choices": [{{"delta": {{"content": "{text}"}}, '
+                  f'"finish_reason": {finish_reason}}}]}}\n\n').encode()
+
+
+def untagged(raw: bytes) -> bytes:
+    return b"".join(line + b"\n" for line in raw.split(b"\n")[:-1]
+                    if not line.startswith(relay_protocol.TOKENS_COMMENT))
+
+
+def test_the_client_sees_no_tag_no_private_header_and_a_closing_connection():
+    view = handoff.ClientView()
+    shown = view.visible(HEAD[:20]) + view.visible(HEAD[20:] + event("He", 12))
+    shown += view.visible(event(" fo", 7, 9)[:30])  # half an event: held until whole
+    assert view.stream.tokens == [12]
+    shown += view.visible(event(" fo", 7, 9)[30:])
+    head, _, body = shown.partition(b"\r\n\r\n")
+    assert head.split(b"\r\n") == [b"HTTP/1.0 200 OK", b"Server: BaseHTTP/0.6", b"Content-Type: text/event-stream",
+                                   b"X-Request-ID: abc", b"Connection: close"]
+    assert body == untagged(event("He", 12) + event(" fo", 7, 9))
+    assert view.status == 200 and view.is_sse and view.stream.tokens == [12, 7, 9] and not view.done
+    view.visible(event("", finish="length") + b"data: [DONE]\n\n")
+    assert view.done and view.stream.finished
+
+
+def test_a_plain_head_takes_the_readers_path_and_anything_unusual_the_handlers():
+    def head(text: bytes):
+        return RequestHead.parse(text, text.find(b"\r\n\r\n") + 4)
+
+    body = b'{"max_tokens": 2}'
+    plain = b"POST /v1/completions?x=1 HTTP/1.1\r\nHost: localhost\r\nX-Api-Key:  k1\r\nContent-Length: 17\r\n\r\n"
+    parsed = head(plain + body)
+    assert (parsed.method, parsed.target, parsed.path, parsed.body) == ("POST", "/v1/completions?x=1",
+                                                                       "/v1/completions", body)
+    assert parsed.headers.get("x-api-key") == "k1" and parsed.headers.get_all("HOST") == ["localhost"]
+    for unusual in (plain.replace(b"Host: localhost\r\n", b"Host: a\r\nHost: b\r\n"),  # which one?
+                    plain.replace(b"X-Api", b" X-Api"),  # a folded line
+                    plain.replace(b"Content-Length: 17", b"Transfer-Encoding: chunked"),
+                    plain.replace(b"Host:", b"Expect: 100-continue\r\nHost:"),
+                    plain.replace(b"HTTP/1.1", b"HTTP/2.0"),
+                    plain.replace(b"/v1/", b"http://elsewhere/v1/")):  # absolute form
+        assert head(unusual + body) is None, unusual
+    assert head(plain + body + b"GET / HTTP/1.1\r\n\r\n") is None  # pipelined: more than the body
+
+
+@pytest.mark.linux("TCP_INFO and SIOCOUTQ count a socket's bytes")
+def test_the_kernel_counts_what_every_holder_wrote():
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        client = socket.create_connection(listener.getsockname())
+        server, _ = listener.accept()
+        try:
+            before = handoff.socket_bytes_taken(server)
+            copy = socket.socket(fileno=os.dup(server.fileno()))  # as a child holds it
+            server.sendall(b"a" * 1000)
+            copy.sendall(b"b" * 70000)
+            copy.close()
+            assert handoff.socket_bytes_taken(server) - before == 71000
+            received = 0
+            while received < 71000:
+                received += len(client.recv(65536))
+            assert handoff.socket_bytes_taken(server) - before == 71000  # acknowledged now, still counted
+        finally:
+            client.close()
+            server.close()
+
+
+def test_without_the_kernels_count_nothing_is_handed_off(monkeypatch):
+    monkeypatch.setattr(sys, "platform", "darwin")
+    assert not handoff.supported()
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        with socket.create_connection(listener.getsockname()):
+            server, _ = listener.accept()
+            with server:
+                assert handoff.socket_bytes_taken(server) is None
+                channel = handoff.Channel()
+                try:
+                    assert channel.hand(server, b"GET / HTTP/1.1\r\n\r\n") is None  # relayed instead
+                finally:
+                    channel.close()
+
+
+class StandInChild(threading.Thread):
+    """The child's end of a real hand-off socket: takes one connection, writes the
+    head and ``events`` through the journal, then dies in the middle of ``cut``:
+    journaled, ``cut_at`` of its bytes sent, no word to the supervisor."""
+
+    def __init__(self, channel: handoff.Channel, events: list[bytes], cut: bytes, cut_at: int):
+        super().__init__(daemon=True)
+        self.channel, self.events, self.cut, self.cut_at = channel, events, cut, cut_at
+        self.request = None
+
+    def run(self):
+        received = None
+        while received is None:
+            received = handoff.receive(self.channel.child_end)
+        self.request = received.request
+        for data in (HEAD, *self.events):
+            received.write(received.client, data)
+        # A death between the journal's record and the end of its write.
+        shown = received.view.visible(self.cut)
+        handoff._write_all(received.journal, handoff._RECORD_LENGTH.pack(len(self.cut)) + self.cut)
+        received.client.sendall(shown[:self.cut_at])
+        received.client.close()
+        received.control.close()  # as the kernel closes a dead process's descriptors
+        os.close(received.journal)
+
+
+@pytest.mark.linux("the hand-off needs the kernel's count of a socket's bytes")
+@pytest.mark.parametrize("cut_at", [0, 25])
+def test_a_child_dying_mid_write_leaves_the_supervisor_knowing_what_the_client_has(cut_at):
+    events = [event("He", 12), event(" fo", 7, 9)]
+    cut = event("und", 44)
+    channel = handoff.Channel()
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        client = socket.create_connection(listener.getsockname())
+        server, _ = listener.accept()
+        try:
+            child = StandInChild(channel, events, cut, cut_at)
+            child.start()
+            handed = channel.hand(server, b"POST /v1/completions HTTP/1.1\r\nContent-Length: 2\r\n\r\n{}")
+            assert handed.wait() == b""  # died without a word
+            child.join(timeout=10)
+            assert child.request.endswith(b"\r\n\r\n{}")
+            view, rest = handed.replay(handed.written())
+            server.sendall(rest)  # the supervisor completes the cut event
+            handed.close()
+            server.shutdown(socket.SHUT_WR)
+            got = b""
+            while chunk := client.recv(65536):
+                got += chunk
+        finally:
+            client.close()
+            server.close()
+            channel.close()
+    _, _, body = got.partition(b"\r\n\r\n")
+    whole = [*events, cut] if cut_at else events  # an event not begun is not the client's
+    assert body == untagged(b"".join(whole))
+    assert view.stream.tokens == [12, 7, 9, *([44] if cut_at else [])]
+
+
+def passed_counts(url: str) -> dict[str, float]:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    for family in text_string_to_metric_families(text):
+        if family.name == "mlx_guardian_supervisor_requests_passed":
+            return {s.labels["how"]: s.value for s in family.samples if s.name.endswith("_total")}
+    raise AssertionError("no requests_passed metric")
+
+
+def comparable(response: httpx.Response) -> tuple:
+    """What must not differ between a handed-off and a relayed answer."""
+    body = response.json()
+    for volatile in ("id", "created", "system_fingerprint"):
+        body.pop(volatile, None)
+    headers = sorted(name.lower() for name in response.headers if name.lower() not in ("date", "x-request-id"))
+    return response.status_code, body, headers
+
+
+@pytest.mark.linux("the hand-off needs the kernel's count of a socket's bytes")
+def test_a_handed_off_answer_is_the_relayed_one(start_supervisor, tmp_path):
+    relaying_config = tmp_path / "relay.toml"
+    relaying_config.write_text("[supervisor]\nhand_off = false\n")
+    handing, relaying = start_supervisor(), start_supervisor("--guardian-config", str(relaying_config))
+    body = chat_body("Say it the same way.", max_tokens=12, temperature=0.0)
+    answers = {}
+    with httpx.Client(timeout=60) as client:
+        for name, supervised in (("handing", handing), ("relaying", relaying)):
+            plain = client.post(supervised.url + COMPLETIONS, json=body)
+            stream = read_stream(client, supervised.url + COMPLETIONS, {**body, "stream": True})
+            refused = client.post(supervised.url + COMPLETIONS, json={"messages": "not a list"})
+            answers[name] = (comparable(plain), [e["choices"] for e in stream["events"]], stream["done"],
+                             comparable(refused))
+            assert plain.headers["connection"] == "close"
+    assert answers["handing"] == answers["relaying"]
+    assert answers["handing"][2] and answers["handing"][3][0] == 400
+    assert passed_counts(handing.url) == {"handed_off": 3, "relayed": 0}
+    assert passed_counts(relaying.url) == {"handed_off": 0, "relayed": 3}
