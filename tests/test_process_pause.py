@@ -28,9 +28,9 @@ from guardian.health.step_cpu import BUSY_CPU_SHARE, StepCpu
 from test_stall_detection import STEP_FAULTS, table
 
 COMPLETIONS = "/v1/chat/completions"
-PAUSE_S = 5.0
-# Small limits for a fast test, which a 5 s pause exceeds: the floor, and the
-# ceiling for what the pace cannot know.
+PAUSE_S = 3.0
+# Small limits for a fast test, which a 3 s pause exceeds (the incident's was
+# 5 s): the floor, and the ceiling for what the pace cannot know.
 WATCHDOG = dict(interval_s=0.05, stall_min_s=1.0, stall_timeout_s=2.0)
 
 
@@ -76,11 +76,12 @@ def metric(text: str, name: str) -> float:
 
 @pytest.mark.skipif(not hasattr(signal, "SIGSTOP"), reason="SIGSTOP/SIGCONT are POSIX signals")
 def test_three_pauses_of_the_whole_process_with_requests_in_flight_are_not_stalls(start_server):
-    # Every stock step 0.1 s longer: a request of 40 tokens stays in flight ~4 s.
+    # Every stock step 0.1 s longer: a request of 20 tokens stays in flight ~2 s,
+    # paused as soon as it is seen in flight, its steps going on after the pause.
     config = STEP_FAULTS + table("stock_step_faults", delay_s=0.1) + table("watchdog", **WATCHDOG)
     server = start_server(config)
     for round_ in range(1, 4):
-        sender, result = post_in_background(server.url + COMPLETIONS, chat_body(max_tokens=40))
+        sender, result = post_in_background(server.url + COMPLETIONS, chat_body(max_tokens=20))
         poll(lambda: in_flight(server), 30, interval=0.05, what="the request in flight")
         pause(server.proc, PAUSE_S)
         sender.join(timeout=120)
@@ -104,7 +105,7 @@ def test_three_pauses_of_the_whole_process_with_requests_in_flight_are_not_stall
     assert metric(metrics, "mlx_guardian_engine_stalls_total") == 0
 
 
-BUSY_S = 4.0  # past the 2 s ceiling and the 1 s floor, well within 2 s + the allowance
+BUSY_S = 3.0  # past the 2 s ceiling and the 1 s floor, well within 2 s + the allowance
 ALLOWANCE_S = 10.0
 
 
@@ -114,7 +115,7 @@ def test_a_step_past_the_stall_limit_is_a_stall_only_if_it_waits(start_server, s
         pytest.skip("per-thread CPU times of this process' threads are not readable here (psutil's "
                     "thread ids are not the system's on macOS): every step is judged by the limit")
     # Stock's own step, at its 20th call (a request's decode), computes or
-    # waits for 4 s, with a stall limit of 1-2 s and 10 s more for a step that computes.
+    # waits for 3 s, with a stall limit of 1-2 s and 10 s more for a step that computes.
     fault = dict(busy_at_call=20, busy_s=BUSY_S) if step == "computes" else dict(hang_at_call=20, hang_s=BUSY_S)
     config = (STEP_FAULTS + table("stock_step_faults", **fault)
               + table("watchdog", stall_busy_extra_s=ALLOWANCE_S, **WATCHDOG))
