@@ -5,6 +5,11 @@ Each test compares a request cut by a planted failure with the same request
 served without one, at temperature 0 (greedy): the demo model's weights are
 random but its argmax is deterministic, so the continued completion must be
 the unfailed one, token for token, with the same finish_reason and usage.
+
+The tests share one server (``continuing_server``): the token-faults plugin
+loaded, [fault_injection] armable, each test's faults and [recovery] and
+[watchdog] settings armed by a save of its file (all live); its log lines
+from then on are the test's own.
 """
 
 from __future__ import annotations
@@ -14,21 +19,16 @@ import math
 
 import httpx
 import openai
+import pytest
 
-from conftest import chat_body, read_stream
+from conftest import SharedServer, chat_body, poll, read_stream
 
 CHAT = "/v1/chat/completions"
 TEXT = "/v1/completions"
 
 
-def faults(**settings) -> str:
-    return "[fault_injection]\nenabled = true\n" + "".join(
-        f"{key} = {json.dumps(value)}\n" for key, value in settings.items()
-    )
-
-
-def recovery(**settings) -> str:
-    return "[recovery]\n" + "".join(f"{key} = {json.dumps(value)}\n" for key, value in settings.items())
+def table(name: str, settings: dict) -> str:
+    return f"[{name}]\n" + "".join(f"{key} = {json.dumps(value)}\n" for key, value in settings.items())
 
 
 def greedy(**body) -> dict:
@@ -67,8 +67,42 @@ def continued_events(server) -> list[dict]:
     return [e for e in server.events("request_rerun") if e.get("continued")]
 
 
-def test_stream_cut_mid_way_is_continued(start_server):
-    server = start_server(faults(at_step=20, max_faults=1))
+TOKEN_FAULTS_PLUGIN = '[guardian]\nplugins = ["tests.plugins.token_faults:TokenFaults"]\n'
+
+
+def shared_config(token: dict, faults: dict, recovery: dict, watchdog: dict) -> str:
+    """The shared server's file: the token-faults plugin (fail_at_token 0: nothing
+    planted) and armable fault injection, with these settings."""
+    return (TOKEN_FAULTS_PLUGIN + table("token_faults", token)
+            + table("fault_injection", {"armable": True, "enabled": bool(faults), **faults})
+            + table("recovery", recovery) + table("watchdog", watchdog))
+
+
+@pytest.fixture(scope="module")
+def shared_server(tmp_path_factory, model_cache):
+    server = SharedServer(tmp_path_factory.mktemp("continuation"), model_cache, shared_config({}, {}, {}, {}))
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def continuing_server(shared_server):
+    """``continuing_server(token={...}, faults={...}, recovery={...}, watchdog={...})``:
+    the shared server running these (a token fault, a fault-injection trigger);
+    nothing planted and the defaults again after the test, the server checked
+    healthy (bounded) for the next one."""
+    poll(shared_server.alive, 30, interval=0.1, what="the shared server healthy")
+
+    def configure(token: dict = {}, faults: dict = {}, recovery: dict = {}, watchdog: dict = {}) -> SharedServer:
+        return shared_server.configure(shared_config(token, faults, recovery, watchdog))
+
+    yield configure
+    configure()
+    poll(shared_server.alive, 30, interval=0.1, what="the shared server healthy after the test")
+
+
+def test_stream_cut_mid_way_is_continued(continuing_server):
+    server = continuing_server(faults=dict(at_step=20, max_faults=1))
     body = greedy(max_tokens=60, stream=True, stream_options={"include_usage": True})
     with httpx.Client(timeout=60) as client:
         result = read_stream(client, server.url + CHAT, body)
@@ -91,18 +125,19 @@ SEAM = 25  # the engine fails while stock formats that request's 25th token
 
 
 def token_faults(fail_at_token: int = SEAM, times: int = 1) -> str:
-    return (
-        '[guardian]\nplugins = ["tests.plugins.token_faults:TokenFaults"]\n'
-        f"[token_faults]\nmarker_top_logprobs = {MARKER}\nfail_at_token = {fail_at_token}\ntimes = {times}\n"
-    )
+    return TOKEN_FAULTS_PLUGIN + table("token_faults", token_fault(fail_at_token, times))
+
+
+def token_fault(fail_at_token: int = SEAM, times: int = 1) -> dict:
+    return {"marker_top_logprobs": MARKER, "fail_at_token": fail_at_token, "times": times}
 
 
 def message(response: dict) -> str:
     return response["choices"][0]["message"]["content"]
 
 
-def test_non_streaming_request_is_continued_with_its_logprobs(start_server):
-    server = start_server(token_faults())
+def test_non_streaming_request_is_continued_with_its_logprobs(continuing_server):
+    server = continuing_server(token=token_fault())
     body = greedy(max_tokens=50, logprobs=True, top_logprobs=MARKER)
     with httpx.Client(timeout=60) as client:
         response = client.post(server.url + CHAT, json=body)
@@ -125,8 +160,8 @@ def test_non_streaming_request_is_continued_with_its_logprobs(start_server):
         assert math.isclose(a["logprob"], b["logprob"], abs_tol=1e-3), k
 
 
-def test_stream_continued_at_a_known_token_with_text_completions(start_server):
-    server = start_server(token_faults())
+def test_stream_continued_at_a_known_token_with_text_completions(continuing_server):
+    server = continuing_server(token=token_fault())
     body = {"prompt": "Once upon a time", "max_tokens": 40, "temperature": 0.0, "stream": True,
             "top_logprobs": MARKER, "stream_options": {"include_usage": True}}
     with httpx.Client(timeout=60) as client:
@@ -164,8 +199,8 @@ def seam_stop_word(model_cache, ids: list[int]):
     return None
 
 
-def test_a_stop_word_spanning_the_seam_stops_the_continuation(start_server, model_cache):
-    server = start_server(token_faults())
+def test_a_stop_word_spanning_the_seam_stops_the_continuation(continuing_server, model_cache):
+    server = continuing_server(token=token_fault())
     with httpx.Client(timeout=60) as client:
         for content in [f"Tell me story number {n}." for n in range(12)]:
             # Not the marker: this run learns the greedy tokens, unfailed.
@@ -188,14 +223,14 @@ def test_a_stop_word_spanning_the_seam_stops_the_continuation(start_server, mode
     assert word not in got["text"]
 
 
-def test_a_stream_that_progresses_between_failures_is_continued_past_max_continuations(start_server):
+def test_a_stream_that_progresses_between_failures_is_continued_past_max_continuations(continuing_server):
     # Two failures in the same stream, one continuation allowed at one point.
     # The second failure comes SEAM - 1 tokens after the first: the stream
     # progressed, so it is continued again, and the default max_reruns (1)
     # blames nothing (before, the bound counted every continuation and the
     # second failure cut the stream). A stream failing twice at one point is
     # cut: tests/test_failure_progress.py.
-    server = start_server(token_faults(times=2) + recovery(max_continuations=1))
+    server = continuing_server(token=token_fault(times=2), recovery=dict(max_continuations=1))
     body = greedy(max_tokens=80, stream=True, top_logprobs=MARKER, stream_options={"include_usage": True})
     with httpx.Client(timeout=60) as client:
         result = read_stream(client, server.url + CHAT, body)
@@ -208,8 +243,8 @@ def test_a_stream_that_progresses_between_failures_is_continued_past_max_continu
     assert got["finish_reason"] == expected["finish_reason"] and got["usage"] == expected["usage"]
 
 
-def test_the_openai_sdk_sees_one_clean_stream(start_server):
-    server = start_server(token_faults())
+def test_the_openai_sdk_sees_one_clean_stream(continuing_server):
+    server = continuing_server(token=token_fault())
     sdk = openai.OpenAI(base_url=server.url + "/v1", api_key="x")
     kwargs = dict(model="default_model", messages=[{"role": "user", "content": "Tell me a story."}],
                   max_tokens=50, temperature=0.0, stream=True, stream_options={"include_usage": True})
@@ -229,11 +264,11 @@ def test_the_openai_sdk_sees_one_clean_stream(start_server):
     assert summary(chunks)[2][0][1] == 50
 
 
-def test_a_stream_held_by_a_stalled_loop_is_continued(start_server):
+def test_a_stream_held_by_a_stalled_loop_is_continued(continuing_server):
     # The loop blocks at its 20th step (as a native deadlock would); the
     # watchdog abandons it and the replacement loop continues the stream,
     # without the prompt cache, which a stall drops.
-    server = start_server(faults(hang_at_step=20) + "[watchdog]\ninterval_s = 0.05\nstall_timeout_s = 1.0\n")
+    server = continuing_server(faults=dict(hang_at_step=20), watchdog=dict(interval_s=0.05, stall_timeout_s=1.0))
     body = greedy(max_tokens=60, stream=True, stream_options={"include_usage": True})
     with httpx.Client(timeout=60) as client:
         result = read_stream(client, server.url + CHAT, body)
@@ -247,12 +282,12 @@ def test_a_stream_held_by_a_stalled_loop_is_continued(start_server):
     assert got["usage"] == expected["usage"]
 
 
-def test_a_stream_on_the_non_batched_path_is_continued(start_server):
+def test_a_stream_on_the_non_batched_path_is_continued(continuing_server):
     # A seed sends the request down stock's sequential path (stream_generate),
     # whose detokenizer and stop matcher are primed the same way. (Stock's
     # path catches what its own loop raises: the failure is planted in the
     # step, which the guardian marks as the engine's.)
-    server = start_server(faults(at_step=20, max_faults=1))
+    server = continuing_server(faults=dict(at_step=20, max_faults=1))
     body = greedy(max_tokens=40, stream=True, seed=7, stream_options={"include_usage": True})
     with httpx.Client(timeout=60) as client:
         result = read_stream(client, server.url + CHAT, body)
@@ -262,13 +297,13 @@ def test_a_stream_on_the_non_batched_path_is_continued(start_server):
     assert streamed(result) == unfailed(server, CHAT, body)
 
 
-def test_a_continued_request_that_fails_again_after_progress_is_continued_again(start_server):
+def test_a_continued_request_that_fails_again_after_progress_is_continued_again(continuing_server):
     # Blame needs reproduction: the continuation fails again, but only after
     # SEAM - 1 new tokens (the plugin counts a continuation's tokens afresh), so
     # it is not at fault and is continued once more, to the same text as an
     # unfailed run. (A request that fails again at the same point, with no new
     # token, is blamed: tests/test_failure_progress.py.)
-    server = start_server(token_faults(times=2))
+    server = continuing_server(token=token_fault(times=2))
     body = greedy(max_tokens=80, stream=True, top_logprobs=MARKER, stream_options={"include_usage": True})
     with httpx.Client(timeout=60) as client:
         result = read_stream(client, server.url + CHAT, body)

@@ -13,12 +13,16 @@ the steps of prefill, probes and other requests around it.
   engine fails. A continuation counts its tokens afresh, from 1, and so
   does each marked request admitted (one at a time: the count is shared).
 - ``times``: how many faults in all (0: no limit).
+
+The settings are live, and a save that changes them arms the faults afresh
+(the counts start again), so a module's tests can share one server;
+``fail_at_token = 0`` plants nothing.
 """
 
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx_lm.server as server
 import structlog
@@ -32,11 +36,16 @@ class PlantedFault(RuntimeError):
     pass
 
 
+def live(default):
+    """A setting a save changes while the server runs."""
+    return field(default=default, metadata={"live": True})
+
+
 @dataclass
 class TokenFaultsSettings:
-    marker_top_logprobs: int = 0
-    fail_at_token: int = 0
-    times: int = 1
+    marker_top_logprobs: int = live(0)
+    fail_at_token: int = live(0)
+    times: int = live(1)
 
 
 class TokenFaults:
@@ -52,6 +61,14 @@ class TokenFaults:
     @guardian.hookimpl
     def guardian_startup(self):
         log.warning("token_faults_planted", **vars(self.settings))
+
+    @guardian.hookimpl
+    def on_config_reloaded(self, changed):
+        """A save that changed these settings: armed afresh."""
+        if any(key.startswith(f"{self.name}.") for key in changed):
+            with self._lock:
+                self._state.update(tokens=0, faults=0)
+            log.warning("token_faults_armed", **vars(self.settings))
 
     @guardian.hookimpl
     def admit_request(self, admission):
