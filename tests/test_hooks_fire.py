@@ -31,6 +31,7 @@ from plugins.hook_recorder import hook_specs, read_records
 POISON = "POISON-FOR-HOOKS"
 HANG_PENALTY = 1.25
 PAUSE_S = 2.0  # past the scenario's stall_min_s (1 s)
+STALL_TIMEOUT_S = 10.0
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +58,7 @@ def scenario(tmp_path_factory, model_cache):
         stall_min_s = 1.0
         # The ceiling, for what is new to a loop: on a GPU the loop that replaces
         # the stuck one compiles its kernels and graphs again (more than 1 s).
-        stall_timeout_s = 10.0
+        stall_timeout_s = {STALL_TIMEOUT_S}
         resource_interval_s = 0.2
     """))
     port = free_port()
@@ -75,6 +76,16 @@ def scenario(tmp_path_factory, model_cache):
             # An engine failure at every step of one request: two restarts, then it is blamed.
             poisoned = client.post(url, json=chat_body(f"{POISON} pill", max_tokens=4))
             assert poisoned.status_code == 500, poisoned.text
+            # Deep probes (no request: nothing admitted) take steps on the loop the
+            # restarts left until the watchdog has seen its pace, so the stall below
+            # comes at the 1 s floor, not at stall_timeout_s (10 s), the limit for a
+            # loop whose steps it has not seen. (Sent while the engine still restarts
+            # or backs off, a deep probe does not run, its answer 503: the poll sends another.)
+            def pace_known():
+                client.get(server.url + "/readyz?deep=1")
+                return client.get(server.url + "/guardian/status").json()["stall_limit_s"] < STALL_TIMEOUT_S
+
+            poll(pace_known, 15, interval=0.1, what="the watchdog to know the new loop's pace")
             # A step that blocks: a stall, the ladder's first rung, a probe on the new loop.
             stalled = client.post(url, json=chat_body(max_tokens=8, repetition_penalty=HANG_PENALTY))
             assert stalled.status_code == 200, stalled.text
