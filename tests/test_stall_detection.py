@@ -274,11 +274,14 @@ def test_a_new_kind_of_requests_first_token_may_compile_kernels_and_is_not_a_sta
 def test_a_replacement_loop_is_judged_by_its_own_silence(start_server):
     # The loop that replaces a stuck one never asks for work (its start blocks):
     # its probe fails after probe_timeout_s, and the stall it reports is that
-    # loop's own silence, not the stuck loop's added to it (was 5 + 4 s here).
+    # loop's own silence, not the stuck loop's added to it (was 3 + 2 s here).
+    # (Scaled down from a 5 s stall and a 4 s probe: the wrong sum, 5 s, is still
+    # past the bound below, with the same 2 s of slack for the right one.)
+    stall_s, probe_s = 3.0, 2.0
     config = (table("guardian", plugins=["tests.plugins.loop_faults:LoopFaults"])
               + table("loop_faults", hang_loop_start=2)
               + table("fault_injection", enabled=True, hang_at_step=40)
-              + table("watchdog", stall_timeout_s=5.0, stall_min_s=5.0, probe_timeout_s=4.0))
+              + table("watchdog", stall_timeout_s=stall_s, stall_min_s=stall_s, probe_timeout_s=probe_s))
     server = start_server(config)
     # The client waits through both stalls: a client that leaves takes its request
     # with it (guardian.serving.connection), and with no work waiting there is no stall to see.
@@ -288,6 +291,6 @@ def test_a_replacement_loop_is_judged_by_its_own_silence(start_server):
         except httpx.TimeoutException:
             pass  # the loop that would serve it never starts
     first, second = server.wait_for_event("engine_stalled", timeout=30, count=2)[:2]
-    assert first["heartbeat_age_s"] >= 5.0
+    assert first["heartbeat_age_s"] >= stall_s
     assert "failed its probe" in second["reason"]
-    assert second["heartbeat_age_s"] < 4.0 + 2.0, second
+    assert second["heartbeat_age_s"] < probe_s + 2.0, second
