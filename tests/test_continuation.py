@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+from typing import Optional
 
 import httpx
 import openai
@@ -93,8 +94,9 @@ def continuing_server(shared_server):
     healthy (bounded) for the next one."""
     poll(shared_server.alive, 30, interval=0.1, what="the shared server healthy")
 
-    def configure(token: dict = {}, faults: dict = {}, recovery: dict = {}, watchdog: dict = {}) -> SharedServer:
-        return shared_server.configure(shared_config(token, faults, recovery, watchdog))
+    def configure(token: Optional[dict] = None, faults: Optional[dict] = None,
+                  recovery: Optional[dict] = None, watchdog: Optional[dict] = None) -> SharedServer:
+        return shared_server.configure(shared_config(token or {}, faults or {}, recovery or {}, watchdog or {}))
 
     yield configure
     configure()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from typing import Optional
 
 import httpx
 import openai
@@ -52,10 +53,12 @@ def sdk_server(shared_server):
     running these tables (the defaults for the rest); the defaults again after
     the test, and the server checked healthy (bounded) for the next one."""
 
-    def configure(guard: dict = {}, faults: dict = {}, recovery: dict = {}) -> SharedServer:
+    def configure(guard: Optional[dict] = None, faults: Optional[dict] = None,
+                  recovery: Optional[dict] = None) -> SharedServer:
+        guard = guard or {}
         # The prompt guard applies a change just after the new version is in force.
         then = "prompt_guard_reconfigured" if guard != shared_server.guard else ""
-        shared_server.configure(shared_config(guard, faults, recovery), then=then)
+        shared_server.configure(shared_config(guard, faults or {}, recovery or {}), then=then)
         shared_server.guard = guard
         return shared_server
 

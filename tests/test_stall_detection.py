@@ -19,6 +19,7 @@ from __future__ import annotations
 import threading
 import time
 from datetime import datetime
+from typing import Optional
 
 import httpx
 import pytest
@@ -86,8 +87,9 @@ def slowed_server(shared_server):
     the server checked healthy (bounded) for the next one."""
     poll(shared_server.alive, 30, interval=0.1, what="the shared server healthy")
 
-    def configure(step_faults: dict = {}, faults: dict = {}, watchdog: dict = {}) -> SharedServer:
-        return shared_server.configure(shared_config(step_faults, faults, watchdog))
+    def configure(step_faults: Optional[dict] = None, faults: Optional[dict] = None,
+                  watchdog: Optional[dict] = None) -> SharedServer:
+        return shared_server.configure(shared_config(step_faults or {}, faults or {}, watchdog or {}))
 
     yield configure
     shared_server.configure(shared_config({}, {}, {}))
