@@ -123,6 +123,8 @@ def burst(server: Server, prompts: list[str], clients: int, max_tokens: int, str
 
     pid = server.proc.pid
     cpu_before = cpu_seconds(pid) if Path(f"/proc/{pid}/stat").exists() else None
+    child = child_pid(server)
+    child_cpu_before = cpu_seconds(child) if child is not None and cpu_before is not None else None
     started = time.monotonic()
     with ThreadPoolExecutor(clients) as pool:
         tokens = sum(pool.map(client_loop, [prompts[i::clients] for i in range(clients)]))
@@ -133,15 +135,25 @@ def burst(server: Server, prompts: list[str], clients: int, max_tokens: int, str
               "load_1min": os.getloadavg()[0]}
     if cpu_before is not None:
         result["process_cpu_s"] = cpu_seconds(pid) - cpu_before
+        # The engine's CPU: the process itself, or a supervisor's child.
+        result["engine_cpu_s"] = (cpu_seconds(child) - child_cpu_before if child_cpu_before is not None
+                                  else result["process_cpu_s"])
     return result
 
 
-def measure(servers: dict, rounds: int, requests: int, clients: int, max_tokens: int) -> dict:
+def child_pid(server: Server):
+    """A supervisor's child, from its status; None for the in-process server."""
+    if server.kind == "in-process":
+        return None
+    return httpx.get(server.url + "/guardian/supervisor", timeout=10).json()["child"]["pid"]
+
+
+def measure(servers: dict, rounds: int, requests: int, clients: int, max_tokens: int, modes=MODES) -> dict:
     """Round after round, each mode, each server in turn (the order alternates), same prompts."""
-    results = {mode: {kind: [] for kind in KINDS} for mode in MODES}
+    results = {mode: {kind: [] for kind in KINDS} for mode in modes}
     serial = 0
     for round_index in range(rounds):
-        for mode in MODES:
+        for mode in modes:
             prompts = [f"Request {serial + n}. " + SENTENCE * 4 for n in range(requests)]
             serial += requests
             order = KINDS if (round_index % 2 == 0) else KINDS[::-1]
@@ -161,11 +173,19 @@ def quartiles(values: list[float]) -> tuple[float, float]:
     return q[0], q[2]
 
 
+def cpu_per_token(runs: list[dict], key: str) -> float:
+    return sum(r[key] for r in runs) / sum(r["tokens"] for r in runs)
+
+
+def throughput(runs: list[dict]) -> float:
+    return sum(r["tokens"] for r in runs) / sum(r["wall_s"] for r in runs)
+
+
 def summarize(results: dict) -> dict:
     """Per mode and supervised kind: the ratio to in-process over rounds, and the supervisor's CPU."""
     summary = {}
     pooled = {kind: [] for kind in SUPERVISED}
-    for mode in MODES:
+    for mode in results:
         runs = results[mode]
         row = {kind: {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs[kind]),
                       "requests_per_s": statistics.median(r["requests_per_s"] for r in runs[kind])}
@@ -174,9 +194,17 @@ def summarize(results: dict) -> dict:
             ratios = [s["tokens_per_s"] / i["tokens_per_s"] for s, i in zip(runs[kind], runs["in-process"])]
             pooled[kind] += ratios
             row[kind].update(ratio_median=statistics.median(ratios), ratio_range=[min(ratios), max(ratios)],
-                             ratio_iqr=list(quartiles(ratios)), rounds=ratios)
+                             ratio_iqr=list(quartiles(ratios)), rounds=ratios,
+                             # Every round's tokens over every round's time: the longest view.
+                             ratio_pooled=throughput(runs[kind]) / throughput(runs["in-process"]))
             supervisor = [r for r in runs[kind] if "process_cpu_s" in r]
             if supervisor:
+                # CPU per token, supervisor and child, against the in-process server's: what
+                # subprocess mode costs, free of the rounds' throughput noise.
+                row[kind]["cpu_per_token_ratio"] = cpu_per_token(runs["in-process"], "engine_cpu_s") / (
+                    cpu_per_token(runs[kind], "engine_cpu_s") + cpu_per_token(runs[kind], "process_cpu_s"))
+                row[kind]["child_cpu_per_token_ratio"] = (cpu_per_token(runs["in-process"], "engine_cpu_s")
+                                                          / cpu_per_token(runs[kind], "engine_cpu_s"))
                 row[kind].update(
                     supervisor_cpu_ms_per_request=statistics.median(
                         1000 * r["process_cpu_s"] / r["requests"] for r in supervisor),
@@ -192,7 +220,7 @@ def summarize(results: dict) -> dict:
 def report(data: dict) -> str:
     pinned = (f"servers pinned to CPU {data['pinning']['servers']}, clients on {data['pinning']['client']}"
               if data["pinning"] else "unpinned")
-    loads = [run["load_1min"] for mode in MODES for kind in KINDS for run in data["results"][mode][kind]
+    loads = [run["load_1min"] for mode in data["results"] for kind in KINDS for run in data["results"][mode][kind]
              if "load_1min" in run]
     load = f"; load average {min(loads):.1f}–{max(loads):.1f}" if loads else ""
     lines = [
@@ -201,10 +229,11 @@ def report(data: dict) -> str:
         f"alternating; {pinned}; {data['wall_s'] / 60:.1f} min{load}.",
         "",
         "| requests | supervisor | in-process tok/s | supervised tok/s | ratio (median) | rounds min–max | IQR | "
-        "supervisor CPU / request | / token | supervisor CPU share |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "pooled | CPU per token (in-process ÷ child + supervisor) | supervisor CPU / request | / token | "
+        "supervisor CPU share |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for mode in (*MODES, "both"):
+    for mode in (*data["results"], "both"):
         for kind in SUPERVISED:
             row = data["summary"][mode][kind]
             cpu = ("| {:.2f} ms | {:.0f} µs | {:.1%} |".format(row["supervisor_cpu_ms_per_request"],
@@ -214,9 +243,16 @@ def report(data: dict) -> str:
             speeds = (f"{data['summary'][mode]['in-process']['tokens_per_s']:.0f} | {row['tokens_per_s']:.0f}"
                       if mode != "both" else " | ")
             how = "hands off" if kind == "supervise" else "relays"
+            pooled = f"{row['ratio_pooled']:.3f}" if "ratio_pooled" in row else ""
+            if "cpu_per_token_ratio" in row:
+                pooled += f" | **{row['cpu_per_token_ratio']:.3f}**"
+            elif mode != "both":
+                pooled += " | –"
+            else:
+                pooled += " |"
             lines.append(f"| {mode} | {how} | {speeds} | **{row['ratio_median']:.3f}** | "
                          f"{row['ratio_range'][0]:.3f}–{row['ratio_range'][1]:.3f} | "
-                         f"{row['ratio_iqr'][0]:.3f}–{row['ratio_iqr'][1]:.3f} {cpu}")
+                         f"{row['ratio_iqr'][0]:.3f}–{row['ratio_iqr'][1]:.3f} | {pooled} {cpu}")
     return "\n".join(lines)
 
 
@@ -308,6 +344,43 @@ def bare_loop(client: socket.socket, upstream, events: int) -> None:
         os.write(fd, chunk)
 
 
+# What a child writes per streamed event, untagged (the client's bytes).
+CHILD_EVENT = (b"data: {\"id\": \"chatcmpl-d3b47202-5b10-45d6-94a3-2af447450a52\", \"object\": "
+               b"\"chat.completion.chunk\", \"model\": \"default_model\", \"created\": 1796157108, "
+               b"\"choices\": [{\"index\": 0, \"finish_reason\": null, \"delta\": {\"content\": \" guardian\"}}]}\n\n")
+
+
+def child_plain_writes(client: socket.socket, upstream, events: int) -> None:
+    """The in-process server's part, for comparison: one write per event."""
+    for _ in range(events):
+        client.sendall(CHILD_EVENT)
+
+
+def child_handoff_writes(client: socket.socket, upstream, events: int) -> None:
+    """A handed-off child's part: each event's tokens checked against its text and tagged
+    (guardian.relay_protocol), the tag and event journaled, the event written (guardian.handoff)."""
+    import struct
+
+    from guardian import handoff
+    from guardian.relay_protocol import TokenTaggingOutput
+
+    journal = handoff._anonymous_file()
+    request = b"POST /v1/chat/completions HTTP/1.1\r\nContent-Length: 2\r\n\r\n{}"
+    os.write(journal, struct.pack("<Q", len(request)) + request)
+    control, other_end = socket.socketpair()
+    received = handoff.Received(client, journal, control)
+    received.write(client, b"HTTP/1.0 200 OK\r\nContent-Type: text/event-stream\r\nX-Guardian-Continuable: 1\r\n\r\n")
+    output = TokenTaggingOutput(None, lambda tag, event: received.write_tagged(client, tag, event))
+    for token in range(events):
+        output.consumed(token, " guardian")
+        output.write(CHILD_EVENT)
+    received.finish()
+    other_end.close()
+
+
+CHILD_LOOPS = (child_plain_writes, child_handoff_writes)
+
+
 def per_event(events: int, gap_s: float, repeats: int) -> dict:
     """The relaying thread's CPU per event, for each loop, ``repeats`` times alternately."""
     from guardian.supervise.proxy import Upstream
@@ -318,7 +391,9 @@ def per_event(events: int, gap_s: float, repeats: int) -> dict:
     client = subprocess.Popen([sys.executable, "-c", READING_CLIENT, str(listener.getsockname()[1])],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     loops = {"relay_events": relay_events_loop, "relay_events, its work timed": relay_events_timed,
-             "bare read + write": bare_loop}
+             "bare read + write": bare_loop,
+             "the child's write, in process": child_plain_writes,
+             "the child's write, handed off (tag + journal)": child_handoff_writes}
     cpu_us = {name: [] for name in loops}
     work_us = []
     try:
@@ -330,11 +405,13 @@ def per_event(events: int, gap_s: float, repeats: int) -> dict:
                 conn, _ = listener.accept()
                 client.stdout.readline()
                 conn.settimeout(CLIENT_SEND_TIMEOUT_S)
-                upstream = Upstream(child_port, "POST", "/v1/chat/completions", [], b"{}")
+                relaying = loop not in CHILD_LOOPS  # the stand-in child is for relays only
+                upstream = Upstream(child_port, "POST", "/v1/chat/completions", [], b"{}") if relaying else None
                 started = time.thread_time()
                 work_us += loop(conn, upstream, events) or []
                 cpu_us[name].append(1e6 * (time.thread_time() - started) / events)
-                upstream.close()
+                if upstream is not None:
+                    upstream.close()
                 conn.close()
                 client.stdout.readline()
     finally:
@@ -350,7 +427,7 @@ def per_event_report(data: dict) -> str:
         f"Relay CPU per event, {data['when']}: {data['environment']}; {data['events']} events a stream, "
         f"one every {data['gap_s'] * 1e3:g} ms (plus the write), {data['repeats']} streams per loop, alternating.",
         "",
-        "| loop | relaying thread CPU per event (median) | min–max |",
+        "| loop | the thread's CPU per event (median) | min–max |",
         "|---|---|---|",
     ]
     for name, values in data["cpu_us_per_event"].items():
@@ -369,6 +446,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=48, help="requests in a burst")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--no-pin", action="store_true", help="let servers and clients share every CPU")
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="streamed requests, or not, or both")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--per-event", action="store_true",
                         help="the relay's CPU per streamed event, against a stand-in child (no engine)")
@@ -397,10 +475,11 @@ def main() -> None:
         servers = start_servers(model, Path(workdir), split[0] if split else None)
         try:
             for server in servers.values():  # load the weights, warm the caches and the pools
-                for mode in MODES:
+                for mode in args.modes:
                     burst(server, [f"Warm-up {i}. " + SENTENCE for i in range(args.clients)], args.clients,
                           args.max_tokens, stream=mode == "stream")
-            data["results"] = measure(servers, args.rounds, args.requests, args.clients, args.max_tokens)
+            data["results"] = measure(servers, args.rounds, args.requests, args.clients, args.max_tokens,
+                                      args.modes)
         finally:
             for server in servers.values():
                 if server.alive():

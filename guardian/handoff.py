@@ -241,17 +241,7 @@ class HandedOff:
 
     def records(self) -> Iterator[bytes]:
         """The child's writes, in order, as journaled (the empty record saying it took the request first)."""
-        offset = self.records_start
-        while True:
-            length = os.pread(self.journal, _RECORD_LENGTH.size, offset)
-            if len(length) < _RECORD_LENGTH.size:
-                return
-            (size,) = _RECORD_LENGTH.unpack(length)
-            record = os.pread(self.journal, size, offset + _RECORD_LENGTH.size)
-            if len(record) < size:  # cut short: the child died writing it (never written on)
-                return
-            yield record
-            offset += _RECORD_LENGTH.size + size
+        return journal_records(self.journal, self.records_start)
 
     def replay(self, written: int) -> tuple[ClientView, bytes]:
         """The view as of the client's ``written`` bytes, and the rest of a write the
@@ -293,20 +283,40 @@ class HandedOff:
 
 
 class JournalProgress:
-    """Where a handed-off stream stands, read from its journal when asked (the crash quarantine's position)."""
+    """Where a handed-off stream stands, read from its journal when asked (the crash
+    quarantine's position, on the supervisor's main thread). It holds a descriptor of
+    its own: the request's handler may close the hand-off's while it reads."""
 
     def __init__(self, handed: HandedOff):
-        self._handed = handed
+        self._journal = os.dup(handed.journal)
+        self._start = handed.records_start
 
     @property
     def tokens(self) -> list[int]:
         view = ClientView()
-        try:
-            for record in self._handed.records():
-                view.visible(record)
-        except OSError:  # closed meanwhile
-            return []
+        for record in journal_records(self._journal, self._start):
+            view.visible(record)
         return view.stream.tokens if view.stream is not None else []
+
+    def __del__(self):
+        try:
+            os.close(self._journal)
+        except (OSError, AttributeError):
+            pass
+
+
+def journal_records(journal: int, offset: int) -> Iterator[bytes]:
+    """A journal's records from ``offset`` on, in order; one cut short (its writer died) ends them."""
+    while True:
+        length = os.pread(journal, _RECORD_LENGTH.size, offset)
+        if len(length) < _RECORD_LENGTH.size:
+            return
+        (size,) = _RECORD_LENGTH.unpack(length)
+        record = os.pread(journal, size, offset + _RECORD_LENGTH.size)
+        if len(record) < size:  # never written on to the client
+            return
+        yield record
+        offset += _RECORD_LENGTH.size + size
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -356,6 +366,25 @@ class Received:
         self.wrote = True
         if shown:
             sock.sendall(shown)
+
+    def write_tagged(self, sock: socket.socket, tag: bytes, event: bytes) -> None:
+        """A continuable stream's event and its tag (relay_protocol.TokenTaggingOutput): journaled
+        together, the event sent as it is. What ``write`` does with the two joined, without
+        looking for the tag again."""
+        if self.given_back:
+            return
+        # The view is not told: the child needs it only for what the client sees, and a
+        # whole event (none held) shows as it is, its tag gone (as the supervisor's replay
+        # of this record will find).
+        _write_all(self.journal, _RECORD_LENGTH.pack(len(tag) + len(event)) + tag + event)
+        self.wrote = True
+        sock.sendall(event)
+
+    def takes_tagged(self) -> bool:
+        """Whether ``write_tagged`` may be used now: the head is out, the stream continuable
+        and no partial event held."""
+        events = self.view.events
+        return events is not None and events.stream is not None and not events.held
 
     def give_back(self) -> bool:
         """Take nothing on (a stopping child): the supervisor sends the request to its

@@ -101,8 +101,11 @@ class TokenTaggingOutput:
     continuable (``: guardian-tokens -``).
     """
 
-    def __init__(self, wfile):
+    def __init__(self, wfile, tagged_writer=None):
         self.wrapped = wfile
+        # Given (a connection handed to the child, guardian.handoff): called with each
+        # event's tag and the event itself, so the tag need not be stripped again.
+        self._tagged_writer = tagged_writer
         self._tokens: list[int] = []
         self._text: list[str] = []
         self.continuable = True
@@ -114,14 +117,22 @@ class TokenTaggingOutput:
 
     def write(self, data: bytes):
         if self.continuable and (self._tokens or self._text) and data.startswith(_DATA):
-            data = self._tag() + data if self._writes_exactly_the_text(data) else self._untag() + data
+            tag = self._tag() if self._writes_exactly_the_text(data) else self._untag()
+            if self._tagged_writer is not None:
+                self._tagged_writer(tag, data)
+                return len(data)
+            data = tag + data
         return self.wrapped.write(data)
 
     def _writes_exactly_the_text(self, data: bytes) -> bool:
         if not self._text:
             return True  # owes no text (a stop token's, discarded)
         # As stock's json.dumps writes the field: chat delta or text completion.
-        escaped = json.dumps("".join(self._text))[1:-1].encode()
+        text = self._text[0] if len(self._text) == 1 else "".join(self._text)
+        if text.isascii() and text.isprintable() and '"' not in text and "\\" not in text:
+            escaped = text.encode()  # what json.dumps would write, without its cost (every event)
+        else:
+            escaped = json.dumps(text)[1:-1].encode()
         return (b'"content": "' + escaped + b'"' in data) or (b'"text": "' + escaped + b'"' in data)
 
     def _tag(self) -> bytes:

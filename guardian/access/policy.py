@@ -24,6 +24,7 @@ tells the child who the client is.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import socket
 from dataclasses import dataclass, field
@@ -76,6 +77,8 @@ class AccessDecision:
         return self.error is None
 
 
+# Pure functions of what a request says, asked for every request: cached (bounded).
+@functools.lru_cache(maxsize=1024)
 def is_loopback_address(address: str) -> bool:
     try:
         ip = ipaddress.ip_address(address.split("%", 1)[0])
@@ -94,6 +97,7 @@ def is_ip_literal(host: str) -> bool:
     return True
 
 
+@functools.lru_cache(maxsize=1024)
 def host_name_of(host_header: str) -> Optional[str]:
     """The name in a Host header, without its port; None when it is not one."""
     value = host_header.strip().lower()

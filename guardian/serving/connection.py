@@ -375,6 +375,8 @@ class RequestReader:
                 pass
 
     def _wake(self) -> None:
+        if threading.get_ident() == self.thread.ident:
+            return  # the reader itself registered something: it selects again before it sleeps
         try:
             self._wake_w.send(b"x")
         except BlockingIOError:
@@ -727,6 +729,14 @@ class HandedOffConnection(BufferedConnection):
         if "r" in mode:
             return super().makefile(mode, buffering, **kwargs)
         return _HandedOffWriter(self)
+
+    def write_tagged(self, tag: bytes, event: bytes) -> None:
+        """A continuable stream's event and its tag (guardian.relay_protocol), journaled
+        together; the client gets the event."""
+        if self.handed_off.takes_tagged():
+            self.handed_off.write_tagged(self.sock, tag, event)
+        else:
+            self.handed_off.write(self.sock, tag + event)
 
     def give_back(self) -> bool:
         """Answer nothing: the supervisor sends the request to its next child

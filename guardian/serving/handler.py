@@ -126,7 +126,8 @@ class GuardianHandler(Endpoints, stock.handler.DoorCorsHandler):
             return self.send_error_json(GuardianError(str(e), status=400, type="invalid_request_error",
                                                       code="invalid_request"))
         generator = self.response_generator
-        output = relay_protocol.TokenTaggingOutput(self.wfile)
+        # On a connection handed to this child (guardian.handoff), tags go to the journal only.
+        output = relay_protocol.TokenTaggingOutput(self.wfile, getattr(self.connection, "write_tagged", None))
         add_response_headers({relay_protocol.CONTINUABLE_HEADER: "1"})
         self.response_generator, self.wfile = RelayedGenerator(generator, output, continued), output
         try:

@@ -169,7 +169,7 @@ def try_fast_hand_off(server, incoming) -> bool:
     relay.stream = handed.progress()  # where it stands, should the child be reaped first
     supervisor.in_flight.__enter__()
     server.handoffs_in_flight.__enter__()
-    supervisor.metrics.requests_passed.labels("handed_off").inc()
+    supervisor.metrics.passed_handed_off.inc()
     passed = FastHandOff(server, child, handed, head, buffer, incoming.address, access, relay, incoming.sock)
     server.when_readable(handed.control, passed.on_word)
     return True

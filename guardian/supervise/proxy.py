@@ -371,7 +371,7 @@ class ProxyHandler(BaseHTTPRequestHandler):
             headers += relay_protocol.continue_headers(key, stream.continuation_tokens())
         else:
             headers.append((relay_protocol.KEY_HEADER, key))
-        self.server.supervisor.metrics.requests_passed.labels("relayed").inc()
+        self.server.supervisor.metrics.passed_relayed.inc()
         try:
             upstream = Upstream(child.port, self.command, self.target(), headers, body, holder=self)
         except ChildUnreachable as e:
@@ -415,7 +415,7 @@ class ProxyHandler(BaseHTTPRequestHandler):
             return CHILD_GONE
         if handed is None:
             return RELAY_INSTEAD
-        self.server.supervisor.metrics.requests_passed.labels("handed_off").inc()
+        self.server.supervisor.metrics.passed_handed_off.inc()
         # The child watches for the client's leaving now: the client closing once
         # it has the child's answer is no news here.
         self.server.unwatch_client(self.connection)
