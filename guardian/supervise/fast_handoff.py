@@ -126,14 +126,23 @@ class FastHandOff:
         supervisor = self.server.supervisor
         supervisor.quarantine.end_fast_relay(self.child.generation, self.relay,
                                              answered=word == handoff.DONE)
-        supervisor.in_flight.__exit__(None, None, None)
         self.server.handoffs_in_flight.__exit__(None, None, None)
         if word == handoff.DONE:
+            supervisor.in_flight.__exit__(None, None, None)
             self.handed.close()
             close_quietly(self.client)
             return
-        # Given back, or the child died with the connection: on a handler thread.
+        # Given back, or the child died with the connection: on a handler thread, which
+        # ends the request's time in flight (a stopping supervisor waits for its answer).
         self.server.resume(self)
+
+    def resumed(self) -> None:
+        """The handler path is done with it (once, whatever became of it)."""
+        if self.handed is None:
+            return
+        self.handed.close()
+        self.handed = None
+        self.server.supervisor.in_flight.__exit__(None, None, None)
 
 
 def try_fast_hand_off(server, incoming) -> bool:

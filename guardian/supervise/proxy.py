@@ -125,8 +125,16 @@ class PublicServer(HeldConnections, ThreadingHTTPServer):
         except OSError:
             pass
         if not self.start_handler(ResumedConnection(sock, passed.buffer, passed), passed.address):
-            passed.handed.close()
+            passed.resumed()
             close_quietly(sock)
+
+
+    def _handle(self, request, client_address) -> None:
+        try:
+            super()._handle(request, client_address)
+        finally:
+            if isinstance(request, ResumedConnection):
+                request.passed.resumed()
 
 
 class ResumedConnection(BufferedConnection):
@@ -298,7 +306,6 @@ class ProxyHandler(BaseHTTPRequestHandler):
         finally:
             self.server.supervisor.quarantine.settle(passed.child.generation, passed.relay,
                                                      answered=passed.relay.answered)
-            passed.handed.close()
             self.relay_record = None
 
     def to_child(self, child, path: str, body: bytes, request_fingerprint: str, stream):
