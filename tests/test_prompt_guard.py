@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from conftest import REPO, TOOLS, ModeServer, Server, chat_body, free_port, poll, read_stream
+from conftest import REPO, TOOLS, Server, SharedServer, chat_body, free_port, poll, read_stream
 
 N_CTX = 2048
 # ~17 demo tokens a sentence: 8600 of them are the incident's ~145K tokens.
@@ -81,28 +81,15 @@ def assert_context_error(body: dict, n_prompt: int, param: str = "messages") -> 
 
 
 # -- the shared server ------------------------------------------------------------
-class GuardServer(ModeServer):
+class GuardServer(SharedServer):
     """The server the tests whose settings are all live share. ``configure``
     saves its ``[prompt_guard]`` table and waits until the server runs it;
     ``logs`` (so ``events``) then holds only the lines since: the test's own."""
 
     def __init__(self, folder, model_cache):
         # armable (read at start): a test may slow the engine by a save too.
-        super().__init__("one_process", folder, model_cache, ARMABLE)
+        super().__init__(folder, model_cache, ARMABLE)
         self.settings: dict = {}  # the [prompt_guard] table in force
-        self.log_start = 0  # where in the log the current test's lines start
-
-    def logs(self) -> list[dict]:
-        with open(self.log_path, "rb") as log:
-            log.seek(self.log_start)
-            text = log.read().decode(errors="replace")
-        lines = []
-        for line in text.splitlines():
-            try:
-                lines.append(json.loads(line))
-            except json.JSONDecodeError:
-                lines.append({"event": "non_json_line", "line": line})
-        return lines
 
     def configure(self, settings: dict, faults: Optional[dict] = None) -> None:
         self.log_start = self.log_path.stat().st_size
