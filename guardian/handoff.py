@@ -121,7 +121,8 @@ class ClientView:
         if end < 0:
             if len(self._head) <= MAX_HEAD_BYTES:
                 return b""
-            end = len(self._head) - 4  # not a head: everything passes
+            shown, self._head, self.head_done = self._head, b"", True  # not a head: all of it passes
+            return shown
         head, body = self._head[:end + 4], self._head[end + 4:]
         self._head, self.head_done = b"", True
         out = self._filtered(head)

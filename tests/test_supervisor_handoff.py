@@ -59,6 +59,13 @@ def test_the_client_sees_no_tag_no_private_header_and_a_closing_connection():
     assert view.done and view.stream.finished
 
 
+def test_what_is_no_http_head_passes_as_it_is():
+    view = handoff.ClientView()
+    blob = b"x" * (handoff.MAX_HEAD_BYTES + 1)
+    assert view.visible(blob) == blob and view.visible(b"\r\n\r\nmore") == b"\r\n\r\nmore"
+    assert view.status is None and not view.is_sse
+
+
 def test_a_plain_head_takes_the_readers_path_and_anything_unusual_the_handlers():
     def head(text: bytes):
         return RequestHead.parse(text, text.find(b"\r\n\r\n") + 4)

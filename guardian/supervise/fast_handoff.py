@@ -161,13 +161,16 @@ def try_fast_hand_off(server, incoming) -> bool:
     access = supervisor.door.check(AccessRequest(head.method, head.path, head.headers, incoming.address[0]))
     if not access.allowed:
         return False
-    relay = supervisor.quarantine.start_fast_relay(child.generation, head.method, head.path, head.target, head.body)
-    if relay is None:  # a crash suspect is about: the handler path isolates it
-        return False
     headers = [("Host", f"{CHILD_HOST}:{child.port}"),
                *forwarded_headers(head.headers.items, incoming.address[0], access),
                (relay_protocol.KEY_HEADER, supervisor.relay_key)]
-    request = handoff.request_bytes(head.method, head.target, headers, head.body)
+    try:
+        request = handoff.request_bytes(head.method, head.target, headers, head.body)
+    except UnicodeEncodeError:  # a key's name beyond latin-1: the handler path says so
+        return False
+    relay = supervisor.quarantine.start_fast_relay(child.generation, head.method, head.path, head.target, head.body)
+    if relay is None:  # a crash suspect is about: the handler path isolates it
+        return False
     try:
         handed = child.handoff.hand(incoming.sock, request)
     except OSError:
@@ -175,12 +178,21 @@ def try_fast_hand_off(server, incoming) -> bool:
     if handed is None:  # the child's channel is closed (it is dying), or nothing to count
         supervisor.quarantine.end_fast_relay(child.generation, relay, answered=False, sent=False)
         return False
-    relay.stream = handed.progress()  # where it stands, should the child be reaped first
+    # The child has the request: from here on it answers, whatever happens here.
     supervisor.in_flight.__enter__()
     server.handoffs_in_flight.__enter__()
     supervisor.metrics.passed_handed_off.inc()
     passed = FastHandOff(server, child, handed, head, buffer, incoming.address, access, relay, incoming.sock)
-    server.when_readable(handed.control, passed.on_word)
+    try:
+        relay.stream = handed.progress()  # where it stands, should the child be reaped first
+        server.when_readable(handed.control, passed.on_word)
+    except (OSError, ValueError, KeyError) as e:  # out of descriptors: the child answers untracked
+        log.error("handoff_untracked", path=head.path, error_type=type(e).__name__, error_message=str(e))
+        supervisor.quarantine.end_fast_relay(child.generation, relay, answered=False, sent=False)
+        server.handoffs_in_flight.__exit__(None, None, None)
+        supervisor.in_flight.__exit__(None, None, None)
+        handed.close()
+        close_quietly(incoming.sock)
     return True
 
 

@@ -112,7 +112,12 @@ class PublicServer(HeldConnections, ThreadingHTTPServer):
     def dispatch(self, incoming) -> None:
         """A whole request: to the child straight from the reader where it can go
         (guardian.supervise.fast_handoff), else to a handler thread."""
-        if not try_fast_hand_off(self, incoming):
+        try:
+            handed_off = try_fast_hand_off(self, incoming)
+        except Exception:  # noqa: BLE001 - raised before the hand-off (it handles what may fail after): the handler path answers, the reader lives on
+            log.exception("fast_handoff_failed")
+            handed_off = False
+        if not handed_off:
             super().dispatch(incoming)
 
     def resume(self, passed: FastHandOff) -> None:
