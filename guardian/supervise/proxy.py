@@ -133,8 +133,8 @@ class PublicServer(HeldConnections, ThreadingHTTPServer):
             passed.resumed()
             close_quietly(sock)
 
-
     def _handle(self, request, client_address) -> None:
+        # A resumed request stays in flight until its handler is done, however it ends.
         try:
             super()._handle(request, client_address)
         finally:
@@ -159,13 +159,13 @@ class ProxyHandler(BaseHTTPRequestHandler):
     server_version = "mlx-guardian-supervisor"
     # The crash quarantine's record of the request being relayed, if any.
     relay_record = None
+    # The door's decision on the request being answered (guardian.access).
+    access: Optional[AccessDecision] = None
 
     @property
     def passed(self) -> Optional[FastHandOff]:
         """The reader's hand-off of this request, if it took it first (``resumed_outcome``)."""
         return getattr(self.connection, "passed", None)
-    # The door's decision on the request being answered (guardian.access).
-    access: Optional[AccessDecision] = None
 
     def parse_request(self) -> bool:
         """The door decides before anything is routed or read: the same code as
