@@ -251,24 +251,30 @@ def client_left(sock: socket.socket) -> bool:
     """Whether a readable connection whose request was read whole is at its end (EOF or reset).
 
     Peeks at the TCP stream under any TLS layer: a FIN or a reset is the end;
-    bytes (a TLS alert, a pipelined request) are not. Never waits, even on a
-    socket with a timeout (Python would first wait for it to be readable).
+    bytes (a TLS alert, a pipelined request) are not. On a socket with a timeout,
+    Python first waits for it to be readable: ``client_left_now`` never waits.
     """
-    timeout = sock.gettimeout()
     try:
-        if timeout:
-            sock.settimeout(0)
         return socket.socket.recv(sock, 1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
     except (BlockingIOError, InterruptedError):
         return False
     except OSError:
         return True
+
+
+def client_left_now(sock: socket.socket) -> bool:
+    """``client_left`` for a handler's socket, which has a timeout: asked at once."""
+    timeout = sock.gettimeout()
+    if not timeout:
+        return client_left(sock)
+    try:
+        sock.settimeout(0)
+        return client_left(sock)
     finally:
-        if timeout:
-            try:
-                sock.settimeout(timeout)
-            except OSError:
-                pass
+        try:
+            sock.settimeout(timeout)
+        except OSError:
+            pass
 
 
 class RequestReader:

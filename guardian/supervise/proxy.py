@@ -36,7 +36,7 @@ from guardian import handoff, relay_protocol
 from guardian.access.policy import AccessDecision, AccessRequest
 from guardian.access.tls import ServerCertificate
 from guardian.serving.connection import BufferedConnection, HeldConnections, close_quietly, linger_close, raw_socket
-from guardian.serving.connection import client_left as client_has_left
+from guardian.serving.connection import client_left_now
 from guardian.request_context import REQUEST_ID_HEADER, sane_request_id
 from guardian.supervise import metrics as supervise_metrics
 from guardian.supervise.fast_handoff import CHILD_HOST, FastHandOff, forwarded_headers, try_fast_hand_off
@@ -467,7 +467,7 @@ class ProxyHandler(BaseHTTPRequestHandler):
                 self.connection.sendall(rest)
             except (OSError, ValueError):
                 return ANSWERED
-        if client_has_left(raw_socket(self.connection)):
+        if client_left_now(raw_socket(self.connection)):
             return ANSWERED
         # Relayed from here on (a continuation): the client's leaving cuts it.
         self.server.watch_client(self.connection, self.client_left)
