@@ -197,9 +197,9 @@ class CrashQuarantine:
         try:
             yield relay
         finally:
-            if tracked and not relay.lost:
-                self._remove(generation, key)
-            if relay.answered:
+            if tracked:
+                self.settle(generation, relay, relay.answered)
+            elif relay.answered:
                 self._clear(fp)
 
     # -- the reader's hand-off (guardian.supervise.fast_handoff) -----------------
@@ -237,7 +237,7 @@ class CrashQuarantine:
         """A relay's end: off the record unless the child failed under it; a suspect answered is cleared."""
         if not relay.lost:
             self._remove(generation, id(relay))
-        if answered and self.suspects:
+        if answered and self.suspects:  # only a suspect is cleared: no fingerprint worked out for nothing
             self._clear(relay.fingerprint)
 
     def _add(self, generation: int, key: int, relay: Relay) -> bool:

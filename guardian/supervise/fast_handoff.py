@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import re
 import socket
+from dataclasses import dataclass
 from typing import Optional
 from urllib.parse import urlsplit
 
@@ -29,6 +30,7 @@ import structlog
 from guardian import handoff, relay_protocol
 from guardian.access.keys import API_KEY_HEADER, AUTHORIZATION
 from guardian.access.policy import CLIENT_HEADER, AccessDecision, AccessRequest
+from guardian.serving.connection import close_quietly
 
 log = structlog.get_logger("guardian.supervisor")
 
@@ -59,9 +61,6 @@ class Headers:
         lowered = name.lower()
         found = [value for n, value in self.items if n.lower() == lowered]
         return found or default
-
-    def __contains__(self, name: str) -> bool:
-        return name.lower() in self._first
 
 
 class RequestHead:
@@ -103,22 +102,20 @@ class RequestHead:
         return cls(line.group(1).decode(), line.group(2).decode("latin-1"), headers, body)
 
 
+@dataclass(slots=True)
 class FastHandOff:
-    """One request the reader handed to the child; what ends it."""
+    """One request the reader handed to the child; what ends it. ``buffer``,
+    ``address`` and ``access``: what a handler needs to take the request back."""
 
-    __slots__ = ("server", "child", "handed", "head", "buffer", "address", "access", "relay", "client", "word")
-
-    def __init__(self, server, child, handed, head, buffer, address, access, relay, client):
-        self.server = server
-        self.child = child
-        self.handed = handed
-        self.head = head
-        self.buffer = buffer
-        self.address = address
-        self.access = access
-        self.relay = relay
-        self.client = client
-        self.word = b""  # the child's, once it has spoken
+    server: object
+    child: object
+    handed: Optional[handoff.HandedOff]
+    buffer: bytes
+    address: tuple
+    access: AccessDecision
+    relay: object  # the crash quarantine's record (guardian.quarantine.crashes.Relay)
+    client: socket.socket
+    word: bytes = b""  # the child's, once it has spoken
 
     def on_word(self) -> None:
         """The child's word (the reader's thread): done, or the handler path takes over."""
@@ -161,12 +158,9 @@ def try_fast_hand_off(server, incoming) -> bool:
     access = supervisor.door.check(AccessRequest(head.method, head.path, head.headers, incoming.address[0]))
     if not access.allowed:
         return False
-    headers = [("Host", f"{CHILD_HOST}:{child.port}"),
-               *forwarded_headers(head.headers.items, incoming.address[0], access),
-               (relay_protocol.KEY_HEADER, supervisor.relay_key)]
-    try:
-        request = handoff.request_bytes(head.method, head.target, headers, head.body)
-    except UnicodeEncodeError:  # a key's name beyond latin-1: the handler path says so
+    request = child_request(supervisor, child, head.method, head.target, head.headers.items,
+                            incoming.address[0], access, head.body)
+    if request is None:
         return False
     relay = supervisor.quarantine.start_fast_relay(child.generation, head.method, head.path, head.target, head.body)
     if relay is None:  # a crash suspect is about: the handler path isolates it
@@ -182,7 +176,7 @@ def try_fast_hand_off(server, incoming) -> bool:
     supervisor.in_flight.__enter__()
     server.handoffs_in_flight.__enter__()
     supervisor.metrics.passed_handed_off.inc()
-    passed = FastHandOff(server, child, handed, head, buffer, incoming.address, access, relay, incoming.sock)
+    passed = FastHandOff(server, child, handed, buffer, incoming.address, access, relay, incoming.sock)
     try:
         relay.stream = handed.progress()  # where it stands, should the child be reaped first
         server.when_readable(handed.control, passed.on_word)
@@ -215,8 +209,14 @@ def forwarded_headers(items, client_ip: str, access: Optional[AccessDecision]) -
     return headers
 
 
-def close_quietly(sock: socket.socket) -> None:
+def child_request(supervisor, child, method: str, target: str, header_items, client_ip: str,
+                  access: Optional[AccessDecision], body: bytes) -> Optional[bytes]:
+    """The request as a child reads it from a hand-off: the client's headers as forwarded,
+    the child's Host, the supervisor's key. None if a header cannot be written (a key's
+    name beyond latin-1): then it is relayed, as http.client refuses it."""
+    headers = [("Host", f"{CHILD_HOST}:{child.port}"), *forwarded_headers(header_items, client_ip, access),
+               (relay_protocol.KEY_HEADER, supervisor.relay_key)]
     try:
-        sock.close()
-    except OSError:
-        pass
+        return handoff.request_bytes(method, target, headers, body)
+    except UnicodeEncodeError:
+        return None

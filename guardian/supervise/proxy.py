@@ -39,7 +39,8 @@ from guardian.serving.connection import BufferedConnection, HeldConnections, clo
 from guardian.serving.connection import client_left_now
 from guardian.request_context import REQUEST_ID_HEADER, sane_request_id
 from guardian.supervise import metrics as supervise_metrics
-from guardian.supervise.fast_handoff import CHILD_HOST, FastHandOff, forwarded_headers, try_fast_hand_off
+from guardian.supervise.fast_handoff import (CHILD_HOST, FastHandOff, child_request, forwarded_headers,
+                                             try_fast_hand_off)
 from guardian.quarantine.crashes import fingerprint
 from guardian.errors import GuardianError
 from guardian.observability.counting import ActiveCount
@@ -416,9 +417,10 @@ class ProxyHandler(BaseHTTPRequestHandler):
         sock = raw_socket(self.connection)
         if type(sock) is not socket.socket:  # TLS: only this process holds the session
             return RELAY_INSTEAD
-        headers = [("Host", f"{CHILD_HOST}:{child.port}"), *self.upstream_headers(),
-                   (relay_protocol.KEY_HEADER, self.server.supervisor.relay_key)]
-        request = handoff.request_bytes(self.command, self.target(), headers, body)
+        request = child_request(self.server.supervisor, child, self.command, self.target(), self.headers.items(),
+                                self.client_address[0], self.access, body)
+        if request is None:
+            return RELAY_INSTEAD
         try:
             handed = child.handoff.hand(sock, request)
         except OSError as e:  # its end is closed: the child is gone
