@@ -20,6 +20,8 @@ import threading
 
 import httpx
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import chat_body, read_stream
@@ -84,6 +86,43 @@ def test_a_plain_head_takes_the_readers_path_and_anything_unusual_the_handlers()
                     plain.replace(b"/v1/", b"http://elsewhere/v1/")):  # absolute form
         assert head(unusual + body) is None, unusual
     assert head(plain + body + b"GET / HTTP/1.1\r\n\r\n") is None  # pipelined: more than the body
+
+
+# Request heads as a hostile client may write them: odd methods, targets and versions,
+# any bytes in header names and values, repeated headers, lengths that lie.
+HEAD_LINES = st.tuples(
+    st.sampled_from([b"GET", b"POST", b"PUT", b"get", b"X" * 20, b"OPTIONS", b""]),
+    st.sampled_from([b"/v1/models", b"/v1/chat/completions", b"/health", b"/livez", b"*", b"http://h/v1/models",
+                     b"/v1/models?x=\x00", b"/\xff"]),
+    st.sampled_from([b"HTTP/1.1", b"HTTP/1.0", b"HTTP/2.0", b"HTTP/1.1 x", b""]))
+HEADER_NAMES = st.sampled_from([b"Host", b"host", b"Content-Length", b"Authorization", b"X-Api-Key", b"Origin",
+                                b"Expect", b"Transfer-Encoding", b"X-Guardian-Client", b"X-Guardian-Relay-Key",
+                                b" Host", b"Bad Name", b""]) | st.binary(max_size=12)
+HEADER_VALUES = st.binary(max_size=40).map(lambda v: v.replace(b"\r", b"").replace(b"\n", b""))
+
+
+@st.composite
+def hostile_requests(draw, honest_length: bool = False) -> bytes:
+    method, target, version = draw(HEAD_LINES)
+    headers = draw(st.lists(st.tuples(HEADER_NAMES, HEADER_VALUES), max_size=6))
+    body = draw(st.binary(max_size=64))
+    lines = [b" ".join(part for part in (method, target, version) if part)]
+    lines += [name + b": " + value for name, value in headers
+              if not (honest_length and name.lower().strip() in (b"content-length", b"transfer-encoding", b"expect"))]
+    if honest_length or draw(st.booleans()):
+        lines.append(b"Content-Length: %d" % len(body))
+    return b"\r\n".join(lines) + b"\r\n\r\n" + body
+
+
+@settings(max_examples=300, deadline=None)
+@given(hostile_requests())
+def test_the_readers_parse_of_any_head_answers_or_declines(request):
+    head = RequestHead.parse(request, request.find(b"\r\n\r\n") + 4)
+    if head is not None:  # what it took is plain: the handler path would read the same
+        assert request.startswith(f"{head.method} {head.target} HTTP/1.".encode("latin-1"))
+        assert head.path.startswith("/") and request.endswith(head.body)
+        assert int(head.headers.get("Content-Length", "0")) == len(head.body)
+        assert all(len(head.headers.get_all(name, [])) <= 1 for name in ("Host", "Content-Length", "Origin"))
 
 
 @pytest.mark.linux("TCP_INFO and SIOCOUTQ count a socket's bytes")
@@ -179,6 +218,41 @@ def test_a_child_dying_mid_write_leaves_the_supervisor_knowing_what_the_client_h
     whole = [*events, cut] if cut_at else events  # an event not begun is not the client's
     assert body == untagged(b"".join(whole))
     assert view.stream.tokens == [12, 7, 9, *([44] if cut_at else [])]
+
+
+def answer_to(port: int, request: bytes) -> bytes:
+    """What the public port sends back for raw ``request`` before it closes (bounded)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=15) as sock:
+        sock.sendall(request)
+        received = b""
+        try:
+            while chunk := sock.recv(65536):
+                received += chunk
+        except (ConnectionResetError, TimeoutError):
+            pass
+        return received
+
+
+@pytest.mark.linux("the hand-off needs the kernel's count of a socket's bytes")
+def test_hostile_heads_at_the_public_port_hurt_neither_it_nor_the_child(start_supervisor):
+    supervised = start_supervisor()
+    child_pid = supervised.wait_ready()
+    requests = []
+
+    @settings(max_examples=40, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @given(hostile_requests(honest_length=True))
+    def collect(request):
+        requests.append(request)
+
+    collect()
+    for request in requests:
+        answer = answer_to(supervised.port, request)
+        # An HTTP answer; for a request line with no version, http.server's HTTP/0.9 error
+        # page (no status line); or a close.
+        assert answer == b"" or answer.startswith((b"HTTP/1.", b"<!DOCTYPE HTML>")), (request, answer[:200])
+    assert supervised.ready_child() == child_pid  # the same child, still ready
+    plain = httpx.post(supervised.url + COMPLETIONS, json=chat_body(max_tokens=4), timeout=30)
+    assert plain.status_code == 200 and passed_counts(supervised.url)["handed_off"] >= 1
 
 
 def passed_counts(url: str) -> dict[str, float]:
