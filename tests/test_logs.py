@@ -9,7 +9,7 @@ import sys
 
 import httpx
 
-from conftest import REPO, chat_body
+from conftest import REPO, chat_body, poll
 
 
 def test_every_line_is_json_and_stock_records_carry_the_request_id(start_server):
@@ -67,9 +67,15 @@ def test_one_access_line_with_the_status_the_client_got(start_server):
     assert response.status_code == 500, response.text
     served = httpx.post(server.url + "/v1/chat/completions", json=chat_body(max_tokens=4), timeout=30)
     assert served.status_code == 200
-    lines = server.events("http_access")
-    statuses = {}
-    for line in lines:
-        if line.get("request_id"):
-            statuses.setdefault(line["request_id"], []).append(line["line"].rsplit('" ', 1)[1].split()[0])
-    assert list(statuses.values()) == [["500"], ["200"]], statuses
+
+    def statuses() -> dict[str, list[str]]:
+        by_request: dict[str, list[str]] = {}
+        for line in server.events("http_access"):
+            if line.get("request_id"):
+                by_request.setdefault(line["request_id"], []).append(line["line"].rsplit('" ', 1)[1].split()[0])
+        return by_request
+
+    # The access line is written once the answer has been sent, so the client
+    # can read its 200 before the line is in the log: wait for the second one.
+    poll(lambda: served.json()["id"] in statuses(), timeout=10, what="the served request's access line")
+    assert list(statuses().values()) == [["500"], ["200"]], statuses()
