@@ -22,13 +22,14 @@ CONCERNS = {"access", "admission", "config", "distributed", "engine", "health", 
             "quarantine", "serving", "stock", "supervise"}
 # The modules at the package's root: the public face, the plugin machinery, what every layer shares.
 ROOT_MODULES = {"__init__", "__main__", "cli", "hookspecs", "plugin_manager", "engine_view", "errors",
-                "exit_codes", "relay_protocol", "handoff", "request_context", "demo_model"}
+                "exit_codes", "relay_protocol", "handoff", "request_context", "demo_model", "long_lived"}
 
 # Bottom to top. A module belongs to the longest prefix listed; ``guardian`` is
 # the package's __init__ (hookimpl, EngineView, GuardianError: what plugins import).
 LAYERS = (
     # Leaves: they import nothing of guardian.
-    {"guardian.observability", "guardian.exit_codes", "guardian.relay_protocol", "guardian.hookspecs"},
+    {"guardian.observability", "guardian.exit_codes", "guardian.relay_protocol", "guardian.hookspecs",
+     "guardian.long_lived"},
     # What every layer reads: errors, the configuration, the request a thread serves.
     # The hand-off (both ends, like the relay protocol it carries).
     {"guardian.errors", "guardian.config", "guardian.request_context", "guardian.demo_model", "guardian.handoff"},

@@ -269,6 +269,8 @@ def test_supervised_without_keys_the_network_is_refused_and_loopback_served(netn
     assert started["access"] == "protected"
     [child_started] = server.events("server_started")
     assert child_started["access"] == "supervised_child" and child_started["host"] == "127.0.0.1"
+    # Both processes freeze what they started with (guardian.long_lived).
+    assert started["frozen_objects"] > 0 and child_started["frozen_objects"] > 20_000
     assert_protected(netns, server)
     # The child listens on loopback only: the namespace cannot reach it at all.
     child_port = httpx.get(server.url + "/guardian/supervisor", timeout=5).json()["child"]["port"]

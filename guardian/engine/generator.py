@@ -22,7 +22,7 @@ from typing import Callable, Optional
 import mlx.core as mx
 import structlog
 
-from guardian import stock
+from guardian import long_lived, stock
 from guardian.config.registry import EXIT, RELOAD, RESTART
 from guardian.engine.failures import FailureHandler
 from guardian.engine.ledger import RequestLedger, RequestRecord, Stage
@@ -276,6 +276,8 @@ class GuardianEngine(stock.loop.GuardedResponseGenerator):
             # A full collection (the tail of a restart) only where clearing the
             # frames freed no arrays, or before the weights are read again.
             full_gc = released <= 0 or action == RELOAD
+            if action == RELOAD:  # the old weights were frozen at start (guardian.long_lived)
+                long_lived.thaw()
             gc.collect(2 if full_gc else 1)
             self.restart_clock.note(released_bytes=released, full_gc=full_gc)
             self.restart_clock.mark("gc")

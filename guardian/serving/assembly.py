@@ -37,7 +37,7 @@ from guardian.health.parent_watch import die_with_parent
 from guardian.health.stall_detection import StallDetector
 from guardian.engine_view import EngineView
 from guardian.plugin_manager import notify
-from guardian import handoff
+from guardian import handoff, long_lived
 from guardian.relay_protocol import started_by_supervisor
 
 log = structlog.get_logger("guardian.server")
@@ -120,6 +120,9 @@ def serve(host: str, port: int, model_provider, config: Union[GuardianConfig, Li
     channel = handoff.child_channel()
     if channel is not None:  # our supervisor hands us its clients' connections
         httpd.take_handoffs(channel)
+    # Before the loop starts: what exists now (the model, every module) lives
+    # as long as the process, and no full collection need walk it again.
+    frozen_objects = long_lived.freeze()
     served.start()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: exit_request(EXIT_OK))
@@ -139,6 +142,7 @@ def serve(host: str, port: int, model_provider, config: Union[GuardianConfig, Li
         access=door.mode,
         api_keys=len(door.keys.names),
         allowed_origins=door.origins.describe(),
+        frozen_objects=frozen_objects,
     )
     announce(door)
     code = exit_request.wait()

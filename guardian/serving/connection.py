@@ -36,6 +36,7 @@ import socket
 import ssl
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Optional
 
@@ -63,6 +64,10 @@ HEADERS_END = b"\r\n\r\n"
 TICK_S = 0.25
 # Connections accepted in one go before the reader reads the others again.
 ACCEPT_BATCH = 64
+# Connections expired in one go: a wave of them (a flood opened together times
+# out together) is let go a batch a loop, with the other connections' reads,
+# accepts and /health between batches.
+EXPIRE_BATCH = 256
 # Answers the reader writes itself go out within this, or are dropped.
 REFUSAL_SEND_TIMEOUT_S = 1.0
 
@@ -153,7 +158,7 @@ class Incoming:
     """One connection the reader holds until its request is complete."""
 
     __slots__ = ("sock", "address", "accepted_at", "buffer", "headers_end", "headers_at", "needed",
-                 "handshaking", "tls_checked", "handed_off")
+                 "handshaking", "tls_checked", "handed_off", "held", "__weakref__")
 
     def __init__(self, sock: socket.socket, address, tls: bool):
         self.sock = sock
@@ -167,6 +172,7 @@ class Incoming:
         self.tls_checked = not tls
         # A connection the supervisor handed over, its request read (guardian.handoff).
         self.handed_off: Optional[handoff.Received] = None
+        self.held = False  # in the reader's selector, its deadline running
 
     def deadline(self, limits: ConnectionLimits) -> tuple[float, bool]:
         """(when this connection expires, whether it gets a 408 then)."""
@@ -295,6 +301,14 @@ class RequestReader:
         self._timers: list = []
         self._timer_ids = itertools.count()
         self._next_expiry_pass = 0.0
+        # (deadline, seq, weak reference to an Incoming) of every connection
+        # held, soonest first; an entry is checked when it comes due (the
+        # connection may have moved on to a later deadline, or be gone), so a
+        # pass looks at the due ones only. Weak: a request handed to a handler
+        # leaves its buffer to be freed, not kept until its entry comes due.
+        self._deadlines: list = []
+        self._deadline_ids = itertools.count()
+        self._limits: Optional[ConnectionLimits] = None
         self._stopped = False
         self.held = 0
         self.thread = threading.Thread(target=self._run, name="http-reader", daemon=True)
@@ -415,8 +429,10 @@ class RequestReader:
                     else:
                         self._on_readable(key.data)
                 self._take_arrivals()
-                self._expire()
+                more_due = self._expire()
                 wait = self._run_timers()
+                if more_due:
+                    wait = 0.0
         except Exception:  # noqa: BLE001 - the server must not go deaf silently
             log.exception("http_reader_crashed")
         finally:
@@ -495,6 +511,15 @@ class RequestReader:
             close_quietly(sock)
             return
         self.held += 1
+        incoming.held = True
+        self._schedule(incoming)
+
+    def _schedule(self, incoming: Incoming) -> None:
+        """Put ``incoming``'s deadline as it now stands in the queue (its phase changed)."""
+        if self._limits is None:
+            self._limits = snapshot(self.server.limits)
+        heapq.heappush(self._deadlines, (incoming.deadline(self._limits)[0], next(self._deadline_ids),
+                                         weakref.ref(incoming)))
 
     def _forget(self, incoming: Incoming) -> None:
         with self._lock:
@@ -503,12 +528,14 @@ class RequestReader:
             except (KeyError, ValueError, OSError):
                 pass
         self.held -= 1
+        incoming.held = False  # its queued deadlines are dropped as they come due
 
     def _on_readable(self, incoming: Incoming) -> None:
         if not incoming.tls_checked and not self._check_tls(incoming):
             return
         if incoming.handshaking and not self._handshake(incoming):
             return
+        phase = (bool(incoming.buffer), incoming.headers_end)
         try:
             while True:
                 chunk = incoming.sock.recv(READ_BYTES)
@@ -526,6 +553,8 @@ class RequestReader:
             close_quietly(incoming.sock)
             return
         self._advance(incoming)
+        if incoming.held and phase != (bool(incoming.buffer), incoming.headers_end):
+            self._schedule(incoming)  # its first bytes, or its whole headers: another deadline
 
     def _check_tls(self, incoming: Incoming) -> bool:
         """The first byte of a TLS port's connection: a handshake, or plain HTTP to refuse."""
@@ -595,23 +624,31 @@ class RequestReader:
             self._forget(incoming)
             self.server.dispatch(incoming)
 
-    def _expire(self) -> None:
-        # A pass looks at every connection held: at most once a tick, however
-        # many events (a flood of trickling clients) wake the loop meanwhile.
+    def _expire(self) -> bool:
+        """Let the connections whose deadline has passed go; whether more are due
+        than one batch let go (the loop comes back at once, after its events)."""
+        # A pass at most once a tick, however many events (a flood of
+        # trickling clients) wake the loop meanwhile, unless a batch is left.
         now = time.monotonic()
         if now < self._next_expiry_pass:
-            return
+            return False
         self._next_expiry_pass = now + TICK_S
         # Read once a pass: a live view's attribute costs microseconds, times every connection.
         limits = snapshot(self.server.limits)
-        with self._lock:
-            keys = list(self.selector.get_map().values())
-        for key in keys:
-            incoming = key.data
-            if not isinstance(incoming, Incoming):
+        if limits != self._limits:  # changed live: every deadline again, by the new limits
+            self._limits = limits
+            self._deadlines = [(incoming.deadline(limits)[0], seq, ref) for _, seq, ref in self._deadlines
+                               if (incoming := ref()) is not None and incoming.held]
+            heapq.heapify(self._deadlines)
+        expired = 0
+        while self._deadlines and self._deadlines[0][0] <= now:
+            ref = heapq.heappop(self._deadlines)[2]
+            incoming = ref()
+            if incoming is None or not incoming.held:
                 continue
             deadline, answered = incoming.deadline(limits)
-            if now < deadline:
+            if now < deadline:  # moved on to a later phase since this entry
+                heapq.heappush(self._deadlines, (deadline, next(self._deadline_ids), ref))
                 continue
             if answered and not incoming.handshaking:
                 phase = "headers" if incoming.headers_end < 0 else "body"
@@ -621,6 +658,11 @@ class RequestReader:
                 close_quietly(incoming.sock)
             self.server.count_closed("timeout_" + ("idle" if not incoming.buffer else
                                                    "headers" if incoming.headers_end < 0 else "body"))
+            expired += 1
+            if expired >= EXPIRE_BATCH:
+                self._next_expiry_pass = now
+                return True
+        return False
 
     def _refuse(self, incoming: Incoming, status: int, code: str, message: str) -> None:
         self._forget(incoming)

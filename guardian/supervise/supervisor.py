@@ -48,7 +48,7 @@ from guardian.exit_codes import EXIT_OK, EXIT_SUPERVISOR_GAVE_UP, EXIT_USAGE
 from guardian.observability.logs import configure_logging
 from guardian.access import announce, make_door
 from guardian.access.tls import ServerCertificate, load_certificate
-from guardian import handoff
+from guardian import handoff, long_lived
 from guardian.relay_protocol import KEY_HEADER, RELAY_KEY_ENV, new_relay_key
 from guardian.serving.connection import HANDLER_HEADROOM, ConnectionLimits
 from guardian.supervise.proxy import CHILD_CONNECT_TIMEOUT_S, CHILD_HOST, PublicServer
@@ -184,13 +184,15 @@ class Supervisor:
             log.critical("supervisor_bind_failed", host=self.options.host, port=self.options.port,
                          error_message=str(e))
             return EXIT_USAGE
+        frozen_objects = long_lived.freeze()  # as a served model's process does
         threading.Thread(target=self.httpd.serve_forever, args=(HTTP_POLL_S,), name="http",
                          daemon=True).start()
         self.door.keys.follow()
         self.follow_access()
         log.info("supervisor_started", host=self.options.host, port=self.httpd.server_address[1],
                  engine=self.settings.engine, pid=os.getpid(), scheme=self.httpd.scheme, access=self.door.mode,
-                 api_keys=len(self.door.keys.names), allowed_origins=self.door.origins.describe())
+                 api_keys=len(self.door.keys.names), allowed_origins=self.door.origins.describe(),
+                 frozen_objects=frozen_objects)
         announce(self.door)
         self.spawn_child()
         while not (self.exit_code is not None and self.child is None):
