@@ -1,13 +1,25 @@
 """What the door holds under a flood of idle and slow connections: stock, the guardian, --supervise.
 
-For each server, one after the other in one run, on the same demo model:
+For each server, one after the other in one run, on the same demo model, three
+phases of ``--seconds`` each, sampled all through (a ``/health`` GET and a
+streaming request's time to first token, ten times a second):
 
-1. unloaded: ``/health`` latency (sequential GETs) and a streaming request's
-   time to first token, with the server's threads and resident memory;
-2. loaded: the same, while an attacker holds ``--connections`` connections
-   open (10,000 by default): half send nothing, half send half a request
-   line and then a byte every second. Each connection the server closes is
-   opened again at once, so the pressure lasts the whole phase.
+1. unloaded;
+2. twin flooded: an attacker holds ``--connections`` connections (10,000 by
+   default) open to a second server of the same kind on the same machine,
+   not to this one;
+3. held: the same attacker, on this server.
+
+The attacker runs in a process of its own. Half its connections send
+nothing, half send half a request line and then a byte every second; each
+connection the server closes is opened again at once, so the pressure lasts
+the whole phase (and a server's timeouts come in waves: sampling all through a
+phase meets them as often as they happen, a single burst of samples might not).
+
+Phase 2 is the control. On a small machine the attacker and its twin take CPU
+from the measuring client too, so time to first token rises whatever the
+server does; "held ÷ twin" is what the door itself costs, "held ÷ unloaded"
+what a client sees on this machine.
 
 Targets (issue 22): /health p99 under 50 ms; time to first token within 10 %
 of the unloaded run; threads within the handler cap; resident memory growth
@@ -26,11 +38,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import os
 import resource
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -38,13 +50,18 @@ import httpx
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from servers import Server, free_port  # noqa: E402
+from servers import Server, free_port, poll_until  # noqa: E402
 from stats import environment, percentile  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-HEALTH_SAMPLES = 200
-TTFT_SAMPLES = 12
+SAMPLE_EVERY_S = 0.1
+UNLOADED_SAMPLES_MIN = 100
 BODY = {"messages": [{"role": "user", "content": "Say something."}], "max_tokens": 4, "stream": True}
+COMMANDS = {
+    "stock": [sys.executable, "-m", "mlx_lm", "server"],
+    "guardian": [sys.executable, "-m", "guardian"],
+    "supervise": [sys.executable, "-m", "guardian", "--supervise"],
+}
 
 
 def raise_file_limit() -> int:
@@ -70,131 +87,183 @@ def threads_and_rss(pid: int) -> tuple[int, int]:
     return threads, rss
 
 
-def measure(url: str) -> dict:
-    """/health latencies and streaming times to first token."""
+class Peaks:
+    """A server tree's most threads and resident memory, sampled as a phase goes."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+        self.threads_before, self.rss_before = threads_and_rss(pid)
+        self.threads, self.rss = self.threads_before, self.rss_before
+
+    def sample(self) -> None:
+        threads, rss = threads_and_rss(self.pid)
+        self.threads, self.rss = max(self.threads, threads), max(self.rss, rss)
+
+
+def time_to_first_token(client: httpx.Client, url: str) -> float | None:
+    started = time.perf_counter()
+    first = None
+    with client.stream("POST", url + "/v1/chat/completions", json=BODY) as response:
+        for line in response.iter_lines():
+            if first is None and line.startswith("data: {"):
+                first = time.perf_counter() - started
+    return first
+
+
+def measure(url: str, seconds: float, on_sample=None, min_samples: int = 0) -> dict:
+    """/health latencies and streaming times to first token, sampled every
+    SAMPLE_EVERY_S for ``seconds`` (and at least ``min_samples`` times)."""
     health, ttft, failures = [], [], 0
     # A request that takes this long is a failure, counted: a server that stops
     # answering under the flood must not stall the benchmark for hours.
     with httpx.Client(timeout=5) as client:
-        for _ in range(HEALTH_SAMPLES):
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline or len(ttft) + failures < min_samples:
+            next_at = time.monotonic() + SAMPLE_EVERY_S
             started = time.perf_counter()
             try:
                 ok = client.get(url + "/health").status_code == 200
             except httpx.HTTPError:
                 ok = False
             health.append(time.perf_counter() - started)
-            failures += not ok
-            if failures > 10:
-                break
-        for _ in range(TTFT_SAMPLES):
-            started = time.perf_counter()
             try:
-                with client.stream("POST", url + "/v1/chat/completions", json=BODY) as response:
-                    first = None
-                    for line in response.iter_lines():
-                        if first is None and line.startswith("data: {"):
-                            first = time.perf_counter() - started
-                    if first is not None:
-                        ttft.append(first)
+                first = time_to_first_token(client, url)
+                if first is not None:
+                    ttft.append(first)
+                else:
+                    failures += 1
             except httpx.HTTPError:
                 failures += 1
+            failures += not ok
+            if on_sample is not None:
+                on_sample()
+            time.sleep(max(0.0, next_at - time.monotonic()))  # the sampling pace
     return {"health_p50_ms": 1000 * percentile(health, 50), "health_p99_ms": 1000 * percentile(health, 99),
             "ttft_p50_ms": 1000 * percentile(ttft, 50) if ttft else None,
-            "ttft_p99_ms": 1000 * percentile(ttft, 99) if ttft else None, "failures": failures}
+            "ttft_p99_ms": 1000 * percentile(ttft, 99) if ttft else None,
+            "samples": len(health), "failures": failures}
 
 
 class Attacker:
-    """Holds ``count`` connections to a port in its own thread (asyncio): half idle,
-    half sending a request line a byte a second; reopens whatever the server closes."""
+    """Holds ``count`` connections to a port from a process of its own (asyncio):
+    half idle, half sending a request line a byte a second; reopens whatever the
+    server closes. Its own process: its event loop never takes turns at the
+    measuring client's GIL."""
 
     def __init__(self, port: int, count: int):
-        self.port = port
-        self.count = count
-        self.open = 0
-        self.reopened = 0
-        self.refused = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=lambda: asyncio.run(self._main()), daemon=True)
+        context = multiprocessing.get_context("spawn")
+        self._counts = context.Array("q", 3)  # open, reopened, refused
+        self._stop = context.Event()
+        self._process = context.Process(target=attack, args=(port, count, self._counts, self._stop),
+                                        daemon=True)
+
+    open = property(lambda self: self._counts[0])
+    reopened = property(lambda self: self._counts[1])
+    refused = property(lambda self: self._counts[2])
 
     def start(self) -> None:
-        self._thread.start()
+        self._process.start()
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=30)
+        self._process.join(timeout=30)
+        if self._process.is_alive():
+            self._process.kill()
+            self._process.join()
 
-    async def _main(self) -> None:
-        tasks = [asyncio.create_task(self._hold(i % 2 == 1)) for i in range(self.count)]
-        while not self._stop.is_set():
-            await asyncio.sleep(0.2)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _hold(self, slow: bool) -> None:
-        while not self._stop.is_set():
+def attack(port: int, count: int, counts, stop) -> None:
+    """The attacker process: ``count`` connections until ``stop`` is set."""
+    raise_file_limit()
+
+    async def hold(slow: bool) -> None:
+        while not stop.is_set():
             try:
-                reader, writer = await asyncio.open_connection("127.0.0.1", self.port)
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
             except OSError:
-                self.refused += 1
+                counts[2] += 1
                 await asyncio.sleep(0.5)
                 continue
-            self.open += 1
+            counts[0] += 1
             try:
                 if slow:
                     for byte in b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n":
                         writer.write(bytes([byte]))
                         await writer.drain()
-                        if await self._closed_within(reader, 1.0):
+                        if await closed_within(reader, 1.0):
                             break
                 else:
                     await reader.read(1)  # returns when the server closes
             except (OSError, asyncio.CancelledError):
                 pass
             finally:
-                self.open -= 1
+                counts[0] -= 1
                 writer.close()
-            self.reopened += 1
+            counts[1] += 1
 
-    @staticmethod
-    async def _closed_within(reader, seconds: float) -> bool:
+    async def closed_within(reader, seconds: float) -> bool:
         try:
             await asyncio.wait_for(reader.read(1024), seconds)  # an answer (408) or the close
             return True
         except asyncio.TimeoutError:
             return False
 
+    async def main() -> None:
+        tasks = [asyncio.create_task(hold(i % 2 == 1)) for i in range(count)]
+        while not stop.is_set():
+            await asyncio.sleep(0.2)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    asyncio.run(main())
+
+
+def start_server(kind: str, model: str, log_path: Path) -> Server:
+    port = free_port()
+    server = Server(kind, [*COMMANDS[kind], "--model", model, "--port", str(port)], port, log_path,
+                    {**os.environ, "HF_HUB_OFFLINE": "1"})
+    if not server.wait_ready(120):
+        server.stop()
+        raise RuntimeError(f"{kind} did not start: {server.log_tail()}")
+    return server
+
+
+def flooded(port: int, connections: int, on_sample=lambda: None) -> Attacker:
+    """An attacker on ``port``, once its connections are open (or 15 s have passed)."""
+    attacker = Attacker(port, connections)
+    attacker.start()
+    poll_until(lambda: on_sample() or attacker.open >= connections, 15, interval=0.2)
+    return attacker
+
 
 def run_server(kind: str, model: str, folder: Path, connections: int, seconds: float) -> dict:
-    port = free_port()
-    commands = {
-        "stock": [sys.executable, "-m", "mlx_lm", "server", "--model", model],
-        "guardian": [sys.executable, "-m", "guardian", "--model", model],
-        "supervise": [sys.executable, "-m", "guardian", "--supervise", "--model", model],
-    }
-    server = Server(kind, [*commands[kind], "--port", str(port)], port, folder / f"{kind}.log",
-                    {**os.environ, "HF_HUB_OFFLINE": "1"})
+    server = start_server(kind, model, folder / f"{kind}.log")
     try:
-        if not server.wait_ready(120):
-            raise RuntimeError(f"{kind} did not start: {server.log_tail()}")
-        measure(server.url)  # warm: compiled kernels, the prompt cache
-        threads_before, rss_before = threads_and_rss(server.proc.pid)
-        unloaded = measure(server.url)
-        attacker = Attacker(port, connections)
-        attacker.start()
-        deadline = time.monotonic() + seconds
-        peak_threads, peak_rss, held = threads_before, rss_before, 0
-        while time.monotonic() < deadline:
-            threads, rss = threads_and_rss(server.proc.pid)
-            peak_threads, peak_rss, held = max(peak_threads, threads), max(peak_rss, rss), max(held, attacker.open)
-            time.sleep(0.5)
-        loaded = measure(server.url) if server.alive() else {"failures": "server died"}
-        threads, rss = threads_and_rss(server.proc.pid)
-        peak_threads, peak_rss = max(peak_threads, threads), max(peak_rss, rss)
+        measure(server.url, 0, min_samples=10)  # warm: compiled kernels, the prompt cache
+        peaks = Peaks(server.proc.pid)
+        unloaded = measure(server.url, seconds, min_samples=UNLOADED_SAMPLES_MIN)
+        twin = start_server(kind, model, folder / f"{kind}-twin.log")
+        try:
+            attacker = flooded(twin.port, connections)
+            beside = measure(server.url, seconds)
+            attacker.stop()
+        finally:
+            twin.stop()
+        held = [0]
+
+        def on_sample() -> None:
+            peaks.sample()
+            held.append(attacker.open if attacker is not None else 0)
+
+        attacker = None
+        attacker = flooded(server.port, connections, on_sample)
+        loaded = measure(server.url, seconds, on_sample) if server.alive() else {"failures": "server died"}
         attacker.stop()
-        return {"server": kind, "unloaded": unloaded, "loaded": loaded, "threads_before": threads_before,
-                "threads_peak": peak_threads, "rss_growth_mb": (peak_rss - rss_before) / 2**20,
-                "attacker_open_peak": held, "attacker_reopened": attacker.reopened,
+        return {"server": kind, "unloaded": unloaded, "twin_flooded": beside, "loaded": loaded,
+                "threads_before": peaks.threads_before, "threads_peak": peaks.threads,
+                "rss_growth_mb": (peaks.rss - peaks.rss_before) / 2**20,
+                "attacker_open_peak": max(held), "attacker_reopened": attacker.reopened,
                 "attacker_refused": attacker.refused, "alive": server.alive()}
     finally:
         server.stop()
@@ -204,15 +273,24 @@ def table(results: list[dict], connections: int) -> str:
     def ms(phase: dict, key: str) -> str:
         return f"{phase[key]:.1f} ms" if phase.get(key) is not None else "-"
 
-    lines = [f"| server | /health p99 unloaded | /health p99, {connections:,} held | TTFT p50 unloaded "
-             "| TTFT p50 held | TTFT ratio | threads (peak) | RSS growth | attacker's connections open (peak) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    def failed(phase: dict) -> str:
+        # Each sample is a /health GET and a streamed request; a client gives up after 5 s.
+        return f"{phase['failures']} of {2 * phase['samples']}" if "samples" in phase else str(phase["failures"])
+
+    def ratio(r: dict, over: str) -> str:
+        held, base = r["loaded"].get("ttft_p50_ms"), r[over].get("ttft_p50_ms")
+        return f"{held / base:.2f}" if held and base else "-"
+
+    lines = [f"| server | /health p99: unloaded | twin flooded | {connections:,} held "
+             "| TTFT p50: unloaded | twin flooded | held | held ÷ twin | held ÷ unloaded "
+             "| requests failed, held | threads (peak) | RSS growth | attacker's connections open (peak) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
-        u, l = r["unloaded"], r["loaded"]
-        ratio = f"{l['ttft_p50_ms'] / u['ttft_p50_ms']:.2f}" if l.get("ttft_p50_ms") and u.get("ttft_p50_ms") else "-"
-        lines.append(f"| {r['server']} | {ms(u, 'health_p99_ms')} | {ms(l, 'health_p99_ms')} | "
-                     f"{ms(u, 'ttft_p50_ms')} | {ms(l, 'ttft_p50_ms')} | {ratio} | "
-                     f"{r['threads_before']} -> {r['threads_peak']} | {r['rss_growth_mb']:.0f} MB | "
+        u, t, l = r["unloaded"], r["twin_flooded"], r["loaded"]
+        lines.append(f"| {r['server']} | {ms(u, 'health_p99_ms')} | {ms(t, 'health_p99_ms')} | "
+                     f"{ms(l, 'health_p99_ms')} | {ms(u, 'ttft_p50_ms')} | {ms(t, 'ttft_p50_ms')} | "
+                     f"{ms(l, 'ttft_p50_ms')} | **{ratio(r, 'twin_flooded')}** | {ratio(r, 'unloaded')} | "
+                     f"{failed(l)} | {r['threads_before']} -> {r['threads_peak']} | {r['rss_growth_mb']:.0f} MB | "
                      f"{r['attacker_open_peak']:,} |")
     return "\n".join(lines)
 
@@ -223,23 +301,44 @@ def plot(results: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
     names = [r["server"] for r in results]
-    for ax, (key, title) in zip(axes, [("health_p99_ms", "/health p99 (ms)"), ("ttft_p50_ms", "TTFT p50 (ms)")]):
-        unloaded = [r["unloaded"].get(key) or 0 for r in results]
-        loaded = [r["loaded"].get(key) or 0 for r in results]
-        x = range(len(names))
-        ax.bar([i - 0.2 for i in x], unloaded, 0.4, label="unloaded")
-        ax.bar([i + 0.2 for i in x], loaded, 0.4, label="connections held")
+    x = range(len(names))
+    phases = [("unloaded", "unloaded"), ("twin_flooded", "flood on a twin"), ("loaded", "connections held")]
+    for ax, (key, title, log_scale) in zip(axes, [("health_p99_ms", "/health p99 (ms)", True),
+                                                  ("ttft_p50_ms", "time to first token, p50 (ms)", False)]):
+        for offset, (phase, label) in zip((-0.27, 0, 0.27), phases):
+            values = [r[phase].get(key) for r in results]
+            ax.bar([i + offset for i in x], [v or 0 for v in values], 0.27, label=label)
+            for i, value in enumerate(values):
+                if value is None:  # nothing answered within the client's 5 s
+                    ax.text(i + offset, 0.5, "none\nin 5 s", ha="center", va="bottom", fontsize=7,
+                            transform=ax.get_xaxis_transform())
+        if log_scale:
+            ax.set_yscale("log")
+            ax.axhline(50, color="grey", linestyle="--", linewidth=0.8)
+            ax.text(len(names) - 0.5, 50, "target", color="grey", fontsize=7, va="bottom", ha="right")
         ax.set_xticks(list(x), names)
         ax.set_title(title)
-        ax.set_yscale("log")
-        ax.legend()
+        ax.legend(fontsize=8)
     axes[2].bar(names, [r["threads_peak"] for r in results])
     axes[2].set_yscale("log")
-    axes[2].set_title("threads (peak)")
+    axes[2].set_title("threads (peak, connections held)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def write_results(results: list[dict], connections: int, environment_line: str) -> str:
+    """The table, the JSON and the plot under bench/results; the table."""
+    report = table(results, connections)
+    (RESULTS / "door_load.json").write_text(json.dumps(
+        {"environment": environment_line, "connections": connections, "results": results}, indent=1))
+    (RESULTS / "door_load.md").write_text(f"{environment_line}\n\n{report}\n")
+    try:
+        plot(results, RESULTS / "door_load.png")
+    except ImportError:
+        print("matplotlib is not installed: no plot")
+    return report
 
 
 def main() -> None:
@@ -247,7 +346,13 @@ def main() -> None:
     parser.add_argument("--connections", type=int, default=10_000)
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--servers", default="stock,guardian,supervise")
+    parser.add_argument("--render", action="store_true",
+                        help="only write the table and plot again from bench/results/door_load.json")
     args = parser.parse_args()
+    if args.render:
+        saved = json.loads((RESULTS / "door_load.json").read_text())
+        print(write_results(saved["results"], saved.get("connections", args.connections), saved["environment"]))
+        return
     limit = raise_file_limit()
     print(f"file limit {limit}; {environment()}")
     from guardian.demo_model import ensure_demo_model
@@ -260,14 +365,7 @@ def main() -> None:
         print(f"{kind}: {args.connections:,} connections for {args.seconds:g} s (logs in {logs}) ...", flush=True)
         results.append(run_server(kind, model, logs, args.connections, args.seconds))
         print(json.dumps(results[-1]), flush=True)
-    report = table(results, args.connections)
-    print(report)
-    (RESULTS / "door_load.json").write_text(json.dumps({"environment": environment(), "results": results}, indent=1))
-    (RESULTS / "door_load.md").write_text(f"{environment()}\n\n{report}\n")
-    try:
-        plot(results, RESULTS / "door_load.png")
-    except ImportError:
-        print("matplotlib is not installed: no plot")
+    print(write_results(results, args.connections, environment()))
 
 
 if __name__ == "__main__":
