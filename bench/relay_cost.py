@@ -31,7 +31,13 @@ wake-up), in turn. The thread's CPU time per event is the figure.
 
     .venv/bin/python bench/relay_cost.py                 # 1-3 min, a markdown table
     .venv/bin/python bench/relay_cost.py --rounds 4 --json
+    .venv/bin/python bench/relay_cost.py --steady 5 --rounds 3 --modes stream
     .venv/bin/python bench/relay_cost.py --per-event     # ~20 s
+
+``--steady S`` measures S seconds of continuous load per server and round
+instead of a burst: the window opens once every client is under way and
+closes before any stops, so no burst's ramp or tail (where the servers idle
+and any ratio is near 1) is in it.
 
 It is a benchmark, not a test: it never runs with the test suite.
 """
@@ -46,6 +52,8 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
+import itertools
 import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
@@ -141,6 +149,61 @@ def burst(server: Server, prompts: list[str], clients: int, max_tokens: int, str
     return result
 
 
+def steady(server: Server, serial: int, clients: int, max_tokens: int, stream: bool, seconds: float,
+           warmup_s: float = 2.0) -> dict:
+    """``clients`` looping clients, each sending request after request; measured over a
+    window of ``seconds`` once they all run, so no burst's ramp up or tail is in it.
+
+    Streamed tokens are counted as they arrive (one per content event: the demo model's);
+    a non-streamed answer's tokens when it arrives.
+    """
+    counted = [0, 0]  # tokens, requests
+    lock = threading.Lock()
+    stop = threading.Event()
+    numbers = itertools.count(serial)
+
+    def client_loop() -> None:
+        with httpx.Client(timeout=300) as client:
+            while not stop.is_set():
+                body = {"messages": [{"role": "user", "content": f"Request {next(numbers)}. " + SENTENCE * 4}],
+                        "max_tokens": max_tokens, "stream": stream}
+                if stream:
+                    with client.stream("POST", server.url + "/v1/chat/completions", json=body) as response:
+                        for line in response.iter_lines():
+                            if line.startswith("data: {") and '"content": "' in line:
+                                with lock:
+                                    counted[0] += 1
+                else:
+                    response = client.post(server.url + "/v1/chat/completions", json=body)
+                    with lock:
+                        counted[0] += response.json()["usage"]["completion_tokens"]
+                with lock:
+                    counted[1] += 1
+
+    pid, child = server.proc.pid, child_pid(server)
+    threads = [threading.Thread(target=client_loop, daemon=True) for _ in range(clients)]
+    for thread in threads:
+        thread.start()
+    time.sleep(warmup_s)  # every client under way (a benchmark's pace, not a wait for a condition)
+    with lock:
+        tokens_before, requests_before = counted
+    cpu_before = cpu_seconds(pid)
+    child_cpu_before = cpu_seconds(child) if child is not None else None
+    started = time.monotonic()
+    time.sleep(seconds)  # the measured window
+    with lock:
+        tokens, requests = counted[0] - tokens_before, counted[1] - requests_before
+    wall = time.monotonic() - started
+    process_cpu = cpu_seconds(pid) - cpu_before
+    engine_cpu = cpu_seconds(child) - child_cpu_before if child is not None else process_cpu
+    stop.set()
+    for thread in threads:
+        thread.join(timeout=60)
+    return {"tokens": tokens, "requests": max(requests, 1), "wall_s": wall, "tokens_per_s": tokens / wall,
+            "requests_per_s": requests / wall, "load_1min": os.getloadavg()[0],
+            "process_cpu_s": process_cpu, "engine_cpu_s": engine_cpu}
+
+
 def child_pid(server: Server):
     """A supervisor's child, from its status; None for the in-process server."""
     if server.kind == "in-process":
@@ -148,8 +211,10 @@ def child_pid(server: Server):
     return httpx.get(server.url + "/guardian/supervisor", timeout=10).json()["child"]["pid"]
 
 
-def measure(servers: dict, rounds: int, requests: int, clients: int, max_tokens: int, modes=MODES) -> dict:
-    """Round after round, each mode, each server in turn (the order alternates), same prompts."""
+def measure(servers: dict, rounds: int, requests: int, clients: int, max_tokens: int, modes=MODES,
+            steady_s: float = 0.0) -> dict:
+    """Round after round, each mode, each server in turn (the order alternates), same prompts
+    (``steady_s``: a window of continuous load each instead of a burst)."""
     results = {mode: {kind: [] for kind in KINDS} for mode in modes}
     serial = 0
     for round_index in range(rounds):
@@ -158,8 +223,13 @@ def measure(servers: dict, rounds: int, requests: int, clients: int, max_tokens:
             serial += requests
             order = KINDS if (round_index % 2 == 0) else KINDS[::-1]
             for kind in order:
-                results[mode][kind].append(burst(servers[kind], prompts, clients, max_tokens,
-                                                 stream=mode == "stream"))
+                if steady_s:
+                    serial += 10_000
+                    results[mode][kind].append(steady(servers[kind], serial, clients, max_tokens,
+                                                      stream=mode == "stream", seconds=steady_s))
+                else:
+                    results[mode][kind].append(burst(servers[kind], prompts, clients, max_tokens,
+                                                     stream=mode == "stream"))
             print(f"round {round_index + 1}/{rounds} {mode}: " + ", ".join(
                 f"{kind} {results[mode][kind][-1]['tokens_per_s']:.0f} tok/s" for kind in KINDS),
                 file=sys.stderr, flush=True)
@@ -171,6 +241,11 @@ def quartiles(values: list[float]) -> tuple[float, float]:
         return values[0], values[0]
     q = statistics.quantiles(values, n=4)
     return q[0], q[2]
+
+
+def ci95(values: list[float]) -> float:
+    """Half the width of the mean's 95 % interval (normal approximation; 0 for one value)."""
+    return 1.96 * statistics.stdev(values) / len(values) ** 0.5 if len(values) > 1 else 0.0
 
 
 def cpu_per_token(runs: list[dict], key: str) -> float:
@@ -194,6 +269,7 @@ def summarize(results: dict) -> dict:
             ratios = [s["tokens_per_s"] / i["tokens_per_s"] for s, i in zip(runs[kind], runs["in-process"])]
             pooled[kind] += ratios
             row[kind].update(ratio_median=statistics.median(ratios), ratio_range=[min(ratios), max(ratios)],
+                             ratio_mean=statistics.fmean(ratios), ratio_ci95=ci95(ratios),
                              ratio_iqr=list(quartiles(ratios)), rounds=ratios,
                              # Every round's tokens over every round's time: the longest view.
                              ratio_pooled=throughput(runs[kind]) / throughput(runs["in-process"]))
@@ -213,6 +289,7 @@ def summarize(results: dict) -> dict:
                     supervisor_cpu_share=statistics.median(r["process_cpu_s"] / r["wall_s"] for r in supervisor))
         summary[mode] = row
     summary["both"] = {kind: {"ratio_median": statistics.median(ratios), "ratio_range": [min(ratios), max(ratios)],
+                              "ratio_mean": statistics.fmean(ratios), "ratio_ci95": ci95(ratios),
                               "ratio_iqr": list(quartiles(ratios))} for kind, ratios in pooled.items()}
     return summary
 
@@ -225,13 +302,15 @@ def report(data: dict) -> str:
     load = f"; load average {min(loads):.1f}–{max(loads):.1f}" if loads else ""
     lines = [
         f"Relay cost, {data['when']}: {data['environment']}; demo model; {data['clients']} looping clients, "
-        f"bursts of {data['requests']} chat requests, max_tokens={data['max_tokens']}, {data['rounds']} rounds "
+        + (f"{data['steady_s']:g} s of continuous load" if data.get("steady_s") else
+           f"bursts of {data['requests']} chat requests")
+        + f", max_tokens={data['max_tokens']}, {data['rounds']} rounds "
         f"alternating; {pinned}; {data['wall_s'] / 60:.1f} min{load}.",
         "",
         "| requests | supervisor | in-process tok/s | supervised tok/s | ratio (median) | rounds min–max | IQR | "
-        "pooled | CPU per token (in-process ÷ child + supervisor) | supervisor CPU / request | / token | "
+        "mean ± 95 % | pooled | CPU per token (in-process ÷ child + supervisor) | supervisor CPU / request | / token | "
         "supervisor CPU share |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for mode in (*data["results"], "both"):
         for kind in SUPERVISED:
@@ -243,6 +322,7 @@ def report(data: dict) -> str:
             speeds = (f"{data['summary'][mode]['in-process']['tokens_per_s']:.0f} | {row['tokens_per_s']:.0f}"
                       if mode != "both" else " | ")
             how = "hands off" if kind == "supervise" else "relays"
+            mean = f"{row['ratio_mean']:.3f} ± {row['ratio_ci95']:.3f}" if "ratio_mean" in row else ""
             pooled = f"{row['ratio_pooled']:.3f}" if "ratio_pooled" in row else ""
             if "cpu_per_token_ratio" in row:
                 pooled += f" | **{row['cpu_per_token_ratio']:.3f}**"
@@ -252,7 +332,7 @@ def report(data: dict) -> str:
                 pooled += " |"
             lines.append(f"| {mode} | {how} | {speeds} | **{row['ratio_median']:.3f}** | "
                          f"{row['ratio_range'][0]:.3f}–{row['ratio_range'][1]:.3f} | "
-                         f"{row['ratio_iqr'][0]:.3f}–{row['ratio_iqr'][1]:.3f} | {pooled} {cpu}")
+                         f"{row['ratio_iqr'][0]:.3f}–{row['ratio_iqr'][1]:.3f} | {mean} | {pooled} {cpu}")
     return "\n".join(lines)
 
 
@@ -445,6 +525,8 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--requests", type=int, default=48, help="requests in a burst")
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--steady", type=float, default=0.0, metavar="S",
+                        help="measure S seconds of continuous load per server and round, instead of bursts")
     parser.add_argument("--no-pin", action="store_true", help="let servers and clients share every CPU")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="streamed requests, or not, or both")
     parser.add_argument("--json", action="store_true")
@@ -469,7 +551,7 @@ def main() -> None:
         os.sched_setaffinity(0, split[1])  # the clients' threads inherit it
     data = {"when": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "environment": environment(),
             "rounds": args.rounds, "clients": args.clients, "requests": args.requests,
-            "max_tokens": args.max_tokens,
+            "max_tokens": args.max_tokens, "steady_s": args.steady,
             "pinning": {"servers": sorted(split[0]), "client": sorted(split[1])} if split else None}
     with tempfile.TemporaryDirectory(prefix="bench-relay-cost-") as workdir:
         servers = start_servers(model, Path(workdir), split[0] if split else None)
@@ -479,7 +561,7 @@ def main() -> None:
                     burst(server, [f"Warm-up {i}. " + SENTENCE for i in range(args.clients)], args.clients,
                           args.max_tokens, stream=mode == "stream")
             data["results"] = measure(servers, args.rounds, args.requests, args.clients, args.max_tokens,
-                                      args.modes)
+                                      args.modes, args.steady)
         finally:
             for server in servers.values():
                 if server.alive():
