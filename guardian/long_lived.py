@@ -13,7 +13,10 @@ connections, a restarted loop's batch and cache) is collected as before.
 
 A frozen object is still freed when its last reference goes; only a cycle
 of frozen objects would stay. So a reload of the model (which drops the
-old weights) thaws everything first.
+old weights) thaws everything first, and from then on collections walk
+everything again, as before this module, until the process restarts. The
+engine's loop, its batch and its caches are made after the freeze (a
+restarted loop's are collected as ever).
 """
 
 from __future__ import annotations
