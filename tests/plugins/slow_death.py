@@ -46,6 +46,9 @@ class SlowDeath:
         self.released.set()
 
     def _die_slowly(self, signum, frame) -> None:
+        # The server was made before the process froze its start-up objects
+        # (guardian.long_lived), and gc.get_objects() lists no frozen object.
+        gc.unfreeze()
         for server in [o for o in gc.get_objects() if isinstance(o, socketserver.BaseServer)]:
             server.socket.close()
             # Its supervisor's hand-off socket too (guardian.handoff): a dying
