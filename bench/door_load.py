@@ -165,6 +165,8 @@ class Attacker:
         self._process.start()
 
     def stop(self) -> None:
+        if self._process.pid is None:  # never started
+            return
         self._stop.set()
         self._process.join(timeout=30)
         if self._process.is_alive():
@@ -229,12 +231,10 @@ def start_server(kind: str, model: str, log_path: Path) -> Server:
     return server
 
 
-def flooded(port: int, connections: int, on_sample=lambda: None) -> Attacker:
-    """An attacker on ``port``, once its connections are open (or 15 s have passed)."""
-    attacker = Attacker(port, connections)
+def flood(attacker: Attacker, connections: int, on_sample=lambda: None) -> None:
+    """Start ``attacker``; return once its connections are open (or 15 s have passed)."""
     attacker.start()
     poll_until(lambda: on_sample() or attacker.open >= connections, 15, interval=0.2)
-    return attacker
 
 
 def run_server(kind: str, model: str, folder: Path, connections: int, seconds: float) -> dict:
@@ -244,22 +244,25 @@ def run_server(kind: str, model: str, folder: Path, connections: int, seconds: f
         peaks = Peaks(server.proc.pid)
         unloaded = measure(server.url, seconds, min_samples=UNLOADED_SAMPLES_MIN)
         twin = start_server(kind, model, folder / f"{kind}-twin.log")
+        twin_attacker = Attacker(twin.port, connections)
         try:
-            attacker = flooded(twin.port, connections)
+            flood(twin_attacker, connections)
             beside = measure(server.url, seconds)
-            attacker.stop()
         finally:
+            twin_attacker.stop()
             twin.stop()
+        attacker = Attacker(server.port, connections)
         held = [0]
 
         def on_sample() -> None:
             peaks.sample()
-            held.append(attacker.open if attacker is not None else 0)
+            held.append(attacker.open)
 
-        attacker = None
-        attacker = flooded(server.port, connections, on_sample)
-        loaded = measure(server.url, seconds, on_sample) if server.alive() else {"failures": "server died"}
-        attacker.stop()
+        try:
+            flood(attacker, connections, on_sample)
+            loaded = measure(server.url, seconds, on_sample) if server.alive() else {"failures": "server died"}
+        finally:
+            attacker.stop()
         return {"server": kind, "unloaded": unloaded, "twin_flooded": beside, "loaded": loaded,
                 "threads_before": peaks.threads_before, "threads_peak": peaks.threads,
                 "rss_growth_mb": (peaks.rss - peaks.rss_before) / 2**20,
