@@ -94,10 +94,14 @@ def test_limits_are_live_and_zero_turns_them_off():
 
 # -- a real server ------------------------------------------------------------
 
-KEYS = {name: f"sk-{name}-0123456789" for name in ("alice", "bob", "carol", "dave")}
+KEYS = {name: f"sk-{name}-0123456789" for name in ("alice", "bob", "carol", "dave", "erin")}
 CHAT = "/v1/chat/completions"
 TOKENS_PER_MINUTE = 400
 CONFIG = f"""\
+[guardian]
+plugins = ["tests.plugins.slow_request_end:SlowRequestEnd"]
+[slow_request_end]
+clients = ["erin"]
 [watchdog]
 probe_interval_s = 600
 [access]
@@ -163,3 +167,14 @@ def test_tokens_past_the_limit_are_refused_until_the_minute_has_passed(served):
         # Until the tokens of carol's first requests leave the minute.
         assert WINDOW_S - (time.monotonic() - started) - 1 <= retry_after <= WINDOW_S
         assert chat(client, served, "dave").status_code == 200
+
+
+def test_a_client_sending_one_request_after_another_is_never_refused_for_concurrency(served):
+    # Each request on a connection of its own, sent the moment the last answer is read,
+    # while the thread that wrote that answer lingers (tests/plugins/slow_request_end.py):
+    # the place of the request before is free by then, released as its tokens end, not
+    # once the thread is done (CI once saw a 429 here).
+    for _ in range(3):
+        response = httpx.post(served.url + CHAT, json=chat_body("Hi.", max_tokens=2), timeout=30,
+                              headers={"Authorization": f"Bearer {KEYS['erin']}"})
+        assert response.status_code == 200, response.text

@@ -73,7 +73,13 @@ class AdmittingGenerator:
         # first write (its stream headers) before the try/finally that would
         # stop the request.
         at_request_end(ctx.stop)
-        if admission is not None and not at_request_end(admission.finish):
+        if admission is not None:
+            # Over once its tokens end, before the handler writes the answer's last
+            # bytes: a client that sends its next request as soon as it has this
+            # one's finds its place free ([access] client_max_concurrent = 1 is a
+            # client sending one after another). And however the HTTP thread's
+            # work ends (a client gone mid-stream): finish() runs its callbacks once.
+            at_request_end(admission.finish)
             tokens = finish_after(tokens, admission)
         return ctx, tokens
 
@@ -261,7 +267,7 @@ class AdmissionGate:
 
 
 def finish_after(tokens, admission):
-    """Stock's token iterator, ending the admission with it (outside a request scope)."""
+    """Stock's token iterator, ending the admission with it."""
     try:
         yield from tokens
     finally:
