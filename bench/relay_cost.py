@@ -45,6 +45,7 @@ It is a benchmark, not a test: it never runs with the test suite.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import socket
@@ -53,7 +54,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import itertools
 import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
@@ -181,27 +181,31 @@ def steady(server: Server, serial: int, clients: int, max_tokens: int, stream: b
                     counted[1] += 1
 
     pid, child = server.proc.pid, child_pid(server)
+    on_proc = Path(f"/proc/{pid}/stat").exists()  # CPU times from /proc (Linux), as burst() reads them
     threads = [threading.Thread(target=client_loop, daemon=True) for _ in range(clients)]
     for thread in threads:
         thread.start()
     time.sleep(warmup_s)  # every client under way (a benchmark's pace, not a wait for a condition)
     with lock:
         tokens_before, requests_before = counted
-    cpu_before = cpu_seconds(pid)
-    child_cpu_before = cpu_seconds(child) if child is not None else None
+    cpu_before = cpu_seconds(pid) if on_proc else 0.0
+    child_cpu_before = cpu_seconds(child) if child is not None and on_proc else None
     started = time.monotonic()
     time.sleep(seconds)  # the measured window
     with lock:
         tokens, requests = counted[0] - tokens_before, counted[1] - requests_before
     wall = time.monotonic() - started
-    process_cpu = cpu_seconds(pid) - cpu_before
-    engine_cpu = cpu_seconds(child) - child_cpu_before if child is not None else process_cpu
+    result = {"tokens": tokens, "requests": max(requests, 1),  # per-request figures divide by it
+              "wall_s": wall, "tokens_per_s": tokens / wall, "requests_per_s": requests / wall,
+              "load_1min": os.getloadavg()[0]}
+    if on_proc:
+        result["process_cpu_s"] = cpu_seconds(pid) - cpu_before
+        result["engine_cpu_s"] = (cpu_seconds(child) - child_cpu_before if child_cpu_before is not None
+                                  else result["process_cpu_s"])
     stop.set()
     for thread in threads:
         thread.join(timeout=60)
-    return {"tokens": tokens, "requests": max(requests, 1), "wall_s": wall, "tokens_per_s": tokens / wall,
-            "requests_per_s": requests / wall, "load_1min": os.getloadavg()[0],
-            "process_cpu_s": process_cpu, "engine_cpu_s": engine_cpu}
+    return result
 
 
 def child_pid(server: Server):
