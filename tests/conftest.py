@@ -45,6 +45,20 @@ def poll(condition: Callable[[], object], timeout: float, interval: float = 0.02
         time.sleep(interval)  # the poll loop: bounded by the deadline above
 
 
+def parse_log(text: str) -> list[dict]:
+    """A server's log lines, parsed; a line not JSON is ``non_json_line``. A last line
+    without its newline is one the server is writing now: left for the next read."""
+    if not text.endswith("\n"):
+        text = text[:text.rfind("\n") + 1]
+    lines = []
+    for line in text.splitlines():
+        try:
+            lines.append(json.loads(line))
+        except json.JSONDecodeError:
+            lines.append({"event": "non_json_line", "line": line})
+    return lines
+
+
 class Server:
     def __init__(self, proc: subprocess.Popen, port: int, log_path: Path):
         self.proc = proc
@@ -53,13 +67,7 @@ class Server:
         self.url = f"http://127.0.0.1:{port}"
 
     def logs(self) -> list[dict]:
-        lines = []
-        for line in self.log_path.read_text().splitlines():
-            try:
-                lines.append(json.loads(line))
-            except json.JSONDecodeError:
-                lines.append({"event": "non_json_line", "line": line})
-        return lines
+        return parse_log(self.log_path.read_text())
 
     def events(self, name: str) -> list[dict]:
         return [line for line in self.logs() if line.get("event") == name]
@@ -218,13 +226,7 @@ class SharedServer(ModeServer):
         with open(self.log_path, "rb") as log:
             log.seek(self.log_start)
             text = log.read().decode(errors="replace")
-        lines = []
-        for line in text.splitlines():
-            try:
-                lines.append(json.loads(line))
-            except json.JSONDecodeError:
-                lines.append({"event": "non_json_line", "line": line})
-        return lines
+        return parse_log(text)
 
     def configure(self, text: str, then: str = "", mid_test: bool = False) -> "SharedServer":
         """Save ``text`` as the configuration; return once its version is in force

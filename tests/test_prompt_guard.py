@@ -580,7 +580,9 @@ def counting_server(tmp_path, model_cache):
                  "TOKENIZE_CALLS": str(calls_path)},
         )
     server = Server(proc, port, log_path)
-    server.tokenize_calls = lambda: [json.loads(line) for line in calls_path.read_text().splitlines()]
+    # Whole lines only: the server may be writing the last one.
+    server.tokenize_calls = lambda: [json.loads(line) for line in calls_path.read_text().splitlines(keepends=True)
+                                     if line.endswith("\n")]
     try:
         server.wait_healthy()
         yield server
