@@ -32,6 +32,10 @@ def test_every_line_is_json_and_stock_records_carry_the_request_id(start_server)
     assert any(e.startswith("Prompt Cache") for e in events), events
     guardian_events = {line["event"] for line in lines if line.get("logger", "").startswith("guardian")}
     assert {"server_started", "engine_ready", "http_access"} <= guardian_events
+    # The model's modules and weights, every imported module, frozen out of the
+    # collector's walks once loaded (guardian.long_lived): tens of thousands.
+    [started] = [line for line in lines if line["event"] == "server_started"]
+    assert started["frozen_objects"] > 20_000, started
     assert all(re.fullmatch(r"[a-z][a-z0-9_]*", event) for event in guardian_events)
 
 

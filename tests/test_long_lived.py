@@ -1,5 +1,7 @@
 """What lives as long as the process is frozen out of the collector's walks
-(guardian.long_lived), in a served model's process and in the supervisor."""
+(guardian.long_lived). That a served model's process and the supervisor
+freeze theirs: test_logs.py and test_protected_mode.py read it from their
+start-up lines."""
 
 from __future__ import annotations
 
@@ -26,9 +28,3 @@ def test_freeze_leaves_what_exists_out_of_a_full_collection_and_thaw_lets_it_bac
         long_lived.thaw()
     assert gc.get_freeze_count() == 0 and walked(keep)
 
-
-def test_a_served_model_freezes_its_start_up_objects(start_server):
-    server = start_server("")
-    [started] = server.events("server_started")
-    # The model's modules and weights, every imported module: tens of thousands.
-    assert started["frozen_objects"] > 20_000, started
