@@ -123,16 +123,34 @@ def one_request(client: httpx.Client, url: str, prompt: str, max_tokens: int, st
     return tokens
 
 
+class CpuWindow:
+    """The CPU a server spends between ``__init__`` and ``read()``: the process itself
+    (a supervisor, or the in-process server) and the engine's process (its child, or
+    itself). From /proc: nothing where there is none."""
+
+    def __init__(self, server: Server):
+        self.pid, self.child = server.proc.pid, child_pid(server)
+        self.available = Path(f"/proc/{self.pid}/stat").exists()
+        if self.available:
+            self.process_before = cpu_seconds(self.pid)
+            self.child_before = cpu_seconds(self.child) if self.child is not None else None
+
+    def read(self) -> dict:
+        """``process_cpu_s`` and ``engine_cpu_s`` so far, or {} without /proc."""
+        if not self.available:
+            return {}
+        process = cpu_seconds(self.pid) - self.process_before
+        engine = cpu_seconds(self.child) - self.child_before if self.child is not None else process
+        return {"process_cpu_s": process, "engine_cpu_s": engine}
+
+
 def burst(server: Server, prompts: list[str], clients: int, max_tokens: int, stream: bool) -> dict:
     """``clients`` looping clients share ``prompts``: tokens/s, requests/s, the supervisor's CPU."""
     def client_loop(mine: list[str]) -> int:
         with httpx.Client(timeout=300) as client:
             return sum(one_request(client, server.url, p, max_tokens, stream) for p in mine)
 
-    pid = server.proc.pid
-    cpu_before = cpu_seconds(pid) if Path(f"/proc/{pid}/stat").exists() else None
-    child = child_pid(server)
-    child_cpu_before = cpu_seconds(child) if child is not None and cpu_before is not None else None
+    cpu = CpuWindow(server)
     started = time.monotonic()
     with ThreadPoolExecutor(clients) as pool:
         tokens = sum(pool.map(client_loop, [prompts[i::clients] for i in range(clients)]))
@@ -140,12 +158,7 @@ def burst(server: Server, prompts: list[str], clients: int, max_tokens: int, str
     # The load average says how much else ran: other work on a shared machine skews a round.
     result = {"tokens": tokens, "requests": len(prompts), "wall_s": wall,
               "tokens_per_s": tokens / wall, "requests_per_s": len(prompts) / wall,
-              "load_1min": os.getloadavg()[0]}
-    if cpu_before is not None:
-        result["process_cpu_s"] = cpu_seconds(pid) - cpu_before
-        # The engine's CPU: the process itself, or a supervisor's child.
-        result["engine_cpu_s"] = (cpu_seconds(child) - child_cpu_before if child_cpu_before is not None
-                                  else result["process_cpu_s"])
+              "load_1min": os.getloadavg()[0], **cpu.read()}
     return result
 
 
@@ -180,16 +193,13 @@ def steady(server: Server, serial: int, clients: int, max_tokens: int, stream: b
                 with lock:
                     counted[1] += 1
 
-    pid, child = server.proc.pid, child_pid(server)
-    on_proc = Path(f"/proc/{pid}/stat").exists()  # CPU times from /proc (Linux), as burst() reads them
     threads = [threading.Thread(target=client_loop, daemon=True) for _ in range(clients)]
     for thread in threads:
         thread.start()
     time.sleep(warmup_s)  # every client under way (a benchmark's pace, not a wait for a condition)
     with lock:
         tokens_before, requests_before = counted
-    cpu_before = cpu_seconds(pid) if on_proc else 0.0
-    child_cpu_before = cpu_seconds(child) if child is not None and on_proc else None
+    cpu = CpuWindow(server)
     started = time.monotonic()
     time.sleep(seconds)  # the measured window
     with lock:
@@ -197,11 +207,7 @@ def steady(server: Server, serial: int, clients: int, max_tokens: int, stream: b
     wall = time.monotonic() - started
     result = {"tokens": tokens, "requests": max(requests, 1),  # per-request figures divide by it
               "wall_s": wall, "tokens_per_s": tokens / wall, "requests_per_s": requests / wall,
-              "load_1min": os.getloadavg()[0]}
-    if on_proc:
-        result["process_cpu_s"] = cpu_seconds(pid) - cpu_before
-        result["engine_cpu_s"] = (cpu_seconds(child) - child_cpu_before if child_cpu_before is not None
-                                  else result["process_cpu_s"])
+              "load_1min": os.getloadavg()[0], **cpu.read()}
     stop.set()
     for thread in threads:
         thread.join(timeout=60)
