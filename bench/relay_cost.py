@@ -45,6 +45,7 @@ It is a benchmark, not a test: it never runs with the test suite.
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import os
@@ -70,8 +71,8 @@ MODES = ("stream", "non-stream")
 START_TIMEOUT_S = 120.0
 
 
-def start_servers(model: Path, workdir: Path, cpus: set[int] | None) -> dict[str, Server]:
-    """Both servers, one after the other; a pinned supervisor's child inherits its CPU."""
+def start_servers(model: Path, workdir: Path, cpus: set[int] | None, kinds=KINDS) -> dict[str, Server]:
+    """The servers, one after the other; a pinned supervisor's child inherits its CPU."""
     common = ["--model", str(model), "--host", "127.0.0.1"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONHASHSEED": "0"}
     commands = {
@@ -81,7 +82,7 @@ def start_servers(model: Path, workdir: Path, cpus: set[int] | None) -> dict[str
                             "--guardian-config", str(relaying_config(workdir))],
     }
     servers = {}
-    for kind in KINDS:
+    for kind in kinds:
         port = free_port()
         servers[kind] = Server(kind, [*commands[kind], "--port", str(port)], port,
                                workdir / f"{kind}.log", env, cpus=cpus)
@@ -225,13 +226,14 @@ def measure(servers: dict, rounds: int, requests: int, clients: int, max_tokens:
             steady_s: float = 0.0) -> dict:
     """Round after round, each mode, each server in turn (the order alternates), same prompts
     (``steady_s``: a window of continuous load each instead of a burst)."""
-    results = {mode: {kind: [] for kind in KINDS} for mode in modes}
+    kinds = tuple(servers)
+    results = {mode: {kind: [] for kind in kinds} for mode in modes}
     serial = 0
     for round_index in range(rounds):
         for mode in modes:
             prompts = [f"Request {serial + n}. " + SENTENCE * 4 for n in range(requests)]
             serial += requests
-            order = KINDS if (round_index % 2 == 0) else KINDS[::-1]
+            order = kinds if (round_index % 2 == 0) else kinds[::-1]
             for kind in order:
                 if steady_s:
                     serial += 10_000
@@ -241,7 +243,7 @@ def measure(servers: dict, rounds: int, requests: int, clients: int, max_tokens:
                     results[mode][kind].append(burst(servers[kind], prompts, clients, max_tokens,
                                                      stream=mode == "stream"))
             print(f"round {round_index + 1}/{rounds} {mode}: " + ", ".join(
-                f"{kind} {results[mode][kind][-1]['tokens_per_s']:.0f} tok/s" for kind in KINDS),
+                f"{kind} {results[mode][kind][-1]['tokens_per_s']:.0f} tok/s" for kind in kinds),
                 file=sys.stderr, flush=True)
     return results
 
@@ -269,13 +271,14 @@ def throughput(runs: list[dict]) -> float:
 def summarize(results: dict) -> dict:
     """Per mode and supervised kind: the ratio to in-process over rounds, and the supervisor's CPU."""
     summary = {}
-    pooled = {kind: [] for kind in SUPERVISED}
+    supervised = [kind for kind in SUPERVISED if kind in next(iter(results.values()))]
+    pooled = {kind: [] for kind in supervised}
     for mode in results:
         runs = results[mode]
         row = {kind: {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs[kind]),
                       "requests_per_s": statistics.median(r["requests_per_s"] for r in runs[kind])}
-               for kind in KINDS}
-        for kind in SUPERVISED:
+               for kind in runs}
+        for kind in supervised:
             ratios = [s["tokens_per_s"] / i["tokens_per_s"] for s, i in zip(runs[kind], runs["in-process"])]
             pooled[kind] += ratios
             row[kind].update(ratio_median=statistics.median(ratios), ratio_range=[min(ratios), max(ratios)],
@@ -307,7 +310,7 @@ def summarize(results: dict) -> dict:
 def report(data: dict) -> str:
     pinned = (f"servers pinned to CPU {data['pinning']['servers']}, clients on {data['pinning']['client']}"
               if data["pinning"] else "unpinned")
-    loads = [run["load_1min"] for mode in data["results"] for kind in KINDS for run in data["results"][mode][kind]
+    loads = [run["load_1min"] for mode in data["results"] for runs in data["results"][mode].values() for run in runs
              if "load_1min" in run]
     load = f"; load average {min(loads):.1f}–{max(loads):.1f}" if loads else ""
     lines = [
@@ -323,7 +326,7 @@ def report(data: dict) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for mode in (*data["results"], "both"):
-        for kind in SUPERVISED:
+        for kind in data["summary"]["both"]:
             row = data["summary"][mode][kind]
             cpu = ("| {:.2f} ms | {:.0f} µs | {:.1%} |".format(row["supervisor_cpu_ms_per_request"],
                                                               row["supervisor_cpu_us_per_token"],
@@ -460,7 +463,8 @@ def child_handoff_writes(client: socket.socket, upstream, events: int) -> None:
     control, other_end = socket.socketpair()
     received = handoff.Received(client, journal, control)
     received.write(client, b"HTTP/1.0 200 OK\r\nContent-Type: text/event-stream\r\nX-Guardian-Continuable: 1\r\n\r\n")
-    output = TokenTaggingOutput(None, lambda tag, event: received.write_tagged(client, tag, event))
+    # As guardian.serving.connection.HandedOffConnection.write_tagged gives it.
+    output = TokenTaggingOutput(None, functools.partial(received.write_tagged, client))
     for token in range(events):
         output.consumed(token, " guardian")
         output.write(CHILD_EVENT)
@@ -538,6 +542,8 @@ def main() -> None:
     parser.add_argument("--steady", type=float, default=0.0, metavar="S",
                         help="measure S seconds of continuous load per server and round, instead of bursts")
     parser.add_argument("--no-pin", action="store_true", help="let servers and clients share every CPU")
+    parser.add_argument("--no-relay", action="store_true",
+                        help="leave out supervise-relay: the hand-off against in-process alone, twice the rounds an hour")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="streamed requests, or not, or both")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--per-event", action="store_true",
@@ -564,7 +570,8 @@ def main() -> None:
             "max_tokens": args.max_tokens, "steady_s": args.steady,
             "pinning": {"servers": sorted(split[0]), "client": sorted(split[1])} if split else None}
     with tempfile.TemporaryDirectory(prefix="bench-relay-cost-") as workdir:
-        servers = start_servers(model, Path(workdir), split[0] if split else None)
+        servers = start_servers(model, Path(workdir), split[0] if split else None,
+                                KINDS[:2] if args.no_relay else KINDS)
         try:
             for server in servers.values():  # load the weights, warm the caches and the pools
                 for mode in args.modes:

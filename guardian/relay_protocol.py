@@ -136,8 +136,11 @@ class TokenTaggingOutput:
         return (b'"content": "' + escaped + b'"' in data) or (b'"text": "' + escaped + b'"' in data)
 
     def _tag(self) -> bytes:
-        tag = TOKENS_COMMENT + ",".join(map(str, self._tokens)).encode() + b"\n"
-        self._tokens.clear()
+        tokens = self._tokens
+        # One token an event, nearly always: its number alone, without join's list.
+        named = str(tokens[0]) if len(tokens) == 1 else ",".join(map(str, tokens))
+        tag = TOKENS_COMMENT + named.encode() + b"\n"
+        tokens.clear()
         self._text.clear()
         return tag
 
@@ -145,7 +148,10 @@ class TokenTaggingOutput:
         self.continuable = False
         return TOKENS_COMMENT + NOT_CONTINUABLE + b"\n"
 
-    def __getattr__(self, name):  # flush, closed, ...
+    def flush(self):  # after every event: spared __getattr__'s detour
+        return self.wrapped.flush()
+
+    def __getattr__(self, name):  # closed, ...
         return getattr(self.wrapped, name)
 
 

@@ -220,6 +220,41 @@ def test_a_child_dying_mid_write_leaves_the_supervisor_knowing_what_the_client_h
     assert view.stream.tokens == [12, 7, 9, *([44] if cut_at else [])]
 
 
+@pytest.mark.linux("the hand-off needs the kernel's count of a socket's bytes")
+def test_a_tagged_write_the_journal_takes_in_part_is_journaled_whole(monkeypatch):
+    """Each streamed token's record goes to the journal in one writev; where the kernel
+    takes only part of it, the rest follows before the client is written to."""
+    request = b"POST /v1/completions HTTP/1.1\r\nContent-Length: 2\r\n\r\n{}"
+    journal = handoff._anonymous_file()
+    os.write(journal, handoff._REQUEST_LENGTH.pack(len(request)) + request)
+    records_start = handoff._REQUEST_LENGTH.size + len(request)
+    control, other_end = socket.socketpair()
+    client, reader = socket.socketpair()
+    real_writev = os.writev
+
+    def writev_three_bytes(fd, buffers):
+        return real_writev(fd, [b"".join(buffers)[:3]])
+
+    try:
+        received = handoff.Received(client, journal, control)
+        received.write(client, HEAD)
+        tag, data = event("He", 12).split(b"\n", 1)
+        monkeypatch.setattr(handoff.os, "writev", writev_three_bytes)
+        received.write_tagged(client, tag + b"\n", data)
+        monkeypatch.undo()
+        records = list(handoff.journal_records(journal, records_start))
+        assert records == [b"", HEAD, event("He", 12)]  # taken, the head, the event and its tag
+        client.shutdown(socket.SHUT_WR)
+        got = b""
+        while chunk := reader.recv(65536):
+            got += chunk
+        assert got.endswith(data) and relay_protocol.TOKENS_COMMENT not in got
+    finally:
+        for sock in (control, other_end, client, reader):
+            sock.close()
+        os.close(journal)
+
+
 def answer_to(port: int, request: bytes) -> bytes:
     """What the public port sends back for raw ``request`` before it closes (bounded)."""
     with socket.create_connection(("127.0.0.1", port), timeout=15) as sock:

@@ -26,6 +26,7 @@ Imports no mlx.
 from __future__ import annotations
 
 import collections
+import functools
 import heapq
 import io
 import itertools
@@ -778,13 +779,12 @@ class HandedOffConnection(BufferedConnection):
             return super().makefile(mode, buffering, **kwargs)
         return _HandedOffWriter(self)
 
-    def write_tagged(self, tag: bytes, event: bytes) -> None:
-        """A continuable stream's event and its tag (guardian.relay_protocol), journaled
-        together; the client gets the event."""
-        if self.handed_off.takes_tagged():
-            self.handed_off.write_tagged(self.sock, tag, event)
-        else:
-            self.handed_off.write(self.sock, tag + event)
+    @property
+    def write_tagged(self):
+        """Writes a continuable stream's event and its tag (guardian.relay_protocol),
+        journaled together; the client gets the event. One call a streamed token: the
+        hand-off's own, bound to this socket, with no method of ours in between."""
+        return functools.partial(self.handed_off.write_tagged, self.sock)
 
     def give_back(self) -> bool:
         """Answer nothing: the supervisor sends the request to its next child
