@@ -33,6 +33,7 @@ wake-up), in turn. The thread's CPU time per event is the figure.
     .venv/bin/python bench/relay_cost.py --rounds 4 --json
     .venv/bin/python bench/relay_cost.py --steady 5 --rounds 3 --modes stream
     .venv/bin/python bench/relay_cost.py --per-event     # ~20 s
+    .venv/bin/python bench/relay_cost.py --steady 8 --rounds 20 --modes stream --no-relay  # ~7 min
 
 ``--steady S`` measures S seconds of continuous load per server and round
 instead of a burst: the window opens once every client is under way and
@@ -543,7 +544,7 @@ def main() -> None:
                         help="measure S seconds of continuous load per server and round, instead of bursts")
     parser.add_argument("--no-pin", action="store_true", help="let servers and clients share every CPU")
     parser.add_argument("--no-relay", action="store_true",
-                        help="leave out supervise-relay: the hand-off against in-process alone, twice the rounds an hour")
+                        help="leave out supervise-relay: the hand-off against in-process alone, each round in 2/3 of the time")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="streamed requests, or not, or both")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--per-event", action="store_true",
