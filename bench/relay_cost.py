@@ -340,6 +340,8 @@ def report(data: dict) -> str:
             pooled = f"{row['ratio_pooled']:.3f}" if "ratio_pooled" in row else ""
             if "cpu_per_token_ratio" in row:
                 pooled += f" | **{row['cpu_per_token_ratio']:.3f}**"
+                if "child_cpu_per_token_ratio" in row:  # JSON written before it was kept has none
+                    pooled += f" (child alone {row['child_cpu_per_token_ratio']:.3f})"
             elif mode != "both":
                 pooled += " | –"
             else:
