@@ -165,7 +165,7 @@ def burst(server: Server, prompts: list[str], clients: int, max_tokens: int, str
 
 
 def steady(server: Server, serial: int, clients: int, max_tokens: int, stream: bool, seconds: float,
-           warmup_s: float = 2.0) -> dict:
+           warmup_s: float = 2.0, headers: dict | None = None) -> dict:
     """``clients`` looping clients, each sending request after request; measured over a
     window of ``seconds`` once they all run, so no burst's ramp up or tail is in it.
 
@@ -178,7 +178,7 @@ def steady(server: Server, serial: int, clients: int, max_tokens: int, stream: b
     numbers = itertools.count(serial)
 
     def client_loop() -> None:
-        with httpx.Client(timeout=300) as client:
+        with httpx.Client(timeout=300, headers=headers) as client:
             while not stop.is_set():
                 body = {"messages": [{"role": "user", "content": f"Request {next(numbers)}. " + SENTENCE * 4}],
                         "max_tokens": max_tokens, "stream": stream}
@@ -217,8 +217,8 @@ def steady(server: Server, serial: int, clients: int, max_tokens: int, stream: b
 
 
 def child_pid(server: Server):
-    """A supervisor's child, from its status; None for the in-process server."""
-    if server.kind == "in-process":
+    """A supervisor's child, from its status; None for a server that is not a supervisor."""
+    if server.kind not in SUPERVISED:
         return None
     return httpx.get(server.url + "/guardian/supervisor", timeout=10).json()["child"]["pid"]
 

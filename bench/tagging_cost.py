@@ -19,59 +19,18 @@ mean ± 95 % over rounds. It is a benchmark, not a test.
 from __future__ import annotations
 
 import argparse
-import itertools
 import os
 import statistics
 import sys
 import tempfile
-import threading
-import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-import httpx
-from relay_cost import SENTENCE, START_TIMEOUT_S, ci95, cpu_seconds
+from relay_cost import START_TIMEOUT_S, ci95, cpu_per_token, steady
 from servers import Server, cpu_split, free_port
 from stats import environment
 
 from guardian.relay_protocol import KEY_HEADER, RELAY_KEY_ENV, new_relay_key
-
-WARMUP_S = 2.0
-
-
-def steady(server: Server, headers: dict, seconds: float, clients: int, max_tokens: int) -> tuple[float, float]:
-    """(tokens/s, CPU µs per token) over ``seconds`` of ``clients`` looping streams."""
-    counted = [0]
-    lock = threading.Lock()
-    stop = threading.Event()
-    numbers = itertools.count()
-
-    def client_loop() -> None:
-        with httpx.Client(timeout=300, headers=headers) as client:
-            while not stop.is_set():
-                body = {"messages": [{"role": "user", "content": f"Request {server.kind} {next(numbers)}. "
-                                      + SENTENCE * 4}], "max_tokens": max_tokens, "stream": True}
-                with client.stream("POST", server.url + "/v1/chat/completions", json=body) as response:
-                    for line in response.iter_lines():
-                        if line.startswith("data: {") and '"content": "' in line:
-                            with lock:
-                                counted[0] += 1
-
-    threads = [threading.Thread(target=client_loop, daemon=True) for _ in range(clients)]
-    for thread in threads:
-        thread.start()
-    time.sleep(WARMUP_S)  # every client under way (a benchmark's pace, not a wait for a condition)
-    with lock:
-        before = counted[0]
-    cpu_before, started = cpu_seconds(server.proc.pid), time.monotonic()
-    time.sleep(seconds)  # the measured window
-    with lock:
-        tokens = counted[0] - before
-    wall, cpu = time.monotonic() - started, cpu_seconds(server.proc.pid) - cpu_before
-    stop.set()
-    for thread in threads:
-        thread.join(timeout=60)
-    return tokens / wall, 1e6 * cpu / max(tokens, 1)
 
 
 def main() -> None:
@@ -103,15 +62,17 @@ def main() -> None:
                 if not servers[kind].wait_ready(START_TIMEOUT_S):
                     raise SystemExit(f"{kind} did not start:\n" + "\n".join(servers[kind].log_tail(20)))
             for kind, server in servers.items():  # weights loaded, caches warm
-                steady(server, headers[kind], 3.0, args.clients, args.max_tokens)
+                steady(server, 0, args.clients, args.max_tokens, True, 3.0, headers=headers[kind])
             for round_index in range(args.rounds):
                 order = ("plain", "tagged") if round_index % 2 == 0 else ("tagged", "plain")
-                got = {kind: steady(servers[kind], headers[kind], args.seconds, args.clients, args.max_tokens)
-                       for kind in order}
-                ratios.append(got["tagged"][0] / got["plain"][0])
-                cpu_ratios.append(got["plain"][1] / got["tagged"][1])
-                print(f"round {round_index + 1}/{args.rounds}: plain {got['plain'][0]:.0f} tok/s, "
-                      f"tagged {got['tagged'][0]:.0f} tok/s", file=sys.stderr, flush=True)
+                serial = 100_000 * (round_index + 1)  # prompts of their own: no prompt-cache hits
+                got = {kind: steady(servers[kind], serial, args.clients, args.max_tokens, True, args.seconds,
+                                    headers=headers[kind]) for kind in order}
+                ratios.append(got["tagged"]["tokens_per_s"] / got["plain"]["tokens_per_s"])
+                cpu_ratios.append(cpu_per_token([got["plain"]], "engine_cpu_s")
+                                  / cpu_per_token([got["tagged"]], "engine_cpu_s"))
+                print(f"round {round_index + 1}/{args.rounds}: plain {got['plain']['tokens_per_s']:.0f} tok/s, "
+                      f"tagged {got['tagged']['tokens_per_s']:.0f} tok/s", file=sys.stderr, flush=True)
         finally:
             for server in servers.values():
                 server.stop()
