@@ -12,7 +12,8 @@ under the request: to send it again untouched, or to continue its stream on
 the next child (``guardian.relay_protocol``). So per request it makes:
 
 - a **journal**, an anonymous file holding the request, then every write the
-  child makes to the client, each appended *before* it is written;
+  child makes to the client, each appended *before* it is written (the child
+  maps the file and copies each record in: no system call per streamed token);
 - a **control** socket pair, on which the child says ``DONE`` (or ``GIVEN_BACK``:
   a stopping child that took nothing on) and which a dying child closes
   without a word.
@@ -32,7 +33,9 @@ speaks TLS, the supervisor relays as before. Imports no mlx.
 
 from __future__ import annotations
 
+import errno
 import fcntl
+import mmap
 import os
 import socket
 import struct
@@ -53,7 +56,11 @@ GIVEN_BACK = b"g"
 _HANDOFF_BYTE = b"h"
 _FDS_PER_HANDOFF = 3
 _REQUEST_LENGTH = struct.Struct("<Q")
-_RECORD_LENGTH = struct.Struct("<I")
+# A record's header: its length plus one, written after the record's bytes. What the
+# child never wrote reads as zero (the mapped file's unwritten pages), which ends them.
+_RECORD_HEADER = struct.Struct("<I")
+# What the child maps of a journal at first, past the request; it grows as it fills.
+_JOURNAL_MAP_BYTES = 64 * 1024
 # A response head longer than this is not one: passed on as it is.
 MAX_HEAD_BYTES = 1 << 20
 # struct tcp_info (linux/tcp.h): tcpi_bytes_acked, since Linux 4.1.
@@ -238,7 +245,8 @@ class HandedOff:
     def taken(self) -> bool:
         """Whether the child took the connection (its first record says so): one that
         died before reading the hand-off never had the request."""
-        return len(os.pread(self.journal, _RECORD_LENGTH.size, self.records_start)) == _RECORD_LENGTH.size
+        header = os.pread(self.journal, _RECORD_HEADER.size, self.records_start)
+        return len(header) == _RECORD_HEADER.size and _RECORD_HEADER.unpack(header)[0] != 0
 
     def records(self) -> Iterator[bytes]:
         """The child's writes, in order, as journaled (the empty record saying it took the request first)."""
@@ -307,17 +315,21 @@ class JournalProgress:
 
 
 def journal_records(journal: int, offset: int) -> Iterator[bytes]:
-    """A journal's records from ``offset`` on, in order; one cut short (its writer died) ends them."""
+    """A journal's records from ``offset`` on, in order; one whose header its writer never
+    wrote (it died copying the record in) ends them: it was never written on to the client."""
     while True:
-        length = os.pread(journal, _RECORD_LENGTH.size, offset)
-        if len(length) < _RECORD_LENGTH.size:
+        header = os.pread(journal, _RECORD_HEADER.size, offset)
+        if len(header) < _RECORD_HEADER.size:
             return
-        (size,) = _RECORD_LENGTH.unpack(length)
-        record = os.pread(journal, size, offset + _RECORD_LENGTH.size)
-        if len(record) < size:  # never written on to the client
+        (size,) = _RECORD_HEADER.unpack(header)
+        if size == 0:
+            return
+        size -= 1
+        record = os.pread(journal, size, offset + _RECORD_HEADER.size)
+        if len(record) < size:
             return
         yield record
-        offset += _RECORD_LENGTH.size + size
+        offset += _RECORD_HEADER.size + size
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -353,9 +365,38 @@ class Received:
         self.wrote = False
         self._finished = False
         self.given_back = False
+        # The journal, mapped from its first byte (a mapping starts on a page): records go
+        # in at ``_end``, and ``_mapped`` bytes of it are mapped (-1 once finished).
+        self._map: Optional[mmap.mmap] = None
+        self._mapped = 0
+        self._end = _REQUEST_LENGTH.size + length
         # An empty record first: the supervisor can tell a request this child took
         # (a suspect, should it die) from one still in the channel at its death.
-        _write_all(journal, _RECORD_LENGTH.pack(0))
+        self._record(b"")
+
+    def _record(self, data: bytes) -> None:
+        """Append one record to the journal: its bytes, then its header, so a death
+        between the two leaves no record (as one never begun)."""
+        start = self._end + _RECORD_HEADER.size
+        end = start + len(data)
+        journal = self._map if end <= self._mapped else self._grow(end)
+        journal[start:end] = data
+        _RECORD_HEADER.pack_into(journal, self._end, len(data) + 1)
+        self._end = end
+
+    def _grow(self, needed: int) -> mmap.mmap:
+        """Map (more of) the journal: at least ``needed`` bytes, twice as much as before."""
+        if self._mapped < 0:
+            raise OSError(errno.EBADF, "the hand-off is finished: its journal is closed")
+        size = max(needed + _JOURNAL_MAP_BYTES, 2 * self._mapped)
+        size += -size % mmap.PAGESIZE
+        if self._map is None:
+            os.ftruncate(self.journal, size)  # sparse: a page takes memory once written
+            self._map = mmap.mmap(self.journal, size)
+        else:
+            self._map.resize(size)  # the file grows with it
+        self._mapped = size
+        return self._map
 
     def write(self, sock: socket.socket, data) -> None:
         """Journal a write of the child's, then send what the client may see of it."""
@@ -363,7 +404,7 @@ class Received:
             return
         data = bytes(data)
         shown = self.view.visible(data)
-        _write_all(self.journal, _RECORD_LENGTH.pack(len(data)) + data)
+        self._record(data)
         self.wrote = True
         if shown:
             sock.sendall(shown)
@@ -372,8 +413,8 @@ class Received:
         """A continuable stream's event and its tag (relay_protocol.TokenTaggingOutput): journaled
         together, the event sent as it is: what ``write`` does with the two joined, without
         looking for the tag again, where the view holds no partial event. Every streamed
-        token comes this way, so it is kept to a few attribute reads and one system call
-        for the journal (bench/relay_cost.py --per-event)."""
+        token comes this way, so it is ``_record`` inlined, copies into the mapped journal
+        and no system call but the client's (bench/relay_cost.py --per-event)."""
         if self.given_back:
             return
         events = self.view.events
@@ -382,10 +423,15 @@ class Received:
         # The view is not told: the child needs it only for what the client sees, and a
         # whole event (none held) shows as it is, its tag gone (as the supervisor's replay
         # of this record will find).
-        header = _RECORD_LENGTH.pack(len(tag) + len(event))
-        written = os.writev(self.journal, (header, tag, event))
-        if written < len(header) + len(tag) + len(event):  # cut short: the rest, in order
-            _write_all(self.journal, (header + tag + event)[written:])
+        header_at = self._end
+        start = header_at + _RECORD_HEADER.size
+        event_at = start + len(tag)
+        end = event_at + len(event)
+        journal = self._map if end <= self._mapped else self._grow(end)
+        journal[start:event_at] = tag
+        journal[event_at:end] = event
+        _RECORD_HEADER.pack_into(journal, header_at, end - start + 1)
+        self._end = end
         self.wrote = True
         sock.sendall(event)
 
@@ -407,7 +453,11 @@ class Received:
             self.control.send(word)
         except OSError:
             pass
-        for close in (self.control.close, lambda: os.close(self.journal)):
+        self._mapped = -1  # a write from here on raises OSError
+        closes = [self.control.close, lambda: os.close(self.journal)]
+        if self._map is not None:
+            closes.append(self._map.close)
+        for close in closes:
             try:
                 close()
             except OSError:
