@@ -463,7 +463,7 @@ def child_handoff_writes(client: socket.socket, upstream, events: int) -> None:
     journal = handoff._anonymous_file()
     request = b"POST /v1/chat/completions HTTP/1.1\r\nContent-Length: 2\r\n\r\n{}"
     os.write(journal, struct.pack("<Q", len(request)) + request)
-    control, other_end = socket.socketpair()
+    other_end, control = os.pipe()  # the supervisor's end, the child's
     received = handoff.Received(client, journal, control)
     received.write(client, b"HTTP/1.0 200 OK\r\nContent-Type: text/event-stream\r\nX-Guardian-Continuable: 1\r\n\r\n")
     # As guardian.serving.connection.HandedOffConnection.write_tagged gives it.
@@ -472,7 +472,7 @@ def child_handoff_writes(client: socket.socket, upstream, events: int) -> None:
         output.consumed(token, " guardian")
         output.write(CHILD_EVENT)
     received.finish()
-    other_end.close()
+    os.close(other_end)
 
 
 CHILD_LOOPS = (child_plain_writes, child_handoff_writes)

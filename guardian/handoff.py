@@ -14,9 +14,10 @@ the next child (``guardian.relay_protocol``). So per request it makes:
 - a **journal**, an anonymous file holding the request, then every write the
   child makes to the client, each appended *before* it is written (the child
   maps the file and copies each record in: no system call per streamed token);
-- a **control** socket pair, on which the child says ``DONE`` (or ``GIVEN_BACK``:
-  a stopping child that took nothing on) and which a dying child closes
-  without a word.
+- a **control** pipe, on which the child says ``DONE`` (or ``GIVEN_BACK``:
+  a stopping child that took nothing on) and whose end a dying child closes
+  without a word (a pipe, not a socket pair: a Unix socket passed in a
+  message costs the kernel's in-flight accounting, and one more system call).
 
 Both go to the child with the client's socket over the child's hand-off
 socket, inherited when the child started. The child writes through a
@@ -49,10 +50,10 @@ import guardian.relay_protocol as relay_protocol
 
 # The child's end of its hand-off socket: an inherited descriptor's number.
 HANDOFF_FD_ENV = "MLX_GUARDIAN_HANDOFF_FD"
-# What the child says on a request's control socket.
+# What the child says on a request's control pipe.
 DONE = b"d"
 GIVEN_BACK = b"g"
-# One hand-off: one byte carrying the client's socket, the journal and the control socket.
+# One hand-off: one byte carrying the client's socket, the journal and the control pipe's writing end.
 _HANDOFF_BYTE = b"h"
 _FDS_PER_HANDOFF = 3
 _REQUEST_LENGTH = struct.Struct("<Q")
@@ -211,27 +212,27 @@ def _anonymous_file() -> int:
 
 
 class HandedOff:
-    """One request handed to a child: the journal, the control socket, and where the client's count stood."""
+    """One request handed to a child: the journal, the control pipe, and where the client's count stood."""
 
     def __init__(self, channel: Channel, client: socket.socket, request: bytes, taken_before: int):
         self.client = client
         self.taken_before = taken_before
         self.journal = _anonymous_file()
-        self.control, child_control = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.control, child_control = os.pipe()  # read here, written by the child
         try:
             _write_all(self.journal, _REQUEST_LENGTH.pack(len(request)) + request)
             self.records_start = _REQUEST_LENGTH.size + len(request)
-            channel.send([client.fileno(), self.journal, child_control.fileno()])
+            channel.send([client.fileno(), self.journal, child_control])
         except BaseException:
             self.close()
             raise
         finally:
-            child_control.close()
+            os.close(child_control)
 
     def wait(self) -> bytes:
         """Until the child has finished with the connection: DONE, GIVEN_BACK, or b"" (it died)."""
         try:
-            return self.control.recv(1)
+            return os.read(self.control, 1)
         except OSError:
             return b""
 
@@ -278,9 +279,9 @@ class HandedOff:
         return JournalProgress(self)
 
     def close(self) -> None:
-        for close in (self.control.close, lambda: os.close(self.journal)):
+        for fd in (self.control, self.journal):
             try:
-                close()
+                os.close(fd)
             except OSError:
                 pass
 
@@ -355,7 +356,7 @@ def child_channel() -> Optional[socket.socket]:
 class Received:
     """A connection handed to this child: the client's socket, its request, and how to answer back."""
 
-    def __init__(self, client: socket.socket, journal: int, control: socket.socket):
+    def __init__(self, client: socket.socket, journal: int, control: int):
         self.client = client
         self.journal = journal
         self.control = control
@@ -450,11 +451,11 @@ class Received:
             return
         self._finished = True
         try:
-            self.control.send(word)
+            os.write(self.control, word)
         except OSError:
             pass
         self._mapped = -1  # a write from here on raises OSError
-        closes = [self.control.close, lambda: os.close(self.journal)]
+        closes = [lambda: os.close(self.control), lambda: os.close(self.journal)]
         if self._map is not None:
             closes.append(self._map.close)
         for close in closes:
@@ -468,7 +469,9 @@ def receive(channel: socket.socket) -> Optional[Received]:
     """The next connection handed over; None when none is waiting (a non-blocking channel).
     Raises EOFError once the supervisor has gone."""
     try:
-        data, fds, _, _ = socket.recv_fds(channel, 1, _FDS_PER_HANDOFF)
+        # Close-on-exec, as every descriptor Python opens: a process this child starts must
+        # not hold a client's connection, or the control pipe's end its death closes.
+        data, fds, _, _ = socket.recv_fds(channel, 1, _FDS_PER_HANDOFF, getattr(socket, "MSG_CMSG_CLOEXEC", 0))
     except (BlockingIOError, InterruptedError):
         return None
     if not data:
@@ -480,4 +483,4 @@ def receive(channel: socket.socket) -> Optional[Received]:
             os.close(fd)
         return None
     client_fd, journal, control_fd = fds
-    return Received(socket.socket(fileno=client_fd), journal, socket.socket(fileno=control_fd))
+    return Received(socket.socket(fileno=client_fd), journal, control_fd)
