@@ -377,7 +377,9 @@ class Received:
 
     def _record(self, data: bytes) -> None:
         """Append one record to the journal: its bytes, then its header, so a death
-        between the two leaves no record (as one never begun)."""
+        between the two leaves no record (as one never begun). The supervisor reads
+        the journal once this child has died or said its word (a system call each),
+        so no store of ours is still in flight when it does, on any CPU."""
         start = self._end + _RECORD_HEADER.size
         end = start + len(data)
         journal = self._map if end <= self._mapped else self._grow(end)
