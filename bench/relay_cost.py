@@ -34,6 +34,12 @@ wake-up), in turn. The thread's CPU time per event is the figure.
     .venv/bin/python bench/relay_cost.py --steady 5 --rounds 3 --modes stream
     .venv/bin/python bench/relay_cost.py --per-event     # ~20 s
     .venv/bin/python bench/relay_cost.py --steady 8 --rounds 20 --modes stream --no-relay  # ~7 min
+    .venv/bin/python bench/relay_cost.py --sized 256,4 --steady 8 --rounds 12 --modes stream --no-relay  # ~6 min
+
+``--sized HIDDEN,LAYERS`` serves a random-weight model of that shape instead of the
+demo model (made offline once, into the guardian's cache): the demo model's tokens
+cost ~0.4 ms of CPU, mostly per-step overhead, so every fixed cost of the hand-off
+weighs on it ~10-100 times as much as on a real model's.
 
 ``--steady S`` measures S seconds of continuous load per server and round
 instead of a burst: the window opens once every client is under way and
@@ -308,6 +314,13 @@ def summarize(results: dict) -> dict:
     return summary
 
 
+def model_label(model) -> str:
+    if model is None or model["name"].startswith("demo-model"):
+        return "demo model"
+    return (f"random-weight Llama, hidden {model['hidden_size']}, {model['num_hidden_layers']} layers "
+            f"(--sized)")
+
+
 def report(data: dict) -> str:
     pinned = (f"servers pinned to CPU {data['pinning']['servers']}, clients on {data['pinning']['client']}"
               if data["pinning"] else "unpinned")
@@ -315,7 +328,8 @@ def report(data: dict) -> str:
              if "load_1min" in run]
     load = f"; load average {min(loads):.1f}–{max(loads):.1f}" if loads else ""
     lines = [
-        f"Relay cost, {data['when']}: {data['environment']}; demo model; {data['clients']} looping clients, "
+        f"Relay cost, {data['when']}: {data['environment']}; {model_label(data.get('model'))}; "
+        f"{data['clients']} looping clients, "
         + (f"{data['steady_s']:g} s of continuous load" if data.get("steady_s") else
            f"bursts of {data['requests']} chat requests")
         + f", max_tokens={data['max_tokens']}, {data['rounds']} rounds "
@@ -536,6 +550,41 @@ def per_event_report(data: dict) -> str:
     return "\n".join(lines)
 
 
+def demo_model() -> Path:
+    from guardian.demo_model import ensure_demo_model
+
+    return ensure_demo_model()
+
+
+def model_size(text: str) -> tuple[int, int]:
+    hidden, _, layers = text.partition(",")
+    if not (hidden.isdigit() and layers.isdigit() and int(hidden) % 64 == 0):
+        raise argparse.ArgumentTypeError("HIDDEN,LAYERS: two numbers, HIDDEN a multiple of 64")
+    return int(hidden), int(layers)
+
+
+def sized_model(hidden: int, layers: int) -> Path:
+    """The demo model's tokenizer and architecture at another size, its weights random
+    (seed 1): each token costs the engine what a real model of that shape's would,
+    where the demo model's cost ~0.4 ms of CPU, mostly per-step overhead. Made once
+    into the guardian's cache; nothing is downloaded."""
+    from guardian.demo_model import default_cache_dir, write_demo_model
+
+    path = default_cache_dir() / f"relay-cost-model-{hidden}x{layers}"
+    if not path.exists():
+        heads = hidden // 64
+        write_demo_model(path, seed=1, hidden_size=hidden, intermediate_size=hidden * 8 // 3 // 64 * 64,
+                         num_hidden_layers=layers, num_attention_heads=heads,
+                         num_key_value_heads=max(1, heads // 3), head_dim=64)
+    return path
+
+
+def model_description(model: Path) -> dict:
+    config = json.loads((model / "config.json").read_text())
+    return {"name": model.name, **{key: config.get(key) for key in
+                                   ("hidden_size", "num_hidden_layers", "intermediate_size", "vocab_size")}}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=8)
@@ -553,6 +602,9 @@ def main() -> None:
                         help="the relay's CPU per streamed event, against a stand-in child (no engine)")
     parser.add_argument("--events", type=int, default=2000, help="--per-event: events a stream")
     parser.add_argument("--repeats", type=int, default=5, help="--per-event: streams per loop")
+    parser.add_argument("--sized", metavar="HIDDEN,LAYERS", type=model_size,
+                        help="serve a random-weight Llama of this width and depth, made offline, "
+                             "instead of the demo model (e.g. 768,12: GPT-2 small's shape)")
     args = parser.parse_args()
 
     if args.per_event:
@@ -561,16 +613,14 @@ def main() -> None:
         print(json.dumps(data, indent=2) if args.json else per_event_report(data))
         return
 
-    from guardian.demo_model import ensure_demo_model
-
-    model = ensure_demo_model()
+    model = sized_model(*args.sized) if args.sized else demo_model()
     started = time.monotonic()
     split = None if args.no_pin else cpu_split()
     if split is not None:
         os.sched_setaffinity(0, split[1])  # the clients' threads inherit it
     data = {"when": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "environment": environment(),
             "rounds": args.rounds, "clients": args.clients, "requests": args.requests,
-            "max_tokens": args.max_tokens, "steady_s": args.steady,
+            "max_tokens": args.max_tokens, "steady_s": args.steady, "model": model_description(model),
             "pinning": {"servers": sorted(split[0]), "client": sorted(split[1])} if split else None}
     with tempfile.TemporaryDirectory(prefix="bench-relay-cost-") as workdir:
         servers = start_servers(model, Path(workdir), split[0] if split else None,
