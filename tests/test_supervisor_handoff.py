@@ -247,6 +247,12 @@ def test_the_journal_holds_whole_records_only_and_grows_past_its_first_mapping()
         received.finish()
         with pytest.raises(OSError):
             received.write(client, b"data: after the end\n\n")
+        client.shutdown(socket.SHUT_WR)
+        got = b""
+        while chunk := reader.recv(65536):
+            got += chunk
+        # The client got each event as it is, its tag only in the journal.
+        assert got.endswith(data + big) and relay_protocol.TOKENS_COMMENT not in got
     finally:
         for sock in (client, reader):
             sock.close()
