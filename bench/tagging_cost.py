@@ -26,8 +26,8 @@ import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
 
-from relay_cost import START_TIMEOUT_S, ci95, cpu_per_token, steady
-from servers import Server, cpu_split, free_port
+from relay_cost import ci95, cpu_per_token, demo_model, server_env, start_server, steady
+from servers import cpu_split
 from stats import environment
 
 from guardian.relay_protocol import KEY_HEADER, RELAY_KEY_ENV, new_relay_key
@@ -41,26 +41,19 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     args = parser.parse_args()
 
-    from guardian.demo_model import ensure_demo_model
-
-    model = ensure_demo_model()
+    model = demo_model()
     split = cpu_split()
     if split is not None:
         os.sched_setaffinity(0, split[1])
     key = new_relay_key()
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONHASHSEED": "0"}
     command = [sys.executable, "-m", "guardian", "--model", str(model), "--host", "127.0.0.1"]
     headers = {"plain": {}, "tagged": {KEY_HEADER: key}}
     ratios, cpu_ratios = [], []
     with tempfile.TemporaryDirectory(prefix="bench-tagging-cost-") as workdir:
         servers = {}
         try:
-            for kind, kind_env in (("plain", env), ("tagged", {**env, RELAY_KEY_ENV: key})):
-                port = free_port()
-                servers[kind] = Server(kind, [*command, "--port", str(port)], port,
-                                       Path(workdir) / f"{kind}.log", kind_env, cpus=split[0] if split else None)
-                if not servers[kind].wait_ready(START_TIMEOUT_S):
-                    raise SystemExit(f"{kind} did not start:\n" + "\n".join(servers[kind].log_tail(20)))
+            for kind, env in (("plain", server_env()), ("tagged", server_env(**{RELAY_KEY_ENV: key}))):
+                servers[kind] = start_server(kind, command, Path(workdir), env, split[0] if split else None)
             for kind, server in servers.items():  # weights loaded, caches warm
                 steady(server, 0, args.clients, args.max_tokens, True, 3.0, headers=headers[kind])
             for round_index in range(args.rounds):
