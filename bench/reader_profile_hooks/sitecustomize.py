@@ -1,0 +1,64 @@
+"""Loaded at start-up by every server ``bench/reader_profile.py`` starts (on PYTHONPATH):
+wraps the steps a request takes through the connection layer's reader, the supervisor's
+fast hand-off and the child's taking of it, and adds up each step's thread CPU
+(``time.thread_time_ns``, system calls included) and calls. Every second a daemon thread
+writes the sums to ``$READER_PROFILE_DIR/<pid>.json``. Nothing here runs without that
+variable; the guardian's own code is not changed."""
+
+import os
+
+if os.environ.get("READER_PROFILE_DIR"):
+    import json
+    import selectors
+    import threading
+    import time
+
+    import guardian.access.policy as policy
+    import guardian.handoff as handoff
+    import guardian.quarantine.crashes as crashes
+    import guardian.serving.connection as connection
+    import guardian.supervise.fast_handoff as fast_handoff
+    import guardian.supervise.proxy as proxy
+
+    _sums: dict = {}
+    _clock = time.thread_time_ns
+
+    def _timed(step, function, reader_thread_only=False):
+        def wrapper(*args, **kwargs):
+            if reader_thread_only and threading.current_thread().name != "http-reader":
+                return function(*args, **kwargs)
+            started = _clock()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                sums = _sums.setdefault(step, [0, 0])
+                sums[0] += _clock() - started
+                sums[1] += 1
+        return wrapper
+
+    reader = connection.RequestReader
+    for name, step in (("_accept", "accept"), ("_on_readable", "read"), ("_on_ready", "child_word"),
+                       ("_take_handoffs", "take_handoffs"), ("_drain_wakeups", "wake"),
+                       ("_on_watched", "watched"), ("_take_arrivals", "loop"), ("_expire", "loop"),
+                       ("_run_timers", "loop")):
+        setattr(reader, name, _timed(step, getattr(reader, name)))
+    selectors.EpollSelector.select = _timed("select", selectors.EpollSelector.select, reader_thread_only=True)
+    connection.HeldConnections.dispatch = _timed("dispatch", connection.HeldConnections.dispatch)
+    proxy.PublicServer.dispatch = _timed("dispatch", proxy.PublicServer.dispatch)
+    fast_handoff.RequestHead.parse = classmethod(_timed("hand_off.parse", fast_handoff.RequestHead.parse.__func__))
+    policy.AccessPolicy.check = _timed("hand_off.door", policy.AccessPolicy.check, reader_thread_only=True)
+    fast_handoff.child_request = _timed("hand_off.child_request", fast_handoff.child_request)
+    crashes.CrashQuarantine.start_fast_relay = _timed("hand_off.quarantine", crashes.CrashQuarantine.start_fast_relay)
+    handoff.Channel.hand = _timed("hand_off.hand", handoff.Channel.hand)
+    handoff.HandedOff.progress = _timed("hand_off.progress", handoff.HandedOff.progress)
+    handoff.receive = _timed("take_handoffs.receive", handoff.receive)
+
+    def _write_sums(path: str) -> None:
+        while True:
+            time.sleep(1.0)  # a benchmark's sampling pace
+            with open(path + ".tmp", "w") as f:
+                json.dump(_sums, f)
+            os.replace(path + ".tmp", path)
+
+    threading.Thread(target=_write_sums, daemon=True, name="reader-profile",
+                     args=(os.path.join(os.environ["READER_PROFILE_DIR"], f"{os.getpid()}.json"),)).start()
