@@ -375,16 +375,20 @@ class Received:
         # (a suspect, should it die) from one still in the channel at its death.
         self._record(b"")
 
-    def _record(self, data: bytes) -> None:
-        """Append one record to the journal: its bytes, then its header, so a death
-        between the two leaves no record (as one never begun). The supervisor reads
-        the journal once this child has died or said its word (a system call each),
-        so no store of ours is still in flight when it does, on any CPU."""
-        start = self._end + _RECORD_HEADER.size
-        end = start + len(data)
+    def _record(self, first: bytes, second: bytes = b"") -> None:
+        """Append one record to the journal (``first`` and ``second`` joined): its bytes,
+        then its header, so a death between the two leaves no record (as one never begun).
+        The supervisor reads the journal once this child has died or said its word (a
+        system call each), so no store of ours is still in flight when it does, on any CPU.
+        Every streamed token comes here: copies into the mapped journal, no system call."""
+        header_at = self._end
+        start = header_at + _RECORD_HEADER.size
+        middle = start + len(first)
+        end = middle + len(second)
         journal = self._map if end <= self._mapped else self._grow(end)
-        journal[start:end] = data
-        _RECORD_HEADER.pack_into(journal, self._end, len(data) + 1)
+        journal[start:middle] = first
+        journal[middle:end] = second
+        _RECORD_HEADER.pack_into(journal, header_at, end - start + 1)
         self._end = end
 
     def _grow(self, needed: int) -> mmap.mmap:
@@ -416,8 +420,7 @@ class Received:
         """A continuable stream's event and its tag (relay_protocol.TokenTaggingOutput): journaled
         together, the event sent as it is: what ``write`` does with the two joined, without
         looking for the tag again, where the view holds no partial event. Every streamed
-        token comes this way, so it is ``_record`` inlined, copies into the mapped journal
-        and no system call but the client's (bench/relay_cost.py --per-event)."""
+        token comes this way (bench/relay_cost.py --per-event)."""
         if self.given_back:
             return
         events = self.view.events
@@ -426,15 +429,7 @@ class Received:
         # The view is not told: the child needs it only for what the client sees, and a
         # whole event (none held) shows as it is, its tag gone (as the supervisor's replay
         # of this record will find).
-        header_at = self._end
-        start = header_at + _RECORD_HEADER.size
-        event_at = start + len(tag)
-        end = event_at + len(event)
-        journal = self._map if end <= self._mapped else self._grow(end)
-        journal[start:event_at] = tag
-        journal[event_at:end] = event
-        _RECORD_HEADER.pack_into(journal, header_at, end - start + 1)
-        self._end = end
+        self._record(tag, event)
         self.wrote = True
         sock.sendall(event)
 
@@ -457,12 +452,11 @@ class Received:
         except OSError:
             pass
         self._mapped = -1  # a write from here on raises OSError
-        closes = [lambda: os.close(self.control), lambda: os.close(self.journal)]
         if self._map is not None:
-            closes.append(self._map.close)
-        for close in closes:
+            self._map.close()
+        for fd in (self.control, self.journal):
             try:
-                close()
+                os.close(fd)
             except OSError:
                 pass
 
