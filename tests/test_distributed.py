@@ -36,8 +36,9 @@ ANSWER_BOUND_S = 10.0
 # Long generations, so the burst is surely in flight when a rank fails.
 BURST = [chat_body("Tell me a story.", max_tokens=3000, stream=stream) for stream in (False, False, True, True)]
 # Under --supervise the burst is sent again to the next group: short enough to finish there
-# (at 0.05 s a step, 1.6 s).
-MAX_TOKENS = 32
+# (at 0.05 s a step, 3.2 s), and long enough that all four overlap on a loaded machine
+# (at 32 tokens a clean-clone CI run once waited 30 s in vain for all four in flight together).
+MAX_TOKENS = 64
 
 
 def free_ring_port() -> int:
