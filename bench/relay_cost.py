@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import io
 import itertools
 import json
 import os
@@ -487,7 +488,7 @@ def child_handoff_writes(client: socket.socket, upstream, events: int) -> None:
     received = handoff.Received(client, journal, control)
     received.write(client, b"HTTP/1.0 200 OK\r\nContent-Type: text/event-stream\r\nX-Guardian-Continuable: 1\r\n\r\n")
     # As guardian.serving.connection.HandedOffConnection.write_tagged gives it.
-    output = TokenTaggingOutput(None, functools.partial(received.write_tagged, client))
+    output = TokenTaggingOutput(io.BytesIO(), functools.partial(received.write_tagged, client))
     for token in range(events):
         output.consumed(token, " guardian")
         output.write(CHILD_EVENT)

@@ -109,6 +109,8 @@ class TokenTaggingOutput:
         self._tokens: list[int] = []
         self._text: list[str] = []
         self.continuable = True
+        # Stock flushes after every event: straight to the wrapped file, no call of ours between.
+        self.flush = wfile.flush
 
     def consumed(self, token: int, text: str) -> None:
         self._tokens.append(token)
@@ -116,49 +118,51 @@ class TokenTaggingOutput:
             self._text.append(text)
 
     def write(self, data: bytes):
-        if self.continuable and (self._tokens or self._text) and data.startswith(_DATA):
-            tag = self._tag() if self._writes_exactly_the_text(data) else self._untag()
+        tag = self.tag_for(data)
+        if tag is not None:
             if self._tagged_writer is not None:
                 self._tagged_writer(tag, data)
                 return len(data)
             data = tag + data
         return self.wrapped.write(data)
 
-    def _writes_exactly_the_text(self, data: bytes) -> bool:
-        if not self._text:
-            return True  # owes no text (a stop token's, discarded)
-        # As stock's json.dumps writes the field: chat delta or text completion.
-        text = self._text[0] if len(self._text) == 1 else "".join(self._text)
-        if text.isascii() and text.isprintable() and '"' not in text and "\\" not in text:
-            escaped = text.encode()  # what json.dumps would write, without its cost (every event)
-        else:
-            escaped = json.dumps(text)[1:-1].encode()
-        return (b'"content": "' + escaped + b'"' in data) or (b'"text": "' + escaped + b'"' in data)
-
-    def _tag(self) -> bytes:
+    def tag_for(self, data: bytes) -> Optional[bytes]:
+        """The tag a write of ``data`` carries: the tokens consumed since the last one, if
+        it is a ``data:`` event writing exactly their text; the mark that the stream is not
+        continuable, if it writes anything else; None if it needs none. Every streamed
+        token comes here once: one call, no more (bench/relay_cost.py --per-event)."""
+        if not (self.continuable and (self._tokens or self._text) and data.startswith(_DATA)):
+            return None
+        texts = self._text
+        if texts:  # else it owes no text (a stop token's, discarded)
+            text = texts[0] if len(texts) == 1 else "".join(texts)
+            if text.isascii() and text.isprintable() and '"' not in text and "\\" not in text:
+                escaped = text.encode()  # what json.dumps would write, without its cost
+            else:
+                escaped = json.dumps(text)[1:-1].encode()
+            # As stock's json.dumps writes the field: chat delta or text completion.
+            if b'"content": "' + escaped + b'"' not in data and b'"text": "' + escaped + b'"' not in data:
+                self.continuable = False
+                return TOKENS_COMMENT + NOT_CONTINUABLE + b"\n"
+            texts.clear()
         tokens = self._tokens
         # One token an event, nearly always: its number alone, without join's list.
         named = str(tokens[0]) if len(tokens) == 1 else ",".join(map(str, tokens))
-        tag = TOKENS_COMMENT + named.encode() + b"\n"
         tokens.clear()
-        self._text.clear()
-        return tag
-
-    def _untag(self) -> bytes:
-        self.continuable = False
-        return TOKENS_COMMENT + NOT_CONTINUABLE + b"\n"
-
-    def flush(self):  # after every event: spared __getattr__'s detour
-        return self.wrapped.flush()
+        return TOKENS_COMMENT + named.encode() + b"\n"
 
     def __getattr__(self, name):  # closed, ...
         return getattr(self.wrapped, name)
 
 
 def tap_tokens(responses: Iterable, output: TokenTaggingOutput):
-    """Stock's response iterator, telling ``output`` of each token as the handler takes it."""
+    """Stock's response iterator, telling ``output`` of each token as the handler takes it
+    (``consumed``'s work, without a call per token)."""
+    add_token, add_text = output._tokens.append, output._text.append
     for response in responses:
-        output.consumed(response.token, response.text)
+        add_token(response.token)
+        if response.text:
+            add_text(response.text)
         yield response
 
 
