@@ -7,12 +7,16 @@ the demo model (or ``--sized``) in turn, pinned as in relay_cost, under
 ``reader_profile_hooks/sitecustomize.py``, which adds up the thread CPU of
 each step of its connection layer's reader (accept, read, select rounds,
 the supervisor's hand-off and the child's word, the child's taking of a
-hand-off, the dispatch to a handler thread). The figures are per request
+hand-off, the dispatch to a handler thread) and of each request's handler
+thread, start to end. The figures are per request
 (the reader's dispatches in the window) and include the steps' system calls
 and the cold caches the engine leaves between them; the timing itself adds
-a little to each.
+a little to each. A second table puts them beside each process's whole CPU
+per streamed token (from /proc), so what is left (the engine's threads,
+idle work) shows as the difference.
 
     .venv/bin/python bench/reader_profile.py              # ~1 min
+    .venv/bin/python bench/reader_profile.py --rounds 8   # ~4 min: the per-token table steadier
 
 It is a benchmark, not a test.
 """
@@ -34,8 +38,10 @@ from stats import environment
 HOOKS = Path(__file__).with_name("reader_profile_hooks")
 ROLES = ("in-process", "supervisor", "child")
 # The reader loop's own steps, which add up to its time; the others run inside one of them
-# (dispatch inside read or take_handoffs, hand_off.* inside dispatch).
+# (dispatch inside read or take_handoffs, hand_off.* inside dispatch), or on a thread of
+# their own (the handler).
 LOOP_STEPS = ("accept", "read", "take_handoffs", "child_word", "wake", "watched", "select", "loop")
+HANDLER = "handler"
 
 
 def sums(folder: Path, pid: int) -> dict:
@@ -45,15 +51,21 @@ def sums(folder: Path, pid: int) -> dict:
         return {}
 
 
-def per_request(before: dict, after: dict) -> dict:
-    """Each step's µs per request and calls per request, from two snapshots of one process."""
-    requests = after.get("dispatch", [0, 0])[1] - before.get("dispatch", [0, 0])[1]
-    if requests <= 0:
-        return {}
-    out = {}
+def added(total: dict, before: dict, after: dict) -> None:
+    """Add to ``total`` each step's thread CPU (ns) and calls between two snapshots of one process."""
     for step, (ns, calls) in after.items():
         ns_before, calls_before = before.get(step, [0, 0])
-        out[step] = {"us": (ns - ns_before) / 1000 / requests, "calls": (calls - calls_before) / requests}
+        sums_so_far = total.setdefault(step, [0, 0])
+        sums_so_far[0] += ns - ns_before
+        sums_so_far[1] += calls - calls_before
+
+
+def per_request(total: dict) -> dict:
+    """Each step's µs per request and calls per request, from a process's added snapshots."""
+    requests = total.get("dispatch", [0, 0])[1]
+    if requests <= 0:
+        return {}
+    out = {step: {"us": ns / 1000 / requests, "calls": calls / requests} for step, (ns, calls) in total.items()}
     out["requests"] = requests
     return out
 
@@ -61,6 +73,7 @@ def per_request(before: dict, after: dict) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--rounds", type=int, default=1, help="windows per server, taken in alternating order")
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--sized", metavar="HIDDEN,LAYERS", type=model_size)
@@ -71,7 +84,9 @@ def main() -> None:
     split = cpu_split()
     if split is not None:
         os.sched_setaffinity(0, split[1])
-    results = {}
+    steps = {role: {} for role in ROLES}  # step: [ns, calls], added over rounds
+    whole_cpu_s = {role: 0.0 for role in ROLES}
+    streamed = {role: [0, 0] for role in ROLES}  # tokens, requests
     with tempfile.TemporaryDirectory(prefix="bench-reader-profile-") as workdir:
         folder = Path(workdir)
         os.environ["READER_PROFILE_DIR"] = str(folder)  # the servers' environment is built from ours
@@ -81,42 +96,58 @@ def main() -> None:
         finally:
             del os.environ["READER_PROFILE_DIR"]
         try:
-            for kind, server in servers.items():
-                pids = ({"supervisor": server.proc.pid, "child": child_pid(server)} if kind == "supervise"
-                        else {"in-process": server.proc.pid})
-                snapshots = {}
+            for round_index in range(args.rounds):
+                order = list(servers.items()) if round_index % 2 == 0 else list(servers.items())[::-1]
+                for kind, server in order:
+                    pids = ({"supervisor": server.proc.pid, "child": child_pid(server)} if kind == "supervise"
+                            else {"in-process": server.proc.pid})
+                    snapshots = {}
 
-                class Snapshots(CpuWindow):  # taken as steady's measured window opens and closes
-                    def __init__(self, server):
-                        super().__init__(server)
-                        snapshots["before"] = {role: sums(folder, pid) for role, pid in pids.items()}
+                    class Snapshots(CpuWindow):  # taken as steady's measured window opens and closes
+                        def __init__(self, server):
+                            super().__init__(server)
+                            snapshots["before"] = {role: sums(folder, pid) for role, pid in pids.items()}
 
-                    def read(self):
-                        time.sleep(1.5)  # the hooks write their sums once a second
-                        snapshots["after"] = {role: sums(folder, pid) for role, pid in pids.items()}
-                        return super().read()
+                        def read(self):
+                            time.sleep(1.5)  # the hooks write their sums once a second
+                            snapshots["after"] = {role: sums(folder, pid) for role, pid in pids.items()}
+                            return super().read()
 
-                steady.__globals__["CpuWindow"] = Snapshots
-                steady(server, 0, args.clients, args.max_tokens, True, args.seconds)
-                for role in pids:
-                    if not snapshots["after"][role]:  # sitecustomize reports its own errors on stderr
-                        raise SystemExit(f"the profile hooks did not load in the {role}: see {folder}/*.log")
-                    results[role] = per_request(snapshots["before"][role], snapshots["after"][role])
+                    steady.__globals__["CpuWindow"] = Snapshots
+                    window = steady(server, 100_000 * round_index, args.clients, args.max_tokens, True, args.seconds)
+                    # Each process's whole CPU (the engine's is the child's, or its own).
+                    whole = ({"supervisor": window["process_cpu_s"], "child": window["engine_cpu_s"]}
+                             if kind == "supervise" else {"in-process": window["process_cpu_s"]})
+                    for role in pids:
+                        if not snapshots["after"][role]:  # sitecustomize reports its own errors on stderr
+                            raise SystemExit(f"the profile hooks did not load in the {role}: see {folder}/*.log")
+                        added(steps[role], snapshots["before"][role], snapshots["after"][role])
+                        whole_cpu_s[role] += whole[role]
+                        streamed[role][0] += window["tokens"]
+                        streamed[role][1] += window["requests"]
         finally:
             steady.__globals__["CpuWindow"] = CpuWindow
             for server in servers.values():
                 server.stop()
+    results = {}
+    for role in ROLES:
+        results[role] = per_request(steps[role])
+        tokens, requests = streamed[role]
+        results[role]["process_us_per_token"] = 1e6 * whole_cpu_s[role] / max(tokens, 1)
+        results[role]["tokens_per_request"] = tokens / max(requests, 1)
     data = {"when": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "environment": environment(),
-            "model": model.name, "seconds": args.seconds, "clients": args.clients, "max_tokens": args.max_tokens,
-            "per_request": results}
+            "model": model.name, "seconds": args.seconds, "rounds": args.rounds, "clients": args.clients,
+            "max_tokens": args.max_tokens, "per_request": results}
     print(json.dumps(data, indent=2) if args.json else report(data))
 
 
 def report(data: dict) -> str:
-    found = {step for role in ROLES for step in data["per_request"].get(role, {}) if step != "requests"}
-    steps = [step for step in LOOP_STEPS if step in found] + sorted(found - set(LOOP_STEPS))
+    found = {step for role in ROLES for step, value in data["per_request"].get(role, {}).items()
+             if isinstance(value, dict)}
+    steps = [step for step in LOOP_STEPS if step in found] + sorted(found - set(LOOP_STEPS) - {HANDLER})
     lines = [f"Reader profile, {data['when']}: {data['environment']}; {data['model']}; {data['clients']} "
-             f"streaming clients, max_tokens={data['max_tokens']}, {data['seconds']:g} s each.", "",
+             f"streaming clients, max_tokens={data['max_tokens']}, {data.get('rounds', 1)} windows of "
+             f"{data['seconds']:g} s each, alternating.", "",
              "| step (thread CPU per request, calls per request) | " + " | ".join(ROLES) + " |",
              "|---|" + "---|" * len(ROLES)]
     for step in steps:
@@ -128,8 +159,25 @@ def report(data: dict) -> str:
     totals = [sum(data["per_request"].get(role, {}).get(step, {"us": 0})["us"] for step in LOOP_STEPS)
               for role in ROLES]
     lines.append("| **the reader, in all** | " + " | ".join(f"**{total:.0f} µs**" for total in totals) + " |")
+    handlers = [data["per_request"].get(role, {}).get(HANDLER, {"us": 0})["us"] for role in ROLES]
+    lines.append("| **the handler thread** (its own) | " + " | ".join(
+        f"**{us:.0f} µs**" if us else "" for us in handlers) + " |")
     lines += ["", "Requests in the window: " + ", ".join(
-        f"{role} {data['per_request'].get(role, {}).get('requests', 0)}" for role in ROLES) + "."]
+        f"{role} {data['per_request'].get(role, {}).get('requests', 0)}" for role in ROLES) + ".", ""]
+    # Per streamed token: each process's whole CPU, and the reader's and handler's part of it.
+    lines += ["| µs of CPU per streamed token | " + " | ".join(ROLES) + " |", "|---|" + "---|" * len(ROLES)]
+    rows = {"the whole process (/proc)": [], "… the reader": [], "… the handler threads": [], "… the rest": []}
+    for role, reader, handler in zip(ROLES, totals, handlers):
+        got = data["per_request"].get(role, {})
+        if "process_us_per_token" not in got:
+            for cells in rows.values():
+                cells.append("")
+            continue
+        per_token = got["tokens_per_request"]
+        whole, reader_t, handler_t = got["process_us_per_token"], reader / per_token, handler / per_token
+        for name, value in zip(rows, (whole, reader_t, handler_t, whole - reader_t - handler_t)):
+            rows[name].append(f"{value:.1f}")
+    lines += [f"| {name} | " + " | ".join(cells) + " |" for name, cells in rows.items()]
     return "\n".join(lines)
 
 

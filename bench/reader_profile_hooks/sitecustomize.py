@@ -1,7 +1,8 @@
 """Loaded at start-up by every server ``bench/reader_profile.py`` starts (on PYTHONPATH):
 wraps the steps a request takes through the connection layer's reader, the supervisor's
 fast hand-off and the child's taking of it, and adds up each step's thread CPU
-(``time.thread_time_ns``, system calls included) and calls. Every second a daemon thread
+(``time.thread_time_ns``, system calls included) and calls, and each request's handler
+thread from start to end (``handler``: stock's handler, or the supervisor's). Every second a daemon thread
 writes the sums to ``$READER_PROFILE_DIR/<pid>.json``. Nothing here runs without that
 variable; the guardian's own code is not changed."""
 
@@ -10,6 +11,7 @@ import os
 if os.environ.get("READER_PROFILE_DIR"):
     import json
     import selectors
+    import socketserver
     import threading
     import time
 
@@ -52,6 +54,8 @@ if os.environ.get("READER_PROFILE_DIR"):
     handoff.Channel.hand = _timed("hand_off.hand", handoff.Channel.hand)
     handoff.HandedOff.progress = _timed("hand_off.progress", handoff.HandedOff.progress)
     handoff.receive = _timed("take_handoffs.receive", handoff.receive)
+    # A handler's whole life (setup, handle, finish) runs in this __init__, on its own thread.
+    socketserver.BaseRequestHandler.__init__ = _timed("handler", socketserver.BaseRequestHandler.__init__)
 
     def _write_sums(path: str) -> None:
         while True:
