@@ -129,8 +129,8 @@ class TokenTaggingOutput:
     def tag_for(self, data: bytes) -> Optional[bytes]:
         """The tag a write of ``data`` carries: the tokens consumed since the last one, if
         it is a ``data:`` event writing exactly their text; the mark that the stream is not
-        continuable, if it writes anything else; None if it needs none. Every streamed
-        token comes here once: one call, no more (bench/relay_cost.py --per-event)."""
+        continuable, if it writes anything else; None if it needs none. Called once per
+        streamed token, so it does its work in one call (its cost: bench/relay_cost.py --per-event)."""
         if not (self.continuable and (self._tokens or self._text) and data.startswith(_DATA)):
             return None
         texts = self._text
