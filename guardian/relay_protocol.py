@@ -118,38 +118,35 @@ class TokenTaggingOutput:
             self._text.append(text)
 
     def write(self, data: bytes):
-        tag = self.tag_for(data)
-        if tag is not None:
+        """Write ``data``, tagged if it is a ``data:`` event: with the tokens consumed since
+        the last tag if it writes exactly their text, else with the mark that the stream is
+        not continuable. Called once per streamed token, so it does all of that itself,
+        without a call of its own (each one costs: bench/compare_trees.py)."""
+        if self.continuable and (self._tokens or self._text) and data.startswith(_DATA):
+            texts, tag = self._text, None
+            if texts:  # else it owes no text (a stop token's, discarded)
+                text = texts[0] if len(texts) == 1 else "".join(texts)
+                if text.isascii() and text.isprintable() and '"' not in text and "\\" not in text:
+                    escaped = text.encode()  # what json.dumps would write, without its cost
+                else:
+                    escaped = json.dumps(text)[1:-1].encode()
+                # As stock's json.dumps writes the field: chat delta or text completion.
+                if b'"content": "' + escaped + b'"' in data or b'"text": "' + escaped + b'"' in data:
+                    texts.clear()
+                else:
+                    self.continuable = False
+                    tag = TOKENS_COMMENT + NOT_CONTINUABLE + b"\n"
+            if tag is None:
+                tokens = self._tokens
+                # One token an event, nearly always: its number alone, without join's list.
+                named = str(tokens[0]) if len(tokens) == 1 else ",".join(map(str, tokens))
+                tokens.clear()
+                tag = TOKENS_COMMENT + named.encode() + b"\n"
             if self._tagged_writer is not None:
                 self._tagged_writer(tag, data)
                 return len(data)
             data = tag + data
         return self.wrapped.write(data)
-
-    def tag_for(self, data: bytes) -> Optional[bytes]:
-        """The tag a write of ``data`` carries: the tokens consumed since the last one, if
-        it is a ``data:`` event writing exactly their text; the mark that the stream is not
-        continuable, if it writes anything else; None if it needs none. Called once per
-        streamed token, so it does its work in one call (its cost: bench/relay_cost.py --per-event)."""
-        if not (self.continuable and (self._tokens or self._text) and data.startswith(_DATA)):
-            return None
-        texts = self._text
-        if texts:  # else it owes no text (a stop token's, discarded)
-            text = texts[0] if len(texts) == 1 else "".join(texts)
-            if text.isascii() and text.isprintable() and '"' not in text and "\\" not in text:
-                escaped = text.encode()  # what json.dumps would write, without its cost
-            else:
-                escaped = json.dumps(text)[1:-1].encode()
-            # As stock's json.dumps writes the field: chat delta or text completion.
-            if b'"content": "' + escaped + b'"' not in data and b'"text": "' + escaped + b'"' not in data:
-                self.continuable = False
-                return TOKENS_COMMENT + NOT_CONTINUABLE + b"\n"
-            texts.clear()
-        tokens = self._tokens
-        # One token an event, nearly always: its number alone, without join's list.
-        named = str(tokens[0]) if len(tokens) == 1 else ",".join(map(str, tokens))
-        tokens.clear()
-        return TOKENS_COMMENT + named.encode() + b"\n"
 
     def __getattr__(self, name):  # closed, ...
         return getattr(self.wrapped, name)
