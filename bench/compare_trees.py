@@ -10,7 +10,9 @@ started the same way and pinned to the same CPU, and rounds of steady
 streaming load alternate between them (``relay_cost.steady``). The figure is
 the new tree's tokens/s over the old one's, mean ± 95 % over rounds, and
 the CPU each spends per token (the supervisor and its child, with
-``--supervise``).
+``--supervise``), old over new round by round. The same tree on both sides
+reads 1.002 ± 0.017 (``results/compare-trees-aa-*.json``): the method's
+floor.
 
     git worktree add /tmp/parent HEAD~1
     .venv/bin/python bench/compare_trees.py --old /tmp/parent --new . --supervise   # ~8 min
@@ -104,6 +106,9 @@ def main() -> None:
     for runs in windows.values():
         for window in runs:
             window["server_cpu_s"] = engine_and_supervisor_cpu(window, args.supervise)
+    # Old ÷ new CPU per token, round by round: above 1, the new tree spends less.
+    cpu_ratios = [(old["server_cpu_s"] / old["tokens"]) / (new["server_cpu_s"] / new["tokens"])
+                  for old, new in zip(windows["old"], windows["new"])]
     data = {"when": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "environment": environment(),
             "model": model.name, "supervise": args.supervise, "rounds": args.rounds, "seconds": args.seconds,
             "clients": args.clients, "max_tokens": args.max_tokens,
@@ -111,6 +116,7 @@ def main() -> None:
             "trees": {name: tree_revision(tree) for name, tree in trees.items()},
             "ratio_mean": statistics.mean(ratios), "ratio_ci95": ci95(ratios), "ratio_median": statistics.median(ratios),
             "cpu_us_per_token": {name: 1e6 * cpu_per_token(windows[name], "server_cpu_s") for name in TREES},
+            "cpu_ratio_mean": statistics.mean(cpu_ratios), "cpu_ratio_ci95": ci95(cpu_ratios),
             "windows": windows}
     print(json.dumps(data, indent=2) if args.json else report(data))
 
@@ -124,11 +130,20 @@ def report(data: dict) -> str:
         f"Trees compared, {data['when']}: {data['environment']}; {data['model']}, {mode}; {data['clients']} "
         f"streaming clients, max_tokens={data['max_tokens']}, {data['rounds']} rounds of {data['seconds']:g} s "
         f"alternating; {pinned}.", "",
-        "| old | new | new ÷ old tokens/s, mean ± 95 % | median | CPU per token, old → new |",
-        "|---|---|---|---|---|",
+        "| old | new | new ÷ old tokens/s, mean ± 95 % | median | CPU per token, old → new | old ÷ new, mean ± 95 % |",
+        "|---|---|---|---|---|---|",
         f"| {data['trees']['old']} | {data['trees']['new']} | **{data['ratio_mean']:.3f} ± {data['ratio_ci95']:.3f}** "
-        f"| {data['ratio_median']:.3f} | {cpu['old']:.1f} → {cpu['new']:.1f} µs |",
+        f"| {data['ratio_median']:.3f} | {cpu['old']:.1f} → {cpu['new']:.1f} µs "
+        f"| {cpu_ratio(data)} |",
     ])
+
+
+def cpu_ratio(data: dict) -> str:
+    """Old ÷ new CPU per token over rounds (results saved before it was kept: from their windows)."""
+    if "cpu_ratio_mean" in data:
+        return f"{data['cpu_ratio_mean']:.3f} ± {data['cpu_ratio_ci95']:.3f}"
+    return ""
+
 
 
 if __name__ == "__main__":
