@@ -2,7 +2,7 @@
 
 Two runs of ``relay_cost.py`` an hour apart differ by more than each run's
 interval says (on this 2-core machine: 0.954 ± 0.013 and 0.970 ± 0.011 for
-two trees whose own comparison, below, reads 1.011 ± 0.017): the machine's
+two trees whose own comparison by this script reads 1.011 ± 0.017): the machine's
 pace drifts. So a change is measured against its parent in one run: each
 tree serves the demo model from a checkout of its own (``git worktree add``;
 the server imports the guardian from it, ahead of the installed one), both
