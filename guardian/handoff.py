@@ -428,19 +428,8 @@ class Received:
             return self.write(sock, tag + event)
         # The view is not told: the child needs it only for what the client sees, and a
         # whole event (none held) shows as it is, its tag gone (as the supervisor's replay
-        # of this record will find). The record is the one ``_record(tag, event)`` makes,
-        # copied in here: a call fewer on every streamed token. tests/test_supervisor_handoff.py's
-        # test_the_journal_holds_whole_records_only_and_grows_past_its_first_mapping reads
-        # both kinds back.
-        header_at = self._end
-        start = header_at + _RECORD_HEADER.size
-        middle = start + len(tag)
-        end = middle + len(event)
-        journal = self._map if end <= self._mapped else self._grow(end)
-        journal[start:middle] = tag
-        journal[middle:end] = event
-        _RECORD_HEADER.pack_into(journal, header_at, end - start + 1)
-        self._end = end
+        # of this record will find).
+        self._record(tag, event)
         self.wrote = True
         sock.sendall(event)
 

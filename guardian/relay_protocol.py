@@ -121,9 +121,9 @@ class TokenTaggingOutput:
         """Write ``data``, tagged if it is a ``data:`` event: with the tokens consumed since
         the last tag if it writes exactly their text, else with the mark that the stream is
         not continuable. Called once per streamed token, so it does all of that itself,
-        without calls of its own: taking two calls off this path (one here, one in
-        guardian.handoff's journal record) gave a supervised child 1.8 +- 1.4 % more tokens/s
-        on the demo model (bench/compare_trees.py; bench/results/relay-cost-handoff.md)."""
+        without calls of its own: in a supervised child, between engine steps, each call on
+        this path costs far more than timed alone (bench/compare_trees.py;
+        bench/results/relay-cost-handoff.md)."""
         if self.continuable and (self._tokens or self._text) and data.startswith(_DATA):
             texts, tag = self._text, None
             if texts:  # else it owes no text (a stop token's, discarded)
