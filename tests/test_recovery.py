@@ -242,10 +242,16 @@ def test_poison_request_fails_alone(failing_server):
         assert_recovered(server, client)
 
 
-def test_crash_loop_exits_with_documented_code(start_server):
+@pytest.mark.parametrize("stream", [False, True], ids=["answer", "stream"])
+def test_crash_loop_exits_with_documented_code(start_server, stream):
     from guardian.exit_codes import EXIT_ENGINE_FAILED
 
-    server = start_server(faults(poison_marker="POISON", message="planted poison") + "[recovery]\nmax_failures = 3\n")
+    # The engine's answers at its give-up come 2.5 s after its state changed:
+    # mlx-lm 0.32's handler threads, which look at the state each second as
+    # they wait, see it first (tests.plugins.slow_give_up).
+    server = start_server(faults(poison_marker="POISON", message="planted poison")
+                          + "[recovery]\nmax_failures = 3\n"
+                          + '[guardian]\nplugins = ["tests.plugins.slow_give_up:SlowGiveUp"]\n')
     with httpx.Client(timeout=30) as client:
         # Every step of a poison request fails. Each is blamed after two
         # failures; a blame forgives its failures only if the engine completed
@@ -256,14 +262,22 @@ def test_crash_loop_exits_with_documented_code(start_server):
             blamed = completion(client, server, content=poison, max_tokens=8)
             assert blamed.status_code == 500
             assert blamed.json()["error"]["code"] == "request_failed_repeatedly"
-        third = completion(client, server, content="POISON 3", max_tokens=8)
-        assert third.status_code == 503, third.text
-        assert third.headers["content-type"] == "application/json"
-        assert third.headers["retry-after"] == "1"
-        error = third.json()["error"]
+        if stream:
+            third = read_stream(client, server.url + "/v1/chat/completions",
+                                chat_body(content="POISON 3", max_tokens=8, stream=True))
+            # Its headers may have gone before the failures: then an error event ends it.
+            [error] = third["errors"] if third["status"] == 200 else [third["body"]["error"]]
+            assert third["status"] in (200, 503), third
+        else:
+            third = completion(client, server, content="POISON 3", max_tokens=8)
+            assert third.status_code == 503, third.text
+            assert third.headers["content-type"] == "application/json"
+            assert third.headers["retry-after"] == "1"
+            error = third.json()["error"]
         assert set(error) == {"message", "type", "param", "code"}
-        assert error["code"] == "engine_failed"
+        assert error["code"] == "engine_failed", error
     assert server.proc.wait(timeout=15) == EXIT_ENGINE_FAILED
+    assert server.events("slow_give_up_waiting")
     [gave_up] = server.events("engine_gave_up")
     assert gave_up["exit_code"] == EXIT_ENGINE_FAILED
     errors = server.events("engine_error")

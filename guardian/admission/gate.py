@@ -53,6 +53,9 @@ class AdmittingGenerator:
     def generation_available(self) -> bool:
         return self.engine.generation_available()
 
+    def error_for(self, exc: Exception) -> GuardianError:
+        return self.engine.error_for(exc)
+
     def generate(self, request, generation_args, progress_callback=None):
         """Admit the request (or raise AbortRequest), then queue it on the engine."""
         engine = self.engine

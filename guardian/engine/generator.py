@@ -66,6 +66,9 @@ class GuardianEngine(stock.loop.GuardedResponseGenerator):
         self._abandoned_threads: list[threading.Thread] = []
         self.restart_clock = RestartClock()  # where a restart's time goes (engine_restarted)
         self.backoff = Backoff()  # a crash loop's waits; set by the recovery plugin
+        # What every request is told once the engine gives up (set by give_up,
+        # before the state changes: see error_for).
+        self.gave_up_error: Optional[GuardianError] = None
         # ``access``: the live [access] table, whose fair_admission the ledger follows.
         self.ledger = RequestLedger(
             beat=self._loop_polled, on_finished=self._request_finished,
@@ -209,8 +212,24 @@ class GuardianEngine(stock.loop.GuardedResponseGenerator):
     def check_available(self) -> None:
         """Raise AbortRequest (503) once the engine has given up or stopped."""
         if not self.generation_available():
-            raise AbortRequest(engine_unavailable("The engine has stopped; the server is exiting.",
-                                                     self.core.retry_after_s))
+            raise AbortRequest(self._stopped_error())
+
+    def _stopped_error(self) -> GuardianError:
+        return engine_unavailable("The engine has stopped; the server is exiting.", self.core.retry_after_s)
+
+    def error_for(self, exc: Exception) -> GuardianError:
+        """What to tell a client for an exception stock raised on its request.
+
+        mlx-lm 0.32 waits for a request's next response a second at a time,
+        and raises RuntimeError("generation thread died") once
+        ``generation_available()`` is false. When the engine gives up it
+        answers every request itself, but its state changes a moment before
+        those answers are queued: a wait that looked in between would tell its
+        client 500 where every other client is told 503 engine_failed (seen in
+        CI, twice in one run). Such a client is told what the others are."""
+        if isinstance(exc, RuntimeError) and not self.generation_available():
+            return self.gave_up_error or self._stopped_error()
+        return from_stock_exception(exc)
 
     def arriving(self):
         """Around what a request goes through before ``generate`` queues it (its
@@ -223,7 +242,7 @@ class GuardianEngine(stock.loop.GuardedResponseGenerator):
         try:
             return super().generate(request, generation_args, progress_callback)
         except Exception as e:
-            raise AbortRequest(from_stock_exception(e)) from None
+            raise AbortRequest(self.error_for(e)) from None
 
     # -- the guarded loop -----------------------------------------------------
     def run_guarded(self, run_stock_loop) -> None:
@@ -341,6 +360,8 @@ class GuardianEngine(stock.loop.GuardedResponseGenerator):
             code="engine_failed",
             retry_after_s=self.core.retry_after_s,
         )
+        if self.gave_up_error is None:
+            self.gave_up_error = error  # before the state says so: error_for reads it then
         if not self.lifecycle.gave_up(reason):
             # Gave up or stopped already: only the dead loop's records are left to answer.
             for record in records:

@@ -153,7 +153,7 @@ class GuardianHandler(Endpoints, stock.handler.DoorCorsHandler):
         except GuardianError as error:
             self.finish_with_error(error)
         except Exception as e:
-            self.finish_with_error(from_stock_exception(e))
+            self.finish_with_error(self.response_generator.error_for(e))
         finally:
             self._answering_completion = False
             if self._access_status is not None:
