@@ -580,9 +580,11 @@ def sized_model(hidden: int, layers: int) -> Path:
     path = default_cache_dir() / f"relay-cost-model-{hidden}x{layers}"
     if not path.exists():
         heads = hidden // 64
+        # Grouped-query attention, a third as many KV heads or fewer: a divisor of the heads.
+        kv_heads = max(d for d in range(1, max(1, heads // 3) + 1) if heads % d == 0)
         write_demo_model(path, seed=1, hidden_size=hidden, intermediate_size=hidden * 8 // 3 // 64 * 64,
                          num_hidden_layers=layers, num_attention_heads=heads,
-                         num_key_value_heads=max(1, heads // 3), head_dim=64)
+                         num_key_value_heads=kv_heads, head_dim=64)
     return path
 
 
@@ -633,9 +635,11 @@ def main() -> None:
         servers = start_servers(model, Path(workdir), split[0] if split else None,
                                 KINDS[:2] if args.no_relay else KINDS)
         try:
-            for server in servers.values():  # load the weights, warm the caches and the pools
+            # Load the weights, warm the caches and the pools, with prompts the size of those
+            # measured (on a GPU a new shape compiles kernels: a round 1 at a quarter of the pace).
+            for server in servers.values():
                 for mode in args.modes:
-                    burst(server, [f"Warm-up {i}. " + SENTENCE for i in range(args.clients)], args.clients,
+                    burst(server, [f"Warm-up {i}. " + SENTENCE * 4 for i in range(args.clients)], args.clients,
                           args.max_tokens, stream=mode == "stream")
             data["results"] = measure(servers, args.rounds, args.requests, args.clients, args.max_tokens,
                                       args.modes, args.steady)
