@@ -57,6 +57,7 @@ import io
 import itertools
 import json
 import os
+import shutil
 import socket
 import statistics
 import subprocess
@@ -578,14 +579,23 @@ def sized_model(hidden: int, layers: int) -> Path:
     from guardian.demo_model import default_cache_dir, write_demo_model
 
     path = default_cache_dir() / f"relay-cost-model-{hidden}x{layers}"
-    if not path.exists():
-        heads = hidden // 64
-        # Grouped-query attention, a third as many KV heads or fewer: a divisor of the heads.
-        kv_heads = max(d for d in range(1, max(1, heads // 3) + 1) if heads % d == 0)
+    heads = hidden // 64
+    # Grouped-query attention, a third as many KV heads or fewer: a divisor of the heads.
+    kv_heads = max(d for d in range(1, max(1, heads // 3) + 1) if heads % d == 0)
+    if not made_with(path, kv_heads):  # never made, or made before the KV heads divided the heads
+        shutil.rmtree(path, ignore_errors=True)
         write_demo_model(path, seed=1, hidden_size=hidden, intermediate_size=hidden * 8 // 3 // 64 * 64,
                          num_hidden_layers=layers, num_attention_heads=heads,
                          num_key_value_heads=kv_heads, head_dim=64)
     return path
+
+
+def made_with(path: Path, kv_heads: int) -> bool:
+    """Whether ``path`` holds a model of these KV heads (write_demo_model writes a folder whole)."""
+    try:
+        return json.loads((path / "config.json").read_text()).get("num_key_value_heads") == kv_heads
+    except (OSError, ValueError):
+        return False
 
 
 def model_description(model: Path) -> dict:
