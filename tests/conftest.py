@@ -182,7 +182,19 @@ def start_server(tmp_path, model_cache):
 BOTH_MODES = ["one_process", pytest.param("supervised", marks=pytest.mark.subprocess_mode)]
 
 
-class ModeServer(Server):
+class SessionServer(Server):
+    """A server started in a session of its own (``start_new_session=True``):
+    stopping it kills its process group, a supervisor's children too."""
+
+    def stop(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(timeout=10)
+
+
+class ModeServer(SessionServer):
     """A server a module's tests share, reconfigured live through ``self.config``:
     one process, or (``kind`` "supervised") a supervisor in a session of its own."""
 
@@ -201,14 +213,6 @@ class ModeServer(Server):
         if kind == "supervised":  # its /readyz is the child's: ready once a child is
             poll(lambda: httpx.get(self.url + "/guardian/supervisor", headers=headers or {},
                                    timeout=5).json()["state"] == "ready", 60, what="a ready child")
-
-    def stop(self) -> None:
-        """Kill the process group: a supervisor's children too."""
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait(timeout=10)
 
 
 class SharedServer(ModeServer):

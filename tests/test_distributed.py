@@ -26,7 +26,7 @@ import httpx
 import psutil
 import pytest
 
-from conftest import REPO, Server, chat_body, free_port, poll, read_stream
+from conftest import REPO, Server, SessionServer, chat_body, free_port, poll, read_stream
 from guardian.exit_codes import EXIT_GROUP_FAILED, EXIT_OK
 
 COMPLETIONS = "/v1/chat/completions"
@@ -108,7 +108,7 @@ def generating(server: Server, steps_before: int, requests: int = len(BURST)) ->
     return status["in_flight"] >= requests and status["steps"] > steps_before + 3
 
 
-class Group(Server):
+class Group(SessionServer):
     """An mlx.launch group (or a supervisor running one), in a session of its own."""
 
     def __init__(self, proc, port, log_path, marker):
@@ -137,11 +137,7 @@ class Group(Server):
         return [e for e in self.events(name) if e.get("rank") == rank]
 
     def stop(self) -> None:
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait(timeout=10)
+        super().stop()
         # A supervised group's launcher leads a session of its own: its ranks too.
         for pid in self.ranks().values():
             try:

@@ -17,7 +17,6 @@ import hashlib
 import ipaddress
 import json
 import os
-import signal
 import subprocess
 import sys
 import textwrap
@@ -27,7 +26,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import Server, chat_body, free_port, poll, spawn_guardian, system_tool
+from conftest import Server, SessionServer, chat_body, free_port, poll, spawn_guardian, system_tool
 
 pytestmark = [
     # The door imports no mlx_lm: what it decides does not depend on mlx-lm's version.
@@ -126,15 +125,9 @@ def netns():
         ip("netns", "del", name, check=False)
 
 
-class Supervised(Server):
+class Supervised(SessionServer):
     """A supervisor in a session of its own: stopping it kills its child too."""
 
-    def stop(self) -> None:
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait(timeout=10)
 
 
 def start_servers(folder: Path, model_cache: Path, configs: dict[str, str], *mode: str) -> dict[str, Server]:

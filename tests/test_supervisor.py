@@ -22,7 +22,7 @@ import httpx
 import psutil
 import pytest
 
-from conftest import Server, chat_body, free_port, poll, read_stream, spawn_guardian
+from conftest import SessionServer, chat_body, free_port, poll, read_stream, spawn_guardian
 from guardian.exit_codes import EXIT_BOOT_ERROR, EXIT_OK, EXIT_SUPERVISOR_GAVE_UP, EXIT_USAGE
 
 COMPLETIONS = "/v1/chat/completions"
@@ -30,7 +30,7 @@ COMPLETIONS = "/v1/chat/completions"
 SLOW_STEPS = "[fault_injection]\nenabled = true\nstep_delay_s = 0.01\n"
 
 
-class Supervised(Server):
+class Supervised(SessionServer):
     """A supervisor process, its children in its process group."""
 
     def supervisor(self) -> Optional[dict]:
@@ -65,13 +65,6 @@ class Supervised(Server):
         except ProcessLookupError:
             pass
 
-    def stop(self) -> None:
-        """Kill the supervisor's process group: the supervisor and every child."""
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait(timeout=10)
 
 
 @pytest.fixture
@@ -444,7 +437,7 @@ def test_quarantine_0_lets_the_poison_crash_loop_into_exit_6(start_supervisor, t
     config.write_text(f'[fault_injection]\nenabled = true\nsegfault_marker = "{SEGFAULT_MARKER}"\n')
     supervised = start_supervisor("--guardian-config", str(config), "--supervisor-quarantine", "0",
                                   "--supervisor-max-restarts", "1")
-    pid = supervised.wait_ready()
+    supervised.wait_ready()
     poison = chat_body(f"{SEGFAULT_MARKER} now", max_tokens=4)
     # Crash 1, sent again (max_resends 1), crash 2: a 503, and the crash loop gives up.
     response = httpx.post(supervised.url + COMPLETIONS, json=poison, timeout=60)

@@ -24,7 +24,7 @@ import openai
 import pytest
 import trustme
 
-from conftest import Server, chat_body, free_port, poll, read_stream, spawn_guardian
+from conftest import SessionServer, chat_body, free_port, poll, read_stream, spawn_guardian
 from guardian.access.tls import ServerCertificate
 from guardian.serving.connection import ConnectionLimits, HeldConnections
 from guardian.exit_codes import EXIT_USAGE
@@ -64,7 +64,7 @@ def trusting(ca_path: Path) -> ssl.SSLContext:
     return ssl.create_default_context(cafile=str(ca_path))
 
 
-class TLSServer(Server):
+class TLSServer(SessionServer):
     """A server (one process or a supervisor) serving HTTPS, its processes in one group."""
 
     def __init__(self, proc, port: int, log_path: Path, certificates: Certificates):
@@ -86,12 +86,6 @@ class TLSServer(Server):
     def sighup(self) -> None:
         os.kill(self.proc.pid, signal.SIGHUP)
 
-    def stop(self) -> None:
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait(timeout=10)
 
 
 def closed_by_server(connection: socket.socket) -> bool:
