@@ -349,6 +349,15 @@ class RequestReader:
             self.selector.register(sock, selectors.EVENT_READ, Readable(sock, callback))
         self._wake()
 
+    def handle_readable_now(self, timeout: float) -> bool:
+        """Wait (any other thread) until this reader has handled what is readable now; False
+        if not within ``timeout``. A round handles what it selected, then runs the timers
+        due: the round under way may have selected before what is readable now became so,
+        so the timer asks for the round after it (one whose select comes after this call)."""
+        done = threading.Event()
+        self.call_at(0.0, lambda: self.call_at(0.0, done.set))
+        return done.wait(timeout)
+
     def watch(self, sock: socket.socket, on_gone) -> None:
         """Call ``on_gone()`` (on this reader's thread) if the client closes or resets ``sock``."""
         with self._lock:
@@ -966,6 +975,10 @@ class HeldConnections:
         """Call ``callback()`` on the reader's thread once ``sock`` is readable."""
         self._ensure_reader()
         self._reader.when_readable(sock, callback)
+
+    def handle_readable_now(self, timeout: float = 1.0) -> bool:
+        """Wait until the reader has handled what is readable now (RequestReader.handle_readable_now)."""
+        return self._reader.handle_readable_now(timeout) if self._reader is not None else True
 
     # A supervised child's hand-off socket, once it serves one (guardian.handoff).
     handoff_channel: Optional[socket.socket] = None

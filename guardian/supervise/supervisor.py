@@ -91,6 +91,8 @@ SIGNAL_HINTS = {
 # milliseconds. One still alive after this long dropped the connection on its
 # own (stock does when its generation thread dies): no crash to send again after.
 REAP_WAIT_S = 5.0
+# How long a reaped child's last words may take to be read before its requests are struck.
+REAP_READ_WORDS_TIMEOUT_S = 1.0
 
 
 @dataclass
@@ -346,6 +348,10 @@ class Supervisor:
                           "at": time.time()}
         level = log.info if child.kill_reason else log.error
         level("child_exited", **self.last_exit)
+        if self.httpd is not None:
+            # The child's last words on requests handed off (guardian.supervise.fast_handoff)
+            # are read first: one it answered in full just before it died is no crash suspect.
+            self.httpd.handle_readable_now(timeout=REAP_READ_WORDS_TIMEOUT_S)
         self.quarantine.child_exited(child.generation, crashed=child.kill_reason is None,
                                      pid=child.pid, reason=reason)
         with self.changed:
