@@ -46,8 +46,12 @@ def post_in_background(url: str, body: dict, results: dict, key: str) -> threadi
 
 
 def test_stalls_within_the_window_climb_restart_reload_exit(start_server):
-    # Every request with the penalty blocks its step until shutdown.
-    config = (LOOP_FAULTS
+    # Every request with the penalty blocks its step until shutdown. At the exit rung
+    # the engine's answers come 2.5 s after its state changed (tests.plugins.slow_give_up):
+    # a request waiting in stock's code sees the state first, and must still be told
+    # what every other is.
+    config = ('[guardian]\nplugins = ["tests.plugins.loop_faults:LoopFaults", '
+              '"tests.plugins.slow_give_up:SlowGiveUp"]\n'
               + table("loop_faults", hang_repetition_penalty=HANG_PENALTY, hang_at_call=2, hang_times=0,
                       log_model_loads=True)
               + table("watchdog", interval_s=0.05, stall_timeout_s=1.0, probe_timeout_s=1.0,
