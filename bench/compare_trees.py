@@ -145,6 +145,5 @@ def cpu_ratio(data: dict) -> str:
     return ""
 
 
-
 if __name__ == "__main__":
     main()

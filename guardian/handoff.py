@@ -56,6 +56,8 @@ GIVEN_BACK = b"g"
 # One hand-off: one byte carrying the client's socket, the journal and the control pipe's writing end.
 _HANDOFF_BYTE = b"h"
 _FDS_PER_HANDOFF = 3
+# A journal's name, as /proc/PID/fd shows its anonymous file.
+JOURNAL_NAME = "mlx-guardian-handoff"
 _REQUEST_LENGTH = struct.Struct("<Q")
 # A record's header: its length plus one, written after the record's bytes. What the
 # child never wrote reads as zero (the mapped file's unwritten pages), which ends them.
@@ -206,7 +208,7 @@ class Channel:
 
 def _anonymous_file() -> int:
     if hasattr(os, "memfd_create"):
-        return os.memfd_create("mlx-guardian-handoff", os.MFD_CLOEXEC)
+        return os.memfd_create(JOURNAL_NAME, os.MFD_CLOEXEC)
     with tempfile.TemporaryFile() as file:
         return os.dup(file.fileno())
 

@@ -23,6 +23,7 @@ import psutil
 import pytest
 
 from conftest import SessionServer, chat_body, free_port, poll, read_stream, spawn_guardian
+from guardian import handoff
 from guardian.exit_codes import EXIT_BOOT_ERROR, EXIT_OK, EXIT_SUPERVISOR_GAVE_UP, EXIT_USAGE
 
 COMPLETIONS = "/v1/chat/completions"
@@ -64,7 +65,6 @@ class Supervised(SessionServer):
                 os.kill(pid, signum)
         except ProcessLookupError:
             pass
-
 
 
 @pytest.fixture
@@ -482,7 +482,7 @@ def holds_a_journal(pid: int) -> bool:
     folder = f"/proc/{pid}/fd"
     for fd in os.listdir(folder):
         try:
-            if "mlx-guardian-handoff" in os.readlink(f"{folder}/{fd}"):
+            if handoff.JOURNAL_NAME in os.readlink(f"{folder}/{fd}"):
                 return True
         except FileNotFoundError:  # closed meanwhile
             pass
