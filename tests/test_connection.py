@@ -14,12 +14,15 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
+from types import SimpleNamespace
 
 import httpx
 import pytest
 
 from conftest import BOTH_MODES, ModeServer, Server, chat_body, free_port, poll, spawn_guardian
+from guardian.serving.connection import ConnectionLimits, RequestReader
 
 COMPLETIONS = "/v1/chat/completions"
 MAX_HANDLERS = 4
@@ -211,3 +214,28 @@ def test_out_of_file_descriptors_the_door_pauses_and_serves_again(tmp_path, mode
         assert answer.status_code == 200, answer.text
     finally:
         server.stop()
+
+
+def test_waiting_for_the_reader_to_handle_what_is_readable_is_bounded():
+    """A supervisor's reaping of a child waits this way for its reader to read the child's
+    last words (guardian.supervise.supervisor): it gets them, and a reader stuck elsewhere
+    holds it no longer than the timeout."""
+    reader = RequestReader(SimpleNamespace(limits=ConnectionLimits()))
+    ours, theirs = socket.socketpair()
+    release = threading.Event()
+    try:
+        handled = []
+        reader.when_readable(ours, lambda: handled.append(ours.recv(1)))
+        theirs.send(b"d")
+        assert reader.handle_readable_now(5.0)
+        assert handled == [b"d"]
+
+        reader.call_at(0.0, lambda: release.wait(10))  # the reader's thread is busy in a callback
+        started = time.monotonic()
+        assert not reader.handle_readable_now(0.3)
+        assert time.monotonic() - started >= 0.3
+    finally:
+        release.set()
+        reader.stop()
+        ours.close()
+        theirs.close()
