@@ -112,6 +112,8 @@ class ClientView:
         self.status: Optional[int] = None
         self.is_sse = False
         self.events: Optional[relay_protocol.EventRelay] = None
+        self.content_length: Optional[int] = None  # a body of known length: its head's
+        self.body_bytes = 0  # of such a body, seen so far
 
     @property
     def stream(self) -> Optional[relay_protocol.RelayedStream]:
@@ -123,9 +125,20 @@ class ClientView:
         """Whether a stream's ``[DONE]`` went out."""
         return self.events is not None and self.events.done
 
+    @property
+    def complete(self) -> bool:
+        """Whether the whole answer went out: a stream's ``[DONE]``, or every byte of a
+        body of known length (one that ends with the connection cannot tell)."""
+        if self.events is not None:
+            return self.events.done
+        return self.content_length is not None and self.body_bytes >= self.content_length
+
     def visible(self, raw: bytes) -> bytes:
         if self.head_done:
-            return self.events.pass_on(raw) if self.events is not None else raw
+            if self.events is not None:
+                return self.events.pass_on(raw)
+            self.body_bytes += len(raw)
+            return raw
         self._head += raw
         end = self._head.find(b"\r\n\r\n")
         if end < 0:
@@ -153,6 +166,8 @@ class ClientView:
                 kept.append(line)
                 if lowered == "content-type":
                     self.is_sse = value.strip().startswith(relay_protocol.SSE_CONTENT_TYPE.encode())
+                elif lowered == "content-length" and value.strip().isdigit():
+                    self.content_length = int(value)
         kept.append(b"Connection: close")
         if self.is_sse:
             self.events = relay_protocol.EventRelay(relay_protocol.RelayedStream() if continuable else None)
@@ -303,12 +318,22 @@ class JournalProgress:
         self._journal = os.dup(handed.journal)
         self._start = handed.records_start
 
-    @property
-    def tokens(self) -> list[int]:
+    def _view(self) -> ClientView:
         view = ClientView()
         for record in journal_records(self._journal, self._start):
             view.visible(record)
+        return view
+
+    @property
+    def tokens(self) -> list[int]:
+        view = self._view()
         return view.stream.tokens if view.stream is not None else []
+
+    @property
+    def complete(self) -> bool:
+        """Whether the child had written its whole answer (ClientView.complete): its
+        work for the request was over, whether or not it lived to say so."""
+        return self._view().complete
 
     def __del__(self):
         try:

@@ -477,6 +477,48 @@ def test_a_request_answered_just_before_the_childs_death_is_no_crash_suspect(sta
     assert supervised.supervisor()["connections"]["handed_off"] == 0
 
 
+WORDLESS_MARKER = "die before the word"
+# A sitecustomize that makes the supervisor's handler path late (GUARDIAN_TEST_LATE_RESUME_S).
+SUPERVISOR_HOOKS = Path(__file__).with_name("supervisor_hooks")
+
+
+@pytest.mark.linux("the child's word that it is done exists where connections are handed off")
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "answer"])
+def test_a_request_answered_in_full_by_a_child_that_dies_before_its_word_is_no_crash_suspect(
+        start_supervisor, tmp_path, stream):
+    """A child that writes a request's whole answer and dies before it tells the
+    supervisor so (tests/plugins/wordless_death.py plants the SIGKILL there) did its
+    work for that request: the journal shows the whole answer (a stream's [DONE], or
+    every byte of a body of known length), so the request is no suspect of the death,
+    and its client has its answer. The handler thread that takes the request back
+    starts a second late, as on a loaded machine, so the reaping strikes first: before
+    the reaping looked at the journal itself, the request was struck in 4 of 4 runs
+    (in 2 of 10 without the delay)."""
+    config = tmp_path / "wordless.toml"
+    config.write_text('[guardian]\nplugins = ["tests.plugins.wordless_death:WordlessDeath"]\n'
+                      f'\n[wordless_death]\nmarker = "{WORDLESS_MARKER}"\n')
+    python_path = os.pathsep.join(filter(None, [str(SUPERVISOR_HOOKS), os.environ.get("PYTHONPATH")]))
+    supervised = start_supervisor("--guardian-config", str(config),
+                                  env={"PYTHONPATH": python_path, "GUARDIAN_TEST_LATE_RESUME_S": "1"})
+    pid = supervised.wait_ready()
+    body = chat_body(f"{WORDLESS_MARKER}, once answered.", max_tokens=8, stream=stream)
+    with httpx.Client(timeout=30) as client:
+        if stream:
+            with client.stream("POST", supervised.url + COMPLETIONS, json=body) as response:
+                assert response.status_code == 200
+                assert list(data_lines(response))[-1] == "[DONE]"
+        else:
+            response = client.post(supervised.url + COMPLETIONS, json=body)
+            assert response.status_code == 200
+            assert response.json()["choices"][0]["finish_reason"] == "length"
+    supervised.wait_ready(not_pid=pid)
+    exited = supervised.supervisor_events("child_exited")[-1]
+    assert exited["pid"] == pid and exited["reason"].startswith("killed by SIGKILL")
+    crashes = supervised.wait_for_event("crash_suspects")
+    assert [(e["suspects"], e["answered_in_full"]) for e in crashes] == [([], 1)]
+    poll(lambda: supervised.supervisor()["connections"]["handed_off"] == 0, 10, what="the hand-off ended")
+
+
 def holds_a_journal(pid: int) -> bool:
     """Whether process ``pid`` has a hand-off's journal open (guardian.handoff's memfd)."""
     folder = f"/proc/{pid}/fd"

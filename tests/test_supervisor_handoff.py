@@ -57,15 +57,26 @@ def test_the_client_sees_no_tag_no_private_header_and_a_closing_connection():
                                    b"X-Request-ID: abc", b"Connection: close"]
     assert body == untagged(event("He", 12) + event(" fo", 7, 9))
     assert view.status == 200 and view.is_sse and view.stream.tokens == [12, 7, 9] and not view.done
+    assert not view.complete
     view.visible(event("", finish="length") + b"data: [DONE]\n\n")
-    assert view.done and view.stream.finished
+    assert view.done and view.stream.finished and view.complete
+
+
+def test_an_answer_is_complete_at_its_last_promised_byte_and_never_without_a_length():
+    view = handoff.ClientView()
+    view.visible(b"HTTP/1.0 200 OK\r\nContent-Type: application/json\r\nContent-Length: 10\r\n\r\n01234")
+    assert not view.complete
+    assert view.visible(b"56789") == b"56789" and view.complete
+    unbounded = handoff.ClientView()  # a body that ends with the connection: no telling
+    unbounded.visible(b"HTTP/1.0 200 OK\r\nContent-Type: application/json\r\n\r\n{}")
+    assert not unbounded.complete
 
 
 def test_what_is_no_http_head_passes_as_it_is():
     view = handoff.ClientView()
     blob = b"x" * (handoff.MAX_HEAD_BYTES + 1)
     assert view.visible(blob) == blob and view.visible(b"\r\n\r\nmore") == b"\r\n\r\nmore"
-    assert view.status is None and not view.is_sse
+    assert view.status is None and not view.is_sse and not view.complete
 
 
 def test_a_plain_head_takes_the_readers_path_and_anything_unusual_the_handlers():

@@ -8,7 +8,9 @@ requests are refused at the proxy for ``quarantine_s`` seconds, so one
 poison body and its clients' retries cannot crash-loop the service. A
 suspect (in flight at one crash) is relayed alone (``guardian.quarantine.isolation``),
 so the innocent requests beside the guilty one at the first crash are not
-beside it again at the second; a suspect answered in full is cleared.
+beside it again at the second; a suspect answered in full is cleared. A
+request whose whole answer the child had written before it died (its
+journal says so, guardian.handoff) is no suspect, word or no word.
 
 Blame needs reproduction: a poison body crashes the engine at the same point
 every time. A stream continued on the next child that relayed tokens past
@@ -121,6 +123,13 @@ class Relay:
     def position(self) -> int:
         """Where the request stands: the tokens its client has (0: none, or not a stream)."""
         return len(self.stream.tokens) if self.stream is not None else 0
+
+    @property
+    def answered_in_full(self) -> bool:
+        """Whether the child had written the whole answer, said so or not (a handed-off
+        request's journal, guardian.handoff.JournalProgress): its work for the request
+        was over, so a death after it is none of the request's doing."""
+        return bool(getattr(self.stream, "complete", False))
 
 
 @dataclass
@@ -275,10 +284,12 @@ class CrashQuarantine:
         if not crashed:
             return
         now = time.monotonic()
-        distinct = {relay.fingerprint: relay for relay in relays.values()}
+        in_flight = [relay for relay in relays.values() if not relay.answered_in_full]
+        distinct = {relay.fingerprint: relay for relay in in_flight}
         suspects = [self._strike(fp, relay, now) for fp, relay in distinct.items()]
         log.warning("crash_suspects", generation=generation, suspects=suspects,
-                    quarantine_s=self.quarantine_s, **exit_info)
+                    answered_in_full=len(relays) - len(in_flight), quarantine_s=self.quarantine_s,
+                    **exit_info)
 
     def _strike(self, fp: str, relay: Relay, now: float) -> dict:
         """One more crash for ``fp``; quarantine it at the second at one point within the window."""

@@ -477,7 +477,7 @@ class ProxyHandler(BaseHTTPRequestHandler):
         if written == 0:
             self.child_lost(child, cut, sent=False)
             return NOTHING_SENT
-        if view.done:  # all of it went out: the child died after its [DONE]
+        if view.complete:  # all of it went out: the child died after its [DONE] or its body's end
             if self.relay_record is not None:
                 self.relay_record.answered = True
             return ANSWERED
