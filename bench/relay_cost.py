@@ -46,6 +46,17 @@ instead of a burst: the window opens once every client is under way and
 closes before any stops, so no burst's ramp or tail (where the servers idle
 and any ratio is near 1) is in it.
 
+``--varied`` (with ``--steady``) draws each request's ``max_tokens`` from a quarter
+to seven quarters of ``--max-tokens``: with one length for all (the demo model
+never stops early), requests that start in one step end in one step, and stock's
+loop, which takes new requests only between runs of steps, keeps its batch in
+such cohorts.
+
+``--stock`` adds stock ``mlx_lm.server`` on the same model, in the same rounds:
+its row's ratio is stock's tokens/s over the in-process guardian's (above 1:
+stock is faster), and its CPU column the in-process guardian's CPU per token
+over stock's, the same way round.
+
 It is a benchmark, not a test: it never runs with the test suite.
 """
 
@@ -57,6 +68,7 @@ import io
 import itertools
 import json
 import os
+import random
 import shutil
 import socket
 import statistics
@@ -76,6 +88,7 @@ from stats import environment
 SENTENCE = "The guardian watches a language model server and keeps it alive. "
 KINDS = ("in-process", "supervise", "supervise-relay")
 SUPERVISED = ("supervise", "supervise-relay")
+STOCK = "stock"  # --stock: the reference every guardian server is a drop-in for
 MODES = ("stream", "non-stream")
 START_TIMEOUT_S = 120.0
 
@@ -102,6 +115,7 @@ def start_servers(model: Path, workdir: Path, cpus: set[int] | None, kinds=KINDS
         "supervise": [sys.executable, "-m", "guardian", "--supervise", *common],
         "supervise-relay": [sys.executable, "-m", "guardian", "--supervise", *common,
                             "--guardian-config", str(relaying_config(workdir))],
+        STOCK: [sys.executable, "-m", "mlx_lm.server", *common],
     }
     return {kind: start_server(kind, commands[kind], workdir, server_env(), cpus) for kind in kinds}
 
@@ -179,9 +193,11 @@ def burst(server: Server, prompts: list[str], clients: int, max_tokens: int, str
 
 
 def steady(server: Server, serial: int, clients: int, max_tokens: int, stream: bool, seconds: float,
-           warmup_s: float = 2.0, headers: dict | None = None) -> dict:
+           warmup_s: float = 2.0, headers: dict | None = None, varied: bool = False) -> dict:
     """``clients`` looping clients, each sending request after request; measured over a
     window of ``seconds`` once they all run, so no burst's ramp up or tail is in it.
+    ``varied``: each request's ``max_tokens`` drawn from a quarter of ``max_tokens`` to
+    seven quarters (the same mean), so requests that start together do not end together.
 
     Streamed tokens are counted as they arrive (one per content event: the demo model's);
     a non-streamed answer's tokens when it arrives.
@@ -191,11 +207,16 @@ def steady(server: Server, serial: int, clients: int, max_tokens: int, stream: b
     stop = threading.Event()
     numbers = itertools.count(serial)
 
+    clients_started = itertools.count()
+
     def client_loop() -> None:
+        lengths = random.Random(f"{serial}-{next(clients_started)}")
         with httpx.Client(timeout=300, headers=headers) as client:
             while not stop.is_set():
-                body = {"messages": [{"role": "user", "content": f"Request {next(numbers)}. " + SENTENCE * 4}],
-                        "max_tokens": max_tokens, "stream": stream}
+                number = next(numbers)
+                body = {"messages": [{"role": "user", "content": f"Request {number}. " + SENTENCE * 4}],
+                        "max_tokens": lengths.randint(max(1, max_tokens // 4), max_tokens * 7 // 4)
+                        if varied else max_tokens, "stream": stream}
                 if stream:
                     with client.stream("POST", server.url + "/v1/chat/completions", json=body) as response:
                         for line in response.iter_lines():
@@ -238,9 +259,10 @@ def child_pid(server: Server):
 
 
 def measure(servers: dict, rounds: int, requests: int, clients: int, max_tokens: int, modes=MODES,
-            steady_s: float = 0.0) -> dict:
+            steady_s: float = 0.0, varied: bool = False) -> dict:
     """Round after round, each mode, each server in turn (the order alternates), same prompts
-    (``steady_s``: a window of continuous load each instead of a burst)."""
+    (``steady_s``: a window of continuous load each instead of a burst; ``varied``: its
+    requests' lengths vary, see ``steady``)."""
     kinds = tuple(servers)
     results = {mode: {kind: [] for kind in kinds} for mode in modes}
     serial = 0
@@ -253,7 +275,8 @@ def measure(servers: dict, rounds: int, requests: int, clients: int, max_tokens:
                 if steady_s:
                     serial += 10_000
                     results[mode][kind].append(steady(servers[kind], serial, clients, max_tokens,
-                                                      stream=mode == "stream", seconds=steady_s))
+                                                      stream=mode == "stream", seconds=steady_s,
+                                                      varied=varied))
                 else:
                     results[mode][kind].append(burst(servers[kind], prompts, clients, max_tokens,
                                                      stream=mode == "stream"))
@@ -284,16 +307,16 @@ def throughput(runs: list[dict]) -> float:
 
 
 def summarize(results: dict) -> dict:
-    """Per mode and supervised kind: the ratio to in-process over rounds, and the supervisor's CPU."""
+    """Per mode and supervised kind (and stock): the ratio to in-process over rounds, and the supervisor's CPU."""
     summary = {}
-    supervised = [kind for kind in SUPERVISED if kind in next(iter(results.values()))]
-    pooled = {kind: [] for kind in supervised}
+    compared = [kind for kind in (*SUPERVISED, STOCK) if kind in next(iter(results.values()))]
+    pooled = {kind: [] for kind in compared}
     for mode in results:
         runs = results[mode]
         row = {kind: {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs[kind]),
                       "requests_per_s": statistics.median(r["requests_per_s"] for r in runs[kind])}
                for kind in runs}
-        for kind in supervised:
+        for kind in compared:
             ratios = [s["tokens_per_s"] / i["tokens_per_s"] for s, i in zip(runs[kind], runs["in-process"])]
             pooled[kind] += ratios
             row[kind].update(ratio_median=statistics.median(ratios), ratio_range=[min(ratios), max(ratios)],
@@ -301,6 +324,10 @@ def summarize(results: dict) -> dict:
                              ratio_iqr=list(quartiles(ratios)), rounds=ratios,
                              # Every round's tokens over every round's time: the longest view.
                              ratio_pooled=throughput(runs[kind]) / throughput(runs["in-process"]))
+            if kind == STOCK and all("engine_cpu_s" in r for r in runs[kind]):
+                row[kind]["cpu_per_token_ratio"] = (cpu_per_token(runs["in-process"], "engine_cpu_s")
+                                                    / cpu_per_token(runs[kind], "engine_cpu_s"))
+                continue
             supervisor = [r for r in runs[kind] if "process_cpu_s" in r]
             if supervisor:
                 # CPU per token, supervisor and child, against the in-process server's: what
@@ -340,7 +367,8 @@ def report(data: dict) -> str:
         f"{data['clients']} looping clients, "
         + (f"{data['steady_s']:g} s of continuous load" if data.get("steady_s") else
            f"bursts of {data['requests']} chat requests")
-        + f", max_tokens={data['max_tokens']}, {data['rounds']} rounds "
+        + (f", max_tokens {data['max_tokens'] // 4}-{data['max_tokens'] * 7 // 4} (mean {data['max_tokens']})"
+           if data.get("varied") else f", max_tokens={data['max_tokens']}") + f", {data['rounds']} rounds "
         f"alternating; {pinned}; {data['wall_s'] / 60:.1f} min{load}.",
         "",
         "| requests | supervisor | in-process tok/s | supervised tok/s | ratio (median) | rounds min–max | IQR | "
@@ -357,7 +385,7 @@ def report(data: dict) -> str:
                    if "supervisor_cpu_ms_per_request" in row else "| | | |")
             speeds = (f"{data['summary'][mode]['in-process']['tokens_per_s']:.0f} | {row['tokens_per_s']:.0f}"
                       if mode != "both" else " | ")
-            how = "hands off" if kind == "supervise" else "relays"
+            how = {"supervise": "hands off", STOCK: "stock mlx_lm.server (no guardian)"}.get(kind, "relays")
             mean = f"{row['ratio_mean']:.3f} ± {row['ratio_ci95']:.3f}" if "ratio_mean" in row else ""
             pooled = f"{row['ratio_pooled']:.3f}" if "ratio_pooled" in row else ""
             if "cpu_per_token_ratio" in row:
@@ -615,6 +643,10 @@ def main() -> None:
     parser.add_argument("--no-pin", action="store_true", help="let servers and clients share every CPU")
     parser.add_argument("--no-relay", action="store_true",
                         help="leave out supervise-relay: the hand-off against in-process alone, each round in 2/3 of the time")
+    parser.add_argument("--varied", action="store_true",
+                        help="--steady: each request's max_tokens drawn from 1/4 to 7/4 of --max-tokens")
+    parser.add_argument("--stock", action="store_true",
+                        help="stock mlx_lm.server in the same rounds: what the in-process guardian costs against it")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="streamed requests, or not, or both")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--per-event", action="store_true",
@@ -639,11 +671,12 @@ def main() -> None:
         os.sched_setaffinity(0, split[1])  # the clients' threads inherit it
     data = {"when": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "environment": environment(),
             "rounds": args.rounds, "clients": args.clients, "requests": args.requests,
-            "max_tokens": args.max_tokens, "steady_s": args.steady, "model": model_description(model),
+            "max_tokens": args.max_tokens, "varied": args.varied, "steady_s": args.steady,
+            "model": model_description(model),
             "pinning": {"servers": sorted(split[0]), "client": sorted(split[1])} if split else None}
     with tempfile.TemporaryDirectory(prefix="bench-relay-cost-") as workdir:
-        servers = start_servers(model, Path(workdir), split[0] if split else None,
-                                KINDS[:2] if args.no_relay else KINDS)
+        kinds = (KINDS[:2] if args.no_relay else KINDS) + ((STOCK,) if args.stock else ())
+        servers = start_servers(model, Path(workdir), split[0] if split else None, kinds)
         try:
             # Load the weights, warm the caches and the pools, with prompts the size of those
             # measured (on a GPU a new shape compiles kernels: a round 1 at a quarter of the pace).
@@ -652,7 +685,7 @@ def main() -> None:
                     burst(server, [f"Warm-up {i}. " + SENTENCE * 4 for i in range(args.clients)], args.clients,
                           args.max_tokens, stream=mode == "stream")
             data["results"] = measure(servers, args.rounds, args.requests, args.clients, args.max_tokens,
-                                      args.modes, args.steady)
+                                      args.modes, args.steady, args.varied)
         finally:
             for server in servers.values():
                 if server.alive():
