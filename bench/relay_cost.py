@@ -206,15 +206,13 @@ def steady(server: Server, serial: int, clients: int, max_tokens: int, stream: b
     lock = threading.Lock()
     stop = threading.Event()
     numbers = itertools.count(serial)
-
     clients_started = itertools.count()
 
     def client_loop() -> None:
         lengths = random.Random(f"{serial}-{next(clients_started)}")
         with httpx.Client(timeout=300, headers=headers) as client:
             while not stop.is_set():
-                number = next(numbers)
-                body = {"messages": [{"role": "user", "content": f"Request {number}. " + SENTENCE * 4}],
+                body = {"messages": [{"role": "user", "content": f"Request {next(numbers)}. " + SENTENCE * 4}],
                         "max_tokens": lengths.randint(max(1, max_tokens // 4), max_tokens * 7 // 4)
                         if varied else max_tokens, "stream": stream}
                 if stream:
