@@ -322,9 +322,10 @@ def summarize(results: dict) -> dict:
                              ratio_iqr=list(quartiles(ratios)), rounds=ratios,
                              # Every round's tokens over every round's time: the longest view.
                              ratio_pooled=throughput(runs[kind]) / throughput(runs["in-process"]))
-            if kind == STOCK and all("engine_cpu_s" in r for r in runs[kind]):
-                row[kind]["cpu_per_token_ratio"] = (cpu_per_token(runs["in-process"], "engine_cpu_s")
-                                                    / cpu_per_token(runs[kind], "engine_cpu_s"))
+            if kind == STOCK:  # one process, no supervisor: its CPU per token against the guardian's
+                if all("engine_cpu_s" in r for r in runs[kind]):
+                    row[kind]["cpu_per_token_ratio"] = (cpu_per_token(runs["in-process"], "engine_cpu_s")
+                                                        / cpu_per_token(runs[kind], "engine_cpu_s"))
                 continue
             supervisor = [r for r in runs[kind] if "process_cpu_s" in r]
             if supervisor:
