@@ -10,10 +10,18 @@ as a child does, and writes the tags to the client (no journal, no
 supervisor). Both are pinned to one CPU (the clients get the others), and
 rounds of ``--seconds`` of continuous streaming load alternate between them.
 
-    .venv/bin/python bench/tagging_cost.py --rounds 40     # ~14 min
+``--hand-off`` adds a third, "handed-off": the tagging server, which hands
+each request to itself through guardian.handoff (``self_handoff_hooks``):
+the hand-off's whole work on both sides, in one process, with no supervisor
+and none of its scheduling. Against ``relay_cost.py``'s figure for
+``--supervise`` it says what a second process costs beyond that work.
 
-The figures are tagged ÷ plain tokens/s and plain ÷ tagged CPU per token,
-mean ± 95 % over rounds. It is a benchmark, not a test.
+    .venv/bin/python bench/tagging_cost.py --rounds 40     # ~14 min
+    .venv/bin/python bench/tagging_cost.py --rounds 16 --seconds 6 --hand-off   # ~8 min
+
+The figures are each server's tokens/s ÷ the plain one's, and the plain
+one's CPU per token ÷ each one's, mean ± 95 % over rounds. It is a benchmark,
+not a test.
 """
 
 from __future__ import annotations
@@ -33,12 +41,16 @@ from stats import environment
 from guardian.relay_protocol import KEY_HEADER, RELAY_KEY_ENV, new_relay_key
 
 
+HOOKS = Path(__file__).with_name("self_handoff_hooks")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=40)
     parser.add_argument("--seconds", type=float, default=8.0)
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--hand-off", action="store_true", help="add a server that hands each request to itself")
     args = parser.parse_args()
 
     model = demo_model()
@@ -47,25 +59,33 @@ def main() -> None:
         os.sched_setaffinity(0, split[1])
     key = new_relay_key()
     command = [sys.executable, "-m", "guardian", "--model", str(model), "--host", "127.0.0.1"]
-    headers = {"plain": {}, "tagged": {KEY_HEADER: key}}
-    ratios, cpu_ratios = [], []
+    tagging = {RELAY_KEY_ENV: key}
+    kinds = {"plain": (server_env(), {}), "tagged": (server_env(**tagging), {KEY_HEADER: key})}
+    if args.hand_off:
+        path = os.pathsep.join(filter(None, [str(HOOKS), os.environ.get("PYTHONPATH")]))
+        kinds["handed-off"] = (server_env(**tagging, GUARDIAN_BENCH_SELF_HANDOFF="1", PYTHONPATH=path),
+                               {KEY_HEADER: key})
+    measured = [kind for kind in kinds if kind != "plain"]
+    ratios = {kind: [] for kind in measured}
+    cpu_ratios = {kind: [] for kind in measured}
     with tempfile.TemporaryDirectory(prefix="bench-tagging-cost-") as workdir:
         servers = {}
         try:
-            for kind, env in (("plain", server_env()), ("tagged", server_env(**{RELAY_KEY_ENV: key}))):
+            for kind, (env, _) in kinds.items():
                 servers[kind] = start_server(kind, command, Path(workdir), env, split[0] if split else None)
             for kind, server in servers.items():  # weights loaded, caches warm
-                steady(server, 0, args.clients, args.max_tokens, True, 3.0, headers=headers[kind])
+                steady(server, 0, args.clients, args.max_tokens, True, 3.0, headers=kinds[kind][1])
             for round_index in range(args.rounds):
-                order = ("plain", "tagged") if round_index % 2 == 0 else ("tagged", "plain")
+                order = list(kinds) if round_index % 2 == 0 else list(kinds)[::-1]
                 serial = 100_000 * (round_index + 1)  # prompts of their own: no prompt-cache hits
                 got = {kind: steady(servers[kind], serial, args.clients, args.max_tokens, True, args.seconds,
-                                    headers=headers[kind]) for kind in order}
-                ratios.append(got["tagged"]["tokens_per_s"] / got["plain"]["tokens_per_s"])
-                cpu_ratios.append(cpu_per_token([got["plain"]], "engine_cpu_s")
-                                  / cpu_per_token([got["tagged"]], "engine_cpu_s"))
-                print(f"round {round_index + 1}/{args.rounds}: plain {got['plain']['tokens_per_s']:.0f} tok/s, "
-                      f"tagged {got['tagged']['tokens_per_s']:.0f} tok/s", file=sys.stderr, flush=True)
+                                    headers=kinds[kind][1]) for kind in order}
+                for kind in measured:
+                    ratios[kind].append(got[kind]["tokens_per_s"] / got["plain"]["tokens_per_s"])
+                    cpu_ratios[kind].append(cpu_per_token([got["plain"]], "engine_cpu_s")
+                                            / cpu_per_token([got[kind]], "engine_cpu_s"))
+                print(f"round {round_index + 1}/{args.rounds}: " + ", ".join(
+                    f"{kind} {got[kind]['tokens_per_s']:.0f} tok/s" for kind in kinds), file=sys.stderr, flush=True)
         finally:
             for server in servers.values():
                 server.stop()
@@ -73,10 +93,12 @@ def main() -> None:
     print(f"Tagging cost, {datetime.now(timezone.utc):%Y-%m-%d %H:%M UTC}: {environment()}; demo model; "
           f"{args.clients} looping streaming clients, max_tokens={args.max_tokens}, {args.rounds} rounds of "
           f"{args.seconds:g} s alternating; {pinned}.\n")
-    print("| tagged ÷ plain | mean ± 95 % | median | rounds min–max |\n|---|---|---|---|")
-    for name, values in (("tokens/s", ratios), ("CPU per token (plain ÷ tagged)", cpu_ratios)):
-        print(f"| {name} | **{statistics.fmean(values):.3f} ± {ci95(values):.3f}** | "
-              f"{statistics.median(values):.3f} | {min(values):.3f}–{max(values):.3f} |")
+    print("| ÷ plain | mean ± 95 % | median | rounds min–max |\n|---|---|---|---|")
+    for kind in measured:
+        for name, values in ((f"{kind}: tokens/s", ratios[kind]),
+                             (f"{kind}: CPU per token (plain ÷ {kind})", cpu_ratios[kind])):
+            print(f"| {name} | **{statistics.fmean(values):.3f} ± {ci95(values):.3f}** | "
+                  f"{statistics.median(values):.3f} | {min(values):.3f}–{max(values):.3f} |")
 
 
 if __name__ == "__main__":
