@@ -16,8 +16,16 @@ the hand-off's whole work on both sides, in one process, with no supervisor
 and none of its scheduling. Against ``relay_cost.py``'s figure for
 ``--supervise`` it says what a second process costs beyond that work.
 
+``--child-side`` adds a fourth, "child-side": the tagging server doing only
+what a child that accepted its own connections would do per request, with a
+supervisor that costs nothing (``self_handoff_hooks``): its own journal and
+control pipe, one message to a channel drained every 64 requests, the tags,
+the journal records and the word. It says what the child's part of the
+hand-off costs, and so how far moving the accepting into the child could go.
+
     .venv/bin/python bench/tagging_cost.py --rounds 40     # ~14 min
     .venv/bin/python bench/tagging_cost.py --rounds 16 --seconds 6 --hand-off   # ~8 min
+    .venv/bin/python bench/tagging_cost.py --rounds 16 --seconds 6 --hand-off --child-side   # ~10 min
 
 The figures are each server's tokens/s ÷ the plain one's, and the plain
 one's CPU per token ÷ each one's, mean ± 95 % over rounds. It is a benchmark,
@@ -51,6 +59,8 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--hand-off", action="store_true", help="add a server that hands each request to itself")
+    parser.add_argument("--child-side", action="store_true",
+                        help="add a server doing only a child's part of each hand-off")
     args = parser.parse_args()
 
     model = demo_model()
@@ -61,9 +71,12 @@ def main() -> None:
     command = [sys.executable, "-m", "guardian", "--model", str(model), "--host", "127.0.0.1"]
     tagging = {RELAY_KEY_ENV: key}
     kinds = {"plain": (server_env(), {}), "tagged": (server_env(**tagging), {KEY_HEADER: key})}
+    hooked = os.pathsep.join(filter(None, [str(HOOKS), os.environ.get("PYTHONPATH")]))
     if args.hand_off:
-        path = os.pathsep.join(filter(None, [str(HOOKS), os.environ.get("PYTHONPATH")]))
-        kinds["handed-off"] = (server_env(**tagging, GUARDIAN_BENCH_SELF_HANDOFF="1", PYTHONPATH=path),
+        kinds["handed-off"] = (server_env(**tagging, GUARDIAN_BENCH_SELF_HANDOFF="1", PYTHONPATH=hooked),
+                               {KEY_HEADER: key})
+    if args.child_side:
+        kinds["child-side"] = (server_env(**tagging, GUARDIAN_BENCH_CHILD_SIDE="1", PYTHONPATH=hooked),
                                {KEY_HEADER: key})
     measured = [kind for kind in kinds if kind != "plain"]
     ratios = {kind: [] for kind in measured}

@@ -1,10 +1,20 @@
-"""Loaded at start-up by the "handed-off" server ``bench/tagging_cost.py --hand-off`` starts
-(on PYTHONPATH): with ``GUARDIAN_BENCH_SELF_HANDOFF`` set, the in-process server hands each
-whole request to itself through ``guardian.handoff``, as a supervisor hands it to its child:
-the journal, the descriptors over a channel, the tags and the journal records on every
-streamed token, the child's word on the control pipe, its reading and the closes. So it pays
-both sides' work for each request, in one process and with no supervisor. Nothing here runs
-without that variable; the guardian's own code is not changed."""
+"""Loaded at start-up by the servers ``bench/tagging_cost.py --hand-off`` and ``--child-side``
+start (on PYTHONPATH). Nothing here runs without one of the two variables below; the
+guardian's own code is not changed.
+
+``GUARDIAN_BENCH_SELF_HANDOFF``: the in-process server hands each whole request to itself
+through ``guardian.handoff``, as a supervisor hands it to its child: the journal, the
+descriptors over a channel, the tags and the journal records on every streamed token, the
+child's word on the control pipe, its reading and the closes. So it pays both sides' work
+for each request, in one process and with no supervisor.
+
+``GUARDIAN_BENCH_CHILD_SIDE``: only what a child would do if it accepted its connections
+itself and a supervisor cost nothing per request (the design in bench/README, "what 0.99
+on the demo model would take"): the server writes the request into a journal of its own,
+makes the control pipe, passes the client's socket, the journal and the pipe's reading end
+in one message to a channel that is drained only every 64 requests (a supervisor reading
+it lazily), and answers through ``handoff.Received``: tags, journal records, the word.
+No head is parsed twice, nothing is received, nobody wakes for the word."""
 
 import os
 
@@ -35,3 +45,47 @@ if os.environ.get("GUARDIAN_BENCH_SELF_HANDOFF"):
         server.when_readable(handed.control, on_word)
 
     connection.HeldConnections.dispatch = _dispatch_to_self
+
+elif os.environ.get("GUARDIAN_BENCH_CHILD_SIDE"):
+    import socket
+    import threading
+
+    from guardian import handoff
+    from guardian.serving import connection
+
+    _dispatch = connection.HeldConnections.dispatch
+    _to_supervisor, _supervisor_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    _supervisor_end.setblocking(False)
+    _DRAIN_EVERY = 64
+    _lock = threading.Lock()
+    _since_drained = [0]
+
+    def _drain() -> None:
+        """The lazy supervisor: take every message waiting and close what it carried (a
+        descriptor in flight keeps its file open, so nothing closed early)."""
+        while True:
+            try:
+                _, fds, _, _ = socket.recv_fds(_supervisor_end, _DRAIN_EVERY, 3 * _DRAIN_EVERY)
+            except BlockingIOError:
+                return
+            for fd in fds:
+                os.close(fd)
+
+    def _dispatch_as_child(server, incoming):
+        if incoming.handed_off is not None or incoming.headers_end < 0:
+            return _dispatch(server, incoming)
+        request = bytes(incoming.buffer)
+        journal = os.memfd_create(handoff.JOURNAL_NAME, os.MFD_CLOEXEC)
+        handoff._write_all(journal, handoff._REQUEST_LENGTH.pack(len(request)) + request)
+        control, child_control = os.pipe()
+        socket.send_fds(_to_supervisor, [b"h"], [incoming.sock.fileno(), journal, control])
+        os.close(control)
+        incoming.handed_off = handoff.Received(incoming.sock, journal, child_control)
+        with _lock:
+            _since_drained[0] += 1
+            if _since_drained[0] >= _DRAIN_EVERY:
+                _since_drained[0] = 0
+                _drain()
+        return _dispatch(server, incoming)
+
+    connection.HeldConnections.dispatch = _dispatch_as_child
