@@ -176,3 +176,22 @@ def test_the_openai_sdks_own_timeout_is_a_deadline(engine_server):
     # The access line (written as the request ends, a moment after its answer) says it was a retry.
     poll(lambda: [e for e in engine_server.events("http_access") if e.get("client_retry") == 1], 5,
          what="an access line with client_retry")
+
+
+def test_a_deadline_passed_on_arrival_is_a_504_every_time(engine_server):
+    """A deadline shorter than reading the request has passed before the handler starts:
+    it fails the request there, not on a timer that the shortest answer could beat
+    (a stream too, before any of it is sent)."""
+    before = engine_server.cancelled("deadline")
+    expired = {"x-stainless-read-timeout": "0.000001"}
+    with httpx.Client(timeout=30) as client:
+        for _ in range(5):
+            answer = client.post(engine_server.url + COMPLETIONS, json=chat_body(max_tokens=1), headers=expired)
+            assert answer.status_code == 504 and answer.json()["error"]["code"] == "deadline_exceeded"
+        with client.stream("POST", engine_server.url + COMPLETIONS, headers=expired,
+                           json=chat_body(max_tokens=1, stream=True)) as stream:
+            stream.read()
+            # Nothing was sent yet: a 504 in OpenAI's shape, not an event stream.
+            assert stream.status_code == 504 and stream.json()["error"]["code"] == "deadline_exceeded"
+    assert engine_server.cancelled("deadline") == before + 6
+    assert engine_server.idle()

@@ -114,7 +114,13 @@ class GuardianHandler(Endpoints, stock.handler.DoorCorsHandler):
         error = GuardianError(
             f"The request was not answered within its deadline of {deadline_s:g} s ({source}).",
             status=504, type="server_error", code="deadline_exceeded", retry=False)
-        return self.server.call_at(info.started_at + deadline_s, lambda: deadline_passed(info, error))
+        due = info.started_at + deadline_s
+        if due <= time.monotonic():
+            # Passed already (a deadline shorter than reading the request): fail it here. A timer
+            # would run on the reader's thread, and a short answer could win that race.
+            deadline_passed(info, error)
+            return None
+        return self.server.call_at(due, lambda: deadline_passed(info, error))
 
     def handle_relayed_stream(self, request, stop_words):
         """A stream the supervisor relays: tagged with its tokens, perhaps a continuation
