@@ -50,7 +50,7 @@ class CoreSettings(Table, name="guardian"):
         restarts, in-process or, with --supervise, as a new child process.""", live=True)
     request_timeout_s = Setting(SECONDS, 0.0, """
         A completion request still unanswered this long after it arrived is
-        stopped and answered 504 deadline_exceeded (a stream: an error event).
+        stopped and answered 504 deadline_exceeded (a stream under way: an error event).
         A client's own read timeout, which the openai SDK sends as
         x-stainless-read-timeout, is a deadline too; the sooner wins. 0: none
         but the client's.""", live=True)
