@@ -228,17 +228,30 @@ def _anonymous_file() -> int:
         return os.dup(file.fileno())
 
 
+def new_journal(request: bytes) -> tuple[int, int]:
+    """A journal holding ``request``: its descriptor, and where the child's records start."""
+    journal = _anonymous_file()
+    try:
+        _write_all(journal, _REQUEST_LENGTH.pack(len(request)) + request)
+    except BaseException:
+        os.close(journal)
+        raise
+    return journal, _REQUEST_LENGTH.size + len(request)
+
+
 class HandedOff:
     """One request handed to a child: the journal, the control pipe, and where the client's count stood."""
 
     def __init__(self, channel: Channel, client: socket.socket, request: bytes, taken_before: int):
         self.client = client
         self.taken_before = taken_before
-        self.journal = _anonymous_file()
-        self.control, child_control = os.pipe()  # read here, written by the child
+        self.journal, self.records_start = new_journal(request)
         try:
-            _write_all(self.journal, _REQUEST_LENGTH.pack(len(request)) + request)
-            self.records_start = _REQUEST_LENGTH.size + len(request)
+            self.control, child_control = os.pipe()  # read here, written by the child
+        except OSError:
+            os.close(self.journal)
+            raise
+        try:
             channel.send([client.fileno(), self.journal, child_control])
         except BaseException:
             self.close()

@@ -47,8 +47,8 @@ if os.environ.get("GUARDIAN_BENCH_SELF_HANDOFF"):
     connection.HeldConnections.dispatch = _dispatch_to_self
 
 elif os.environ.get("GUARDIAN_BENCH_CHILD_SIDE"):
+    import itertools
     import socket
-    import threading
 
     from guardian import handoff
     from guardian.serving import connection
@@ -57,8 +57,7 @@ elif os.environ.get("GUARDIAN_BENCH_CHILD_SIDE"):
     _to_supervisor, _supervisor_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     _supervisor_end.setblocking(False)
     _DRAIN_EVERY = 64
-    _lock = threading.Lock()
-    _since_drained = [0]
+    _handed = itertools.count(1)  # dispatch runs on the reader's thread alone
 
     def _drain() -> None:
         """The lazy supervisor: take every message waiting and close what it carried (a
@@ -74,18 +73,13 @@ elif os.environ.get("GUARDIAN_BENCH_CHILD_SIDE"):
     def _dispatch_as_child(server, incoming):
         if incoming.handed_off is not None or incoming.headers_end < 0:
             return _dispatch(server, incoming)
-        request = bytes(incoming.buffer)
-        journal = os.memfd_create(handoff.JOURNAL_NAME, os.MFD_CLOEXEC)
-        handoff._write_all(journal, handoff._REQUEST_LENGTH.pack(len(request)) + request)
+        journal, _ = handoff.new_journal(bytes(incoming.buffer))
         control, child_control = os.pipe()
         socket.send_fds(_to_supervisor, [b"h"], [incoming.sock.fileno(), journal, control])
         os.close(control)
         incoming.handed_off = handoff.Received(incoming.sock, journal, child_control)
-        with _lock:
-            _since_drained[0] += 1
-            if _since_drained[0] >= _DRAIN_EVERY:
-                _since_drained[0] = 0
-                _drain()
+        if next(_handed) % _DRAIN_EVERY == 0:
+            _drain()
         return _dispatch(server, incoming)
 
     connection.HeldConnections.dispatch = _dispatch_as_child
