@@ -35,6 +35,7 @@ wake-up), in turn. The thread's CPU time per event is the figure.
     .venv/bin/python bench/relay_cost.py --per-event     # ~20 s
     .venv/bin/python bench/relay_cost.py --steady 8 --rounds 20 --modes stream --no-relay  # ~7 min
     .venv/bin/python bench/relay_cost.py --sized 256,4 --steady 8 --rounds 12 --modes stream --no-relay  # ~6 min
+    .venv/bin/python bench/relay_cost.py --steady 6 --epochs 4 --rounds 8 --modes stream --no-relay  # ~12 min
 
 ``--sized HIDDEN,LAYERS`` serves a random-weight model of that shape instead of the
 demo model (made offline once, into the guardian's cache): the demo model's tokens
@@ -45,6 +46,11 @@ weighs on it ~10-100 times as much as on a real model's.
 instead of a burst: the window opens once every client is under way and
 closes before any stops, so no burst's ramp or tail (where the servers idle
 and any ratio is near 1) is in it.
+
+``--epochs N`` starts fresh servers N times, in alternating order, for ``--rounds``
+rounds each, and prints each epoch's median beside the whole run's: rounds share
+their processes, so what a process owes to its start (where its memory fell, which
+started first) would be in every round of a single epoch.
 
 ``--varied`` (with ``--steady``) draws each request's ``max_tokens`` from a quarter
 to seven quarters of ``--max-tokens``: with one length for all (the demo model
@@ -367,8 +373,8 @@ def report(data: dict) -> str:
         + (f"{data['steady_s']:g} s of continuous load" if data.get("steady_s") else
            f"bursts of {data['requests']} chat requests")
         + (f", max_tokens {data['max_tokens'] // 4}-{data['max_tokens'] * 7 // 4} (mean {data['max_tokens']})"
-           if data.get("varied") else f", max_tokens={data['max_tokens']}") + f", {data['rounds']} rounds "
-        f"alternating; {pinned}; {data['wall_s'] / 60:.1f} min{load}.",
+           if data.get("varied") else f", max_tokens={data['max_tokens']}")
+        + f", {epochs_label(data)}{data['rounds']} rounds alternating; {pinned}; {data['wall_s'] / 60:.1f} min{load}.",
         "",
         "| requests | supervisor | in-process tok/s | supervised tok/s | ratio (median) | rounds min–max | IQR | "
         "mean ± 95 % | pooled | CPU per token (in-process ÷ child + supervisor) | supervisor CPU / request | / token | "
@@ -398,7 +404,19 @@ def report(data: dict) -> str:
             lines.append(f"| {mode} | {how} | {speeds} | **{row['ratio_median']:.3f}** | "
                          f"{row['ratio_range'][0]:.3f}–{row['ratio_range'][1]:.3f} | "
                          f"{row['ratio_iqr'][0]:.3f}–{row['ratio_iqr'][1]:.3f} | {mean} | {pooled} {cpu}")
+    epochs = data.get("epochs", [])
+    if len(epochs) > 1:  # each epoch's own median: apart by more than the rounds' noise, the processes differ
+        lines.append("")
+        for kind in data["summary"]["both"]:
+            lines.append(f"Each epoch's median ratio, {kind}: " + ", ".join(
+                f"{epoch['summary']['both'][kind]['ratio_median']:.3f} ({epoch['started'][0]} started first)"
+                for epoch in epochs) + ".")
     return "\n".join(lines)
+
+
+def epochs_label(data: dict) -> str:
+    epochs = len(data.get("epochs", []))
+    return f"{epochs} epochs of fresh servers × " if epochs > 1 else ""
 
 
 # --per-event: a stand-in child, an event as the guardian's child writes it (its
@@ -631,6 +649,30 @@ def model_description(model: Path) -> dict:
                                    ("hidden_size", "num_hidden_layers", "intermediate_size", "vocab_size")}}
 
 
+def serve_epoch(model, kinds: tuple, split, args) -> dict:
+    """Start ``kinds`` (in that order), warm them up, measure ``args.rounds`` rounds, stop them."""
+    with tempfile.TemporaryDirectory(prefix="bench-relay-cost-") as workdir:
+        servers = start_servers(model, Path(workdir), split[0] if split else None, kinds)
+        try:
+            # Load the weights, warm the caches and the pools, with prompts the size of those
+            # measured (on a GPU a new shape compiles kernels: a round 1 at a quarter of the pace).
+            for server in servers.values():
+                for mode in args.modes:
+                    burst(server, [f"Warm-up {i}. " + SENTENCE * 4 for i in range(args.clients)], args.clients,
+                          args.max_tokens, stream=mode == "stream")
+            return measure(servers, args.rounds, args.requests, args.clients, args.max_tokens,
+                           args.modes, args.steady, args.varied)
+        finally:
+            for server in servers.values():
+                if server.alive():
+                    server.proc.terminate()  # a supervisor stops its child first
+                    try:
+                        server.proc.wait(timeout=30)
+                    except Exception:  # noqa: BLE001 - stop() kills it
+                        pass
+                server.stop()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=8)
@@ -646,6 +688,8 @@ def main() -> None:
                         help="--steady: each request's max_tokens drawn from 1/4 to 7/4 of --max-tokens")
     parser.add_argument("--stock", action="store_true",
                         help="stock mlx_lm.server in the same rounds: what the in-process guardian costs against it")
+    parser.add_argument("--epochs", type=int, default=1,
+                        help="start fresh servers this many times (in alternating order), --rounds each")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="streamed requests, or not, or both")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--per-event", action="store_true",
@@ -673,27 +717,17 @@ def main() -> None:
             "max_tokens": args.max_tokens, "varied": args.varied, "steady_s": args.steady,
             "model": model_description(model),
             "pinning": {"servers": sorted(split[0]), "client": sorted(split[1])} if split else None}
-    with tempfile.TemporaryDirectory(prefix="bench-relay-cost-") as workdir:
-        kinds = (KINDS[:2] if args.no_relay else KINDS) + ((STOCK,) if args.stock else ())
-        servers = start_servers(model, Path(workdir), split[0] if split else None, kinds)
-        try:
-            # Load the weights, warm the caches and the pools, with prompts the size of those
-            # measured (on a GPU a new shape compiles kernels: a round 1 at a quarter of the pace).
-            for server in servers.values():
-                for mode in args.modes:
-                    burst(server, [f"Warm-up {i}. " + SENTENCE * 4 for i in range(args.clients)], args.clients,
-                          args.max_tokens, stream=mode == "stream")
-            data["results"] = measure(servers, args.rounds, args.requests, args.clients, args.max_tokens,
-                                      args.modes, args.steady, args.varied)
-        finally:
-            for server in servers.values():
-                if server.alive():
-                    server.proc.terminate()  # a supervisor stops its child first
-                    try:
-                        server.proc.wait(timeout=30)
-                    except Exception:  # noqa: BLE001 - stop() kills it
-                        pass
-                server.stop()
+    kinds = (KINDS[:2] if args.no_relay else KINDS) + ((STOCK,) if args.stock else ())
+    data["results"], data["epochs"] = {}, []
+    for epoch in range(args.epochs):
+        # Each epoch's servers are fresh processes, started in the other order than the
+        # last's: what one process's start or memory owes to chance is not in every round.
+        order = kinds if epoch % 2 == 0 else kinds[::-1]
+        results = serve_epoch(model, order, split, args)
+        for mode, by_kind in results.items():
+            for kind, runs in by_kind.items():
+                data["results"].setdefault(mode, {k: [] for k in kinds})[kind] += runs
+        data["epochs"].append({"started": list(order), "summary": summarize(results)})
     data["summary"] = summarize(data["results"])
     data["wall_s"] = time.monotonic() - started
     print(json.dumps(data, indent=2) if args.json else report(data))
