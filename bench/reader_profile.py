@@ -13,7 +13,10 @@ thread, start to end. The figures are per request
 and the cold caches the engine leaves between them; the timing itself adds
 a little to each. A second table puts them beside each process's whole CPU
 per streamed token (from /proc), so what is left (the engine's threads,
-idle work) shows as the difference.
+idle work) shows as the difference. A third splits that by thread, from each
+thread's /proc counters at the window's ends (threads alive at both): the
+generation loop, mlx's own threads (those Python did not start: its CPU
+stream's worker) and the rest, with each one's context switches per token.
 
     .venv/bin/python bench/reader_profile.py              # ~1 min
     .venv/bin/python bench/reader_profile.py --rounds 8   # ~4 min: the per-token table steadier
@@ -30,6 +33,7 @@ import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Optional
 
 from relay_cost import CpuWindow, child_pid, demo_model, model_size, sized_model, start_servers, steady
 from servers import cpu_split
@@ -42,9 +46,10 @@ ROLES = ("in-process", "supervisor", "child")
 # their own (the handler).
 LOOP_STEPS = ("accept", "read", "take_handoffs", "child_word", "wake", "watched", "select", "loop")
 HANDLER = "handler"
+MLX_THREADS = "mlx's own threads"
 
 
-def sums(folder: Path, pid: int) -> dict:
+def sums(folder: Path, pid: int | str) -> dict:
     try:
         return json.loads((folder / f"{pid}.json").read_text())
     except (OSError, ValueError):
@@ -58,6 +63,47 @@ def added(total: dict, before: dict, after: dict) -> None:
         sums_so_far = total.setdefault(step, [0, 0])
         sums_so_far[0] += ns - ns_before
         sums_so_far[1] += calls - calls_before
+
+
+def task_counters(pid: int) -> dict[int, tuple[int, int, int]]:
+    """Each of a process's threads: its CPU so far (ns, schedstat) and its context switches
+    (voluntary, involuntary). Empty where /proc has none."""
+    counters = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return counters
+    for tid in tids:
+        try:
+            cpu_ns = int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[0])
+            status = Path(f"/proc/{pid}/task/{tid}/status").read_text()
+        except (OSError, ValueError, IndexError):
+            continue  # it ended meanwhile
+        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+        counters[int(tid)] = (cpu_ns, int(fields["voluntary_ctxt_switches"]),
+                              int(fields["nonvoluntary_ctxt_switches"]))
+    return counters
+
+
+def thread_kind(name: Optional[str]) -> str:
+    """A thread's row: by the name Python gave it; one Python did not start is mlx's."""
+    if name is None:
+        return MLX_THREADS
+    if "_generate" in name:  # stock's Thread(target=self._generate) or (0.32) _run_generate
+        return "the generation loop"
+    if name.startswith("http"):
+        return "HTTP threads (alive at both ends)"
+    return "other Python threads"
+
+
+def add_threads(total: dict, before: dict, after: dict, names: dict) -> None:
+    """Add to ``total`` each kind of thread's [CPU ns, voluntary, involuntary switches] between
+    two ``task_counters`` of one process, for the threads alive at both."""
+    for tid, counters in after.items():
+        if tid in before:
+            sums = total.setdefault(thread_kind(names.get(str(tid))), [0, 0, 0])
+            for i, (now, then) in enumerate(zip(counters, before[tid])):
+                sums[i] += now - then
 
 
 def per_request(total: dict) -> dict:
@@ -87,6 +133,7 @@ def main() -> None:
     steps = {role: {} for role in ROLES}  # step: [ns, calls], added over rounds
     whole_cpu_s = {role: 0.0 for role in ROLES}
     streamed = {role: [0, 0] for role in ROLES}  # tokens, requests
+    threads = {role: {} for role in ROLES}  # kind: [CPU ns, voluntary, involuntary switches], added over rounds
     with tempfile.TemporaryDirectory(prefix="bench-reader-profile-") as workdir:
         folder = Path(workdir)
         os.environ["READER_PROFILE_DIR"] = str(folder)  # the servers' environment is built from ours
@@ -107,11 +154,16 @@ def main() -> None:
                         def __init__(self, server):
                             super().__init__(server)
                             snapshots["before"] = {role: sums(folder, pid) for role, pid in pids.items()}
+                            snapshots["tasks_before"] = {role: task_counters(pid) for role, pid in pids.items()}
 
                         def read(self):
+                            # The window's CPU as it closes: the clients go on meanwhile.
+                            snapshots["tasks_after"] = {role: task_counters(pid) for role, pid in pids.items()}
+                            window = super().read()
                             time.sleep(1.5)  # the hooks write their sums once a second
                             snapshots["after"] = {role: sums(folder, pid) for role, pid in pids.items()}
-                            return super().read()
+                            snapshots["names"] = {role: sums(folder, f"{pid}.threads") for role, pid in pids.items()}
+                            return window
 
                     steady.__globals__["CpuWindow"] = Snapshots
                     window = steady(server, 100_000 * round_index, args.clients, args.max_tokens, True, args.seconds)
@@ -122,6 +174,8 @@ def main() -> None:
                         if not snapshots["after"][role]:  # sitecustomize reports its own errors on stderr
                             raise SystemExit(f"the profile hooks did not load in the {role}: see {folder}/*.log")
                         added(steps[role], snapshots["before"][role], snapshots["after"][role])
+                        add_threads(threads[role], snapshots["tasks_before"][role], snapshots["tasks_after"][role],
+                                    snapshots["names"][role])
                         whole_cpu_s[role] += whole[role]
                         streamed[role][0] += window["tokens"]
                         streamed[role][1] += window["requests"]
@@ -135,6 +189,10 @@ def main() -> None:
         tokens, requests = streamed[role]
         results[role]["process_us_per_token"] = 1e6 * whole_cpu_s[role] / max(tokens, 1)
         results[role]["tokens_per_request"] = tokens / max(requests, 1)
+        results[role]["threads_per_token"] = {
+            kind: {"us": cpu_ns / 1000 / max(tokens, 1), "voluntary": voluntary / max(tokens, 1),
+                   "involuntary": involuntary / max(tokens, 1)}
+            for kind, (cpu_ns, voluntary, involuntary) in threads[role].items()}
     data = {"when": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "environment": environment(),
             "model": model.name, "seconds": args.seconds, "rounds": args.rounds, "clients": args.clients,
             "max_tokens": args.max_tokens, "per_request": results}
@@ -143,7 +201,7 @@ def main() -> None:
 
 def report(data: dict) -> str:
     found = {step for role in ROLES for step, value in data["per_request"].get(role, {}).items()
-             if isinstance(value, dict)}
+             if isinstance(value, dict) and "calls" in value}
     steps = [step for step in LOOP_STEPS if step in found] + sorted(found - set(LOOP_STEPS) - {HANDLER})
     lines = [f"Reader profile, {data['when']}: {data['environment']}; {data['model']}; {data['clients']} "
              f"streaming clients, max_tokens={data['max_tokens']}, {data.get('rounds', 1)} windows of "
@@ -178,7 +236,23 @@ def report(data: dict) -> str:
         for name, value in zip(rows, (whole, reader_t, handler_t, whole - reader_t - handler_t)):
             rows[name].append(f"{value:.1f}")
     lines += [f"| {name} | " + " | ".join(cells) + " |" for name, cells in rows.items()]
-    return "\n".join(lines)
+    return "\n".join(lines + thread_report(data))
+
+
+def thread_report(data: dict) -> list[str]:
+    """Per streamed token, by thread: CPU, and context switches (voluntary + involuntary)."""
+    by_role = {role: data["per_request"].get(role, {}).get("threads_per_token", {}) for role in ROLES}
+    kinds = sorted({kind for got in by_role.values() for kind in got}, key=lambda kind: (
+        kind != "the generation loop", kind != MLX_THREADS, kind))
+    if not kinds:
+        return []
+    lines = ["", "| per streamed token, by thread: µs of CPU (context switches: voluntary + involuntary) | "
+             + " | ".join(ROLES) + " |", "|---|" + "---|" * len(ROLES)]
+    for kind in kinds:
+        cells = [f"{got['us']:.1f} ({got['voluntary']:.2f} + {got['involuntary']:.2f})" if got else ""
+                 for got in (by_role[role].get(kind) for role in ROLES)]
+        lines.append(f"| {kind} | " + " | ".join(cells) + " |")
+    return lines
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@ wraps the steps a request takes through the connection layer's reader, the super
 fast hand-off and the child's taking of it, and adds up each step's thread CPU
 (``time.thread_time_ns``, system calls included) and calls, and each request's handler
 thread from start to end (``handler``: stock's handler, or the supervisor's). Every second a daemon thread
-writes the sums to ``$READER_PROFILE_DIR/<pid>.json``. Nothing here runs without that
+writes the sums to ``$READER_PROFILE_DIR/<pid>.json``, and the names of the threads Python
+started to ``<pid>.threads.json``. Nothing here runs without that
 variable; the guardian's own code is not changed."""
 
 import os
@@ -57,12 +58,18 @@ if os.environ.get("READER_PROFILE_DIR"):
     # A handler's whole life (setup, handle, finish) runs in this __init__, on its own thread.
     socketserver.BaseRequestHandler.__init__ = _timed("handler", socketserver.BaseRequestHandler.__init__)
 
+    def _write(path: str, data) -> None:
+        with open(path + ".tmp", "w") as f:
+            json.dump(data, f)
+        os.replace(path + ".tmp", path)
+
     def _write_sums(path: str) -> None:
         while True:
             time.sleep(1.0)  # a benchmark's sampling pace
-            with open(path + ".tmp", "w") as f:
-                json.dump(_sums, f)
-            os.replace(path + ".tmp", path)
+            _write(path, _sums)
+            # Which of this process's threads Python started, by name (the rest are mlx's own).
+            _write(path.removesuffix(".json") + ".threads.json",
+                   {str(thread.native_id): thread.name for thread in threading.enumerate()})
 
     threading.Thread(target=_write_sums, daemon=True, name="reader-profile",
                      args=(os.path.join(os.environ["READER_PROFILE_DIR"], f"{os.getpid()}.json"),)).start()
