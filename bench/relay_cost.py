@@ -664,12 +664,6 @@ def serve_epoch(model, kinds: tuple, split, args) -> dict:
                            args.modes, args.steady, args.varied)
         finally:
             for server in servers.values():
-                if server.alive():
-                    server.proc.terminate()  # a supervisor stops its child first
-                    try:
-                        server.proc.wait(timeout=30)
-                    except Exception:  # noqa: BLE001 - stop() kills it
-                        pass
                 server.stop()
 
 

@@ -89,7 +89,13 @@ class Server:
     def log_tail(self, lines: int = 15) -> list[str]:
         return self.log_path.read_text(errors="replace").splitlines()[-lines:]
 
-    def stop(self) -> None:
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM, then SIGKILL after ``grace_s``: a supervisor stops its child first
+        (killed, it would leave the child to notice it was orphaned)."""
         if self.alive():
-            self.proc.kill()
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
         self.proc.wait(timeout=10)
