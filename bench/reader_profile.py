@@ -89,7 +89,7 @@ def thread_kind(name: Optional[str]) -> str:
     """A thread's row: by the name Python gave it; one Python did not start is mlx's."""
     if name is None:
         return MLX_THREADS
-    if "_generate" in name:  # stock's Thread(target=self._generate) or (0.32) _run_generate
+    if name == "generation-loop":  # the hooks name the thread the engine's loop runs on
         return "the generation loop"
     if name.startswith("http"):
         return "HTTP threads (alive at both ends)"

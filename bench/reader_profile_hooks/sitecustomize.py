@@ -4,7 +4,7 @@ fast hand-off and the child's taking of it, and adds up each step's thread CPU
 (``time.thread_time_ns``, system calls included) and calls, and each request's handler
 thread from start to end (``handler``: stock's handler, or the supervisor's). Every second a daemon thread
 writes the sums to ``$READER_PROFILE_DIR/<pid>.json``, and the names of the threads Python
-started to ``<pid>.threads.json``. Nothing here runs without that
+started to ``<pid>.threads.json`` (the engine's loop as ``generation-loop``). Nothing here runs without that
 variable; the guardian's own code is not changed."""
 
 import os
@@ -13,6 +13,7 @@ if os.environ.get("READER_PROFILE_DIR"):
     import json
     import selectors
     import socketserver
+    import sys
     import threading
     import time
 
@@ -63,13 +64,29 @@ if os.environ.get("READER_PROFILE_DIR"):
             json.dump(data, f)
         os.replace(path + ".tmp", path)
 
+    def _runs_engine_loop(frame) -> bool:
+        """Whether a thread's stack holds the guardian's engine loop (GuardianEngine.run_guarded),
+        found by the guardian's own code: stock starts that thread unnamed, and importing the
+        engine here would bring mlx into the supervisor."""
+        while frame is not None:
+            code = frame.f_code
+            if code.co_name == "run_guarded" and code.co_filename.endswith(os.path.join("engine", "generator.py")):
+                return True
+            frame = frame.f_back
+        return False
+
+    def _thread_names() -> dict:
+        """This process's threads that Python started, by native id: their names, the engine's
+        loop as ``generation-loop`` (the rest are mlx's own)."""
+        frames = sys._current_frames()
+        return {str(thread.native_id): "generation-loop" if _runs_engine_loop(frames.get(thread.ident))
+                else thread.name for thread in threading.enumerate()}
+
     def _write_sums(path: str) -> None:
         while True:
             time.sleep(1.0)  # a benchmark's sampling pace
             _write(path, _sums)
-            # Which of this process's threads Python started, by name (the rest are mlx's own).
-            _write(path.removesuffix(".json") + ".threads.json",
-                   {str(thread.native_id): thread.name for thread in threading.enumerate()})
+            _write(path.removesuffix(".json") + ".threads.json", _thread_names())
 
     threading.Thread(target=_write_sums, daemon=True, name="reader-profile",
                      args=(os.path.join(os.environ["READER_PROFILE_DIR"], f"{os.getpid()}.json"),)).start()
