@@ -98,6 +98,14 @@ class AbortRequest(BaseException):
         self.error = error
 
 
+def method_not_allowed(method: str, path: str, allowed: str) -> GuardianError:
+    """405 for a path that exists under other methods (``allowed``, the Allow header's value):
+    the same words from the one-process server and the supervisor."""
+    return GuardianError(f"{method} is not allowed on {path}; use {allowed.split(',')[0]}.", status=405,
+                         type="invalid_request_error", code="method_not_allowed", retry=False,
+                         headers={"Allow": allowed})
+
+
 def engine_unavailable(message: str, retry_after_s: Optional[float] = None) -> GuardianError:
     """A 503 that says come back: after ``retry_after_s``, by default ``[guardian] retry_after_s``'s default."""
     if retry_after_s is None:

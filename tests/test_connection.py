@@ -9,6 +9,7 @@ the tests are quick; their defaults are in config/guardian.example.toml.
 
 from __future__ import annotations
 
+import json
 import resource
 import shutil
 import socket
@@ -20,8 +21,12 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from conftest import BOTH_MODES, ModeServer, Server, chat_body, free_port, poll, spawn_guardian
+from guardian.errors import GuardianError
+from guardian.serving import framing
 from guardian.serving.connection import ConnectionLimits, RequestReader
 
 COMPLETIONS = "/v1/chat/completions"
@@ -157,6 +162,85 @@ def test_head_and_other_methods(held):
     assert httpx.get(held.url + COMPLETIONS, timeout=10).status_code == 405
     trace = httpx.request("TRACE", held.url + "/v1/models", timeout=10)
     assert trace.status_code == 405
+    # Paths either server answers itself: GET and HEAD only, whichever mode; a method
+    # is case-sensitive (httpx would upper-case one, so it goes raw).
+    for path in ("/health", "/livez", "/metrics", "/v1/models"):
+        post = httpx.post(held.url + path, json={}, timeout=10)
+        assert post.status_code == 405 and post.headers["Allow"] == "GET, HEAD, OPTIONS", path
+    head, _ = raw_answer(held, b"get /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+    assert head.startswith(b"HTTP/1.0 405"), head
+
+
+def raw_answer(held, request: bytes) -> tuple[bytes, bytes]:
+    """(head, body) of the one answer to raw ``request``; the server closes after it."""
+    with held.connect() as sock:
+        sock.sendall(request)
+        answer = answer_of(sock)
+    head, _, body = answer.partition(b"\r\n\r\n")
+    return head, body
+
+
+BODY = b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}'
+# Heads that two parsers could read two ways (a proxy in front and this server
+# disagreeing on where a request ends is how one is smuggled), and heads no HTTP/1.x
+# parser should take: one answer in both modes, in OpenAI's shape (guardian.serving.framing).
+POST = b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+REFUSED_HEADS = {
+    "chunked": (POST + b"Transfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n", 411, "length_required"),
+    "chunked beside a length (CL.TE)": (
+        POST + b"Content-Length: %d\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\nGET /v1/models HTTP/1.1\r\n"
+        b"Host: 127.0.0.1\r\n\r\n" % (5 + 40), 400, "invalid_request"),
+    "two lengths": (POST + b"Content-Length: %d\r\nContent-Length: 2\r\n\r\n" % len(BODY) + BODY, 400,
+                    "invalid_request"),
+    "a signed length": (POST + b"Content-Length: +%d\r\n\r\n" % len(BODY) + BODY, 400, "invalid_request"),
+    "no length": (POST + b"\r\n", 411, "length_required"),
+    "a space before a colon": (b"GET /v1/models HTTP/1.1\r\nHost : 127.0.0.1\r\n\r\n", 400, "invalid_request"),
+    "a folded line": (b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nX-A: a\r\n b\r\n\r\n", 400,
+                      "invalid_request"),
+    "two Hosts": (b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nHost: evil.example\r\n\r\n", 400,
+                  "invalid_request"),
+    "HTTP/1.1 without Host": (b"GET /v1/models HTTP/1.1\r\n\r\n", 400, "invalid_request"),
+    "a control character in the target": (b"GET /v1/mo\x01dels HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n", 400,
+                                          "invalid_request"),
+    "no version": (b"GET /v1/models HTTP/1.1 x\r\nHost: 127.0.0.1\r\n\r\n", 400, "invalid_request"),
+    "HTTP/2's preface": (b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n", 505, "http_version_not_supported"),
+    "an expectation not met": (POST + b"Expect: a-miracle\r\nContent-Length: 2\r\n\r\n{}", 417,
+                               "expectation_failed"),
+}
+
+
+@pytest.mark.parametrize("name", list(REFUSED_HEADS))
+def test_a_head_read_two_ways_is_refused_alike_in_both_modes(held, name):
+    request, status, code = REFUSED_HEADS[name]
+    head, body = raw_answer(held, request)
+    assert head.startswith(b"HTTP/1.0 %d " % status), head
+    assert b"\r\nConnection: close" in head and head.count(b"HTTP/1.") == 1  # nothing smuggled after it
+    assert json.loads(body)["error"]["code"] == code
+    assert httpx.get(held.url + "/v1/models", timeout=10).status_code == 200
+
+
+def test_lenient_where_stock_was_and_the_rfc_allows(held):
+    # Bare LFs end lines, as http.server read them (printf ... | nc).
+    head, body = raw_answer(held, b"GET /v1/models HTTP/1.0\nX-A: 1\n\n")
+    assert head.startswith(b"HTTP/1.0 200") and json.loads(body)["object"] == "list"
+    # An absolute-form target is read as its path, its authority the Host the door checks.
+    head, _ = raw_answer(held, b"GET http://127.0.0.1:%d/v1/models HTTP/1.1\r\nHost: evil.example\r\n\r\n"
+                         % held.port)
+    assert head.startswith(b"HTTP/1.0 200"), head
+    head, body = raw_answer(held, b"GET http://evil.example/v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+    assert head.startswith(b"HTTP/1.0 403") and json.loads(body)["error"]["code"] == "host_not_allowed"
+
+
+def test_a_client_waiting_on_expect_100_continue_gets_it_before_its_body(held):
+    body = json.dumps(chat_body(max_tokens=2)).encode()
+    with held.connect() as sock:
+        sock.sendall(POST + b"Content-Type: application/json\r\nExpect: 100-continue\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(body))
+        sock.settimeout(5)  # curl waits 1 s, then sends the body anyway
+        assert sock.recv(64) == b"HTTP/1.1 100 Continue\r\n\r\n"
+        sock.sendall(body)
+        answer = answer_of(sock, timeout=30)
+    assert answer.startswith(b"HTTP/1.0 200") and b'"chat.completion"' in answer
 
 
 @pytest.mark.skipif(not shutil.which("ss"), reason="ss (iproute2) reads a listening socket's backlog; Linux")
@@ -239,3 +323,35 @@ def test_waiting_for_the_reader_to_handle_what_is_readable_is_bounded():
         reader.stop()
         ours.close()
         theirs.close()
+
+
+# Heads as a hostile client may frame them: each line any of these, ended by CRLF or a bare LF.
+REQUEST_LINES = st.sampled_from([b"GET /v1/models HTTP/1.1", b"POST /v1/completions HTTP/1.0", b"GET /x",
+                                 b"GET http://h:1/v1/models?x HTTP/1.1", b"PUT https://a@b/ HTTP/1.1",
+                                 b"get / HTTP/1.1", b"GET / HTTP/2.0", b"GET / HTTP/1.x", b"", b"GET  / HTTP/1.1"])
+HEADER_LINES = st.sampled_from([b"Host: h", b"host:h", b"Host : h", b" folded", b"\tfolded", b"Content-Length: 2",
+                                b"content-length: 2, 2", b"Content-Length: 3", b"Content-Length: -1",
+                                b"Transfer-Encoding: chunked", b"Expect: 100-continue", b"Expect: x",
+                                b"X-A: a\rb", b"X-A: \x00", b"X-\xff: v", b": v", b"no colon"]) | st.binary(max_size=10)
+
+
+@settings(max_examples=500, deadline=None)
+@given(REQUEST_LINES, st.lists(HEADER_LINES, max_size=6), st.lists(st.booleans(), min_size=8, max_size=8))
+def test_the_door_answers_any_head_or_passes_on_one_canonical_head(request_line, header_lines, crlf):
+    lines = [request_line, *header_lines, b""]
+    head = b"".join(line + (b"\r\n" if cr else b"\n") for line, cr in zip(lines, crlf))
+    if framing.find_head_end(head, 0, len(head)) != len(head):
+        return  # a drawn line ended the head early: another head
+    try:
+        judged = framing.judge_head(head, max_header_count=100)
+    except GuardianError as refusal:
+        assert refusal.status in (400, 411, 417, 505) and refusal.body()["error"]["code"]
+        return
+    if judged.canonical is None:
+        return
+    # What the handlers read is a head the door passes as it is, meaning the same.
+    again = framing.judge_head(judged.canonical, max_header_count=100)
+    assert (again.canonical, again.body_length, again.expects_continue) == (
+        None, judged.body_length, judged.expects_continue)
+    assert b"\n" not in judged.canonical.replace(b"\r\n", b"")
+    assert judged.canonical.split(b" ", 2)[1].startswith(b"/")

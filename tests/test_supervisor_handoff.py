@@ -92,11 +92,13 @@ def test_a_plain_head_takes_the_readers_path_and_anything_unusual_the_handlers()
     for unusual in (plain.replace(b"Host: localhost\r\n", b"Host: a\r\nHost: b\r\n"),  # which one?
                     plain.replace(b"X-Api", b" X-Api"),  # a folded line
                     plain.replace(b"Content-Length: 17", b"Transfer-Encoding: chunked"),
-                    plain.replace(b"Host:", b"Expect: 100-continue\r\nHost:"),
                     plain.replace(b"HTTP/1.1", b"HTTP/2.0"),
                     plain.replace(b"/v1/", b"http://elsewhere/v1/")):  # absolute form
         assert head(unusual + body) is None, unusual
     assert head(plain + body + b"GET / HTTP/1.1\r\n\r\n") is None  # pipelined: more than the body
+    # The door sent a client waiting on Expect its 100 Continue (guardian.serving.framing),
+    # and the header is not forwarded: such a request goes the reader's way.
+    assert head(plain.replace(b"Host:", b"Expect: 100-continue\r\nHost:") + body) is not None
 
 
 # Request heads as a hostile client may write them: odd methods, targets and versions,
@@ -301,14 +303,12 @@ def test_hostile_heads_at_the_public_port_hurt_neither_it_nor_the_child(start_su
     collect()
     for request in requests:
         answer = answer_to(supervised.port, request)
-        # An HTTP answer, or a close. http.server answers a request line that is not
-        # METHOD TARGET HTTP/1.x as HTTP/0.9, with no status line: its error page (505 for
-        # HTTP/2.0, 400 for the rest), or a JSON body alone (the door's refusal, /livez's
-        # status, ...).
-        words = request.split(b"\r\n", 1)[0].split()
-        versioned = len(words) == 3 and words[2].startswith(b"HTTP/1.")
-        bare_bodies = () if versioned else (b"<!DOCTYPE HTML>", b"{")
-        assert answer == b"" or answer.startswith((b"HTTP/1.", *bare_bodies)), (request, answer[:200])
+        # An HTTP answer with a status line, or a close (a head that a drawn LF ended early
+        # waits for a body that never comes). The door answers a request line that is not
+        # METHOD TARGET HTTP/1.x itself (guardian.serving.framing), where http.server
+        # answered as HTTP/0.9, with no status line: every request here has headers, so
+        # none is HTTP/0.9's simple request.
+        assert answer == b"" or answer.startswith(b"HTTP/1."), (request, answer[:200])
     assert supervised.ready_child() == child_pid  # the same child, still ready
     plain = httpx.post(supervised.url + COMPLETIONS, json=chat_body(max_tokens=4), timeout=30)
     assert plain.status_code == 200 and passed_counts(supervised.url)["handed_off"] >= 1

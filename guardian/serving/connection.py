@@ -12,6 +12,10 @@ a few bytes, never a thread:
 - headers not complete within ``header_timeout_s`` of the connection, or the
   body within ``body_timeout_s`` of the headers: 408;
 - headers over ``max_header_bytes`` or ``max_header_count``: 431;
+- a head two parsers could read two ways (two lengths, a transfer coding, a
+  space before a colon, ...): 400, 411, 417 or 505 (``guardian.serving.framing``,
+  which also gives the handlers a canonical head and a waiting client its
+  ``100 Continue``);
 - every handler thread busy: 503 + Retry-After at once;
 - a handler's write that makes no progress for ``send_timeout_s`` raises
   ``TimeoutError`` (the client stopped reading: its request ends).
@@ -44,6 +48,7 @@ from typing import Optional
 import structlog
 
 from guardian import handoff
+from guardian.serving import framing
 from guardian.observability.counting import ActiveCount
 from guardian.errors import GuardianError
 
@@ -60,7 +65,6 @@ LISTEN_BACKLOG = 4096
 MAX_BUFFERED_BODY = 32 << 20
 # One read from a connection.
 READ_BYTES = 1 << 16
-HEADERS_END = b"\r\n\r\n"
 # The reader wakes at least this often to expire deadlines.
 TICK_S = 0.25
 # Connections accepted in one go before the reader reads the others again.
@@ -158,7 +162,7 @@ def listen_backlog() -> int:
 class Incoming:
     """One connection the reader holds until its request is complete."""
 
-    __slots__ = ("sock", "address", "accepted_at", "buffer", "headers_end", "headers_at", "needed",
+    __slots__ = ("sock", "address", "accepted_at", "buffer", "scanned", "headers_end", "headers_at", "needed",
                  "handshaking", "tls_checked", "handed_off", "held", "__weakref__")
 
     def __init__(self, sock: socket.socket, address, tls: bool):
@@ -166,6 +170,7 @@ class Incoming:
         self.address = address
         self.accepted_at = time.monotonic()
         self.buffer = bytearray()
+        self.scanned = 0  # of the buffer, searched for the head's end
         self.headers_end = -1  # offset past the blank line, once seen
         self.headers_at = 0.0
         self.needed = 0  # bytes the whole request has, once its headers are read
@@ -182,27 +187,6 @@ class Incoming:
         if self.headers_end < 0:
             return self.accepted_at + limits.header_timeout_s, True
         return self.headers_at + limits.body_timeout_s, True
-
-
-def parse_head(head: bytes, limits: ConnectionLimits) -> tuple[Optional[int], Optional[str]]:
-    """(the body's length to wait for, or None: hand over now; a refusal code, or None)."""
-    lines = head.split(b"\r\n")
-    if len(lines) - 1 > limits.max_header_count:
-        return None, "too_many_headers"
-    length = 0
-    for line in lines[1:]:
-        name, _, value = line.partition(b":")
-        name = name.strip().lower()
-        if name == b"content-length":
-            try:
-                length = int(value.strip())
-            except ValueError:
-                return None, None  # the handler answers a bad length
-        elif name == b"transfer-encoding":
-            return None, None  # the handler answers what it does not support
-    if length < 0 or length > MAX_BUFFERED_BODY:
-        return None, None
-    return length, None
 
 
 class Listening:
@@ -615,21 +599,27 @@ class RequestReader:
         """Hand the request over once whole; refuse it once it cannot be."""
         limits = self.server.limits
         if incoming.headers_end < 0:
-            end = incoming.buffer.find(HEADERS_END, 0, limits.max_header_bytes + len(HEADERS_END))
-            if end < 0:
+            body_start = framing.find_head_end(incoming.buffer, incoming.scanned, limits.max_header_bytes + 4)
+            if body_start is None:
                 if len(incoming.buffer) > limits.max_header_bytes:
                     return self._refuse(incoming, 431, "headers_too_large",
                                         f"The request's headers exceed {limits.max_header_bytes} bytes.")
+                incoming.scanned = len(incoming.buffer)
                 return
-            incoming.headers_end = end + len(HEADERS_END)
+            try:
+                head = framing.judge_head(bytes(incoming.buffer[:body_start]), limits.max_header_count)
+            except GuardianError as error:
+                return self._refuse_framing(incoming, error)
+            if head.canonical is not None:  # the handlers read CRLF lines and an origin-form target
+                incoming.buffer[:body_start] = head.canonical
+                body_start = len(head.canonical)
+            incoming.headers_end = body_start
             incoming.headers_at = time.monotonic()
-            length, refusal = parse_head(bytes(incoming.buffer[:end]), limits)
-            if refusal is not None:
-                return self._refuse(incoming, 431, refusal,
-                                    f"The request has more than {limits.max_header_count} headers.")
-            incoming.needed = incoming.headers_end + (length or 0)
-            if length is None:
-                incoming.needed = 0  # hand over now
+            incoming.needed = body_start + head.body_length
+            if head.body_length > MAX_BUFFERED_BODY:
+                incoming.needed = 0  # hand over now: the handler answers from the headers (413)
+            elif head.expects_continue and len(incoming.buffer) < incoming.needed:
+                send_quietly(incoming.sock, framing.CONTINUE)
         if len(incoming.buffer) >= incoming.needed:
             self._forget(incoming)
             self.server.dispatch(incoming)
@@ -675,10 +665,20 @@ class RequestReader:
         return False
 
     def _refuse(self, incoming: Incoming, status: int, code: str, message: str) -> None:
-        self._forget(incoming)
         # A late request may come in time on a new connection; oversized headers never will.
-        send_refusal(incoming.sock, GuardianError(message, status=status, type="invalid_request_error",
-                                                  code=code, retry=status == 408))
+        self._refuse_error(incoming, GuardianError(message, status=status, type="invalid_request_error",
+                                                   code=code, retry=status == 408))
+
+    def _refuse_error(self, incoming: Incoming, error: GuardianError) -> None:
+        self._forget(incoming)
+        send_refusal(incoming.sock, error)
+
+    def _refuse_framing(self, incoming: Incoming, error: GuardianError) -> None:
+        """A head the door will not pass on (guardian.serving.framing): refused, counted, logged."""
+        self.server.count_closed("refused_head")
+        log.info("request_head_refused", client=incoming.address[0], status=error.status, code=error.code,
+                 reason=error.message)
+        self._refuse_error(incoming, error)
 
 
 # A TLS connection's first byte: a handshake record (RFC 8446 §5.1). A plain
@@ -724,6 +724,14 @@ def send_close_notify(tls: ssl.SSLSocket) -> None:
         tls.setblocking(False)
         tls.unwrap()
     except (OSError, ValueError):  # SSLWantReadError: ours is sent, the client's not awaited
+        pass
+
+
+def send_quietly(sock: socket.socket, data: bytes) -> None:
+    """A few bytes on a non-blocking socket, or nothing: a full buffer or a gone client drops them."""
+    try:
+        sock.send(data)
+    except (OSError, ValueError):  # BlockingIOError, ssl.SSLWantWriteError among them
         pass
 
 

@@ -27,7 +27,7 @@ from guardian.serving.connection import linger_close
 from guardian.serving.endpoints import GET_PATHS, MONITORING_PATHS, Endpoints
 from guardian.request_context import (REQUEST_ID_HEADER, add_response_headers, bind_log_fields, client_gone,
                                       current_request, deadline_passed, request_scope, sane_request_id)
-from guardian.errors import SERVER_STOPPING, AbortRequest, GuardianError, from_stock_exception
+from guardian.errors import SERVER_STOPPING, AbortRequest, GuardianError, from_stock_exception, method_not_allowed
 from guardian.plugin_manager import notify
 
 log = structlog.get_logger("guardian.http")
@@ -248,9 +248,7 @@ class GuardianHandler(Endpoints, stock.handler.DoorCorsHandler):
             allowed = "POST, OPTIONS"
         else:
             return self.send_unknown_path()
-        self.send_error_json(GuardianError(
-            f"{self.command} is not allowed on {path}; use {allowed.split(',')[0]}.", status=405,
-            type="invalid_request_error", code="method_not_allowed", retry=False, headers={"Allow": allowed}))
+        self.send_error_json(method_not_allowed(self.command, path, allowed))
 
     do_PUT = do_PATCH = do_DELETE = send_method_not_allowed
 
@@ -263,7 +261,7 @@ class GuardianHandler(Endpoints, stock.handler.DoorCorsHandler):
     def do_POST(self):
         """Stock's, behind a body guard (413 unread past max_body_bytes), its refusals OpenAI-shaped."""
         if self.path not in COMPLETION_PATHS:
-            return self.send_unknown_path()
+            return self.send_method_not_allowed()  # 404 where no method has the path
         limit = self.response_generator.gate.max_body_bytes
         length = self.content_length()
         if length < 0:

@@ -36,8 +36,9 @@ log = structlog.get_logger("guardian.supervisor")
 
 _REQUEST_LINE = re.compile(rb"([A-Z]{1,16}) (/[\x21-\x7e]*) HTTP/1\.([01])")
 _TOKEN = re.compile(rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
-# Heads the handler path reads better: a body not sent whole, a client waiting for 100.
-_NOT_FAST = frozenset({"transfer-encoding", "expect"})
+# Heads the handler path reads better: a body not sent whole (the door refuses it first).
+# A client's ``Expect: 100-continue`` was met by the door, and is not forwarded.
+_NOT_FAST = frozenset({"transfer-encoding"})
 # A header that must not come twice on the fast path (http.server would take the first).
 _ONCE = frozenset({"host", "content-length", AUTHORIZATION.lower(), API_KEY_HEADER.lower(), "origin"})
 

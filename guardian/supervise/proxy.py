@@ -42,7 +42,7 @@ from guardian.supervise import metrics as supervise_metrics
 from guardian.supervise.fast_handoff import (CHILD_HOST, FastHandOff, child_request, forwarded_headers,
                                              try_fast_hand_off)
 from guardian.quarantine.crashes import fingerprint
-from guardian.errors import GuardianError
+from guardian.errors import GuardianError, method_not_allowed
 from guardian.observability.counting import ActiveCount
 
 LOGGER_NAME = "guardian.supervisor"
@@ -212,14 +212,8 @@ class ProxyHandler(BaseHTTPRequestHandler):
         # Read the body first even when refusing: closing a socket with
         # unread data can reset the connection before the client reads.
         body = self.read_body()
-        if path == LIVENESS_PATH:
-            return self.send_json(200, {"status": "ok"})
-        if path == STATUS_PATH:
-            return self.send_json(200, supervisor.status())
-        if path == METRICS_PATH:
-            return self.send_metrics()
-        if path in HEALTH_PATHS:
-            return self.answer_health(path)
+        if path in self.server.own_paths and self.command != "OPTIONS":  # a preflight: the child's, as any
+            return self.answer_own(path)
         request_fingerprint = fingerprint(self.command, self.path, body)
         refusal = supervisor.quarantine.refusal(self.command, request_fingerprint)
         if refusal is not None and self.passed is None:  # a resumed one may have been answered in part
@@ -232,6 +226,19 @@ class ProxyHandler(BaseHTTPRequestHandler):
                 self.serve(path, body, request_fingerprint)
         finally:
             self.server.unwatch_client(self.connection)
+
+    def answer_own(self, path: str) -> None:
+        """A path the supervisor answers itself, whoever the child is: GET or HEAD only,
+        as the one-process server answers its own."""
+        if self.command not in ("GET", "HEAD"):
+            return self.send_error_json(method_not_allowed(self.command, path, "GET, HEAD, OPTIONS"))
+        if path == LIVENESS_PATH:
+            return self.send_json(200, {"status": "ok"})
+        if path == STATUS_PATH:
+            return self.send_json(200, self.server.supervisor.status())
+        if path == METRICS_PATH:
+            return self.send_metrics()
+        return self.answer_health(path)
 
     # Set when the client closed its connection; the relay in progress then.
     gone = False
@@ -643,7 +650,8 @@ class ProxyHandler(BaseHTTPRequestHandler):
             self.send_header("Content-Type", supervise_metrics.CONTENT_TYPE)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
-            self.wfile.write(body)
+            if self.command != "HEAD":
+                self.wfile.write(body)
         except CLIENT_GONE:
             pass
 
