@@ -231,6 +231,11 @@ def test_lenient_where_stock_was_and_the_rfc_allows(held):
     assert head.startswith(b"HTTP/1.0 403") and json.loads(body)["error"]["code"] == "host_not_allowed"
 
 
+def test_a_query_on_a_completion_path_is_ignored_as_on_get(held):
+    answer = httpx.post(held.url + COMPLETIONS + "?api-version=2024-02-01", json=chat_body(max_tokens=2), timeout=30)
+    assert answer.status_code == 200 and answer.json()["object"] == "chat.completion"
+
+
 def test_a_client_waiting_on_expect_100_continue_gets_it_before_its_body(held):
     body = json.dumps(chat_body(max_tokens=2)).encode()
     with held.connect() as sock:

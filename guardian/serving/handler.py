@@ -260,8 +260,12 @@ class GuardianHandler(Endpoints, stock.handler.DoorCorsHandler):
 
     def do_POST(self):
         """Stock's, behind a body guard (413 unread past max_body_bytes), its refusals OpenAI-shaped."""
-        if self.path not in COMPLETION_PATHS:
+        path = self.path.partition("?")[0]
+        if path not in COMPLETION_PATHS:
             return self.send_method_not_allowed()  # 404 where no method has the path
+        # Stock routes on the whole target, so a query (a client's default_query, an
+        # ?api-version=) found no path (404): it means nothing here, as for GET.
+        self.path = path
         limit = self.response_generator.gate.max_body_bytes
         length = self.content_length()
         if length < 0:
