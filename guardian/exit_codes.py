@@ -16,7 +16,7 @@ from typing import NamedTuple
 EXIT_OK = 0
 # Python's own code for an uncaught exception: never on purpose.
 EXIT_UNCAUGHT = 1
-# Bad flags or an unusable --guardian-config (argparse uses 2 as well).
+# Bad flags, an unusable --guardian-config, or an address it cannot listen on (argparse uses 2 as well).
 EXIT_USAGE = 2
 # The model could not be loaded at start.
 EXIT_BOOT_ERROR = 3
@@ -45,8 +45,9 @@ EXIT_CODES = (
     ExitCode(EXIT_OK, "the child stopped (SIGTERM or SIGINT)", "stopped by SIGTERM or SIGINT"),
     ExitCode(EXIT_UNCAUGHT, "uncaught Python error", "an uncaught Python error: a bug, never on purpose"),
     ExitCode(EXIT_USAGE, "bad flags or configuration",
-             "bad flags or configuration (the message names the key), or flags that can never "
-             "work with this model (`flags_invalid`)"),
+             "bad flags or configuration (the message names the key), flags that can never "
+             "work with this model (`flags_invalid`), or a `--host`/`--port` it cannot listen on "
+             "(`http_bind_failed`, `supervisor_bind_failed`: the port taken, a host with no such address)"),
     ExitCode(EXIT_BOOT_ERROR, "the model could not be loaded", "the model could not be loaded at start"),
     ExitCode(EXIT_ENGINE_FAILED, "the engine kept failing",
              "the engine kept failing without progress: more than `recovery.max_failures` failures "

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 
+import httpx
 import mlx_lm.server
 import pytest
+
+from conftest import BOTH_MODES, free_port, poll, spawn_guardian
 
 
 def run(*args, timeout=60):
@@ -152,3 +156,54 @@ def test_exit_reasons_come_from_the_exit_codes_table():
 
     assert reason(EXIT_BOOT_ERROR) == "the model could not be loaded"
     assert reason(99) == "unexpected exit"
+
+
+def mode_args(mode: str) -> list[str]:
+    return ["--supervise"] if mode == "supervised" else []
+
+
+@pytest.mark.parametrize("mode", BOTH_MODES)
+def test_a_port_already_taken_exits_2_at_once_naming_it(mode, model_cache):
+    """Not a traceback and a process left hanging on its engine's thread (what a
+    taken port did in one process): exit 2 and the reason, for launchd or systemd."""
+    from guardian.exit_codes import EXIT_USAGE
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = {**os.environ, "MLX_GUARDIAN_CACHE": str(model_cache)}
+        result = subprocess.run([sys.executable, "-m", "guardian", "--port", str(port), *mode_args(mode)],
+                                capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == EXIT_USAGE, result.stderr[-2000:]
+    events = [json.loads(line) for line in result.stderr.splitlines() if line.startswith("{")]
+    failed = [e for e in events if e["event"] in ("http_bind_failed", "supervisor_bind_failed")]
+    assert failed and "in use" in failed[0]["error_message"] and "Traceback" not in result.stderr
+
+
+def ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not ipv6_loopback(), reason="this machine has no IPv6 loopback (::1) to bind")
+@pytest.mark.parametrize("mode", BOTH_MODES)
+def test_an_ipv6_host_is_served_as_stock_binds_it(mode, model_cache, tmp_path):
+    port = free_port()
+    proc = spawn_guardian(["--host", "::1", "--port", str(port), *mode_args(mode)], tmp_path / "server.log",
+                          model_cache)
+    try:
+        def models():
+            try:
+                return httpx.get(f"http://[::1]:{port}/v1/models", timeout=5).status_code == 200
+            except httpx.HTTPError:
+                assert proc.poll() is None, (tmp_path / "server.log").read_text()[-2000:]
+                return False
+        poll(models, 90, what="/v1/models on [::1]")
+    finally:
+        proc.terminate()
+        proc.wait(30)

@@ -116,7 +116,13 @@ def serve(host: str, port: int, model_provider, config: Union[GuardianConfig, Li
     engine = served.engine
     if member is not None:
         member.watch(engine)
-    httpd = make_http_server(host, port, served, door, tls)
+    try:
+        httpd = make_http_server(host, port, served, door, tls)
+    except OSError as e:  # the port taken, a host with no such address: nothing will ever serve
+        log.critical("http_bind_failed", host=host, port=port, error_message=str(e))
+        print(f"mlx-guardian: cannot listen on {host}:{port}: {e}", file=sys.stderr)
+        stock.loop.stop_generation_thread(engine)  # its thread would keep the process alive
+        return EXIT_USAGE
     channel = handoff.child_channel()
     if channel is not None:  # our supervisor hands us its clients' connections
         httpd.take_handoffs(channel)

@@ -865,6 +865,14 @@ class HeldConnections:
     tls = None
     _reader: Optional[RequestReader] = None
 
+    def __init__(self, server_address, *args, **kwargs):
+        # As stock's _run_http_server binds: the family of the host's first address
+        # (IPv6 for --host :: or ::1), for this server alone.
+        family, _, _, _, server_address = socket.getaddrinfo(*server_address[:2], type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+        self.address_family = family
+        super().__init__(server_address, *args, **kwargs)
+
     @property
     def scheme(self) -> str:
         return "http" if self.tls is None else "https"

@@ -180,11 +180,12 @@ class Supervisor:
             print(f"mlx-guardian: {e}", file=sys.stderr)
             return EXIT_USAGE
         try:
-            self.httpd = PublicServer(resolve(self.options.host, self.options.port), self, self.tls,
+            self.httpd = PublicServer((self.options.host, self.options.port), self, self.tls,
                                       public_limits(self.options, self.child_args, self.settings))
         except OSError as e:
             log.critical("supervisor_bind_failed", host=self.options.host, port=self.options.port,
                          error_message=str(e))
+            print(f"mlx-guardian: cannot listen on {self.options.host}:{self.options.port}: {e}", file=sys.stderr)
             return EXIT_USAGE
         frozen_objects = long_lived.freeze()  # as a served model's process does
         threading.Thread(target=self.httpd.serve_forever, args=(HTTP_POLL_S,), name="http",
@@ -638,14 +639,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind((CHILD_HOST, 0))
         return s.getsockname()[1]
-
-
-def resolve(host: str, port: int) -> tuple:
-    """The address to bind, IPv6 included, as stock resolves it."""
-    family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                  flags=socket.AI_PASSIVE)[0]
-    PublicServer.address_family = family
-    return address
 
 
 def public_door(options: argparse.Namespace, child_args: list[str]):
