@@ -129,6 +129,11 @@ def test_logs_and_metrics_name_the_key_never_the_key(door_server):
                           headers={"X-Api-Key": BOB}, timeout=60)
     assert response.status_code == 200
     httpx.get(door_server.url + "/v1/models", headers={"Authorization": f"Bearer {CAROL}"}, timeout=10)
+    # A client that also puts its key in the query (?key=): the access line keeps the name only.
+    in_query = httpx.post(door_server.url + COMPLETIONS + f"?key={BOB}&api-version=1", json=chat_body(max_tokens=2),
+                          headers={"X-Api-Key": BOB}, timeout=60)
+    assert in_query.status_code == 200
+    assert door_server.get(f"/v1/models?api_key={CAROL}").status_code == 401
     metrics = door_server.get("/metrics", ALICE).text
     assert 'api_key="bob"' in metrics or door_server.kind == "supervised"
     log = door_server.log_path.read_text()
@@ -138,8 +143,9 @@ def test_logs_and_metrics_name_the_key_never_the_key(door_server):
     # Polled: the line is written after the answer is sent, so it may trail the client.
     def completions():
         return [e for e in door_server.events("http_access") if COMPLETIONS in e.get("line", "")]
-    poll(completions, 10, what="the completion's access line")
+    poll(lambda: len(completions()) >= 2, 10, what="the completions' access lines")
     assert any(e.get("api_key") == "bob" or e.get("client") == "bob" for e in completions())
+    assert any("?key=***&api-version=***" in e["line"] for e in completions())
     started = door_server.events("supervisor_started" if door_server.kind == "supervised" else "server_started")
     assert started[0]["access"] == "api_keys" and started[0]["api_keys"] == 2
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import sys
 import threading
 
@@ -64,6 +65,27 @@ class DropRawRequestBodies(logging.Filter):
 # itself: httpx's "HTTP Request: GET http://127.0.0.1:.../readyz" for each
 # health check the supervisor makes of its child (every interval_s).
 ROUTINE_LIBRARY_LOGGERS = ("httpx",)
+
+# A query's values, wherever a request's target is logged: a client may put a
+# key there (?key=, ?api_key=), and no secret may reach a log. Names stay.
+_QUERY_VALUE = re.compile(r"([?&][^=&\s\"]*=)[^&#\s\"]*")
+HIDDEN = "***"
+
+
+def without_query_values(text: str) -> str:
+    """``text`` (an access line, a URL) with each query value replaced by ``HIDDEN``."""
+    return _QUERY_VALUE.sub(r"\g<1>" + HIDDEN, text) if "=" in text else text
+
+
+class QueryValuesHidden(logging.Filter):
+    """``ROUTINE_LIBRARY_LOGGERS``' lines (httpx's "HTTP Request: POST http://...?x=y")
+    with their URLs' query values hidden."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.name.split(".", 1)[0] in ROUTINE_LIBRARY_LOGGERS:
+            record.msg, record.args = without_query_values(record.getMessage()), None
+        return True
+
 
 # Stock logs through the root logger (``logging.info(...)``): for each chat
 # completion two "Prompt Cache" tables of two lines each and two "Prompt
@@ -177,6 +199,7 @@ def configure_logging(log_format: str = "json", level: str = "INFO") -> None:
     handler.setFormatter(formatter)
     handler.addFilter(DropRawRequestBodies())
     handler.addFilter(RoutineLibraryLinesAtDebug())
+    handler.addFilter(QueryValuesHidden())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(getattr(logging, level.upper(), logging.INFO))

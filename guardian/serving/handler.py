@@ -28,6 +28,7 @@ from guardian.serving.endpoints import GET_PATHS, MONITORING_PATHS, Endpoints
 from guardian.request_context import (REQUEST_ID_HEADER, add_response_headers, bind_log_fields, client_gone,
                                       current_request, deadline_passed, request_scope, sane_request_id)
 from guardian.errors import SERVER_STOPPING, AbortRequest, GuardianError, from_stock_exception, method_not_allowed
+from guardian.observability.logs import without_query_values
 from guardian.plugin_manager import notify
 
 log = structlog.get_logger("guardian.http")
@@ -349,9 +350,11 @@ class GuardianHandler(Endpoints, stock.handler.DoorCorsHandler):
         # BaseHTTPRequestHandler writes access lines straight to stderr;
         # route them through structlog so every line is JSON.
         routine = self.command == "GET" and getattr(self, "path", "").partition("?")[0] in MONITORING_PATHS
-        # The key's name, never the key: the request line and status are all the line holds.
+        # The key's name, never the key: the request line (its query's values hidden) and
+        # the status are all the line holds.
         key_name = self.access.key_name if self.access is not None else None
-        (log.debug if routine else log.info)("http_access", client=self.client_name, line=format % args,
+        (log.debug if routine else log.info)("http_access", client=self.client_name,
+                                             line=without_query_values(format % args),
                                              **({"api_key": key_name} if key_name else {}))
 
 
