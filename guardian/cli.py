@@ -13,6 +13,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 import textwrap
 from pathlib import Path
@@ -153,8 +154,21 @@ SUPERVISE_SUMMARY = ("subprocess mode: a supervisor runs the server as a child p
                      "when it dies; its own flags: mlx-guardian --supervise --help")
 
 
+class HeldSighup:
+    """SIGHUP's default action ends the process. Until the server installs its reload
+    (guardian.serving.assembly.serve), one that comes while the model loads
+    (``systemctl reload``, a supervisor passing one on to a child still starting) is
+    held, and the server reloads once it serves (``pending``)."""
+
+    pending = False
+
+    def __call__(self, signum, frame) -> None:
+        self.pending = True
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
+    signal.signal(signal.SIGHUP, HeldSighup())
     # Every connection held is a file descriptor (the door holds thousands).
     raise_open_files_limit()
     if argv and argv[0] in COMMANDS:

@@ -286,3 +286,25 @@ def test_faults_are_armed_and_disarmed_by_saving_the_file(served):
         assert after.status_code == 200, after.text
     assert served.events("fault_injection_armed") and served.events("fault_injection_disarmed")
     save_and_wait(served, BASE)
+
+
+def test_a_sighup_while_the_model_loads_is_held_then_applied(tmp_path, model_cache):
+    """SIGHUP's default ends a process: one that came before the server installed its
+    reload (systemctl reload, a supervisor passing one on to a child still starting) ended
+    it with 129. It is held, and the file saved meanwhile is read once the server serves."""
+    config = tmp_path / "guardian.toml"
+    start = '[guardian]\nplugins = ["tests.plugins.slow_start:SlowStart"]\n[slow_start]\nhold_s = 3.0\n'
+    config.write_text(start)
+    port = free_port()
+    server = Server(spawn_guardian(["--port", str(port), "--guardian-config", str(config)], tmp_path / "server.log",
+                                   model_cache), port, tmp_path / "server.log")
+    try:
+        server.wait_for_event("slow_start_waiting", timeout=60)
+        config.write_text(start.replace("[guardian]\n", "[guardian]\nretry_after_s = 7\n"))  # a live setting
+        server.proc.send_signal(signal.SIGHUP)
+        server.wait_healthy()
+        assert server.proc.poll() is None
+        reloaded = server.wait_for_event("config_reloaded", timeout=10)[-1]
+        assert reloaded["reason"] == "sighup" and reloaded["changed"] == ["guardian.retry_after_s"]
+    finally:
+        server.stop()

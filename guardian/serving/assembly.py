@@ -133,7 +133,9 @@ def serve(host: str, port: int, model_provider, config: Union[GuardianConfig, Li
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: exit_request(EXIT_OK))
     # SIGHUP re-reads --guardian-config, the key file and the certificate (its default would end the process).
-    signal.signal(signal.SIGHUP, lambda *_: reload_on_sighup(live, door, tls))
+    held = signal.signal(signal.SIGHUP, lambda *_: reload_on_sighup(live, door, tls))
+    if getattr(held, "pending", False):  # one came while the model loaded (guardian.cli.HeldSighup)
+        reload_on_sighup(live, door, tls)
     live.follow()
     door.keys.follow()
 

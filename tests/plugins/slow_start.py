@@ -1,0 +1,36 @@
+"""A start that takes a while after the model has loaded, as a large model's does.
+
+A test plugin (``[guardian] plugins = ["tests.plugins.slow_start:SlowStart"]``):
+``guardian_startup`` (main thread, before the server installs its signal
+handlers) logs ``slow_start_waiting`` and holds the start for ``hold_s``, so a
+test can send a signal in the window a real model's load leaves. Nothing else.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import structlog
+
+import guardian
+
+log = structlog.get_logger("tests.slow_start")
+
+
+@dataclass
+class SlowStartSettings:
+    hold_s: float = 3.0
+
+
+class SlowStart:
+    name = "slow_start"
+    Settings = SlowStartSettings
+
+    def __init__(self, settings: SlowStartSettings):
+        self.settings = settings
+
+    @guardian.hookimpl
+    def guardian_startup(self):
+        log.warning("slow_start_waiting", hold_s=self.settings.hold_s)
+        threading.Event().wait(self.settings.hold_s)
