@@ -23,7 +23,7 @@ import structlog
 from guardian.config.tables import AccessSettings, CommandLine, CoreSettings
 from guardian.config.registry import ConfigError
 from guardian.config.loading import load_config
-from guardian.exit_codes import EXIT_USAGE
+from guardian.exit_codes import EXIT_BOOT_ERROR, EXIT_USAGE
 from guardian.access.keys import KeyRing
 from guardian.observability.logs import bind_process, configure_logging, keep_stock_request_lines
 from guardian.serving.open_files import raise_open_files_limit
@@ -91,7 +91,13 @@ def prepare(namespace: argparse.Namespace) -> None:
     if namespace.model is None:
         from guardian.demo_model import ensure_demo_model
 
-        namespace.model = str(ensure_demo_model())
+        try:
+            namespace.model = str(ensure_demo_model())
+        except OSError as e:  # a cache folder it cannot write (a read-only home, a service's sandbox)
+            log.critical("model_load_failed", model="demo", error_type=type(e).__name__, error_message=str(e))
+            print(f"mlx-guardian: cannot write the demo model: {e}. Set MLX_GUARDIAN_CACHE to a folder "
+                  "it may write, or pass --model.", file=sys.stderr)
+            raise SystemExit(EXIT_BOOT_ERROR) from None
         log.info("demo_model_selected", model=namespace.model)
     namespace.guardian_runtime = (live, pm)
 

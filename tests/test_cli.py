@@ -80,6 +80,20 @@ def test_missing_model_path_exits_with_boot_error(tmp_path):
     assert "model_load_failed" in events
 
 
+def test_a_demo_model_it_cannot_write_exits_with_boot_error_naming_the_fix(tmp_path):
+    from guardian.exit_codes import EXIT_BOOT_ERROR
+
+    not_a_folder = tmp_path / "cache"
+    not_a_folder.write_text("a file where the cache folder would be")
+    env = {**os.environ, "MLX_GUARDIAN_CACHE": str(not_a_folder / "sub")}
+    result = subprocess.run([sys.executable, "-m", "guardian", "--port", "0"], capture_output=True, text=True,
+                            timeout=60, env=env)
+    assert result.returncode == EXIT_BOOT_ERROR, result.stderr[-2000:]
+    assert "MLX_GUARDIAN_CACHE" in result.stderr and "Traceback" not in result.stderr
+    events = [json.loads(line)["event"] for line in result.stderr.splitlines() if line.startswith("{")]
+    assert "model_load_failed" in events
+
+
 def test_docs_exit_code_table_is_the_exit_codes_table():
     from pathlib import Path
 
