@@ -195,6 +195,17 @@ def test_a_port_already_taken_exits_2_at_once_naming_it(mode, model_cache):
     assert failed and "in use" in failed[0]["error_message"] and "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize("mode", BOTH_MODES)
+def test_a_port_past_65535_is_refused_not_wrapped(mode, model_cache):
+    from guardian.exit_codes import EXIT_USAGE
+
+    env = {**os.environ, "MLX_GUARDIAN_CACHE": str(model_cache)}
+    result = subprocess.run([sys.executable, "-m", "guardian", "--port", "70000", *mode_args(mode)],
+                            capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == EXIT_USAGE, result.stderr[-2000:]  # not served on 70000 - 65536 = 4464
+    assert "0 to 65535" in result.stderr
+
+
 def ipv6_loopback() -> bool:
     try:
         with socket.socket(socket.AF_INET6) as probe:

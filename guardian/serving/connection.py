@@ -868,7 +868,10 @@ class HeldConnections:
     def __init__(self, server_address, *args, **kwargs):
         # As stock's _run_http_server binds: the family of the host's first address
         # (IPv6 for --host :: or ::1), for this server alone.
-        family, _, _, _, server_address = socket.getaddrinfo(*server_address[:2], type=socket.SOCK_STREAM,
+        host, port = server_address[:2]
+        if not 0 <= port <= 65535:  # getaddrinfo would take 70000 as 4464, and serve there
+            raise OSError(f"a port is 0 to 65535, not {port}")
+        family, _, _, _, server_address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
                                                              flags=socket.AI_PASSIVE)[0]
         self.address_family = family
         super().__init__(server_address, *args, **kwargs)
