@@ -288,6 +288,8 @@ def test_hostile_host_origin_and_sdk_headers(door_server):
         @given(OTHER_HEADERS)
         @example([("x-stainless-read-timeout", "0.000001")])
         @example([("x-stainless-read-timeout", "nan"), ("x-stainless-retry-count", "-3")])
+        @example([("x-stainless-retry-count", "\u00b2")])  # a digit to str.isdigit(), not to int()
+        @example([("x-stainless-retry-count", "9" * 5000)])  # past int()'s 4,300 digits
         def hostile(pairs):
             wire = [(name, value.strip().encode("latin-1")) for name, value in pairs]
             wire.append(("Authorization", f"Bearer {ALICE}".encode()))

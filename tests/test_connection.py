@@ -206,6 +206,8 @@ REFUSED_HEADS = {
     "HTTP/2's preface": (b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n", 505, "http_version_not_supported"),
     "an expectation not met": (POST + b"Expect: a-miracle\r\nContent-Length: 2\r\n\r\n{}", 417,
                                "expectation_failed"),
+    # int() refuses a number of over 4,300 digits: read as one, it stopped the reader (every client's door).
+    "a length of 5,000 digits": (POST + b"Content-Length: " + b"9" * 5000 + b"\r\n\r\n", 413, "request_too_large"),
 }
 
 
@@ -303,6 +305,35 @@ def test_out_of_file_descriptors_the_door_pauses_and_serves_again(tmp_path, mode
         assert answer.status_code == 200, answer.text
     finally:
         server.stop()
+
+
+def test_a_fault_on_one_connection_ends_that_connection_not_the_reader():
+    """Whatever a head does to the reader's code (a fault of ours, planted in its hand-over),
+    that connection is closed and every other is read as before."""
+    dispatched = []
+
+    def dispatch(incoming):
+        dispatched.append(bytes(incoming.buffer))
+        if len(dispatched) == 1:
+            raise RuntimeError("a fault of ours, planted")
+        incoming.sock.close()
+
+    reader = RequestReader(SimpleNamespace(limits=ConnectionLimits(), tls=None, dispatch=dispatch))
+    clients = []
+    try:
+        for n in range(2):
+            ours, theirs = socket.socketpair()
+            clients.append(theirs)
+            reader.add(ours, ("127.0.0.1", n))
+            theirs.sendall(b"GET /v1/models HTTP/1.1\r\nHost: h\r\n\r\n")
+            poll(lambda: len(dispatched) == n + 1, 5, what=f"request {n + 1} handed over")
+        clients[0].settimeout(5)
+        assert clients[0].recv(1) == b""  # the faulty one closed
+        assert reader.thread.is_alive()
+    finally:
+        reader.stop()
+        for client in clients:
+            client.close()
 
 
 def test_waiting_for_the_reader_to_handle_what_is_readable_is_bounded():

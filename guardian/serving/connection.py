@@ -421,7 +421,7 @@ class RequestReader:
                     elif isinstance(key.data, Readable):
                         self._on_ready(key.data)
                     else:
-                        self._on_readable(key.data)
+                        self._read_one(key.data)
                 self._take_arrivals()
                 more_due = self._expire()
                 wait = self._run_timers()
@@ -436,6 +436,17 @@ class RequestReader:
             self.selector.close()
             self._wake_r.close()
             self._wake_w.close()
+
+    def _read_one(self, incoming: Incoming) -> None:
+        """Read what ``incoming`` sent; a fault of ours on one connection ends that
+        connection, never the reader (every other client's door)."""
+        try:
+            self._on_readable(incoming)
+        except Exception:  # noqa: BLE001 - one request's head must not stop the reader
+            log.exception("request_read_failed", client=incoming.address[0])
+            if incoming.held:
+                self._forget(incoming)
+            close_quietly(incoming.sock)
 
     def _on_watched(self, watched: Watched) -> None:
         """A watched connection is readable: its client left, or sent more (not watched further)."""

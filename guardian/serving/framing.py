@@ -13,8 +13,8 @@ connection closed after it:
   or later, which is not spoken here);
 - ``Transfer-Encoding`` (stock reads a body by its Content-Length alone): 411
   on its own, 400 beside a Content-Length;
-- a Content-Length that is not digits, or two that differ: 400; POST, PUT or
-  PATCH without one: 411;
+- a Content-Length that is not digits, or two that differ: 400; one of more
+  than 18 digits: 413; POST, PUT or PATCH without one: 411;
 - a header line with no name, whitespace before its colon, a folded line
   (obs-fold), a CR or NUL inside it: 400;
 - Host twice, or none in an HTTP/1.1 request: 400;
@@ -50,6 +50,8 @@ _BAD_TARGET_BYTE = re.compile(rb"[\x00-\x20\x7f]")
 # Inside a header value once lines are split: a bare CR or a NUL (RFC 9110 §5.5).
 _BAD_VALUE_BYTE = re.compile(rb"[\x00\r]")
 _BODY_METHODS = frozenset({b"POST", b"PUT", b"PATCH"})
+# A Content-Length with more digits than this is past any body a server reads (10^18 bytes).
+MAX_LENGTH_DIGITS = 18
 # Stock's own words for a missing or bad length (mlx_lm.server's do_POST), kept.
 LENGTH_REQUIRED = "Content-Length header is required"
 INVALID_LENGTH = "Invalid Content-Length header"
@@ -131,6 +133,8 @@ def judge_head(head: bytes, max_header_count: int) -> Head:
         raise refusal(411, LENGTH_REQUIRED + "; request bodies are not read chunked.", "length_required")
     if not all(item.isdigit() for item in lengths):
         raise refusal(400, INVALID_LENGTH)
+    if any(len(item) > MAX_LENGTH_DIGITS for item in lengths):  # int() refuses past 4,300 digits
+        raise refusal(413, "The request body is larger than this server reads.", "request_too_large")
     if len(set(lengths)) > 1:
         raise refusal(400, "The request has Content-Length twice, with different values.")
     if not lengths and method in _BODY_METHODS:

@@ -108,7 +108,8 @@ class GuardianHandler(Endpoints, stock.handler.DoorCorsHandler):
         read timeout, the sooner), on the connection layer's clock; None: none."""
         deadline_s, source = client_deadline(self.headers, self.response_generator.config.core.request_timeout_s)
         retries = self.headers.get(SDK_RETRY_COUNT_HEADER, "0")
-        if retries.isdigit() and int(retries) > 0:
+        # ASCII digits, a few: str.isdigit() takes "²", which int() refuses, as it refuses 5,000 digits.
+        if retries.isascii() and retries.isdigit() and len(retries) <= 6 and int(retries) > 0:
             bind_log_fields(client_retry=int(retries))  # the openai SDK sent it again
         if deadline_s is None:
             return None
