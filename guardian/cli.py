@@ -23,7 +23,7 @@ import structlog
 from guardian.config.tables import AccessSettings, CommandLine, CoreSettings
 from guardian.config.registry import ConfigError
 from guardian.config.loading import load_config
-from guardian.exit_codes import EXIT_BOOT_ERROR, EXIT_USAGE
+from guardian.exit_codes import EXIT_BOOT_ERROR, EXIT_OK, EXIT_UNCAUGHT, EXIT_USAGE
 from guardian.access.keys import KeyRing
 from guardian.observability.logs import bind_process, configure_logging, keep_stock_request_lines
 from guardian.serving.open_files import raise_open_files_limit
@@ -114,7 +114,13 @@ def run(host, port, model_provider, *args, **kwargs):
 
         code = serve_follower(model_provider, live, pm, group)
     else:
-        code = serve(host, port, model_provider, live, pm, group)
+        try:
+            code = serve(host, port, model_provider, live, pm, group)
+        except KeyboardInterrupt:  # Ctrl-C before serve's own handler: a stop, as SIGINT is
+            code = EXIT_OK
+        except Exception:  # a bug: said, then an exit, never a process left up on its engine's thread
+            log.critical("server_failed", exc_info=True)
+            code = EXIT_UNCAUGHT
     # A loop thread stuck in native code can never be joined, and stock's
     # own generation thread is not a daemon: leave without waiting for them.
     logging.shutdown()

@@ -12,7 +12,7 @@ import httpx
 import mlx_lm.server
 import pytest
 
-from conftest import BOTH_MODES, free_port, poll, spawn_guardian
+from conftest import BOTH_MODES, REPO, free_port, poll, spawn_guardian
 
 
 def run(*args, timeout=60):
@@ -92,6 +92,22 @@ def test_a_demo_model_it_cannot_write_exits_with_boot_error_naming_the_fix(tmp_p
     assert "MLX_GUARDIAN_CACHE" in result.stderr and "Traceback" not in result.stderr
     events = [json.loads(line)["event"] for line in result.stderr.splitlines() if line.startswith("{")]
     assert "model_load_failed" in events
+
+
+def test_a_bug_in_the_servers_start_exits_1_and_never_hangs(tmp_path, model_cache):
+    """An exception out of the server's start, its engine's thread running, left a
+    traceback and a process that never exited (that thread is not a daemon): the
+    incident's shape, one level up. It is logged and the process exits 1."""
+    from guardian.exit_codes import EXIT_UNCAUGHT
+
+    config = tmp_path / "guardian.toml"
+    config.write_text('[guardian]\nplugins = ["tests.plugins.serve_fault:ServeFault"]\n')
+    env = {**os.environ, "MLX_GUARDIAN_CACHE": str(model_cache)}
+    result = subprocess.run([sys.executable, "-m", "guardian", "--port", "0", "--guardian-config", str(config)],
+                            capture_output=True, text=True, timeout=120, env=env, cwd=REPO)
+    assert result.returncode == EXIT_UNCAUGHT, result.stderr[-2000:]
+    failed = [json.loads(line) for line in result.stderr.splitlines() if '"server_failed"' in line]
+    assert failed and "planted" in failed[0]["exception"]
 
 
 def test_docs_exit_code_table_is_the_exit_codes_table():

@@ -209,7 +209,9 @@ class Supervisor:
     def install_signal_handlers(self) -> None:
         """Handlers only enqueue; the main loop does the work."""
         for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGCHLD, signal.SIGHUP):
-            signal.signal(signum, lambda signum, frame: self.signals.put(signum))
+            held = signal.signal(signum, lambda signum, frame: self.signals.put(signum))
+            if getattr(held, "pending", False):  # one came while starting (guardian.cli.HeldSighup)
+                self.signals.put(signum)
 
     def follow_access(self) -> None:
         """Watch --guardian-config for [access]'s live settings, as a guardian child watches the rest."""
