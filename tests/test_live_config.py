@@ -146,6 +146,17 @@ def test_a_setting_bound_at_start_is_logged_as_needing_a_restart(served):
     assert save_and_wait(served, BASE)["config"]["pending_restart"] == []
 
 
+def test_the_stop_limits_are_live_settings(served):
+    stop = {"stop": ["a", "b", "c"]}
+    save_and_wait(served, BASE + "[guardian]\nmax_stop_sequences = 2\n")
+    refused = httpx.post(served.url + CHAT, json=chat_body(max_tokens=2, **stop), timeout=30)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "stop"
+    save_and_wait(served, BASE + "[guardian]\nmax_stop_sequences = 0\nmax_stop_chars = 0\n")  # 0: no limit
+    many = {"stop": ["x" * 300] * 40}
+    assert httpx.post(served.url + CHAT, json=chat_body(max_tokens=2, **many), timeout=30).status_code == 200
+    save_and_wait(served, BASE)
+
+
 def test_sighup_rereads_the_file(served):
     loads = save_and_wait(served, BASE)["config"]["loads"]
     served.proc.send_signal(signal.SIGHUP)

@@ -50,6 +50,11 @@ REFUSED = [
     (CHAT, chat(logit_bias={"five": 1}), "logit_bias", "invalid_type"),
     (CHAT, chat(stop=[1]), "stop[0]", "invalid_type"),  # kills stock's generation thread
     (CHAT, chat(stop={"a": 1}), "stop", "invalid_type"),
+    # Past [guardian] max_stop_sequences (32) and max_stop_chars (256): stock matches them after
+    # every token on the loop all requests share (64 strings of 1,000 characters: ~6 ms a token).
+    (CHAT, chat(stop=["x"] * 33), "stop", "invalid_value"),
+    (CHAT, chat(stop=["x", "y" * 257]), "stop[1]", "invalid_value"),
+    (TEXT, {"prompt": "a", "max_tokens": 4, "stop": "x" * 257}, "stop", "invalid_value"),
     (TEXT, {"prompt": "", "max_tokens": 4}, "prompt", "invalid_value"),  # kills stock's thread
     (CHAT, chat(repetition_penalty=1.1, repetition_context_size=10**12),
      "repetition_context_size", "invalid_value"),  # kills stock's thread
@@ -153,6 +158,7 @@ def test_a_body_nested_past_the_parser_is_invalid_json(server):
 SERVED = [
     (CHAT, chat(stop="")),
     (CHAT, chat(stop=["\n", "END", "x"])),
+    (CHAT, chat(stop=["x" * 256] * 32)),  # at [guardian] max_stop_sequences and max_stop_chars
     (CHAT, chat(stop=None)),
     (CHAT, chat(logit_bias={"0": -100, "999": 100, "5": "2.5"})),
     (CHAT, chat(seed=2**64 - 1)),

@@ -30,6 +30,7 @@ from guardian.errors import AbortRequest, GuardianError, from_stock_exception
 from guardian.plugin_manager import notify
 from guardian.admission.unloaded_models import UnloadedModels
 from guardian.admission.validation import RequestBounds, check_body
+from guardian.config.tables import CoreSettings
 
 log = structlog.get_logger("guardian.gate")
 
@@ -137,15 +138,23 @@ class AdmissionGate:
         loaded_key = provider.model_key
         # Stock's model key for the body, computed once for both questions.
         requested_key = access.requested_key(body) if access is not None else loaded_key
+        stop_limits = self.stop_limits()
         if requested_key is None or requested_key == loaded_key:
             # The loaded model (or model fields of the wrong type, refused anyway).
             limits = self.served_limits()
             return RequestBounds(limits.vocab_size if limits else None,
-                                 accepts_images=getattr(provider, "processor", None) is not None)  # 0.31: none
+                                 accepts_images=getattr(provider, "processor", None) is not None,  # 0.31: none
+                                 **stop_limits)
         # Another model: what its config says, before its weights are loaded.
         return RequestBounds(vocab_size_of(requested_key[0]) if isinstance(requested_key[0], str) else None,
                              accepts_images=False,
-                             disallowed_model_field=access.disallowed_field(requested_key) if access else None)
+                             disallowed_model_field=access.disallowed_field(requested_key) if access else None,
+                             **stop_limits)
+
+    def stop_limits(self) -> dict:
+        """[guardian] max_stop_sequences and max_stop_chars as they stand (0: None, no limit)."""
+        core = self.live.config.core if self.live is not None else CoreSettings()
+        return {"max_stop_sequences": core.max_stop_sequences or None, "max_stop_chars": core.max_stop_chars or None}
 
     def admit(self, request, args, *, engine) -> Optional[Admission]:
         """Run the admit_request hooks; raise AbortRequest if one turns the request away.

@@ -58,6 +58,10 @@ class RequestBounds:
     # Which of model / draft_model / adapters names something this server
     # does not serve (that field's name), or None when all are allowed.
     disallowed_model_field: Optional[str] = None
+    # How many "stop" strings, of how many characters each ([guardian]
+    # max_stop_sequences, max_stop_chars); None: no limit.
+    max_stop_sequences: Optional[int] = None
+    max_stop_chars: Optional[int] = None
 
 
 class Invalid(Exception):
@@ -124,7 +128,7 @@ def check_generation_fields(body: dict, bounds: RequestBounds) -> None:
     check_top_logprobs(body, bounds)
     check_integer(body, "seed", low=0, high=MAX_SEED, nullable=True)
     check_logit_bias(body, bounds)
-    check_stop(body)
+    check_stop(body, bounds)
     check_template_kwargs(body)
 
 
@@ -179,17 +183,25 @@ def _as_float(value) -> Optional[float]:
     return number if math.isfinite(number) else None
 
 
-def check_stop(body: dict) -> None:
+def check_stop(body: dict, bounds: RequestBounds) -> None:
     stop = body.get("stop")
-    if stop is None or isinstance(stop, str):
+    if stop is None:
         return
-    if not isinstance(stop, list):
+    words = [stop] if isinstance(stop, str) else stop
+    if not isinstance(words, list):
         raise Invalid("stop", "stop must be a string or an array of strings.", code="invalid_type")
-    for i, word in enumerate(stop):
+    # Stock builds a matcher from them and runs it after every token, on the loop
+    # every request shares: their number and length are what the others pay.
+    if bounds.max_stop_sequences is not None and len(words) > bounds.max_stop_sequences:
+        raise Invalid("stop", f"stop may hold at most {bounds.max_stop_sequences} strings; got {len(words)}.")
+    for i, word in enumerate(words):
+        param = "stop" if isinstance(stop, str) else f"stop[{i}]"
         if not isinstance(word, str):
             # Stock tokenizes stop words on the generation thread: a number there kills it.
-            raise Invalid(f"stop[{i}]", "stop must be a string or an array of strings.",
-                          code="invalid_type")
+            raise Invalid(param, "stop must be a string or an array of strings.", code="invalid_type")
+        if bounds.max_stop_chars is not None and len(word) > bounds.max_stop_chars:
+            raise Invalid(param, f"A stop string may be at most {bounds.max_stop_chars} characters; "
+                                 f"got {len(word)}.")
 
 
 def check_template_kwargs(body: dict) -> None:

@@ -56,6 +56,15 @@ class CoreSettings(Table, name="guardian"):
         but the client's.""", live=True)
     exit_grace_s = Setting(SECONDS, 5.0, """
         On exit, how long requests in flight get to reach their clients.""", live=True)
+    max_stop_sequences = Setting(Int(min=0), 32, """
+        A request's "stop" may hold at most this many strings (400 otherwise;
+        OpenAI's API takes 4). Stock builds its matcher from them on the loop
+        every request shares, and matches them after each token: 64 strings of
+        1,000 characters held every other request ~0.4 s, then ~6 ms a token.
+        0: no limit.""", live=True)
+    max_stop_chars = Setting(Int(min=0), 256, """
+        Each string in a request's "stop" may be at most this many characters
+        (400 otherwise). 0: no limit.""", live=True)
     allowed_models = Setting(ListOf(Str()), [], """
         Models a request may name in "model", "draft_model" or "adapters" besides
         those the server was started with (--model, --adapter-path, --draft-model),
