@@ -55,6 +55,9 @@ REFUSED = [
     (CHAT, chat(stop=["x"] * 33), "stop", "invalid_value"),
     (CHAT, chat(stop=["x", "y" * 257]), "stop[1]", "invalid_value"),
     (TEXT, {"prompt": "a", "max_tokens": 4, "stop": "x" * 257}, "stop", "invalid_value"),
+    # More messages than the context (2048) has tokens: refused before any is rendered (100,000
+    # took ~8 s of Python on the HTTP thread, the generation thread waiting on the GIL meanwhile).
+    (CHAT, chat(messages=[{"role": "user", "content": "x"}] * 2049), "messages", "context_length_exceeded"),
     (TEXT, {"prompt": "", "max_tokens": 4}, "prompt", "invalid_value"),  # kills stock's thread
     (CHAT, chat(repetition_penalty=1.1, repetition_context_size=10**12),
      "repetition_context_size", "invalid_value"),  # kills stock's thread

@@ -144,7 +144,7 @@ class AdmissionGate:
             limits = self.served_limits()
             return RequestBounds(limits.vocab_size if limits else None,
                                  accepts_images=getattr(provider, "processor", None) is not None,  # 0.31: none
-                                 **stop_limits)
+                                 context_length=self.served_context_length, **stop_limits)
         # Another model: what its config says, before its weights are loaded.
         return RequestBounds(vocab_size_of(requested_key[0]) if isinstance(requested_key[0], str) else None,
                              accepts_images=False,

@@ -62,6 +62,9 @@ class RequestBounds:
     # max_stop_sequences, max_stop_chars); None: no limit.
     max_stop_sequences: Optional[int] = None
     max_stop_chars: Optional[int] = None
+    # The prompt guard's context limit in tokens (None: no guard): a conversation
+    # of more messages cannot fit, as every message a template renders takes a token.
+    context_length: Optional[int] = None
 
 
 class Invalid(Exception):
@@ -228,6 +231,13 @@ def check_chat_fields(body: dict, bounds: RequestBounds) -> None:
         raise Invalid("messages", "messages must be an array of message objects.", code="invalid_type")
     if not messages:
         raise Invalid("messages", "messages must contain at least one message.")
+    if bounds.context_length is not None and len(messages) > bounds.context_length:
+        # Refused before any is read or rendered: 100,000 one-letter messages took ~8 s of
+        # the HTTP thread's Python (checks, template, tokens), and the generation thread
+        # waited on the GIL meanwhile, so every other request with it.
+        raise Invalid("messages", f"The conversation has {len(messages)} messages; this model's context holds "
+                                  f"{bounds.context_length} tokens, and each message takes at least one. "
+                                  "Shorten the message history.", code="context_length_exceeded")
     for i, message in enumerate(messages):
         check_message(message, f"messages[{i}]", bounds)
     check_tools(body)
