@@ -31,12 +31,14 @@ from guardian.serving.connection import ConnectionLimits, RequestReader
 
 COMPLETIONS = "/v1/chat/completions"
 MAX_HANDLERS = 4
+MAX_BUFFERED = 1 << 20
 CONFIG = f"""
 [http]
 header_timeout_s = 1.0
 body_timeout_s = 1.0
 idle_timeout_s = 0.5
 max_handlers = {MAX_HANDLERS}
+max_buffered_bytes = {MAX_BUFFERED}
 [fault_injection]
 enabled = true
 step_delay_s = 0.02
@@ -231,6 +233,25 @@ def test_lenient_where_stock_was_and_the_rfc_allows(held):
     assert head.startswith(b"HTTP/1.0 200"), head
     head, body = raw_answer(held, b"GET http://evil.example/v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
     assert head.startswith(b"HTTP/1.0 403") and json.loads(body)["error"]["code"] == "host_not_allowed"
+
+
+def test_bodies_still_arriving_are_bounded_in_memory(held):
+    """Each body on its way reserves its length; past [http] max_buffered_bytes (1 MiB
+    here) the next gets 503 at once, unread. Unbounded, a thousand clients each sending
+    30 MB slowly held 30 GB (and 20 held 500 MB, measured)."""
+    half = MAX_BUFFERED // 2 + 1
+    first = held.connect()
+    try:
+        first.sendall(POST + b"Content-Length: %d\r\n\r\n" % half + b"{")  # and the rest, never
+        poll(lambda: held.connections()["buffered_bytes"] == half, 10, what="the first body's room")
+        head, body = raw_answer(held, POST + b"Content-Length: %d\r\n\r\n" % half)
+        assert head.startswith(b"HTTP/1.0 503") and b"\r\nRetry-After: " in head, head
+        assert json.loads(body)["error"]["code"] == "server_busy"
+    finally:
+        first.close()
+    poll(lambda: held.connections()["buffered_bytes"] == 0, 10, what="the room given back as the client left")
+    padded = chat_body(max_tokens=2, padding="p" * (MAX_BUFFERED // 2))  # room for it again
+    assert httpx.post(held.url + COMPLETIONS, json=padded, timeout=30).status_code == 200
 
 
 def test_a_query_on_a_completion_path_is_ignored_as_on_get(held):

@@ -272,6 +272,12 @@ class HttpSettings(Table, name="http"):
         The request line and headers together; past it, 431.""", live=True)
     max_header_count = Setting(Int(min=1), 100, """
         Header lines; past it, 431.""", live=True)
+    max_buffered_bytes = Setting(Int(min=0), 256 * 1024 * 1024, """
+        Request bodies still arriving, in bytes, that the door holds in memory at
+        once (each body reserves its Content-Length when its headers are read).
+        A request whose body would take it past this gets 503 + Retry-After at
+        once, its body unread: a thousand clients each sending 30 MB slowly held
+        30 GB. 0: no limit.""", live=True)
 
 
 # Tables the core reads; every other table is a plugin's.

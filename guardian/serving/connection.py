@@ -12,6 +12,9 @@ a few bytes, never a thread:
 - headers not complete within ``header_timeout_s`` of the connection, or the
   body within ``body_timeout_s`` of the headers: 408;
 - headers over ``max_header_bytes`` or ``max_header_count``: 431;
+- a body that would take the bodies still arriving past ``max_buffered_bytes``
+  (each reserves its Content-Length once its headers are read): 503 + Retry-After
+  at once, unread;
 - a head two parsers could read two ways (two lengths, a transfer coding, a
   space before a colon, ...): 400, 411, 417 or 505 (``guardian.serving.framing``,
   which also gives the handlers a canonical head and a waiting client its
@@ -89,6 +92,7 @@ class ConnectionLimits:
     max_handlers: int = 64
     max_header_bytes: int = 64 << 10
     max_header_count: int = 100
+    max_buffered_bytes: int = 256 << 20
     retry_after_s: float = 1.0
 
 
@@ -163,7 +167,7 @@ class Incoming:
     """One connection the reader holds until its request is complete."""
 
     __slots__ = ("sock", "address", "accepted_at", "buffer", "scanned", "headers_end", "headers_at", "needed",
-                 "handshaking", "tls_checked", "handed_off", "held", "__weakref__")
+                 "reserved", "handshaking", "tls_checked", "handed_off", "held", "__weakref__")
 
     def __init__(self, sock: socket.socket, address, tls: bool):
         self.sock = sock
@@ -174,6 +178,7 @@ class Incoming:
         self.headers_end = -1  # offset past the blank line, once seen
         self.headers_at = 0.0
         self.needed = 0  # bytes the whole request has, once its headers are read
+        self.reserved = 0  # of the reader's max_buffered_bytes, for a body still arriving
         self.handshaking = tls
         self.tls_checked = not tls
         # A connection the supervisor handed over, its request read (guardian.handoff).
@@ -286,6 +291,8 @@ class RequestReader:
         self._timers: list = []
         self._timer_ids = itertools.count()
         self._next_expiry_pass = 0.0
+        # Bytes the bodies still arriving have reserved ([http] max_buffered_bytes).
+        self.buffered_reserved = 0
         # (deadline, seq, weak reference to an Incoming) of every connection
         # held, soonest first; an entry is checked when it comes due (the
         # connection may have moved on to a later deadline, or be gone), so a
@@ -534,6 +541,8 @@ class RequestReader:
                 pass
         self.held -= 1
         incoming.held = False  # its queued deadlines are dropped as they come due
+        self.buffered_reserved -= incoming.reserved
+        incoming.reserved = 0
 
     def _on_readable(self, incoming: Incoming) -> None:
         if not incoming.tls_checked and not self._check_tls(incoming):
@@ -629,11 +638,34 @@ class RequestReader:
             incoming.needed = body_start + head.body_length
             if head.body_length > MAX_BUFFERED_BODY:
                 incoming.needed = 0  # hand over now: the handler answers from the headers (413)
-            elif head.expects_continue and len(incoming.buffer) < incoming.needed:
-                send_quietly(incoming.sock, framing.CONTINUE)
+            elif len(incoming.buffer) < incoming.needed:  # a body still to come: its room first
+                if not self._reserve(incoming, head.body_length, limits):
+                    return
+                if head.expects_continue:
+                    send_quietly(incoming.sock, framing.CONTINUE)
         if len(incoming.buffer) >= incoming.needed:
             self._forget(incoming)
             self.server.dispatch(incoming)
+
+    def _reserve(self, incoming: Incoming, body_length: int, limits) -> bool:
+        """Room for ``incoming``'s body among those still arriving; False: refused (503)."""
+        cap = limits.max_buffered_bytes
+        if cap and self.buffered_reserved + body_length > cap:
+            self.server.count_closed("buffers_full")
+            log.warning("http_buffers_full", client=incoming.address[0], body_bytes=body_length,
+                        buffered_bytes=self.buffered_reserved, max_buffered_bytes=cap)
+            self._forget(incoming)
+            incoming.buffer = bytearray()  # what came of the body so far goes now
+            # Unread, the body may reset the answer away: a client that sends as it reads
+            # gets the 503, one that sends first an error on the connection (the openai
+            # SDK retries either). Lingering here would hold the reader.
+            send_refusal(incoming.sock, GuardianError(
+                "The server holds as many request bodies as it may now; send the request again.",
+                status=503, code="server_busy", retry_after_s=limits.retry_after_s))
+            return False
+        incoming.reserved = body_length
+        self.buffered_reserved += body_length
+        return True
 
     def _expire(self) -> bool:
         """Let the connections whose deadline has passed go; whether more are due
@@ -1033,6 +1065,8 @@ class HeldConnections:
     def connection_status(self) -> dict:
         """For /guardian/status: connections held by the reader, handler threads busy, closes by reason."""
         if self._reader is None:
-            return {"held": 0, "handlers_active": 0, "max_handlers": self.limits.max_handlers, "closed": {}}
-        return {"held": self._reader.held, "handlers_active": self.handlers.active,
+            return {"held": 0, "buffered_bytes": 0, "handlers_active": 0, "max_handlers": self.limits.max_handlers,
+                    "closed": {}}
+        return {"held": self._reader.held, "buffered_bytes": self._reader.buffered_reserved,
+                "handlers_active": self.handlers.active,
                 "max_handlers": self.limits.max_handlers, "closed": dict(self.closed_counts)}
