@@ -250,6 +250,8 @@ def test_bodies_still_arriving_are_bounded_in_memory(held):
     finally:
         first.close()
     poll(lambda: held.connections()["buffered_bytes"] == 0, 10, what="the room given back as the client left")
+    head, body = raw_answer(held, POST + b"Content-Length: %d\r\n\r\n" % (MAX_BUFFERED + 1))  # never fits
+    assert head.startswith(b"HTTP/1.0 413") and json.loads(body)["error"]["code"] == "request_too_large"
     padded = chat_body(max_tokens=2, padding="p" * (MAX_BUFFERED // 2))  # room for it again
     assert httpx.post(held.url + COMPLETIONS, json=padded, timeout=30).status_code == 200
 

@@ -659,9 +659,15 @@ class RequestReader:
             # Unread, the body may reset the answer away: a client that sends as it reads
             # gets the 503, one that sends first an error on the connection (the openai
             # SDK retries either). Lingering here would hold the reader.
-            send_refusal(incoming.sock, GuardianError(
-                "The server holds as many request bodies as it may now; send the request again.",
-                status=503, code="server_busy", retry_after_s=limits.retry_after_s))
+            if body_length > cap:  # it never fits: no point in sending it again
+                error = GuardianError(f"The request body is {body_length} bytes; this server holds at most {cap} "
+                                      "bytes of bodies at once.", status=413, type="invalid_request_error",
+                                      code="request_too_large", retry=False)
+            else:
+                error = GuardianError("The server holds as many request bodies as it may now; send the "
+                                      "request again.", status=503, code="server_busy",
+                                      retry_after_s=limits.retry_after_s)
+            send_refusal(incoming.sock, error)
             return False
         incoming.reserved = body_length
         self.buffered_reserved += body_length
