@@ -276,8 +276,8 @@ class HttpSettings(Table, name="http"):
         Request bodies still arriving, in bytes, that the door holds in memory at
         once (each body reserves its Content-Length when its headers are read).
         A request whose body would take it past this gets 503 + Retry-After at
-        once, its body unread: a thousand clients each sending 30 MB slowly held
-        30 GB. 0: no limit.""", live=True)
+        once, its body unread (413 if the body alone is larger): a thousand
+        clients each sending 30 MB slowly held 30 GB. 0: no limit.""", live=True)
 
 
 # Tables the core reads; every other table is a plugin's.
