@@ -43,10 +43,11 @@ def guardian_shutdown(engine, exit_code):
 def check_access(request, door):
     """Decide who sent a request, and whether it may come in.
 
-    The HTTP thread serving it, for every request on every path, before it
-    is routed and before stock reads its body. (The connection layer has read
-    the body into memory by then, within ``[http] max_buffered_bytes``: a
-    refusal costs the client's upload, never more than that cap.) ``request`` is a
+    Once for every request on every path, before it is routed and before its
+    body is read: on the connection layer's reader thread, from the head, when
+    the body is still to come (so a refused client's body is never held: keep
+    this quick, it holds every connection's reads meanwhile); else on the HTTP
+    thread serving it. ``request`` is a
     ``guardian.access.policy.AccessRequest`` (method, path, headers, the
     client's address); ``door`` is the server's
     ``guardian.access.policy.AccessPolicy`` (its keys, mode and origins; the

@@ -13,6 +13,8 @@ import hashlib
 import json
 import os
 import signal
+import socket
+import time
 
 import httpx
 import openai
@@ -148,6 +150,26 @@ def test_logs_and_metrics_name_the_key_never_the_key(door_server):
     assert any("?key=***&api-version=***" in e["line"] for e in completions())
     started = door_server.events("supervisor_started" if door_server.kind == "supervised" else "server_started")
     assert started[0]["access"] == "api_keys" and started[0]["api_keys"] == 2
+
+
+def test_a_refused_clients_body_is_never_held(door_server):
+    """The door decides on the head when the body is still to come: a client with no
+    key that announces 10 MB gets its 401 at once, the body unread (before, the layer
+    waited for all of it, up to body_timeout_s, holding it, and only then asked)."""
+    with socket.create_connection(("127.0.0.1", door_server.port), timeout=10) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json"
+                     b"\r\nContent-Length: %d\r\n\r\n{" % (10 << 20))
+        started = time.monotonic()
+        answer = b""
+        while b"}}" not in answer:
+            chunk = sock.recv(65536)  # a 10 s timeout: the body timeout (30 s) would fail here
+            assert chunk, answer
+            answer += chunk
+    assert time.monotonic() - started < 5
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.0 401") and json.loads(body)["error"]["code"] == "invalid_api_key"
+    path = "/guardian/supervisor" if door_server.kind == "supervised" else "/guardian/status"
+    assert door_server.get(path, ALICE).json()["connections"]["buffered_bytes"] == 0
 
 
 def test_key_file_is_followed_live(door_server):

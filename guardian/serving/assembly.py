@@ -18,10 +18,12 @@ import structlog
 
 from guardian import stock
 from guardian.access import announce, make_door
+from guardian.access.policy import AccessDecision, AccessRequest
 from guardian.access.tls import ServerCertificate, load_certificate
 from guardian.config.tables import AccessSettings
 from guardian.config.registry import ConfigError
 from guardian.config.loading import GuardianConfig
+from guardian.serving import framing
 from guardian.serving.connection import HANDLER_HEADROOM, HeldConnections, LiveLimits
 from guardian.observability.counting import ActiveCount
 from guardian.admission.facts import served_model_config
@@ -249,6 +251,18 @@ class GuardianHTTPServer(HeldConnections, ThreadingHTTPServer):
     """Stock's threading HTTP server behind the connection layer (guardian.serving.connection):
     requests read under deadlines, handler threads bounded, HTTPS when given a certificate."""
 
+    # The served model's plugins (the check_access hook); None: the door alone (a test's server).
+    pm = None
+
+    def decide_at_head(self, incoming):
+        """The door on the head of a request whose body is still to come: a refused
+        client's body is never held (its handler answers it, with this decision)."""
+        method, path, headers = framing.read_head(bytes(incoming.buffer[:incoming.headers_end]))
+        request = AccessRequest(method, path, headers, incoming.address[0])
+        decision = (self.pm.hook.check_access(request=request, door=self.door) if self.pm is not None
+                    else self.door.check(request))
+        return decision if decision is not None else AccessDecision(incoming.address[0])
+
 
 def make_http_server(host: str, port: int, served: Optional[ServedModel], door=None,
                      tls: Optional[ServerCertificate] = None) -> ThreadingHTTPServer:
@@ -271,6 +285,7 @@ def make_http_server(host: str, port: int, served: Optional[ServedModel], door=N
     httpd.completions = ActiveCount()
     # Without one (tests that build a server by hand): the default door for the address.
     httpd.door = door or make_door(AccessSettings(), bound_host=host, allowed_origins=None)
+    httpd.pm = served.pm if served is not None else None
     return httpd
 
 

@@ -167,7 +167,7 @@ class Incoming:
     """One connection the reader holds until its request is complete."""
 
     __slots__ = ("sock", "address", "accepted_at", "buffer", "scanned", "headers_end", "headers_at", "needed",
-                 "reserved", "handshaking", "tls_checked", "handed_off", "held", "__weakref__")
+                 "reserved", "access", "handshaking", "tls_checked", "handed_off", "held", "__weakref__")
 
     def __init__(self, sock: socket.socket, address, tls: bool):
         self.sock = sock
@@ -179,6 +179,7 @@ class Incoming:
         self.headers_at = 0.0
         self.needed = 0  # bytes the whole request has, once its headers are read
         self.reserved = 0  # of the reader's max_buffered_bytes, for a body still arriving
+        self.access = None  # the door's decision, when made on the head (``decide_at_head``)
         self.handshaking = tls
         self.tls_checked = not tls
         # A connection the supervisor handed over, its request read (guardian.handoff).
@@ -638,11 +639,15 @@ class RequestReader:
             incoming.needed = body_start + head.body_length
             if head.body_length > MAX_BUFFERED_BODY:
                 incoming.needed = 0  # hand over now: the handler answers from the headers (413)
-            elif len(incoming.buffer) < incoming.needed:  # a body still to come: its room first
-                if not self._reserve(incoming, head.body_length, limits):
-                    return
-                if head.expects_continue:
-                    send_quietly(incoming.sock, framing.CONTINUE)
+            elif len(incoming.buffer) < incoming.needed:  # a body still to come: the door, then its room
+                incoming.access = self.server.decide_at_head(incoming)
+                if incoming.access is not None and not incoming.access.allowed:
+                    incoming.needed = 0  # to a handler now: it answers, and drops the body unread
+                else:
+                    if not self._reserve(incoming, head.body_length, limits):
+                        return
+                    if head.expects_continue:
+                        send_quietly(incoming.sock, framing.CONTINUE)
         if len(incoming.buffer) >= incoming.needed:
             self._forget(incoming)
             self.server.dispatch(incoming)
@@ -812,11 +817,13 @@ class _PrefixedReader(io.RawIOBase):
 
 
 class BufferedConnection:
-    """The socket as a handler sees it: its ``makefile('rb')`` starts with what was read already."""
+    """The socket as a handler sees it: its ``makefile('rb')`` starts with what was read already.
+    ``access``: the door's decision on its request, if the reader made it on the head."""
 
     def __init__(self, sock: socket.socket, prefix: bytes):
         self.sock = sock
         self._prefix = prefix
+        self.access = None
 
     def makefile(self, mode="r", buffering=None, **kwargs):
         if "r" in mode:
@@ -929,6 +936,12 @@ class HeldConnections:
     def scheme(self) -> str:
         return "http" if self.tls is None else "https"
 
+    def decide_at_head(self, incoming: Incoming):
+        """The door's decision (an AccessDecision) on a request whose body is still to come,
+        made on its head so that a refused client's body is never held; None: decided by
+        the handler, once the request is whole. The server with a door says."""
+        return None
+
     def process_request(self, request, client_address):
         """Accepted by socketserver's handle_request(): to the reader, which reads the
         request before any thread is spent on it (serve_forever accepts on the reader itself)."""
@@ -983,6 +996,7 @@ class HeldConnections:
             request = HandedOffConnection(sock, bytes(incoming.buffer), incoming.handed_off)
         else:
             request = BufferedConnection(sock, bytes(incoming.buffer))
+        request.access = incoming.access
         if not self.start_handler(request, incoming.address):
             send_refusal(sock, GuardianError("The server cannot start a handler now.", status=503,
                                              code="server_busy", retry_after_s=self.limits.retry_after_s),

@@ -33,6 +33,8 @@ as its head has passed. Imports no mlx.
 
 from __future__ import annotations
 
+import http.client
+import io
 import re
 from dataclasses import dataclass
 from typing import Optional
@@ -167,3 +169,12 @@ def _origin_form(target: bytes) -> tuple[bytes, bytes]:
     if not path.startswith(b"/"):
         path = b"/" + path
     return path, authority
+
+
+def read_head(head: bytes) -> tuple[str, str, http.client.HTTPMessage]:
+    """A canonical head (one ``judge_head`` passed) as http.server reads it: the
+    method, the path without its query, and the headers (an HTTPMessage, as a
+    handler's ``self.headers``)."""
+    request_line, _, fields = head.partition(b"\r\n")
+    method, target = request_line.decode("latin-1").split(" ")[:2]
+    return method, target.partition("?")[0], http.client.parse_headers(io.BytesIO(fields))

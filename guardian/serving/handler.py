@@ -63,7 +63,8 @@ class GuardianHandler(Endpoints, stock.handler.DoorCorsHandler):
         door = self.server.door
         request = AccessRequest(self.command, self.path.partition("?")[0], self.headers, self.client_address[0])
         pm = self.response_generator.pm
-        decision = pm.hook.check_access(request=request, door=door)
+        # Made on the head already where the body was still to come (GuardianHTTPServer.decide_at_head).
+        decision = getattr(self.connection, "access", None) or pm.hook.check_access(request=request, door=door)
         # No plugin answered (the built-in disabled): as if there were no door.
         self.access = decision if decision is not None else AccessDecision(self.client_address[0])
         notify(pm.hook.on_access_decision, request=request, decision=self.access)

@@ -156,7 +156,8 @@ def try_fast_hand_off(server, incoming) -> bool:
     head = RequestHead.parse(buffer, incoming.headers_end)
     if head is None or head.path in server.own_paths:
         return False
-    access = supervisor.door.check(AccessRequest(head.method, head.path, head.headers, incoming.address[0]))
+    access = incoming.access or supervisor.door.check(  # made on the head where the body came later
+        AccessRequest(head.method, head.path, head.headers, incoming.address[0]))
     if not access.allowed:
         return False
     request = child_request(supervisor, child, head.method, head.target, head.headers.items,

@@ -45,6 +45,7 @@ from guardian.quarantine.crashes import fingerprint
 from guardian.errors import GuardianError, method_not_allowed
 from guardian.observability.counting import ActiveCount
 from guardian.observability.logs import without_query_values
+from guardian.serving import framing
 
 LOGGER_NAME = "guardian.supervisor"
 log = structlog.get_logger(LOGGER_NAME)
@@ -102,6 +103,12 @@ class PublicServer(HeldConnections, ThreadingHTTPServer):
         # Requests the reader handed to the child, not yet done (guardian.supervise.fast_handoff).
         self.handoffs_in_flight = ActiveCount()
         super().__init__(address, ProxyHandler)
+
+    def decide_at_head(self, incoming):
+        """The door on the head of a request whose body is still to come: a refused
+        client's body is never held (a handler answers it, with this decision)."""
+        method, path, headers = framing.read_head(bytes(incoming.buffer[:incoming.headers_end]))
+        return self.supervisor.door.check(AccessRequest(method, path, headers, incoming.address[0]))
 
     def busy(self) -> bool:
         """Requests the reader handed off count against ``max_handlers`` as handler threads do:
@@ -177,7 +184,9 @@ class ProxyHandler(BaseHTTPRequestHandler):
             return False
         door = self.server.supervisor.door
         passed = self.passed
-        self.access = passed.access if passed is not None else door.check(
+        # Made already: by the reader that handed it off, or on the head (PublicServer.decide_at_head).
+        decided = passed.access if passed is not None else getattr(self.connection, "access", None)
+        self.access = decided or door.check(
             AccessRequest(self.command, urlsplit(self.path).path, self.headers, self.client_address[0]))
         if self.access.allowed:
             return True
