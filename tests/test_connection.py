@@ -256,6 +256,20 @@ def test_bodies_still_arriving_are_bounded_in_memory(held):
     assert httpx.post(held.url + COMPLETIONS, json=padded, timeout=30).status_code == 200
 
 
+def test_a_long_target_is_cut_in_the_log(held):
+    """A target of up to max_header_bytes (64 KiB) would be written whole to the log,
+    twice (the access line, the 404's message), by every such request."""
+    path = "/nowhere/" + "a" * 50_000
+    assert httpx.get(held.url + path, timeout=10).status_code == 404
+    marker = path[:200]
+
+    def logged():
+        return [e for e in held.logs() if marker in e.get("line", "") + e.get("error_message", "")]
+    lines = poll(lambda: len(logged()) >= 2 and logged(), 10, what="the access line and the 404's line")
+    assert all(len(e.get("line", "")) + len(e.get("error_message", "")) < 2200 for e in lines)
+    assert all("characters)" in e.get("line", "") + e.get("error_message", "") for e in lines)
+
+
 def test_a_query_on_a_completion_path_is_ignored_as_on_get(held):
     answer = httpx.post(held.url + COMPLETIONS + "?api-version=2024-02-01", json=chat_body(max_tokens=2), timeout=30)
     assert answer.status_code == 200 and answer.json()["object"] == "chat.completion"

@@ -77,13 +77,27 @@ def without_query_values(text: str) -> str:
     return _QUERY_VALUE.sub(r"\g<1>" + HIDDEN, text) if "=" in text else text
 
 
+# What of a client's request line (a target of up to [http] max_header_bytes, 64 KiB)
+# one log line keeps: a client must not write 64 KiB to the log with every request.
+LOGGED_LINE_CHARS = 2000
+
+
+def loggable_line(text: str) -> str:
+    """A request line, a URL or a message quoting one, as logged: its query values
+    hidden, and cut past ``LOGGED_LINE_CHARS`` (saying how long it was)."""
+    text = without_query_values(text)
+    if len(text) <= LOGGED_LINE_CHARS:
+        return text
+    return f"{text[:LOGGED_LINE_CHARS]}... ({len(text)} characters)"
+
+
 class QueryValuesHidden(logging.Filter):
     """``ROUTINE_LIBRARY_LOGGERS``' lines (httpx's "HTTP Request: POST http://...?x=y")
-    with their URLs' query values hidden."""
+    as ``loggable_line`` writes them: query values hidden, long URLs cut."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.name.split(".", 1)[0] in ROUTINE_LIBRARY_LOGGERS:
-            record.msg, record.args = without_query_values(record.getMessage()), None
+            record.msg, record.args = loggable_line(record.getMessage()), None
         return True
 
 

@@ -28,7 +28,7 @@ from guardian.serving.endpoints import GET_PATHS, MONITORING_PATHS, Endpoints
 from guardian.request_context import (REQUEST_ID_HEADER, add_response_headers, bind_log_fields, client_gone,
                                       current_request, deadline_passed, request_scope, sane_request_id)
 from guardian.errors import SERVER_STOPPING, AbortRequest, GuardianError, from_stock_exception, method_not_allowed
-from guardian.observability.logs import without_query_values
+from guardian.observability.logs import loggable_line
 from guardian.plugin_manager import notify
 
 log = structlog.get_logger("guardian.http")
@@ -210,7 +210,7 @@ class GuardianHandler(Endpoints, stock.handler.DoorCorsHandler):
         except _CLIENT_GONE:
             return
         log.warning("request_rejected" if error.status < 500 else "request_errored",
-                    status=error.status, code=error.code, error_message=error.message)
+                    status=error.status, code=error.code, error_message=loggable_line(error.message))
 
     def send_json(self, status: int, payload: dict, headers: Optional[dict] = None) -> None:
         """A JSON response with stock's status line and CORS headers."""
@@ -356,7 +356,7 @@ class GuardianHandler(Endpoints, stock.handler.DoorCorsHandler):
         # the status are all the line holds.
         key_name = self.access.key_name if self.access is not None else None
         (log.debug if routine else log.info)("http_access", client=self.client_name,
-                                             line=without_query_values(format % args),
+                                             line=loggable_line(format % args),
                                              **({"api_key": key_name} if key_name else {}))
 
 

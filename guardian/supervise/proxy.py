@@ -44,7 +44,7 @@ from guardian.supervise.fast_handoff import (CHILD_HOST, FastHandOff, child_requ
 from guardian.quarantine.crashes import fingerprint
 from guardian.errors import GuardianError, method_not_allowed
 from guardian.observability.counting import ActiveCount
-from guardian.observability.logs import without_query_values
+from guardian.observability.logs import loggable_line
 from guardian.serving import framing
 
 LOGGER_NAME = "guardian.supervisor"
@@ -690,7 +690,7 @@ class ProxyHandler(BaseHTTPRequestHandler):
         if not access_lines_wanted():
             return
         key_name = self.access.key_name if self.access is not None else None
-        log.debug("proxy_access", client=self.client_address[0], line=without_query_values(format % args),
+        log.debug("proxy_access", client=self.client_address[0], line=loggable_line(format % args),
                   **({"api_key": key_name} if key_name else {}))
 
 
