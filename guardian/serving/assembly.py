@@ -18,12 +18,11 @@ import structlog
 
 from guardian import stock
 from guardian.access import announce, make_door
-from guardian.access.policy import AccessDecision, AccessRequest
+from guardian.access.policy import AccessDecision
 from guardian.access.tls import ServerCertificate, load_certificate
 from guardian.config.tables import AccessSettings
 from guardian.config.registry import ConfigError
 from guardian.config.loading import GuardianConfig
-from guardian.serving import framing
 from guardian.serving.connection import HANDLER_HEADROOM, HeldConnections, LiveLimits
 from guardian.observability.counting import ActiveCount
 from guardian.admission.facts import served_model_config
@@ -257,8 +256,7 @@ class GuardianHTTPServer(HeldConnections, ThreadingHTTPServer):
     def decide_at_head(self, incoming):
         """The door on the head of a request whose body is still to come: a refused
         client's body is never held (its handler answers it, with this decision)."""
-        method, path, headers = framing.read_head(bytes(incoming.buffer[:incoming.headers_end]))
-        request = AccessRequest(method, path, headers, incoming.address[0])
+        request = self.head_request(incoming)
         decision = (self.pm.hook.check_access(request=request, door=self.door) if self.pm is not None
                     else self.door.check(request))
         return decision if decision is not None else AccessDecision(incoming.address[0])

@@ -51,6 +51,7 @@ from typing import Optional
 import structlog
 
 from guardian import handoff
+from guardian.access.policy import AccessRequest
 from guardian.serving import framing
 from guardian.observability.counting import ActiveCount
 from guardian.errors import GuardianError
@@ -935,6 +936,12 @@ class HeldConnections:
     @property
     def scheme(self) -> str:
         return "http" if self.tls is None else "https"
+
+    @staticmethod
+    def head_request(incoming: Incoming) -> AccessRequest:
+        """What the door reads of a request, from its head alone (``decide_at_head``)."""
+        method, path, headers = framing.read_head(bytes(incoming.buffer[:incoming.headers_end]))
+        return AccessRequest(method, path, headers, incoming.address[0])
 
     def decide_at_head(self, incoming: Incoming):
         """The door's decision (an AccessDecision) on a request whose body is still to come,

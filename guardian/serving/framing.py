@@ -45,7 +45,8 @@ from guardian.errors import GuardianError
 HEAD_END = re.compile(rb"\r?\n\r?\n")
 # What a client waiting on ``Expect: 100-continue`` is sent once its head has passed.
 CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
-_TOKEN = re.compile(rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+# RFC 9110 §5.6.2: a method, a header's name.
+TOKEN = re.compile(rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 _VERSION = re.compile(rb"HTTP/([0-9])\.([0-9])")
 # Inside a request target: anything but controls and spaces (obs-text is let through, as stock did).
 _BAD_TARGET_BYTE = re.compile(rb"[\x00-\x20\x7f]")
@@ -96,7 +97,7 @@ def judge_head(head: bytes, max_header_count: int) -> Head:
     parts = lines[0].split(b" ")
     if len(parts) == 2 and parts[0] == b"GET" and len(lines) == 1:
         return Head(0)  # HTTP/0.9's simple request: answered as stock answered it
-    if len(parts) != 3 or not _TOKEN.fullmatch(parts[0]) or not parts[1]:
+    if len(parts) != 3 or not TOKEN.fullmatch(parts[0]) or not parts[1]:
         raise refusal(400, "The request line is not METHOD TARGET HTTP-VERSION.")
     method, target, version = parts
     matched = _VERSION.fullmatch(version)
@@ -115,7 +116,7 @@ def judge_head(head: bytes, max_header_count: int) -> Head:
         if line[:1] in (b" ", b"\t"):
             raise refusal(400, f"Header line {number} is folded onto the one before (obs-fold).")
         name, colon, value = line.partition(b":")
-        if not colon or not _TOKEN.fullmatch(name):
+        if not colon or not TOKEN.fullmatch(name):
             raise refusal(400, f"Header line {number} is not NAME: VALUE (no space before the colon).")
         if _BAD_VALUE_BYTE.search(value):
             raise refusal(400, f"Header line {number} holds a CR or NUL.")

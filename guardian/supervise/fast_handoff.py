@@ -30,12 +30,12 @@ import structlog
 from guardian import handoff, relay_protocol
 from guardian.access.keys import API_KEY_HEADER, AUTHORIZATION
 from guardian.access.policy import CLIENT_HEADER, AccessDecision, AccessRequest
+from guardian.serving import framing
 from guardian.serving.connection import close_quietly
 
 log = structlog.get_logger("guardian.supervisor")
 
 _REQUEST_LINE = re.compile(rb"([A-Z]{1,16}) (/[\x21-\x7e]*) HTTP/1\.([01])")
-_TOKEN = re.compile(rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 # Heads the handler path reads better: a body not sent whole (the door refuses it first).
 # A client's ``Expect: 100-continue`` was met by the door, and is not forwarded.
 _NOT_FAST = frozenset({"transfer-encoding"})
@@ -86,7 +86,7 @@ class RequestHead:
         seen_once = set()
         for raw in lines[1:]:
             name, colon, value = raw.partition(b":")
-            if not colon or _TOKEN.fullmatch(name) is None:
+            if not colon or framing.TOKEN.fullmatch(name) is None:
                 return None  # obs-fold, a space before the colon, no colon: the handler answers
             text = name.decode("latin-1")
             lowered = text.lower()

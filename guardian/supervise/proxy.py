@@ -45,7 +45,6 @@ from guardian.quarantine.crashes import fingerprint
 from guardian.errors import GuardianError, method_not_allowed
 from guardian.observability.counting import ActiveCount
 from guardian.observability.logs import loggable_line
-from guardian.serving import framing
 
 LOGGER_NAME = "guardian.supervisor"
 log = structlog.get_logger(LOGGER_NAME)
@@ -107,8 +106,7 @@ class PublicServer(HeldConnections, ThreadingHTTPServer):
     def decide_at_head(self, incoming):
         """The door on the head of a request whose body is still to come: a refused
         client's body is never held (a handler answers it, with this decision)."""
-        method, path, headers = framing.read_head(bytes(incoming.buffer[:incoming.headers_end]))
-        return self.supervisor.door.check(AccessRequest(method, path, headers, incoming.address[0]))
+        return self.supervisor.door.check(self.head_request(incoming))
 
     def busy(self) -> bool:
         """Requests the reader handed off count against ``max_handlers`` as handler threads do:
