@@ -192,6 +192,8 @@ def stop_words() -> st.SearchStrategy:
         ("null_in_list", st.just([None])),
         ("nested_list", st.just([["a"]])),
         ("many", st.integers(100, 5000).map(lambda n: [f"s{i}" for i in range(n)])),
+        # Past [guardian] max_stop_chars (256): stock builds its matcher from them on the shared loop.
+        ("long", st.integers(257, 5000).map(lambda n: ["x" * n])),
         ("unicode_list", st.lists(UNICODE_TEXT, min_size=1, max_size=3)),
         *wrong_values(),
     )
