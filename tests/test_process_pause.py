@@ -105,6 +105,24 @@ def test_three_pauses_of_the_whole_process_with_requests_in_flight_are_not_stall
     assert metric(metrics, "mlx_guardian_engine_stalls_total") == 0
 
 
+@pytest.mark.skipif(not hasattr(signal, "SIGSTOP"), reason="SIGSTOP/SIGCONT are POSIX signals")
+def test_a_pause_that_lands_inside_one_of_the_watchdogs_looks_is_still_a_pause(start_server):
+    # Seen once in CI: the watchdog's look (here a resource sample that takes
+    # 0.6 s) was under way when SIGSTOP came; the next look was reckoned from
+    # the end of that one, so the 3 s pause vanished into it. Now the time a
+    # look spent not running is lateness too.
+    config = ('[guardian]\nplugins = ["tests.plugins.slow_sample:SlowSample"]\n'
+              + table("slow_sample", hold_s=0.6) + table("watchdog", resource_interval_s=0.5, **WATCHDOG))
+    server = start_server(config)
+    samples = len(server.wait_for_event("slow_sample_started", timeout=30))
+    # The next sample: the pause follows its log line at once, well inside its 0.6 s.
+    server.wait_for_event("slow_sample_started", timeout=30, count=samples + 1)
+    pause(server.proc, PAUSE_S)
+    long_pauses = lambda: [e for e in server.events("process_paused") if e["paused_s"] >= PAUSE_S - 0.5]
+    assert len(poll(long_pauses, 10, what="a process_paused of the whole pause")) == 1
+    assert server.proc.poll() is None, "the server exited"
+
+
 BUSY_S = 3.0  # past the 2 s ceiling and the 1 s floor, well within 2 s + the allowance
 ALLOWANCE_S = 10.0
 

@@ -10,7 +10,8 @@ escalation ladder: replace the loop thread, reload the model, exit for the
 supervisor. Probes prove generation works while idle; while busy, progress
 proves it and probes are skipped.
 
-A pause is not a stall. The watchdog measures its own lateness: a look
+A pause is not a stall. The watchdog measures its own lateness (the time
+a look spent not running counts, so a pause inside a look is seen): a look
 that comes later than due by more than the shortest stall limit means the
 whole process was paused or starved (SIGSTOP, a debugger, a swap storm, a
 cgroup freeze, a paused VM, a GPU driver holding every thread). No engine
@@ -106,9 +107,15 @@ class StallDetector:
     def _run(self) -> None:
         due = time.monotonic() + self.settings.interval_s
         while not self._stopped.wait(self.settings.interval_s):
-            now = time.monotonic()
+            now, cpu = time.monotonic(), time.thread_time()
             self.tick(now, late_s=now - due)
-            due = time.monotonic() + self.settings.interval_s
+            # The next look is due an interval after this one ends, plus the time
+            # this look spent not running: a pause that lands inside a look
+            # (SIGSTOP mid-sample) is lateness too, not the look's own work. Its
+            # own CPU time is not: a look that computes is not a paused process.
+            ended = time.monotonic()
+            off_cpu_s = max(0.0, (ended - now) - (time.thread_time() - cpu))
+            due = ended + self.settings.interval_s - off_cpu_s
 
     def tick(self, now: float, late_s: float = 0.0) -> None:
         """One look at the engine: progress, probes, resources, systemd.
