@@ -319,3 +319,36 @@ def test_a_sighup_while_the_model_loads_is_held_then_applied(tmp_path, model_cac
         assert reloaded["reason"] == "sighup" and reloaded["changed"] == ["guardian.retry_after_s"]
     finally:
         server.stop()
+
+
+def test_saves_made_while_the_model_loads_are_read_once_it_serves(tmp_path, model_cache):
+    """The file watches begin once the model has loaded, which a large model takes
+    minutes over: a save made before, with no SIGHUP, was read only at the next save
+    (a key added then stayed refused). Each file is compared with what was read at
+    start when its watch begins."""
+    alice, carol = "sk-alice-0123456789abcdef", "sk-carol-0123456789abcdef"
+    keys = tmp_path / "keys.txt"
+    keys.write_text(f"alice:{alice}\n")
+    config = tmp_path / "guardian.toml"
+    start = ('[guardian]\nplugins = ["tests.plugins.slow_start:SlowStart"]\n[slow_start]\nhold_s = 3.0\n'
+             f'[access]\napi_key_file = "{keys}"\n')
+    config.write_text(start)
+    port = free_port()
+    server = Server(spawn_guardian(["--port", str(port), "--guardian-config", str(config)], tmp_path / "server.log",
+                                   model_cache), port, tmp_path / "server.log")
+
+    def models_with(key: str) -> int:
+        return httpx.get(server.url + "/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=10).status_code
+
+    try:
+        server.wait_for_event("slow_start_waiting", timeout=60)
+        config.write_text(start.replace("[guardian]\n", "[guardian]\nretry_after_s = 7\n"))  # a live setting
+        keys.write_text(f"alice:{alice}\ncarol:{carol}\n")
+        server.wait_healthy()
+        reloaded = server.wait_for_event("config_reloaded", timeout=10)[-1]
+        assert reloaded["reason"] == "file_changed" and reloaded["changed"] == ["guardian.retry_after_s"]
+        poll(lambda: models_with(carol) == 200, 10, what="carol's key, added while the model loaded, to work")
+        assert models_with(alice) == 200
+        assert [e["added"] for e in server.events("api_keys_reloaded")] == [["carol"]]
+    finally:
+        server.stop()

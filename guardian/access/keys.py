@@ -138,6 +138,7 @@ class KeyRing:
         self._watcher = None
         self.loads = 0
         self.last_failure: Optional[str] = None
+        self.read_sha256: Optional[str] = None  # the file's bytes as last read in full
         if self.path is not None:
             self._keys = self._read()  # at start, a bad file is an error (KeyFileError)
             self.loads = 1
@@ -162,10 +163,13 @@ class KeyRing:
 
     def _read(self) -> tuple[ApiKey, ...]:
         try:
-            text = self.path.read_text(encoding="utf-8")
+            raw = self.path.read_bytes()
+            text = raw.decode("utf-8")
         except (OSError, UnicodeDecodeError) as e:
             raise KeyFileError(f"{self.path}: cannot be read: {type(e).__name__}: {e}") from None
-        return parse_key_file(text, str(self.path))
+        keys = parse_key_file(text, str(self.path))
+        self.read_sha256 = hashlib.sha256(raw).hexdigest()
+        return keys
 
     def reload(self, reason: str = "sighup") -> bool:
         """Read the file again; whether the new set is in force."""
@@ -195,7 +199,7 @@ class KeyRing:
         from guardian.config.live import ConfigFileWatcher
 
         self._watcher = ConfigFileWatcher(self.path, self.reload)
-        self._watcher.start()
+        self._watcher.start(read_sha256=self.read_sha256)
 
     def stop(self) -> None:
         if self._watcher is not None:

@@ -232,7 +232,7 @@ class LiveConfig:
         if self.path is None or self.watcher is not None:
             return
         self.watcher = ConfigFileWatcher(Path(self.path), self.reload)
-        self.watcher.start()
+        self.watcher.start(read_sha256=self._file.sha256)
 
     def request_reload(self, reason: str) -> None:
         """Reload soon, on the reloader thread (safe from a signal handler)."""
@@ -334,7 +334,10 @@ class ConfigFileWatcher:
     def running(self) -> bool:
         return self._observer is not None and self._observer.is_alive()
 
-    def start(self) -> None:
+    def start(self, read_sha256: Optional[str] = None) -> None:
+        """Watch from now on. ``read_sha256``: the file's bytes as last read (at start);
+        a file that differs by the time the watch begins was saved before it (while
+        the model loaded, which a large model takes minutes over) and is read now."""
         from watchdog.events import FileSystemEventHandler
         from watchdog.observers import Observer
 
@@ -354,6 +357,8 @@ class ConfigFileWatcher:
         self._observer.start()
         self._thread.start()
         log.info("config_watch_started", file=str(self.path))
+        if read_sha256 is not None and file_sha256(self.path) != read_sha256:
+            self.kick("file_changed")
 
     def is_ours(self, event_path) -> bool:
         path = os.fsdecode(event_path)
