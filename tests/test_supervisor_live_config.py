@@ -37,3 +37,24 @@ def test_sighup_to_the_supervisor_makes_the_child_reread_its_file(start_supervis
     assert supervised.proc.poll() is None
     assert supervised.wait_ready() == child_pid
     assert not supervised.supervisor_events("child_exited")
+
+
+def test_a_sighup_while_the_child_starts_is_held_until_it_is_ready(start_supervisor, tmp_path):
+    # In a child's first moments, before its handler exists, SIGHUP's default would end
+    # it (exit 129): `systemctl reload` right after a start, or during a restart.
+    config = tmp_path / "guardian.toml"
+    config.write_text('[guardian]\nplugins = ["tests.plugins.slow_start:SlowStart"]\n[slow_start]\nhold_s = 3.0\n')
+    supervised = start_supervisor("--guardian-config", str(config), wait=False)
+    poll(lambda: supervised.supervisor_events("child_started"), 30, what="the child to start")
+    supervised.proc.send_signal(signal.SIGHUP)
+    [held] = poll(lambda: supervised.supervisor_events("signal_held"), 10, what="the SIGHUP held")
+    child_pid = supervised.wait_ready()
+    assert held["pid"] == child_pid
+    [forwarded] = poll(lambda: supervised.supervisor_events("signal_forwarded"), 10, what="the SIGHUP passed on")
+    [ready] = supervised.supervisor_events("child_ready")
+    events = [e["event"] for e in supervised.logs() if e.get("logger") == "guardian.supervisor"]
+    assert events.index("child_ready") < events.index("signal_forwarded"), events
+    assert forwarded["pid"] == ready["pid"] == child_pid
+    poll(lambda: httpx.get(supervised.url + "/guardian/status", timeout=5).json()["config"]["reason"] == "sighup",
+         15, what="the child's reload")
+    assert not supervised.supervisor_events("child_exited")

@@ -44,7 +44,7 @@ from guardian.supervise.metrics import SupervisorMetrics
 from guardian.distributed.launch import LauncherProcess, group_command, kill_leftovers
 from guardian.errors import SERVER_STOPPING, GuardianError
 from guardian import exit_codes
-from guardian.exit_codes import EXIT_OK, EXIT_SUPERVISOR_GAVE_UP, EXIT_USAGE
+from guardian.exit_codes import EXIT_BOOT_ERROR, EXIT_OK, EXIT_SUPERVISOR_GAVE_UP, EXIT_USAGE
 from guardian.observability.logs import configure_logging
 from guardian.access import announce, make_door
 from guardian.access.tls import ServerCertificate, load_certificate
@@ -74,6 +74,12 @@ HTTP_POLL_S = 0.1
 SYSTEMD_ENV = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")
 # Restarting cannot fix bad flags: the child's parser said so.
 NOT_RESTARTABLE = {EXIT_USAGE}
+# A model that failed to load this many times in a row, no child ready between, fails
+# the same way every time (a wrong path, a folder it cannot write): the supervisor
+# exits with the child's code, the reason intact, and leaves slower retries to
+# systemd's RestartSec or launchd's ThrottleInterval. Once is not enough: a load may
+# meet a passing shortage.
+BOOT_FAILURES_IN_A_ROW = 2
 # Why a child died, gunicorn-style: the signal or exit code, and what it suggests.
 SIGNAL_HINTS = {
     signal.SIGKILL: "perhaps out of memory?",
@@ -114,6 +120,7 @@ class Child:
     kill_reason: Optional[str] = None
     hard_kill_at: Optional[float] = None
     hard_killed: bool = False
+    sighup_held: bool = False  # a SIGHUP came while it started: sent once it is ready
 
     @property
     def pid(self) -> int:
@@ -148,6 +155,7 @@ class Supervisor:
         self.generation = 0
         self.restart_times = RecentEvents(self.settings.window_s)
         self.restarts = 0
+        self.boot_failures = 0  # children in a row that could not load the model
         self.last_exit: Optional[dict] = None
         self.outage_started = time.monotonic()
         self.exit_code: Optional[int] = None
@@ -283,8 +291,7 @@ class Supervisor:
             if self.tls is not None:
                 self.tls.reload("sighup")
             if self.child is not None and self.settings.engine == "guardian":
-                log.info("signal_forwarded", signal="SIGHUP", pid=self.child.proc.pid)
-                signal_quietly(self.child.proc, signal.SIGHUP)
+                self.forward_sighup(self.child)
             return
         if signum not in (signal.SIGTERM, signal.SIGINT):
             return
@@ -373,6 +380,11 @@ class Supervisor:
         if dead.kill_reason is None and dead.proc.returncode in NOT_RESTARTABLE:
             return self.give_up(f"the child refused its flags (exit code {dead.proc.returncode})",
                                 dead.proc.returncode)
+        booted = dead.kill_reason is not None or dead.proc.returncode != EXIT_BOOT_ERROR or dead.ready_at is not None
+        self.boot_failures = 0 if booted else self.boot_failures + 1
+        if self.boot_failures >= BOOT_FAILURES_IN_A_ROW:
+            return self.give_up(f"the model could not be loaded, {self.boot_failures} children in a row "
+                                f"(exit code {EXIT_BOOT_ERROR})", EXIT_BOOT_ERROR)
         if self.restart_times.count() >= self.settings.max_restarts:
             return self.give_up(f"more than {self.settings.max_restarts} restarts "
                                 f"within {self.restart_times.window_s:g} s", EXIT_SUPERVISOR_GAVE_UP)
@@ -447,10 +459,24 @@ class Supervisor:
             if not self.ready_sent:
                 # Type=notify: the service is up once a child can generate.
                 self.ready_sent = self.notifier.notify("READY=1")
+            if child.sighup_held:
+                self.forward_sighup(child)
         elif self.state == State.UNHEALTHY:
             log.info("child_healthy_again", pid=child.pid)
         if self.state in (State.STARTING, State.RESTARTING, State.UNHEALTHY):
             self.set_state(State.READY)
+
+    def forward_sighup(self, child: Child) -> None:
+        """SIGHUP to a guardian child once it serves. A child still starting is not sent
+        it: in its first moments, before its handler exists, SIGHUP would end it; it reads
+        a file saved meanwhile when its watch begins, and gets the signal once ready."""
+        if child.ready_at is None:
+            child.sighup_held = True
+            log.info("signal_held", signal="SIGHUP", pid=child.pid, until="the child is ready")
+            return
+        child.sighup_held = False
+        log.info("signal_forwarded", signal="SIGHUP", pid=child.pid)
+        signal_quietly(child.proc, signal.SIGHUP)
 
     def soft_kill(self, reason: str) -> None:
         """SIGTERM (and SIGCONT, so a stopped child can act on it); SIGKILL after the grace."""
