@@ -268,6 +268,28 @@ def test_sigterm_hard_kills_a_child_that_outlives_the_grace(start_supervisor, tm
     assert supervised.supervisor_events("child_hard_killed")
 
 
+def test_a_pause_of_the_whole_group_while_the_child_starts_is_not_the_childs_fault(start_supervisor):
+    # A stopped child alone is stuck (the test above); a stopped supervisor and child
+    # together (Ctrl-Z, a frozen cgroup or VM) are paused: after SIGCONT, the child
+    # was "not ready after 9.x s" of an 8 s start timeout and was killed at once.
+    start_timeout_s, pause_s = 8, 9
+    supervised = start_supervisor("--supervisor-start-timeout", str(start_timeout_s), wait=False)
+    poll(lambda: supervised.supervisor_events("child_started"), 30, what="the child to start")
+    os.killpg(supervised.proc.pid, signal.SIGSTOP)
+    stopped_at = time.monotonic()
+    try:
+        # Nothing to poll for but time itself: no process of the group can answer meanwhile.
+        poll(lambda: time.monotonic() - stopped_at >= pause_s, pause_s + 5, interval=0.1, what="the pause")
+    finally:
+        os.killpg(supervised.proc.pid, signal.SIGCONT)
+    supervised.wait_ready()
+    assert not supervised.supervisor_events("child_stopping")
+    [paused] = supervised.supervisor_events("supervisor_paused")
+    assert paused["paused_s"] >= pause_s - 1, paused
+    status = supervised.supervisor()
+    assert status["restarts"] == 0 and status["pauses"] == 1, status
+
+
 def test_a_model_that_cannot_load_twice_in_a_row_ends_the_supervisor_with_the_childs_code(start_supervisor):
     # Before: five restarts more, each loading Python and mlx again, then exit 6, the
     # reason (the model) gone from the exit code. A crash loop's exit 6 is

@@ -80,6 +80,10 @@ NOT_RESTARTABLE = {EXIT_USAGE}
 # systemd's RestartSec or launchd's ThrottleInterval. Once is not enough: a load may
 # meet a passing shortage.
 BOOT_FAILURES_IN_A_ROW = 2
+# The main loop woke this much later than due (or a health check outlasted its timeout
+# by this much): the supervisor did not run, nor, most likely, its child (SIGSTOP of the
+# process group, Ctrl-Z, a frozen cgroup or VM). That time is no child's fault.
+PAUSE_NOTICED_S = 1.0
 # Why a child died, gunicorn-style: the signal or exit code, and what it suggests.
 SIGNAL_HINTS = {
     signal.SIGKILL: "perhaps out of memory?",
@@ -121,6 +125,7 @@ class Child:
     hard_kill_at: Optional[float] = None
     hard_killed: bool = False
     sighup_held: bool = False  # a SIGHUP came while it started: sent once it is ready
+    paused_s: float = 0.0  # how long the supervisor was paused since it started this child
 
     @property
     def pid(self) -> int:
@@ -156,6 +161,8 @@ class Supervisor:
         self.restart_times = RecentEvents(self.settings.window_s)
         self.restarts = 0
         self.boot_failures = 0  # children in a row that could not load the model
+        self.pauses = 0
+        self.paused_s = 0.0
         self.last_exit: Optional[dict] = None
         self.outage_started = time.monotonic()
         self.exit_code: Optional[int] = None
@@ -207,7 +214,11 @@ class Supervisor:
         announce(self.door)
         self.spawn_child()
         while not (self.exit_code is not None and self.child is None):
-            for signum in self.wait_for_signals(self.seconds_to_next_duty()):
+            wait_s = self.seconds_to_next_duty()
+            due = time.monotonic() + max(wait_s, 0.0)
+            signals = self.wait_for_signals(wait_s)
+            self.notice_pause(time.monotonic() - due)
+            for signum in signals:
                 self.handle_signal(signum)
             self.reap_child()
             self.tend_child()
@@ -414,15 +425,35 @@ class Supervisor:
         if now >= child.next_check_at(self.settings.interval_s):
             self.check_health(child)
 
+    def notice_pause(self, late_s: float) -> None:
+        """The supervisor ran ``late_s`` later than due: if that is a pause, the child's
+        clocks (its start, its unhealthy spell) stand still for it, as the in-process
+        watchdog's heartbeat clock does (``process_paused``)."""
+        if late_s < PAUSE_NOTICED_S:
+            return
+        self.pauses += 1
+        self.paused_s += late_s
+        child = self.child
+        if child is not None:
+            child.paused_s += late_s
+            if child.last_ok is not None:
+                child.last_ok += late_s
+        log.warning("supervisor_paused", paused_s=round(late_s, 3), pauses=self.pauses,
+                    hint="the supervisor did not run (SIGSTOP of its group, Ctrl-Z, a frozen cgroup "
+                         "or VM); no child is blamed for that time")
+
     def check_health(self, child: Child) -> None:
         """One health check; state changes and unhealthy-too-long decided here."""
+        asked_at = time.monotonic()
         ok = self.probe(child)
         child.last_check_at = time.monotonic()
+        # A check that outlasted its timeout by far was paused with the supervisor.
+        self.notice_pause(child.last_check_at - asked_at - self.health_timeout)
         if ok:
             child.last_ok = child.last_check_at
             return self.child_healthy(child)
         if child.ready_at is None:
-            waited = child.last_check_at - child.started_at
+            waited = child.last_check_at - child.started_at - child.paused_s
             if waited > self.settings.start_timeout_s:
                 self.soft_kill(f"not ready after {waited:.1f} s (last check: {child.last_check})")
             return
@@ -609,6 +640,8 @@ class Supervisor:
             },
             "restarts": self.restarts,
             "restarts_in_window": self.restart_times.count(),
+            "pauses": self.pauses,
+            "paused_s": round(self.paused_s, 3),
             "max_restarts": self.settings.max_restarts,
             "last_exit": self.last_exit,
             "in_flight": self.in_flight.active,
