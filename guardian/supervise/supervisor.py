@@ -80,9 +80,10 @@ NOT_RESTARTABLE = {EXIT_USAGE}
 # systemd's RestartSec or launchd's ThrottleInterval. Once is not enough: a load may
 # meet a passing shortage.
 BOOT_FAILURES_IN_A_ROW = 2
-# The main loop woke this much later than due (or a health check outlasted its timeout
-# by this much): the supervisor did not run, nor, most likely, its child (SIGSTOP of the
-# process group, Ctrl-Z, a frozen cgroup or VM). That time is no child's fault.
+# The main loop woke this much later than due: the supervisor did not run, nor, most
+# likely, its child (SIGSTOP of the process group, Ctrl-Z, a frozen cgroup or VM). That
+# time is no child's fault. (A pause inside a health check is not seen: a check's own
+# time cannot tell a pause from a child slow to answer, which is the child's.)
 PAUSE_NOTICED_S = 1.0
 # Why a child died, gunicorn-style: the signal or exit code, and what it suggests.
 SIGNAL_HINTS = {
@@ -444,11 +445,8 @@ class Supervisor:
 
     def check_health(self, child: Child) -> None:
         """One health check; state changes and unhealthy-too-long decided here."""
-        asked_at = time.monotonic()
         ok = self.probe(child)
         child.last_check_at = time.monotonic()
-        # A check that outlasted its timeout by far was paused with the supervisor.
-        self.notice_pause(child.last_check_at - asked_at - self.health_timeout)
         if ok:
             child.last_ok = child.last_check_at
             return self.child_healthy(child)
