@@ -7,6 +7,7 @@ SIGKILL needs no SIGCONT), even when a test fails.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -288,6 +289,28 @@ def test_a_pause_of_the_whole_group_while_the_child_starts_is_not_the_childs_fau
     assert paused["paused_s"] >= pause_s - 1, paused
     status = supervised.supervisor()
     assert status["restarts"] == 0 and status["pauses"] == 1, status
+
+
+def test_a_childs_port_is_its_own_while_its_model_loads(start_supervisor, tmp_path):
+    # A child bound its private port after its model loaded (minutes, for a large model):
+    # meanwhile any process here could take that port (an outgoing connection's ephemeral
+    # port will do), the child's bind failed with exit 2, and the supervisor, which does
+    # not restart exit 2, ended too. Now the supervisor binds it and the child listens on it.
+    config = tmp_path / "guardian.toml"
+    config.write_text('[guardian]\nplugins = ["tests.plugins.slow_start:SlowStart"]\n'
+                      '[slow_start]\nhold_s = 0.0\nhold_before_load_s = 3.0\n')
+    supervised = start_supervisor("--guardian-config", str(config), wait=False)
+    poll(lambda: supervised.events("slow_start_loading"), 30, what="the child's start to be held")
+    [started] = supervised.supervisor_events("child_started")
+    with socket.socket() as squatter:
+        with pytest.raises(OSError) as taken:
+            squatter.bind(("127.0.0.1", started["port"]))
+    assert taken.value.errno == errno.EADDRINUSE
+    child_pid = supervised.wait_ready()
+    assert child_pid == started["pid"]
+    response = httpx.post(supervised.url + COMPLETIONS, json=chat_body(max_tokens=4), timeout=60)
+    assert response.status_code == 200, response.text
+    assert not supervised.supervisor_events("child_exited")
 
 
 def test_a_model_that_cannot_load_twice_in_a_row_ends_the_supervisor_with_the_childs_code(start_supervisor):

@@ -38,6 +38,7 @@ import heapq
 import io
 import itertools
 import json
+import os
 import selectors
 from http import HTTPStatus
 import socket
@@ -910,6 +911,43 @@ def raw_socket(request):
     return request.sock if isinstance(request, BufferedConnection) else request
 
 
+# A supervised child's listening socket, bound by its supervisor (the descriptor's number):
+# the port is the child's from the supervisor's pick, not from its own bind after the
+# model loads, which an outgoing connection on the host could take meanwhile.
+LISTEN_FD_ENV = "MLX_GUARDIAN_LISTEN_FD"
+
+
+def reserve_port(host: str) -> socket.socket:
+    """A socket bound to a free port of ``host``, not listening: the port is held, and a
+    connection to it is refused until its server listens (a child still loading)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind((host, 0))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def inherited_listener(server_address) -> Optional[socket.socket]:
+    """The socket ``reserve_port`` bound for this process (``LISTEN_FD_ENV``), if it is
+    bound to ``server_address``; taken once (the variable leaves the environment)."""
+    fd = os.environ.pop(LISTEN_FD_ENV, "")
+    if not fd.isdigit():
+        return None
+    try:
+        sock = socket.socket(fileno=int(fd))
+    except OSError:
+        return None
+    try:
+        if sock.getsockname()[:2] == tuple(server_address[:2]):
+            return sock
+    except OSError:
+        pass
+    sock.close()
+    return None
+
+
 class HeldConnections:
     """Mixin for a ``socketserver.ThreadingMixIn`` TCP server: the connection layer.
 
@@ -931,7 +969,20 @@ class HeldConnections:
         family, _, _, _, server_address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
                                                              flags=socket.AI_PASSIVE)[0]
         self.address_family = family
-        super().__init__(server_address, *args, **kwargs)
+        # A caller that binds for itself (bind_and_activate given) takes no inherited socket.
+        inherited = inherited_listener(server_address) if len(args) < 2 and "bind_and_activate" not in kwargs else None
+        if inherited is None:
+            return super().__init__(server_address, *args, **kwargs)
+        super().__init__(server_address, *args, bind_and_activate=False, **kwargs)
+        self.socket.close()
+        self.socket = inherited
+        self.server_address = inherited.getsockname()
+        self.server_name, self.server_port = host, self.server_address[1]  # as HTTPServer.server_bind
+        try:
+            self.server_activate()
+        except BaseException:
+            self.server_close()
+            raise
 
     @property
     def scheme(self) -> str:

@@ -50,7 +50,7 @@ from guardian.access import announce, make_door
 from guardian.access.tls import ServerCertificate, load_certificate
 from guardian import handoff, long_lived
 from guardian.relay_protocol import KEY_HEADER, RELAY_KEY_ENV, new_relay_key
-from guardian.serving.connection import HANDLER_HEADROOM, ConnectionLimits
+from guardian.serving.connection import HANDLER_HEADROOM, LISTEN_FD_ENV, ConnectionLimits, reserve_port
 from guardian.supervise.proxy import CHILD_CONNECT_TIMEOUT_S, CHILD_HOST, PublicServer
 from guardian.health.sd_notify import SystemdNotifier
 from guardian.supervise.state import HOLDING, SERVING, State
@@ -322,25 +322,37 @@ class Supervisor:
     def spawn_child(self) -> None:
         """Start a child on a free private port."""
         self.generation += 1
-        port = free_port()
         stock_engine = self.settings.engine == "stock"
+        # A guardian child of its own (not a group's launcher, nor stock) listens on a
+        # socket bound here: its port is its own from now, not from its bind after the
+        # model loads (minutes, for a large one), which an outgoing connection on this
+        # host could take meanwhile; its bind would fail (exit 2), and so would we.
+        listener = reserve_port(CHILD_HOST) if not stock_engine and not self.settings.launch_args else None
+        port = listener.getsockname()[1] if listener is not None else free_port()
         command = child_command(self.options, self.settings.engine, self.child_args, port)
         env = {k: v for k, v in os.environ.items() if k not in SYSTEMD_ENV}
         if not stock_engine:  # streams it tags can be continued on the next child
             env[RELAY_KEY_ENV] = self.relay_key
         popen = subprocess.Popen
         channel = None
+        pass_fds: tuple[int, ...] = ()
+        if listener is not None:
+            env[LISTEN_FD_ENV] = str(listener.fileno())
+            pass_fds += (listener.fileno(),)
         if self.settings.launch_args:  # an mlx.launch group (guardian.distributed.launch)
             command, popen = group_command(self.settings.launch_args, command), LauncherProcess
         elif self.settings.hand_off and not stock_engine and handoff.supported():
             channel = handoff.Channel()
             env.update(channel.child_env())
+            pass_fds += channel.child_fds()
         try:
             proc = popen(command, stdin=subprocess.DEVNULL, env=env,  # stdout, stderr: ours
-                         **({"pass_fds": channel.child_fds()} if channel is not None else {}))
+                         **({"pass_fds": pass_fds} if pass_fds else {}))
         finally:
             if channel is not None:
                 channel.started()
+            if listener is not None:
+                listener.close()  # the child's now: its port is freed when it exits
         client = httpx.Client(
             base_url=f"http://{CHILD_HOST}:{port}",
             timeout=httpx.Timeout(None, connect=CHILD_CONNECT_TIMEOUT_S),
@@ -694,7 +706,9 @@ def child_command(options: argparse.Namespace, engine: str, child_args: list[str
 
 
 def free_port() -> int:
-    """A port free on 127.0.0.1 now (a child that loses the race exits and is replaced)."""
+    """A port free on 127.0.0.1 now, for a child that binds its own after its model loads
+    (stock, a group's rank 0). One that loses the race for it exits: stock with 1, and is
+    replaced; a group's rank 0 with 2, which ends the supervisor too."""
     with socket.socket() as s:
         s.bind((CHILD_HOST, 0))
         return s.getsockname()[1]

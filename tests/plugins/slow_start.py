@@ -3,7 +3,9 @@
 A test plugin (``[guardian] plugins = ["tests.plugins.slow_start:SlowStart"]``):
 ``guardian_startup`` (main thread, before the server installs its signal
 handlers) logs ``slow_start_waiting`` and holds the start for ``hold_s``, so a
-test can send a signal in the window a real model's load leaves. Nothing else.
+test can send a signal in the window a real model's load leaves; with
+``hold_before_load_s``, the plugin's making holds it before the model loads
+and before the server binds its port. Nothing else.
 """
 
 from __future__ import annotations
@@ -21,6 +23,9 @@ log = structlog.get_logger("tests.slow_start")
 @dataclass
 class SlowStartSettings:
     hold_s: float = 3.0
+    # Held before the model loads too (as a large model's load holds it), logging
+    # ``slow_start_loading``: the plugin is made before the load, the server's bind after.
+    hold_before_load_s: float = 0.0
 
 
 class SlowStart:
@@ -29,6 +34,9 @@ class SlowStart:
 
     def __init__(self, settings: SlowStartSettings):
         self.settings = settings
+        if settings.hold_before_load_s > 0:
+            log.warning("slow_start_loading", hold_s=settings.hold_before_load_s)
+            threading.Event().wait(settings.hold_before_load_s)
 
     @guardian.hookimpl
     def guardian_startup(self):
