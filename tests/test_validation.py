@@ -114,6 +114,23 @@ def test_an_invalid_field_is_named_in_a_400(server, path, body, param, code):
     assert response.headers["x-should-retry"] == "false"
 
 
+@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
+def test_the_least_max_tokens_is_the_installed_stocks_and_named_as_sent(server, field):
+    # Stock 0.32 serves max_tokens from 1 (0.31.3 from 0). The door said "at least 0"
+    # for -1 on 0.32, then stock refused 0 itself, naming max_tokens with no param
+    # even when the client had sent max_completion_tokens.
+    from guardian.stock.contract import MIN_MAX_TOKENS
+
+    for value in (MIN_MAX_TOKENS - 1, -1):
+        response = httpx.post(server.url + CHAT, json=chat(**{field: value}), timeout=30)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert (error["param"], error["code"]) == (field, "invalid_value"), error
+        assert f"at least {MIN_MAX_TOKENS}" in error["message"], error
+    response = httpx.post(server.url + CHAT, json=chat(**{field: max(MIN_MAX_TOKENS, 1)}), timeout=30)
+    assert response.status_code == 200, response.text
+
+
 def test_refused_bodies_reach_no_engine_and_cut_no_stream(server):
     """Every refused body above, sent while another client streams: nothing
     restarts, the stream ends whole, and the next request is served."""

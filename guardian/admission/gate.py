@@ -138,23 +138,25 @@ class AdmissionGate:
         loaded_key = provider.model_key
         # Stock's model key for the body, computed once for both questions.
         requested_key = access.requested_key(body) if access is not None else loaded_key
-        stop_limits = self.stop_limits()
+        field_limits = self.field_limits()
         if requested_key is None or requested_key == loaded_key:
             # The loaded model (or model fields of the wrong type, refused anyway).
             limits = self.served_limits()
             return RequestBounds(limits.vocab_size if limits else None,
                                  accepts_images=getattr(provider, "processor", None) is not None,  # 0.31: none
-                                 context_length=self.served_context_length, **stop_limits)
+                                 context_length=self.served_context_length, **field_limits)
         # Another model: what its config says, before its weights are loaded.
         return RequestBounds(vocab_size_of(requested_key[0]) if isinstance(requested_key[0], str) else None,
                              accepts_images=False,
                              disallowed_model_field=access.disallowed_field(requested_key) if access else None,
-                             **stop_limits)
+                             **field_limits)
 
-    def stop_limits(self) -> dict:
-        """[guardian] max_stop_sequences and max_stop_chars as they stand (0: None, no limit)."""
+    def field_limits(self) -> dict:
+        """[guardian] max_stop_sequences and max_stop_chars as they stand (0: None, no limit),
+        and the least max_tokens stock serves."""
         core = self.live.config.core if self.live is not None else CoreSettings()
-        return {"max_stop_sequences": core.max_stop_sequences or None, "max_stop_chars": core.max_stop_chars or None}
+        return {"max_stop_sequences": core.max_stop_sequences or None, "max_stop_chars": core.max_stop_chars or None,
+                "min_max_tokens": stock.contract.MIN_MAX_TOKENS}
 
     def admit(self, request, args, *, engine) -> Optional[Admission]:
         """Run the admit_request hooks; raise AbortRequest if one turns the request away.

@@ -65,6 +65,8 @@ class RequestBounds:
     # The prompt guard's context limit in tokens (None: no guard): a conversation
     # of more messages cannot fit, as every message a template renders takes a token.
     context_length: Optional[int] = None
+    # The least max_tokens (or max_completion_tokens) the installed stock serves.
+    min_max_tokens: int = 0
 
 
 class Invalid(Exception):
@@ -113,8 +115,8 @@ def check_generation_fields(body: dict, bounds: RequestBounds) -> None:
     check_type(body, "stream", bool)
     check_stream_options(body)
     # Stock reads max_tokens only when max_completion_tokens is absent or null.
-    if check_integer(body, "max_completion_tokens", low=0, nullable=True) is None:
-        check_integer(body, "max_tokens", low=0)
+    if check_integer(body, "max_completion_tokens", low=bounds.min_max_tokens, nullable=True) is None:
+        check_integer(body, "max_tokens", low=bounds.min_max_tokens)
     check_number(body, "temperature", low=0)
     check_number(body, "top_p", low=0, high=1)
     check_integer(body, "top_k", low=0)

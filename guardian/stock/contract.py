@@ -30,6 +30,10 @@ generate_module = importlib.import_module("mlx_lm.generate")
 
 STOCK_VERSION = importlib.metadata.version("mlx-lm")
 TESTED_VERSIONS = ("0.31.3", "0.32.2")
+# The least max_tokens stock's handler takes (its validate_model_parameters): 0 until
+# 0.32, 1 since. The door says so first, naming the field the client sent (stock names
+# max_tokens for a max_completion_tokens of 0, with no param).
+MIN_MAX_TOKENS = 0 if tuple(int(p) for p in STOCK_VERSION.split(".")[:2] if p.isdigit()) < (0, 32) else 1
 
 # Instance attributes set by stock's __init__ (checked by the contract test).
 INSTANCE_ATTRIBUTES = {
