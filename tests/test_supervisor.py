@@ -22,6 +22,7 @@ from typing import Optional
 import httpx
 import psutil
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import SessionServer, chat_body, free_port, poll, read_stream, spawn_guardian
 from guardian import handoff
@@ -289,6 +290,10 @@ def test_a_pause_of_the_whole_group_while_the_child_starts_is_not_the_childs_fau
     assert paused["paused_s"] >= pause_s - 1, paused
     status = supervised.supervisor()
     assert status["restarts"] == 0 and status["pauses"] == 1, status
+    scrape = text_string_to_metric_families(httpx.get(supervised.url + "/metrics", timeout=10).text)
+    samples = {s.name: s.value for family in scrape for s in family.samples}
+    assert samples["mlx_guardian_supervisor_pauses_total"] == 1
+    assert samples["mlx_guardian_supervisor_paused_seconds_total"] >= pause_s - 1
 
 
 def test_a_childs_port_is_its_own_while_its_model_loads(start_supervisor, tmp_path):

@@ -19,7 +19,7 @@ from typing import Optional
 
 import httpx
 from prometheus_client import Counter, Gauge, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from guardian.observability import metrics
 from guardian.observability.metrics import gauge
@@ -126,6 +126,11 @@ class SupervisorCollector:
         yield gauge(P + "requests_in_flight", "Requests the supervisor is relaying now.", supervisor.in_flight.active)
         yield gauge(P + "restarts_in_window", "Child restarts within the crash-loop window "
                     "(the supervisor gives up past max_restarts).", supervisor.restart_times.count())
+        yield CounterMetricFamily(P + "pauses", "Times the supervisor itself did not run for a second or "
+                                  "more (SIGSTOP of its group, a frozen cgroup or VM): no child was blamed.",
+                                  value=supervisor.pauses)
+        yield CounterMetricFamily(P + "paused_seconds", "How long those pauses lasted, in all.",
+                                  value=supervisor.paused_s)
         quarantine = supervisor.quarantine.status()
         yield gauge(P + "quarantined_requests", "Requests struck by two child crashes, refused at the door "
                     "until their quarantine ends.", quarantine.get("quarantined_count", 0))
