@@ -64,6 +64,15 @@ def test_key_file_names_hashes_and_comments(tmp_path):
     assert ring.identify(hashlib.sha256(BOB.encode()).hexdigest().encode()) is None  # the digest is no key
 
 
+def test_a_byte_order_mark_is_no_part_of_the_first_name(tmp_path):
+    # Windows Notepad and some editors begin a UTF-8 file with one: the server refused
+    # to start, saying the first name ("alice", as any editor shows it) was not a name.
+    path = tmp_path / "keys.txt"
+    path.write_bytes(f"\ufeffalice:{ALICE}\r\nbob:{BOB}\r\n".encode())
+    ring = KeyRing(str(path))
+    assert ring.names == ["alice", "bob"] and ring.identify(ALICE.encode()) == "alice"
+
+
 @pytest.mark.parametrize("line, complaint", [
     ("alice:short", "at least 8"),
     ("al ice:sk-0123456789", "a key's name"),

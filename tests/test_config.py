@@ -173,6 +173,14 @@ def test_a_flag_wins_over_the_file(tmp_path):
     assert (kept.log_format, kept.exit_grace_s) == ("console", 2.0)
 
 
+def test_a_byte_order_mark_is_no_toml(tmp_path):
+    # Windows Notepad and some editors begin a UTF-8 file with one: it was refused at
+    # start as "Invalid statement (at line 1, column 1)" in a file that looks right.
+    path = tmp_path / "bom.toml"
+    path.write_bytes("\ufeff[guardian]\nretry_after_s = 3\n".encode())
+    assert load_config(path).core.retry_after_s == 3.0
+
+
 def test_third_party_plugin_may_declare_a_registry_table(tmp_path, monkeypatch):
     module = tmp_path / "my_table_plugin.py"
     module.write_text(textwrap.dedent('''

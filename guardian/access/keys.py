@@ -164,7 +164,7 @@ class KeyRing:
     def _read(self) -> tuple[ApiKey, ...]:
         try:
             raw = self.path.read_bytes()
-            text = raw.decode("utf-8")
+            text = raw.decode("utf-8-sig")  # an editor's byte order mark is no part of a name
         except (OSError, UnicodeDecodeError) as e:
             raise KeyFileError(f"{self.path}: cannot be read: {type(e).__name__}: {e}") from None
         keys = parse_key_file(text, str(self.path))

@@ -68,7 +68,8 @@ def load_config(path) -> GuardianConfig:
 def parse_config(raw: bytes, path) -> GuardianConfig:
     """The file's bytes, parsed and the core's tables checked."""
     try:
-        data = tomllib.loads(raw.decode("utf-8"))
+        # An editor's byte order mark (Windows Notepad writes one) is no TOML, nor any setting.
+        data = tomllib.loads(raw.decode("utf-8-sig"))
     except UnicodeDecodeError as e:
         raise ConfigError(f"{path}: not valid TOML: not UTF-8 ({e})") from None
     except tomllib.TOMLDecodeError as e:
