@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import email.message
 import hashlib
+import json
+import os
 
 import pytest
 
@@ -71,6 +73,29 @@ def test_a_byte_order_mark_is_no_part_of_the_first_name(tmp_path):
     path.write_bytes(f"\ufeffalice:{ALICE}\r\nbob:{BOB}\r\n".encode())
     ring = KeyRing(str(path))
     assert ring.names == ["alice", "bob"] and ring.identify(ALICE.encode()) == "alice"
+
+
+@pytest.mark.skipif(os.name != "posix", reason="POSIX file modes")
+def test_keys_in_the_clear_that_others_may_read_are_warned_of(tmp_path, capsys):
+    from guardian.observability.logs import configure_logging
+
+    def warnings_for(mode: int) -> list[dict]:
+        path.chmod(mode)
+        KeyRing(str(path))
+        lines = capsys.readouterr().err.splitlines()
+        assert not any(ALICE in line for line in lines)
+        return [json.loads(line) for line in lines if "api_key_file_readable_by_others" in line]
+
+    configure_logging("json", "INFO")
+    path = tmp_path / "keys.txt"
+    hashed = f"bob:sha256:{hashlib.sha256(BOB.encode()).hexdigest()}\n"
+    path.write_text(f"alice:{ALICE}\n" + hashed)
+    [warning] = warnings_for(0o644)
+    assert warning["keys_in_clear"] == ["alice"] and "chmod 600" in warning["hint"]
+    assert len(warnings_for(0o640)) == 1
+    assert warnings_for(0o600) == []
+    path.write_text(hashed)  # digests alone: nothing secret to read
+    assert warnings_for(0o644) == []
 
 
 @pytest.mark.parametrize("line, complaint", [

@@ -47,6 +47,7 @@ class KeyFileError(ConfigError):
 class ApiKey:
     name: str
     digest: bytes  # SHA-256 of the key's UTF-8 bytes
+    in_clear: bool = True  # written as the key itself, not as sha256:<hex>
 
 
 def digest_of(key: bytes) -> bytes:
@@ -68,8 +69,24 @@ def parse_key_file(text: str, source: str = "the key file") -> tuple[ApiKey, ...
         if name in names:
             raise KeyFileError(f"{where}: the name {name!r} is used twice")
         names.add(name)
-        keys.append(ApiKey(name, key_digest(key, where)))
+        keys.append(ApiKey(name, key_digest(key, where), in_clear=not key.startswith(HASHED_PREFIX)))
     return tuple(keys)
+
+
+def warn_if_others_may_read(path: Path, keys: tuple[ApiKey, ...]) -> None:
+    """Log ``api_key_file_readable_by_others`` for a file of keys in the clear that users
+    other than its owner may read (as ssh does for a private key; not refused: the
+    operator may mean it, a group of admins, say)."""
+    in_clear = [key.name for key in keys if key.in_clear]
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return
+    if in_clear and mode & 0o044:
+        log.warning("api_key_file_readable_by_others", file=str(path), mode=oct(mode & 0o777),
+                    keys_in_clear=in_clear,
+                    hint=f"chmod 600 {path}, or write each key as sha256:<hex> "
+                         "(its SHA-256, which need not be kept secret)")
 
 
 def strip_comment(line: str) -> str:
@@ -169,6 +186,7 @@ class KeyRing:
             raise KeyFileError(f"{self.path}: cannot be read: {type(e).__name__}: {e}") from None
         keys = parse_key_file(text, str(self.path))
         self.read_sha256 = hashlib.sha256(raw).hexdigest()
+        warn_if_others_may_read(self.path, keys)
         return keys
 
     def reload(self, reason: str = "sighup") -> bool:
