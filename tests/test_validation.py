@@ -185,6 +185,8 @@ SERVED = [
     (CHAT, chat(seed=0, temperature=0.7)),
     (CHAT, chat(logprobs=True, top_logprobs=5)),
     (CHAT, chat(max_completion_tokens=3, max_tokens=None)),
+    (CHAT, chat(xtc_probability=1, xtc_threshold=0)),  # JSON integers: stock took floats alone
+    (TEXT, {"prompt": "a", "max_tokens": 4, "xtc_probability": 0, "xtc_threshold": 1}),
     (CHAT, chat(repetition_penalty=1.2, repetition_context_size=2**31 - 1)),
     (CHAT, chat(messages=[{"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "you"}]}])),
     (CHAT, chat(messages=[{"role": "system", "content": None}, {"role": "user", "content": "x", "name": "bob"}])),

@@ -40,6 +40,8 @@ _CLIENT_GONE = (BrokenPipeError, ConnectionResetError, ConnectionAbortedError, T
 # Stock's completion endpoints: the POST paths that carry a JSON body.
 TEXT_COMPLETION_PATH = "/v1/completions"
 COMPLETION_PATHS = (TEXT_COMPLETION_PATH, "/v1/chat/completions", "/chat/completions")
+# Sampling fields stock's handler reads from the body and checks as floats alone.
+XTC_FIELDS = ("xtc_probability", "xtc_threshold")
 
 
 class GuardianHandler(Endpoints, stock.handler.DoorCorsHandler):
@@ -233,6 +235,11 @@ class GuardianHandler(Endpoints, stock.handler.DoorCorsHandler):
         error = self.response_generator.gate.check_body(self.body, chat=self.path != TEXT_COMPLETION_PATH)
         if error is not None:
             raise AbortRequest(error)
+        # JSON has one kind of number, and JavaScript writes 1.0 as 1: stock's check takes
+        # these two as floats only, and refused 0 and 1 (400, no param). Checked above.
+        for name in XTC_FIELDS:
+            if type(getattr(self, name, None)) is int:
+                setattr(self, name, float(getattr(self, name)))
         super().validate_model_parameters()
 
     def send_unknown_path(self):
