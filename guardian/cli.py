@@ -26,6 +26,7 @@ from guardian.config.loading import load_config
 from guardian.exit_codes import EXIT_BOOT_ERROR, EXIT_OK, EXIT_UNCAUGHT, EXIT_USAGE
 from guardian.access.keys import KeyRing
 from guardian.observability.logs import bind_process, configure_logging, keep_stock_request_lines
+from guardian.observability.versions import version_line
 from guardian.serving.open_files import raise_open_files_limit
 
 log = structlog.get_logger("guardian.cli")
@@ -40,6 +41,11 @@ def add_guardian_arguments(parser: argparse.ArgumentParser) -> None:
     """The guardian's flags beside stock's, from the settings registry; the
     other ways to run the command in the help's epilog."""
     group = parser.add_argument_group("mlx-guardian")
+    try:
+        group.add_argument("--version", action="version", version=version_line(),
+                           help="print the versions of mlx-guardian, mlx-lm, mlx and Python, and exit")
+    except argparse.ArgumentError:
+        pass  # a stock that has a --version of its own keeps it
     CommandLine.add_flags(group)
     CoreSettings.log_format.add_flag(group)
     AccessSettings.add_flags(group)

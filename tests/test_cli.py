@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import socket
 import subprocess
 import sys
@@ -62,6 +63,17 @@ def test_plugins_command_lists_hooks():
     plugins = {p["name"]: p["hooks"] for p in json.loads(result.stdout)}
     assert "on_engine_error" in plugins["recovery"]
     assert "on_engine_step" in plugins["fault_injection"]
+
+
+@pytest.mark.parametrize("mode", BOTH_MODES)
+def test_version_names_what_a_bug_report_needs(mode):
+    from importlib.metadata import version
+
+    result = run(*(["--supervise"] if mode == "supervised" else []), "--version")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == (f"mlx-guardian {version('mlx-guardian')} (mlx-lm {version('mlx-lm')}, "
+                                     f"mlx {version('mlx')}, Python {platform.python_version()})")
+    assert "child_started" not in result.stdout + result.stderr  # the supervisor started nothing
 
 
 def test_demo_model_command_writes_a_model(tmp_path):

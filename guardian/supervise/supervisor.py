@@ -46,6 +46,7 @@ from guardian.errors import SERVER_STOPPING, GuardianError
 from guardian import exit_codes
 from guardian.exit_codes import EXIT_BOOT_ERROR, EXIT_OK, EXIT_SUPERVISOR_GAVE_UP, EXIT_USAGE
 from guardian.observability.logs import configure_logging
+from guardian.observability.versions import version_line
 from guardian.access import announce, make_door
 from guardian.access.tls import ServerCertificate, load_certificate
 from guardian import handoff, long_lived
@@ -768,6 +769,8 @@ def make_parser() -> argparse.ArgumentParser:
                "(see `mlx-guardian --help`), or with --engine stock, mlx_lm.server's.",
     )
     CommandLine.add_flags(parser)
+    parser.add_argument("--version", action="version", version=version_line(),
+                        help="print the versions of mlx-guardian, mlx-lm, mlx and Python, and exit")
     # Stock's flags and defaults for the public address, so --supervise changes nothing there.
     parser.add_argument("--host", default=DEFAULT_HOST, help="public host (default: %(default)s)")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="public port (default: %(default)s)")
