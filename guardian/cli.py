@@ -185,7 +185,19 @@ class HeldSighup:
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        run_command(sys.argv[1:] if argv is None else list(argv))
+    except KeyboardInterrupt:
+        # Ctrl-C before the server takes SIGINT over (while the model loads, say): one
+        # line, not Python's traceback, and the same end (killed by SIGINT, which
+        # systemd counts as a clean stop and a shell as an interrupt).
+        print("mlx-guardian: interrupted", file=sys.stderr)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+        raise SystemExit(128 + signal.SIGINT) from None  # where the signal is not fatal
+
+
+def run_command(argv: list[str]) -> None:
     signal.signal(signal.SIGHUP, HeldSighup())
     # Every connection held is a file descriptor (the door holds thousands).
     raise_open_files_limit()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import signal
 import socket
 import subprocess
 import sys
@@ -74,6 +75,27 @@ def test_version_names_what_a_bug_report_needs(mode):
     assert result.stdout.strip() == (f"mlx-guardian {version('mlx-guardian')} (mlx-lm {version('mlx-lm')}, "
                                      f"mlx {version('mlx')}, Python {platform.python_version()})")
     assert "child_started" not in result.stdout + result.stderr  # the supervisor started nothing
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGINT") or os.name != "posix", reason="POSIX signals")
+def test_ctrl_c_while_the_model_loads_ends_with_one_line_not_a_traceback(tmp_path):
+    config = tmp_path / "slow.toml"
+    config.write_text('[guardian]\nplugins = ["tests.plugins.slow_start:SlowStart"]\n'
+                      '[slow_start]\nhold_s = 0.0\nhold_before_load_s = 30.0\n')
+    # A shell's background jobs ignore SIGINT, and so would this one: a terminal's Ctrl-C is not ignored.
+    proc = subprocess.Popen([sys.executable, "-m", "guardian", "--port", str(free_port()), "--guardian-config",
+                             str(config)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        for line in proc.stdout:
+            if "slow_start_loading" in line:
+                break
+        proc.send_signal(signal.SIGINT)
+        rest = proc.communicate(timeout=30)[0]
+    finally:
+        proc.kill()
+    assert proc.returncode == -signal.SIGINT, rest  # as Python's own end: killed by SIGINT
+    assert rest.strip().splitlines()[-1] == "mlx-guardian: interrupted" and "Traceback" not in rest, rest
 
 
 def test_demo_model_command_writes_a_model(tmp_path):
