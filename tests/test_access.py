@@ -98,6 +98,19 @@ def test_keys_in_the_clear_that_others_may_read_are_warned_of(tmp_path, capsys):
     assert warnings_for(0o644) == []
 
 
+def test_a_key_file_with_no_key_is_warned_of(tmp_path, capsys):
+    # Served as written (everyone who needs a key is refused), but a person should know.
+    from guardian.observability.logs import configure_logging
+
+    configure_logging("json", "INFO")
+    ring = keyring(tmp_path, "# nobody yet\n")
+    assert ring.configured and ring.names == []
+    [warning] = [json.loads(line) for line in capsys.readouterr().err.splitlines() if "api_key_file_empty" in line]
+    assert "401" in warning["why"]
+    keyring(tmp_path)
+    assert "api_key_file_empty" not in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("line, complaint", [
     ("alice:short", "at least 8"),
     ("al ice:sk-0123456789", "a key's name"),

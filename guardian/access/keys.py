@@ -187,6 +187,10 @@ class KeyRing:
         keys = parse_key_file(text, str(self.path))
         self.read_sha256 = hashlib.sha256(raw).hexdigest()
         warn_if_others_may_read(self.path, keys)
+        if not keys:
+            log.warning("api_key_file_empty", file=str(self.path),
+                        why="no key in the file: every request that needs one is refused (401) "
+                            "until a key is added (the file is followed)")
         return keys
 
     def reload(self, reason: str = "sighup") -> bool:
