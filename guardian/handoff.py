@@ -382,7 +382,13 @@ def _write_all(fd: int, data: bytes) -> None:
 # -- the child's end ---------------------------------------------------------------
 def child_channel() -> Optional[socket.socket]:
     """This child's hand-off socket, if its supervisor gave it one."""
-    value = os.environ.get(HANDOFF_FD_ENV, "")
+    return inherited_socket(HANDOFF_FD_ENV)
+
+
+def inherited_socket(variable: str) -> Optional[socket.socket]:
+    """The socket whose descriptor this child's supervisor passed it and named in the
+    environment ``variable``; taken once (the variable leaves the environment)."""
+    value = os.environ.pop(variable, "")
     if not value.isdigit():
         return None
     try:

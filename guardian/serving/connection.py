@@ -38,7 +38,6 @@ import heapq
 import io
 import itertools
 import json
-import os
 import selectors
 from http import HTTPStatus
 import socket
@@ -932,12 +931,8 @@ def reserve_port(host: str) -> socket.socket:
 def inherited_listener(server_address) -> Optional[socket.socket]:
     """The socket ``reserve_port`` bound for this process (``LISTEN_FD_ENV``), if it is
     bound to ``server_address``; taken once (the variable leaves the environment)."""
-    fd = os.environ.pop(LISTEN_FD_ENV, "")
-    if not fd.isdigit():
-        return None
-    try:
-        sock = socket.socket(fileno=int(fd))
-    except OSError:
+    sock = handoff.inherited_socket(LISTEN_FD_ENV)
+    if sock is None:
         return None
     try:
         if sock.getsockname()[:2] == tuple(server_address[:2]):
