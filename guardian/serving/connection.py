@@ -972,7 +972,7 @@ class HeldConnections:
         self.socket.close()
         self.socket = inherited
         self.server_address = inherited.getsockname()
-        self.server_name, self.server_port = host, self.server_address[1]  # as HTTPServer.server_bind
+        self.server_name, self.server_port = host, self.server_address[1]  # HTTPServer.server_bind sets these
         try:
             self.server_activate()
         except BaseException:
