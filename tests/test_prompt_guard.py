@@ -487,13 +487,13 @@ def test_stocks_other_refusals_get_openai_shaped_errors_and_the_engine_keeps_ser
         assert response.status_code == 400
         assert response.json()["error"]["code"] == "invalid_json"
         # A parameter only stock's validation refuses (0.31 raises without
-        # answering): stock wants a float here, where the door takes any number.
-        response = client.post(url, json={**chat_body(), "xtc_probability": 0})
+        # answering): stock takes at most 11 here, where the door takes OpenAI's 20.
+        response = client.post(url, json={**chat_body(), "logprobs": True, "top_logprobs": 15})
         assert response.status_code == 400
         error = response.json()["error"]
         assert error["type"] == "invalid_request_error"
         assert error["code"] == "invalid_request"
-        assert "xtc_probability" in error["message"]
+        assert "top_logprobs" in error["message"]
         # One the door refuses first names the field (guardian.admission.validation).
         response = client.post(url, json={**chat_body(), "temperature": "hot"})
         assert response.status_code == 400
