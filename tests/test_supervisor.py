@@ -286,14 +286,14 @@ def test_a_pause_of_the_whole_group_while_the_child_starts_is_not_the_childs_fau
         os.killpg(supervised.proc.pid, signal.SIGCONT)
     supervised.wait_ready()
     assert not supervised.supervisor_events("child_stopping")
-    [paused] = supervised.supervisor_events("supervisor_paused")
-    assert paused["paused_s"] >= pause_s - 1, paused
+    # The pause, once (a starved second on a busy machine would count too, shorter).
+    [paused] = [e for e in supervised.supervisor_events("supervisor_paused") if e["paused_s"] >= pause_s - 1]
     status = supervised.supervisor()
-    assert status["restarts"] == 0 and status["pauses"] == 1, status
+    assert status["restarts"] == 0 and status["pauses"] >= 1 and status["paused_s"] >= paused["paused_s"], status
     scrape = text_string_to_metric_families(httpx.get(supervised.url + "/metrics", timeout=10).text)
     samples = {s.name: s.value for family in scrape for s in family.samples}
-    assert samples["mlx_guardian_supervisor_pauses_total"] == 1
-    assert samples["mlx_guardian_supervisor_paused_seconds_total"] >= pause_s - 1
+    assert samples["mlx_guardian_supervisor_pauses_total"] >= status["pauses"]
+    assert samples["mlx_guardian_supervisor_paused_seconds_total"] >= paused["paused_s"] - 0.001
 
 
 def test_a_childs_port_is_its_own_while_its_model_loads(start_supervisor, tmp_path):
