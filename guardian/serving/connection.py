@@ -964,20 +964,18 @@ class HeldConnections:
         family, _, _, _, server_address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
                                                              flags=socket.AI_PASSIVE)[0]
         self.address_family = family
-        # A caller that binds for itself (bind_and_activate given) takes no inherited socket.
-        inherited = inherited_listener(server_address) if len(args) < 2 and "bind_and_activate" not in kwargs else None
+        super().__init__(server_address, *args, **kwargs)
+
+    def server_bind(self):
+        """Bind, or take the socket a supervisor bound for this child (``reserve_port``):
+        ``server_activate`` then listens on it, as on one bound here."""
+        inherited = inherited_listener(self.server_address)
         if inherited is None:
-            return super().__init__(server_address, *args, **kwargs)
-        super().__init__(server_address, *args, bind_and_activate=False, **kwargs)
+            return super().server_bind()
         self.socket.close()
         self.socket = inherited
         self.server_address = inherited.getsockname()
-        self.server_name, self.server_port = host, self.server_address[1]  # HTTPServer.server_bind sets these
-        try:
-            self.server_activate()
-        except BaseException:
-            self.server_close()
-            raise
+        self.server_name, self.server_port = self.server_address[:2]  # what HTTPServer.server_bind sets
 
     @property
     def scheme(self) -> str:
