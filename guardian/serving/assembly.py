@@ -252,6 +252,11 @@ class GuardianHTTPServer(HeldConnections, ThreadingHTTPServer):
 
     # The served model's plugins (the check_access hook); None: the door alone (a test's server).
     pm = None
+    served: Optional[ServedModel] = None
+
+    def body_limit(self) -> Optional[int]:
+        """The prompt guard's ``max_body_bytes`` (live): a longer body is refused unread."""
+        return self.served.gate.max_body_bytes if self.served is not None else None
 
     def decide_at_head(self, incoming):
         """The door on the head of a request whose body is still to come: a refused
@@ -284,6 +289,7 @@ def make_http_server(host: str, port: int, served: Optional[ServedModel], door=N
     # Without one (tests that build a server by hand): the default door for the address.
     httpd.door = door or make_door(AccessSettings(), bound_host=host, allowed_origins=None)
     httpd.pm = served.pm if served is not None else None
+    httpd.served = served
     return httpd
 
 

@@ -64,9 +64,6 @@ LINGER_S = 2.0
 # (Linux) or kern.ipc.somaxconn (macOS). socketserver's default is 5: a burst
 # of connections then waits for SYN retransmits.
 LISTEN_BACKLOG = 4096
-# A body longer than this is not buffered by the reader: the handler gets the
-# request at once and answers from its headers (413, or reads it itself).
-MAX_BUFFERED_BODY = 32 << 20
 # One read from a connection.
 READ_BYTES = 1 << 16
 # The reader wakes at least this often to expire deadlines.
@@ -243,6 +240,12 @@ class HandoffChannel:
 
 # Where a handed-over request seems to come from: its supervisor, as when relayed.
 HANDED_OFF_ADDRESS = ("127.0.0.1", 0)
+
+
+def pending_bytes(sock) -> int:
+    """Bytes a TLS socket has decrypted and not yet handed out (no selector sees them); 0 for TCP."""
+    pending = getattr(sock, "pending", None)
+    return pending() if pending is not None else 0
 
 
 def client_left(sock: socket.socket) -> bool:
@@ -552,25 +555,44 @@ class RequestReader:
         if incoming.handshaking and not self._handshake(incoming):
             return
         phase = (bool(incoming.buffer), incoming.headers_end)
+        while True:
+            if not self._read_some(incoming):
+                return
+            self._advance(incoming)
+            # Bytes a TLS socket decrypted already wake no selector: read on while they are wanted.
+            if not (incoming.held and self._wanted(incoming) > 0 and pending_bytes(incoming.sock)):
+                break
+        if incoming.held and phase != (bool(incoming.buffer), incoming.headers_end):
+            self._schedule(incoming)  # its first bytes, or its whole headers: another deadline
+
+    def _wanted(self, incoming: Incoming) -> int:
+        """How many more bytes the request may have: up to its body's end once its head is
+        read, else one past the largest head (which ``_advance`` refuses, 431). The rest
+        stays in the kernel: a client sending past its Content-Length is never buffered."""
+        if incoming.headers_end < 0:
+            return self.server.limits.max_header_bytes + 5 - len(incoming.buffer)
+        return incoming.needed - len(incoming.buffer)
+
+    def _read_some(self, incoming: Incoming) -> bool:
+        """Read what has come of ``incoming``'s request, at most what it may still have;
+        False: the connection is gone (closed here)."""
         try:
-            while True:
-                chunk = incoming.sock.recv(READ_BYTES)
+            while (wanted := self._wanted(incoming)) > 0:
+                chunk = incoming.sock.recv(min(READ_BYTES, wanted))
                 if not chunk:  # the client closed before its request was whole
                     self._forget(incoming)
                     close_quietly(incoming.sock)
-                    return
+                    return False
                 incoming.buffer += chunk
-                if len(chunk) < READ_BYTES and not getattr(incoming.sock, "pending", lambda: 0)():
+                if len(chunk) < min(READ_BYTES, wanted) and not pending_bytes(incoming.sock):
                     break
         except (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
             pass
         except OSError:
             self._forget(incoming)
             close_quietly(incoming.sock)
-            return
-        self._advance(incoming)
-        if incoming.held and phase != (bool(incoming.buffer), incoming.headers_end):
-            self._schedule(incoming)  # its first bytes, or its whole headers: another deadline
+            return False
+        return True
 
     def _check_tls(self, incoming: Incoming) -> bool:
         """The first byte of a TLS port's connection: a handshake, or plain HTTP to refuse."""
@@ -638,8 +660,9 @@ class RequestReader:
             incoming.headers_end = body_start
             incoming.headers_at = time.monotonic()
             incoming.needed = body_start + head.body_length
-            if head.body_length > MAX_BUFFERED_BODY:
-                incoming.needed = 0  # hand over now: the handler answers from the headers (413)
+            limit = self.server.body_limit() if head.body_length else None
+            if limit is not None and head.body_length > limit:
+                incoming.needed = 0  # to a handler now: it answers 413 from the headers, the body unread
             elif len(incoming.buffer) < incoming.needed:  # a body still to come: the door, then its room
                 incoming.access = self.server.decide_at_head(incoming)
                 if incoming.access is not None and not incoming.access.allowed:
@@ -991,6 +1014,11 @@ class HeldConnections:
         """The door's decision (an AccessDecision) on a request whose body is still to come,
         made on its head so that a refused client's body is never held; None: decided by
         the handler, once the request is whole. The server with a door says."""
+        return None
+
+    def body_limit(self) -> Optional[int]:
+        """The largest body this server reads; a longer one goes to a handler at once, unread,
+        which answers 413 from the headers. None: any body ``max_buffered_bytes`` has room for."""
         return None
 
     def process_request(self, request, client_address):
