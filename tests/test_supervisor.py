@@ -8,6 +8,7 @@ SIGKILL needs no SIGCONT), even when a test fails.
 from __future__ import annotations
 
 import errno
+import re
 import json
 import os
 import signal
@@ -613,3 +614,32 @@ def pid_alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+@pytest.mark.parametrize("args", [["--api-key", "keys.txt"], ["--ssl-cert", "cert.pem"],
+                                  ["--allowed-orig", "http://x.example"], ["--guardian-conf=x.toml"]])
+def test_a_shortened_flag_the_supervisor_reads_is_refused_before_any_child(args):
+    """Stock's parser takes any unambiguous prefix; the supervisor's none (a prefix of a
+    child's flag must reach the child). So ``--api-key FILE`` went to the child, which read
+    it as --api-key-file and ignored it (the supervisor holds the keys): the public port
+    served with no key, and said so only as ``api_keys: 0``."""
+    result = subprocess.run([sys.executable, "-m", "guardian", "--supervise", "--port", "1", *args],
+                            capture_output=True, text=True, timeout=30)
+    assert result.returncode == EXIT_USAGE, result.stderr
+    assert "spell it in full" in result.stderr and args[0].partition("=")[0] in result.stderr
+
+
+def test_no_flag_of_a_childs_is_short_for_one_the_supervisor_reads():
+    """The rule above refuses a prefix of the supervisor's flags: it must never be a whole
+    flag of a child's (mlx-guardian's or stock's)."""
+    from guardian.supervise.supervisor import CHILD_FLAGS_READ_HERE, make_parser
+
+    read_here = {*make_parser()._option_string_actions, *CHILD_FLAGS_READ_HERE}
+    for command in (["-m", "guardian"], ["-m", "mlx_lm", "server"]):
+        shown = subprocess.run([sys.executable, *command, "--help"], capture_output=True, text=True, timeout=60)
+        assert shown.returncode == 0, shown.stderr
+        child_flags = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", shown.stdout))
+        assert "--model" in child_flags and "--decode-concurrency" in child_flags
+        clashes = {(flag, other) for flag in child_flags for other in read_here
+                   if other != flag and other.startswith(flag)}
+        assert not clashes, clashes

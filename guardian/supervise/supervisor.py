@@ -786,6 +786,31 @@ def make_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Flags of the child's that the supervisor reads from the child's arguments too.
+CHILD_FLAGS_READ_HERE = ("--allowed-origins", "--decode-concurrency")
+
+
+def abbreviated_flag(parser: argparse.ArgumentParser, child_args: list[str]) -> Optional[str]:
+    """A refusal if ``child_args`` hold a shortened flag that the child's parser (stock's,
+    which takes any unambiguous prefix) would read as one the supervisor reads: it would
+    not, and the child would act on it alone (``--api-key FILE`` reaching the child as
+    ``--api-key-file``, which a child ignores: the public port served with no key).
+    None when there is none. No flag of the child's is such a prefix
+    (tests/test_supervisor.py checks it)."""
+    read_here = [*parser._option_string_actions, *CHILD_FLAGS_READ_HERE]  # noqa: SLF001 - argparse's own table
+    for arg in child_args:
+        if arg == "--":
+            break
+        name = arg.partition("=")[0]
+        if not name.startswith("--") or name in read_here:
+            continue
+        meant = sorted(flag for flag in read_here if flag.startswith(name) and flag.startswith("--"))
+        if meant:
+            return (f"{name} is short for {' or '.join(meant)}, which the supervisor reads: "
+                    f"under --supervise, spell it in full")
+    return None
+
+
 def read_settings(options: argparse.Namespace) -> tuple[SupervisorSettings, CoreSettings]:
     """[supervisor] and [guardian] from --guardian-config, each flag given winning over the file.
 
@@ -805,7 +830,11 @@ def read_settings(options: argparse.Namespace) -> tuple[SupervisorSettings, Core
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    options, child_args = make_parser().parse_known_args(sys.argv[1:] if argv is None else argv)
+    parser = make_parser()
+    options, child_args = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    abbreviated = abbreviated_flag(parser, child_args)
+    if abbreviated is not None:
+        parser.error(abbreviated)  # exit 2, as for any flag it cannot take
     try:
         settings, core = read_settings(options)
         door = public_door(options, child_args)  # a key file that does not parse stops here
