@@ -643,3 +643,13 @@ def test_no_flag_of_a_childs_is_short_for_one_the_supervisor_reads():
         clashes = {(flag, other) for flag in child_flags for other in read_here
                    if other != flag and other.startswith(flag)}
         assert not clashes, clashes
+
+
+def test_the_logged_command_of_a_child_hides_what_mlx_launch_sets_in_its_environment():
+    """``--launch-args "--env HF_TOKEN=..."`` put the token in ``child_started``'s command."""
+    from guardian.supervise.supervisor import loggable_command
+
+    assert loggable_command(["mlx.launch", "--env", "HF_TOKEN=hf_x", "--env=A=b", "-n", "2"]) == [
+        "mlx.launch", "--env", "HF_TOKEN=***", "--env=A=***", "-n", "2"]
+    assert loggable_command(["python", "-m", "guardian", "--launch-args", "--backend ring --env HF_TOKEN=hf_x"]) == [
+        "python", "-m", "guardian", "--launch-args", "--backend ring --env HF_TOKEN=***"]

@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import chat_body, read_stream
+from conftest import chat_body, poll, read_stream
 from guardian import handoff, relay_protocol
 from guardian.supervise.fast_handoff import RequestHead
 from test_supervisor import COMPLETIONS, start_supervisor  # noqa: F401 - a fixture
@@ -350,3 +350,14 @@ def test_a_handed_off_answer_is_the_relayed_one(start_supervisor, tmp_path):
     assert answers["handing"][2] and answers["handing"][3][0] == 400
     assert passed_counts(handing.url) == {"handed_off": 3, "relayed": 0}
     assert passed_counts(relaying.url) == {"handed_off": 0, "relayed": 3}
+    # A client that leaves a relayed stream is logged by its path, a query's values hidden
+    # (a client may put its key there, Azure-style): they were logged whole.
+    with httpx.stream("POST", relaying.url + COMPLETIONS + "?api-key=sk-in-the-query", timeout=30,
+                      json=chat_body(max_tokens=500, stream=True)) as response:
+        next(response.iter_raw())
+
+    def gone():  # (the streams above may have ended just before their last write: logged too)
+        return [e for e in relaying.supervisor_events("proxy_client_gone") if "?" in e["path"]]
+    [left] = poll(gone, 30, what="the client's leaving logged")
+    assert left["path"] == COMPLETIONS + "?api-key=***"
+    assert "sk-in-the-query" not in relaying.log_path.read_text()

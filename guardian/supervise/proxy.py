@@ -170,6 +170,11 @@ class ProxyHandler(BaseHTTPRequestHandler):
     access: Optional[AccessDecision] = None
 
     @property
+    def logged_path(self) -> str:
+        """The request's target as a log may hold it: query values hidden (``?api-key=``), cut if long."""
+        return loggable_line(self.path)
+
+    @property
     def passed(self) -> Optional[FastHandOff]:
         """The reader's hand-off of this request, if it took it first (``resumed_outcome``)."""
         return getattr(self.connection, "passed", None)
@@ -258,7 +263,7 @@ class ProxyHandler(BaseHTTPRequestHandler):
         upstream = self.upstream
         if upstream is not None:
             upstream.abort()
-        log.info("proxy_client_gone", path=self.path)
+        log.info("proxy_client_gone", path=self.logged_path)
 
     def serve(self, path: str, body: bytes, request_fingerprint: str) -> None:
         """Relay to a ready child, waiting for one if need be. If it dies before
@@ -321,7 +326,7 @@ class ProxyHandler(BaseHTTPRequestHandler):
         self.relay_record = passed.relay
         try:
             if passed.word == handoff.GIVEN_BACK:
-                log.info("request_refused_by_stopping_child", path=self.path, child_pid=passed.child.pid)
+                log.info("request_refused_by_stopping_child", path=self.logged_path, child_pid=passed.child.pid)
                 return REFUSED_BY_STOPPING_CHILD  # the next attempt takes the handler path
             return self.after_handed_off_cut(passed.child, passed.handed)
         finally:
@@ -407,7 +412,7 @@ class ProxyHandler(BaseHTTPRequestHandler):
             # allocator's or a crash handler's teardown takes ~0.2 s on a GPU):
             # the request never reached it, so its crash cannot be the
             # request's fault. No strike; the next child takes it.
-            log.info("proxy_child_unreachable", path=self.path, child_pid=child.pid,
+            log.info("proxy_child_unreachable", path=self.logged_path, child_pid=child.pid,
                      error_type=type(e.__cause__).__name__, error_message=str(e.__cause__))
             return CHILD_GONE
         except Exception as e:  # noqa: BLE001 - reset, or closed by a dying child
@@ -419,7 +424,7 @@ class ProxyHandler(BaseHTTPRequestHandler):
             if upstream.response.status == 503 and child.kill_reason is not None:
                 # Being replaced (a frozen child gets SIGTERM and drains), it
                 # refused a request it never ran: the next child takes it.
-                log.info("request_refused_by_stopping_child", path=self.path, child_pid=child.pid)
+                log.info("request_refused_by_stopping_child", path=self.logged_path, child_pid=child.pid)
                 return REFUSED_BY_STOPPING_CHILD
             return self.relay(child, upstream, stream)
         finally:
@@ -439,7 +444,7 @@ class ProxyHandler(BaseHTTPRequestHandler):
         try:
             handed = child.handoff.hand(sock, request)
         except OSError as e:  # its end is closed: the child is gone
-            log.info("proxy_child_unreachable", path=self.path, child_pid=child.pid,
+            log.info("proxy_child_unreachable", path=self.logged_path, child_pid=child.pid,
                      error_type=type(e).__name__, error_message=str(e))
             return CHILD_GONE
         if handed is None:
@@ -459,7 +464,7 @@ class ProxyHandler(BaseHTTPRequestHandler):
                     self.log_request(handed.status() or "-")
                 return ANSWERED
             if word == handoff.GIVEN_BACK:
-                log.info("request_refused_by_stopping_child", path=self.path, child_pid=child.pid)
+                log.info("request_refused_by_stopping_child", path=self.logged_path, child_pid=child.pid)
                 # One the supervisor is replacing: the next child takes it; one
                 # stopping on its own answers it, relayed.
                 return REFUSED_BY_STOPPING_CHILD if child.kill_reason is not None else RELAY_INSTEAD
@@ -471,7 +476,7 @@ class ProxyHandler(BaseHTTPRequestHandler):
         if not handed.taken():
             # Still in the hand-off socket when the child died: it never had the
             # request, so its crash cannot be the request's fault. No strike.
-            log.info("proxy_child_unreachable", path=self.path, child_pid=child.pid,
+            log.info("proxy_child_unreachable", path=self.logged_path, child_pid=child.pid,
                      error_type="HandOffNotTaken", error_message="the child died before taking the request")
             return CHILD_GONE
         try:
@@ -521,7 +526,7 @@ class ProxyHandler(BaseHTTPRequestHandler):
                 is_sse = True
                 stream.continued()
             else:
-                log.warning("stream_continuation_refused", path=self.path, child_pid=child.pid,
+                log.warning("stream_continuation_refused", path=self.logged_path, child_pid=child.pid,
                             status=response.status)
                 self.give_up(stream, self.server.supervisor.lost_child_error())
                 return ANSWERED
@@ -534,7 +539,7 @@ class ProxyHandler(BaseHTTPRequestHandler):
                 self.relay_record.answered = True
         except CLIENT_GONE:
             # Closing the upstream connection tells the child its client left.
-            log.info("proxy_client_gone", path=self.path, child_pid=child.pid)
+            log.info("proxy_client_gone", path=self.logged_path, child_pid=child.pid)
         return ANSWERED
 
     def after_cut(self, child, cut: BaseException, is_sse: bool, stream):
@@ -552,7 +557,7 @@ class ProxyHandler(BaseHTTPRequestHandler):
                 return ANSWERED
             return stream
         except CLIENT_GONE:
-            log.info("proxy_client_gone", path=self.path, child_pid=child.pid)
+            log.info("proxy_client_gone", path=self.logged_path, child_pid=child.pid)
             return ANSWERED
 
     def relay_head(self, response):
@@ -623,7 +628,7 @@ class ProxyHandler(BaseHTTPRequestHandler):
             # Answered, but a suspect of the child's death until it is reaped.
             self.relay_record.lost = True
         supervisor.metrics.relay_errors.labels("during_response" if sent else "before_response").inc()
-        log.warning("proxy_child_lost", path=self.path, child_pid=child.pid, bytes_sent=sent,
+        log.warning("proxy_child_lost", path=self.logged_path, child_pid=child.pid, bytes_sent=sent,
                     error_type=type(cause).__name__, error_message=str(cause))
         if sent and stream and answer:
             self.wfile.write(supervisor.lost_child_error().sse_bytes())

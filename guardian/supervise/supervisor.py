@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import os
 import queue
+import re
 import signal
 import socket
 import subprocess
@@ -368,7 +369,7 @@ class Supervisor:
         with self.lock:
             self.child = child
         log.info("child_started", pid=proc.pid, port=port, generation=self.generation,
-                 engine=self.settings.engine, command=command)
+                 engine=self.settings.engine, command=loggable_command(command))
 
     def reap_child(self) -> None:
         """Notice a child that exited, say why, and replace it unless stopping."""
@@ -704,6 +705,23 @@ def child_command(options: argparse.Namespace, engine: str, child_args: list[str
     if options.guardian_config is not None:
         child_args = [*child_args, "--guardian-config", options.guardian_config]
     return [sys.executable, "-m", "guardian", *child_args, *address]
+
+
+# mlx.launch's ``--env NAME=VALUE`` (in --launch-args) may carry a token (HF_TOKEN=...).
+_ENV_VALUE = re.compile(r"((?:^|\s)--env(?:=|\s+)[^=\s]+=)\S+")
+
+
+def loggable_command(command: list[str]) -> list[str]:
+    """A child's command as logged: the values of mlx.launch's ``--env`` hidden."""
+    hidden, after_env = [], False
+    for arg in command:
+        if after_env and "=" in arg:
+            arg = arg.partition("=")[0] + "=***"
+        else:
+            arg = _ENV_VALUE.sub(r"\1***", arg)
+        hidden.append(arg)
+        after_env = arg == "--env"
+    return hidden
 
 
 def free_port() -> int:
