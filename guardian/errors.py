@@ -98,6 +98,14 @@ class AbortRequest(BaseException):
         self.error = error
 
 
+class ClientGoneAbort(BaseException):
+    """The client left while ``generate()`` waited for its request's first answer:
+    carried past stock's ``except Exception`` (as ``AbortRequest`` is) to a handler that
+    has nobody to answer. As a ClientLeft it became a 500 internal_error, written to a
+    client that had only half-closed its connection, and logged as a server error."""
+
+
+
 def method_not_allowed(method: str, path: str, allowed: str) -> GuardianError:
     """405 for a path that exists under other methods (``allowed``, the Allow header's value):
     the same words from the one-process server and the supervisor."""

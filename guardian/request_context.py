@@ -38,6 +38,9 @@ class RequestInfo:
     # Called (on another thread) if the client closes its connection while the
     # request is answered; the engine adds its request's cancellation here.
     on_client_gone: Optional[list] = None
+    # Not empty once the client left: a callback added later runs at once (the close
+    # may come before the engine has queued the request).
+    client_left: Optional[list] = None
     # The engine's records of this request (guardian.engine.ledger), for its deadline,
     # and the deadline's error once it passed (perhaps before the engine had a record).
     engine_requests: Optional[list] = None
@@ -90,8 +93,23 @@ def when_client_leaves(callback: Callable[[], None]) -> bool:
     info = _current.get()
     if info.on_client_gone is None:
         return False
-    info.on_client_gone.append(callback)
+    _when_gone(info, callback)
     return True
+
+
+def _when_gone(info: RequestInfo, callback: Callable[[], None]) -> None:
+    """``callback`` among ``info``'s leaving callbacks; run now if its client left already.
+    ``client_gone`` runs on the reader's thread: whichever of the two takes the callback
+    from the list runs it, once."""
+    if not info.client_left:
+        info.on_client_gone.append(callback)
+        if not info.client_left:
+            return
+        try:
+            info.on_client_gone.remove(callback)
+        except ValueError:
+            return  # client_gone took it
+    callback()
 
 
 def track_engine_request(record) -> None:
@@ -100,7 +118,7 @@ def track_engine_request(record) -> None:
     info = _current.get()
     if info.engine_requests is not None:
         info.engine_requests.append(record)
-        info.on_client_gone.append(record.client_left)
+        _when_gone(info, record.client_left)
         if info.deadline_errors:  # it passed during admission: the request ends at once
             record.time_out(info.deadline_errors[0])
 
@@ -114,7 +132,10 @@ def deadline_passed(info: RequestInfo, error) -> None:
 
 
 def client_gone(info: RequestInfo) -> None:
-    """The client of the request ``info`` describes closed its connection: run its callbacks, once."""
+    """The client of the request ``info`` describes closed its connection: run its callbacks, once,
+    and any added from now on (``_when_gone``)."""
+    if info.client_left is not None:
+        info.client_left.append(True)
     callbacks = info.on_client_gone or []
     while callbacks:
         try:
@@ -132,7 +153,7 @@ def bind_log_fields(**fields) -> None:
 @contextlib.contextmanager
 def request_scope(request_id: str, stream: bool, client: str = "-"):
     info = RequestInfo(request_id=request_id, stream=stream, response_headers={REQUEST_ID_HEADER: request_id},
-                       at_end=[], started_at=time.monotonic(), client=client, on_client_gone=[],
+                       at_end=[], started_at=time.monotonic(), client=client, on_client_gone=[], client_left=[],
                        engine_requests=[], deadline_errors=[])
     token = _current.set(info)
     # Fields bound during the request must not follow the thread to the

@@ -92,6 +92,29 @@ def test_a_client_that_leaves_while_decoding(engine_server, stream):
     leave_and_check(engine_server, sock, lambda: engine_server.engine_status()["steps"] > started + 10)
 
 
+def test_a_client_that_half_closes_has_left_and_gets_no_server_error(engine_server):
+    """A client's FIN is all a server sees of its leaving (nginx reads it so too: 499), so
+    its request is dropped as any other whose client left. One whose FIN came before the
+    engine took it was answered 500 internal_error ("ClientLeft"), logged as a server error."""
+    # --decode-concurrency 1: a long stream holds the only place; the next ones wait.
+    first = engine_server.send_raw(chat_body(max_tokens=3000, stream=True))
+    try:
+        poll(lambda: engine_server.engine_status()["in_flight"] == 1, 30)
+        answers = []
+        for n in range(8):
+            with engine_server.send_raw(chat_body(f"Wait your turn, {n}.", max_tokens=3000)) as sock:
+                sock.shutdown(socket.SHUT_WR)  # at once: its request is read, its answer not begun
+                answer = b""
+                while chunk := sock.recv(65536):
+                    answer += chunk
+                answers.append(answer)
+        assert answers == [b""] * 8, [a[:200] for a in answers if a]
+        poll(lambda: engine_server.engine_status()["in_flight"] == 1, 5, what="the waiting requests dropped")
+    finally:
+        first.close()
+    poll(engine_server.idle, 5)
+
+
 def test_a_client_that_leaves_during_prefill(engine_server):
     sock = engine_server.send_raw(chat_body(LONG_PROMPT, max_tokens=5))
     # Taken and started, and no token yet: in prefill (chunks of 32 tokens, 20 ms each).

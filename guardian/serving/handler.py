@@ -27,7 +27,7 @@ from guardian.serving.connection import linger_close
 from guardian.serving.endpoints import GET_PATHS, MONITORING_PATHS, Endpoints
 from guardian.request_context import (REQUEST_ID_HEADER, add_response_headers, bind_log_fields, client_gone,
                                       current_request, deadline_passed, request_scope, sane_request_id)
-from guardian.errors import SERVER_STOPPING, AbortRequest, GuardianError, from_stock_exception, method_not_allowed
+from guardian.errors import SERVER_STOPPING, AbortRequest, ClientGoneAbort, GuardianError, from_stock_exception, method_not_allowed
 from guardian.observability.logs import loggable_line
 from guardian.plugin_manager import notify
 
@@ -159,7 +159,7 @@ class GuardianHandler(Endpoints, stock.handler.DoorCorsHandler):
             if abort.error.code == SERVER_STOPPING and self.give_back():
                 return
             self.send_error_json(abort.error)
-        except _CLIENT_GONE:
+        except (ClientGoneAbort, *_CLIENT_GONE):
             log.info("client_disconnected")
         except GuardianError as error:
             self.finish_with_error(error)
