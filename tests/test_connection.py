@@ -9,6 +9,7 @@ the tests are quick; their defaults are in config/guardian.example.toml.
 
 from __future__ import annotations
 
+import http.client
 import json
 import resource
 import shutil
@@ -151,6 +152,32 @@ def test_a_flood_past_the_handler_cap_gets_503_at_once(held):
     # Clients gone, their streams end at the next write: the handlers are free again.
     poll(lambda: httpx.get(held.url + "/v1/models", timeout=10).status_code == 200, 30,
          what="a handler free again")
+
+
+def test_heads_past_what_http_server_reads_are_refused_in_openais_shape(held):
+    """http.server reads 99 headers (its 100 take in the blank line) and lines of 64 KiB:
+    past either it answered in HTML ("got more than 100 headers", 414 Request-URI Too
+    Long) what the door had passed, in both modes."""
+    assert framing.STDLIB_MAX_HEADERS == http.client._MAXHEADERS - 1  # noqa: SLF001 - the stdlib's own
+    assert framing.STDLIB_MAX_LINE == http.client._MAXLINE  # noqa: SLF001
+    hundred = b"".join(b"X-H%d: 1\r\n" % i for i in range(99))
+    head, body = raw_answer(held, b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n" + hundred + b"\r\n")
+    assert head.startswith(b"HTTP/1.0 431") and json.loads(body)["error"]["code"] == "too_many_headers", head
+    # A head of the request line alone may be 4 bytes past max_header_bytes (its CRLF CRLF).
+    target = b"/health?" + b"a" * (65536 - len(b"GET /health? HTTP/1.0"))
+    head, body = raw_answer(held, b"GET " + target + b" HTTP/1.0\r\n\r\n")
+    assert head.startswith(b"HTTP/1.0 414") and json.loads(body)["error"]["code"] == "uri_too_long", head
+    # A header line that long needs a larger max_header_bytes: judged alone.
+    with pytest.raises(GuardianError) as refused:
+        framing.judge_head(b"GET / HTTP/1.1\r\nHost: h\r\nX-Long: " + b"v" * 65530 + b"\r\n\r\n", 99)
+    assert (refused.value.status, refused.value.code) == (431, "headers_too_large")
+    # As many as the child's handler can read once the supervisor's own are added (3 there).
+    allowed = framing.STDLIB_MAX_HEADERS - (3 if held.kind == "supervised" else 0)
+    for count, status in ((allowed, 200), (allowed + 1, 431)):  # Host and Content-Length among them
+        others = b"".join(b"X-H%d: 1\r\n" % i for i in range(count - 2))
+        head, _ = raw_answer(held, b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n" + others
+                             + b"Content-Length: %d\r\n\r\n" % len(BODY) + BODY)
+        assert head.startswith(b"HTTP/1.0 %d" % status), (count, head)
 
 
 def test_head_and_other_methods(held):

@@ -269,9 +269,12 @@ class HttpSettings(Table, name="http"):
         for health checks, refusals and streams ending (the supervisor: from the
         child's --decode-concurrency, plus [supervisor] hold_requests).""")
     max_header_bytes = Setting(Int(min=1024), 64 * 1024, """
-        The request line and headers together; past it, 431.""", live=True)
-    max_header_count = Setting(Int(min=1), 100, """
-        Header lines; past it, 431.""", live=True)
+        The request line and headers together; past it, 431. One line of more than
+        64 KiB is refused whatever this is (414 for the request line, else 431):
+        http.server reads no longer line.""", live=True)
+    max_header_count = Setting(Int(min=1), 99, """
+        Header lines; past it, 431. At most 99 whatever this is: http.server reads
+        no more (it counts the blank line among its 100).""", live=True)
     max_buffered_bytes = Setting(Int(min=0), 256 * 1024 * 1024, """
         Request bodies still arriving, in bytes, that the door holds in memory at
         once (each body reserves its Content-Length when its headers are read).

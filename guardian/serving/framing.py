@@ -18,7 +18,9 @@ connection closed after it:
 - a header line with no name, whitespace before its colon, a folded line
   (obs-fold), a CR or NUL inside it: 400;
 - Host twice, or none in an HTTP/1.1 request: 400;
-- an ``Expect`` other than ``100-continue``: 417.
+- an ``Expect`` other than ``100-continue``: 417;
+- more headers, or a longer line, than http.server reads (99; 64 KiB): 431 (414
+  for the request line).
 
 Where RFC 9112 lets a server be lenient and stock was, the door is too: a
 bare LF ends a line (``printf 'GET /health HTTP/1.0\\n\\n' | nc``). An
@@ -58,6 +60,11 @@ MAX_LENGTH_DIGITS = 18
 # Stock's own words for a missing or bad length (mlx_lm.server's do_POST), kept.
 LENGTH_REQUIRED = "Content-Length header is required"
 INVALID_LENGTH = "Invalid Content-Length header"
+# http.server's own limits (http.client's _MAXHEADERS and _MAXLINE): past them it answers
+# in HTML, so the door refuses first, in OpenAI's shape. Its count of 100 takes in the
+# blank line; a line's length, its line feed.
+STDLIB_MAX_HEADERS = 99
+STDLIB_MAX_LINE = 65536
 
 
 @dataclass(slots=True)
@@ -86,8 +93,14 @@ def judge_head(head: bytes, max_header_count: int) -> Head:
     """``head`` (its blank line included) if it frames one request one way only;
     raises GuardianError, the client's answer, if not."""
     *lines, blank, _ = head.split(b"\n")  # the blank line's LF, and the nothing after it
+    max_header_count = min(max_header_count, STDLIB_MAX_HEADERS)
     if len(lines) - 1 > max_header_count:
         raise refusal(431, f"The request has more than {max_header_count} headers.", "too_many_headers")
+    if len(head) > STDLIB_MAX_LINE:
+        if len(lines[0]) >= STDLIB_MAX_LINE:  # with its LF, past what http.server reads
+            raise refusal(414, f"The request line is longer than {STDLIB_MAX_LINE} bytes.", "uri_too_long")
+        if any(len(line) >= STDLIB_MAX_LINE for line in lines):
+            raise refusal(431, f"A header line is longer than {STDLIB_MAX_LINE} bytes.", "headers_too_large")
     bare_lf = blank != b"\r"
     for i, line in enumerate(lines):
         if line.endswith(b"\r"):

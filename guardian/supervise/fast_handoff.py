@@ -202,6 +202,12 @@ NOT_FORWARDED_UPSTREAM = (relay_protocol.HOP_BY_HOP | {"host", "content-length",
                           | {AUTHORIZATION.lower(), API_KEY_HEADER.lower(), CLIENT_HEADER.lower()})
 
 
+# What a child's head may hold more than its client's (Host replaces Host): X-Forwarded-For,
+# the client's name, the supervisor's key. The public door leaves room for them under
+# http.server's count (guardian.serving.framing), which the child's handler reads by.
+HEADERS_ADDED_FOR_CHILD = 3
+
+
 def forwarded_headers(items, client_ip: str, access: Optional[AccessDecision]) -> list[tuple[str, str]]:
     """The client's headers minus hop-by-hop and private ones, plus who the client is."""
     headers = [(k, v) for k, v in items if k.lower() not in NOT_FORWARDED_UPSTREAM]

@@ -53,6 +53,8 @@ from guardian.access.tls import ServerCertificate, load_certificate
 from guardian import handoff, long_lived
 from guardian.relay_protocol import KEY_HEADER, RELAY_KEY_ENV, new_relay_key
 from guardian.serving.connection import HANDLER_HEADROOM, LISTEN_FD_ENV, ConnectionLimits, reserve_port
+from guardian.serving import framing
+from guardian.supervise.fast_handoff import HEADERS_ADDED_FOR_CHILD
 from guardian.supervise.proxy import CHILD_CONNECT_TIMEOUT_S, CHILD_HOST, PublicServer
 from guardian.health.sd_notify import SystemdNotifier
 from guardian.supervise.state import HOLDING, SERVING, State
@@ -753,7 +755,10 @@ def public_limits(options: argparse.Namespace, child_args: list[str], settings: 
     flags.add_argument("--decode-concurrency", type=int, default=32)  # stock's default
     decode_concurrency = flags.parse_known_args(child_args)[0].decode_concurrency
     auto = decode_concurrency + settings.hold_requests + HANDLER_HEADROOM
-    return ConnectionLimits(**{**vars(http), "max_handlers": http.max_handlers or auto})
+    # A head the child could not read whole is refused here, in OpenAI's shape.
+    max_header_count = min(http.max_header_count, framing.STDLIB_MAX_HEADERS - HEADERS_ADDED_FOR_CHILD)
+    return ConnectionLimits(**{**vars(http), "max_handlers": http.max_handlers or auto,
+                               "max_header_count": max_header_count})
 
 
 def signal_quietly(proc: subprocess.Popen, signum: int) -> None:
