@@ -92,9 +92,29 @@ def test_limits_are_live_and_zero_turns_them_off():
     assert door.admit("bob", 6) is None
 
 
+def test_a_refund_takes_back_the_tokens_of_a_request_that_never_ran():
+    door, _, _ = limits(tokens_per_minute=100)
+    error, receipt = door.take("alice", 90)
+    assert error is None
+    door.release("alice")
+    door.refund("alice", receipt)
+    assert door.admit("alice", 90) is None
+    assert door.status() == {"in_flight": {"alice": 1}, "tokens_last_minute": {"alice": 90}}
+
+
+def test_a_refused_client_leaves_no_count_behind():
+    """Each address refused once held an entry of 0 in flight for ever (a defaultdict read)."""
+    door, _, _ = limits(max_concurrent=5, tokens_per_minute=10)
+    for n in range(5):
+        assert door.admit(f"client-{n}", 20) is None  # over the limit, but nothing was used yet
+        door.release(f"client-{n}")
+        assert door.admit(f"client-{n}", 1).code == RATE_LIMITED
+    assert door.status()["in_flight"] == {}
+
+
 # -- a real server ------------------------------------------------------------
 
-KEYS = {name: f"sk-{name}-0123456789" for name in ("alice", "bob", "carol", "dave", "erin")}
+KEYS = {name: f"sk-{name}-0123456789" for name in ("alice", "bob", "carol", "dave", "erin", "frank")}
 CHAT = "/v1/chat/completions"
 TOKENS_PER_MINUTE = 400
 CONFIG = f"""\
@@ -178,3 +198,13 @@ def test_a_client_sending_one_request_after_another_is_never_refused_for_concurr
         response = httpx.post(served.url + CHAT, json=chat_body("Hi.", max_tokens=2), timeout=30,
                               headers={"Authorization": f"Bearer {KEYS['erin']}"})
         assert response.status_code == 200, response.text
+
+
+def test_a_request_refused_after_the_limits_costs_its_client_no_tokens(served):
+    """A prompt the prompt guard refuses (longer than the context) was counted against its
+    client's minute: one 400 locked the client out with a 429 for a minute."""
+    too_long = chat_body(" ".join(f"word{i}" for i in range(600)), max_tokens=4)
+    with httpx.Client(timeout=30) as client:
+        refused = client.post(served.url + CHAT, json=too_long, headers={"Authorization": f"Bearer {KEYS['frank']}"})
+        assert refused.status_code == 400 and refused.json()["error"]["code"] == "context_length_exceeded"
+        assert chat(client, served, "frank").status_code == 200

@@ -8,7 +8,8 @@ computed from the limit: when the client's oldest request could end (not
 knowable: the retry interval of the server), or when enough of the minute's
 tokens leave the window.
 
-Tokens are counted as they become known: the prompt's at admission, the
+Tokens are counted as they become known: the prompt's at admission (given
+back if a later check refuses the request, or the engine never runs it), the
 generated ones when the request ends (``on_request_finished``). Requests in
 flight can thus take a client past its limit once, as OpenAI's limits do;
 the next request waits for the window.
@@ -43,23 +44,46 @@ class ClientLimits:
     def admit(self, client: str, prompt_tokens: int) -> Optional[GuardianError]:
         """Take a place for a request, or the 429 that refuses it. A request
         let in must be ``release``d when it ends."""
+        return self.take(client, prompt_tokens)[0]
+
+    def take(self, client: str, prompt_tokens: int) -> tuple[Optional[GuardianError], Optional[tuple]]:
+        """``admit``, with the receipt of the prompt's tokens counted (for ``refund``)."""
         max_concurrent = self.settings.client_max_concurrent
         per_minute = self.settings.client_tokens_per_minute
         with self._lock:
-            if max_concurrent and self._in_flight[client] >= max_concurrent:
+            in_flight = self._in_flight.get(client, 0)  # not an entry for a client refused
+            if max_concurrent and in_flight >= max_concurrent:
                 return rate_limited(
-                    f"This client already has {self._in_flight[client]} requests in flight; the limit is "
-                    f"{max_concurrent} ([access] client_max_concurrent).", CONCURRENCY_RETRY_AFTER_S)
+                    f"This client already has {in_flight} requests in flight; the limit is "
+                    f"{max_concurrent} ([access] client_max_concurrent).", CONCURRENCY_RETRY_AFTER_S), None
+            receipt = None
             if per_minute:
                 used = self._used(client)
                 if used >= per_minute or (used and used + prompt_tokens > per_minute):
                     return rate_limited(
                         f"This client used {used} tokens in the last minute; the limit is {per_minute} "
                         "([access] client_tokens_per_minute).",
-                        self._seconds_until_below(client, per_minute - prompt_tokens))
-                self._tokens[client].append((self.clock(), prompt_tokens))
-            self._in_flight[client] += 1
-        return None
+                        self._seconds_until_below(client, per_minute - prompt_tokens)), None
+                receipt = (self.clock(), prompt_tokens)
+                self._tokens[client].append(receipt)
+            self._in_flight[client] = in_flight + 1
+        return None, receipt
+
+    def refund(self, client: str, receipt: Optional[tuple]) -> None:
+        """A request let in was turned away before it ran (a later check, the engine):
+        its prompt's tokens are not the client's."""
+        if receipt is None:
+            return
+        with self._lock:
+            entries = self._tokens.get(client)
+            if entries is None:
+                return
+            try:
+                entries.remove(receipt)
+            except ValueError:
+                return  # past the window already
+            if not entries:
+                del self._tokens[client]
 
     def release(self, client: str) -> None:
         with self._lock:
@@ -74,7 +98,9 @@ class ClientLimits:
                 self._tokens[client].append((self.clock(), tokens))
 
     def _used(self, client: str) -> int:
-        entries = self._tokens[client]
+        entries = self._tokens.get(client)
+        if entries is None:
+            return 0
         horizon = self.clock() - WINDOW_S
         while entries and entries[0][0] <= horizon:
             entries.popleft()

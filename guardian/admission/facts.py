@@ -67,6 +67,8 @@ class Admission:
         self._tokenized: Optional[tuple] = None
         self._on_finish: list[Callable[[], None]] = []
         self._finished = False
+        # Turned away before the engine ran it (a later hook, the engine): set before ``finish``.
+        self.refused = False
         self._lock = threading.Lock()
 
     @property

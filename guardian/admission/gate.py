@@ -70,6 +70,7 @@ class AdmittingGenerator:
                 ctx, tokens = engine.generate(request, generation_args, progress_callback)
             except BaseException:
                 if admission is not None:
+                    admission.refused = True
                     admission.finish()
                 raise
         # However the HTTP thread's work on the request ends, nothing goes on
@@ -201,6 +202,7 @@ class AdmissionGate:
         bind_log_fields(**admission.log_fields)
         self._decided(error)
         if error is not None:
+            admission.refused = True
             admission.finish()
             raise AbortRequest(error)
         stock.requests.attach_tokens(admission.request, model_key, admission.tokenized)

@@ -39,15 +39,21 @@ class Access:
             return None
         client = admission.client
         prompt_tokens = admission.n_prompt_tokens if door.settings.client_tokens_per_minute else 0
-        error = limits.admit(client, prompt_tokens)
+        error, receipt = limits.take(client, prompt_tokens)
         if error is not None:
             return error
         with self._lock:
             self._charging[admission.request_id] = (limits, client)
             while len(self._charging) > MAX_TRACKED_REQUESTS:
                 self._charging.popitem(last=False)
-        admission.on_finish(lambda: limits.release(client))
+        admission.on_finish(lambda: self._released(admission, limits, client, receipt))
         return None
+
+    @staticmethod
+    def _released(admission, limits, client: str, receipt) -> None:
+        limits.release(client)
+        if admission.refused:  # by a later hook or the engine: it never ran, nothing is used
+            limits.refund(client, receipt)
 
     @guardian.hookimpl
     def on_request_finished(self, request_id, generated_tokens):
