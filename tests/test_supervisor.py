@@ -240,6 +240,24 @@ def test_sigstopped_child_is_detected_and_replaced(start_supervisor):
     assert httpx.post(supervised.url + COMPLETIONS, json=chat_body(max_tokens=4), timeout=30).status_code == 200
 
 
+def test_the_supervisors_checks_wait_for_the_child_as_long_as_its_health_timeout(start_supervisor):
+    """A slow machine's child may take more than a second to answer: its checks' timeout
+    is --supervisor-health-timeout. It was the check interval, clamped to 0.5-5 s, with
+    no setting of its own; this timeout governed only the public /health's relay."""
+    supervised = start_supervisor("--supervisor-interval", "0.25", "--supervisor-health-timeout", "3")
+    stopped_pid = supervised.wait_ready()
+    try:
+        os.kill(stopped_pid, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        poll(lambda: supervised.supervisor()["state"] == "unhealthy", 15, interval=0.02, what="unhealthy")
+        assert time.monotonic() - stopped_at >= 2.9  # its first check failed only at its timeout
+        [unhealthy] = supervised.supervisor_events("child_unhealthy")
+        assert "ReadTimeout" in unhealthy["check"]
+    finally:
+        supervised.signal_child(stopped_pid, signal.SIGCONT)
+    poll(lambda: supervised.supervisor()["state"] == "ready", 15, interval=0.05, what="ready again")
+
+
 def test_sigterm_hard_kills_a_child_that_outlives_the_grace(start_supervisor, tmp_path):
     # The engine hangs under a request and the child would drain it for 30 s.
     config = tmp_path / "hang.toml"

@@ -169,9 +169,11 @@ class SupervisorSettings(Table, name="supervisor"):
         flight at two crashes is quarantined first). 0: 503 + Retry-After instead.""",
         flag="--supervisor-max-resends", metavar="N")
     health_timeout_s = Setting(POSITIVE_SECONDS, 1.0, """
-        The public /health and /readyz relay the child's answer only if it comes
-        within this many seconds; otherwise, and whenever the supervisor holds
-        the child unhealthy, they answer 503 from the supervisor's own checks.""",
+        A check of the child (the supervisor's own, each interval) fails if not
+        answered within this many seconds. The public /health and /readyz relay
+        the child's answer only if it comes within it too; otherwise, and whenever
+        the supervisor holds the child unhealthy, they answer 503 from the
+        supervisor's own checks.""",
         flag="--supervisor-health-timeout", metavar="S")
     hand_off = Setting(Bool(), True, """
         Hand each relayed request's connection to the child (SCM_RIGHTS), which
