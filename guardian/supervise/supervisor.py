@@ -198,7 +198,7 @@ class Supervisor:
             return EXIT_USAGE
         try:
             self.httpd = PublicServer((self.options.host, self.options.port), self, self.tls,
-                                      public_limits(self.options, self.child_args, self.settings))
+                                      public_limits(self.options, self.child_args, self.settings, self.core))
         except OSError as e:
             log.critical("supervisor_bind_failed", host=self.options.host, port=self.options.port,
                          error_message=str(e))
@@ -743,7 +743,8 @@ def public_door(options: argparse.Namespace, child_args: list[str]):
     return make_door(access, bound_host=options.host, allowed_origins=allowed_origins)
 
 
-def public_limits(options: argparse.Namespace, child_args: list[str], settings: SupervisorSettings):
+def public_limits(options: argparse.Namespace, child_args: list[str], settings: SupervisorSettings,
+                  core: Optional[CoreSettings] = None):
     """The public port's connection layer: [http] from --guardian-config; its handler
     threads, when not set, sized from the child's --decode-concurrency and the requests
     the supervisor holds while no child is ready."""
@@ -755,7 +756,9 @@ def public_limits(options: argparse.Namespace, child_args: list[str], settings: 
     # A head the child could not read whole is refused here, in OpenAI's shape.
     max_header_count = min(http.max_header_count, framing.STDLIB_MAX_HEADERS - HEADERS_ADDED_FOR_CHILD)
     return ConnectionLimits(**{**vars(http), "max_handlers": http.max_handlers or auto,
-                               "max_header_count": max_header_count})
+                               "max_header_count": max_header_count,
+                               # A busy door's Retry-After, as the child's: [guardian] retry_after_s.
+                               "retry_after_s": (core or CoreSettings()).retry_after_s})
 
 
 def signal_quietly(proc: subprocess.Popen, signum: int) -> None:
