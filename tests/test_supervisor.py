@@ -671,3 +671,14 @@ def test_the_logged_command_of_a_child_hides_what_mlx_launch_sets_in_its_environ
         "mlx.launch", "--env", "HF_TOKEN=***", "--env=A=***", "-n", "2"]
     assert loggable_command(["python", "-m", "guardian", "--launch-args", "--backend ring --env HF_TOKEN=hf_x"]) == [
         "python", "-m", "guardian", "--launch-args", "--backend ring --env HF_TOKEN=***"]
+
+
+def test_a_deep_readiness_check_is_waited_for_as_long_as_the_childs_probes_may_take(tmp_path):
+    """/readyz?deep=1 runs the child's probes, each within [watchdog] probe_timeout_s: the
+    supervisor cut it at a fixed 15 s, so a probe_timeout_s above 15 read as a failure."""
+    from guardian.supervise.supervisor import Supervisor, make_parser
+
+    config = tmp_path / "guardian.toml"
+    config.write_text("[watchdog]\nprobe_timeout_s = 40.0\n")
+    options, child_args = make_parser().parse_known_args(["--guardian-config", str(config)])
+    assert Supervisor(options, child_args).deep_readiness_timeout_s == 45.0

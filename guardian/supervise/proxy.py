@@ -75,8 +75,9 @@ STATUS_PATH = "/guardian/supervisor"
 METRICS_PATH = "/metrics"
 READINESS_PATH = "/readyz"
 HEALTH_PATHS = ("/health", READINESS_PATH)
-# /readyz?deep=1 runs the child's probes now (10 s deadline by default).
-DEEP_READINESS_TIMEOUT_S = 15.0
+# /readyz?deep=1 runs the child's probes now, each within [watchdog] probe_timeout_s:
+# the supervisor waits that long and this much more (Supervisor.deep_readiness_timeout_s).
+DEEP_READINESS_MARGIN_S = 5.0
 SSE_CONTENT_TYPE = relay_protocol.SSE_CONTENT_TYPE
 # Our client went away while we wrote to it.
 CLIENT_GONE = (BrokenPipeError, ConnectionResetError, ConnectionAbortedError, TimeoutError)
@@ -369,7 +370,7 @@ class ProxyHandler(BaseHTTPRequestHandler):
         query = urlsplit(self.path).query
         timeout = supervisor.settings.health_timeout_s
         if "deep" in query:  # probes run now, each within the child's own probe deadline
-            timeout = max(timeout, DEEP_READINESS_TIMEOUT_S)
+            timeout = max(timeout, supervisor.deep_readiness_timeout_s)
         try:
             response = child.client.request(self.command, self.target(), headers=self.upstream_headers(),
                                             timeout=timeout)

@@ -55,7 +55,7 @@ from guardian.relay_protocol import KEY_HEADER, RELAY_KEY_ENV, new_relay_key
 from guardian.serving.connection import HANDLER_HEADROOM, LISTEN_FD_ENV, ConnectionLimits, reserve_port
 from guardian.serving import framing
 from guardian.supervise.fast_handoff import HEADERS_ADDED_FOR_CHILD
-from guardian.supervise.proxy import CHILD_CONNECT_TIMEOUT_S, CHILD_HOST, PublicServer
+from guardian.supervise.proxy import CHILD_CONNECT_TIMEOUT_S, CHILD_HOST, DEEP_READINESS_MARGIN_S, PublicServer
 from guardian.health.sd_notify import SystemdNotifier
 from guardian.supervise.state import HOLDING, SERVING, State
 
@@ -185,6 +185,9 @@ class Supervisor:
         # A check answers fast or not at all (a SIGSTOPped child accepts the connection
         # in the kernel and never replies): it fails past --supervisor-health-timeout.
         self.health_timeout = self.settings.health_timeout_s
+        # The child's probes' deadline (its [watchdog] table, read as it starts) and a margin.
+        self.deep_readiness_timeout_s = (load_config(options.guardian_config).watchdog.probe_timeout_s
+                                         + DEEP_READINESS_MARGIN_S)
 
     # -- main loop ----------------------------------------------------------
     def run(self) -> int:
