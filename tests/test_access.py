@@ -221,6 +221,10 @@ def test_public_paths_are_a_setting(tmp_path):
     ("localhost:notaport", "127.0.0.1", False),
     ("localhost/x", "127.0.0.1", False),
     ("user@localhost", "127.0.0.1", False),
+    # urlsplit reads what follows "]" as nothing, and an empty port as none.
+    ("[::1]evil.example", "127.0.0.1", False),
+    ("localhost:", "127.0.0.1", False),
+    ("localhost.", "127.0.0.1", True),  # a fully qualified name: the same host
 ])
 def test_host_header(host_header, bound, allowed):
     policy = door(host=bound, protected_mode=False, allowed_hosts=[".llm.example.com"])
@@ -242,6 +246,10 @@ def test_no_host_header_is_no_browser():
     ("http://evil.example", None, False, None),
     ("http://localhost.evil.example", None, False, None),
     ("null", None, False, None),
+    # An Origin is scheme://host[:port]: these were granted and echoed back.
+    ("http://[::1]evil.example", None, False, None),
+    ("http://localhost:3000?x", None, False, None),
+    ("http://localhost:3000/", None, False, None),
     ("http://evil.example", ["*"], True, "*"),
     ("https://ui.example", ["https://ui.example"], True, "https://ui.example"),
     ("http://localhost:3000", ["https://ui.example"], False, None),

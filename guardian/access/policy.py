@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import ipaddress
+import re
 import socket
 from dataclasses import dataclass, field
 from typing import Optional
@@ -38,6 +39,10 @@ from guardian.relay_protocol import relayed_by_supervisor
 
 # Names that always mean this machine (RFC 6761: *.localhost too).
 LOOPBACK_NAMES = ("localhost", "localhost.localdomain")
+# An authority as a Host header or an Origin carries one (lower-cased): a name or an IPv4
+# address, or an IPv6 address in brackets; then perhaps a port. urlsplit alone reads
+# ``[::1]evil.example`` as ::1 and ``localhost:3000?x`` as localhost.
+AUTHORITY = re.compile(r"(?:\[[0-9a-f:.]+\]|[a-z0-9_.-]+)(?::[0-9]{1,5})?")
 # The supervisor tells its child who the client is; only a request with the
 # relay key may say so.
 CLIENT_HEADER = "X-Guardian-Client"
@@ -101,16 +106,16 @@ def is_ip_literal(host: str) -> bool:
 def host_name_of(host_header: str) -> Optional[str]:
     """The name in a Host header, without its port; None when it is not one."""
     value = host_header.strip().lower()
-    if not value or any(c.isspace() for c in value):
+    if not AUTHORITY.fullmatch(value):
         return None
     try:
         parts = urlsplit("//" + value)
-        parts.port  # raises for a port that is not a number
+        parts.port  # raises for a port out of range
     except ValueError:
         return None
-    if parts.path or parts.query or parts.fragment or parts.username is not None:
-        return None
-    return parts.hostname
+    name = parts.hostname
+    # A fully qualified name's final dot (``localhost.``) names the same host.
+    return name[:-1] if name and name.endswith(".") and len(name) > 1 else name
 
 
 def is_loopback_name(name: str) -> bool:
@@ -154,13 +159,12 @@ class Origins:
     def allows(self, origin: str) -> bool:
         if self.explicit is not None:
             return "*" in self.explicit or origin in self.explicit
-        parts = urlsplit(origin.strip().lower())
-        try:
-            parts.port
-        except ValueError:
-            return False
-        return parts.scheme in ("http", "https") and parts.hostname is not None and is_loopback_name(
-            parts.hostname) and not parts.path
+        value = origin.strip().lower()
+        scheme, separator, authority = value.partition("://")
+        if scheme not in ("http", "https") or not separator:
+            return False  # an Origin is scheme://host[:port], no more (RFC 6454)
+        name = host_name_of(authority)
+        return name is not None and is_loopback_name(name)
 
     def describe(self) -> str:
         if self.explicit is None:
