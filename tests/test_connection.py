@@ -201,6 +201,12 @@ def test_head_and_other_methods(held):
         assert post.status_code == 405 and post.headers["Allow"] == "GET, HEAD, OPTIONS", path
     head, _ = raw_answer(held, b"get /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
     assert head.startswith(b"HTTP/1.0 405"), head
+    # A refused HEAD gets its headers alone too (RFC 9110 §9.3.2): at the reader, at the door.
+    for request, status in ((b"HEAD /health HTTP/1.1\r\n\r\n", 400),
+                            (b"HEAD /v1/models HTTP/1.1\r\nHost: evil.example\r\n\r\n", 403)):
+        head, body = raw_answer(held, request)
+        assert head.startswith(b"HTTP/1.0 %d" % status) and b"Content-Length: " in head, head
+        assert body == b"", body
 
 
 def raw_answer(held, request: bytes) -> tuple[bytes, bytes]:

@@ -749,7 +749,7 @@ class RequestReader:
 
     def _refuse_error(self, incoming: Incoming, error: GuardianError) -> None:
         self._forget(incoming)
-        send_refusal(incoming.sock, error)
+        send_refusal(incoming.sock, error, head_only=asks_head_only(incoming.buffer))
 
     def _refuse_framing(self, incoming: Incoming, error: GuardianError) -> None:
         """A head the door will not pass on (guardian.serving.framing): refused, counted, logged."""
@@ -768,12 +768,18 @@ PLAIN_HTTP_TO_TLS_PORT = GuardianError(
     status=400, type="invalid_request_error", code="https_required")
 
 
+def asks_head_only(buffer) -> bool:
+    """Whether a request (its first bytes) is a HEAD, whose answer has no body (RFC 9110 §9.3.2)."""
+    return buffer[:5] == b"HEAD "
+
+
 def send_refusal(sock: socket.socket, error: GuardianError, linger: bool = False,
-                 handed_off: Optional[handoff.Received] = None) -> None:
+                 handed_off: Optional[handoff.Received] = None, head_only: bool = False) -> None:
     """``error`` in OpenAI's shape (its headers: Retry-After, x-should-retry), written
     straight to the socket within a second, then the close; ``linger``: the
     request is unread, drain it first so the answer is not reset away;
-    ``handed_off``: the supervisor is told once the answer is written."""
+    ``handed_off``: the supervisor is told once the answer is written;
+    ``head_only``: the request is a HEAD: the headers alone."""
     body = json.dumps(error.body()).encode()
     head = [f"HTTP/1.0 {error.status} {HTTPStatus(error.status).phrase}", "Content-Type: application/json",
             f"Content-Length: {len(body)}", "Connection: close",
@@ -781,7 +787,7 @@ def send_refusal(sock: socket.socket, error: GuardianError, linger: bool = False
     try:
         sock.setblocking(True)
         sock.settimeout(REFUSAL_SEND_TIMEOUT_S)
-        sock.sendall(("\r\n".join(head) + "\r\n\r\n").encode() + body)
+        sock.sendall(("\r\n".join(head) + "\r\n\r\n").encode() + (b"" if head_only else body))
         if linger:
             linger_close(sock)
         elif handed_off is not None:
@@ -1056,7 +1062,7 @@ class HeldConnections:
             threading.Thread(target=send_refusal, daemon=True, args=(incoming.sock, GuardianError(
                 f"All {self.limits.max_handlers} request handlers are busy; send the request again.",
                 status=503, code="server_busy", retry_after_s=self.limits.retry_after_s),
-                False, incoming.handed_off)).start()
+                False, incoming.handed_off, asks_head_only(incoming.buffer))).start()
             return
         sock = incoming.sock
         try:

@@ -222,7 +222,8 @@ class GuardianHandler(Endpoints, stock.handler.DoorCorsHandler):
             self.send_header(name, value)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
-        self.wfile.write(body)
+        if self.command != "HEAD":  # its answer is the headers alone (RFC 9110 §9.3.2), a refusal too
+            self.wfile.write(body)
         self.wfile.flush()
 
     def validate_model_parameters(self):
