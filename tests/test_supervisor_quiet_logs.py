@@ -44,3 +44,12 @@ def test_request_ids_pass_through_and_an_idle_pair_is_quiet(start_supervisor, tm
     # Health checks of the child went on all along (one every 0.2 s).
     assert time.monotonic() - opened > 3 * HEALTH_CHECK_INTERVAL_S
     assert supervised.logs()[lines_before:] == []
+
+
+def test_the_files_log_level_quiets_the_supervisor_too(start_supervisor, tmp_path):
+    """[guardian] log_level wins over --log-level in a guardian; the supervisor read only the flag."""
+    config = tmp_path / "guardian.toml"
+    config.write_text('[guardian]\nlog_level = "WARNING"\n')
+    supervised = start_supervisor("--guardian-config", str(config))
+    assert httpx.post(supervised.url + COMPLETIONS, json=chat_body(max_tokens=2), timeout=30).status_code == 200
+    assert not [line for line in supervised.logs() if line.get("level") == "info"]

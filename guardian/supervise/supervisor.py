@@ -869,7 +869,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         log.critical("config_invalid", error_message=str(e))
         print(f"mlx-guardian: {e}", file=sys.stderr)
         return EXIT_USAGE
-    configure_logging(core.log_format, options.log_level or "INFO")
+    # As a guardian's: [guardian] log_level, when set, wins over --log-level (read at start here).
+    configure_logging(core.log_format, core.log_level or options.log_level or "INFO")
     return Supervisor(options, child_args, settings, core, door=door).run()
 
 
