@@ -14,6 +14,8 @@ of gunicorn's settings page and datasette's `cog --check`:
 - metrics.md    every metric's name, type, labels and help, read from the
                 metrics modules' source (no server needed, and the same on
                 every platform, where a scrape would differ)
+- log-events.md every ``log.<level>("event", ...)`` in guardian/: its levels, modules
+                and fields, read from the source
 - cli.md        `mlx-guardian --help` and its subcommands' help, which depend
                 on the installed mlx-lm (stock's flags) and Python (argparse's
                 layout); the page says which it was written with
@@ -322,6 +324,49 @@ def cli_page_written_with(text: str) -> str:
     return text.split(marker, 1)[1].split(". ", 1)[0] if marker in text else ""
 
 
+# -- log events -----------------------------------------------------------------------------
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical", "exception")
+# What every line carries, not one event's own fields.
+COMMON_LOG_FIELDS = {"exc_info", "stack_info"}
+
+
+def log_events() -> dict[str, dict]:
+    """Every ``log.<level>("event", field=...)`` in guardian/ (each module's structlog
+    logger is ``log``): the event's levels, modules and fields, read from the source."""
+    events: dict[str, dict] = {}
+    package = REPO / "guardian"
+    for path in sorted(package.rglob("*.py")):
+        module = ".".join(path.relative_to(REPO).with_suffix("").parts)
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr in LOG_LEVELS and isinstance(node.func.value, ast.Name)
+                    and node.func.value.id == "log" and node.args
+                    and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+                continue
+            event = events.setdefault(node.args[0].value, {"levels": set(), "modules": set(), "fields": set()})
+            event["levels"].add("error" if node.func.attr == "exception" else node.func.attr)
+            event["modules"].add(module.removeprefix("guardian."))
+            event["fields"].update(k.arg for k in node.keywords if k.arg and k.arg not in COMMON_LOG_FIELDS)
+    return events
+
+
+def log_events_page() -> str:
+    order = {level: n for n, level in enumerate(LOG_LEVELS)}
+    lines = [GENERATED_NOTE, "# Log events", "",
+             "Every event the guardian logs, read from the code: each line is a JSON object with "
+             "`event`, `level`, `logger` and `timestamp`, the request's `request_id` (and the fields "
+             "bound to it) inside a request, and the event's own fields below. `--log-format console` "
+             "writes the same as text. Idle, nothing is written at `info`: routine checks are at "
+             "`debug`.", "",
+             "| event | level | where | fields |", "|---|---|---|---|"]
+    for name, event in sorted(log_events().items()):
+        levels = ", ".join(sorted(event["levels"], key=order.get))
+        modules = ", ".join(f"`{m}`" for m in sorted(event["modules"]))
+        fields = ", ".join(f"`{f}`" for f in sorted(event["fields"]))
+        lines.append(f"| `{name}` | {levels} | {modules} | {fields} |")
+    return "\n".join(lines) + "\n"
+
+
 # -- all of it ---------------------------------------------------------------------------------
 PAGES: dict[str, Callable[[], str]] = {
     "settings.md": settings_page,
@@ -329,6 +374,7 @@ PAGES: dict[str, Callable[[], str]] = {
     "exit-codes.md": exit_codes_page,
     "metrics.md": metrics_page,
     "cli.md": cli_page,
+    "log-events.md": log_events_page,
 }
 
 
