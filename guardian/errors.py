@@ -101,9 +101,7 @@ class AbortRequest(BaseException):
 class ClientGoneAbort(BaseException):
     """The client left while ``generate()`` waited for its request's first answer:
     carried past stock's ``except Exception`` (as ``AbortRequest`` is) to a handler that
-    has nobody to answer. As a ClientLeft it became a 500 internal_error, written to a
-    client that had only half-closed its connection, and logged as a server error."""
-
+    has nobody to answer, not a server error (a half-closed client still reads)."""
 
 
 def method_not_allowed(method: str, path: str, allowed: str) -> GuardianError:

@@ -30,7 +30,8 @@ from guardian.engine.lifecycle import EngineAbandoned, EngineState, Lifecycle
 from guardian.engine.memory import EngineMemory, GuardianPromptCache
 from guardian.engine.probes import Probes
 from guardian.engine.restart import Backoff, RestartClock, release_dead_loop
-from guardian.errors import AbortRequest, ClientGoneAbort, ClientLeft, GuardianError, engine_unavailable, from_stock_exception
+from guardian.errors import (AbortRequest, ClientGoneAbort, ClientLeft, GuardianError, engine_unavailable,
+                             from_stock_exception)
 from guardian.exit_codes import EXIT_ENGINE_FAILED, EXIT_ENGINE_STALLED, exit_now
 from guardian.plugin_manager import active_hook, notify
 from guardian.relay_protocol import started_by_supervisor
