@@ -25,7 +25,9 @@ import datetime
 import hashlib
 import logging
 import os
+import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
@@ -46,6 +48,16 @@ logging.getLogger("watchdog").setLevel(logging.INFO)
 # Editors save in steps (truncate, write; or write a temporary file, rename):
 # one reload once the events stop for this long.
 SETTLE_S = 0.1
+# A file written in place is read once its writer has closed it (inotify says so, on
+# Linux; elsewhere the settling above is all), or this long after it was opened for the
+# write whatever: a half-written key file must not be in force (everyone refused, or a
+# key cut short let in), nor a config file's first tables alone.
+MAX_OPEN_WAIT_S = 10.0
+CLOSE_EVENTS = sys.platform.startswith("linux")
+# The watch also looks at the file itself this often: a change no event in its folder
+# reports (a symlink swapped in another folder, as Kubernetes mounts a ConfigMap or a
+# Secret; the folder itself replaced; chmod) is read within this.
+POLL_S = 2.0
 
 
 class TableView:
@@ -310,13 +322,34 @@ def file_sha256(path) -> Optional[str]:
         return None
 
 
+def file_stamp(path) -> Optional[tuple]:
+    """What the file at ``path`` is now, symlinks followed: which file, its size, its
+    times (the change time moves with chmod and chown too); None if it cannot be seen."""
+    try:
+        stat = os.stat(path)
+    except OSError:
+        return None
+    return os.path.realpath(path), stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns
+
+
+def folder_identity(path: Path) -> Optional[tuple]:
+    try:
+        stat = os.stat(path)
+    except OSError:
+        return None
+    return stat.st_dev, stat.st_ino
+
+
 class ConfigFileWatcher:
     """Calls ``reload(reason)`` once a burst of file-system events on one file settles.
 
     Watches the file's folder, not the file: an editor that saves by writing
     a new file and renaming it over the old one replaces the inode a watch on
     the file would follow. Events are filtered to the file's name (moved:
-    its destination). Reloads run on one thread, in order.
+    its destination). A file written in place is read once its writer closed
+    it (``MAX_OPEN_WAIT_S``). Every ``POLL_S`` the file's stamp is compared too,
+    for what no event of the folder reports (the folder is watched again if
+    it was replaced). Reloads run on one thread, in order.
     """
 
     def __init__(self, path: Path, reload: Callable[[str], Any], settle_s: float = SETTLE_S):
@@ -328,6 +361,10 @@ class ConfigFileWatcher:
         self._reasons: list[str] = []
         self._reasons_lock = threading.Lock()
         self._observer = None
+        self._handler = None
+        self._folder: Optional[tuple] = None  # the watched folder's identity
+        self._stamp: Optional[tuple] = None  # the file's, when last read
+        self.writing = False  # a writer has it open (its write seen, its close not yet)
         self._thread = threading.Thread(target=self._run, name="config-reload", daemon=True)
 
     @property
@@ -349,11 +386,16 @@ class ConfigFileWatcher:
                     return
                 paths = [event.src_path, getattr(event, "dest_path", "")]
                 if any(watcher.is_ours(p) for p in paths if p):
+                    if CLOSE_EVENTS:  # written in place: wait for the close; renamed or closed: whole
+                        watcher.writing = event.event_type == "modified"
                     watcher.kick("file_changed")
 
+        self._stamp = file_stamp(self.path)
+        self._handler = Handler()
         self._observer = Observer()
         self._observer.daemon = True
-        self._observer.schedule(Handler(), str(self.path.parent), recursive=False)
+        self._folder = folder_identity(self.path.parent)
+        self._observer.schedule(self._handler, str(self.path.parent), recursive=False)
         self._observer.start()
         self._thread.start()
         log.info("config_watch_started", file=str(self.path))
@@ -372,21 +414,42 @@ class ConfigFileWatcher:
 
     def _run(self) -> None:
         while not self._stopped.is_set():
-            self._wake.wait()
-            # Let the rest of a save arrive: one reload per burst of events.
-            while self._wake.is_set() and not self._stopped.is_set():
+            if not self._wake.wait(POLL_S):
+                self._look()
+                continue
+            # Let the rest of a save arrive (one reload per burst of events), and its writer close it.
+            open_until = time.monotonic() + MAX_OPEN_WAIT_S
+            while (self._wake.is_set() or self.writing) and not self._stopped.is_set():
                 self._wake.clear()
                 self._stopped.wait(self.settle_s)
+                if time.monotonic() > open_until:
+                    break
             with self._reasons_lock:
                 reasons, self._reasons = self._reasons, []
             if self._stopped.is_set():
                 return
             # A signal asks for a re-read even of unchanged bytes; a file event only for new ones.
             reason = next((r for r in reasons if r != "file_changed"), "file_changed")
+            self._stamp = file_stamp(self.path)
             try:
                 self.reload(reason)
             except Exception:
                 log.exception("config_reload_crashed")
+
+    def _look(self) -> None:
+        """The poll: the file changed without an event seen (read it), its folder replaced
+        (watch the new one)."""
+        folder = folder_identity(self.path.parent)
+        if folder is not None and folder != self._folder:
+            self._folder = folder
+            try:
+                self._observer.unschedule_all()
+                self._observer.schedule(self._handler, str(self.path.parent), recursive=False)
+                log.info("config_watch_restarted", file=str(self.path), why="its folder was replaced")
+            except (OSError, RuntimeError) as e:
+                log.warning("config_watch_restart_failed", file=str(self.path), error_message=str(e))
+        if file_stamp(self.path) != self._stamp:
+            self.kick("file_changed")
 
     def stop(self) -> None:
         self._stopped.set()

@@ -1,0 +1,110 @@
+"""The watch behind the live configuration and the live key file (guardian.config.live's
+ConfigFileWatcher), alone: what it reads, and when.
+
+A save by rename and a save in place are events in the file's folder (tests/test_live_config.py,
+tests/test_access_door.py). These are what those events miss or get wrong: a file still being
+written (read once its writer closes it), a symlink swapped in another folder (Kubernetes
+mounts a ConfigMap or a Secret so), the folder itself replaced, and chmod.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from conftest import poll
+from guardian.config.live import CLOSE_EVENTS, POLL_S, ConfigFileWatcher
+
+
+class Reloads:
+    """The watch's reload: each call's reason and what the file held then."""
+
+    def __init__(self, path):
+        self.path = path
+        self.seen: list[tuple[str, str]] = []
+
+    def __call__(self, reason: str) -> None:
+        self.seen.append((reason, self.path.read_text()))
+
+    def read(self, text: str) -> bool:
+        return any(held == text for _, held in self.seen)
+
+
+@pytest.fixture
+def watched(tmp_path):
+    """Start a watch on ``path`` (written first with ``text``); stopped at the end."""
+    watchers = []
+
+    def start(path, text: str = "one\n") -> Reloads:
+        if not path.exists():
+            path.write_text(text)
+        reloads = Reloads(path)
+        watcher = ConfigFileWatcher(path, reloads)
+        watcher.start()
+        watchers.append(watcher)
+        return reloads
+
+    yield start
+    for watcher in watchers:
+        watcher.stop()
+
+
+def holds_for(condition, seconds: float, what: str) -> None:
+    """``condition()`` is true throughout the next ``seconds`` (asked every 20 ms)."""
+    until = time.monotonic() + seconds
+    while time.monotonic() < until:
+        assert condition(), what
+        time.sleep(0.02)  # the loop's pace: bounded by ``until``
+
+
+@pytest.mark.skipif(not CLOSE_EVENTS, reason="only inotify (Linux) reports that a writer closed a file")
+def test_a_file_written_in_place_is_read_once_its_writer_closes_it(tmp_path, watched):
+    """A save that truncates, then writes (``cat > keys``, a slow editor): the empty file was
+    read 0.1 s in (every client refused), then a key cut short (accepted as its own)."""
+    path = tmp_path / "keys"
+    reloads = watched(path, "alice:sk-alice-0123456789\n")
+    whole = "alice:sk-alice-0123456789\nbob:sk-bob-0123456789\n"
+    with open(path, "w") as writer:
+        writer.write(whole[:30])
+        writer.flush()
+        holds_for(lambda: not reloads.seen, 1.0, "nothing read while its writer has it open")
+        writer.write(whole[30:])
+    poll(lambda: reloads.seen, 5, what="the file read once closed")
+    assert reloads.seen == [("file_changed", whole)]
+
+
+def test_a_symlink_swapped_in_another_folder_is_read(tmp_path, watched):
+    """Kubernetes' atomic writer: ``keys -> ..data/keys``, ``..data -> ..v1``; a new version
+    goes into ``..v2`` and ``..data`` is renamed over. No event names ``keys``."""
+    (tmp_path / "..v1").mkdir()
+    (tmp_path / "..v1" / "keys").write_text("one\n")
+    os.symlink("..v1", tmp_path / "..data")
+    os.symlink("..data/keys", tmp_path / "keys")
+    reloads = watched(tmp_path / "keys")
+    (tmp_path / "..v2").mkdir()
+    (tmp_path / "..v2" / "keys").write_text("two\n")
+    os.symlink("..v2", tmp_path / "..data_tmp")
+    os.replace(tmp_path / "..data_tmp", tmp_path / "..data")
+    poll(lambda: reloads.read("two\n"), POLL_S + 5, what="the new version read")
+
+
+def test_a_replaced_folder_is_watched_again(tmp_path, watched):
+    folder = tmp_path / "conf"
+    folder.mkdir()
+    reloads = watched(folder / "keys")
+    folder.rename(tmp_path / "conf.old")
+    folder.mkdir()
+    (folder / "keys").write_text("two\n")
+    poll(lambda: reloads.read("two\n"), POLL_S + 5, what="the new folder's file read")
+    (folder / "keys").write_text("three\n")  # a save in the new folder: its events are seen
+    poll(lambda: reloads.read("three\n"), POLL_S + 5, what="a save in the new folder read")
+
+
+def test_a_change_of_mode_alone_is_read(tmp_path, watched):
+    """A key file an operator made readable again (chmod) is read: its last read failed."""
+    path = tmp_path / "keys"
+    reloads = watched(path)
+    os.chmod(path, 0o600)
+    poll(lambda: reloads.seen, POLL_S + 5, what="the file read again")
