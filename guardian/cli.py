@@ -83,8 +83,10 @@ def prepare(namespace: argparse.Namespace) -> None:
         config = load_config(namespace.guardian_config)
         config.core = config.core.with_flags(namespace)
         config.access = config.access.with_flags(namespace)
-        # A key file that does not parse stops the start, as a bad config file does.
-        KeyRing(config.access.api_key_file or None)
+        # A key file that does not parse stops the start, as a bad config file does. The door
+        # takes these keys once the model has loaded: a file saved meanwhile is a reload then
+        # (a bad one keeps these), not a second read that could fail after the load.
+        namespace.guardian_keys = KeyRing(config.access.api_key_file or None)
         # Plugins and the core read their settings through it: the file may change.
         live = LiveConfig(config, flags=namespace)
         configure_logging(config.core.log_format, live.log_level())

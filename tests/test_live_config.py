@@ -352,3 +352,27 @@ def test_saves_made_while_the_model_loads_are_read_once_it_serves(tmp_path, mode
         assert [e["added"] for e in server.events("api_keys_reloaded")] == [["carol"]]
     finally:
         server.stop()
+
+
+def test_a_key_file_broken_while_the_model_loads_keeps_the_keys_read_at_start(tmp_path, model_cache):
+    """The door read the key file again once the model had loaded: a file broken (or half
+    saved) meanwhile ended the server there, exit 1 and a traceback, the load wasted."""
+    alice = "sk-alice-0123456789abcdef"
+    keys = tmp_path / "keys.txt"
+    keys.write_text(f"alice:{alice}\n")
+    config = tmp_path / "guardian.toml"
+    config.write_text('[guardian]\nplugins = ["tests.plugins.slow_start:SlowStart"]\n'
+                      f'[slow_start]\nhold_before_load_s = 2.0\n[access]\napi_key_file = "{keys}"\n')
+    port = free_port()
+    server = Server(spawn_guardian(["--port", str(port), "--guardian-config", str(config)], tmp_path / "server.log",
+                                   model_cache), port, tmp_path / "server.log")
+    try:
+        server.wait_for_event("slow_start_loading", timeout=60)
+        keys.write_text(f"alice:{alice}\nbob:tiny\n")
+        server.wait_healthy()
+        [failed] = server.wait_for_event("api_keys_reload_failed", timeout=10)
+        assert "line 2" in failed["error_message"]
+        models = httpx.get(server.url + "/v1/models", headers={"Authorization": f"Bearer {alice}"}, timeout=10)
+        assert models.status_code == 200
+    finally:
+        server.stop()

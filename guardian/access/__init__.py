@@ -18,12 +18,14 @@ from guardian.relay_protocol import RELAY_KEY_ENV
 
 
 def make_door(settings, *, bound_host: str, allowed_origins: Optional[list[str]],
-              supervised_child: bool = False) -> AccessPolicy:
+              supervised_child: bool = False, keys: Optional[KeyRing] = None) -> AccessPolicy:
     """The door of a server bound to ``bound_host``. ``settings``: the (live) [access]
-    table; ``allowed_origins``: stock's --allowed-origins when given, else None.
-    A supervised child's door lets in only its supervisor (the relay key)."""
+    table; ``allowed_origins``: stock's --allowed-origins when given, else None;
+    ``keys``: the key file as read at start (else read now). A supervised child's door
+    lets in only its supervisor (the relay key)."""
     relay_key = os.environ.get(RELAY_KEY_ENV) if supervised_child else None
-    keys = KeyRing(None if relay_key else settings.api_key_file or None)
+    if relay_key or keys is None:
+        keys = KeyRing(None if relay_key else settings.api_key_file or None)
     return AccessPolicy(settings, keys, bound_host=bound_host, origins=Origins(allowed_origins),
                         relay_key=relay_key)
 

@@ -111,7 +111,8 @@ def serve(host: str, port: int, model_provider, config: Union[GuardianConfig, Li
 
     door = make_door(live.view("access"), bound_host=host,
                      allowed_origins=model_provider.cli_args.allowed_origins,
-                     supervised_child=started_by_supervisor())
+                     supervised_child=started_by_supervisor(),
+                     keys=getattr(model_provider.cli_args, "guardian_keys", None))
     served = ServedModel(model_provider, live, pm, on_exit=exit_request,
                       engine_class=GuardianEngine if member is None else member.engine_class, door=door)
     engine = served.engine
