@@ -58,3 +58,24 @@ def test_a_sighup_while_the_child_starts_is_held_until_it_is_ready(start_supervi
     poll(lambda: httpx.get(supervised.url + "/guardian/status", timeout=5).json()["config"]["reason"] == "sighup",
          15, what="the child's reload")
     assert not supervised.supervisor_events("child_exited")
+
+
+def test_a_version_the_child_refuses_changes_the_public_ports_door_no_more(start_supervisor, tmp_path):
+    """The supervisor checks the file's core tables, not the plugins' (it loads none): a
+    version the child refused for its [prompt_guard] still had its [access] applied at the
+    public port, there opening /v1/models to anyone."""
+    keys = tmp_path / "keys"
+    keys.write_text("alice:sk-alice-0123456789abcdef\n")
+    config = tmp_path / "guardian.toml"
+    public = '"/health", "/readyz", "/livez", "/guardian/supervisor"'  # the fixture reads the last
+    config.write_text(f"[access]\npublic_paths = [{public}]\n[prompt_guard]\nmax_prompt_tokens = 0\n")
+    supervised = start_supervisor("--guardian-config", str(config), "--api-key-file", str(keys))
+    assert httpx.get(supervised.url + "/v1/models", timeout=5).status_code == 401
+    opened = f'[access]\npublic_paths = [{public}, "/v1/models"]\n'
+    config.write_text(opened + '[prompt_guard]\nmax_prompt_tokens = "lots"\n')
+    [failed] = poll(lambda: supervised.supervisor_events("access_reload_failed"), 15, what="the supervisor's refusal")
+    assert "the child refused" in failed["error_message"] and "max_prompt_tokens" in failed["error_message"]
+    assert httpx.get(supervised.url + "/v1/models", timeout=5).status_code == 401
+    config.write_text(opened + "[prompt_guard]\nmax_prompt_tokens = 0\n")  # mended: both take it
+    poll(lambda: httpx.get(supervised.url + "/v1/models", timeout=5).status_code == 200, 15,
+         what="the mended version's [access] at the public port")

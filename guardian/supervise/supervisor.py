@@ -80,6 +80,10 @@ NOT_RESTARTABLE = {EXIT_USAGE}
 # systemd's RestartSec or launchd's ThrottleInterval. Once is not enough: a load may
 # meet a passing shortage.
 BOOT_FAILURES_IN_A_ROW = 2
+# A change of [access] waits this long, at most, for a ready guardian child to run the
+# file's new version or refuse it; asked this often.
+CHILD_VERDICT_WAIT_S = 3.0
+CHILD_VERDICT_POLL_S = 0.05
 # The main loop woke this much later than due: the supervisor did not run, nor, most
 # likely, its child (SIGSTOP of the process group, Ctrl-Z, a frozen cgroup or VM). That
 # time is no child's fault. (A pause inside a health check is not seen: a check's own
@@ -182,6 +186,7 @@ class Supervisor:
         self.relay_key = new_relay_key()
         # Who may come in at the public port (guardian.access): the same door as one process'.
         self.door = door or public_door(options, child_args)
+        self.access_watcher = None  # the file's watch, for [access] (``follow_access``)
         # A check answers fast or not at all (a SIGSTOPped child accepts the connection
         # in the kernel and never replies): it fails past --supervisor-health-timeout.
         self.health_timeout = self.settings.health_timeout_s
@@ -246,11 +251,14 @@ class Supervisor:
             self.access_watcher.start()
 
     def reload_access(self, reason: str) -> None:
-        """[access]'s live settings from the file again; the others wait for a restart."""
+        """[access]'s live settings from the file again; the others wait for a restart.
+        A version a guardian child refuses (its plugins' tables, which the supervisor does
+        not load) changes nothing here either, as it changes nothing there."""
         if self.options.guardian_config is None:
             return
         try:
-            fresh = load_config(self.options.guardian_config).access.with_flags(self.options)
+            config = load_config(self.options.guardian_config)
+            fresh = config.access.with_flags(self.options)
         except ConfigError as e:
             log.error("access_reload_failed", reason=reason, error_message=str(e))
             return
@@ -258,9 +266,36 @@ class Supervisor:
         values = {key: getattr(fresh if setting.live else current, key)
                   for key, setting in AccessSettings.settings.items()}
         changed = sorted(key for key in values if values[key] != getattr(current, key))
+        if not changed:
+            return
+        refused = self.child_refused(config.sha256)
+        if refused is not None:
+            log.error("access_reload_failed", reason=reason, error_message=f"the child refused this version "
+                      f"of the file, so the public port keeps its [access] too: {refused}")
+            return
         self.door.use_settings(AccessSettings(**values))
-        if changed:
-            log.info("access_reloaded", reason=reason, changed=changed)
+        log.info("access_reloaded", reason=reason, changed=changed)
+
+    def child_refused(self, sha256: Optional[str]) -> Optional[str]:
+        """Why a ready guardian child refused the file's version ``sha256`` (its
+        ``config_reload_failed``); None once it runs that version, or if it cannot say
+        within ``CHILD_VERDICT_WAIT_S`` (none ready, a stock child, a child that is slow)."""
+        child = self.serving_child()
+        if child is None or not child.has_readyz:
+            return None
+        deadline = time.monotonic() + CHILD_VERDICT_WAIT_S
+        while time.monotonic() < deadline:
+            try:
+                config = child.client.get("/guardian/status", timeout=self.health_timeout).json()["config"]
+            except (httpx.HTTPError, ValueError, KeyError, TypeError):
+                return None
+            if config.get("sha256") == sha256:
+                return None
+            failure = config.get("last_failure") or {}
+            if failure.get("sha256") == sha256:
+                return failure.get("error_message") or "refused"
+            threading.Event().wait(CHILD_VERDICT_POLL_S)  # the child's own watch reads the file meanwhile
+        return None
 
     def wait_for_signals(self, timeout: float) -> list[int]:
         """Every queued signal, waiting up to ``timeout`` for the first."""
@@ -301,7 +336,10 @@ class Supervisor:
         certificate, and goes to a guardian child (it re-reads --guardian-config);
         SIGTERM/SIGINT stop, a second one hard-kills."""
         if signum == signal.SIGHUP:
-            self.reload_access("sighup")
+            if self.access_watcher is not None:  # on its thread: it may wait for the child's verdict
+                self.access_watcher.kick("sighup")
+            else:
+                self.reload_access("sighup")
             if self.door.keys.configured:
                 self.door.keys.reload("sighup")
             if self.tls is not None:
