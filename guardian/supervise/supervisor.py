@@ -20,6 +20,7 @@ kills an engine can take it down with it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import queue
 import re
@@ -251,30 +252,38 @@ class Supervisor:
             self.access_watcher.start()
 
     def reload_access(self, reason: str) -> None:
-        """[access]'s live settings from the file again; the others wait for a restart.
-        A version a guardian child refuses (its plugins' tables, which the supervisor does
-        not load) changes nothing here either, as it changes nothing there."""
+        """The file's live settings the supervisor reads ([access]; [guardian] retry_after_s)
+        again; the others wait for a restart. A version a guardian child refuses (its
+        plugins' tables, which the supervisor does not load) changes nothing here either,
+        as it changes nothing there."""
         if self.options.guardian_config is None:
             return
         try:
             config = load_config(self.options.guardian_config)
             fresh = config.access.with_flags(self.options)
+            retry_after_s = config.core.with_flags(self.options).retry_after_s
         except ConfigError as e:
-            log.error("access_reload_failed", reason=reason, error_message=str(e))
+            log.error("supervisor_config_reload_failed", reason=reason, error_message=str(e))
             return
         current = self.door.settings
         values = {key: getattr(fresh if setting.live else current, key)
                   for key, setting in AccessSettings.settings.items()}
-        changed = sorted(key for key in values if values[key] != getattr(current, key))
+        changed = sorted(f"access.{key}" for key in values if values[key] != getattr(current, key))
+        if retry_after_s != self.core.retry_after_s:
+            changed.append("guardian.retry_after_s")
         if not changed:
             return
         refused = self.child_refused(config.sha256)
         if refused is not None:
-            log.error("access_reload_failed", reason=reason, error_message=f"the child refused this version "
-                      f"of the file, so the public port keeps its [access] too: {refused}")
+            log.error("supervisor_config_reload_failed", reason=reason, error_message=f"the child refused this "
+                      f"version of the file, so the supervisor keeps its settings too: {refused}")
             return
         self.door.use_settings(AccessSettings(**values))
-        log.info("access_reloaded", reason=reason, changed=changed)
+        self.core = CoreSettings(**{**{key: getattr(self.core, key) for key in CoreSettings.settings},
+                                    "retry_after_s": retry_after_s})
+        if self.httpd is not None:  # its door's 503s say it too
+            self.httpd.limits = dataclasses.replace(self.httpd.limits, retry_after_s=retry_after_s)
+        log.info("supervisor_config_reloaded", reason=reason, changed=changed)
 
     def child_refused(self, sha256: Optional[str]) -> Optional[str]:
         """Why a ready guardian child refused the file's version ``sha256`` (its
