@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import threading
 import time
 
@@ -205,3 +206,37 @@ def test_a_child_that_gives_up_leaves_its_requests_to_the_supervisor(start_super
     assert exited["pid"] == first_pid and exited["returncode"] == EXIT_ENGINE_FAILED
     assert supervised.supervisor_events("stream_continuing")
     assert not supervised.events("request_errored")  # no child answered anything with an error
+
+
+def test_a_held_request_counts_once_and_one_whose_client_left_is_dropped(start_supervisor, tmp_path):
+    """A request handed off, cut by its child's death and held for the next, counted twice
+    in flight (the reader's hand-off and its handler each). A held request whose client
+    left kept its place in the hold (a live client was refused for it) and was sent to the
+    next child, which generated its answer for nobody."""
+    config = tmp_path / "slow.toml"
+    config.write_text(SLOW_STEPS + '[guardian]\nplugins = ["tests.plugins.slow_start:SlowStart"]\n'
+                      "[slow_start]\nhold_s = 3.0\n")  # every child's start: 3 s more to hold in
+    supervised = start_supervisor("--guardian-config", str(config))
+    first_pid = supervised.wait_ready()
+    results: list = []
+    thread = post_in_thread(supervised.url, chat_body(max_tokens=300), results)  # 3 s of steps
+    poll(lambda: supervised.supervisor()["in_flight"] == 1, 10, what="the request in flight")
+    supervised.signal_child(first_pid, signal.SIGKILL)
+    poll(lambda: supervised.supervisor()["holding"] == 1, 10, what="the request held for the next child")
+    assert supervised.supervisor()["in_flight"] == 1
+    with socket.create_connection(("127.0.0.1", supervised.port), timeout=10) as leaver:
+        body = b'{"messages": [{"role": "user", "content": "Hi."}], "max_tokens": 4}'
+        leaver.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Request-ID: held-and-left\r\n"
+                       b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        poll(lambda: supervised.supervisor()["holding"] == 2, 10, what="the second request held")
+    poll(lambda: supervised.supervisor()["holding"] == 1, 2, what="the place of the client that left given up")
+    supervised.wait_ready(not_pid=first_pid, timeout=60)
+    thread.join(timeout=60)
+    assert results and results[0][0].status_code == 200
+    after = httpx.post(supervised.url + COMPLETIONS, json=chat_body(max_tokens=4), timeout=30,
+                       headers={"X-Request-ID": "after-it"})
+    assert after.status_code == 200
+    poll(lambda: supervised.events("http_access") and any(
+        e.get("request_id") == "after-it" for e in supervised.events("http_access")), 10)
+    assert not [e for e in supervised.logs() if e.get("request_id") == "held-and-left"]
+    assert supervised.supervisor()["in_flight"] == 0

@@ -19,6 +19,7 @@ child's end of every connection, so every read from it ends.
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import logging
@@ -236,7 +237,8 @@ class ProxyHandler(BaseHTTPRequestHandler):
         # once, and the child, seeing its own client leave, ends the request.
         self.server.watch_client(self.connection, self.client_left)
         try:
-            with supervisor.in_flight:
+            # A request the reader handed off is in flight since then (until ``resumed``).
+            with supervisor.in_flight if self.passed is None else contextlib.nullcontext():
                 self.serve(path, body, request_fingerprint)
         finally:
             self.server.unwatch_client(self.connection)
@@ -259,11 +261,15 @@ class ProxyHandler(BaseHTTPRequestHandler):
     upstream: Optional["Upstream"] = None
 
     def client_left(self) -> None:
-        """The client closed its connection (the connection layer's reader thread)."""
+        """The client closed its connection (the connection layer's reader thread): the relay
+        is cut, and a request held for a child gives its place up now."""
         self.gone = True
         upstream = self.upstream
         if upstream is not None:
             upstream.abort()
+        supervisor = self.server.supervisor
+        with supervisor.changed:
+            supervisor.changed.notify_all()
         log.info("proxy_client_gone", path=self.logged_path)
 
     def serve(self, path: str, body: bytes, request_fingerprint: str) -> None:
@@ -282,11 +288,15 @@ class ProxyHandler(BaseHTTPRequestHandler):
             if passed is not None:  # the reader's hand-off was the first attempt
                 child, outcome, passed = passed.child, self.resumed_outcome(passed), None
             else:
-                child = supervisor.wait_for_child()
+                child = supervisor.wait_for_child(given_up=lambda: self.gone)
+                if self.gone:
+                    return  # left while held: nobody to answer, nothing to send
                 if child is None:
                     return self.give_up(stream, supervisor.unavailable_error())
                 # A crash suspect waits to run alone; others wait behind it.
                 with supervisor.quarantine.turn(self.command, request_fingerprint) as alone:
+                    if self.gone:
+                        return  # left while it waited its turn
                     # The turn may come just after the request before it crashed
                     # this child: never send to a dead one (it would be struck too).
                     outcome = CHILD_GONE if child_died(child, alone) else self.to_child(

@@ -32,7 +32,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import httpx
 import structlog
@@ -622,11 +622,12 @@ class Supervisor:
             serving = (State.READY,) if health_check else SERVING
             return self.child if self.state in serving else None
 
-    def wait_for_child(self) -> Optional[Child]:
+    def wait_for_child(self, given_up: Callable[[], bool] = lambda: False) -> Optional[Child]:
         """The child requests go to; while one is coming (starting, restarting), wait for it.
 
         At most ``hold_requests`` wait at once, each at most ``hold_s``;
         None when no child can take the request (the caller answers 503).
+        ``given_up()``: its client left (``changed`` is notified then); it waits no more.
         """
         refused = None
         with self.changed:
@@ -636,10 +637,13 @@ class Supervisor:
                 else:
                     self.holding += 1
                     try:
-                        if not self.changed.wait_for(lambda: self.state not in HOLDING, self.settings.hold_s):
+                        if not self.changed.wait_for(lambda: self.state not in HOLDING or given_up(),
+                                                     self.settings.hold_s):
                             refused = "hold_timed_out"
                     finally:
                         self.holding -= 1
+                    if given_up():
+                        return None
             child = self.child if self.state in SERVING else None
             holding = self.holding
         if refused:
