@@ -214,11 +214,14 @@ class Channel:
             socket.send_fds(self.sock, [_HANDOFF_BYTE], fds)
 
     def close(self) -> None:
-        for sock in (self.sock, self.child_end):
-            try:
-                sock.close()
-            except OSError:
-                pass
+        # Not during a send (a reader's thread may be handing off as the child is reaped):
+        # its descriptor's number, closed and reused meanwhile, would send to another file.
+        with self._lock:
+            for sock in (self.sock, self.child_end):
+                try:
+                    sock.close()
+                except OSError:
+                    pass
 
 
 def _anonymous_file() -> int:
