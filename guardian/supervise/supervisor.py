@@ -37,7 +37,7 @@ from typing import Callable, Optional
 import httpx
 import structlog
 
-from guardian.config.tables import AccessSettings, CommandLine, CoreSettings, SupervisorSettings
+from guardian.config.tables import AccessSettings, CommandLine, CoreSettings, SupervisorSettings, WatchdogSettings
 from guardian.config.registry import ConfigError
 from guardian.config.loading import load_config
 from guardian.observability.counting import ActiveCount, RecentEvents
@@ -85,6 +85,9 @@ BOOT_FAILURES_IN_A_ROW = 2
 # file's new version or refuse it; asked this often.
 CHILD_VERDICT_WAIT_S = 3.0
 CHILD_VERDICT_POLL_S = 0.05
+CHILD_VERDICT_POLL_TIMEOUT_S = 1.0
+# A health check runs on the main loop: at most this long, whatever --supervisor-health-timeout says.
+HEALTH_CHECK_MAX_S = 5.0
 # The main loop woke this much later than due: the supervisor did not run, nor, most
 # likely, its child (SIGSTOP of the process group, Ctrl-Z, a frozen cgroup or VM). That
 # time is no child's fault. (A pause inside a health check is not seen: a check's own
@@ -189,11 +192,15 @@ class Supervisor:
         self.door = door or public_door(options, child_args)
         self.access_watcher = None  # the file's watch, for [access] (``follow_access``)
         # A check answers fast or not at all (a SIGSTOPped child accepts the connection
-        # in the kernel and never replies): it fails past --supervisor-health-timeout.
-        self.health_timeout = self.settings.health_timeout_s
+        # in the kernel and never replies): it fails past --supervisor-health-timeout, and
+        # past HEALTH_CHECK_MAX_S whatever: it runs on the main loop (signals, reaping, kills).
+        self.health_timeout = min(self.settings.health_timeout_s, HEALTH_CHECK_MAX_S)
         # The child's probes' deadline (its [watchdog] table, read as it starts) and a margin.
-        self.deep_readiness_timeout_s = (load_config(options.guardian_config).watchdog.probe_timeout_s
-                                         + DEEP_READINESS_MARGIN_S)
+        try:
+            probe_timeout_s = load_config(options.guardian_config).watchdog.probe_timeout_s
+        except ConfigError:  # the file broke since it was read: the child will say so
+            probe_timeout_s = WatchdogSettings.probe_timeout_s.default
+        self.deep_readiness_timeout_s = probe_timeout_s + DEEP_READINESS_MARGIN_S
 
     # -- main loop ----------------------------------------------------------
     def run(self) -> int:
@@ -289,14 +296,14 @@ class Supervisor:
         """Why a ready guardian child refused the file's version ``sha256`` (its
         ``config_reload_failed``); None once it runs that version, or if it cannot say
         within ``CHILD_VERDICT_WAIT_S`` (none ready, a stock child, a child that is slow)."""
-        child = self.serving_child()
-        if child is None or not child.has_readyz:
-            return None
         deadline = time.monotonic() + CHILD_VERDICT_WAIT_S
         while time.monotonic() < deadline:
+            child = self.serving_child()  # asked each time: it may be replaced meanwhile
+            if child is None or not child.has_readyz:
+                return None
             try:
-                config = child.client.get("/guardian/status", timeout=self.health_timeout).json()["config"]
-            except (httpx.HTTPError, ValueError, KeyError, TypeError):
+                config = child.client.get("/guardian/status", timeout=CHILD_VERDICT_POLL_TIMEOUT_S).json()["config"]
+            except Exception:  # noqa: BLE001 - any failure (a reaped child's client is closed) is no verdict
                 return None
             if config.get("sha256") == sha256:
                 return None
