@@ -97,9 +97,10 @@ def judge_head(head: bytes, max_header_count: int) -> Head:
     if len(lines) - 1 > max_header_count:
         raise refusal(431, f"The request has more than {max_header_count} headers.", "too_many_headers")
     if len(head) > STDLIB_MAX_LINE:
-        if len(lines[0]) >= STDLIB_MAX_LINE:  # with its LF, past what http.server reads
+        # Each line as the handler reads it: ended by CRLF (a bare LF's line is rewritten so).
+        if len(lines[0].rstrip(b"\r")) + 2 > STDLIB_MAX_LINE:
             raise refusal(414, f"The request line is longer than {STDLIB_MAX_LINE} bytes.", "uri_too_long")
-        if any(len(line) >= STDLIB_MAX_LINE for line in lines):
+        if any(len(line.rstrip(b"\r")) + 2 > STDLIB_MAX_LINE for line in lines):
             raise refusal(431, f"A header line is longer than {STDLIB_MAX_LINE} bytes.", "headers_too_large")
     bare_lf = blank != b"\r"
     for i, line in enumerate(lines):

@@ -203,9 +203,10 @@ NOT_FORWARDED_UPSTREAM = (relay_protocol.HOP_BY_HOP | {"host", "content-length",
 
 
 # What a child's head may hold more than its client's (Host replaces Host): X-Forwarded-For,
-# the client's name, the supervisor's key. The public door leaves room for them under
+# the client's name, the supervisor's key; relayed, httpx's own (Accept, Accept-Encoding,
+# Connection, User-Agent, Content-Length). The public door leaves room for them under
 # http.server's count (guardian.serving.framing), which the child's handler reads by.
-HEADERS_ADDED_FOR_CHILD = 3
+HEADERS_ADDED_FOR_CHILD = 8
 
 
 def forwarded_headers(items, client_ip: str, access: Optional[AccessDecision]) -> list[tuple[str, str]]:
