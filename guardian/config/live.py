@@ -25,7 +25,6 @@ import datetime
 import hashlib
 import logging
 import os
-import sys
 import threading
 import time
 from pathlib import Path
@@ -53,7 +52,6 @@ SETTLE_S = 0.1
 # write whatever: a half-written key file must not be in force (everyone refused, or a
 # key cut short let in), nor a config file's first tables alone.
 MAX_OPEN_WAIT_S = 10.0
-CLOSE_EVENTS = sys.platform.startswith("linux")
 # The watch also looks at the file itself this often: a change no event in its folder
 # reports (a symlink swapped in another folder, as Kubernetes mounts a ConfigMap or a
 # Secret; the folder itself replaced; chmod) is read within this.
@@ -332,6 +330,12 @@ def file_stamp(path) -> Optional[tuple]:
     return os.path.realpath(path), stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns
 
 
+def reports_closes(observer) -> bool:
+    """Whether ``observer`` reports a writer's close of a file (inotify's IN_CLOSE_WRITE,
+    Linux): not macOS' FSEvents, nor the polling observer watchdog falls back on."""
+    return type(observer).__name__ == "InotifyObserver"
+
+
 def folder_identity(path: Path) -> Optional[tuple]:
     try:
         stat = os.stat(path)
@@ -365,6 +369,7 @@ class ConfigFileWatcher:
         self._folder: Optional[tuple] = None  # the watched folder's identity
         self._stamp: Optional[tuple] = None  # the file's, when last read
         self.writing = False  # a writer has it open (its write seen, its close not yet)
+        self.close_events = False  # whether the observer says when a writer closes the file
         self._thread = threading.Thread(target=self._run, name="config-reload", daemon=True)
 
     @property
@@ -386,13 +391,14 @@ class ConfigFileWatcher:
                     return
                 paths = [event.src_path, getattr(event, "dest_path", "")]
                 if any(watcher.is_ours(p) for p in paths if p):
-                    if CLOSE_EVENTS:  # written in place: wait for the close; renamed or closed: whole
+                    if watcher.close_events:  # written in place: wait for the close; renamed or closed: whole
                         watcher.writing = event.event_type == "modified"
                     watcher.kick("file_changed")
 
         self._stamp = file_stamp(self.path)
         self._handler = Handler()
         self._observer = Observer()
+        self.close_events = reports_closes(self._observer)
         self._observer.daemon = True
         self._folder = folder_identity(self.path.parent)
         self._observer.schedule(self._handler, str(self.path.parent), recursive=False)
@@ -415,7 +421,10 @@ class ConfigFileWatcher:
     def _run(self) -> None:
         while not self._stopped.is_set():
             if not self._wake.wait(POLL_S):
-                self._look()
+                try:
+                    self._look()
+                except Exception:  # noqa: BLE001 - a failed look must not end the watch
+                    log.exception("config_watch_look_failed", file=str(self.path))
                 continue
             # Let the rest of a save arrive (one reload per burst of events), and its writer close it.
             open_until = time.monotonic() + MAX_OPEN_WAIT_S
@@ -423,6 +432,7 @@ class ConfigFileWatcher:
                 self._wake.clear()
                 self._stopped.wait(self.settle_s)
                 if time.monotonic() > open_until:
+                    self.writing = False  # its close was never seen (lost, or none comes): read it now
                     break
             with self._reasons_lock:
                 reasons, self._reasons = self._reasons, []
