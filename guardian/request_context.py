@@ -137,9 +137,13 @@ def client_gone(info: RequestInfo) -> None:
     if info.client_left is not None:
         info.client_left.append(True)
     callbacks = info.on_client_gone or []
-    while callbacks:
+    while True:
         try:
-            callbacks.pop()()
+            callback = callbacks.pop()
+        except IndexError:  # none left (``_when_gone`` may take one back meanwhile)
+            return
+        try:
+            callback()
         except Exception:
             log.exception("client_gone_callback_failed")
 
