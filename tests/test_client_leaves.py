@@ -115,6 +115,15 @@ def test_a_client_that_half_closes_has_left_and_gets_no_server_error(engine_serv
     poll(engine_server.idle, 5)
 
 
+def test_a_client_that_sent_bytes_past_its_request_is_still_watched(engine_server):
+    """A CRLF after the body (some clients add one), or a pipelined request: the watch saw
+    the connection readable, found no end, and watched no more, so its leaving went unseen."""
+    sock = engine_server.send_raw(chat_body(max_tokens=3000))
+    sock.sendall(b"\r\n")
+    started = engine_server.engine_status()["steps"]
+    leave_and_check(engine_server, sock, lambda: engine_server.engine_status()["steps"] > started + 10)
+
+
 def test_a_client_that_leaves_during_prefill(engine_server):
     sock = engine_server.send_raw(chat_body(LONG_PROMPT, max_tokens=5))
     # Taken and started, and no token yet: in prefill (chunks of 32 tokens, 20 ms each).

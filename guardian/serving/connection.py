@@ -66,6 +66,9 @@ LINGER_S = 2.0
 LISTEN_BACKLOG = 4096
 # One read from a connection.
 READ_BYTES = 1 << 16
+# What the reader takes of one connection before it serves the others again (a large
+# body from a fast client would hold every other connection's reads and accepts).
+READ_BYTES_PER_TURN = 1 << 20
 # The reader wakes at least this often to expire deadlines.
 TICK_S = 0.25
 # Connections accepted in one go before the reader reads the others again.
@@ -261,6 +264,17 @@ def client_left(sock: socket.socket) -> bool:
         return False
     except OSError:
         return True
+
+
+def drained(sock: socket.socket) -> bool:
+    """Read and drop what a plain connection has ready, without waiting; False if it is at
+    its end (EOF or reset) instead."""
+    try:
+        return socket.socket.recv(sock, READ_BYTES, socket.MSG_DONTWAIT) != b""
+    except (BlockingIOError, InterruptedError):
+        return True
+    except OSError:
+        return False
 
 
 def client_left_now(sock: socket.socket) -> bool:
@@ -461,13 +475,17 @@ class RequestReader:
             close_quietly(incoming.sock)
 
     def _on_watched(self, watched: Watched) -> None:
-        """A watched connection is readable: its client left, or sent more (not watched further)."""
+        """A watched connection is readable: its client left, or sent more. Bytes past the
+        request (a CRLF some clients add, a pipelined request its HTTP/1.0 answer will not
+        reach) are dropped and the watch goes on; under TLS they are its records, left be."""
         self.unwatch(watched.sock)
-        if client_left(watched.sock):
+        if client_left(watched.sock) or (self.server.tls is None and not drained(watched.sock)):
             try:
                 watched.on_gone()
             except Exception:  # noqa: BLE001 - one request's callback must not stop the reader
                 log.exception("client_gone_callback_failed")
+        elif self.server.tls is None:
+            self.watch(watched.sock, watched.on_gone)
 
     def _on_ready(self, readable: Readable) -> None:
         self.unwatch(readable.sock)
@@ -576,8 +594,9 @@ class RequestReader:
     def _read_some(self, incoming: Incoming) -> bool:
         """Read what has come of ``incoming``'s request, at most what it may still have;
         False: the connection is gone (closed here)."""
+        turn_ends_at = len(incoming.buffer) + READ_BYTES_PER_TURN
         try:
-            while (wanted := self._wanted(incoming)) > 0:
+            while (wanted := self._wanted(incoming)) > 0 and len(incoming.buffer) < turn_ends_at:
                 chunk = incoming.sock.recv(min(READ_BYTES, wanted))
                 if not chunk:  # the client closed before its request was whole
                     self._forget(incoming)
