@@ -170,7 +170,8 @@ class SupervisorSettings(Table, name="supervisor"):
         flag="--supervisor-max-resends", metavar="N")
     health_timeout_s = Setting(POSITIVE_SECONDS, 1.0, """
         A check of the child (the supervisor's own, each interval) fails if not
-        answered within this many seconds. The public /health and /readyz relay
+        answered within this many seconds (5 at most: it runs on the supervisor's
+        main loop). The public /health and /readyz relay
         the child's answer only if it comes within it too; otherwise, and whenever
         the supervisor holds the child unhealthy, they answer 503 from the
         supervisor's own checks.""",
