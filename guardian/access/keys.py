@@ -144,8 +144,10 @@ class KeyRing:
     """The keys in force, read from the key file and again whenever it changes.
 
     A file that cannot be read or parsed keeps the last good set (logged as
-    ``api_keys_reload_failed``), so a half-saved file never locks everyone out
-    or lets anyone in.
+    ``api_keys_reload_failed``), and one being written in place is read once
+    its writer has closed it (guardian.config.live, where the kernel says so:
+    Linux), so a half-saved file neither locks everyone out nor lets a key cut
+    short in.
     """
 
     def __init__(self, path: Optional[str]):
