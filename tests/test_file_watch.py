@@ -56,11 +56,11 @@ def watched(tmp_path, monkeypatch):
 
 
 def holds_for(condition, seconds: float, what: str) -> None:
-    """``condition()`` is true throughout the next ``seconds`` (asked every 20 ms)."""
+    """``condition()`` is true throughout the next ``seconds`` (asked every 20 ms): polled
+    until it fails or the time is up, whichever comes first, then asked once more."""
     until = time.monotonic() + seconds
-    while time.monotonic() < until:
-        assert condition(), what
-        time.sleep(0.02)  # the loop's pace: bounded by ``until``
+    poll(lambda: not condition() or time.monotonic() >= until, seconds + 5, interval=0.02, what=what)
+    assert condition(), what
 
 
 @pytest.mark.skipif(not reports_closes(Observer()), reason="only inotify (Linux) reports that a writer closed a file")
