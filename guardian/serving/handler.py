@@ -27,7 +27,8 @@ from guardian.serving.connection import linger_close
 from guardian.serving.endpoints import GET_PATHS, MONITORING_PATHS, Endpoints
 from guardian.request_context import (REQUEST_ID_HEADER, add_response_headers, bind_log_fields, client_gone,
                                       current_request, deadline_passed, request_scope, sane_request_id)
-from guardian.errors import SERVER_STOPPING, AbortRequest, ClientGoneAbort, GuardianError, from_stock_exception, method_not_allowed
+from guardian.errors import (SERVER_STOPPING, AbortRequest, ClientGoneAbort, GuardianError, from_stock_exception,
+                             method_not_allowed)
 from guardian.observability.logs import loggable_line
 from guardian.plugin_manager import notify
 
