@@ -10,6 +10,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import random
+import re
 import shutil
 import signal
 import socket
@@ -27,10 +29,34 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 
+# Test servers listen below every system's range of ephemeral ports (Linux
+# 32768-60999, macOS 49152-65535): a port the kernel handed out (to a client's
+# connection, a supervisor's child) is never one a test is about to bind, and
+# each lane of `make test` (GUARDIAN_TEST_LANE) has its own range, so a server
+# of one lane cannot take the port another lane's server is still loading to
+# bind. Ports go in steps of PORT_STEP: mlx.launch's ring takes the ports
+# after the one it is given.
+PORTS_PER_LANE = 3000
+FIRST_PORT = 20000
+PORT_STEP = 8
+_lane = int(os.environ.get("GUARDIAN_TEST_LANE", "3"))
+_lane_ports = range(FIRST_PORT + _lane * PORTS_PER_LANE, FIRST_PORT + (_lane + 1) * PORTS_PER_LANE, PORT_STEP)
+_next_port = random.randrange(len(_lane_ports))  # two runs outside the lanes seldom meet
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port of this lane's range that nothing listens on or holds now."""
+    global _next_port
+    for _ in range(len(_lane_ports)):
+        port = _lane_ports[_next_port % len(_lane_ports)]
+        _next_port += 1
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {_lane_ports}")
 
 
 def poll(condition: Callable[[], object], timeout: float, interval: float = 0.02, what: str = ""):
@@ -90,9 +116,16 @@ class Server:
         def ready():
             if self.proc.poll() is not None:
                 raise AssertionError(f"server exited {self.proc.returncode}:\n{self.log_path.read_text()[-3000:]}")
-            return self.status("/readyz") == 200
+            return self.listening_here() and self.status("/readyz") == 200
 
         poll(ready, timeout, interval=0.05, what="/readyz 200")
+
+    def listening_here(self) -> bool:
+        """Whether this server's own log says it listens on its port (JSON or console
+        lines): only then is an answer there this server's, not another's."""
+        port = re.compile(rf"\b{self.port}\b")
+        return any(("server_started" in line or "supervisor_started" in line) and port.search(line)
+                   for line in self.log_path.read_text().splitlines())
 
     def stop(self) -> None:
         if self.proc.poll() is None:

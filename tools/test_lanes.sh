@@ -19,7 +19,7 @@ mkdir -p .test-logs
 started=$SECONDS
 PIDS=()
 for i in 0 1 2; do
-    "${PYTHONS[$i]}" -m pytest -m "${MARKS[$i]}" "$@" > ".test-logs/${NAMES[$i]}.log" 2>&1 &
+    GUARDIAN_TEST_LANE=$i "${PYTHONS[$i]}" -m pytest -m "${MARKS[$i]}" "$@" > ".test-logs/${NAMES[$i]}.log" 2>&1 &
     PIDS[$i]=$!
     echo "lane ${NAMES[$i]}: ${PYTHONS[$i]} -m pytest -m '${MARKS[$i]}' $* (log: .test-logs/${NAMES[$i]}.log)"
 done
