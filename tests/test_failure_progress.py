@@ -80,7 +80,14 @@ def test_a_fault_every_25_steps_under_8_clients_completes_every_request(start_se
             assert result["events"][-1]["choices"][0]["finish_reason"] == "length"
         else:
             assert result["body"]["usage"]["completion_tokens"] == 64
-    errors = server.events("engine_error")
+    # The engine can take one more step after the last answer went out, and the
+    # fault can land there: the log and the status are read once they agree.
+    def settled():
+        now = status(server)
+        errors = server.events("engine_error")
+        return now["failures_total"] == len(errors) and (now, errors)
+
+    now, errors = poll(settled, 10, what="the status and the log agreeing on the failures")
     assert len(errors) > 5, "more failures than max_failures (5) within the window"
     # Only the first counts: every later one came after tokens were generated.
     assert [e["progressed"] for e in errors] == [False] + [True] * (len(errors) - 1)
@@ -88,10 +95,9 @@ def test_a_fault_every_25_steps_under_8_clients_completes_every_request(start_se
     assert server.proc.poll() is None and server.events("engine_gave_up") == []
     assert server.events("request_blamed") == [] and server.events("request_quarantined") == []
     # Serving while it fails: degraded, in the status, the metrics and the log.
-    now = status(server)
     assert now["degraded"] and now["state"] == "ready"
     assert now["quarantine"]["quarantined_count"] == 0
-    assert now["failures_total"] == len(errors) and now["failures_after_progress"] == len(errors) - 1
+    assert now["failures_after_progress"] == len(errors) - 1
     assert now["failure_rate_per_min"] > 5 and now["time_lost_s"] > 0
     assert scraped(server, "mlx_guardian_engine_degraded") == 1.0
     assert scraped(server, "mlx_guardian_engine_failures_total") >= len(errors)
