@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 from dataclasses import dataclass, field
 from typing import Optional
@@ -96,6 +97,23 @@ class AbortRequest(BaseException):
     def __init__(self, error: GuardianError):
         super().__init__(error.message)
         self.error = error
+
+
+# What a write to a client that left raises. A write that made no progress for
+# [http] send_timeout_s raises TimeoutError: the client stopped reading, which
+# ends its request as a client that left does.
+CLIENT_GONE = (BrokenPipeError, ConnectionResetError, ConnectionAbortedError, TimeoutError)
+
+
+def write_error_as_client_gone(error: BaseException) -> BaseException:
+    """A write's error as the client's leaving where it is one. macOS answers a write
+    to a connection its peer is tearing down with EPROTOTYPE now and then (CPython
+    issue 77631), a plain OSError: here it is the BrokenPipeError it means."""
+    if type(error) is OSError and error.errno == errno.EPROTOTYPE:
+        gone = BrokenPipeError(errno.EPIPE, f"the client left ({error.strerror})")
+        gone.__cause__ = error
+        return gone
+    return error
 
 
 class ClientGoneAbort(BaseException):

@@ -1,10 +1,11 @@
 """The product's Linux-only paths, and their branch elsewhere (macOS), tried
 here by simulating the platform: the parent-death signal (prctl), /proc reads,
-sd_notify's socket flags, the open-files limit. No server, no model."""
+sd_notify's socket flags, the open-files limit, macOS's errors. No server, no model."""
 
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import resource
 import signal
@@ -14,8 +15,12 @@ import sys
 import textwrap
 
 import pytest
+import structlog
 
 from conftest import poll
+from guardian.errors import CLIENT_GONE, write_error_as_client_gone
+from guardian.observability import metrics as observability_metrics
+from guardian.supervise.proxy import client_writer
 from guardian.serving import connection, open_files
 from guardian.health import parent_watch
 from guardian.health.sd_notify import SystemdNotifier
@@ -119,3 +124,55 @@ def test_a_library_may_raise_the_soft_open_files_limit_but_lower_neither(monkeyp
         limits["now"] = (256, 256)  # a hard limit under mlx_lm's 4096: its import must not fail
         resource.setrlimit(resource.RLIMIT_NOFILE, (2048, 4096))
         assert limits["now"] == (256, 256)
+
+
+def test_on_macos_a_write_refused_with_eprototype_is_the_client_leaving():
+    """macOS answers a write to a connection its peer is tearing down with EPROTOTYPE
+    now and then: the relay must take it for the client's leaving (BrokenPipeError),
+    not for its child's failure (a crash suspect, a relay error)."""
+
+    class TearingDown:  # a TLS connection's sendall, as relayed: it writes through it
+        def sendall(self, data):
+            raise OSError(errno.EPROTOTYPE, "Protocol wrong type for socket")
+
+    write = client_writer(TearingDown())
+    with pytest.raises(BrokenPipeError):
+        write(b"data: {}\n\n")
+    assert isinstance(write_error_as_client_gone(OSError(errno.EPROTOTYPE, "x")), CLIENT_GONE)
+    other = OSError(errno.EIO, "x")
+    assert write_error_as_client_gone(other) is other
+
+
+def test_a_send_buffer_the_kernel_refuses_is_logged_once_and_the_request_served():
+    """macOS refuses SO_SNDBUF past ~7 MiB (ENOBUFS) where Linux caps it."""
+
+    class RefusesBigBuffers(socket.socket):
+        def setsockopt(self, *args):
+            raise OSError(errno.ENOBUFS, "No buffer space available")
+
+    server = connection.HeldConnections.__new__(connection.HeldConnections)
+    with RefusesBigBuffers() as sock, structlog.testing.capture_logs() as logged:
+        server.set_send_buffer(sock, 8 << 20)
+        server.set_send_buffer(sock, 8 << 20)
+    assert [line["event"] for line in logged] == ["http_send_buffer_refused"]
+
+
+def test_without_procs_process_metrics_they_come_from_psutil(monkeypatch):
+    """prometheus-client's process collector reads /proc, and reports nothing on macOS."""
+    from prometheus_client import ProcessCollector
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def scraped(registry) -> dict[str, float]:
+        text = observability_metrics.exposition(registry, None)[0].decode()
+        return {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples}
+
+    from_proc = observability_metrics.new_registry()
+    observability_metrics.register_process_metrics(from_proc)
+    monkeypatch.setattr(observability_metrics, "ProcessCollector",
+                        lambda registry: ProcessCollector(proc="/no-proc-here", registry=registry))
+    from_psutil = observability_metrics.new_registry()
+    observability_metrics.register_process_metrics(from_psutil)
+    linux, portable = scraped(from_proc), scraped(from_psutil)
+    assert set(portable) == set(linux) and len(linux) == 6
+    assert portable["process_resident_memory_bytes"] > 10e6 and portable["process_open_fds"] > 2
+    assert abs(portable["process_start_time_seconds"] - linux["process_start_time_seconds"]) < 2

@@ -11,11 +11,14 @@ supervisor uses it too.
 
 from __future__ import annotations
 
+import resource
 from typing import Optional
 
-from prometheus_client import CollectorRegistry, disable_created_metrics
-from prometheus_client.core import GaugeMetricFamily
+import psutil
+from prometheus_client import CollectorRegistry, ProcessCollector, disable_created_metrics
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import choose_encoder
+from prometheus_client.registry import Collector
 
 # Every metric name starts so (Prometheus: one prefix per exporter).
 PREFIX = "mlx_guardian_"
@@ -46,3 +49,34 @@ def exposition(registry: CollectorRegistry, accept: Optional[str]) -> tuple[byte
 def gauge(name: str, documentation: str, value) -> GaugeMetricFamily:
     """A gauge read at scrape time (a collector's), named in full: ``PREFIX + ...``."""
     return GaugeMetricFamily(name, documentation, value=float(value))
+
+
+def register_process_metrics(registry: CollectorRegistry) -> None:
+    """The process's own ``process_*`` metrics (resident memory, CPU, open files): from
+    prometheus-client's collector where /proc has them (Linux), else from psutil (macOS,
+    where that collector reports nothing)."""
+    linux = ProcessCollector(registry=None)
+    registry.register(linux if linux.collect() else PortableProcessCollector())
+
+
+class PortableProcessCollector(Collector):
+    """prometheus-client's ``process_*`` metrics, with its names and help, read through psutil."""
+
+    def __init__(self):
+        self.process = psutil.Process()
+
+    def collect(self):
+        with self.process.oneshot():
+            memory = self.process.memory_info()
+            cpu = self.process.cpu_times()
+            open_fds = self.process.num_fds()
+            started = self.process.create_time()
+        max_fds = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        yield GaugeMetricFamily("process_virtual_memory_bytes", "Virtual memory size in bytes.", value=memory.vms)
+        yield GaugeMetricFamily("process_resident_memory_bytes", "Resident memory size in bytes.", value=memory.rss)
+        yield GaugeMetricFamily("process_start_time_seconds",
+                                "Start time of the process since unix epoch in seconds.", value=started)
+        yield CounterMetricFamily("process_cpu_seconds_total", "Total user and system CPU time spent in seconds.",
+                                  value=cpu.user + cpu.system)
+        yield GaugeMetricFamily("process_open_fds", "Number of open file descriptors.", value=open_fds)
+        yield GaugeMetricFamily("process_max_fds", "Maximum number of open file descriptors.", value=max_fds)

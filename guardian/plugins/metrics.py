@@ -20,7 +20,7 @@ import threading
 from typing import Optional
 
 import mlx.core as mx
-from prometheus_client import Counter, Histogram, PlatformCollector, ProcessCollector
+from prometheus_client import Counter, Histogram, PlatformCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 
 import guardian
@@ -117,7 +117,7 @@ class Metrics:
             buckets=TIME_BETWEEN_TOKENS_BUCKETS, registry=r)
         r.register(EngineCollector(self))
         # The process' own: resident memory, CPU, open files; Python's version.
-        ProcessCollector(registry=r)
+        metrics.register_process_metrics(r)
         PlatformCollector(registry=r)
 
     # -- lifecycle ---------------------------------------------------------------

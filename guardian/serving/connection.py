@@ -1090,7 +1090,7 @@ class HeldConnections:
             # client stopped reading (reads come from the buffer).
             sock.settimeout(self.limits.send_timeout_s or None)
             if self.limits.send_buffer_bytes:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.limits.send_buffer_bytes)
+                self.set_send_buffer(sock, self.limits.send_buffer_bytes)
         except OSError:
             close_quietly(sock)
             if incoming.handed_off is not None:
@@ -1105,6 +1105,19 @@ class HeldConnections:
             send_refusal(sock, GuardianError("The server cannot start a handler now.", status=503,
                                              code="server_busy", retry_after_s=self.limits.retry_after_s),
                          handed_off=incoming.handed_off)
+
+    _send_buffer_refused: Optional[int] = None
+
+    def set_send_buffer(self, sock: socket.socket, size: int) -> None:
+        """[http] send_buffer_bytes for a connection. A size the kernel refuses (macOS:
+        past ~7 MiB, kern.ipc.maxsockbuf; Linux caps it instead) leaves the system's
+        buffer, and is logged once: the request is served all the same."""
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, size)
+        except OSError as e:
+            if self._send_buffer_refused != size:
+                self._send_buffer_refused = size
+                log.warning("http_send_buffer_refused", send_buffer_bytes=size, error_message=str(e))
 
     def start_handler(self, request, client_address) -> bool:
         """A handler thread for ``request`` (a BufferedConnection); False if none can start."""

@@ -27,16 +27,12 @@ from guardian.serving.connection import linger_close
 from guardian.serving.endpoints import GET_PATHS, MONITORING_PATHS, Endpoints
 from guardian.request_context import (REQUEST_ID_HEADER, add_response_headers, bind_log_fields, client_gone,
                                       current_request, deadline_passed, request_scope, sane_request_id)
-from guardian.errors import (SERVER_STOPPING, AbortRequest, ClientGoneAbort, GuardianError, from_stock_exception,
-                             method_not_allowed)
+from guardian.errors import (CLIENT_GONE, SERVER_STOPPING, AbortRequest, ClientGoneAbort, GuardianError,
+                             from_stock_exception, method_not_allowed, write_error_as_client_gone)
 from guardian.observability.logs import loggable_line
 from guardian.plugin_manager import notify
 
 log = structlog.get_logger("guardian.http")
-
-# A write that made no progress for [http] send_timeout_s raises TimeoutError: the
-# client stopped reading, which ends its request as a client that left does.
-_CLIENT_GONE = (BrokenPipeError, ConnectionResetError, ConnectionAbortedError, TimeoutError)
 
 # Stock's completion endpoints: the POST paths that carry a JSON body.
 TEXT_COMPLETION_PATH = "/v1/completions"
@@ -160,11 +156,14 @@ class GuardianHandler(Endpoints, stock.handler.DoorCorsHandler):
             if abort.error.code == SERVER_STOPPING and self.give_back():
                 return
             self.send_error_json(abort.error)
-        except (ClientGoneAbort, *_CLIENT_GONE):
+        except (ClientGoneAbort, *CLIENT_GONE):
             log.info("client_disconnected")
         except GuardianError as error:
             self.finish_with_error(error)
         except Exception as e:
+            if isinstance(write_error_as_client_gone(e), CLIENT_GONE):
+                log.info("client_disconnected")
+                return
             self.finish_with_error(self.response_generator.error_for(e))
         finally:
             self._answering_completion = False
@@ -203,14 +202,14 @@ class GuardianHandler(Endpoints, stock.handler.DoorCorsHandler):
         try:
             self.wfile.write(error.sse_bytes())
             self.wfile.flush()
-        except _CLIENT_GONE:
+        except CLIENT_GONE:
             return
         log.warning("stream_ended_with_error", status=error.status, code=error.code)
 
     def send_error_json(self, error: GuardianError) -> None:
         try:
             self.send_json(error.status, error.body(), error.response_headers())
-        except _CLIENT_GONE:
+        except CLIENT_GONE:
             return
         log.warning("request_rejected" if error.status < 500 else "request_errored",
                     status=error.status, code=error.code, error_message=loggable_line(error.message))

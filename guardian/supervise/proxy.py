@@ -43,7 +43,7 @@ from guardian.supervise import metrics as supervise_metrics
 from guardian.supervise.fast_handoff import (CHILD_HOST, FastHandOff, child_request, forwarded_headers,
                                              try_fast_hand_off)
 from guardian.quarantine.crashes import fingerprint
-from guardian.errors import GuardianError, method_not_allowed
+from guardian.errors import CLIENT_GONE, GuardianError, method_not_allowed, write_error_as_client_gone
 from guardian.observability.counting import ActiveCount
 from guardian.observability.logs import loggable_line
 
@@ -80,8 +80,6 @@ HEALTH_PATHS = ("/health", READINESS_PATH)
 # the supervisor waits that long and this much more (Supervisor.deep_readiness_timeout_s).
 DEEP_READINESS_MARGIN_S = 5.0
 SSE_CONTENT_TYPE = relay_protocol.SSE_CONTENT_TYPE
-# Our client went away while we wrote to it.
-CLIENT_GONE = (BrokenPipeError, ConnectionResetError, ConnectionAbortedError, TimeoutError)
 
 
 class PublicServer(HeldConnections, ThreadingHTTPServer):
@@ -805,15 +803,20 @@ def client_writer(connection):
     """
     sock = raw_socket(connection)
     if type(sock) is not socket.socket:
-        return connection.sendall
-    fd, sendall, write = sock.fileno(), sock.sendall, os.write
+        fd, sendall, write = None, connection.sendall, None
+    else:
+        fd, sendall, write = sock.fileno(), sock.sendall, os.write
 
     def send(data: bytes) -> None:
+        # A failure here is the client's (relay_events tells it from the child's).
         try:
-            sent = write(fd, data)
-        except BlockingIOError:  # the socket's buffer is full: sendall waits
-            sent = 0
-        if sent < len(data):
-            sendall(memoryview(data)[sent:])
+            try:
+                sent = write(fd, data) if fd is not None else 0
+            except BlockingIOError:  # the socket's buffer is full: sendall waits
+                sent = 0
+            if sent < len(data):
+                sendall(memoryview(data)[sent:])
+        except OSError as e:
+            raise write_error_as_client_gone(e) from None
 
     return send
