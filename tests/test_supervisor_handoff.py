@@ -17,6 +17,7 @@ import os
 import socket
 import sys
 import threading
+import time
 
 import httpx
 import pytest
@@ -314,6 +315,11 @@ def test_hostile_heads_at_the_public_port_hurt_neither_it_nor_the_child(start_su
     assert plain.status_code == 200 and passed_counts(supervised.url)["handed_off"] >= 1
 
 
+# Targets and the status the one-process server answers them with (as stock routes them).
+ODD_TARGETS = {b"/v1/models?\xe9": 200, b"/v1/mod\xe9ls": 404, b"//[/v1/models": 404, b"ftp://[/v1/models": 404,
+               b"https:/health": 404, b"/health#/../v1/models": 404, b"http:/v1/models": 404}
+
+
 def passed_counts(url: str) -> dict[str, float]:
     text = httpx.get(url + "/metrics", timeout=10).text
     for family in text_string_to_metric_families(text):
@@ -350,6 +356,18 @@ def test_a_handed_off_answer_is_the_relayed_one(start_supervisor, tmp_path):
     assert answers["handing"][2] and answers["handing"][3][0] == 400
     assert passed_counts(handing.url) == {"handed_off": 3, "relayed": 0}
     assert passed_counts(relaying.url) == {"handed_off": 0, "relayed": 3}
+    # Odd targets get one process's answers, at once, in both ways: a byte past ASCII made
+    # the relay wait 5 s for its healthy child's death and answer 503, a bracket in a
+    # target ended the connection unanswered (or logged a traceback), and a scheme or a
+    # fragment was dropped where stock routes none.
+    for supervised in (handing, relaying):
+        for target, status in ODD_TARGETS.items():
+            started = time.monotonic()
+            answer = answer_to(supervised.port, b"GET " + target + b" HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            assert answer.startswith(b"HTTP/1.0 %d " % status), (target, answer[:200])
+            assert time.monotonic() - started < 3, target
+        assert not supervised.supervisor_events("proxy_child_lost")
+        assert not supervised.supervisor_events("fast_handoff_failed")
     # A client that leaves a relayed stream is logged by its path, a query's values hidden
     # (a client may put its key there, Azure-style): they were logged whole.
     with httpx.stream("POST", relaying.url + COMPLETIONS + "?api-key=sk-in-the-query", timeout=30,

@@ -39,7 +39,11 @@ class StreamReader(threading.Thread):
         self.raw_lines: list[str] = []
 
     def run(self):
-        with httpx.Client(timeout=120) as client, client.stream("POST", self.url, json=self.body) as response:
+        # As JSON's ASCII text (json.dumps' default), which carries a lone surrogate as its
+        # escape; httpx's json= writes UTF-8, which has none.
+        with httpx.Client(timeout=120) as client, client.stream(
+                "POST", self.url, content=json.dumps(self.body), headers={"Content-Type": "application/json"}) \
+                as response:
             self.result["status"] = response.status_code
             self.headers = response.headers
             for line in response.iter_lines():
@@ -70,6 +74,10 @@ def test_a_stream_cut_by_the_childs_death_is_continued_on_the_next_child(start_s
     body = greedy_stream("Go on across the crash.", max_tokens=120)
     if path == TEXT_COMPLETIONS:
         body = {**{k: v for k, v in body.items() if k != "messages"}, "prompt": "Go on across the crash."}
+    else:
+        # A lone surrogate, valid JSON as "\\ud800": the crash's suspects are fingerprinted from
+        # the bodies in flight, and this one's once ended the supervisor (UnicodeEncodeError).
+        body["user"] = "\ud800"
     reference = read_whole(supervised.url + path, body)
     assert reference.result["done"] and not reference.result["errors"]
 

@@ -72,8 +72,9 @@ ISOLATION_MAX_WAIT_S = 30.0
 
 
 def fingerprint(method: str, target: str, body: bytes) -> str:
-    """A hash of what a request asks the engine for (sha256, hex)."""
-    digest = hashlib.sha256(f"{method.upper()} {target}\n".encode())
+    """A hash of what a request asks the engine for (sha256, hex). Never raises: it is
+    worked out on the supervisor's main loop when a child dies."""
+    digest = hashlib.sha256(f"{method.upper()} {target}\n".encode("utf-8", "surrogatepass"))
     digest.update(canonical_body(body))
     return digest.hexdigest()
 
@@ -88,7 +89,11 @@ def canonical_body(body: bytes) -> bytes:
         return body
     if isinstance(parsed, dict):
         parsed = {k: v for k, v in parsed.items() if k not in DELIVERY_FIELDS}
-    return json.dumps(parsed, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+    try:  # a lone surrogate ("\\ud800") is valid JSON: its text is encoded as such
+        return json.dumps(parsed, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode(
+            "utf-8", "surrogatepass")
+    except (ValueError, RecursionError):
+        return body
 
 
 class Relay:

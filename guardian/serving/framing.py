@@ -186,10 +186,24 @@ def _origin_form(target: bytes) -> tuple[bytes, bytes]:
     return path, authority
 
 
+def handler_target(target: str) -> str:
+    """A target as http.server gives it to a handler: a leading ``//`` made one ``/``
+    (CPython gh-87389: a browser reads ``//name/path`` as another host's)."""
+    return "/" + target.lstrip("/") if target.startswith("//") else target
+
+
+def request_path(target: str) -> str:
+    """The path the one-process server routes and its door checks: the handler's
+    target up to its query, and nothing else taken off (stock routes no path with a
+    fragment or a scheme in it). The supervisor reads a target the same way, so both
+    modes answer alike. Never raises, whatever the target."""
+    return handler_target(target).partition("?")[0]
+
+
 def read_head(head: bytes) -> tuple[str, str, http.client.HTTPMessage]:
     """A canonical head (one ``judge_head`` passed) as http.server reads it: the
     method, the path without its query, and the headers (an HTTPMessage, as a
     handler's ``self.headers``)."""
     request_line, _, fields = head.partition(b"\r\n")
     method, target = request_line.decode("latin-1").split(" ")[:2]
-    return method, target.partition("?")[0], http.client.parse_headers(io.BytesIO(fields))
+    return method, request_path(target), http.client.parse_headers(io.BytesIO(fields))

@@ -23,7 +23,6 @@ import re
 import socket
 from dataclasses import dataclass
 from typing import Optional
-from urllib.parse import urlsplit
 
 import structlog
 
@@ -72,7 +71,7 @@ class RequestHead:
     def __init__(self, method: str, target: str, headers: Headers, body: bytes):
         self.method = method
         self.target = target
-        self.path = urlsplit(target).path
+        self.path = framing.request_path(target)
         self.headers = headers
         self.body = body
 

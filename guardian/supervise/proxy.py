@@ -28,7 +28,7 @@ import socket
 import subprocess
 from typing import Optional
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from urllib.parse import urlsplit
+from urllib.parse import quote
 
 import httpx
 import structlog
@@ -38,6 +38,7 @@ from guardian.access.policy import AccessDecision, AccessRequest
 from guardian.access.tls import ServerCertificate
 from guardian.serving.connection import BufferedConnection, HeldConnections, close_quietly, linger_close, raw_socket
 from guardian.serving.connection import client_left_now
+from guardian.serving.framing import request_path
 from guardian.request_context import REQUEST_ID_HEADER, sane_request_id
 from guardian.supervise import metrics as supervise_metrics
 from guardian.supervise.fast_handoff import (CHILD_HOST, FastHandOff, child_request, forwarded_headers,
@@ -76,6 +77,9 @@ STATUS_PATH = "/guardian/supervisor"
 METRICS_PATH = "/metrics"
 READINESS_PATH = "/readyz"
 HEALTH_PATHS = ("/health", READINESS_PATH)
+# What a target passed on to the child keeps as it is: printable ASCII ("%" too: the
+# client's own escapes stay as the child would read them).
+TARGET_AS_IS = "".join(map(chr, range(0x21, 0x7F)))
 # /readyz?deep=1 runs the child's probes now, each within [watchdog] probe_timeout_s:
 # the supervisor waits that long and this much more (Supervisor.deep_readiness_timeout_s).
 DEEP_READINESS_MARGIN_S = 5.0
@@ -190,11 +194,11 @@ class ProxyHandler(BaseHTTPRequestHandler):
         # Made already: by the reader that handed it off, or on the head (PublicServer.decide_at_head).
         decided = passed.access if passed is not None else getattr(self.connection, "access", None)
         self.access = decided or door.check(
-            AccessRequest(self.command, urlsplit(self.path).path, self.headers, self.client_address[0]))
+            AccessRequest(self.command, request_path(self.path), self.headers, self.client_address[0]))
         if self.access.allowed:
             return True
         self.server.supervisor.metrics.access_refused.labels(self.access.error.code).inc()
-        log.info("request_refused_at_door", path=urlsplit(self.path).path, code=self.access.error.code,
+        log.info("request_refused_at_door", path=request_path(self.path), code=self.access.error.code,
                  client=self.client_address[0])
         self.close_connection = True
         self.send_error_json(self.access.error)
@@ -221,7 +225,7 @@ class ProxyHandler(BaseHTTPRequestHandler):
     def route(self) -> None:
         """Pick who answers: the supervisor itself, the crash quarantine, or the child's turn."""
         supervisor = self.server.supervisor
-        path = urlsplit(self.path).path
+        path = request_path(self.path)
         # Read the body first even when refusing: closing a socket with
         # unread data can reset the connection before the client reads.
         body = self.read_body()
@@ -375,7 +379,7 @@ class ProxyHandler(BaseHTTPRequestHandler):
         if path == READINESS_PATH and not child.has_readyz:
             # Stock has no /readyz: the supervisor's last check of /health is the answer.
             return self.send_json(200, {"status": "ready", "state": supervisor.state})
-        query = urlsplit(self.path).query
+        query = self.path.partition("?")[2]
         timeout = supervisor.settings.health_timeout_s
         if "deep" in query:  # probes run now, each within the child's own probe deadline
             timeout = max(timeout, supervisor.deep_readiness_timeout_s)
@@ -515,9 +519,10 @@ class ProxyHandler(BaseHTTPRequestHandler):
         return self.after_cut(child, cut, view.is_sse, view.stream)
 
     def target(self) -> str:
-        """Path and query only: an absolute-form request line must not pick another host."""
-        parts = urlsplit(self.path)
-        return parts.path + (f"?{parts.query}" if parts.query else "")
+        """The target the child is asked for: the client's, as the child would have read it
+        (framing made an absolute-form one its path), with any byte a request line may not
+        carry as it is (past ASCII, controls) percent-encoded, which http.client asks for."""
+        return quote(self.path, safe=TARGET_AS_IS, encoding="latin-1")
 
     def upstream_headers(self) -> list[tuple[str, str]]:
         """The client's headers minus hop-by-hop ones, plus who the client is."""

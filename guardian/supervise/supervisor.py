@@ -444,8 +444,11 @@ class Supervisor:
             # The child's last words on requests handed off (guardian.supervise.fast_handoff)
             # are read first: one it answered in full just before it died is no crash suspect.
             self.httpd.handle_readable_now(timeout=REAP_READ_WORDS_TIMEOUT_S)
-        self.quarantine.child_exited(child.generation, crashed=child.kill_reason is None,
-                                     pid=child.pid, reason=reason)
+        try:
+            self.quarantine.child_exited(child.generation, crashed=child.kill_reason is None,
+                                         pid=child.pid, reason=reason)
+        except Exception as e:  # noqa: BLE001 - what one request carried must not end the supervisor
+            log.exception("crash_suspects_failed", generation=child.generation, error_type=type(e).__name__)
         with self.changed:
             self.child = None
             self.changed.notify_all()
