@@ -18,13 +18,19 @@ ARGS ?=
 
 .PHONY: serve test test-fast test-newest test-0313 bench docs clean system-packages gpu-wheels
 
+# macOS's own python3 (Command Line Tools) is 3.9: say so before pip refuses.
+PYTHON_NEW_ENOUGH = $(PYTHON) -c 'import sys; v = sys.version_info; sys.exit(0 if v >= (3, 10) else \
+	f"mlx-guardian needs Python 3.10 or newer, and $(PYTHON) is {v.major}.{v.minor}: run make PYTHON=python3.12 (or another)")'
+
 $(VENV)/.installed: pyproject.toml Makefile $(PLUGIN_PROJECTS)
+	@$(PYTHON_NEW_ENOUGH)
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
 	$(VENV)/bin/pip install -q -e '.[test]' $(addprefix -e ,$(FIRST_PARTY_PLUGINS)) $(STOCK_TEST_DEPS)
 	touch $@
 
 $(VENV_0313)/.installed: pyproject.toml Makefile $(PLUGIN_PROJECTS)
+	@$(PYTHON_NEW_ENOUGH)
 	$(PYTHON) -m venv $(VENV_0313)
 	$(VENV_0313)/bin/pip install -q --upgrade pip
 	$(VENV_0313)/bin/pip install -q -e '.[test]' $(addprefix -e ,$(FIRST_PARTY_PLUGINS)) $(STOCK_TEST_DEPS) 'mlx-lm==0.31.3'
@@ -33,6 +39,7 @@ $(VENV_0313)/.installed: pyproject.toml Makefile $(PLUGIN_PROJECTS)
 # What serving needs, without the test extras: a first `make serve` installs
 # less. `make test` adds the rest to the same venv.
 $(VENV)/.serving: pyproject.toml
+	@$(PYTHON_NEW_ENOUGH)
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
 	$(VENV)/bin/pip install -q -e .

@@ -222,7 +222,7 @@ class SessionServer(Server):
     def stop(self) -> None:
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
+        except (ProcessLookupError, PermissionError):  # macOS: EPERM for a group whose leader is a zombie
             pass
         self.proc.wait(timeout=10)
 

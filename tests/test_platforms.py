@@ -176,3 +176,25 @@ def test_without_procs_process_metrics_they_come_from_psutil(monkeypatch):
     assert set(portable) == set(linux) and len(linux) == 6
     assert portable["process_resident_memory_bytes"] > 10e6 and portable["process_open_fds"] > 2
     assert abs(portable["process_start_time_seconds"] - linux["process_start_time_seconds"]) < 2
+
+
+def test_a_child_whose_supervisor_died_before_the_child_looked_is_orphaned_at_once(monkeypatch):
+    """A supervised child starts watching seconds after it starts (mlx_lm's import): it
+    watches the supervisor named in its environment, not whatever parent it has by then."""
+    monkeypatch.setattr(parent_watch, "ask_for_sigterm_when_parent_dies", lambda: None)
+    monkeypatch.setenv(parent_watch.PARENT_PID_ENV, str(os.getppid() + 100_000))  # not our parent
+    orphaned = []
+    parent_watch.die_with_parent(lambda: orphaned.append(True), parent=parent_watch.supervisor_pid())
+    poll(lambda: orphaned, 5, what="the orphaned callback")
+    monkeypatch.setenv(parent_watch.PARENT_PID_ENV, "")
+    assert parent_watch.supervisor_pid() is None
+
+
+def test_on_macos_the_machines_names_need_no_reverse_lookup(monkeypatch):
+    """getfqdn is a reverse lookup: seconds at every start on a Mac whose name no DNS knows."""
+    from guardian.access import policy
+
+    monkeypatch.setattr(sys, "platform", "darwin")
+    monkeypatch.setattr(socket, "getfqdn", lambda *a: pytest.fail("no reverse lookup on macOS"))
+    monkeypatch.setattr(socket, "gethostname", lambda: "Studio-Mac.local")
+    assert policy.machine_names() == {"studio-mac.local", "studio-mac"}

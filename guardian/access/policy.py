@@ -28,6 +28,7 @@ import functools
 import ipaddress
 import re
 import socket
+import sys
 from dataclasses import dataclass, field
 from typing import Optional
 from urllib.parse import urlsplit
@@ -138,7 +139,10 @@ def bound_to_loopback(host: str) -> bool:
 def machine_names() -> set[str]:
     """The names other machines may use for this one: its host name, and NAME.local (Bonjour)."""
     names = set()
-    for name in (socket.gethostname(), socket.getfqdn()):
+    # The fully qualified name is a reverse lookup, which on a Mac whose name no DNS knows
+    # waits seconds at every start; a Mac's host name is its Bonjour name already.
+    fqdn = socket.getfqdn() if sys.platform != "darwin" else ""
+    for name in (socket.gethostname(), fqdn):
         name = name.lower().rstrip(".")
         if name:
             names |= {name, name.split(".")[0], name.split(".")[0] + ".local"}

@@ -19,7 +19,7 @@ import signal
 import sys
 import threading
 import time
-from typing import Callable
+from typing import Callable, Optional
 
 import structlog
 
@@ -27,6 +27,10 @@ log = structlog.get_logger("guardian.parent_watch")
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 POLL_S = 0.5
+# The pid of the supervisor that started this process (set for its direct child): the
+# parent to watch. This process's own reading comes seconds later, once mlx_lm is
+# imported, and a parent that died meanwhile would leave it watching its new one.
+PARENT_PID_ENV = "MLX_GUARDIAN_SUPERVISOR_PID"
 
 
 def ask_for_sigterm_when_parent_dies() -> None:
@@ -37,9 +41,10 @@ def ask_for_sigterm_when_parent_dies() -> None:
             log.warning("parent_death_signal_unavailable", errno=ctypes.get_errno())
 
 
-def die_with_parent(on_orphaned: Callable[[], None]) -> None:
-    """Ask the kernel for SIGTERM when the parent dies (Linux), and watch its pid."""
-    parent = os.getppid()
+def die_with_parent(on_orphaned: Callable[[], None], parent: Optional[int] = None) -> None:
+    """Ask the kernel for SIGTERM when the parent dies (Linux), and watch its pid:
+    ``parent``, the one expected, or the one this process has now."""
+    parent = parent or os.getppid()
     ask_for_sigterm_when_parent_dies()
     threading.Thread(target=_watch, args=(parent, on_orphaned), name="parent-watch", daemon=True).start()
 
@@ -50,3 +55,9 @@ def _watch(parent: int, on_orphaned: Callable[[], None]) -> None:
         time.sleep(POLL_S)
     log.error("parent_gone", parent_pid=parent)
     on_orphaned()
+
+
+def supervisor_pid() -> Optional[int]:
+    """The pid of the supervisor that started this process, where one did (PARENT_PID_ENV)."""
+    value = os.environ.get(PARENT_PID_ENV, "")
+    return int(value) if value.isdigit() else None

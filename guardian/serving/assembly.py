@@ -34,7 +34,7 @@ from guardian.serving.handler import GuardianHandler
 from guardian.config.live import LiveConfig
 from guardian.admission.model_access import ModelAccess
 from guardian.admission.startup_checks import impossible_flags
-from guardian.health.parent_watch import die_with_parent
+from guardian.health.parent_watch import die_with_parent, supervisor_pid
 from guardian.health.stall_detection import StallDetector
 from guardian.engine_view import EngineView
 from guardian.plugin_manager import notify
@@ -86,7 +86,7 @@ def serve(host: str, port: int, model_provider, config: Union[GuardianConfig, Li
         member.join(pm)
     elif started_by_supervisor():
         # A supervisor's child (it gave us its relay key): never outlive it.
-        die_with_parent(lambda: exit_request(EXIT_OK))
+        die_with_parent(lambda: exit_request(EXIT_OK), parent=supervisor_pid())
     try:  # before the model loads: a certificate that does not load is a usage error
         # A supervised child serves only its supervisor, in plain HTTP on loopback:
         # the supervisor's public port terminates TLS (the file's [access] is its).

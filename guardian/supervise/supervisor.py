@@ -53,6 +53,7 @@ from guardian.access import announce, make_door
 from guardian.access.tls import ServerCertificate, load_certificate
 from guardian import handoff, long_lived
 from guardian.relay_protocol import KEY_HEADER, RELAY_KEY_ENV, new_relay_key
+from guardian.health.parent_watch import PARENT_PID_ENV
 from guardian.serving.connection import HANDLER_HEADROOM, LISTEN_FD_ENV, ConnectionLimits, reserve_port
 from guardian.serving import framing
 from guardian.supervise.fast_handoff import HEADERS_ADDED_FOR_CHILD
@@ -403,6 +404,8 @@ class Supervisor:
             channel = handoff.Channel()
             env.update(channel.child_env())
             pass_fds += channel.child_fds()
+        if not self.settings.launch_args:  # a group's ranks watch their launcher instead
+            env[PARENT_PID_ENV] = str(os.getpid())
         try:
             proc = popen(command, stdin=subprocess.DEVNULL, env=env,  # stdout, stderr: ours
                          **({"pass_fds": pass_fds} if pass_fds else {}))
