@@ -40,7 +40,6 @@ import asyncio
 import json
 import multiprocessing
 import os
-import resource
 import sys
 import tempfile
 import time
@@ -65,9 +64,11 @@ COMMANDS = {
 
 
 def raise_file_limit() -> int:
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    return hard
+    """The soft limit raised as the servers raise theirs (macOS: an unlimited hard limit,
+    and a soft one capped by kern.maxfilesperproc)."""
+    from guardian.serving.open_files import raise_open_files_limit
+
+    return raise_open_files_limit()
 
 
 def threads_and_rss(pid: int) -> tuple[int, int]:

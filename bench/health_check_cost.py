@@ -3,10 +3,10 @@
 ``mlx-guardian --supervise`` asks its child ``GET /readyz`` every
 ``[supervisor] interval_s`` (1 s by default). This starts it on the demo
 model twice, at the default pace and at ``--fast`` checks a second, lets each
-idle for ``--seconds``, and reads the supervisor's and the child's CPU from
-/proc. The difference between the two paces, over the checks it added, is
+idle for ``--seconds``, and reads the supervisor's and the child's CPU (psutil).
+The difference between the two paces, over the checks it added, is
 what one check costs each side; the default pace's figures are the pair's idle
-CPU. Linux (it reads /proc). It is a benchmark, not a test.
+CPU. It is a benchmark, not a test.
 
     .venv/bin/python bench/health_check_cost.py     # ~1 min
 """

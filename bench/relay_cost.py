@@ -88,6 +88,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import httpx
+import psutil
 from servers import Server, cpu_split, free_port
 from stats import environment
 
@@ -134,8 +135,8 @@ def relaying_config(workdir: Path) -> Path:
 
 def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of one process (its own threads, not its children)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    times = psutil.Process(pid).cpu_times()
+    return times.user + times.system
 
 
 def one_request(client: httpx.Client, url: str, prompt: str, max_tokens: int, stream: bool) -> int:

@@ -46,7 +46,7 @@ if os.environ.get("READER_PROFILE_DIR"):
                        ("_on_watched", "watched"), ("_take_arrivals", "loop"), ("_expire", "loop"),
                        ("_run_timers", "loop")):
         setattr(reader, name, _timed(step, getattr(reader, name)))
-    selectors.EpollSelector.select = _timed("select", selectors.EpollSelector.select, reader_thread_only=True)
+    selectors.DefaultSelector.select = _timed("select", selectors.DefaultSelector.select, reader_thread_only=True)
     connection.HeldConnections.dispatch = _timed("dispatch", connection.HeldConnections.dispatch)
     proxy.PublicServer.dispatch = _timed("dispatch", proxy.PublicServer.dispatch)
     fast_handoff.RequestHead.parse = classmethod(_timed("hand_off.parse", fast_handoff.RequestHead.parse.__func__))

@@ -65,11 +65,12 @@ download "${WHEELS[@]}"
 
 cuda_wheel=$(ls .whl/download/mlx_cuda_13-"$MLX_VERSION"-*.whl)
 name=$(basename "$cuda_wheel")
-(cd .whl/download && sha256sum "$name") > .whl/part2/SHA256SUMS
-split -b "${PART1_MB}M" -d -a 1 "$cuda_wheel" ".whl/split-"
-mv .whl/split-0 ".whl/part1/$name.part0"
-mv .whl/split-1 ".whl/part2/$name.part1"
-[ ! -e .whl/split-2 ] || { echo "mlx-cuda-13 needs more than two pieces: raise PART1_MB" >&2; exit 1; }
+# shasum -a 256 writes what sha256sum writes (macOS has the first alone before 14).
+(cd .whl/download && { sha256sum "$name" 2>/dev/null || shasum -a 256 "$name"; }) > .whl/part2/SHA256SUMS
+split -b "${PART1_MB}M" -a 1 "$cuda_wheel" ".whl/split-"  # .whl/split-a, -b, ... (BSD split has no -d)
+mv .whl/split-a ".whl/part1/$name.part0"
+mv .whl/split-b ".whl/part2/$name.part1"
+[ ! -e .whl/split-c ] || { echo "mlx-cuda-13 needs more than two pieces: raise PART1_MB" >&2; exit 1; }
 for wheel in .whl/download/*.whl; do
     [ "$wheel" = "$cuda_wheel" ] || cp "$wheel" .whl/part2/
 done
@@ -84,7 +85,9 @@ fi
 
 # Each call carries one part beside the working tree (tracked and untracked
 # files, not ignored ones): together they must stay under 64 MiB.
-tree_kb=$( (git ls-files -z; git ls-files -z --others --exclude-standard) | du -ck --files0-from=- 2>/dev/null | tail -1 | cut -f1)
+tree_kb=$( (git ls-files -z; git ls-files -z --others --exclude-standard) | "$PYTHON" -c '
+import os, sys
+print(sum(os.path.getsize(p) for p in sys.stdin.buffer.read().split(b"\0") if p and os.path.isfile(p)) // 1024)')
 for part in part1 part2; do
     part_kb=$(du -sk ".whl/$part" | cut -f1)
     total_mib=$(( (tree_kb + part_kb) / 1024 ))
