@@ -165,8 +165,9 @@ def on_engine_restarted(duration_s, classification, restarts):
 
 @hookspec
 def on_request_failed(request_id, error, engine):
-    """A request the engine had queued ended with a GuardianError instead of
-    a completion (refusals at the door are not reported here).
+    """A user's request the engine had queued ended with a GuardianError instead
+    of a completion: a failure, its deadline, a refusal as the engine stopped
+    (refusals at the door and probes are not reported here).
 
     Any thread. ``error`` is the GuardianError the client receives.
     Return value ignored.

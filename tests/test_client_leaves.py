@@ -19,7 +19,7 @@ import httpx
 import openai
 import pytest
 
-from conftest import BOTH_MODES, ModeServer, chat_body, poll
+from conftest import BOTH_MODES, ModeServer, chat_body, poll, scraped
 
 COMPLETIONS = "/v1/chat/completions"
 STEP_S = 0.02
@@ -35,6 +35,9 @@ step_delay_s = {STEP_S}
 # " he" in the demo model's vocabulary.
 HE_TOKEN = 453
 LONG_PROMPT = " ".join(f"word{i}" for i in range(300))  # ~1,400 tokens of 2,048
+
+
+FAILED_TOTAL, FINISHED_TOTAL = "mlx_guardian_requests_failed_total", "mlx_guardian_requests_finished_total"
 
 
 class EngineServer(ModeServer):
@@ -175,6 +178,8 @@ def test_a_request_past_its_deadline_gets_504(engine_server):
         engine_server.config.write_text(CONFIG.replace("[http]", "[guardian]\nrequest_timeout_s = 1.0\n[http]"))
         poll(lambda: engine_server.engine_status()["config"]["loads"] >= 2, 10, what="the new configuration")
         before = engine_server.cancelled("deadline")
+        failed_before = scraped(engine_server, FAILED_TOTAL, code="deadline_exceeded")
+        finished_before = scraped(engine_server, FINISHED_TOTAL, outcome="failed")
         started = time.monotonic()
         answer = httpx.post(engine_server.url + COMPLETIONS, json=chat_body(max_tokens=3000), timeout=30)
         assert answer.status_code == 504 and answer.json()["error"]["code"] == "deadline_exceeded"
@@ -185,6 +190,9 @@ def test_a_request_past_its_deadline_gets_504(engine_server):
             events = [line for line in stream.iter_lines() if line.startswith("data: ")]
         assert '"deadline_exceeded"' in events[-2] and events[-1] == "data: [DONE]"
         assert engine_server.cancelled("deadline") == before + 2
+        # Failed as the client saw it, and counted so: requests_failed_total had no deadline's.
+        assert scraped(engine_server, FAILED_TOTAL, code="deadline_exceeded") == failed_before + 2
+        assert scraped(engine_server, FINISHED_TOTAL, outcome="failed") == finished_before + 2
         assert engine_server.idle()
     finally:
         engine_server.config.write_text(CONFIG)

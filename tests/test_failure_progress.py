@@ -15,9 +15,8 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import chat_body, poll, read_stream
+from conftest import chat_body, poll, read_stream, scraped
 from test_blame import stream_signalling_start
 from test_memory_admission import device_reports_free_memory
 
@@ -32,15 +31,6 @@ def table(name: str, **settings) -> str:
 
 def status(server) -> dict:
     return httpx.get(server.url + "/guardian/status", timeout=5).json()
-
-
-def scraped(server, name: str) -> float:
-    """The sum of a metric's samples (every label) in a scrape of /metrics."""
-    text = httpx.get(server.url + "/metrics", timeout=5).text
-    values = [sample.value for family in text_string_to_metric_families(text)
-              for sample in family.samples if sample.name == name]
-    assert values, f"{name} not in the scrape"
-    return sum(values)
 
 
 def eight_clients(server, requests_each: int, max_tokens: int) -> list[tuple[bool, dict]]:

@@ -72,7 +72,7 @@ class GuardianEngine(stock.loop.GuardedResponseGenerator):
         self.gave_up_error: Optional[GuardianError] = None
         # ``access``: the live [access] table, whose fair_admission the ledger follows.
         self.ledger = RequestLedger(
-            beat=self._loop_polled, on_finished=self._request_finished,
+            beat=self._loop_polled, on_finished=self._request_finished, on_failed=self._request_failed,
             fair=(lambda: access.fair_admission) if access is not None else (lambda: False),
             capacity=batch_places(model_provider.cli_args))
         self.steps = 0
@@ -409,6 +409,13 @@ class GuardianEngine(stock.loop.GuardedResponseGenerator):
 
     def fail(self, record: RequestRecord, error: GuardianError) -> None:
         record.fail(error)
+
+    def _request_failed(self, record: RequestRecord, error: GuardianError) -> None:
+        """A request ended with ``error`` (any thread): however it came to (a failure, its
+        deadline, a refusal as the engine stopped). A probe's is no user's failure."""
+        if record.synthetic:  # the probe reports its own result
+            log.debug("probe_request_failed", request_id=record.request_id, code=error.code)
+            return
         log.warning(
             "request_failed",
             request_id=record.request_id,

@@ -200,11 +200,13 @@ class RequestRecord:
         self.fail(error)
 
     def fail(self, error: GuardianError) -> None:
-        """End the request with an error (any thread)."""
+        """End the request with an error (any thread); the ledger's ``on_failed`` is told."""
         with self._lock:
-            if self.stage is not Stage.DONE:
-                self._held.clear()
-                self._finish(error)
+            if self.stage is Stage.DONE:
+                return
+            self._held.clear()
+            self._finish(error)
+        self.ledger.on_failed(self, error)
 
     def stop_generation(self) -> None:
         """Make stock drop this request from its batch at its next step, as it
@@ -316,10 +318,13 @@ class RequestLedger:
     def __init__(self, beat: Callable[[], None] = lambda: None,
                  gather_arriving_s: float = GATHER_ARRIVING_S,
                  on_finished: Callable[[RequestRecord, str], None] = lambda record, outcome: None,
+                 on_failed: Callable[[RequestRecord, GuardianError], None] = lambda record, error: None,
                  fair: Callable[[], bool] = lambda: False, capacity: int = 0):
         self.beat = beat
         # Told of every request that ends, and how (COMPLETED, FAILED, CANCELLED).
         self.on_finished = on_finished
+        # Told of every request that ends with an error (a deadline's, a refusal's too), after on_finished.
+        self.on_failed = on_failed
         self.gather_arriving_s = gather_arriving_s
         self._arriving = 0  # requests being admitted, not yet put
         self._set_aside = 0  # of those, waiting for memory the loop must free
