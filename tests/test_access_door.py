@@ -136,6 +136,11 @@ def test_logs_and_metrics_name_the_key_never_the_key(door_server):
                           headers={"X-Api-Key": BOB}, timeout=60)
     assert in_query.status_code == 200
     assert door_server.get(f"/v1/models?api_key={CAROL}").status_code == 401
+    # Targets no client library sends as they are: the key after a quote, or after a "#".
+    for target in (f'/v1/models?api_key=A"{CAROL}', f"/v1/models?x=1#api-key={CAROL}"):
+        with socket.create_connection(("127.0.0.1", door_server.port), timeout=10) as sock:
+            sock.sendall(f"GET {target} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode())
+            assert sock.recv(65536).startswith(b"HTTP/1.0 401 ")
     metrics = door_server.get("/metrics", ALICE).text
     assert 'api_key="bob"' in metrics or door_server.kind == "supervised"
     log = door_server.log_path.read_text()

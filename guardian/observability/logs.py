@@ -67,14 +67,24 @@ class DropRawRequestBodies(logging.Filter):
 ROUTINE_LIBRARY_LOGGERS = ("httpx",)
 
 # A query's values, wherever a request's target is logged: a client may put a
-# key there (?key=, ?api_key=), and no secret may reach a log. Names stay.
-_QUERY_VALUE = re.compile(r"([?&][^=&\s\"]*=)[^&#\s\"]*")
+# key there (?key=, ?api_key=), and no secret may reach a log. A target has no
+# space in it: its query is everything from "?" to the next one, a quote or a
+# fragment's "#" included. Names that look like names stay.
+_QUERY = re.compile(r"\?(\S+)")
+_QUERY_NAME = re.compile(r"[\w.\-\[\]]{1,64}")
 HIDDEN = "***"
 
 
+def _hidden_query(match: re.Match) -> str:
+    parts = (part.partition("=") for part in match.group(1).split("&"))
+    return "?" + "&".join(f"{name}={HIDDEN}" if equals and _QUERY_NAME.fullmatch(name) else HIDDEN
+                          for name, equals, _ in parts)
+
+
 def without_query_values(text: str) -> str:
-    """``text`` (an access line, a URL) with each query value replaced by ``HIDDEN``."""
-    return _QUERY_VALUE.sub(r"\g<1>" + HIDDEN, text) if "=" in text else text
+    """``text`` (an access line, a URL) with each query value replaced by ``HIDDEN``
+    (a part that is no ``name=value``, whole)."""
+    return _QUERY.sub(_hidden_query, text) if "?" in text else text
 
 
 # What of a client's request line (a target of up to [http] max_header_bytes, 64 KiB)
