@@ -12,6 +12,7 @@ x-stainless-read-timeout) is stopped and answered 504.
 from __future__ import annotations
 
 import json
+import re
 import socket
 import time
 
@@ -171,6 +172,26 @@ def test_a_client_that_stops_reading_a_stream(engine_server):
         poll(engine_server.idle, 5)
     finally:
         sock.close()
+
+
+def test_a_client_reading_a_large_answer_slowly_but_steadily_gets_all_of_it(engine_server):
+    """[http] send_timeout_s (1 s here) bounds a write that makes no progress, not the whole
+    answer: the socket's sendall gave it to the whole call, and cut off such a client."""
+    sock = engine_server.send_raw(chat_body(max_tokens=300, logprobs=True, top_logprobs=10,
+                                            logit_bias={str(HE_TOKEN): 100}), rcvbuf=4096)
+    received = b""
+    with sock:
+        while not received.endswith(b"\r\n\r\n") and b"\r\n\r\n" not in received:
+            received += sock.recv(65536)  # the head, once the answer is ready (30 s at most)
+        started = time.monotonic()
+        while chunk := sock.recv(4096):
+            received += chunk
+            time.sleep(0.05)  # the pace of a slow reader (~80 kB/s), not a wait for anything
+    head, _, body = received.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.0 200 "), head
+    length = int(re.search(rb"(?i)content-length: *(\d+)", head).group(1))
+    assert len(body) == length > 100_000
+    assert time.monotonic() - started > 2  # read over twice send_timeout_s
 
 
 def test_a_request_past_its_deadline_gets_504(engine_server):

@@ -881,6 +881,11 @@ class BufferedConnection:
             return io.BufferedReader(reader, buffering if buffering and buffering > 0 else io.DEFAULT_BUFFER_SIZE)
         return self.sock.makefile(mode, buffering, **kwargs)
 
+    def sendall(self, data) -> None:
+        """What a handler's ``wfile`` writes through: ``send_timeout_s`` is a limit on
+        a write that makes no progress, not on the whole answer."""
+        handoff.send_all(self.sock, data)
+
     def __getattr__(self, name):
         return getattr(self.sock, name)
 

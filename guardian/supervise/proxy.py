@@ -20,6 +20,7 @@ child's end of every connection, so every read from it ends.
 from __future__ import annotations
 
 import contextlib
+import functools
 import http.client
 import json
 import logging
@@ -810,7 +811,7 @@ def client_writer(connection):
     if type(sock) is not socket.socket:
         fd, sendall, write = None, connection.sendall, None
     else:
-        fd, sendall, write = sock.fileno(), sock.sendall, os.write
+        fd, sendall, write = sock.fileno(), functools.partial(handoff.send_all, sock), os.write
 
     def send(data: bytes) -> None:
         # A failure here is the client's (relay_events tells it from the child's).
