@@ -689,3 +689,19 @@ def test_a_deep_readiness_check_is_waited_for_as_long_as_the_childs_probes_may_t
     config.write_text("[watchdog]\nprobe_timeout_s = 40.0\n")
     options, child_args = make_parser().parse_known_args(["--guardian-config", str(config)])
     assert Supervisor(options, child_args).deep_readiness_timeout_s == 45.0
+
+
+def test_a_suspect_is_never_let_in_beside_another_running_alone():
+    """Two crash suspects: one runs alone; the other's wait runs out. Let in beside it (as
+    it was), a crash of either struck both, and the innocent one was quarantined."""
+    from guardian.quarantine.isolation import REFUSED, IsolationGate
+
+    gate = IsolationGate(max_wait_s=0.2)
+    with gate.admit(suspect=True) as first:
+        assert first is True
+        with gate.admit(suspect=True) as second:
+            assert second is REFUSED
+        assert gate.status() == {"suspects_waiting": 0, "suspect_running_alone": True}
+        with gate.admit(suspect=False) as bystander:  # no suspect: goes in once its wait ran out
+            assert bystander is False
+    assert gate.running == 0 and not gate.alone

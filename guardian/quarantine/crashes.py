@@ -183,8 +183,9 @@ class CrashQuarantine:
         return self.quarantined.refusal(fp)
 
     @contextmanager
-    def turn(self, method: str, fp: str) -> Iterator[bool]:
-        """Wait until this request may go to the child; yield whether it runs alone.
+    def turn(self, method: str, fp: str) -> Iterator[Optional[bool]]:
+        """Wait until this request may go to the child; yield whether it runs alone,
+        or ``isolation.REFUSED`` (a suspect that could not: another runs alone).
 
         A suspect runs alone and others wait behind it (bounded), so a
         crash under it strikes it and nothing else.

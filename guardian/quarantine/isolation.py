@@ -5,14 +5,21 @@ innocent beside the guilty. Relayed again beside each other, both would be
 in flight at the next crash too. So a suspect waits until nothing else is
 relayed, and requests that arrive meanwhile wait behind it: the next crash,
 if it comes, has one suspect. Waits are bounded; a request that waited
-``max_wait_s`` goes in regardless (a long stream must not hold the door).
+``max_wait_s`` goes in regardless (a long stream must not hold the door),
+except a suspect while another suspect runs alone: beside it, a crash of
+either would strike both, and the innocent one's second strike quarantined
+it. That one is refused (``REFUSED``: 503, to be sent again).
 """
 
 from __future__ import annotations
 
 import threading
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Iterator, Optional
+
+
+# What ``admit`` yields for a suspect that could not run alone: another suspect runs alone.
+REFUSED = None
 
 
 class IsolationGate:
@@ -26,12 +33,18 @@ class IsolationGate:
         self.alone = False  # a suspect runs alone now
 
     @contextmanager
-    def admit(self, suspect: bool) -> Iterator[bool]:
-        """Wait for this request's turn; yield whether it runs alone."""
+    def admit(self, suspect: bool) -> Iterator[Optional[bool]]:
+        """Wait for this request's turn; yield whether it runs alone, or ``REFUSED``
+        (not admitted) for a suspect whose wait ran out while another ran alone."""
         with self.condition:
             alone = self._wait_until_alone() if suspect else self._wait_behind_suspects()
-            self.running += 1
-            self.alone = self.alone or alone
+            refused = suspect and not alone and self.alone
+            if not refused:
+                self.running += 1
+                self.alone = self.alone or alone
+        if refused:
+            yield REFUSED
+            return
         try:
             yield alone
         finally:

@@ -44,6 +44,7 @@ from guardian.request_context import REQUEST_ID_HEADER, sane_request_id
 from guardian.supervise import metrics as supervise_metrics
 from guardian.supervise.fast_handoff import (CHILD_HOST, FastHandOff, child_request, forwarded_headers,
                                              try_fast_hand_off)
+from guardian.quarantine import isolation
 from guardian.quarantine.crashes import fingerprint
 from guardian.errors import CLIENT_GONE, GuardianError, method_not_allowed, write_error_as_client_gone
 from guardian.observability.counting import ActiveCount
@@ -300,6 +301,8 @@ class ProxyHandler(BaseHTTPRequestHandler):
                 with supervisor.quarantine.turn(self.command, request_fingerprint) as alone:
                     if self.gone:
                         return  # left while it waited its turn
+                    if alone is isolation.REFUSED:
+                        return self.give_up(stream, supervisor.isolation_busy_error())
                     # The turn may come just after the request before it crashed
                     # this child: never send to a dead one (it would be struck too).
                     outcome = CHILD_GONE if child_died(child, alone) else self.to_child(

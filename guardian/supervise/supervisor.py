@@ -692,6 +692,12 @@ class Supervisor:
         return GuardianError(f"The engine is {state}; retry the request.", status=503,
                              code="engine_restarting", retry_after_s=self.core.retry_after_s)
 
+    def isolation_busy_error(self) -> GuardianError:
+        """What a crash suspect gets that waited its turn to run alone in vain."""
+        return GuardianError("This request was in flight when the engine crashed, and runs alone until it is "
+                             "cleared; another such request runs alone now. Retry the request.",
+                             status=503, code="crash_check_busy", retry_after_s=self.core.retry_after_s)
+
     def lost_child_error(self) -> GuardianError:
         """What a request gets when the child died under it."""
         if self.state in (State.STOPPING, State.FAILED):
