@@ -257,3 +257,35 @@ def test_every_metric_the_dashboard_queries_is_in_a_scrape(served, supervised):
         assert poisoned.status_code == 500, poisoned.text
     scraped = Scrape(served.url).sample_names | Scrape(supervised.url).sample_names
     assert used and not used - scraped, f"the dashboard queries metrics no scrape has: {sorted(used - scraped)}"
+
+
+@pytest.mark.subprocess_mode
+def test_an_unhealthy_childs_metrics_are_passed_on_too(tmp_path, model_cache):
+    """Its engine's metrics are what an alert reads while it is unhealthy: they were left
+    out then, and the alerts in docs/operations.md could never fire under --supervise."""
+    config = tmp_path / "guardian.toml"
+    config.write_text("[fault_injection]\nenabled = true\n")  # a plugin is enabled at start
+    port = free_port()
+    proc = spawn_guardian(["--supervise", "--port", str(port), "--guardian-config", str(config)],
+                          tmp_path / "supervisor.log", model_cache, start_new_session=True)
+    server = Server(proc, port, tmp_path / "supervisor.log")
+    try:
+        server.wait_healthy()
+        config.write_text("[fault_injection]\nenabled = true\nevery_n_steps = 1\n")  # every step fails
+        poll(lambda: httpx.get(server.url + "/readyz?deep=1", timeout=30).status_code == 503, 30,
+             interval=0.5, what="a probe that fails")
+
+        def while_unhealthy():
+            scrape = Scrape(server.url)
+            return scrape.value("mlx_guardian_supervisor_state", state="unhealthy") == 1 and scrape
+
+        scrape = poll(while_unhealthy, 30, interval=0.2, what="the supervisor to find its child unhealthy")
+        assert scrape.value("mlx_guardian_supervisor_child_up") == 0
+        assert scrape.value("mlx_guardian_supervisor_child_metrics_up") == 1
+        assert scrape.value("mlx_guardian_engine_failures_total") >= 1
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=10)

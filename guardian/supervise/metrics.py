@@ -89,10 +89,13 @@ class SupervisorMetrics:
         return own + child_text if child_text else own
 
     def child_exposition(self) -> Optional[bytes]:
+        """The running child's metrics, whatever its health: an unhealthy child's are
+        what an alert on its engine's state reads (a child not yet serving refuses the
+        connection at once; a frozen one costs the scrape health_timeout_s at most)."""
         supervisor = self.supervisor
-        child = supervisor.serving_child(health_check=True)  # never a frozen one
-        if child is None or not child.has_readyz:  # stock has no /metrics
-            return None
+        child = supervisor.child
+        if child is None or child.hard_killed or child.proc.poll() is not None or not child.has_readyz:
+            return None  # (stock has no /metrics)
         try:
             response = child.client.get("/metrics", headers={"Accept": CONTENT_TYPE},
                                         timeout=supervisor.settings.health_timeout_s)
@@ -118,8 +121,8 @@ class SupervisorCollector:
             state.add_metric([value], float(supervisor.state == value))
         yield state
         child = supervisor.child
-        yield gauge(P + "child_up", "Whether a child is running and has answered healthy.",
-                    child is not None and child.ready_at is not None)
+        yield gauge(P + "child_up", "Whether a child is running and passed its last health check.",
+                    child is not None and supervisor.state == State.READY)
         if child is not None:
             yield gauge(P + "child_uptime_seconds", "Since the running child started.", time.monotonic() - child.started_at)
         yield gauge(P + "requests_held", "Requests waiting now for a child to be ready.", supervisor.holding)
