@@ -7,15 +7,20 @@ device ran out, less the margin (guardian.admission.memory_cap). The cap is
 temporary: a request over it that fits the configured budget gets 503
 memory_shortage with Retry-After (it was 400 kv_cache_budget_exceeded, which
 no SDK retries); only one over the configured budget gets 400. On a GPU
-bench/gpu_oom.py runs the real failure, with the measured cap.
+bench/gpu_oom.py runs the real failure, with the measured cap. And a request
+waiting its turn for KV memory still ends at its deadline, or when its client leaves.
 """
 
 from __future__ import annotations
 
+import json
+import socket
+import time
+
 import httpx
 import pytest
 
-from conftest import chat_body
+from conftest import chat_body, poll
 
 pytestmark = pytest.mark.one_version
 
@@ -154,3 +159,48 @@ def test_a_lone_small_requests_memory_failure_locks_nobody_out(start_server):
         assert lowered["kv_budget_bytes"] == 131_072  # one of the demo model's 256-token KV blocks
         other = client.post(server.url + "/v1/chat/completions", json=chat_body("Something else.", max_tokens=8))
         assert other.status_code == 200, other.text
+
+
+# One ~1,800-token request takes the whole KV budget (the demo model: 512 bytes a
+# token); one more may wait for it, at most 20 s; steps of 20 ms hold it ~36 s.
+KV_QUEUE = """
+[fault_injection]
+enabled = true
+step_delay_s = 0.02
+[prompt_guard]
+kv_budget_bytes = 1572864
+max_queued = 1
+max_queue_wait_s = 20.0
+"""
+
+
+def send_raw(server, body: dict) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+    data = json.dumps(body).encode()
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n" % len(data) + data)
+    return sock
+
+
+def test_a_request_waiting_for_kv_memory_keeps_its_deadline_and_its_clients_leaving(start_server):
+    """It waited out max_queue_wait_s (20 s) whatever its deadline, then got a 429; and
+    one whose client left kept its place in the queue, so the next client got 429 at once."""
+    server = start_server(KV_QUEUE)
+
+    def waiting_for_memory() -> int:
+        return httpx.get(server.url + "/guardian/status", timeout=5).json()["waiting_for_memory"]
+
+    with send_raw(server, chat_body(max_tokens=1800, stream=True)) as hog:
+        assert hog.recv(64).startswith(b"HTTP/1.0 200")  # the budget is its
+        started = time.monotonic()
+        late = httpx.post(server.url + "/v1/chat/completions", json=chat_body(max_tokens=1800), timeout=30,
+                          headers={"x-stainless-read-timeout": "1.5"})
+        assert late.status_code == 504 and late.json()["error"]["code"] == "deadline_exceeded", late.text
+        assert time.monotonic() - started < 5
+        with send_raw(server, chat_body(max_tokens=1800)):
+            poll(lambda: waiting_for_memory() == 1, 10, what="a request waiting for KV memory")
+        poll(lambda: waiting_for_memory() == 0, 2, what="the place of the request whose client left")
+        # Its place is free: the next one waits in it (here until its deadline), no 429.
+        after = httpx.post(server.url + "/v1/chat/completions", json=chat_body(max_tokens=1800), timeout=30,
+                           headers={"x-stainless-read-timeout": "1"})
+        assert after.status_code == 504, after.text

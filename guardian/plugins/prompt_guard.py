@@ -27,7 +27,7 @@ import copy
 import threading
 import time
 from collections import deque
-from typing import Optional
+from typing import Callable, Optional
 
 import structlog
 
@@ -40,12 +40,15 @@ from guardian.admission.facts import (
     describe_bytes,
     device_memory,
 )
-from guardian.errors import GuardianError
+from guardian.errors import ClientGoneAbort, GuardianError
+from guardian.request_context import current_request
 from guardian.config.registry import Bool, Float, Int, OneOf, Setting, Table
 
 log = structlog.get_logger("guardian.prompt_guard")
 
 MiB = 1024 * 1024
+# How often a request waiting for KV memory looks whether its client left or its deadline passed.
+GAVE_UP_CHECK_S = 0.1
 
 # Messages truncation never drops.
 SYSTEM_ROLES = ("system", "developer")
@@ -92,12 +95,23 @@ class PromptGuardSettings(Table, name="prompt_guard"):
     max_queued = Setting(Int(min=0), 16, """
         Requests that arrive while the budget is full wait first come, first
         served: at most max_queued of them, each at most max_queue_wait_s; then
-        429 kv_cache_budget_busy with Retry-After: retry_after_s.""", live=True)
+        429 kv_cache_budget_busy with Retry-After: retry_after_s. One whose
+        deadline passes meanwhile gets its 504, and one whose client leaves gives
+        its place up, within 0.1 s.""", live=True)
     max_queue_wait_s = Setting(Float(min=0.0), 30.0, live=True)
     retry_after_s = Setting(Float(min=0.0), 2.0, live=True)
     max_body_bytes = Setting(Int(min=0), 32 * MiB, """
         Request bodies over this many bytes get 413 request_too_large, answered
         from the Content-Length header without reading the body. 0: no limit.""", live=True)
+
+
+def request_ended() -> Optional[GuardianError]:
+    """For a request waiting its turn: its deadline's 504 once passed; ``ClientGoneAbort``
+    raised once its client left (nobody to answer). None while it still waits."""
+    info = current_request()
+    if info.client_left:
+        raise ClientGoneAbort()
+    return info.deadline_errors[0] if info.deadline_errors else None
 
 
 class KVBudget:
@@ -131,8 +145,11 @@ class KVBudget:
             self.cap_bytes = cap_bytes
             self._cond.notify_all()
 
-    def reserve(self, nbytes: int) -> Optional[GuardianError]:
-        """Take ``nbytes``, waiting in line if need be; a 429 when the line is full or too slow."""
+    def reserve(self, nbytes: int,
+                gave_up: Callable[[], Optional[GuardianError]] = lambda: None) -> Optional[GuardianError]:
+        """Take ``nbytes``, waiting in line if need be; a 429 when the line is full or too slow.
+        ``gave_up``, looked at every ``GAVE_UP_CHECK_S`` while waiting: the request's own end
+        (an error to answer, or an exception it raises), which gives its place up."""
         with self._cond:
             if not self._waiting and self.in_use + nbytes <= self.total_bytes:
                 self.in_use += nbytes
@@ -152,7 +169,10 @@ class KVBudget:
                         return self._busy(
                             f"no KV cache memory came free within {self.max_wait_s:g} s", nbytes
                         )
-                    self._cond.wait(remaining)
+                    ended = gave_up()
+                    if ended is not None:
+                        return ended
+                    self._cond.wait(min(remaining, GAVE_UP_CHECK_S))
                 self.in_use += nbytes
             finally:
                 self._waiting.remove(ticket)
@@ -369,7 +389,7 @@ class PromptGuard:
         # a switched-in model's request that fits its own budget takes at
         # most all of it (the batch drains before stock switches models).
         reserved = min(nbytes, self.budget.total_bytes)
-        error = self.budget.reserve(reserved)
+        error = self.budget.reserve(reserved, gave_up=request_ended)
         if error is None:
             admission.on_finish(lambda: self.budget.release(reserved))
         return error
