@@ -76,18 +76,14 @@ class MemoryCap:
     def _usable(self, nbytes: int) -> int:
         return int(max(0, nbytes) * max(0.0, 1 - self.margin))
 
-    def engine_failed(self, kv_admitted_bytes: int, smallest_request_bytes: int = 0) -> None:
+    def engine_failed(self, kv_admitted_bytes: int) -> None:
         """The engine failed for memory while requests holding ``kv_admitted_bytes``
-        of KV budget were admitted (as noted at the failure). The cap learned is never
-        below ``smallest_request_bytes``, the KV of the smallest request there can be:
-        a lone small request's failure learned a cap under it, which refused every
-        request, innocent or not, until the cap lifted (and the retry its 503 invited
-        failed, and set it again)."""
+        of KV budget were admitted (as noted at the failure)."""
         with self._lock:
             self.failures += 1
             self.failed_at = self._clock()
             if kv_admitted_bytes > 0:
-                learned = max(self._usable(kv_admitted_bytes), smallest_request_bytes)
+                learned = self._usable(kv_admitted_bytes)
                 self.learned_bytes = learned if self.learned_bytes is None else min(self.learned_bytes, learned)
 
     def restarted(self, weights_bytes: int, configured_bytes: int) -> Optional[int]:

@@ -426,7 +426,7 @@ class PromptGuard:
             return
         self.memory_cap.margin = self.settings.kv_budget_margin
         self.memory_cap.hold_s = self.settings.memory_cap_hold_s
-        self.memory_cap.engine_failed(self._kv_at_failure, smallest_request_bytes=self.served_limits.kv_bytes(1))
+        self.memory_cap.engine_failed(self._kv_at_failure)
         self._set_cap(self.memory_cap.restarted(self.served_limits.weights_bytes, self.budget.configured_bytes),
                       lifted=False)
 
