@@ -237,6 +237,13 @@ def test_the_openai_sdks_own_timeout_is_a_deadline(engine_server):
     # The access line (written as the request ends, a moment after its answer) says it was a retry.
     poll(lambda: [e for e in engine_server.events("http_access") if e.get("client_retry") == 1], 5,
          what="an access line with client_retry")
+    # A stream's events keep each of the SDK's reads short: it reads for 3 s (150 steps of
+    # 20 ms), three times its read timeout, and gets all of it (it was cut at 1 s).
+    started = time.monotonic()
+    chunks = list(client.chat.completions.create(
+        model="default_model", messages=[{"role": "user", "content": "hi"}], max_tokens=150, stream=True,
+        logit_bias={str(HE_TOKEN): 100}))
+    assert time.monotonic() - started > 2 and chunks[-1].choices[0].finish_reason == "length"
 
 
 def test_a_deadline_passed_on_arrival_is_a_504_every_time(engine_server):

@@ -52,8 +52,9 @@ class CoreSettings(Table, name="guardian"):
         A completion request still unanswered this long after it arrived is
         stopped and answered 504 deadline_exceeded (a stream under way: an error event).
         A client's own read timeout, which the openai SDK sends as
-        x-stainless-read-timeout, is a deadline too; the sooner wins. 0: none
-        but the client's.""", live=True)
+        x-stainless-read-timeout, is a deadline too, the sooner winning: for a
+        stream, until its head is sent (the client's limit is on each wait for
+        bytes, and the events keep those short). 0: none but the client's.""", live=True)
     exit_grace_s = Setting(SECONDS, 5.0, """
         On exit, how long requests in flight get to reach their clients.""", live=True)
     max_stop_sequences = Setting(Int(min=0), 32, """

@@ -14,6 +14,7 @@ engine. The handler's own endpoints (``GET``, guardian.serving.endpoints) read i
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import time
@@ -93,36 +94,49 @@ class GuardianHandler(Endpoints, stock.handler.DoorCorsHandler):
             # queued, in prefill, generating an answer not yet written (guardian.serving.connection).
             info = current_request()
             self.server.watch_client(self.connection, lambda: client_gone(info))
-            deadline = self.start_deadline(info)
+            deadlines = self.start_deadlines(info)
             try:
                 if self.stream and relay_protocol.relayed_by_supervisor(self.headers):
                     return self.handle_relayed_stream(request, stop_words)
                 self.handle_completion_answered(request, stop_words)
             finally:
                 self.server.unwatch_client(self.connection)
-                if deadline is not None:
+                self._head_deadline = None
+                for deadline in deadlines:
                     self.server.cancel_call(deadline)
 
-    def start_deadline(self, info):
-        """The request's deadline ([guardian] request_timeout_s, or the client's own
-        read timeout, the sooner), on the connection layer's clock; None: none."""
-        deadline_s, source = client_deadline(self.headers, self.response_generator.config.core.request_timeout_s)
+    # A stream's deadline that ends once its head is sent (the client's read timeout).
+    _head_deadline = None
+
+    def start_deadlines(self, info) -> list:
+        """The request's deadlines, as timers on the connection layer's clock: [guardian]
+        request_timeout_s, for the whole request; and the client's own read timeout (the
+        openai SDK's header), httpx's limit on one wait for bytes: the whole wait for a
+        plain answer, but only the wait for a stream's head, after which its events keep
+        each of the client's reads short (as a stream on a server without the header)."""
         retries = self.headers.get(SDK_RETRY_COUNT_HEADER, "0")
         # ASCII digits, a few: str.isdigit() takes "²", which int() refuses, as it refuses 5,000 digits.
         if retries.isascii() and retries.isdigit() and len(retries) <= 6 and int(retries) > 0:
             bind_log_fields(client_retry=int(retries))  # the openai SDK sent it again
-        if deadline_s is None:
-            return None
-        error = GuardianError(
-            f"The request was not answered within its deadline of {deadline_s:g} s ({source}).",
-            status=504, type="server_error", code="deadline_exceeded", retry=False)
-        due = info.started_at + deadline_s
-        if due <= time.monotonic():
-            # Passed already (a deadline shorter than reading the request): fail it here. A timer
-            # would run on the reader's thread, and a short answer could win that race.
-            deadline_passed(info, error)
-            return None
-        return self.server.call_at(due, lambda: deadline_passed(info, error))
+        deadlines = []
+        for seconds, source, until_head in (
+                (self.response_generator.config.core.request_timeout_s, "request_timeout_s", False),
+                (client_read_timeout(self.headers), f"the client's {SDK_READ_TIMEOUT_HEADER}", bool(self.stream))):
+            if not seconds:
+                continue
+            error = GuardianError(
+                f"The request was not answered within its deadline of {seconds:g} s ({source}).",
+                status=504, type="server_error", code="deadline_exceeded", retry=False)
+            due = info.started_at + seconds
+            if due <= time.monotonic():
+                # Passed already (a deadline shorter than reading the request): fail it here. A timer
+                # would run on the reader's thread, and a short answer could win that race.
+                deadline_passed(info, error)
+                break
+            deadlines.append(self.server.call_at(due, functools.partial(deadline_passed, info, error)))
+            if until_head:
+                self._head_deadline = deadlines[-1]
+        return deadlines
 
     def handle_relayed_stream(self, request, stop_words):
         """A stream the supervisor relays: tagged with its tokens, perhaps a continuation
@@ -355,6 +369,9 @@ class GuardianHandler(Endpoints, stock.handler.DoorCorsHandler):
         for name, value in (headers or {}).items():
             self.send_header(name, value)
         super().end_headers()
+        if self._head_deadline is not None:  # a stream's head is out: the client reads on
+            self.server.cancel_call(self._head_deadline)
+            self._head_deadline = None
 
     def log_message(self, format, *args):
         # BaseHTTPRequestHandler writes access lines straight to stderr;
@@ -373,18 +390,13 @@ SDK_READ_TIMEOUT_HEADER = "x-stainless-read-timeout"
 SDK_RETRY_COUNT_HEADER = "x-stainless-retry-count"
 
 
-def client_deadline(headers, request_timeout_s: float) -> tuple[Optional[float], str]:
-    """(seconds the request may take, where that comes from); (None, "") for no deadline."""
-    candidates = []
-    if request_timeout_s > 0:
-        candidates.append((request_timeout_s, "request_timeout_s"))
+def client_read_timeout(headers) -> Optional[float]:
+    """The client's read timeout in seconds (its SDK's header), if a sane one."""
     try:
         client_s = float(headers.get(SDK_READ_TIMEOUT_HEADER) or "nan")
     except ValueError:
-        client_s = float("nan")
-    if 0 < client_s < float("inf"):  # NaN fails both
-        candidates.append((client_s, f"the client's {SDK_READ_TIMEOUT_HEADER}"))
-    return min(candidates) if candidates else (None, "")
+        return None
+    return client_s if 0 < client_s < float("inf") else None  # NaN fails both
 
 
 class RelayedGenerator:
