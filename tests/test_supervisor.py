@@ -705,3 +705,22 @@ def test_a_suspect_is_never_let_in_beside_another_running_alone():
         with gate.admit(suspect=False) as bystander:  # no suspect: goes in once its wait ran out
             assert bystander is False
     assert gate.running == 0 and not gate.alone
+
+
+def test_a_pause_of_the_whole_group_inside_a_health_check_is_not_the_childs_fault(start_supervisor):
+    """The supervisor stopped while its check waited on a stopped child: once both ran
+    again, the check failed, and the child was "unhealthy for" the whole pause and killed."""
+    supervised = start_supervisor("--supervisor-health-timeout", "5", "--supervisor-unhealthy-after", "3")
+    child = supervised.wait_ready()
+    os.kill(child, signal.SIGSTOP)  # the next check (within the 1 s interval) waits its 5 s
+    stopped_at = time.monotonic()
+    try:
+        # Nothing to poll for but time itself: a check is under way from 1 s to at least 5 s.
+        poll(lambda: time.monotonic() - stopped_at >= 2, 5, interval=0.05, what="a check under way")
+        os.killpg(supervised.proc.pid, signal.SIGSTOP)
+        poll(lambda: time.monotonic() - stopped_at >= 9, 12, interval=0.1, what="the pause")
+    finally:
+        os.killpg(supervised.proc.pid, signal.SIGCONT)
+    poll(lambda: supervised.supervisor_events("supervisor_paused"), 15, what="the pause noticed")
+    assert supervised.wait_ready() == child
+    assert not supervised.supervisor_events("child_stopping")

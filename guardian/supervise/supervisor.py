@@ -521,8 +521,17 @@ class Supervisor:
 
     def check_health(self, child: Child) -> None:
         """One health check; state changes and unhealthy-too-long decided here."""
+        asked_at = time.monotonic()
         ok = self.probe(child)
         child.last_check_at = time.monotonic()
+        # A check outlasts its timeout only when the supervisor did not run meanwhile (the
+        # whole group stopped, a frozen VM): a pause, as one between checks is, and the
+        # check that failed across it is no verdict on the child.
+        overrun = child.last_check_at - asked_at - self.health_timeout
+        if overrun >= PAUSE_NOTICED_S:
+            self.notice_pause(overrun)
+            if not ok:
+                return
         if ok:
             child.last_ok = child.last_check_at
             return self.child_healthy(child)
