@@ -331,23 +331,64 @@ COMMON_LOG_FIELDS = {"exc_info", "stack_info"}
 
 
 def log_events() -> dict[str, dict]:
-    """Every ``log.<level>("event", field=...)`` in guardian/ (each module's structlog
-    logger is ``log``): the event's levels, modules and fields, read from the source."""
+    """Every event a structlog logger named ``log`` (or ``_log``) writes in guardian/, read from the source:
+    its levels, modules and fields. The call may be ``log.<level>("event", ...)``, or through a
+    choice of levels (``(log.debug if routine else log.info)(...)``, or a name bound to one in
+    the module), of event names (``"a" if x else "b"``), and of fields (``**{...}``)."""
     events: dict[str, dict] = {}
     package = REPO / "guardian"
     for path in sorted(package.rglob("*.py")):
         module = ".".join(path.relative_to(REPO).with_suffix("").parts)
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                    and node.func.attr in LOG_LEVELS and isinstance(node.func.value, ast.Name)
-                    and node.func.value.id == "log" and node.args
-                    and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+        tree = ast.parse(path.read_text(), str(path))
+        # Names bound to a level, or a choice of levels (``level = log.info if ... else log.error``).
+        chosen = {target.id: levels for node in ast.walk(tree) if isinstance(node, ast.Assign)
+                  for target in node.targets if isinstance(target, ast.Name)
+                  if (levels := _log_levels(node.value, {}))}
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Call) or not node.args:
                 continue
-            event = events.setdefault(node.args[0].value, {"levels": set(), "modules": set(), "fields": set()})
-            event["levels"].add("error" if node.func.attr == "exception" else node.func.attr)
-            event["modules"].add(module.removeprefix("guardian."))
-            event["fields"].update(k.arg for k in node.keywords if k.arg and k.arg not in COMMON_LOG_FIELDS)
+            levels, names = _log_levels(node.func, chosen), _strings(node.args[0])
+            if not (levels and names):
+                continue
+            fields = {k.arg for k in node.keywords if k.arg} | {
+                key for k in node.keywords if k.arg is None for key in _dict_keys(k.value)}
+            for name in names:
+                event = events.setdefault(name, {"levels": set(), "modules": set(), "fields": set()})
+                event["levels"].update("error" if level == "exception" else level for level in levels)
+                event["modules"].add(module.removeprefix("guardian."))
+                event["fields"].update(fields - COMMON_LOG_FIELDS)
     return events
+
+
+def _log_levels(node: ast.AST, chosen: dict[str, set]) -> set[str]:
+    """The levels a call's function writes at: ``log.info``, a choice of two, or a name bound to one."""
+    if isinstance(node, ast.Attribute) and node.attr in LOG_LEVELS:
+        logger = node.value  # ``log``, or a logger an object was given (``self._log``)
+        name = logger.id if isinstance(logger, ast.Name) else getattr(logger, "attr", None)
+        return {node.attr} if name in ("log", "_log") else set()
+    if isinstance(node, ast.IfExp):
+        return _log_levels(node.body, chosen) | _log_levels(node.orelse, chosen)
+    if isinstance(node, ast.Name):
+        return chosen.get(node.id, set())
+    return set()
+
+
+def _strings(node: ast.AST) -> set[str]:
+    """A string constant, or each of a choice of them."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return {node.value}
+    if isinstance(node, ast.IfExp):
+        return _strings(node.body) | _strings(node.orelse)
+    return set()
+
+
+def _dict_keys(node: ast.AST) -> set[str]:
+    """The string keys of a dict literal given as ``**fields``, or of each of a choice of them."""
+    if isinstance(node, ast.Dict):
+        return {key.value for key in node.keys if isinstance(key, ast.Constant) and isinstance(key.value, str)}
+    if isinstance(node, ast.IfExp):
+        return _dict_keys(node.body) | _dict_keys(node.orelse)
+    return set()
 
 
 def log_events_page() -> str:

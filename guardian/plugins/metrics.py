@@ -101,7 +101,8 @@ class Metrics:
         self.failed = Counter(P + "requests_failed", "Requests the engine had queued that ended with an "
                               "error instead of a completion, by error code.", ["code"], registry=r)
         self.finished = Counter(P + "requests_finished", "Requests the engine had queued that ended, by "
-                                "outcome (completed, failed, cancelled: the client left).", ["outcome"], registry=r)
+                                "outcome (completed; failed: with an error, a deadline's 504 too; "
+                                "cancelled: the client left).", ["outcome"], registry=r)
         for outcome in (COMPLETED, FAILED, CANCELLED):
             self.finished.labels(outcome)
         self.prompt_tokens = Counter(P + "prompt_tokens", "Prompt tokens of the requests that ended.", registry=r)
@@ -219,7 +220,8 @@ class EngineCollector:
             cancelled.add_metric([reason], count)
         yield cancelled
         yield CounterMetricFamily(P + "tokens_after_disconnect", "Tokens the engine generated for requests "
-                                  "already cancelled (it drops them at its next step; the goal is 0).",
+                                  "already cancelled: at most one for each cancelled while decoding (stock's "
+                                  "step under way when it was cancelled), none more.",
                                   value=status.get("tokens_after_cancel", 0))
         yield gauge(P + "engine_heartbeat_age_seconds",
                     "Since the engine's loop last stepped, reported progress or polled for work.",
