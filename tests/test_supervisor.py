@@ -724,3 +724,12 @@ def test_a_pause_of_the_whole_group_inside_a_health_check_is_not_the_childs_faul
     poll(lambda: supervised.supervisor_events("supervisor_paused"), 15, what="the pause noticed")
     assert supervised.wait_ready() == child
     assert not supervised.supervisor_events("child_stopping")
+
+
+def test_a_crash_suspects_path_is_logged_cut():
+    """A target may be 64 KiB; a request's path reached crash_suspects and the status whole."""
+    from guardian.observability.logs import LOGGED_LINE_CHARS
+    from guardian.quarantine.crashes import Relay
+
+    path = Relay(None, "POST", "/v1/" + "a" * 60_000).path
+    assert path.startswith("/v1/aaa") and len(path) < LOGGED_LINE_CHARS + 100

@@ -46,6 +46,7 @@ from typing import Iterator, Optional
 import structlog
 
 from guardian.errors import GuardianError
+from guardian.observability.logs import loggable_line
 from guardian.quarantine.isolation import IsolationGate
 from guardian.quarantine.table import STATUS_ENTRIES, ExpiringTable, short
 
@@ -109,7 +110,7 @@ class Relay:
         self._fingerprint = fp
         self._request = request
         self.method = method
-        self.path = path
+        self.path = loggable_line(path)  # for the log and the status only: cut if long
         self.lost = False
         self.answered = False
         self.admitted = False  # counted by the isolation gate (a fast relay), until released

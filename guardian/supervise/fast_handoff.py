@@ -31,6 +31,7 @@ from guardian.access.keys import API_KEY_HEADER, AUTHORIZATION
 from guardian.access.policy import CLIENT_HEADER, AccessDecision, AccessRequest
 from guardian.serving import framing
 from guardian.serving.connection import close_quietly
+from guardian.observability.logs import loggable_line
 
 log = structlog.get_logger("guardian.supervisor")
 
@@ -182,7 +183,7 @@ def try_fast_hand_off(server, incoming) -> bool:
         relay.stream = handed.progress()  # where it stands, should the child be reaped first
         server.when_readable(handed.control, passed.on_word)
     except (OSError, ValueError, KeyError) as e:  # out of descriptors: the child answers untracked
-        log.error("handoff_untracked", path=head.path, error_type=type(e).__name__, error_message=str(e))
+        log.error("handoff_untracked", path=loggable_line(head.path), error_type=type(e).__name__, error_message=str(e))
         supervisor.quarantine.end_fast_relay(child.generation, relay, answered=False, sent=False)
         server.handoffs_in_flight.__exit__(None, None, None)
         supervisor.in_flight.__exit__(None, None, None)

@@ -200,7 +200,7 @@ class ProxyHandler(BaseHTTPRequestHandler):
         if self.access.allowed:
             return True
         self.server.supervisor.metrics.access_refused.labels(self.access.error.code).inc()
-        log.info("request_refused_at_door", path=request_path(self.path), code=self.access.error.code,
+        log.info("request_refused_at_door", path=loggable_line(request_path(self.path)), code=self.access.error.code,
                  client=self.client_address[0])
         self.close_connection = True
         self.send_error_json(self.access.error)
@@ -332,9 +332,9 @@ class ProxyHandler(BaseHTTPRequestHandler):
             resends += 1
             supervisor.metrics.requests_resent.labels("request" if stream is None else "stream").inc()
             if stream is None:
-                log.info("request_resent", path=path, dead_child_pid=child.pid, resends=resends)
+                log.info("request_resent", path=loggable_line(path), dead_child_pid=child.pid, resends=resends)
             else:
-                log.info("stream_continuing", path=path, dead_child_pid=child.pid, resends=resends,
+                log.info("stream_continuing", path=loggable_line(path), dead_child_pid=child.pid, resends=resends,
                          tokens_relayed=len(stream.tokens))
 
     def resumed_outcome(self, passed: FastHandOff):
