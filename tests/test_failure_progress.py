@@ -102,12 +102,15 @@ def test_a_poison_that_fails_at_the_same_token_is_blamed_once_it_reproduces_alon
     poison = chat_body(f"{POISON} in a story.", max_tokens=16)
     started = [threading.Event() for _ in range(3)]
     with ThreadPoolExecutor(3) as pool:
-        bystanders = [pool.submit(stream_signalling_start, url, chat_body(f"Bystander {i}.", max_tokens=400,
+        bystanders = [pool.submit(stream_signalling_start, url, chat_body(f"Bystander {i}.", max_tokens=3000,
                                                                             stream=True), event)
                       for i, event in enumerate(started)]
         poll(lambda: all(event.is_set() for event in started), 30, what="the bystanders streaming")
         with httpx.Client(timeout=60) as http:
             blamed = http.post(url, json=poison)
+        # Its verdict did not wait for the bystanders: the suspect with the fewest tokens left
+        # runs alone first. (Each bystander ran alone to its end first, one after the other.)
+        assert not all(f.done() for f in bystanders)
         bystanders = [f.result() for f in bystanders]
 
     assert blamed.status_code == 500, blamed.text
@@ -119,8 +122,8 @@ def test_a_poison_that_fails_at_the_same_token_is_blamed_once_it_reproduces_alon
         assert result["status"] == 200 and result["done"] and not result["errors"], result
     # At token 5 beside the bystanders; continued, at token 5 again: run alone;
     # at token 5 alone: blamed. (Its second failure came in the step that
-    # prefilled every continuation, before the bystanders' next token: they
-    # were run alone too, one after the other, and completed.)
+    # prefilled every continuation, before the bystanders' next token: they were
+    # to run alone too, and once it was blamed they went on together.)
     errors = server.events("engine_error")
     assert len(errors) == 3 and all("planted poison at token 5" in e["error_message"] for e in errors)
     [blamed_event] = server.events("request_blamed")

@@ -257,6 +257,10 @@ class FailureHandler:
             quarantined=entry is not None,
         )
         self.engine.fail(record, self._blamed_error(record, cause, classification, entry))
+        # The failures had a cause, and it is found: those in flight beside it need not run
+        # alone one after the other any more (a long one held every new request until it
+        # ended). Should one fail again, it is judged again: blame still needs failing alone.
+        self.engine.ledger.clear_isolation()
 
     def settle_stall(self, reason: str) -> None:
         """Settle the requests of a loop thread a stall abandoned, as after a failure.

@@ -160,6 +160,11 @@ class RequestRecord:
         self.generated.append(response.token)
         self.token_times.append(time.monotonic())
         self.ledger.tokens_generated += 1
+        if self.isolate and len(self.generated) > self.failed_at_position:
+            # Past the point where it failed beside others: it did not fail there alone, which
+            # is all running alone was to show. It runs on beside the rest, which waited.
+            self.isolate = False
+            self.ledger.end_isolation(self)
         if self.stream:
             self.stage = Stage.STREAMING
             self.downstream.put(response)
@@ -246,6 +251,10 @@ class RequestRecord:
     def client_has_output(self) -> bool:
         """Whether a client was sent tokens: a re-run would repeat them."""
         return self.stream and bool(self.generated)
+
+    def tokens_left(self) -> int:
+        """At most how many tokens it has yet to generate."""
+        return max(0, self.first_args.max_tokens - len(self.generated))
 
     @property
     def has_output(self) -> bool:
@@ -572,6 +581,21 @@ class RequestLedger:
         if not self._client_in_flight.get(client) and client not in self._waiting:
             self._served_at.pop(client, None)
 
+    def clear_isolation(self) -> None:
+        """A failure's cause was found: nothing queued or running waits to run alone."""
+        with self._cond:
+            for record in [*self._reruns, *self._in_flight.values()]:
+                record.isolate = False
+            self._isolated = None
+            self._cond.notify_all()
+
+    def end_isolation(self, record: RequestRecord) -> None:
+        """``record`` ran alone past the point where it failed: new requests may be taken again."""
+        with self._cond:
+            if self._isolated is record:
+                self._isolated = None
+                self._cond.notify_all()
+
     def finished(self, record: RequestRecord, outcome: str = CANCELLED) -> None:
         with self._cond:
             self.completed += outcome == COMPLETED
@@ -600,11 +624,14 @@ class RequestLedger:
 
     def rerun(self, records: list[RequestRecord], continued=()) -> None:
         """Queue records ahead of new requests, in their original order; those
-        also in ``continued`` go on from the tokens they generated."""
+        also in ``continued`` go on from the tokens they generated. Those to run
+        alone come last, the one with the fewest tokens left first: its verdict
+        comes soonest, and everything behind it waits least (a long stream run
+        alone first held the poison's verdict and every new request until it ended)."""
         for record in records:
             record.prepare_rerun(continued=record in continued)
         with self._cond:
-            merged = sorted([*self._reruns, *records], key=lambda r: r.seq)
+            merged = sorted([*self._reruns, *records], key=lambda r: (r.tokens_left() if r.isolate else -1, r.seq))
             self._reruns = deque(merged)
             self._cond.notify_all()
 
