@@ -112,7 +112,8 @@ class WatchdogSettings(Table, name="watchdog"):
         counts as a stall as well.""", live=True)
     ladder = Setting(ListOf(OneOf(*ACTIONS), min_items=1), list(ACTIONS), """
         What each stall within ladder_window_s does, in order; the last rung repeats.
-        "restart": abandon the stuck loop thread, start a fresh one on the loaded
+        A stall after a user's request was served since the last one starts at the
+        first rung again. "restart": abandon the stuck loop thread, start a fresh one on the loaded
         weights; "reload": the same after reading the weights again; "exit": answer
         every request and exit with code 5 for launchd or systemd.""", live=True)
     ladder_window_s = Setting(SECONDS, 600.0, live=True)

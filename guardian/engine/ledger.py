@@ -358,6 +358,8 @@ class RequestLedger:
         # tokens generated (re-runs' included): the engine's progress, proof that
         # it generates (see guardian.engine.blame). Tokens: loop thread only.
         self.completed = 0
+        # Of those, users' (a probe that passes proves a loop generates, not that users are served).
+        self.completed_for_users = 0
         self.tokens_generated = 0
         # Requests ended before their answer, by why (CLIENT_LEFT, DEADLINE); tokens
         # the loop generated for them after that (it drops them at its next step).
@@ -599,6 +601,7 @@ class RequestLedger:
     def finished(self, record: RequestRecord, outcome: str = CANCELLED) -> None:
         with self._cond:
             self.completed += outcome == COMPLETED
+            self.completed_for_users += outcome == COMPLETED and not record.synthetic
             if self._in_flight.pop(record.seq, None) is not None:
                 left = self._client_in_flight.pop(record.client, 0) - 1
                 if left > 0:

@@ -57,6 +57,9 @@ class StallDetector:
         self.settings = settings
         self.notifier = notifier or SystemdNotifier()
         self.stalls = RecentEvents(settings.ladder_window_s)
+        # Users' requests the engine had completed at the last stall: any completed since
+        # means the recovery worked, and the next stall starts the ladder again.
+        self._completed_at_stall: Optional[int] = None
         self.pace = Pace(samples=settings.pace_samples, factor=settings.stall_pace_factor,
                          floor_s=settings.stall_min_s)
         self.stall_limit_s = settings.stall_timeout_s
@@ -228,18 +231,24 @@ class StallDetector:
     def _on_stall(self, heartbeat_age_s: float, why: str) -> None:
         """Ask the engine to take the stall at the ladder's next rung; log and tell the plugins."""
         ladder = self.settings.ladder
+        completed = self.engine.ledger.completed_for_users
+        progressed = self._completed_at_stall is not None and completed > self._completed_at_stall
+        if progressed:  # judged by progress, as failures are: give up only when nothing moves
+            self.stalls = RecentEvents(self.settings.ladder_window_s)
         stalls_in_window = self.stalls.count() + 1
         action = ladder[min(stalls_in_window, len(ladder)) - 1]
         reason = f"{why} for {heartbeat_age_s:.1f} s"
         if not self.engine.lifecycle.stalled(action):
             return  # the engine gave up or stopped meanwhile: no loop to replace
         self.stalls.add()
+        self._completed_at_stall = completed
         log.error(
             "engine_stalled",
             heartbeat_age_s=round(heartbeat_age_s, 3),
             reason=reason,
             action=action,
             stalls_in_window=stalls_in_window,
+            completed_since_last_stall=progressed,
             step=self.engine.steps,
             **self.engine.ledger.counts(),
         )
