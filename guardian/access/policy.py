@@ -47,6 +47,8 @@ AUTHORITY = re.compile(r"(?:\[[0-9a-f:.]+\]|[a-z0-9_.-]+)(?::[0-9]{1,5})?")
 # The supervisor tells its child who the client is; only a request with the
 # relay key may say so.
 CLIENT_HEADER = "X-Guardian-Client"
+# And the name of the API key the client gave (its per-key counts, its access line).
+KEY_NAME_HEADER = "X-Guardian-Key-Name"
 # Refusals, by code: the metric's reason label, and the log's.
 HOST_NOT_ALLOWED = "host_not_allowed"
 ORIGIN_NOT_ALLOWED = "origin_not_allowed"
@@ -236,7 +238,8 @@ class AccessPolicy:
             return AccessDecision(request.client_address, GuardianError(
                 "This server is a supervised child: send requests to the supervisor's port.",
                 status=403, type="invalid_request_error", code=NOT_FROM_SUPERVISOR, retry=False))
-        return AccessDecision(request.headers.get(CLIENT_HEADER) or request.client_address)
+        return AccessDecision(request.headers.get(CLIENT_HEADER) or request.client_address,
+                              key_name=request.headers.get(KEY_NAME_HEADER) or None)
 
     def check_host(self, host_header: Optional[str]) -> Optional[GuardianError]:
         if host_header is None:

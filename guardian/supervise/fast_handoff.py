@@ -28,7 +28,7 @@ import structlog
 
 from guardian import handoff, relay_protocol
 from guardian.access.keys import API_KEY_HEADER, AUTHORIZATION
-from guardian.access.policy import CLIENT_HEADER, AccessDecision, AccessRequest
+from guardian.access.policy import CLIENT_HEADER, KEY_NAME_HEADER, AccessDecision, AccessRequest
 from guardian.serving import framing
 from guardian.serving.connection import close_quietly
 from guardian.observability.logs import loggable_line
@@ -199,14 +199,15 @@ CHILD_HOST = "127.0.0.1"
 # Host and Content-Length themselves.
 NOT_FORWARDED_UPSTREAM = (relay_protocol.HOP_BY_HOP | {"host", "content-length", "expect"}
                           | relay_protocol.PRIVATE_HEADERS
-                          | {AUTHORIZATION.lower(), API_KEY_HEADER.lower(), CLIENT_HEADER.lower()})
+                          | {AUTHORIZATION.lower(), API_KEY_HEADER.lower(), CLIENT_HEADER.lower(),
+                             KEY_NAME_HEADER.lower()})
 
 
 # What a child's head may hold more than its client's (Host replaces Host): X-Forwarded-For,
-# the client's name, the supervisor's key; relayed, httpx's own (Accept, Accept-Encoding,
-# Connection, User-Agent, Content-Length). The public door leaves room for them under
-# http.server's count (guardian.serving.framing), which the child's handler reads by.
-HEADERS_ADDED_FOR_CHILD = 8
+# the client's name, its key's name, the supervisor's key; relayed, httpx's own (Accept,
+# Accept-Encoding, Connection, User-Agent, Content-Length). The public door leaves room for
+# them under http.server's count (guardian.serving.framing), which the child's handler reads by.
+HEADERS_ADDED_FOR_CHILD = 9
 
 
 def forwarded_headers(items, client_ip: str, access: Optional[AccessDecision]) -> list[tuple[str, str]]:
@@ -215,6 +216,8 @@ def forwarded_headers(items, client_ip: str, access: Optional[AccessDecision]) -
     headers.append(("X-Forwarded-For", client_ip))
     if access is not None:  # who the door let in: the child's per-client limits and fairness
         headers.append((CLIENT_HEADER, access.client))
+        if access.key_name:
+            headers.append((KEY_NAME_HEADER, access.key_name))
     return headers
 
 
