@@ -198,3 +198,21 @@ def test_on_macos_the_machines_names_need_no_reverse_lookup(monkeypatch):
     monkeypatch.setattr(socket, "getfqdn", lambda *a: pytest.fail("no reverse lookup on macOS"))
     monkeypatch.setattr(socket, "gethostname", lambda: "Studio-Mac.local")
     assert policy.machine_names() == {"studio-mac.local", "studio-mac"}
+
+
+def test_a_rank_watches_its_supervisor_beside_its_launcher(monkeypatch):
+    """On macOS (no prctl) mlx.launch outlives a killed supervisor, and its ranks with it,
+    holding the model's memory: a rank on the supervisor's machine watches the supervisor too."""
+    monkeypatch.setattr(parent_watch, "POLL_S", 0.05)
+    supervisor = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    gone = []
+    try:
+        parent_watch.die_with_process(supervisor.pid, lambda: gone.append(True))
+        assert not gone
+        supervisor.kill()
+        supervisor.wait(timeout=10)
+        poll(lambda: gone, 5, what="the supervisor's end seen")
+    finally:
+        supervisor.kill()
+    # Only a process that started this one is watched: a pid from another host's environment is not.
+    assert parent_watch.is_ancestor(os.getppid()) and not parent_watch.is_ancestor(supervisor.pid)

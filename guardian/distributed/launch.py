@@ -7,7 +7,10 @@ local rank (it starts them through ``bash -c ... exec``): stopping the child
 signals the whole group, and what is left of it after the launcher exits is
 killed before the next group starts. The launcher itself runs under
 ``die_with_parent`` below, so it goes when the supervisor goes, and its
-ranks with it (guardian.health.parent_watch). Imports no mlx.
+ranks with it (guardian.health.parent_watch). macOS makes no such promise
+(no prctl): there each rank on the supervisor's machine also watches the
+supervisor, and ends when it is gone, and the launcher with its ranks.
+Imports no mlx.
 """
 
 from __future__ import annotations

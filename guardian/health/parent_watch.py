@@ -27,9 +27,11 @@ log = structlog.get_logger("guardian.parent_watch")
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 POLL_S = 0.5
-# The pid of the supervisor that started this process (set for its direct child): the
-# parent to watch. This process's own reading comes seconds later, once mlx_lm is
-# imported, and a parent that died meanwhile would leave it watching its new one.
+# The pid of the supervisor that started this process or its group: for its direct child
+# the parent to watch (its own reading comes seconds later, once mlx_lm is imported, and
+# a parent that died meanwhile would leave it watching its new one); for a group's rank on
+# its machine, a process to watch beside its launcher, which on macOS (no prctl) outlives
+# a supervisor that was killed.
 PARENT_PID_ENV = "MLX_GUARDIAN_SUPERVISOR_PID"
 
 
@@ -61,3 +63,37 @@ def supervisor_pid() -> Optional[int]:
     """The pid of the supervisor that started this process, where one did (PARENT_PID_ENV)."""
     value = os.environ.get(PARENT_PID_ENV, "")
     return int(value) if value.isdigit() else None
+
+
+def die_with_process(pid: int, on_gone: Callable[[], None]) -> None:
+    """Watch a process that is not this one's parent: ``on_gone`` once it has ended."""
+    threading.Thread(target=_watch_process, args=(pid, on_gone), name="supervisor-watch", daemon=True).start()
+
+
+def _watch_process(pid: int, on_gone: Callable[[], None]) -> None:
+    while _exists(pid):
+        time.sleep(POLL_S)
+    log.error("supervisor_gone", supervisor_pid=pid)
+    on_gone()
+
+
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's: it exists
+        return True
+    return True
+
+
+def is_ancestor(pid: int) -> bool:
+    """Whether ``pid`` is this process's parent, or its parent's, and so on: a process
+    of this machine that started it (a pid in the environment of a rank on another
+    host names some other process there)."""
+    import psutil  # here: the supervisor reads this module's names, and needs no psutil
+
+    try:
+        return any(parent.pid == pid for parent in psutil.Process().parents())
+    except psutil.Error:
+        return False

@@ -404,8 +404,7 @@ class Supervisor:
             channel = handoff.Channel()
             env.update(channel.child_env())
             pass_fds += channel.child_fds()
-        if not self.settings.launch_args:  # a group's ranks watch their launcher instead
-            env[PARENT_PID_ENV] = str(os.getpid())
+        env[PARENT_PID_ENV] = str(os.getpid())  # a child's parent; a group's ranks' too, beside their launcher
         try:
             proc = popen(command, stdin=subprocess.DEVNULL, env=env,  # stdout, stderr: ours
                          **({"pass_fds": pass_fds} if pass_fds else {}))
