@@ -271,3 +271,21 @@ def test_stalls_with_requests_served_between_them_start_the_ladder_again(start_s
 def server_config(server):
     """The --guardian-config file start_server wrote for ``server``."""
     return server.log_path.with_name(f"guardian-{server.port}.toml")
+
+
+def test_a_request_stuck_again_at_the_exit_rung_is_blamed_not_sent_back(start_server):
+    """It hung the loop at the same point twice, alone: its client got the exit's 503
+    (retry), and its retry hung the next process too, and the next."""
+    config = (LOOP_FAULTS
+              + table("loop_faults", hang_repetition_penalty=HANG_PENALTY, hang_at_call=2, hang_times=0)
+              + table("watchdog", interval_s=0.05, stall_timeout_s=1.0, probe_timeout_s=1.0,
+                      ladder=["restart", "exit"], ladder_window_s=120.0))
+    server = start_server(config)
+    with httpx.Client(timeout=60) as client:
+        response = client.post(server.url + COMPLETIONS,
+                               json=chat_body("Stuck.", max_tokens=16, repetition_penalty=HANG_PENALTY))
+    assert response.status_code == 500, response.text
+    assert response.json()["error"]["code"] == "request_failed_repeatedly"
+    assert response.headers["x-should-retry"] == "false"
+    assert server.proc.wait(timeout=30) == EXIT_ENGINE_STALLED
+    assert [s["action"] for s in server.events("engine_stalled")] == ["restart", "exit"]

@@ -269,6 +269,15 @@ class FailureHandler:
         self._forgive([r for r, verdict in decided if verdict is Verdict.BLAME])
         self._settle(decided, TimeoutError(reason), "stall")
 
+    def blame_before_exit(self, reason: str) -> None:
+        """The ladder's last rung: the engine gives up. A request in flight that this stall
+        shows to be the cause (stuck alone at one point again) is answered as blamed, 500
+        and not to be retried, before everyone else gets the exit's 503: retried, it would
+        hang the next process as well."""
+        for record, verdict in self._judge(self.engine.ledger.in_flight(), None):
+            if verdict is Verdict.BLAME:
+                self._blame(record, TimeoutError(reason), "stall")
+
     def restarted(self, duration_s: float, classification: Optional[str]) -> None:
         """A restart's time is lost to the failure that caused it (a stall's to the watchdog)."""
         if classification != "stall":

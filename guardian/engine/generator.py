@@ -387,6 +387,7 @@ class GuardianEngine(stock.loop.GuardedResponseGenerator):
     def recover_from_stall(self, reason: str, rung: str) -> None:
         """The watchdog's stall was accepted (``lifecycle.stalled``): act on its ladder rung."""
         if rung == EXIT:
+            self.failures.blame_before_exit(reason)
             self.give_up(f"the engine stalled: {reason}", exit_code=EXIT_ENGINE_STALLED)
         else:
             self.replace_stuck_loop(reason, reload=rung == RELOAD)
