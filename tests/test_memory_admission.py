@@ -145,6 +145,8 @@ step_delay_s = 0.02
 kv_budget_bytes = 1572864
 max_queued = 1
 max_queue_wait_s = 20.0
+[access]
+client_max_concurrent = 2
 """
 
 
@@ -174,7 +176,8 @@ def test_a_request_waiting_for_kv_memory_keeps_its_deadline_and_its_clients_leav
         with send_raw(server, chat_body(max_tokens=1800)):
             poll(lambda: waiting_for_memory() == 1, 10, what="a request waiting for KV memory")
         poll(lambda: waiting_for_memory() == 0, 2, what="the place of the request whose client left")
-        # Its place is free: the next one waits in it (here until its deadline), no 429.
+        # Its place is free, and its place among its client's two: the next one waits in it
+        # (here until its deadline), no 429.
         after = httpx.post(server.url + "/v1/chat/completions", json=chat_body(max_tokens=1800), timeout=30,
                            headers={"x-stainless-read-timeout": "1"})
         assert after.status_code == 504, after.text

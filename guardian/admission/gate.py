@@ -193,6 +193,10 @@ class AdmissionGate:
         except Exception:
             log.exception("admission_failed")
             error = GuardianError("The server failed to admit the request.", status=500, code="internal_error")
+        except BaseException:  # ClientGoneAbort: its client left while a hook waited (for KV memory)
+            admission.refused = True
+            admission.finish()  # what the hooks before it took (a client's place, its tokens) is given back
+            raise
         if error is None:
             # Tokenized here whether or not a hook asked: the engine reuses
             # the tokens, and it must never see a prompt it cannot run.
