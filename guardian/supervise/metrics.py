@@ -6,9 +6,10 @@ again; its state and the child's are read at scrape time. A guardian child's
 own /metrics (the engine: restarts, tokens, memory, ...) is fetched from its
 private port and appended, so one scrape target sees both processes; the
 two never share a metric name (``mlx_guardian_supervisor_`` here). A child
-that is not ready, or does not answer within ``health_timeout_s``, is left
-out and ``mlx_guardian_supervisor_child_metrics_up`` says 0. Imports neither
-mlx nor mlx_lm.
+that is not running or serving yet, or does not answer within the health
+check's timeout (``health_timeout_s``, 5 s at most), is left out and
+``mlx_guardian_supervisor_child_metrics_up`` says 0; an unhealthy one's are
+passed on. Imports neither mlx nor mlx_lm.
 """
 
 from __future__ import annotations
@@ -91,14 +92,14 @@ class SupervisorMetrics:
     def child_exposition(self) -> Optional[bytes]:
         """The running child's metrics, whatever its health: an unhealthy child's are
         what an alert on its engine's state reads (a child not yet serving refuses the
-        connection at once; a frozen one costs the scrape health_timeout_s at most)."""
+        connection at once; a frozen one costs the scrape the health check's timeout at most)."""
         supervisor = self.supervisor
         child = supervisor.child
         if child is None or child.hard_killed or child.proc.poll() is not None or not child.has_readyz:
             return None  # (stock has no /metrics)
         try:
             response = child.client.get("/metrics", headers={"Accept": CONTENT_TYPE},
-                                        timeout=supervisor.settings.health_timeout_s)
+                                        timeout=supervisor.health_timeout)
         except httpx.HTTPError:
             return None
         if response.status_code != 200:  # the metrics plugin is disabled in the child
