@@ -39,6 +39,7 @@ import fcntl
 import mmap
 import os
 import socket
+import ssl
 import struct
 import sys
 import tempfile
@@ -90,16 +91,22 @@ def socket_bytes_taken(sock: socket.socket) -> Optional[int]:
     return acked + queued
 
 
+# A TLS socket's send writes all it is given or nothing (no partial writes): one
+# record's worth at a time, so that its timeout, too, waits for progress only.
+TLS_SEND_BYTES = 16384
+
+
 def send_all(sock: socket.socket, data) -> None:
     """``sock.sendall(data)``, but a socket's timeout counts from the last send that made
-    progress (nginx's send_timeout), as ``[http] send_timeout_s`` says: a plain socket's
-    own ``sendall`` gives its timeout to the whole call (Python 3.5+), which cut off a
-    client reading a large answer steadily but slowly. One send where it all fits."""
-    sent = sock.send(data)
+    progress (nginx's send_timeout), as ``[http] send_timeout_s`` says: a socket's own
+    ``sendall`` gives its timeout to the whole call (Python 3.5+), which cut off a client
+    reading a large answer steadily but slowly. One send where it all fits."""
+    piece = TLS_SEND_BYTES if isinstance(sock, ssl.SSLSocket) else len(data)
+    sent = sock.send(data if piece >= len(data) else memoryview(data)[:piece])
     if sent < len(data):
         view = memoryview(data)
         while sent < len(view):
-            sent += sock.send(view[sent:])
+            sent += sock.send(view[sent:sent + piece])
 
 
 def supported() -> bool:

@@ -286,3 +286,37 @@ def test_the_context_is_a_server_one_of_tls_1_2_or_newer(hello_server):
     context = hello_server.tls.context
     assert context.protocol == ssl.PROTOCOL_TLS_SERVER
     assert context.minimum_version == ssl.TLSVersion.TLSv1_2
+
+
+def test_a_slow_but_steady_reader_over_tls_gets_a_large_answer_whole(tmp_path):
+    """A TLS socket's send writes all or nothing, its timeout counted from the call's
+    start: [http] send_timeout_s (1 s here) cut off a client reading steadily at ~80 kB/s."""
+    from guardian.handoff import send_all
+
+    certificates = Certificates(tmp_path)
+    server_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_context.load_cert_chain(certificates.certfile, certificates.keyfile)
+    server_end, client_end = socket.socketpair()
+    server_end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 16384)
+    client_end.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16384)
+    answer = os.urandom(400_000)
+    received = bytearray()
+
+    def read_slowly():
+        with trusting(certificates.ca_path).wrap_socket(client_end, server_hostname=HOST) as tls:
+            tls.settimeout(30)
+            while len(received) < len(answer):
+                chunk = tls.recv(16384)
+                if not chunk:
+                    return
+                received.extend(chunk)
+                time.sleep(0.2)  # the pace of a slow reader, not a wait for anything
+
+    reader = threading.Thread(target=read_slowly, daemon=True)
+    reader.start()
+    with server_context.wrap_socket(server_end, server_side=True) as tls:
+        tls.settimeout(1.0)
+        started = time.monotonic()
+        send_all(tls, answer)
+        reader.join(timeout=30)
+    assert bytes(received) == answer and time.monotonic() - started > 2
