@@ -83,3 +83,15 @@ def test_one_access_line_with_the_status_the_client_got(start_server):
     # can read its 200 before the line is in the log: wait for the second one.
     poll(lambda: served.json()["id"] in statuses(), timeout=10, what="the served request's access line")
     assert list(statuses().values()) == [["500"], ["200"]], statuses()
+
+
+def test_a_query_is_hidden_to_the_end_of_its_target():
+    """A key after a quote, a "#", or a no-break space (which a target may hold, and
+    where a regex's \\S stops) was logged whole."""
+    from guardian.observability.logs import without_query_values
+
+    for target in ('/v1/models?api_key=A"SEKRIT', "/v1/models?x=1#api-key=SEKRIT", "/v1/models?a=1\xa0key=SEKRIT",
+                   "/v1/models?a=1\x85key=SEKRIT", "/v1/models?SEKRIT"):
+        line = without_query_values(f'"GET {target} HTTP/1.1" 200 -')
+        assert "SEKRIT" not in line and line.endswith(' HTTP/1.1" 200 -'), line
+    assert without_query_values("/readyz?deep=1") == "/readyz?deep=***"

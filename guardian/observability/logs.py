@@ -70,7 +70,7 @@ ROUTINE_LIBRARY_LOGGERS = ("httpx",)
 # key there (?key=, ?api_key=), and no secret may reach a log. A target has no
 # space in it: its query is everything from "?" to the next one, a quote or a
 # fragment's "#" included. Names that look like names stay.
-_QUERY = re.compile(r"\?(\S+)")
+_QUERY = re.compile(r"\?([^ \t\r\n]+)")  # (not \S: it stops at a NBSP, which a target may hold)
 _QUERY_NAME = re.compile(r"[\w.\-\[\]]{1,64}")
 HIDDEN = "***"
 
