@@ -368,10 +368,10 @@ class GuardianHandler(Endpoints, stock.handler.DoorCorsHandler):
             headers = {REQUEST_ID_HEADER: self.client_request_id}
         for name, value in (headers or {}).items():
             self.send_header(name, value)
-        super().end_headers()
-        if self._head_deadline is not None:  # a stream's head is out: the client reads on
+        if self._head_deadline is not None:  # a stream's head goes out now: the client reads on
             self.server.cancel_call(self._head_deadline)
             self._head_deadline = None
+        super().end_headers()
 
     def log_message(self, format, *args):
         # BaseHTTPRequestHandler writes access lines straight to stderr;
