@@ -20,7 +20,7 @@ import time
 import httpx
 import pytest
 
-from conftest import chat_body, poll
+from conftest import chat_body, poll, scraped
 
 pytestmark = pytest.mark.one_version
 
@@ -181,3 +181,5 @@ def test_a_request_waiting_for_kv_memory_keeps_its_deadline_and_its_clients_leav
         after = httpx.post(server.url + "/v1/chat/completions", json=chat_body(max_tokens=1800), timeout=30,
                            headers={"x-stainless-read-timeout": "1"})
         assert after.status_code == 504, after.text
+    # Neither reached the engine: refused at admission, for their deadlines.
+    assert scraped(server, "mlx_guardian_requests_refused_total", code="deadline_exceeded") == 2
