@@ -82,6 +82,13 @@ def scraped(server, name: str, **labels) -> float:
                if sample.name == name and labels.items() <= sample.labels.items())
 
 
+def pace(seconds: float) -> None:
+    """Let ``seconds`` pass, where time itself is what a test waits for (a slow reader's
+    pace between reads): a poll on the clock, with its deadline."""
+    until = time.monotonic() + seconds
+    poll(lambda: time.monotonic() >= until, seconds + 5, interval=min(seconds, 0.01), what=f"{seconds} s")
+
+
 def parse_log(text: str) -> list[dict]:
     """A server's log lines, parsed; a line not JSON is ``non_json_line``. A last line
     without its newline is one the server is writing now: left for the next read."""

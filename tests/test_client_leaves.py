@@ -20,7 +20,7 @@ import httpx
 import openai
 import pytest
 
-from conftest import BOTH_MODES, ModeServer, chat_body, poll, scraped
+from conftest import BOTH_MODES, ModeServer, chat_body, pace, poll, scraped
 
 COMPLETIONS = "/v1/chat/completions"
 STEP_S = 0.02
@@ -188,7 +188,7 @@ def test_a_client_reading_a_large_answer_slowly_but_steadily_gets_all_of_it(engi
         started = time.monotonic()
         while chunk := sock.recv(4096):
             received += chunk
-            time.sleep(0.05)  # the pace of a slow reader (~80 kB/s), not a wait for anything
+            pace(0.05)  # a slow reader's: ~80 kB/s
     head, _, body = received.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.0 200 "), head
     length = int(re.search(rb"(?i)content-length: *(\d+)", head).group(1))

@@ -128,14 +128,14 @@ def test_a_library_may_raise_the_soft_open_files_limit_but_lower_neither(monkeyp
 
 def test_on_macos_a_write_refused_with_eprototype_is_the_client_leaving():
     """macOS answers a write to a connection its peer is tearing down with EPROTOTYPE
-    now and then: the relay must take it for the client's leaving (BrokenPipeError),
-    not for its child's failure (a crash suspect, a relay error)."""
+    now and then: the relay (and a handler) must take it for the client's leaving
+    (BrokenPipeError), not for its child's failure (a crash suspect, a relay error)."""
 
-    class TearingDown:  # a TLS connection's sendall, as relayed: it writes through it
-        def sendall(self, data):
+    class TearingDown:  # a TLS socket's send, under the connection layer's (handoff.send_all)
+        def send(self, data):
             raise OSError(errno.EPROTOTYPE, "Protocol wrong type for socket")
 
-    write = client_writer(TearingDown())
+    write = client_writer(connection.BufferedConnection(TearingDown(), b""))
     with pytest.raises(BrokenPipeError):
         write(b"data: {}\n\n")
     assert isinstance(write_error_as_client_gone(OSError(errno.EPROTOTYPE, "x")), CLIENT_GONE)
@@ -204,7 +204,8 @@ def test_a_rank_watches_its_supervisor_beside_its_launcher(monkeypatch):
     """On macOS (no prctl) mlx.launch outlives a killed supervisor, and its ranks with it,
     holding the model's memory: a rank on the supervisor's machine watches the supervisor too."""
     monkeypatch.setattr(parent_watch, "POLL_S", 0.05)
-    supervisor = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    # A stand-in that lives until it is killed (or its stdin closes, should the test fail first).
+    supervisor = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
     gone = []
     try:
         parent_watch.die_with_process(supervisor.pid, lambda: gone.append(True))
@@ -214,5 +215,7 @@ def test_a_rank_watches_its_supervisor_beside_its_launcher(monkeypatch):
         poll(lambda: gone, 5, what="the supervisor's end seen")
     finally:
         supervisor.kill()
+        supervisor.stdin.close()
+        supervisor.wait(timeout=10)
     # Only a process that started this one is watched: a pid from another host's environment is not.
     assert parent_watch.is_ancestor(os.getppid()) and not parent_watch.is_ancestor(supervisor.pid)

@@ -24,7 +24,7 @@ import openai
 import pytest
 import trustme
 
-from conftest import SessionServer, chat_body, free_port, poll, read_stream, spawn_guardian
+from conftest import SessionServer, chat_body, free_port, pace, poll, read_stream, spawn_guardian
 from guardian.access.tls import ServerCertificate
 from guardian.serving.connection import ConnectionLimits, HeldConnections
 from guardian.exit_codes import EXIT_USAGE
@@ -310,7 +310,7 @@ def test_a_slow_but_steady_reader_over_tls_gets_a_large_answer_whole(tmp_path):
                 if not chunk:
                     return
                 received.extend(chunk)
-                time.sleep(0.2)  # the pace of a slow reader, not a wait for anything
+                pace(0.2)  # a slow reader's: ~80 kB/s
 
     reader = threading.Thread(target=read_slowly, daemon=True)
     reader.start()
