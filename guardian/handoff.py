@@ -48,6 +48,7 @@ import threading
 from typing import Iterator, Optional
 
 import guardian.relay_protocol as relay_protocol
+from guardian.errors import write_error_as_client_gone
 
 # The child's end of its hand-off socket: an inherited descriptor's number.
 HANDOFF_FD_ENV = "MLX_GUARDIAN_HANDOFF_FD"
@@ -100,13 +101,18 @@ def send_all(sock: socket.socket, data) -> None:
     """``sock.sendall(data)``, but a socket's timeout counts from the last send that made
     progress (nginx's send_timeout), as ``[http] send_timeout_s`` says: a socket's own
     ``sendall`` gives its timeout to the whole call (Python 3.5+), which cut off a client
-    reading a large answer steadily but slowly. One send where it all fits."""
+    reading a large answer steadily but slowly. One send where it all fits. Every write
+    to a client comes here, so here a client that left is named as one, on every platform
+    (``errors.write_error_as_client_gone``)."""
     piece = TLS_SEND_BYTES if isinstance(sock, ssl.SSLSocket) else len(data)
-    sent = sock.send(data if piece >= len(data) else memoryview(data)[:piece])
-    if sent < len(data):
-        view = memoryview(data)
-        while sent < len(view):
-            sent += sock.send(view[sent:sent + piece])
+    try:
+        sent = sock.send(data if piece >= len(data) else memoryview(data)[:piece])
+        if sent < len(data):
+            view = memoryview(data)
+            while sent < len(view):
+                sent += sock.send(view[sent:sent + piece])
+    except OSError as e:
+        raise write_error_as_client_gone(e) from None
 
 
 def supported() -> bool:

@@ -29,7 +29,7 @@ from guardian.serving.endpoints import GET_PATHS, MONITORING_PATHS, Endpoints
 from guardian.request_context import (REQUEST_ID_HEADER, add_response_headers, bind_log_fields, client_gone,
                                       current_request, deadline_passed, request_scope, sane_request_id)
 from guardian.errors import (CLIENT_GONE, SERVER_STOPPING, AbortRequest, ClientGoneAbort, GuardianError,
-                             from_stock_exception, method_not_allowed, write_error_as_client_gone)
+                             from_stock_exception, method_not_allowed)
 from guardian.observability.logs import loggable_line
 from guardian.plugin_manager import notify
 
@@ -175,9 +175,6 @@ class GuardianHandler(Endpoints, stock.handler.DoorCorsHandler):
         except GuardianError as error:
             self.finish_with_error(error)
         except Exception as e:
-            if isinstance(write_error_as_client_gone(e), CLIENT_GONE):
-                log.info("client_disconnected")
-                return
             self.finish_with_error(self.response_generator.error_for(e))
         finally:
             self._answering_completion = False

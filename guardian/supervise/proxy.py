@@ -20,7 +20,6 @@ child's end of every connection, so every read from it ends.
 from __future__ import annotations
 
 import contextlib
-import functools
 import http.client
 import json
 import logging
@@ -808,24 +807,22 @@ def client_writer(connection):
     a socket ``sendall`` polls before it sends: two system calls per relayed
     event. One ``write(2)`` takes the whole event while the kernel has room
     for it (always, unless the client stopped reading); ``sendall`` sends the
-    rest, under the timeout. A TLS socket writes through its own ``sendall``.
+    rest, under the timeout. A TLS socket writes through the connection's
+    ``sendall``. Either names a client that left as such (``handoff.send_all``).
     """
     sock = raw_socket(connection)
     if type(sock) is not socket.socket:
-        fd, sendall, write = None, connection.sendall, None
-    else:
-        fd, sendall, write = sock.fileno(), functools.partial(handoff.send_all, sock), os.write
+        return connection.sendall
+    fd, write = sock.fileno(), os.write
 
     def send(data: bytes) -> None:
-        # A failure here is the client's (relay_events tells it from the child's).
         try:
-            try:
-                sent = write(fd, data) if fd is not None else 0
-            except BlockingIOError:  # the socket's buffer is full: sendall waits
-                sent = 0
-            if sent < len(data):
-                sendall(memoryview(data)[sent:])
-        except OSError as e:
+            sent = write(fd, data)
+        except BlockingIOError:  # the socket's buffer is full: send_all waits
+            sent = 0
+        except OSError as e:  # the client's (relay_events tells it from the child's)
             raise write_error_as_client_gone(e) from None
+        if sent < len(data):
+            handoff.send_all(sock, memoryview(data)[sent:])
 
     return send
