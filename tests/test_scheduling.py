@@ -11,6 +11,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from queue import Empty, Queue
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -53,10 +54,11 @@ def test_a_run_of_steps_lasts_stock_s_budget_when_nothing_waits():
 def test_ledger_says_a_request_waits_only_when_get_would_return_it():
     ledger = RequestLedger()
     assert not ledger.has_waiting()
+    args = SimpleNamespace(max_tokens=16)  # what the ledger reads of stock's GenerationArguments
     with request_scope("chatcmpl-1", False):
-        first = ledger.put((Queue(), "request", "args"))
+        first = ledger.put((Queue(), "request", args))
     with request_scope("chatcmpl-2", False):
-        second = ledger.put((Queue(), "request", "args"))
+        second = ledger.put((Queue(), "request", args))
     assert ledger.has_waiting()
     assert ledger.get_nowait()[0] is first
     assert ledger.get_nowait()[0] is second

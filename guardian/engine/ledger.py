@@ -253,8 +253,8 @@ class RequestRecord:
         return self.stream and bool(self.generated)
 
     def tokens_left(self) -> int:
-        """At most how many tokens it has yet to generate (0 where its arguments say no limit)."""
-        return max(0, (getattr(self.first_args, "max_tokens", 0) or 0) - len(self.generated))
+        """At most how many tokens it has yet to generate."""
+        return max(0, self.first_args.max_tokens - len(self.generated))
 
     @property
     def has_output(self) -> bool:
