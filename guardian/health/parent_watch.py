@@ -71,20 +71,12 @@ def die_with_process(pid: int, on_gone: Callable[[], None]) -> None:
 
 
 def _watch_process(pid: int, on_gone: Callable[[], None]) -> None:
-    while _exists(pid):
+    import psutil  # here, as in is_ancestor
+
+    while psutil.pid_exists(pid):
         time.sleep(POLL_S)
     log.error("supervisor_gone", supervisor_pid=pid)
     on_gone()
-
-
-def _exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's: it exists
-        return True
-    return True
 
 
 def is_ancestor(pid: int) -> bool:
