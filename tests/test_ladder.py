@@ -237,40 +237,29 @@ def test_a_reload_abandoned_by_the_restart_timeout_does_not_replace_the_model(st
     assert checked["reader_left"] and not checked["served"], checked
 
 
-def test_stalls_with_requests_served_between_them_start_the_ladder_again(start_server, tmp_path):
+def test_stalls_with_requests_served_between_them_start_the_ladder_again(start_server):
     """Judged by progress, as failures are: two hangs minutes apart (here seconds), with
-    requests served between them, each take the first rung. The second was the exit rung."""
-    watchdog = table("watchdog", interval_s=0.05, stall_timeout_s=1.0, probe_timeout_s=1.0,
-                     ladder=["restart", "exit"], ladder_window_s=600.0)
-    server = start_server(table("fault_injection", armable=True) + watchdog)
+    requests served between them, each take the first rung. The second was the exit rung.
+    Each hang is inside stock's step: the first and third requests with the penalty (the
+    second is the first's re-run) block it for 3 s, a stall at 1 s."""
+    config = (LOOP_FAULTS
+              + table("loop_faults", hang_repetition_penalty=HANG_PENALTY, hang_at_call=2, hang_which=[1, 3],
+                      hang_s=3.0)
+              + table("watchdog", interval_s=0.05, stall_timeout_s=1.0, probe_timeout_s=1.0,
+                      ladder=["restart", "exit"], ladder_window_s=600.0))
+    server = start_server(config)
     url = server.url + COMPLETIONS
-
-    def loads() -> int:
-        return httpx.get(server.url + "/guardian/status", timeout=10).json()["config"]["loads"]
-
     with httpx.Client(timeout=60) as client:
         for hang in (1, 2):
-            before = loads()
-            # Armed: the third step from now blocks for 3 s (a stall at 1 s), once.
-            server_config(server).write_text(table("fault_injection", armable=True, enabled=True, hang_at_step=3,
-                                                   hang_s=3.0) + watchdog)
-            poll(lambda: loads() > before, 10, what="the armed configuration")
             # The request is re-run on the new loop, and served.
-            assert client.post(url, json=chat_body(f"Hang {hang}.", max_tokens=16)).status_code == 200
+            hanging = chat_body(f"Hang {hang}.", max_tokens=16, repetition_penalty=HANG_PENALTY)
+            assert client.post(url, json=hanging).status_code == 200
             server.wait_for_event("engine_stalled", timeout=30, count=hang)
-            before = loads()
-            server_config(server).write_text(table("fault_injection", armable=True) + watchdog)
-            poll(lambda: loads() > before, 10, what="the disarmed configuration")
             assert client.post(url, json=chat_body("Served.", max_tokens=4)).status_code == 200
     stalls = server.events("engine_stalled")
     assert [(s["action"], s["stalls_in_window"], s["completed_since_last_stall"]) for s in stalls] == [
         ("restart", 1, False), ("restart", 1, True)]
     assert server.proc.poll() is None and server.events("engine_gave_up") == []
-
-
-def server_config(server):
-    """The --guardian-config file start_server wrote for ``server``."""
-    return server.log_path.with_name(f"guardian-{server.port}.toml")
 
 
 def test_a_request_stuck_again_at_the_exit_rung_is_blamed_not_sent_back(start_server):

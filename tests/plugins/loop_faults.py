@@ -13,7 +13,8 @@ count has to be guessed.
   ``repetition_penalty`` gets one more logits processor from stock's
   ``make_logits_processors``, which blocks at its ``hang_at_call``-th call,
   inside ``BatchGenerator``'s step, as a native deadlock would. Only the
-  first ``hang_times`` such requests block (0: every one).
+  first ``hang_times`` such requests block (0: every one); or, with
+  ``hang_which``, those of these numbers (1-based, a re-run counting as one).
 - ``hang_loop_start``: the Nth start of stock's loop (its ``load_default``
   on a loop thread; the first start is 1) blocks before the loop ever asks
   for work.
@@ -36,7 +37,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx_lm.server as server
 import structlog
@@ -56,6 +57,7 @@ class LoopFaultsSettings:
     hang_repetition_penalty: float = 0.0
     hang_at_call: int = 1
     hang_times: int = 1
+    hang_which: list = field(default_factory=list)
     hang_loop_start: int = 0
     hang_s: float = 0.0
     log_model_loads: bool = False
@@ -114,10 +116,10 @@ class LoopFaults:
             if repetition_penalty != penalty:
                 return processors
             with plugin._lock:
-                limit = plugin.settings.hang_times
-                if limit and hung[0] >= limit:
-                    return processors
+                limit, which = plugin.settings.hang_times, plugin.settings.hang_which
                 hung[0] += 1
+                if (which and hung[0] not in which) or (not which and limit and hung[0] > limit):
+                    return processors
             calls = 0
 
             def blocking_processor(tokens, logits):
