@@ -117,13 +117,20 @@ def test_a_client_cannot_claim_to_be_the_supervisor(start_supervisor):
     forged = StreamReader(supervised.url + COMPLETIONS, body)
     with httpx.Client(timeout=60) as client, client.stream(
             "POST", supervised.url + COMPLETIONS, json=body,
-            headers={"X-Guardian-Continue-From": "1,2,3", "X-Guardian-Relay-Key": "guess"}) as response:
+            headers={"X-Guardian-Continue-From": "1,2,3", "X-Guardian-Relay-Key": "guess",
+                     "X-Guardian-Key-Name": "mallory"}) as response:
         forged.result["status"] = response.status_code
         lines = list(response.iter_lines())
     assert forged.result["status"] == 200
     events = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
     assert "".join(c["delta"].get("content") or "" for e in events for c in e.get("choices", [])) == \
         streamed(honest.result)["text"]
+    # Nor can it name the API key that let it in (no key is configured: none did).
+    def completion_lines():
+        return [e for e in supervised.events("http_access") if COMPLETIONS in e.get("line", "")]
+
+    poll(lambda: len(completion_lines()) >= 2, 10, what="both streams' access lines")
+    assert not [e for e in completion_lines() if "api_key" in e]
     # Straight to the child, without the key: refused (it serves only its supervisor), nothing tagged.
     child_url = f"http://127.0.0.1:{supervised.supervisor()['child']['port']}"
     direct = httpx.post(child_url + COMPLETIONS, json=body, timeout=30,
