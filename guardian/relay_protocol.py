@@ -38,7 +38,13 @@ RELAY_KEY_ENV = "MLX_GUARDIAN_RELAY_KEY"
 # Request headers the supervisor adds; clients' own are dropped at the public port.
 KEY_HEADER = "X-Guardian-Relay-Key"
 CONTINUE_HEADER = "X-Guardian-Continue-From"
-PRIVATE_HEADERS = frozenset({KEY_HEADER.lower(), CONTINUE_HEADER.lower()})
+# How long ago the request reached the supervisor's public port, in milliseconds: held
+# while no child was ready, or a stream continued after its first child died. Its
+# deadlines count from then (guardian.serving.deadlines).
+AGE_HEADER = "X-Guardian-Request-Age-Ms"
+PRIVATE_HEADERS = frozenset({KEY_HEADER.lower(), CONTINUE_HEADER.lower(), AGE_HEADER.lower()})
+# A day: a larger age is read as this (the deadlines it serves are shorter).
+MAX_AGE_MS = 86_400_000
 # The child's answer: this stream is tagged, and can be continued.
 CONTINUABLE_HEADER = "X-Guardian-Continuable"
 TOKENS_COMMENT = b": guardian-tokens "
@@ -68,6 +74,15 @@ def relayed_by_supervisor(headers) -> bool:
     # Bytes: a header's non-ASCII (latin-1) text makes compare_digest of str raise.
     return bool(expected) and given is not None and hmac.compare_digest(
         given.encode("latin-1", "replace"), expected.encode())
+
+
+def request_age(headers) -> float:
+    """Seconds since the request reached the supervisor's public port (0 if it says none)."""
+    value = headers.get(AGE_HEADER) or ""
+    # ASCII digits, a few: str.isdigit() takes "²", which int() refuses.
+    if not (value.isascii() and value.isdigit() and len(value) <= 9):
+        return 0.0
+    return min(int(value), MAX_AGE_MS) / 1000
 
 
 def continued_from(headers, vocab_size: Optional[int]) -> Optional[list[int]]:
@@ -219,6 +234,11 @@ def last_event_end(data: bytes) -> int:
 
 def continue_headers(key: str, tokens: list[int]) -> list[tuple[str, str]]:
     return [(KEY_HEADER, key), (CONTINUE_HEADER, ",".join(map(str, tokens)))]
+
+
+def age_header(age_s: float) -> tuple[str, str]:
+    """The header that tells a child the request reached the public port ``age_s`` ago."""
+    return AGE_HEADER, str(min(max(int(age_s * 1000), 0), MAX_AGE_MS))
 
 
 class RelayedStream:

@@ -26,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from conftest import BOTH_MODES, ModeServer, chat_body, poll
 from fuzz_client import Bystander
 from guardian.serving.endpoints import GET_PATHS
-from guardian.serving.handler import COMPLETION_PATHS
+from guardian.serving.deadlines import COMPLETION_PATHS
 from guardian.supervise.proxy import HEALTH_PATHS, LIVENESS_PATH, METRICS_PATH, STATUS_PATH
 
 ALICE = "sk-alice-0123456789abcdef"

@@ -51,6 +51,8 @@ class CoreSettings(Table, name="guardian"):
     request_timeout_s = Setting(SECONDS, 0.0, """
         A completion request still unanswered this long after it arrived is
         stopped and answered 504 deadline_exceeded (a stream under way: an error event).
+        Under --supervise it arrived at the public port: time held there while no
+        child was ready, and a stream's time on a child that died, count too.
         A client's own read timeout, which the openai SDK sends as
         x-stainless-read-timeout, is a deadline too, the sooner winning: for a
         stream, until its head is sent (the client's limit is on each wait for
@@ -279,7 +281,8 @@ class HttpSettings(Table, name="http"):
         http.server reads no longer line.""", live=True)
     max_header_count = Setting(Int(min=1), 99, """
         Header lines; past it, 431. At most 99 whatever this is: http.server reads
-        no more (it counts the blank line among its 100).""", live=True)
+        no more (it counts the blank line among its 100); under --supervise at most
+        87 at the public port, which leaves room for the headers the supervisor adds.""", live=True)
     max_buffered_bytes = Setting(Int(min=0), 256 * 1024 * 1024, """
         Request bodies still arriving, in bytes, that the door holds in memory at
         once (each body reserves its Content-Length when its headers are read).

@@ -25,6 +25,7 @@ import structlog
 from guardian import relay_protocol, stock
 from guardian.access.policy import AccessDecision, AccessRequest
 from guardian.serving.connection import linger_close
+from guardian.serving.deadlines import COMPLETION_PATHS, SDK_RETRY_COUNT_HEADER, TEXT_COMPLETION_PATH, deadlines_of
 from guardian.serving.endpoints import GET_PATHS, MONITORING_PATHS, Endpoints
 from guardian.request_context import (REQUEST_ID_HEADER, add_response_headers, bind_log_fields, client_gone,
                                       current_request, deadline_passed, request_scope, sane_request_id)
@@ -35,9 +36,6 @@ from guardian.plugin_manager import notify
 
 log = structlog.get_logger("guardian.http")
 
-# Stock's completion endpoints: the POST paths that carry a JSON body.
-TEXT_COMPLETION_PATH = "/v1/completions"
-COMPLETION_PATHS = (TEXT_COMPLETION_PATH, "/v1/chat/completions", "/chat/completions")
 # Sampling fields stock's handler reads from the body and checks as floats alone.
 XTC_FIELDS = ("xtc_probability", "xtc_threshold")
 
@@ -109,34 +107,29 @@ class GuardianHandler(Endpoints, stock.handler.DoorCorsHandler):
     _head_deadline = None
 
     def start_deadlines(self, info) -> list:
-        """The request's deadlines, as timers on the connection layer's clock: [guardian]
-        request_timeout_s, for the whole request; and the client's own read timeout (the
-        openai SDK's header), httpx's limit on one wait for bytes: the whole wait for a
-        plain answer, but only the wait for a stream's head, after which its events keep
-        each of the client's reads short (as a stream on a server without the header)."""
+        """The request's deadlines (guardian.serving.deadlines), as timers on the connection
+        layer's clock, counted from when the request reached the public port: here, or at
+        the supervisor that held it (``relay_protocol.request_age``)."""
         retries = self.headers.get(SDK_RETRY_COUNT_HEADER, "0")
         # ASCII digits, a few: str.isdigit() takes "²", which int() refuses, as it refuses 5,000 digits.
         if retries.isascii() and retries.isdigit() and len(retries) <= 6 and int(retries) > 0:
             bind_log_fields(client_retry=int(retries))  # the openai SDK sent it again
-        deadlines = []
-        for seconds, source, until_head in (
-                (self.response_generator.config.core.request_timeout_s, "request_timeout_s", False),
-                (client_read_timeout(self.headers), f"the client's {SDK_READ_TIMEOUT_HEADER}", bool(self.stream))):
-            if not seconds:
-                continue
-            error = GuardianError(
-                f"The request was not answered within its deadline of {seconds:g} s ({source}).",
-                status=504, type="server_error", code="deadline_exceeded", retry=False)
-            due = info.started_at + seconds
+        relayed = relay_protocol.relayed_by_supervisor(self.headers)
+        arrived = info.started_at - (relay_protocol.request_age(self.headers) if relayed else 0.0)
+        continued = relayed and relay_protocol.CONTINUE_HEADER in self.headers
+        timers = []
+        for deadline in deadlines_of(self.headers, self.response_generator.config.core.request_timeout_s,
+                                     stream=bool(self.stream), continued=continued):
+            due = arrived + deadline.seconds
             if due <= time.monotonic():
                 # Passed already (a deadline shorter than reading the request): fail it here. A timer
                 # would run on the reader's thread, and a short answer could win that race.
-                deadline_passed(info, error)
+                deadline_passed(info, deadline.error())
                 break
-            deadlines.append(self.server.call_at(due, functools.partial(deadline_passed, info, error)))
-            if until_head:
-                self._head_deadline = deadlines[-1]
-        return deadlines
+            timers.append(self.server.call_at(due, functools.partial(deadline_passed, info, deadline.error())))
+            if deadline.until_head:
+                self._head_deadline = timers[-1]
+        return timers
 
     def handle_relayed_stream(self, request, stop_words):
         """A stream the supervisor relays: tagged with its tokens, perhaps a continuation
@@ -380,20 +373,6 @@ class GuardianHandler(Endpoints, stock.handler.DoorCorsHandler):
         (log.debug if routine else log.info)("http_access", client=self.client_name,
                                              line=loggable_line(format % args),
                                              **({"api_key": key_name} if key_name else {}))
-
-
-# The openai SDK's own read timeout (seconds), and how many times it sent this request before.
-SDK_READ_TIMEOUT_HEADER = "x-stainless-read-timeout"
-SDK_RETRY_COUNT_HEADER = "x-stainless-retry-count"
-
-
-def client_read_timeout(headers) -> Optional[float]:
-    """The client's read timeout in seconds (its SDK's header), if a sane one."""
-    try:
-        client_s = float(headers.get(SDK_READ_TIMEOUT_HEADER) or "nan")
-    except ValueError:
-        return None
-    return client_s if 0 < client_s < float("inf") else None  # NaN fails both
 
 
 class RelayedGenerator:

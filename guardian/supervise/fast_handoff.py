@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import re
 import socket
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Optional
 
 import structlog
@@ -117,6 +118,8 @@ class FastHandOff:
     relay: object  # the crash quarantine's record (guardian.quarantine.crashes.Relay)
     client: socket.socket
     word: bytes = b""  # the child's, once it has spoken
+    # When the child had it: a request resumed on the handler path keeps its deadlines from here.
+    handed_at: float = field(default_factory=time.monotonic)
 
     def on_word(self) -> None:
         """The child's word (the reader's thread): done, or the handler path takes over."""
@@ -203,11 +206,13 @@ NOT_FORWARDED_UPSTREAM = (relay_protocol.HOP_BY_HOP | {"host", "content-length",
                              KEY_NAME_HEADER.lower()})
 
 
-# What a child's head may hold more than its client's (Host replaces Host): X-Forwarded-For,
-# the client's name, its key's name, the supervisor's key; relayed, httpx's own (Accept,
-# Accept-Encoding, Connection, User-Agent, Content-Length). The public door leaves room for
-# them under http.server's count (guardian.serving.framing), which the child's handler reads by.
-HEADERS_ADDED_FOR_CHILD = 9
+# What a child's head may hold more than its client's: X-Forwarded-For, the client's
+# name, its key's name, the supervisor's key, a continuation's tokens, the request's
+# age; relayed, httpx's own (Accept, Accept-Encoding, Connection, User-Agent,
+# Content-Length); Host, which replaces the client's or comes where it sent none. The
+# public door leaves room for them under http.server's count (guardian.serving.framing),
+# which the child's handler reads by.
+HEADERS_ADDED_FOR_CHILD = 12
 
 
 def forwarded_headers(items, client_ip: str, access: Optional[AccessDecision]) -> list[tuple[str, str]]:
@@ -222,12 +227,15 @@ def forwarded_headers(items, client_ip: str, access: Optional[AccessDecision]) -
 
 
 def child_request(supervisor, child, method: str, target: str, header_items, client_ip: str,
-                  access: Optional[AccessDecision], body: bytes) -> Optional[bytes]:
+                  access: Optional[AccessDecision], body: bytes, age_s: float = 0.0) -> Optional[bytes]:
     """The request as a child reads it from a hand-off: the client's headers as forwarded,
-    the child's Host, the supervisor's key. None if a header cannot be written (a key's
-    name beyond latin-1): then it is relayed, as http.client refuses it."""
+    the child's Host, the supervisor's key, how long ago it reached the public port (``age_s``).
+    None if a header cannot be written (a key's name beyond latin-1): then it is relayed,
+    as http.client refuses it."""
     headers = [("Host", f"{CHILD_HOST}:{child.port}"), *forwarded_headers(header_items, client_ip, access),
                (relay_protocol.KEY_HEADER, supervisor.relay_key)]
+    if age_s > 0:
+        headers.append(relay_protocol.age_header(age_s))
     try:
         return handoff.request_bytes(method, target, headers, body)
     except UnicodeEncodeError:

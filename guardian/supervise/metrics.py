@@ -48,9 +48,10 @@ class SupervisorMetrics:
                        f"exit_{EXIT_ENGINE_STALLED}", "unhealthy", "start_timeout"):
             self.child_restarts.labels(reason)
         self.requests_not_held = Counter(
-            P + "requests_not_held", "Requests answered 503 while no child was ready, by why "
-            "(hold_queue_full, hold_timed_out).", ["reason"], registry=r)
-        for reason in ("hold_queue_full", "hold_timed_out"):
+            P + "requests_not_held", "Requests the supervisor answered itself while no child was ready "
+            "to take them, by why: hold_queue_full, hold_timed_out (503 + Retry-After), deadline_exceeded "
+            "(504: the request's deadline passed while it was held).", ["reason"], registry=r)
+        for reason in ("hold_queue_full", "hold_timed_out", "deadline_exceeded"):
             self.requests_not_held.labels(reason)
         self.relay_errors = Counter(
             P + "relay_errors", "Relays to a child that failed, by when: before_response (nothing was "

@@ -26,6 +26,7 @@ import logging
 import os
 import socket
 import subprocess
+import time
 from typing import Optional
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import quote
@@ -38,6 +39,7 @@ from guardian.access.policy import AccessDecision, AccessRequest
 from guardian.access.tls import ServerCertificate
 from guardian.serving.connection import BufferedConnection, HeldConnections, close_quietly, linger_close, raw_socket
 from guardian.serving.connection import client_left_now
+from guardian.serving.deadlines import COMPLETION_PATHS, Deadline, deadlines_of
 from guardian.serving.framing import request_path
 from guardian.request_context import REQUEST_ID_HEADER, sane_request_id
 from guardian.supervise import metrics as supervise_metrics
@@ -232,6 +234,8 @@ class ProxyHandler(BaseHTTPRequestHandler):
         body = self.read_body()
         if path in self.server.own_paths and self.command != "OPTIONS":  # a preflight: the child's, as any
             return self.answer_own(path)
+        # Its deadlines count from here (or from the reader's hand-off of it).
+        self.arrived_at = self.passed.handed_at if self.passed is not None else time.monotonic()
         request_fingerprint = fingerprint(self.command, self.path, body)
         refusal = supervisor.quarantine.refusal(self.command, request_fingerprint)
         if refusal is not None and self.passed is None:  # a resumed one may have been answered in part
@@ -288,12 +292,17 @@ class ProxyHandler(BaseHTTPRequestHandler):
         stream = None  # a stream the client is receiving, once it can be continued
         passed = self.passed
         while not self.gone:
+            due = self.next_deadline(path, stream)
+            if due is not None and due[0] <= time.monotonic():
+                return self.deadline_passed(due[1], stream)
             if passed is not None:  # the reader's hand-off was the first attempt
                 child, outcome, passed = passed.child, self.resumed_outcome(passed), None
             else:
-                child = supervisor.wait_for_child(given_up=lambda: self.gone)
+                child = supervisor.wait_for_child(given_up=lambda: self.gone, until=due and due[0])
                 if self.gone:
                     return  # left while held: nobody to answer, nothing to send
+                if child is None and due is not None and due[0] <= time.monotonic():
+                    continue  # its deadline came while held: answered above
                 if child is None:
                     return self.give_up(stream, supervisor.unavailable_error())
                 # A crash suspect waits to run alone; others wait behind it.
@@ -335,6 +344,31 @@ class ProxyHandler(BaseHTTPRequestHandler):
             else:
                 log.info("stream_continuing", path=loggable_line(path), dead_child_pid=child.pid, resends=resends,
                          tokens_relayed=len(stream.tokens))
+
+    # When the request reached the public port (monotonic): its deadlines count from here.
+    arrived_at = 0.0
+
+    def next_deadline(self, path: str, stream) -> Optional[tuple[float, Deadline]]:
+        """(when, which) of a completion's deadlines comes first (guardian.serving.deadlines);
+        a continued ``stream``'s head reached its client, so its read timeout is over."""
+        if self.command != "POST" or path not in COMPLETION_PATHS:
+            return None
+        deadlines = deadlines_of(self.headers, self.server.supervisor.core.request_timeout_s,
+                                 stream=False, continued=stream is not None)
+        return min(((self.arrived_at + d.seconds, d) for d in deadlines), default=None, key=lambda due: due[0])
+
+    def deadline_passed(self, deadline: Deadline, stream) -> None:
+        """Held past its deadline (no child ready, or one that died under it): a 504, or
+        a stream's error event."""
+        self.server.supervisor.metrics.requests_not_held.labels("deadline_exceeded").inc()
+        log.warning("request_not_held", reason="deadline_exceeded", path=self.logged_path,
+                    age_s=round(self.age_s(), 3), deadline_s=deadline.seconds,
+                    deadline=deadline.source)
+        self.give_up(stream, deadline.error())
+
+    def age_s(self) -> float:
+        """Since the request reached the public port: the child's deadlines count it too."""
+        return time.monotonic() - self.arrived_at
 
     def resumed_outcome(self, passed: FastHandOff):
         """What the reader's hand-off came to, as ``proxy`` says it: the child gave
@@ -420,6 +454,7 @@ class ProxyHandler(BaseHTTPRequestHandler):
             headers += relay_protocol.continue_headers(key, stream.continuation_tokens())
         else:
             headers.append((relay_protocol.KEY_HEADER, key))
+        headers.append(relay_protocol.age_header(self.age_s()))
         self.server.supervisor.metrics.passed_relayed.inc()
         try:
             upstream = Upstream(child.port, self.command, self.target(), headers, body, holder=self)
@@ -454,7 +489,7 @@ class ProxyHandler(BaseHTTPRequestHandler):
         if type(sock) is not socket.socket:  # TLS: only this process holds the session
             return RELAY_INSTEAD
         request = child_request(self.server.supervisor, child, self.command, self.target(), self.headers.items(),
-                                self.client_address[0], self.access, body)
+                                self.client_address[0], self.access, body, age_s=self.age_s())
         if request is None:
             return RELAY_INSTEAD
         try:

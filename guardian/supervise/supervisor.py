@@ -111,6 +111,9 @@ SIGNAL_HINTS = {
 # milliseconds. One still alive after this long dropped the connection on its
 # own (stock does when its generation thread dies): no crash to send again after.
 REAP_WAIT_S = 5.0
+# Of the [guardian] table, the live settings the supervisor acts on too: its own 503s'
+# Retry-After, and the deadline of a request it holds (guardian.serving.deadlines).
+SUPERVISOR_CORE_SETTINGS = ("retry_after_s", "request_timeout_s")
 # How long a reaped child's last words may take to be read before its requests are struck.
 REAP_READ_WORDS_TIMEOUT_S = 1.0
 
@@ -261,8 +264,8 @@ class Supervisor:
             self.access_watcher.start()
 
     def reload_access(self, reason: str) -> None:
-        """The file's live settings the supervisor reads ([access]; [guardian] retry_after_s)
-        again; the others wait for a restart. A version a guardian child refuses (its
+        """The file's live settings the supervisor reads ([access]; of [guardian],
+        ``SUPERVISOR_CORE_SETTINGS``) again; the others wait for a restart. A version a guardian child refuses (its
         plugins' tables, which the supervisor does not load) changes nothing here either,
         as it changes nothing there."""
         if self.options.guardian_config is None:
@@ -270,7 +273,7 @@ class Supervisor:
         try:
             config = load_config(self.options.guardian_config)
             fresh = config.access.with_flags(self.options)
-            retry_after_s = config.core.with_flags(self.options).retry_after_s
+            core = config.core.with_flags(self.options)
         except ConfigError as e:
             log.error("supervisor_config_reload_failed", reason=reason, error_message=str(e))
             return
@@ -278,8 +281,9 @@ class Supervisor:
         values = {key: getattr(fresh if setting.live else current, key)
                   for key, setting in AccessSettings.settings.items()}
         changed = sorted(f"access.{key}" for key in values if values[key] != getattr(current, key))
-        if retry_after_s != self.core.retry_after_s:
-            changed.append("guardian.retry_after_s")
+        # Of [guardian], what the supervisor itself acts on.
+        core_values = {key: getattr(core, key) for key in SUPERVISOR_CORE_SETTINGS}
+        changed += [f"guardian.{key}" for key, value in core_values.items() if value != getattr(self.core, key)]
         if not changed:
             return
         refused = self.child_refused(config.sha256)
@@ -289,9 +293,9 @@ class Supervisor:
             return
         self.door.use_settings(AccessSettings(**values))
         self.core = CoreSettings(**{**{key: getattr(self.core, key) for key in CoreSettings.settings},
-                                    "retry_after_s": retry_after_s})
+                                    **core_values})
         if self.httpd is not None:  # its door's 503s say it too
-            self.httpd.limits = dataclasses.replace(self.httpd.limits, retry_after_s=retry_after_s)
+            self.httpd.limits = dataclasses.replace(self.httpd.limits, retry_after_s=self.core.retry_after_s)
         log.info("supervisor_config_reloaded", reason=reason, changed=changed)
 
     def child_refused(self, sha256: Optional[str]) -> Optional[str]:
@@ -645,12 +649,15 @@ class Supervisor:
             serving = (State.READY,) if health_check else SERVING
             return self.child if self.state in serving else None
 
-    def wait_for_child(self, given_up: Callable[[], bool] = lambda: False) -> Optional[Child]:
+    def wait_for_child(self, given_up: Callable[[], bool] = lambda: False,
+                       until: Optional[float] = None) -> Optional[Child]:
         """The child requests go to; while one is coming (starting, restarting), wait for it.
 
         At most ``hold_requests`` wait at once, each at most ``hold_s``;
         None when no child can take the request (the caller answers 503).
         ``given_up()``: its client left (``changed`` is notified then); it waits no more.
+        ``until`` (monotonic): the request's deadline, which ends the wait sooner (None
+        then, and the caller answers 504).
         """
         refused = None
         with self.changed:
@@ -660,8 +667,12 @@ class Supervisor:
                 else:
                     self.holding += 1
                     try:
+                        hold_ends = time.monotonic() + self.settings.hold_s
+                        ends = hold_ends if until is None else min(hold_ends, until)
                         if not self.changed.wait_for(lambda: self.state not in HOLDING or given_up(),
-                                                     self.settings.hold_s):
+                                                     ends - time.monotonic()):
+                            if ends < hold_ends:
+                                return None  # its deadline came first
                             refused = "hold_timed_out"
                     finally:
                         self.holding -= 1

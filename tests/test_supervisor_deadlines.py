@@ -1,0 +1,114 @@
+"""A request's deadline counts from when it reached the supervisor's public port.
+
+[guardian] request_timeout_s and the openai SDK's x-stainless-read-timeout
+bound a request under --supervise as they do in one process: while the
+supervisor holds it for a child that is starting, once a child that started
+late has it, and when its stream is continued on the next child after a crash.
+Real supervisors and children; uses test_supervisor's fixture.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from pathlib import Path
+
+import httpx
+
+from conftest import chat_body, poll, scraped
+from test_supervisor import COMPLETIONS, start_supervisor  # noqa: F401 - a fixture
+
+NOT_HELD = "mlx_guardian_supervisor_requests_not_held_total"
+
+
+def slow_start_config(tmp_path, request_timeout_s: float, hold_s: float, extra: str = "") -> str:
+    """Children that take ``hold_s`` longer to be ready, as a large model's do."""
+    path = tmp_path / "deadlines.toml"
+    path.write_text(f'[guardian]\nrequest_timeout_s = {request_timeout_s}\n'
+                    f'plugins = ["tests.plugins.slow_start:SlowStart"]\n'
+                    f'[slow_start]\nhold_s = {hold_s}\n{extra}')
+    return str(path)
+
+
+def listening(supervised) -> bool:
+    return supervised.listening_here() and supervised.supervisor() is not None
+
+
+def test_a_request_held_past_its_deadline_gets_504_from_the_supervisor(start_supervisor, tmp_path):
+    """No child is ready for 12 s: a request with a 1.5 s deadline is answered 504 at it,
+    where it was held until the child came (then given 1.5 s more) or hold_s ran out.
+    The deadline is live: the supervisor starts with 60 s and is given 1.5 s."""
+    config = slow_start_config(tmp_path, 60.0, hold_s=12.0)
+    supervised = start_supervisor("--guardian-config", config, wait=False)
+    poll(lambda: listening(supervised), 30, what="the supervisor's port")
+    Path(config).write_text(Path(config).read_text().replace("= 60.0", "= 1.5"))
+    poll(lambda: [e for e in supervised.supervisor_events("supervisor_config_reloaded")
+                  if "guardian.request_timeout_s" in e["changed"]], 15, what="the new deadline")
+    with httpx.Client(timeout=30) as client:
+        for headers, source in (({}, "request_timeout_s"), ({"x-stainless-read-timeout": "1.0"},
+                                                           "x-stainless-read-timeout")):
+            started = time.monotonic()
+            answer = client.post(supervised.url + COMPLETIONS, json=chat_body(max_tokens=4), headers=headers)
+            took = time.monotonic() - started
+            assert answer.status_code == 504, answer.text
+            error = answer.json()["error"]
+            assert error["code"] == "deadline_exceeded" and source in error["message"], error
+            assert answer.headers["x-should-retry"] == "false"
+            assert 0.9 < took < 5, took
+            assert supervised.supervisor()["state"] == "starting"  # no child served it
+    assert scraped(supervised, NOT_HELD, reason="deadline_exceeded") == 2
+    logged = [e for e in supervised.supervisor_events("request_not_held") if e["reason"] == "deadline_exceeded"]
+    assert [e["deadline"] for e in logged] == ["request_timeout_s", "the client's x-stainless-read-timeout"]
+
+
+def test_a_child_that_gets_a_held_request_keeps_its_deadline(start_supervisor, tmp_path):
+    """Held ~6 s while the child starts, a request with an 8 s deadline is cut by the
+    child at 8 s from its arrival, not at 8 s from when the child had it (~14 s)."""
+    config = slow_start_config(tmp_path, 8.0, hold_s=6.0, extra="[fault_injection]\nenabled = true\n"
+                               "step_delay_s = 0.01\n")
+    supervised = start_supervisor("--guardian-config", config, wait=False)
+    poll(lambda: listening(supervised), 30, what="the supervisor's port")
+    started = time.monotonic()
+    answer = httpx.post(supervised.url + COMPLETIONS, json=chat_body(max_tokens=3000), timeout=60)
+    took = time.monotonic() - started
+    assert answer.status_code == 504 and answer.json()["error"]["code"] == "deadline_exceeded", answer.text
+    # The child was ready 6 s after the request at the earliest (its start is held that long).
+    assert 7.9 < took < 11.5, took
+    [ready] = supervised.supervisor_events("child_ready")
+    assert ready["startup_s"] > 6
+    # The child stopped it: its own count of deadlines, through the supervisor.
+    status = httpx.get(supervised.url + "/guardian/status", timeout=10).json()
+    assert status["requests_cancelled"]["deadline"] == 1
+
+
+def test_a_continued_stream_keeps_its_deadline(start_supervisor, tmp_path):
+    """A stream with an 8 s deadline whose child is killed at once: the next child
+    (ready ~3-5 s later) continues it and ends it at 8 s from the request's arrival,
+    not 8 s after the continuation began."""
+    config = slow_start_config(tmp_path, 8.0, hold_s=2.0, extra="[fault_injection]\nenabled = true\n"
+                               "step_delay_s = 0.01\n")
+    supervised = start_supervisor("--guardian-config", config)
+    first_pid = supervised.wait_ready()
+    events = []
+    started = time.monotonic()
+    with httpx.Client(timeout=60) as client, client.stream(
+            "POST", supervised.url + COMPLETIONS, json=chat_body(max_tokens=3000, stream=True)) as stream:
+        assert stream.status_code == 200
+        for line in stream.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            events.append(line)
+            if len(events) == 20:
+                supervised.signal_child(first_pid, signal.SIGKILL)
+        ended = time.monotonic() - started
+    [continuing] = supervised.supervisor_events("stream_continuing")
+    assert continuing["dead_child_pid"] == first_pid and continuing["tokens_relayed"] >= 19
+    assert events[-1] == "data: [DONE]"
+    error = json.loads(events[-2].removeprefix("data: "))["error"]
+    assert error["code"] == "deadline_exceeded", error
+    assert 7.9 < ended < 9.8, ended
+    # The next child had the continuation, and stopped it at the deadline.
+    supervised.wait_ready(not_pid=first_pid)
+    status = httpx.get(supervised.url + "/guardian/status", timeout=10).json()
+    assert status["requests_cancelled"]["deadline"] == 1
