@@ -25,7 +25,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import BOTH_MODES, ModeServer, Server, chat_body, free_port, poll, spawn_guardian
+from conftest import BOTH_MODES, ModeServer, Server, chat_body, free_port, poll, scraped, spawn_guardian
 from guardian.errors import GuardianError
 from guardian.serving import framing
 from guardian.serving.connection import ConnectionLimits, RequestReader
@@ -63,6 +63,18 @@ class HeldServer(ModeServer):
     def connections(self) -> dict:
         return self.server_status()["connections"]
 
+    def metric(self, name: str, **labels) -> float:
+        """The connection layer's metric ``name`` (past the prefix): the supervisor's are its own."""
+        prefix = "mlx_guardian_supervisor_" if self.kind == "supervised" else "mlx_guardian_"
+        return scraped(self, prefix + name, **labels)
+
+    def closed(self, reason: str) -> float:
+        """Connections ended before a handler had their request, for ``reason``: /metrics, which
+        says what /guardian/status says."""
+        counted = self.metric("http_connections_closed_total", reason=reason)
+        assert counted == self.connections()["closed"][reason]
+        return counted
+
     def connect(self) -> socket.socket:
         return socket.create_connection(("127.0.0.1", self.port), timeout=10)
 
@@ -89,11 +101,13 @@ def answer_of(sock: socket.socket, timeout: float = 10) -> bytes:
 
 
 def test_half_sent_headers_hold_no_thread_and_get_408(held):
+    before = held.closed("timeout_headers")
     sockets = [held.connect() for _ in range(SLOW_CLIENTS)]
     try:
         for sock in sockets:
             sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Le")
         poll(lambda: held.connections()["held"] >= SLOW_CLIENTS, 10, what="the reader holding every client")
+        assert held.metric("http_connections_reading") >= SLOW_CLIENTS
         # Meanwhile a normal request is served, and no handler thread waits on the slow ones.
         response = httpx.post(held.url + COMPLETIONS, json=chat_body(max_tokens=2), timeout=30)
         assert response.status_code == 200, response.text
@@ -104,9 +118,11 @@ def test_half_sent_headers_hold_no_thread_and_get_408(held):
             sock.close()
     assert all(a.startswith(b"HTTP/1.0 408") and b'"request_timeout"' in a for a in answers), answers[0]
     poll(lambda: held.connections()["held"] == 0, 5, what="the slow clients released")
+    assert held.closed("timeout_headers") == before + SLOW_CLIENTS
 
 
 def test_a_slow_body_gets_408(held):
+    before = held.closed("timeout_body")
     with held.connect() as sock:
         sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json"
                      b"\r\nContent-Length: 5000\r\n\r\n{\"messages\": [")
@@ -114,23 +130,30 @@ def test_a_slow_body_gets_408(held):
         answer = answer_of(sock)
     assert answer.startswith(b"HTTP/1.0 408") and b"body" in answer
     assert 0.8 < time.monotonic() - started < 5
+    assert held.closed("timeout_body") == before + 1
 
 
 def test_an_idle_connection_is_closed_without_a_word(held):
+    before = held.closed("timeout_idle")
     with held.connect() as sock:
         started = time.monotonic()
         assert answer_of(sock) == b""
     assert time.monotonic() - started < 5
+    assert held.closed("timeout_idle") == before + 1
 
 
 def test_headers_past_the_limit_get_431(held):
+    before = held.closed("refused_head")
     huge = httpx.get(held.url + "/v1/models", headers={"X-Padding": "p" * 70_000}, timeout=10)
     assert huge.status_code == 431 and huge.json()["error"]["code"] == "headers_too_large"
     many = httpx.get(held.url + "/v1/models", headers={f"X-H{i}": "1" for i in range(120)}, timeout=10)
     assert many.status_code == 431 and many.json()["error"]["code"] == "too_many_headers"
+    assert held.closed("refused_head") == before + 2  # the first was not counted, nor logged
 
 
 def test_a_flood_past_the_handler_cap_gets_503_at_once(held):
+    before = held.closed("handlers_busy")
+    assert held.metric("http_handlers_max") == MAX_HANDLERS
     streams = []
     try:
         # Long streams hold every handler thread (a stream keeps its thread for its life).
@@ -156,6 +179,8 @@ def test_a_flood_past_the_handler_cap_gets_503_at_once(held):
     # Clients gone, their streams end at the next write: the handlers are free again.
     poll(lambda: httpx.get(held.url + "/v1/models", timeout=10).status_code == 200, 30,
          what="a handler free again")
+    # Refused on the way back too while the streams ended: at least those the test saw.
+    assert held.closed("handlers_busy") >= before + len(busy)
 
 
 def test_heads_past_what_http_server_reads_are_refused_in_openais_shape(held):

@@ -35,7 +35,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Optional
 
 REPO = Path(__file__).resolve().parent.parent
 DOCS = REPO / "docs"
@@ -190,10 +190,15 @@ LABELS_THIRD = {"Counter", "Gauge", "Histogram", "Summary", "Info"}
 GAUGE_HELPER = "gauge"
 # What prometheus_client appends to the name a scrape shows.
 EXPOSED_SUFFIX = {"counter": "_total", "info": "_info"}
+# (title, module, the class to read in it or None for all, names its metrics are built from).
 METRICS_MODULES = (
-    ("One process (the built-in `metrics` plugin, `guardian/plugins/metrics.py`)", "guardian.plugins.metrics"),
+    ("One process (the built-in `metrics` plugin, `guardian/plugins/metrics.py`)", "guardian.plugins.metrics",
+     None, {}),
     ("`--supervise`: the supervisor's own (`guardian/supervise/metrics.py`), before the child's",
-     "guardian.supervise.metrics"),
+     "guardian.supervise.metrics", None, {}),
+    ("Both: the connection layer (`ConnectionCollector` in `guardian/observability/metrics.py`); at the "
+     "supervisor's public port each is named `mlx_guardian_supervisor_http_...`",
+     "guardian.observability.metrics", "ConnectionCollector", {"p": "mlx_guardian_"}),
 )
 
 
@@ -242,13 +247,17 @@ def evaluate(node: ast.expr, namespace: dict, binding: dict, where: str):
                          "name it with a constant, or teach tools/docs_reference.py") from None
 
 
-def metrics_of(module_name: str) -> list[dict]:
-    """Each metric the module declares: exposed name, type, labels and help, in source order."""
+def metrics_of(module_name: str, within: Optional[str] = None, names: Optional[dict] = None) -> list[dict]:
+    """Each metric the module declares (in its class ``within`` only, if given, its local
+    ``names`` bound so): exposed name, type, labels and help, in source order."""
     module = importlib.import_module(module_name)
     path = Path(module.__file__)
     namespace = vars(module)
     found: dict[str, dict] = {}
-    for call, binding in metric_calls(ast.parse(path.read_text()), [{}], namespace):
+    tree = ast.parse(path.read_text())
+    if within is not None:
+        [tree] = [node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == within]
+    for call, binding in metric_calls(tree, [dict(names or {})], namespace):
         where = f"{path.relative_to(REPO)}:{call.lineno}"
         kind = called_name(call)
         name = evaluate(call.args[0], namespace, binding, where)
@@ -274,9 +283,9 @@ def metrics_page() -> str:
              "appear only where they apply: `device_resource_limit` where the device reports one "
              "(Metal), `probe_last_success` once a probe ran. [Operations](../operations.md#metrics-get-metrics-for-prometheus) "
              "says how they are made and which queries are worth keeping.", ""]
-    for title, module_name in METRICS_MODULES:
+    for title, module_name, within, names in METRICS_MODULES:
         lines += [f"## {title}", "", "| metric | type | labels | what |", "|---|---|---|---|"]
-        for metric in metrics_of(module_name):
+        for metric in metrics_of(module_name, within, names):
             labels = ", ".join(f"`{label}`" for label in metric["labels"])
             lines.append(f"| `{metric['name']}` | {metric['type']} | {labels} | {cell(metric['help'])} |")
         lines.append("")

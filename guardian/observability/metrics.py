@@ -12,7 +12,7 @@ supervisor uses it too.
 from __future__ import annotations
 
 import resource
-from typing import Optional
+from typing import Callable, Optional
 
 import psutil
 from prometheus_client import CollectorRegistry, ProcessCollector, disable_created_metrics
@@ -80,3 +80,38 @@ class PortableProcessCollector(Collector):
                                   value=cpu.user + cpu.system)
         yield GaugeMetricFamily("process_open_fds", "Number of open file descriptors.", value=open_fds)
         yield GaugeMetricFamily("process_max_fds", "Maximum number of open file descriptors.", value=max_fds)
+
+
+class ConnectionCollector(Collector):
+    """The connection layer's counts (guardian.serving.connection), read at scrape time
+    from ``status()`` (its ``connection_status()``; None: not serving yet): the
+    connections it ended before a handler had their request, and what it holds now.
+    ``prefix``: the server's (the supervisor's public port has its own)."""
+
+    def __init__(self, status: Callable[[], Optional[dict]], prefix: str = PREFIX):
+        self.status = status
+        self.prefix = prefix
+
+    def collect(self):
+        status = self.status()
+        if status is None:
+            return
+        p = self.prefix
+        closed = CounterMetricFamily(
+            p + "http_connections_closed", "Connections the server ended before any handler had their "
+            "request, by reason: timeout_idle (no byte came; closed), timeout_headers and timeout_body "
+            "(408), refused_head (its head refused: 400, 411, 414, 417, 431, 505), buffers_full (no room "
+            "for its body: 503, or 413), handlers_busy (no handler free: 503).", labels=["reason"])
+        for reason, count in sorted(status["closed"].items()):
+            closed.add_metric([reason], count)
+        yield closed
+        yield GaugeMetricFamily(p + "http_connections_reading", "Connections whose request is still arriving "
+                                "(or that are idle between requests), held by the reader thread.",
+                                value=status["held"])
+        yield GaugeMetricFamily(p + "http_buffered_bytes", "Bytes of request bodies still arriving that "
+                                "the server has room reserved for ([http] max_buffered_bytes).",
+                                value=status["buffered_bytes"])
+        yield GaugeMetricFamily(p + "http_handlers_active", "Handler threads answering a request now.",
+                                value=status["handlers_active"])
+        yield GaugeMetricFamily(p + "http_handlers_max", "The most handler threads at once ([http] "
+                                "max_handlers, or its default); past it, 503.", value=status["max_handlers"])

@@ -24,6 +24,7 @@ from guardian.config.tables import AccessSettings
 from guardian.config.registry import ConfigError
 from guardian.config.loading import GuardianConfig
 from guardian.serving.connection import HANDLER_HEADROOM, HeldConnections, LiveLimits
+from guardian.observability import metrics
 from guardian.observability.counting import ActiveCount
 from guardian.admission.facts import served_model_config
 from guardian.admission.gate import AdmissionGate, AdmittingGenerator
@@ -125,6 +126,9 @@ def serve(host: str, port: int, model_provider, config: Union[GuardianConfig, Li
         print(f"mlx-guardian: cannot listen on {host}:{port}: {e}", file=sys.stderr)
         stock.loop.stop_generation_thread(engine)  # its thread would keep the process alive
         return EXIT_USAGE
+    registry = metrics.registry_of(pm)
+    if registry is not None:  # the connection layer's counts, beside the engine's
+        registry.register(metrics.ConnectionCollector(httpd.connection_status))
     channel = handoff.child_channel()
     if channel is not None:  # our supervisor hands us its clients' connections
         httpd.take_handoffs(channel)

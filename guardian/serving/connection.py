@@ -58,6 +58,14 @@ from guardian.errors import GuardianError
 
 log = structlog.get_logger("guardian.connection")
 
+# Why the connection layer ended a connection before any handler had its request, as
+# /guardian/status and /metrics count them: no byte came (closed without a word), its
+# headers or its body came too late (408), its head was refused (400, 411, 414, 417,
+# 431, 505: guardian.serving.framing), no room for its body (503, or 413), no handler
+# free or none could start (503).
+CLOSE_REASONS = ("timeout_idle", "timeout_headers", "timeout_body", "refused_head", "buffers_full",
+                 "handlers_busy")
+
 # How long a refused client's unread body is drained before the close.
 LINGER_S = 2.0
 # The listen backlog we ask for; the kernel caps it at net.core.somaxconn
@@ -665,8 +673,8 @@ class RequestReader:
             body_start = framing.find_head_end(incoming.buffer, incoming.scanned, limits.max_header_bytes + 4)
             if body_start is None:
                 if len(incoming.buffer) > limits.max_header_bytes:
-                    return self._refuse(incoming, 431, "headers_too_large",
-                                        f"The request's headers exceed {limits.max_header_bytes} bytes.")
+                    return self._refuse_framing(incoming, framing.refusal(
+                        431, f"The request's headers exceed {limits.max_header_bytes} bytes.", "headers_too_large"))
                 incoming.scanned = len(incoming.buffer)
                 return
             try:
@@ -1075,7 +1083,7 @@ class HeldConnections:
             if self._reader is None:
                 self._serving = Serving()
                 self.handlers = ActiveCount()
-                self.closed_counts = collections.Counter()
+                self.closed_counts = collections.Counter(dict.fromkeys(CLOSE_REASONS, 0))
                 self._reader = RequestReader(self)
 
     def dispatch(self, incoming: Incoming) -> None:
@@ -1107,6 +1115,7 @@ class HeldConnections:
             request = BufferedConnection(sock, bytes(incoming.buffer))
         request.access = incoming.access
         if not self.start_handler(request, incoming.address):
+            self.count_closed("handlers_busy")
             send_refusal(sock, GuardianError("The server cannot start a handler now.", status=503,
                                              code="server_busy", retry_after_s=self.limits.retry_after_s),
                          handed_off=incoming.handed_off)
@@ -1208,7 +1217,7 @@ class HeldConnections:
         """For /guardian/status: connections held by the reader, handler threads busy, closes by reason."""
         if self._reader is None:
             return {"held": 0, "buffered_bytes": 0, "handlers_active": 0, "max_handlers": self.limits.max_handlers,
-                    "closed": {}}
+                    "closed": dict.fromkeys(CLOSE_REASONS, 0)}
         return {"held": self._reader.held, "buffered_bytes": self._reader.buffered_reserved,
                 "handlers_active": self.handlers.active,
                 "max_handlers": self.limits.max_handlers, "closed": dict(self.closed_counts)}

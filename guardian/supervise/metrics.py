@@ -78,6 +78,8 @@ class SupervisorMetrics:
         self.child_metrics_up = Gauge(
             P + "child_metrics_up", "Whether this scrape includes the child's engine metrics.", registry=r)
         r.register(SupervisorCollector(supervisor))
+        r.register(metrics.ConnectionCollector(
+            lambda: supervisor.httpd.connection_status() if supervisor.httpd is not None else None, P))
 
     def child_restarted(self, dead) -> None:
         """Count a restart, labelled by how ``dead`` (the child replaced) went."""
