@@ -89,6 +89,25 @@ def test_bad_config_names_the_key(tmp_path, text, message):
         make_plugin_manager(load_config(write(tmp_path, text)))
 
 
+SECRET = "https://hooks.example/services/T0SECRET/XXXXSECRETTOKEN"
+
+
+@pytest.mark.parametrize("text, shown", [
+    (f"[guardian]\nplugins = '{SECRET}'\n", f"got a string of {len(SECRET)} characters"),
+    (f"[guardian]\nlog_format = '{SECRET}'\n", f"got a string of {len(SECRET)} characters"),
+    (f"[watchdog]\nladder = ['{SECRET}']\n", f"got a string of {len(SECRET)} characters"),
+    (f"[guardian]\nrequest_timeout_s = ['{SECRET}']\n", "got a list of 1 items"),
+    (f"[guardian]\nallowed_models = {{ key = '{SECRET}' }}\n", "got a table"),
+    ("[recovery]\nmax_failures = 0\n", "got 0"),  # numbers are no secret, and say the most
+])
+def test_a_refused_value_is_described_never_echoed(tmp_path, text, shown):
+    """The message goes to the log and /guardian/status: a string in the wrong key may be
+    a secret (a webhook's URL in a string where a list was due), so it is never quoted."""
+    with pytest.raises(ConfigError) as refused:
+        make_plugin_manager(load_config(write(tmp_path, text)))
+    assert shown in str(refused.value) and "SECRET" not in str(refused.value)
+
+
 def test_server_refuses_to_start_with_bad_config(tmp_path):
     path = write(tmp_path, "[recovery]\nbogus = true\n")
     result = subprocess.run(

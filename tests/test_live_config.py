@@ -121,6 +121,11 @@ def test_a_broken_edit_changes_nothing_and_says_why(served):
     save(served, BASE + "[prompt_guard]\nmax_prompt_tokens = -1\n")  # not a valid value
     [*_, bad_value] = served.wait_for_event("config_reload_failed", count=failures + 2)
     assert "prompt_guard.max_prompt_tokens: must be >= 0" in bad_value["error_message"]
+    # A string where a list was due (a webhook's URL, say) is described, never echoed.
+    save(served, BASE + '[guardian]\nallowed_models = "https://hooks.example/T0SECRET"\n')
+    [*_, secret] = served.wait_for_event("config_reload_failed", count=failures + 3)
+    assert "guardian.allowed_models: expected list, got a string of 30 characters" in secret["error_message"]
+    failures += 1
     save(served, BASE + "[no_such_plugin]\nx = 1\n")  # a table nobody reads
     [*_, unknown] = served.wait_for_event("config_reload_failed", count=failures + 3)
     assert "[no_such_plugin]" in unknown["error_message"]

@@ -44,6 +44,22 @@ ACTIONS = (RESTART, RELOAD, EXIT)
 
 
 # -- types ---------------------------------------------------------------------------
+def shown(value: Any) -> str:
+    """A refused value as a message may show it: numbers and booleans as they are, text
+    and what holds text by their kind and size only. A message goes to the log and to
+    /guardian/status, and a string in the wrong key may be a secret (a webhook's URL, a
+    key pasted into the wrong line)."""
+    if value is None or isinstance(value, (bool, int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return f"a string of {len(value)} characters"
+    if isinstance(value, list):
+        return f"a list of {len(value)} items"
+    if isinstance(value, dict):
+        return "a table"
+    return f"a {type(value).__name__}"
+
+
 class Type:
     """What a setting accepts: checks a TOML value, reads a flag, writes TOML.
 
@@ -60,7 +76,7 @@ class Type:
     def check(self, value: Any) -> Any:
         """The value, if this type accepts it; else ValueError."""
         if isinstance(value, bool) and bool not in self.python or not isinstance(value, self.python):
-            raise ValueError(f"expected {self.describe()}, got {value!r}")
+            raise ValueError(f"expected {self.describe()}, got {shown(value)}")
         return value
 
     def parse(self, text: str) -> Any:
@@ -91,7 +107,7 @@ class Int(Type):
     def check(self, value: Any) -> int:
         value = super().check(value)
         if self.min is not None and value < self.min:
-            raise ValueError(f"must be >= {self.min}, got {value!r}")
+            raise ValueError(f"must be >= {self.min}, got {shown(value)}")
         return value
 
     def parse(self, text: str) -> int:
@@ -114,9 +130,9 @@ class Float(Type):
             value = float(value)
         value = super().check(value)
         if self.min is not None and value < self.min:
-            raise ValueError(f"must be >= {self.min}, got {value!r}")
+            raise ValueError(f"must be >= {self.min}, got {shown(value)}")
         if self.above is not None and value <= self.above:
-            raise ValueError(f"must be > {self.above}, got {value!r}")
+            raise ValueError(f"must be > {self.above}, got {shown(value)}")
         return value
 
     def parse(self, text: str) -> float:
@@ -139,7 +155,7 @@ class OneOf(Str):
     def check(self, value: Any) -> str:
         value = super().check(value)
         if value not in self.choices:
-            raise ValueError(f"must be one of {', '.join(map(repr, self.choices))}, got {value!r}")
+            raise ValueError(f"must be one of {', '.join(map(repr, self.choices))}, got {shown(value)}")
         return value
 
 
@@ -154,7 +170,7 @@ class ListOf(Type):
     def check(self, value: Any) -> list:
         value = super().check(value)
         if len(value) < self.min_items:
-            raise ValueError(f"needs at least {self.min_items} item(s), got {value!r}")
+            raise ValueError(f"needs at least {self.min_items} item(s), got {shown(value)}")
         checked = []
         for i, item in enumerate(value):
             try:
