@@ -22,11 +22,13 @@ import structlog
 
 from guardian.config.tables import AccessSettings, CommandLine, CoreSettings
 from guardian.config.registry import ConfigError
+from guardian.config import in_force
 from guardian.config.loading import load_config
 from guardian.exit_codes import EXIT_BOOT_ERROR, EXIT_OK, EXIT_UNCAUGHT, EXIT_USAGE
 from guardian.access.keys import KeyRing
 from guardian.observability.logs import bind_process, configure_logging, keep_stock_request_lines
 from guardian.observability.versions import version_line
+from guardian.relay_protocol import started_by_supervisor
 from guardian.serving.open_files import raise_open_files_limit
 
 log = structlog.get_logger("guardian.cli")
@@ -70,9 +72,7 @@ def other_commands_help() -> str:
 
 def prepare(namespace: argparse.Namespace) -> None:
     """After stock parsed the flags: logging, config, plugins, demo model."""
-    from guardian.config.live import LiveConfig
     from guardian.distributed.group import current_group
-    from guardian.plugin_manager import make_plugin_manager
 
     # Under mlx.launch every rank logs to the launcher's one stderr: each line says which.
     namespace.guardian_group = current_group()
@@ -80,22 +80,11 @@ def prepare(namespace: argparse.Namespace) -> None:
         bind_process(rank=namespace.guardian_group.rank)
     configure_logging(namespace.log_format or CoreSettings.log_format.default, namespace.log_level)
     try:
-        config = load_config(namespace.guardian_config)
-        config.core = config.core.with_flags(namespace)
-        config.access = config.access.with_flags(namespace)
-        # A key file that does not parse stops the start, as a bad config file does. The door
-        # takes these keys once the model has loaded: a file saved meanwhile is a reload then
-        # (a bad one keeps these), not a second read that could fail after the load.
-        namespace.guardian_keys = KeyRing(config.access.api_key_file or None)
-        # Plugins and the core read their settings through it: the file may change.
-        live = LiveConfig(config, flags=namespace)
-        configure_logging(config.core.log_format, live.log_level())
-        keep_stock_request_lines(config.core.stock_request_logs)
-        pm = make_plugin_manager(config, live=live)
+        live, pm = load_runtime(namespace, namespace.guardian_config)
     except ConfigError as e:
-        log.critical("config_invalid", error_message=str(e))
-        print(f"mlx-guardian: {e}", file=sys.stderr)
-        raise SystemExit(EXIT_USAGE) from None
+        live, pm = start_from_version_in_force(namespace, e)
+    in_force.keep(live.file_version)  # for the next child, if a supervisor's
+    live.on_change(lambda change: in_force.keep(live.file_version))
     if namespace.model is None:
         from guardian.demo_model import ensure_demo_model
 
@@ -108,6 +97,48 @@ def prepare(namespace: argparse.Namespace) -> None:
             raise SystemExit(EXIT_BOOT_ERROR) from None
         log.info("demo_model_selected", model=namespace.model)
     namespace.guardian_runtime = (live, pm)
+
+
+def load_runtime(namespace: argparse.Namespace, path, source=None):
+    """The live configuration and the plugins, from the file at ``path`` (read as the
+    file at ``source``, which is watched, when given); ConfigError if it does not do."""
+    from guardian.config.live import LiveConfig
+    from guardian.plugin_manager import make_plugin_manager
+
+    config = load_config(path)
+    if source is not None:
+        config.source = Path(source)
+    config.core = config.core.with_flags(namespace)
+    config.access = config.access.with_flags(namespace)
+    # A key file that does not parse stops the start, as a bad config file does. The door
+    # takes these keys once the model has loaded: a file saved meanwhile is a reload then
+    # (a bad one keeps these), not a second read that could fail after the load. A
+    # supervised child lets in its supervisor alone, and reads none.
+    namespace.guardian_keys = KeyRing(None if started_by_supervisor() else config.access.api_key_file or None)
+    # Plugins and the core read their settings through it: the file may change.
+    live = LiveConfig(config, flags=namespace)
+    configure_logging(config.core.log_format, live.log_level())
+    keep_stock_request_lines(config.core.stock_request_logs)
+    return live, make_plugin_manager(config, live=live)
+
+
+def start_from_version_in_force(namespace: argparse.Namespace, error: ConfigError):
+    """A supervised child whose file does not parse starts from the version the last
+    child ran (guardian.config.in_force); anyone else stops: exit 2."""
+    kept = in_force.kept_version()
+    if kept is not None and namespace.guardian_config is not None:
+        log.error("config_invalid_kept_in_force", error_message=str(error), file=str(namespace.guardian_config),
+                  hint="the version the last child ran is in force; the next good save of the file applies")
+        try:
+            live, pm = load_runtime(namespace, kept, source=namespace.guardian_config)
+        except ConfigError:
+            pass
+        else:
+            live.start_failure(str(error))
+            return live, pm
+    log.critical("config_invalid", error_message=str(error))
+    print(f"mlx-guardian: {error}", file=sys.stderr)
+    raise SystemExit(EXIT_USAGE) from None
 
 
 def run(host, port, model_provider, *args, **kwargs):

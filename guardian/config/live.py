@@ -137,6 +137,23 @@ class LiveConfig:
     def path(self) -> Optional[Path]:
         return self._config.source
 
+    @property
+    def file_version(self) -> GuardianConfig:
+        """The last version of the file put in force, as it was written (flags not merged)."""
+        return self._file
+
+    def start_failure(self, message: str) -> None:
+        """The file did not parse at start, and another version is in force (guardian.config.in_force)."""
+        self._record_failure("start", message)
+
+    def _record_failure(self, reason: str, message: str, new: Optional[GuardianConfig] = None) -> None:
+        self.last_failure = {
+            "at": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+            "reason": reason,
+            "error_message": message,
+            "sha256": new.sha256 if new is not None else file_sha256(self.path),
+        }
+
     # -- reloading -----------------------------------------------------------
     def reload(self, reason: str) -> Optional[Change]:
         """Read the file again; apply its live changes. None when nothing was applied."""
@@ -199,12 +216,7 @@ class LiveConfig:
             raise ConfigError(f"{new.source}: no loaded plugin reads {names}")
 
     def _failed(self, reason: str, message: str, new: Optional[GuardianConfig] = None) -> None:
-        self.last_failure = {
-            "at": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-            "reason": reason,
-            "error_message": message,
-            "sha256": new.sha256 if new is not None else file_sha256(self.path),
-        }
+        self._record_failure(reason, message, new)
         log.error("config_reload_failed", reason=reason, error_message=message,
                   file=str(self.path), kept_sha256=self._config.sha256)
         return None

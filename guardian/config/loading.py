@@ -36,6 +36,8 @@ class GuardianConfig:
     # Which version of the file this is: the sha256 of its bytes, and its mtime.
     sha256: Optional[str] = None
     mtime: Optional[float] = None
+    # The file's bytes, as read (guardian.config.in_force keeps them for a supervisor's next child).
+    raw: Optional[bytes] = field(default=None, repr=False)
 
     # The core's tables by TOML name: the attribute holding each.
     _CORE_ATTRIBUTES = {"guardian": "core", "watchdog": "watchdog", "supervisor": "supervisor",
@@ -61,7 +63,7 @@ def load_config(path) -> GuardianConfig:
     except OSError as e:
         raise ConfigError(f"{path}: cannot be read: {e}") from None
     config = parse_config(raw, path)
-    config.sha256, config.mtime = hashlib.sha256(raw).hexdigest(), mtime
+    config.sha256, config.mtime, config.raw = hashlib.sha256(raw).hexdigest(), mtime, raw
     return config
 
 

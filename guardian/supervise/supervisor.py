@@ -28,6 +28,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -38,6 +39,7 @@ import httpx
 import structlog
 
 from guardian.config.tables import AccessSettings, CommandLine, CoreSettings, SupervisorSettings, WatchdogSettings
+from guardian.config import in_force
 from guardian.config.registry import ConfigError
 from guardian.config.loading import load_config
 from guardian.observability.counting import ActiveCount, RecentEvents
@@ -163,6 +165,10 @@ class Supervisor:
         self.settings = settings or SupervisorSettings().with_flags(options)
         self.core = core or CoreSettings().with_flags(options)
         self.child_args = child_args
+        # Only this user reads it: each child keeps the version of the file it runs here
+        # (guardian.config.in_force), so that one saved broken does not stop the next.
+        self.private_dir = (tempfile.TemporaryDirectory(prefix="mlx-guardian-supervisor-")
+                            if options.guardian_config is not None else None)
         self.signals: queue.SimpleQueue = queue.SimpleQueue()
         self.lock = threading.Lock()  # state and child, read by HTTP threads
         # Notified whenever the state or the child changes: held requests wait on it.
@@ -410,6 +416,8 @@ class Supervisor:
             env.update(channel.child_env())
             pass_fds += channel.child_fds()
         env[PARENT_PID_ENV] = str(os.getpid())  # a child's parent; a group's ranks' too, beside their launcher
+        if self.private_dir is not None and not stock_engine:  # the version in force, for the next child
+            env[in_force.IN_FORCE_ENV] = os.path.join(self.private_dir.name, "config-in-force.toml")
         try:
             proc = popen(command, stdin=subprocess.DEVNULL, env=env,  # stdout, stderr: ours
                          **({"pass_fds": pass_fds} if pass_fds else {}))
@@ -636,6 +644,8 @@ class Supervisor:
         self.httpd.server_close()
         log.info("supervisor_stopped", exit_code=self.exit_code, restarts=self.restarts,
                  unanswered=self.in_flight.active)
+        if self.private_dir is not None:
+            self.private_dir.cleanup()
         return self.exit_code
 
     # -- for the public side (HTTP threads) -------------------------------
