@@ -214,9 +214,18 @@ def test_heads_past_what_http_server_reads_are_refused_in_openais_shape(held):
 
 
 def test_head_and_other_methods(held):
+    logged_before = held.log_path.stat().st_size
     head = httpx.head(held.url + "/v1/models", timeout=10)
     assert head.status_code == 200 and head.content == b""
     assert int(head.headers["Content-Length"]) > 0  # GET's headers
+    # A load balancer's HEAD checks: answered, and quiet (each wrote a traceback that was not
+    # JSON, as socketserver closed the body-less output it had been left, and an INFO line).
+    for path in ("/health", "/livez", "/readyz"):
+        assert httpx.head(held.url + path, timeout=10).status_code == 200
+    logged = held.log_path.read_bytes()[logged_before:].decode()
+    assert "Traceback" not in logged, logged
+    assert all(json.loads(line) for line in logged.splitlines()), logged
+    assert not [line for line in logged.splitlines() if '"HEAD /health' in line and '"http_access"' in line]
     not_allowed = httpx.head(held.url + COMPLETIONS, timeout=10)
     assert not_allowed.status_code == 405 and not_allowed.headers["Allow"] == "POST, OPTIONS"
     put = httpx.put(held.url + "/v1/models", timeout=10)

@@ -49,8 +49,12 @@ class Endpoints:
 
     def do_HEAD(self):
         """GET's answer without its body, where GET has one (load balancers' checks, curl -I)."""
-        self.wfile = HeadersOnly(self.wfile)
-        self.do_GET()
+        wfile = self.wfile
+        self.wfile = HeadersOnly(wfile)
+        try:
+            self.do_GET()
+        finally:  # socketserver's finish() reads and closes the connection's own
+            self.wfile = wfile
 
     def send_metrics(self, registry) -> None:
         """Prometheus' text (guardian.observability.metrics); a 404 when the metrics plugin is disabled."""

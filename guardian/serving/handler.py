@@ -366,7 +366,8 @@ class GuardianHandler(Endpoints, stock.handler.DoorCorsHandler):
     def log_message(self, format, *args):
         # BaseHTTPRequestHandler writes access lines straight to stderr;
         # route them through structlog so every line is JSON.
-        routine = self.command == "GET" and getattr(self, "path", "").partition("?")[0] in MONITORING_PATHS
+        # A load balancer's checks come every few seconds, by GET or HEAD: at DEBUG.
+        routine = self.command in ("GET", "HEAD") and getattr(self, "path", "").partition("?")[0] in MONITORING_PATHS
         # The key's name, never the key: the request line (its query's values hidden) and
         # the status are all the line holds.
         key_name = self.access.key_name if self.access is not None else None
