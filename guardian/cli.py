@@ -26,6 +26,7 @@ from guardian.config import in_force
 from guardian.config.loading import load_config
 from guardian.exit_codes import EXIT_BOOT_ERROR, EXIT_OK, EXIT_UNCAUGHT, EXIT_USAGE
 from guardian.access.keys import KeyRing
+from guardian.access.policy import Origins
 from guardian.observability.logs import bind_process, configure_logging, keep_stock_request_lines
 from guardian.observability.versions import version_line
 from guardian.relay_protocol import started_by_supervisor
@@ -52,8 +53,12 @@ def add_guardian_arguments(parser: argparse.ArgumentParser) -> None:
     CoreSettings.log_format.add_flag(group)
     AccessSettings.add_flags(group)
     # None unless given: the door then grants only pages on this machine
-    # (stock's default, "*", let any web page drive the server).
+    # (stock's default, "*", let any web page drive the server). Its help says so.
     parser.set_defaults(allowed_origins=None)
+    for action in parser._actions:  # noqa: SLF001 - argparse keeps no public list of them
+        if action.dest == "allowed_origins":
+            action.help = (f"Origins whose web pages may use the server (CORS); '*' for any. Default: pages "
+                           f"on this machine ({Origins.DEFAULT}); stock's default was '*'.")
     parser.description = DESCRIPTION
     parser.epilog = other_commands_help()
     # Keeps the epilog's lines; flags' help texts are wrapped as before.

@@ -31,6 +31,10 @@ def test_help_shows_stock_and_guardian_flags():
     for flag in ("--model", "--decode-concurrency", "--prompt-cache-bytes"):
         assert flag in result.stdout
     assert "--guardian-config" in result.stdout and "--log-format" in result.stdout
+    # The one stock flag whose default differs says so (its help said "default: *").
+    allowed_origins = " ".join(result.stdout.partition("--allowed-origins ALLOWED_ORIGINS\n")[2].split())
+    assert allowed_origins.startswith("Origins whose web pages") and "(default: *)" not in result.stdout
+    assert "http://127.0.0.1:*" in allowed_origins.partition("--")[0]
 
 
 @pytest.mark.one_version

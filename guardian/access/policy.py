@@ -154,6 +154,9 @@ def machine_names() -> set[str]:
 class Origins:
     """Which web pages' origins may use the server (CORS, and the Origin check)."""
 
+    # Without --allowed-origins: pages served from this machine, on any port (http or https).
+    DEFAULT = "http://localhost:*, http://127.0.0.1:*, http://[::1]:*"
+
     def __init__(self, explicit: Optional[list[str]]):
         # Stock's --allowed-origins, when given; None: pages on this machine only.
         self.explicit = None if explicit is None else [o.strip() for o in explicit if o.strip()]
@@ -174,7 +177,7 @@ class Origins:
 
     def describe(self) -> str:
         if self.explicit is None:
-            return "http://localhost:*, http://127.0.0.1:*, http://[::1]:* (the default)"
+            return f"{self.DEFAULT} (the default)"
         return ", ".join(self.explicit) or "none"
 
 
