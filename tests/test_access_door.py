@@ -22,11 +22,14 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
+from watchdog.observers import Observer
 
 from conftest import BOTH_MODES, ModeServer, chat_body, poll
 from fuzz_client import Bystander
-from guardian.serving.endpoints import GET_PATHS
+from test_file_watch import holds_for
+from guardian.config.live import reports_closes
 from guardian.serving.deadlines import COMPLETION_PATHS
+from guardian.serving.endpoints import GET_PATHS
 from guardian.supervise.proxy import HEALTH_PATHS, LIVENESS_PATH, METRICS_PATH, STATUS_PATH
 
 ALICE = "sk-alice-0123456789abcdef"
@@ -199,6 +202,17 @@ def test_key_file_is_followed_live(door_server):
         door_server.signal_door(signal.SIGHUP)
         poll(lambda: any(e["reason"] == "sighup" for e in door_server.events("api_keys_reloaded")[reloads:]), 10)
         assert status_with(ALICE) == 200 and status_with(CAROL) == 401
+        # A SIGHUP while the file is written in place: read once its writer has closed it
+        # (it was read at once, and a key cut short let in as its own).
+        if reports_closes(Observer()):
+            with open(door_server.keys, "w") as writer:
+                writer.write(KEYS + f"carol:{CAROL[:12]}")
+                writer.flush()
+                door_server.signal_door(signal.SIGHUP)
+                holds_for(lambda: status_with(CAROL[:12]) == 401, 1.5, "no key cut short let in")
+                writer.write(CAROL[12:] + "\n")
+            poll(lambda: status_with(CAROL) == 200, 10, what="the whole file read once closed")
+            assert status_with(CAROL[:12]) == 401
     finally:
         door_server.keys.write_text(KEYS)
         poll(lambda: status_with(ALICE) == 200, 10)

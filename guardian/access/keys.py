@@ -216,8 +216,18 @@ class KeyRing:
                  removed=sorted(old - new))
         return True
 
+    def request_reload(self, reason: str = "sighup") -> None:
+        """Read the file again soon (safe from a signal handler): on the watch's thread, which
+        waits for a writer that has the file open to close it, as it does for a save."""
+        if self.path is None:
+            return
+        if self._watcher is None:
+            threading.Thread(target=self.reload, args=(reason,), name="keys-reload", daemon=True).start()
+        else:
+            self._watcher.kick(reason)
+
     def follow(self) -> None:
-        """Reload on every save of the file (SIGHUP is the caller's to route to ``reload``)."""
+        """Reload on every save of the file (SIGHUP is the caller's to route to ``request_reload``)."""
         if self.path is None or self._watcher is not None:
             return
         from guardian.config.live import ConfigFileWatcher

@@ -245,8 +245,7 @@ class ServedModel(AdmittingGenerator):
 def reload_on_sighup(live: LiveConfig, door, tls: Optional[ServerCertificate] = None) -> None:
     """SIGHUP: read --guardian-config, the key file and the certificate again (each on a thread of its own)."""
     live.request_reload("sighup")
-    if door.keys.configured:
-        threading.Thread(target=door.keys.reload, args=("sighup",), name="keys-reload", daemon=True).start()
+    door.keys.request_reload("sighup")
     if tls is not None:
         threading.Thread(target=tls.reload, args=("sighup",), name="tls-reload", daemon=True).start()
 

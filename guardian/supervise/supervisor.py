@@ -368,8 +368,7 @@ class Supervisor:
                 self.access_watcher.kick("sighup")
             else:
                 self.reload_access("sighup")
-            if self.door.keys.configured:
-                self.door.keys.reload("sighup")
+            self.door.keys.request_reload("sighup")  # once a writer has it closed
             if self.tls is not None:
                 self.tls.reload("sighup")
             if self.child is not None and self.settings.engine == "guardian":
