@@ -8,6 +8,7 @@ forwarded to the child, which re-reads the file, and nobody restarts.
 from __future__ import annotations
 
 import signal
+import socket
 
 import httpx
 import pytest
@@ -131,3 +132,33 @@ def test_a_broken_save_does_not_stop_the_next_child(start_supervisor, tmp_path):
     config.write_text(good.replace("= 2", "= 3"))
     poll(lambda: stops(3) == 200, 15, what="the mended version in the new child")
     assert supervised.supervisor()["restarts"] == 1
+
+
+def test_the_public_ports_http_table_is_live_and_the_supervisors_own_waits_for_a_restart(start_supervisor,
+                                                                                           tmp_path):
+    """[http] is live at the public port as in a child: an idle connection's limit raised
+    from 1 s to 30 s keeps the next one open (it was closed at 1 s, though the child's log
+    said the change applied). [watchdog] probe_timeout_s bounds a deep readiness check
+    there too. [supervisor]'s settings, read at start, are said to wait for a restart."""
+    config = tmp_path / "guardian.toml"
+    config.write_text("[http]\nidle_timeout_s = 1.0\n")
+    supervised = start_supervisor("--guardian-config", str(config))
+
+    def idle_for(seconds: float) -> bool:
+        """Whether a connection that sends nothing is still open ``seconds`` after it opened."""
+        with socket.create_connection(("127.0.0.1", supervised.port), timeout=seconds) as sock:
+            try:
+                return sock.recv(1) != b""
+            except TimeoutError:
+                return True
+
+    assert not idle_for(3.0)
+    config.write_text("[http]\nidle_timeout_s = 30.0\n[supervisor]\nhold_s = 5.0\n"
+                      "[watchdog]\nprobe_timeout_s = 20.0\n")
+    [reloaded] = poll(lambda: supervised.supervisor_events("supervisor_config_reloaded"), 15,
+                      what="the supervisor's reload")
+    assert reloaded["changed"] == ["http.idle_timeout_s", "watchdog.probe_timeout_s"]
+    [waiting] = supervised.supervisor_events("supervisor_config_change_needs_restart")
+    assert waiting["settings"] == ["supervisor.hold_s"]
+    assert supervised.supervisor()["config_pending_restart"] == ["supervisor.hold_s"]
+    assert idle_for(3.0)

@@ -250,8 +250,7 @@ class AccessSettings(Table, name="access"):
 class HttpSettings(Table, name="http"):
     """What the door holds (guardian.serving.connection): both HTTP servers read every
     request's headers and body under deadlines before a handler thread sees it,
-    and bound their handler threads. Live in one process; the supervisor reads
-    them at start."""
+    and bound their handler threads. Live, at the supervisor's public port too."""
 
     header_timeout_s = Setting(POSITIVE_SECONDS, 10.0, """
         A connection's request headers must be complete this long after it

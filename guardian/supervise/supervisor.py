@@ -38,7 +38,8 @@ from typing import Callable, Optional
 import httpx
 import structlog
 
-from guardian.config.tables import AccessSettings, CommandLine, CoreSettings, SupervisorSettings, WatchdogSettings
+from guardian.config.tables import (AccessSettings, CommandLine, CoreSettings, HttpSettings, SupervisorSettings,
+                                    WatchdogSettings)
 from guardian.config import in_force
 from guardian.config.registry import ConfigError
 from guardian.config.loading import load_config
@@ -114,8 +115,9 @@ SIGNAL_HINTS = {
 # own (stock does when its generation thread dies): no crash to send again after.
 REAP_WAIT_S = 5.0
 # Of the [guardian] table, the live settings the supervisor acts on too: its own 503s'
-# Retry-After, and the deadline of a request it holds (guardian.serving.deadlines).
-SUPERVISOR_CORE_SETTINGS = ("retry_after_s", "request_timeout_s")
+# Retry-After, the deadline of a request it holds (guardian.serving.deadlines), and how
+# long requests in flight get to reach their clients when it exits.
+SUPERVISOR_CORE_SETTINGS = ("retry_after_s", "request_timeout_s", "exit_grace_s")
 # How long a reaped child's last words may take to be read before its requests are struck.
 REAP_READ_WORDS_TIMEOUT_S = 1.0
 
@@ -212,6 +214,13 @@ class Supervisor:
         except ConfigError:  # the file broke since it was read: the child will say so
             probe_timeout_s = WatchdogSettings.probe_timeout_s.default
         self.deep_readiness_timeout_s = probe_timeout_s + DEEP_READINESS_MARGIN_S
+        # The public port's [http], as in force ([http] is live here as in a child).
+        try:
+            self.http = load_config(options.guardian_config).http.with_flags(options)
+        except ConfigError:
+            self.http = HttpSettings()
+        # Settings the file changed that the supervisor reads at start only.
+        self.pending_restart: tuple = ()
 
     # -- main loop ----------------------------------------------------------
     def run(self) -> int:
@@ -225,7 +234,8 @@ class Supervisor:
             return EXIT_USAGE
         try:
             self.httpd = PublicServer((self.options.host, self.options.port), self, self.tls,
-                                      public_limits(self.options, self.child_args, self.settings, self.core))
+                                      public_limits(self.options, self.child_args, self.settings, self.core,
+                                                    self.http))
         except OSError as e:
             log.critical("supervisor_bind_failed", host=self.options.host, port=self.options.port,
                          error_message=str(e))
@@ -270,39 +280,59 @@ class Supervisor:
             self.access_watcher.start()
 
     def reload_access(self, reason: str) -> None:
-        """The file's live settings the supervisor reads ([access]; of [guardian],
-        ``SUPERVISOR_CORE_SETTINGS``) again; the others wait for a restart. A version a guardian child refuses (its
+        """The file's settings the supervisor acts on, read again: [access] and [http] (its
+        public port's door and connection layer), of [guardian] ``SUPERVISOR_CORE_SETTINGS``,
+        [watchdog] probe_timeout_s (how long a deep readiness check may take). Live ones
+        apply; others that changed ([supervisor]'s, the certificate's) are logged as
+        waiting for a restart of the supervisor. A version a guardian child refuses (its
         plugins' tables, which the supervisor does not load) changes nothing here either,
         as it changes nothing there."""
         if self.options.guardian_config is None:
             return
         try:
             config = load_config(self.options.guardian_config)
-            fresh = config.access.with_flags(self.options)
+            fresh_access = config.access.with_flags(self.options)
+            fresh_http = config.http.with_flags(self.options)
+            fresh_supervisor = config.supervisor.with_flags(self.options)
             core = config.core.with_flags(self.options)
         except ConfigError as e:
             log.error("supervisor_config_reload_failed", reason=reason, error_message=str(e))
             return
-        current = self.door.settings
-        values = {key: getattr(fresh if setting.live else current, key)
-                  for key, setting in AccessSettings.settings.items()}
-        changed = sorted(f"access.{key}" for key in values if values[key] != getattr(current, key))
+        access_values, changed, waiting = live_part("access", fresh_access, self.door.settings)
+        http_values, http_changed, http_waiting = live_part("http", fresh_http, self.http)
+        _, _, supervisor_waiting = live_part("supervisor", fresh_supervisor, self.settings)
+        changed += http_changed
+        waiting += http_waiting + supervisor_waiting
         # Of [guardian], what the supervisor itself acts on.
         core_values = {key: getattr(core, key) for key in SUPERVISOR_CORE_SETTINGS}
         changed += [f"guardian.{key}" for key, value in core_values.items() if value != getattr(self.core, key)]
-        if not changed:
+        deep_readiness_timeout_s = config.watchdog.probe_timeout_s + DEEP_READINESS_MARGIN_S
+        if deep_readiness_timeout_s != self.deep_readiness_timeout_s:
+            changed.append("watchdog.probe_timeout_s")
+        newly_waiting = sorted(set(waiting) - set(self.pending_restart))
+        if not changed and not newly_waiting:
+            self.pending_restart = tuple(sorted(waiting))
             return
         refused = self.child_refused(config.sha256)
         if refused is not None:
             log.error("supervisor_config_reload_failed", reason=reason, error_message=f"the child refused this "
                       f"version of the file, so the supervisor keeps its settings too: {refused}")
             return
-        self.door.use_settings(AccessSettings(**values))
+        self.pending_restart = tuple(sorted(waiting))
+        if newly_waiting:
+            log.warning("supervisor_config_change_needs_restart", settings=newly_waiting,
+                        pending_restart=list(self.pending_restart),
+                        hint="the supervisor reads these at start; restart it (its child restarts with it)")
+        if not changed:
+            return
+        self.door.use_settings(AccessSettings(**access_values))
+        self.http = HttpSettings(**http_values)
         self.core = CoreSettings(**{**{key: getattr(self.core, key) for key in CoreSettings.settings},
                                     **core_values})
-        if self.httpd is not None:  # its door's 503s say it too
-            self.httpd.limits = dataclasses.replace(self.httpd.limits, retry_after_s=self.core.retry_after_s)
-        log.info("supervisor_config_reloaded", reason=reason, changed=changed)
+        self.deep_readiness_timeout_s = deep_readiness_timeout_s
+        if self.httpd is not None:  # the public port's connection layer reads its limits at each use
+            self.httpd.limits = public_limits(self.options, self.child_args, self.settings, self.core, self.http)
+        log.info("supervisor_config_reloaded", reason=reason, changed=sorted(changed))
 
     def child_refused(self, sha256: Optional[str]) -> Optional[str]:
         """Why a ready guardian child refused the file's version ``sha256`` (its
@@ -763,6 +793,8 @@ class Supervisor:
             "quarantine": self.quarantine.status(),
             "connections": self.httpd.connection_status() if self.httpd is not None else None,
             "access": self.door.status(),
+            # The file's settings changed since the supervisor started that it reads at start only.
+            "config_pending_restart": list(self.pending_restart),
         }
 
 
@@ -872,11 +904,11 @@ def public_door(options: argparse.Namespace, child_args: list[str]):
 
 
 def public_limits(options: argparse.Namespace, child_args: list[str], settings: SupervisorSettings,
-                  core: Optional[CoreSettings] = None):
-    """The public port's connection layer: [http] from --guardian-config; its handler
-    threads, when not set, sized from the child's --decode-concurrency and the requests
-    the supervisor holds while no child is ready."""
-    http = load_config(options.guardian_config).http
+                  core: Optional[CoreSettings] = None, http: Optional[HttpSettings] = None):
+    """The public port's connection layer: [http] (``http``, else from --guardian-config); its
+    handler threads, when not set, sized from the child's --decode-concurrency and the
+    requests the supervisor holds while no child is ready."""
+    http = http or load_config(options.guardian_config).http.with_flags(options)
     flags = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     flags.add_argument("--decode-concurrency", type=int, default=32)  # stock's default
     decode_concurrency = flags.parse_known_args(child_args)[0].decode_concurrency
@@ -887,6 +919,24 @@ def public_limits(options: argparse.Namespace, child_args: list[str], settings: 
                                "max_header_count": max_header_count,
                                # A busy door's Retry-After, as the child's: [guardian] retry_after_s.
                                "retry_after_s": (core or CoreSettings()).retry_after_s})
+
+
+def live_part(name: str, fresh, current) -> tuple[dict, list[str], list[str]]:
+    """Of table ``name`` as read again (``fresh``) against the one in force (``current``):
+    the values to put in force (the fresh live ones, the current others), the live keys
+    that change, and the other keys the file changed (they wait for a restart)."""
+    values, changed, waiting = {}, [], []
+    for key, setting in type(current).settings.items():
+        value = getattr(fresh, key)
+        if setting.live:
+            values[key] = value
+            if value != getattr(current, key):
+                changed.append(f"{name}.{key}")
+        else:
+            values[key] = getattr(current, key)
+            if value != values[key]:
+                waiting.append(f"{name}.{key}")
+    return values, changed, waiting
 
 
 def signal_quietly(proc: subprocess.Popen, signum: int) -> None:
