@@ -343,3 +343,19 @@ def test_bad_settings_stop_the_start_naming_the_key_but_not_the_url(tmp_path, ta
                             capture_output=True, text=True, cwd=REPO, timeout=60, check=False)
     assert result.returncode == 2, result.stdout + result.stderr
     assert message in result.stderr and "SECRET" not in result.stderr
+
+
+def test_a_bad_setting_saved_while_serving_is_refused_whole(start_server, receiver, tmp_path):
+    """The plugin's own checks (Settings.check) run at every reload, as the types do: a
+    mistake saved live is refused, the version in force stays, and the URL is not echoed.
+    It was put in force, with a warning, and the bad destination failed every send."""
+    rx = receiver()
+    server = start_server(toml_table("notifier", webhook_urls=[rx.url("/hook")], events=["stall"]))
+    config = tmp_path / f"guardian-{server.port}.toml"
+    config.write_text(toml_table("notifier", webhook_urls=["hooks.example/SECRET"], events=["stall"]))
+    [failed] = server.wait_for_event("config_reload_failed", timeout=30)
+    assert "must start with http:// or https://" in failed["error_message"]
+    assert "SECRET" not in server.log_path.read_text()
+    status = httpx.get(server.url + "/guardian/status", timeout=10).json()["config"]
+    assert status["loads"] == 1 and "[notifier]" in status["last_failure"]["error_message"]
+    assert not server.events("config_reloaded")
