@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
-from conftest import chat_body, poll, read_stream, scraped
+from conftest import chat_body, pace, poll, read_stream, scraped
 from test_blame import stream_signalling_start
 from test_memory_admission import device_reports_free_memory
 
@@ -192,6 +192,26 @@ def test_out_of_memory_for_a_request_that_fits_is_a_503_then_it_is_served(start_
             assert refused.headers["x-should-retry"] == "true" and "retry-after" in refused.headers
         assert answers[-1].json()["usage"]["completion_tokens"] == 8
     assert len(server.events("engine_error")) == 2 and server.proc.poll() is None
+
+
+def test_a_client_that_retries_a_request_short_of_memory_as_told_never_ends_the_process(start_server):
+    """The incident's error (Metal's resource limit) at every step of one request, which
+    its client sends again each time Retry-After says: each time it fails alone, twice,
+    and is answered 503 memory_shortage. A probe between the retries proves the engine
+    serves, so those failures are forgiven; they counted toward the crash loop, and the
+    fourth retry got 503 engine_failed as the process exited 4."""
+    server = start_server(table("fault_injection", enabled=True, poison_marker="SHORT-OF-MEMORY"))
+    body = chat_body("SHORT-OF-MEMORY, then a story.", max_tokens=8)
+    with httpx.Client(timeout=60) as http:
+        for attempt in range(8):
+            answer = http.post(server.url + COMPLETIONS, json=body)
+            assert answer.status_code == 503, (attempt, answer.text)
+            assert answer.json()["error"]["code"] == "memory_shortage", (attempt, answer.text)
+            pace(float(answer.headers["retry-after"]))  # as the openai SDK does
+        assert http.post(server.url + COMPLETIONS, json=chat_body(max_tokens=4)).status_code == 200
+    assert len(server.events("engine_error")) == 16  # each attempt: alone, then alone again
+    assert server.proc.poll() is None and status(server)["state"] == "ready"
+    assert status(server)["failures_in_window"] <= 2  # at most the last attempt's, not yet proven
 
 
 def test_a_crash_suspect_whose_stream_progressed_is_not_quarantined():

@@ -32,7 +32,10 @@ memory-short) request was in flight at is forgiven too, but only if the
 engine has completed a request (a user's or a probe) since the previous
 blame: an engine that fails every request blames each in turn without
 ever completing one, and its failures keep counting until the process
-exits with code 4. Synthetic probes are never blamed, so a failure with
+exits with code 4. After a shortage the watchdog runs a probe at its next
+look while idle (``FailureHandler.proof_wanted``), so that a client sending
+again a request short of memory, as Retry-After says, finds the engine
+proven in between (a blamed request is quarantined: it is not sent again). Synthetic probes are never blamed, so a failure with
 only probes in flight counts unless the engine progressed.
 """
 

@@ -62,6 +62,13 @@ class FailureHandler:
         # ledger.completed at the last blame: a blame forgives failures only
         # if the engine completed a request since the one before.
         self._completed_at_last_blame = 0
+        # After a shortage (a request that failed alone for want of memory, answered 503:
+        # its client sends it again, unlike a blamed one, which is quarantined), the next
+        # blame needs the engine to have completed a request: the watchdog runs a probe at
+        # its next look while idle (guardian.health.stall_detection), whose completion is
+        # that proof. A client that sends it again as Retry-After says then finds its
+        # failures forgiven, where they counted toward the crash loop until exit 4.
+        self.proof_wanted = False
         self.last_error: Optional[dict] = None
 
     def configure(self, *, window_s: float, max_failures: int, max_reruns: int, max_continuations: int,
@@ -89,6 +96,8 @@ class FailureHandler:
         # Answered for what they did alone (poison), or needed (memory): their failures are explained.
         explained = [r for r, verdict in decided if verdict in (Verdict.BLAME, Verdict.SHORTAGE)]
         forgiven = self._forgive(explained)
+        if any(verdict is Verdict.SHORTAGE for _, verdict in decided):
+            self.proof_wanted = True  # its client will send it again: see __init__
         failures_in_window = self.budget.count(failed_at)
         rate = self.budget.rate(failed_at)
         self.engine.restart_clock.mark("judge")

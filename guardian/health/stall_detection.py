@@ -263,10 +263,12 @@ class StallDetector:
             return
         if self.engine.state is not EngineState.READY:
             return
-        if now - self._last_probe_at < self.settings.probe_interval_s:
+        proof_wanted = self.engine.failures.proof_wanted  # after a blame without one (guardian.engine.failures)
+        if now - self._last_probe_at < self.settings.probe_interval_s and not proof_wanted:
             return
         if self.engine.ledger.has_work():
             return  # busy: progress is the proof; never queue behind users
+        self.engine.failures.proof_wanted = False
         self._last_probe_at = now
         threading.Thread(target=self.run_probes, name="probe", daemon=True).start()
 
