@@ -236,16 +236,21 @@ def test_protected_mode_turned_off_live_serves_the_network(netns, plain):
     server = plain["protected"]
     config = server.log_path.with_suffix(".toml")
     loads = len(server.events("config_reloaded"))
+    protected = len(server.events("access_protected_mode"))
     try:
         config.write_text(OPEN)
         server.wait_for_event("config_reloaded", count=loads + 1)
         answer = netns.request(*completion(netns, server))
         assert answer["status"] == 200, answer
         assert json.loads(answer["body"])["choices"]
+        # The door opened by a save is said as loudly as one open from the start.
+        [opened] = server.events("access_open")
+        assert opened["level"] == "warning" and opened["bound_host"] == "0.0.0.0"
     finally:
         config.write_text(PROTECTED)
         server.wait_for_event("config_reloaded", count=loads + 2)
     assert netns.request(*completion(netns, server))["status"] == 403
+    assert len(server.events("access_protected_mode")) == protected + 1
 
 
 def test_with_keys_the_network_is_served_with_a_key(netns, plain):
@@ -286,3 +291,19 @@ def test_supervised_with_keys_the_network_is_served_with_a_key(netns, supervised
     [started] = server.events("supervisor_started")
     assert started["access"] == "api_keys"
     assert_keys_checked(netns, server)
+
+
+@pytest.mark.subprocess_mode
+def test_supervised_protected_mode_turned_off_live_serves_the_network_and_says_so(netns, supervised):
+    server = supervised["protected"]
+    config = server.log_path.with_suffix(".toml")
+    try:
+        config.write_text(OPEN)
+        poll(lambda: netns.request(*completion(netns, server))["status"] == 200, 15,
+             what="the public port opened by the save")
+        [opened] = [e for e in server.events("access_open") if e.get("logger") == "guardian.access"]
+        assert opened["level"] == "warning"
+    finally:
+        config.write_text(PROTECTED)
+        poll(lambda: netns.request(*completion(netns, server))["status"] == 403, 15,
+             what="the public port closed again")

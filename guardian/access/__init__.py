@@ -31,7 +31,8 @@ def make_door(settings, *, bound_host: str, allowed_origins: Optional[list[str]]
 
 
 def announce(door: AccessPolicy, log=None) -> None:
-    """Say at start how the door stands when that needs a person's attention."""
+    """Say how the door stands when that needs a person's attention: at start, and when
+    a save changes [access] protected_mode."""
     log = log or structlog.get_logger("guardian.access")
     if door.mode == "open":
         log.warning("access_open", bound_host=door.bound_host,

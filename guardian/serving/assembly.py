@@ -159,6 +159,8 @@ def serve(host: str, port: int, model_provider, config: Union[GuardianConfig, Li
         frozen_objects=frozen_objects,
     )
     announce(door)
+    # Said again when a save opens or closes the door (protected_mode is live).
+    live.on_change(lambda change: announce(door) if "access.protected_mode" in change.applied else None)
     code = exit_request.wait()
     log.info("server_stopping", exit_code=code)
     served.stop_admitting()

@@ -326,6 +326,8 @@ class Supervisor:
         if not changed:
             return
         self.door.use_settings(AccessSettings(**access_values))
+        if "access.protected_mode" in changed:  # a save opened or closed the door: said as at start
+            announce(self.door)
         self.http = HttpSettings(**http_values)
         self.core = CoreSettings(**{**{key: getattr(self.core, key) for key in CoreSettings.settings},
                                     **core_values})
