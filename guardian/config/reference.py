@@ -20,9 +20,9 @@ EXAMPLE_HEADER = """\
 #
 # Every key is shown with its default. A key that is not listed here, or a
 # value of the wrong type, stops the server at start with a message that
-# names the key. [guardian], [watchdog] and [supervisor] configure the core;
-# every other table belongs to the plugin of that name, and a table for a
-# plugin that is not loaded is an error too.
+# names the key. [guardian], [watchdog], [supervisor], [access] and [http]
+# configure the core; every other table belongs to the plugin of that name,
+# and a table for a plugin that is not loaded is an error too.
 #
 # The server watches this file (and re-reads it on SIGHUP): keys marked
 # "# live" take effect when it is saved, between requests; a change to any
