@@ -92,8 +92,11 @@ def test_an_edit_applies_live_settings_without_a_restart(served):
     assert chat(served).status_code == 200
     assert not served.events("resource_sample")  # INFO: no debug lines yet
 
-    live = save_and_wait(served, BASE + "[prompt_guard]\nmax_prompt_tokens = 8\n"
+    handlers = status(served)["connections"]["max_handlers"]
+    live = save_and_wait(served, BASE + "[prompt_guard]\nmax_prompt_tokens = 8\nmax_queued = 116\n"
                          "[guardian]\nlog_level = \"DEBUG\"\n")["config"]
+    # The handler threads' cap, sized from the queue, follows it (it stayed at the start's).
+    assert status(served)["connections"]["max_handlers"] == handlers + 100
     assert live["loads"] > before["loads"] and live["reason"] == "file_changed"
     assert live["pending_restart"] == [] and live["last_failure"] is None
     refused = chat(served)
@@ -103,7 +106,8 @@ def test_an_edit_applies_live_settings_without_a_restart(served):
     # The log level changed too: the resource samples' debug lines appear.
     served.wait_for_event("resource_sample")
     reloaded = served.events("config_reloaded")[-1]
-    assert set(reloaded["changed"]) == {"prompt_guard.max_prompt_tokens", "guardian.log_level"}
+    assert set(reloaded["changed"]) == {"prompt_guard.max_prompt_tokens", "prompt_guard.max_queued",
+                                        "guardian.log_level"}
     # The same process all along.
     assert served.proc.poll() is None and len(served.events("server_started")) == 1
 

@@ -271,9 +271,10 @@ class HttpSettings(Table, name="http"):
     max_handlers = Setting(Int(min=0), 0, """
         Requests handled at once (each holds a thread; a stream for its life).
         Past it, a complete request gets 503 + Retry-After at once. 0: sized from
-        the engine, --decode-concurrency plus [prompt_guard] max_queued plus 32
-        for health checks, refusals and streams ending (the supervisor: from the
-        child's --decode-concurrency, plus [supervisor] hold_requests).""")
+        the engine, --decode-concurrency plus [prompt_guard] max_queued (as it is
+        now: it is live) plus 32 for health checks, refusals and streams ending
+        (the supervisor: from the child's --decode-concurrency, plus [supervisor]
+        hold_requests).""")
     max_header_bytes = Setting(Int(min=1024), 64 * 1024, """
         The request line and headers together; past it, 431. One line of more than
         64 KiB is refused whatever this is (414 for the request line, else 431):

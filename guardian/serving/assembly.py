@@ -7,6 +7,7 @@ stops the HTTP server and the engine, and returns the exit code.
 
 from __future__ import annotations
 
+import functools
 import signal
 import sys
 import threading
@@ -285,7 +286,7 @@ def make_http_server(host: str, port: int, served: Optional[ServedModel], door=N
     httpd = GuardianHTTPServer((host, port), handler)
     httpd.tls = tls
     if served is not None:
-        httpd.limits = LiveLimits(served.live.view("http"), auto_max_handlers(served),
+        httpd.limits = LiveLimits(served.live.view("http"), functools.partial(auto_max_handlers, served),
                                   lambda: served.config.core.retry_after_s,
                                   extra_handlers=HANDLER_HEADROOM if started_by_supervisor() else 0)
     # Handler threads must not keep a failed process alive past its exit.
@@ -301,7 +302,7 @@ def make_http_server(host: str, port: int, served: Optional[ServedModel], door=N
 
 def auto_max_handlers(served: ServedModel) -> int:
     """Handler threads when [http] max_handlers is 0: the engine's decode concurrency,
-    the prompt guard's queue, and headroom (guardian.serving.connection)."""
+    the prompt guard's queue (live: the version in force), and headroom (guardian.serving.connection)."""
     guard = served.config.plugin_settings.get("prompt_guard")
     queued = getattr(guard, "max_queued", 0) if getattr(guard, "enabled", False) else 0
     return getattr(served.cli_args, "decode_concurrency", 32) + queued + HANDLER_HEADROOM

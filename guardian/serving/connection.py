@@ -46,7 +46,7 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import structlog
 
@@ -106,9 +106,11 @@ class ConnectionLimits:
 
 
 class LiveLimits:
-    """[http] as the layer reads it, at each use: ``max_handlers`` 0 is ``auto_max_handlers``."""
+    """[http] as the layer reads it, at each use: ``max_handlers`` 0 is ``auto_max_handlers()``,
+    read at each use too (it follows the prompt guard's live queue)."""
 
-    def __init__(self, http, auto_max_handlers: int, retry_after_s=lambda: 1.0, extra_handlers: int = 0):
+    def __init__(self, http, auto_max_handlers: Callable[[], int], retry_after_s=lambda: 1.0,
+                 extra_handlers: int = 0):
         self._http = http
         self._auto_max_handlers = auto_max_handlers
         self._retry_after_s = retry_after_s
@@ -120,7 +122,7 @@ class LiveLimits:
 
     @property
     def max_handlers(self) -> int:
-        return (self._http.max_handlers or self._auto_max_handlers) + self._extra_handlers
+        return (self._http.max_handlers or self._auto_max_handlers()) + self._extra_handlers
 
     @property
     def retry_after_s(self) -> float:
