@@ -15,7 +15,7 @@ import time
 import pytest
 from watchdog.observers import Observer
 
-from conftest import poll
+from conftest import pace, poll
 from guardian.config import live
 from guardian.config.live import ConfigFileWatcher, reports_closes
 
@@ -131,3 +131,19 @@ def test_a_change_of_mode_alone_is_read(tmp_path, watched):
     reloads = watched(path)
     os.chmod(path, 0o600)
     poll(lambda: reloads.seen, 5, what="the file read again")
+
+
+def test_a_file_gone_for_a_moment_is_read_once_it_is_back(tmp_path, watched):
+    """A save that deletes the file and writes it anew 0.4 s later (an editor without atomic
+    saves, a deploy's copy): one read, of the new file. It was read while gone, and each
+    process logged ERROR config_reload_failed "not found"."""
+    path = tmp_path / "keys"
+    reloads = watched(path)
+    found = []  # whether the file was there at each read
+    read = reloads.watcher.reload
+    reloads.watcher.reload = lambda reason: (found.append(path.exists()), read(reason))
+    path.unlink()
+    pace(0.4)  # the gap between the delete and the write, which the test is about
+    path.write_text("two\n")
+    poll(lambda: reloads.read("two\n"), 5, what="the file read once back")
+    assert found and all(found), found

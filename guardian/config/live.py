@@ -56,6 +56,10 @@ MAX_OPEN_WAIT_S = 10.0
 # reports (a symlink swapped in another folder, as Kubernetes mounts a ConfigMap or a
 # Secret; the folder itself replaced; chmod) is read within this.
 POLL_S = 2.0
+# A file gone is waited for this long before it is read (and found missing, logged as an
+# error): some saves delete the file and write it anew a moment later (an editor without
+# atomic saves, a deploy's copy), and each such save was an ERROR line in each process.
+MISSING_WAIT_S = 1.0
 
 
 class TableView:
@@ -363,7 +367,8 @@ class ConfigFileWatcher:
     a new file and renaming it over the old one replaces the inode a watch on
     the file would follow. Events are filtered to the file's name (moved:
     its destination). A file written in place is read once its writer closed
-    it (``MAX_OPEN_WAIT_S``). Every ``POLL_S`` the file's stamp is compared too,
+    it (``MAX_OPEN_WAIT_S``), and one gone a moment (``MISSING_WAIT_S``) once it is
+    back. Every ``POLL_S`` the file's stamp is compared too,
     for what no event of the folder reports (the folder is watched again if
     it was replaced). Reloads run on one thread, in order.
     """
@@ -446,6 +451,9 @@ class ConfigFileWatcher:
                 if time.monotonic() > open_until:
                     self.writing = False  # its close was never seen (lost, or none comes): read it now
                     break
+            missing_until = time.monotonic() + MISSING_WAIT_S
+            while not self.path.exists() and time.monotonic() < missing_until and not self._stopped.is_set():
+                self._stopped.wait(self.settle_s)
             with self._reasons_lock:
                 reasons, self._reasons = self._reasons, []
             if self._stopped.is_set():
