@@ -48,11 +48,14 @@ class SupervisorMetrics:
                        f"exit_{EXIT_ENGINE_STALLED}", "unhealthy", "start_timeout"):
             self.child_restarts.labels(reason)
         self.requests_not_held = Counter(
-            P + "requests_not_held", "Requests the supervisor answered itself while no child was ready "
-            "to take them, by why: hold_queue_full, hold_timed_out (503 + Retry-After), deadline_exceeded "
-            "(504: the request's deadline passed while it was held).", ["reason"], registry=r)
-        for reason in ("hold_queue_full", "hold_timed_out", "deadline_exceeded"):
+            P + "requests_not_held", "Requests answered 503 while no child was ready, by why "
+            "(hold_queue_full, hold_timed_out).", ["reason"], registry=r)
+        for reason in ("hold_queue_full", "hold_timed_out"):
             self.requests_not_held.labels(reason)
+        self.requests_deadline_exceeded = Counter(
+            P + "requests_deadline_exceeded", "Requests whose deadline passed while no child had them "
+            "(held for one that was starting, or between a child that died under them and the next): "
+            "answered 504 deadline_exceeded, or a stream's error event.", registry=r)
         self.relay_errors = Counter(
             P + "relay_errors", "Relays to a child that failed, by when: before_response (nothing was "
             "sent to the client) or during_response.", ["stage"], registry=r)
@@ -130,7 +133,9 @@ class SupervisorCollector:
         if child is not None:
             yield gauge(P + "child_uptime_seconds", "Since the running child started.", time.monotonic() - child.started_at)
         yield gauge(P + "requests_held", "Requests waiting now for a child to be ready.", supervisor.holding)
-        yield gauge(P + "requests_in_flight", "Requests the supervisor is relaying now.", supervisor.in_flight.active)
+        yield gauge(P + "requests_in_flight", "Requests the supervisor has taken and not yet answered: "
+                    "handed off, relayed, or held for a child (requests_held counts those alone).",
+                    supervisor.in_flight.active)
         yield gauge(P + "restarts_in_window", "Child restarts within the crash-loop window "
                     "(the supervisor gives up past max_restarts).", supervisor.restart_times.count())
         yield CounterMetricFamily(P + "pauses", "Times the supervisor itself did not run for a second or "

@@ -292,17 +292,19 @@ class ProxyHandler(BaseHTTPRequestHandler):
         stream = None  # a stream the client is receiving, once it can be continued
         passed = self.passed
         while not self.gone:
-            due = self.next_deadline(path, stream)
-            if due is not None and due[0] <= time.monotonic():
-                return self.deadline_passed(due[1], stream)
             if passed is not None:  # the reader's hand-off was the first attempt
+                # What the client has is known only from here (a stream's head may be out):
+                # its deadlines are judged at the next attempt, as any continuation's.
                 child, outcome, passed = passed.child, self.resumed_outcome(passed), None
             else:
+                due = self.next_deadline(path, stream)
+                if due is not None and due[0] <= time.monotonic():
+                    return self.deadline_passed(due[1], stream)
                 child = supervisor.wait_for_child(given_up=lambda: self.gone, until=due and due[0])
                 if self.gone:
                     return  # left while held: nobody to answer, nothing to send
                 if child is None and due is not None and due[0] <= time.monotonic():
-                    continue  # its deadline came while held: answered above
+                    return self.deadline_passed(due[1], stream)  # it came while held
                 if child is None:
                     return self.give_up(stream, supervisor.unavailable_error())
                 # A crash suspect waits to run alone; others wait behind it.
@@ -358,12 +360,11 @@ class ProxyHandler(BaseHTTPRequestHandler):
         return min(((self.arrived_at + d.seconds, d) for d in deadlines), default=None, key=lambda due: due[0])
 
     def deadline_passed(self, deadline: Deadline, stream) -> None:
-        """Held past its deadline (no child ready, or one that died under it): a 504, or
-        a stream's error event."""
-        self.server.supervisor.metrics.requests_not_held.labels("deadline_exceeded").inc()
-        log.warning("request_not_held", reason="deadline_exceeded", path=self.logged_path,
-                    age_s=round(self.age_s(), 3), deadline_s=deadline.seconds,
-                    deadline=deadline.source)
+        """Its deadline passed while no child had it (held for one that was starting, or
+        between a child that died under it and the next): a 504, or a stream's error event."""
+        self.server.supervisor.metrics.requests_deadline_exceeded.inc()
+        log.warning("request_deadline_exceeded", path=self.logged_path, continued=stream is not None,
+                    age_s=round(self.age_s(), 3), deadline_s=deadline.seconds, deadline=deadline.source)
         self.give_up(stream, deadline.error())
 
     def age_s(self) -> float:
