@@ -45,6 +45,15 @@ AGE_HEADER = "X-Guardian-Request-Age-Ms"
 PRIVATE_HEADERS = frozenset({KEY_HEADER.lower(), CONTINUE_HEADER.lower(), AGE_HEADER.lower()})
 # A day: a larger age is read as this (the deadlines it serves are shorter).
 MAX_AGE_MS = 86_400_000
+# What a child's head may hold more than its client's. Added by the supervisor:
+# X-Forwarded-For, the client's name, its key's name, the supervisor's key, a
+# continuation's tokens, the request's age. Added by the client library the supervisor
+# sends it with: http.client's Host, Accept-Encoding and Content-Length when it relays
+# (the Host replaces the client's, or comes where it sent none); httpx's Accept,
+# Accept-Encoding, Connection and User-Agent on a health check. The public door leaves
+# room for them under http.server's count (guardian.serving.framing), and a supervised
+# child allows them beyond its own [http] max_header_count.
+HEADERS_ADDED_FOR_CHILD = 12
 # The child's answer: this stream is tagged, and can be continued.
 CONTINUABLE_HEADER = "X-Guardian-Continuable"
 TOKENS_COMMENT = b": guardian-tokens "

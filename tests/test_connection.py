@@ -29,7 +29,7 @@ from conftest import BOTH_MODES, ModeServer, Server, chat_body, free_port, poll,
 from guardian.errors import GuardianError
 from guardian.serving import framing
 from guardian.serving.connection import ConnectionLimits, RequestReader
-from guardian.supervise.fast_handoff import HEADERS_ADDED_FOR_CHILD
+from guardian.relay_protocol import HEADERS_ADDED_FOR_CHILD
 
 COMPLETIONS = "/v1/chat/completions"
 MAX_HANDLERS = 4

@@ -379,3 +379,23 @@ def test_a_handed_off_answer_is_the_relayed_one(start_supervisor, tmp_path):
     [left] = poll(gone, 30, what="the client's leaving logged")
     assert left["path"] == COMPLETIONS + "?api-key=***"
     assert "sk-in-the-query" not in relaying.log_path.read_text()
+
+
+@pytest.mark.parametrize("hand_off", [True, False], ids=["handed_off", "relayed"])
+def test_a_header_count_the_public_port_lets_in_the_child_reads(start_supervisor, tmp_path, hand_off):
+    """[http] max_header_count below http.server's own: the public port lets in as many
+    header lines as it says, and the child, which reads the same file, reads them with the
+    supervisor's own added (a relayed request at the limit got the child's 431)."""
+    config = tmp_path / "headers.toml"
+    config.write_text(f"[http]\nmax_header_count = 40\n[supervisor]\nhand_off = {str(hand_off).lower()}\n")
+    supervised = start_supervisor("--guardian-config", str(config))
+    body = b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}'
+    for count, status in ((40, b"200"), (41, b"431")):  # Host and Content-Length among them
+        others = b"".join(b"X-H%d: 1\r\n" % i for i in range(count - 2))
+        with socket.create_connection(("127.0.0.1", supervised.port), timeout=30) as sock:
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n" + others
+                         + b"Content-Length: %d\r\n\r\n" % len(body) + body)
+            answer = b""
+            while chunk := sock.recv(65536):
+                answer += chunk
+        assert answer.startswith(b"HTTP/1.0 " + status), (count, answer[:300])

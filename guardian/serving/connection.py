@@ -110,12 +110,14 @@ class LiveLimits:
     read at each use too (it follows the prompt guard's live queue)."""
 
     def __init__(self, http, auto_max_handlers: Callable[[], int], retry_after_s=lambda: 1.0,
-                 extra_handlers: int = 0):
+                 extra_handlers: int = 0, extra_headers: int = 0):
         self._http = http
         self._auto_max_handlers = auto_max_handlers
         self._retry_after_s = retry_after_s
         # A supervised child also answers its supervisor's health checks and scrapes.
         self._extra_handlers = extra_handlers
+        # ... and reads the headers its supervisor adds to what the public port let in.
+        self._extra_headers = extra_headers
 
     def __getattr__(self, name):
         return getattr(self._http, name)
@@ -127,6 +129,10 @@ class LiveLimits:
     @property
     def retry_after_s(self) -> float:
         return self._retry_after_s()
+
+    @property
+    def max_header_count(self) -> int:
+        return self._http.max_header_count + self._extra_headers  # judge_head caps it at http.server's
 
 
 # Handler threads beyond the engine's own concurrency and queue: health

@@ -206,14 +206,6 @@ NOT_FORWARDED_UPSTREAM = (relay_protocol.HOP_BY_HOP | {"host", "content-length",
                              KEY_NAME_HEADER.lower()})
 
 
-# What a child's head may hold more than its client's: X-Forwarded-For, the client's
-# name, its key's name, the supervisor's key, a continuation's tokens, the request's
-# age; relayed, httpx's own (Accept, Accept-Encoding, Connection, User-Agent,
-# Content-Length); Host, which replaces the client's or comes where it sent none. The
-# public door leaves room for them under http.server's count (guardian.serving.framing),
-# which the child's handler reads by.
-HEADERS_ADDED_FOR_CHILD = 12
-
 
 def forwarded_headers(items, client_ip: str, access: Optional[AccessDecision]) -> list[tuple[str, str]]:
     """The client's headers minus hop-by-hop and private ones, plus who the client is."""
