@@ -7,8 +7,10 @@ forwarded to the child, which re-reads the file, and nobody restarts.
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
+from pathlib import Path
 
 import httpx
 import pytest
@@ -162,3 +164,25 @@ def test_the_public_ports_http_table_is_live_and_the_supervisors_own_waits_for_a
     assert waiting["settings"] == ["supervisor.hold_s"]
     assert supervised.supervisor()["config_pending_restart"] == ["supervisor.hold_s"]
     assert idle_for(3.0)
+
+
+def test_the_private_folder_of_a_killed_supervisor_is_removed_by_the_next(tmp_path, monkeypatch):
+    """Each supervisor's private folder holds a copy of the configuration; one killed
+    (SIGKILL, the OOM killer) cannot remove its own: the next supervisor does."""
+    import tempfile
+
+    from guardian.supervise.supervisor import PRIVATE_FOLDER_PREFIX, private_folder
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    dead = tmp_path / f"{PRIVATE_FOLDER_PREFIX}{2**22 + 1}-abc"  # past Linux's pid_max: no such process
+    alive = tmp_path / f"{PRIVATE_FOLDER_PREFIX}{os.getppid()}-def"  # a live process's: kept
+    for folder in (dead, alive):
+        folder.mkdir()
+        (folder / "config-in-force.toml").write_text("[guardian]\n")
+    mine = private_folder()
+    try:
+        assert not dead.exists() and alive.exists()
+        assert Path(mine.name).name.startswith(f"{PRIVATE_FOLDER_PREFIX}{os.getpid()}-")
+        assert Path(mine.name).stat().st_mode & 0o077 == 0  # only this user
+    finally:
+        mine.cleanup()

@@ -20,10 +20,10 @@ kills an engine can take it down with it.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import queue
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import httpx
+import psutil
 import structlog
 
 from guardian.config.tables import (AccessSettings, CommandLine, CoreSettings, HttpSettings, SupervisorSettings,
@@ -59,7 +60,7 @@ from guardian.relay_protocol import KEY_HEADER, RELAY_KEY_ENV, new_relay_key
 from guardian.health.parent_watch import PARENT_PID_ENV
 from guardian.serving.connection import HANDLER_HEADROOM, LISTEN_FD_ENV, ConnectionLimits, reserve_port
 from guardian.serving import framing
-from guardian.supervise.fast_handoff import HEADERS_ADDED_FOR_CHILD
+from guardian.relay_protocol import HEADERS_ADDED_FOR_CHILD
 from guardian.supervise.proxy import CHILD_CONNECT_TIMEOUT_S, CHILD_HOST, DEEP_READINESS_MARGIN_S, PublicServer
 from guardian.health.sd_notify import SystemdNotifier
 from guardian.supervise.state import HOLDING, SERVING, State
@@ -169,8 +170,7 @@ class Supervisor:
         self.child_args = child_args
         # Only this user reads it: each child keeps the version of the file it runs here
         # (guardian.config.in_force), so that one saved broken does not stop the next.
-        self.private_dir = (tempfile.TemporaryDirectory(prefix="mlx-guardian-supervisor-")
-                            if options.guardian_config is not None else None)
+        self.private_dir: Optional[tempfile.TemporaryDirectory] = None
         self.signals: queue.SimpleQueue = queue.SimpleQueue()
         self.lock = threading.Lock()  # state and child, read by HTTP threads
         # Notified whenever the state or the child changes: held requests wait on it.
@@ -251,6 +251,16 @@ class Supervisor:
                  api_keys=len(self.door.keys.names), allowed_origins=self.door.origins.describe(),
                  frozen_objects=frozen_objects)
         announce(self.door)
+        if self.options.guardian_config is not None and self.settings.engine == "guardian":
+            self.private_dir = private_folder()
+        try:
+            return self.serve()
+        finally:
+            if self.private_dir is not None:
+                self.private_dir.cleanup()
+
+    def serve(self) -> int:
+        """Run children until stopped or given up; return the exit code."""
         self.spawn_child()
         while not (self.exit_code is not None and self.child is None):
             wait_s = self.seconds_to_next_duty()
@@ -447,7 +457,7 @@ class Supervisor:
             env.update(channel.child_env())
             pass_fds += channel.child_fds()
         env[PARENT_PID_ENV] = str(os.getpid())  # a child's parent; a group's ranks' too, beside their launcher
-        if self.private_dir is not None and not stock_engine:  # the version in force, for the next child
+        if self.private_dir is not None:  # the version in force, for the next child
             env[in_force.IN_FORCE_ENV] = os.path.join(self.private_dir.name, "config-in-force.toml")
         try:
             proc = popen(command, stdin=subprocess.DEVNULL, env=env,  # stdout, stderr: ours
@@ -675,8 +685,6 @@ class Supervisor:
         self.httpd.server_close()
         log.info("supervisor_stopped", exit_code=self.exit_code, restarts=self.restarts,
                  unanswered=self.in_flight.active)
-        if self.private_dir is not None:
-            self.private_dir.cleanup()
         return self.exit_code
 
     # -- for the public side (HTTP threads) -------------------------------
@@ -921,6 +929,25 @@ def public_limits(options: argparse.Namespace, child_args: list[str], settings: 
                                "max_header_count": max_header_count,
                                # A busy door's Retry-After, as the child's: [guardian] retry_after_s.
                                "retry_after_s": (core or CoreSettings()).retry_after_s})
+
+
+# The supervisor's private folder: the prefix, then its pid (guardian.config.in_force).
+PRIVATE_FOLDER_PREFIX = "mlx-guardian-supervisor-"
+
+
+def private_folder() -> tempfile.TemporaryDirectory:
+    """A folder only this user reads, named with this process' pid; removed at exit. Those
+    left by supervisors that were killed (SIGKILL, the OOM killer) go first: each held a
+    copy of the configuration."""
+    for path in Path(tempfile.gettempdir()).glob(PRIVATE_FOLDER_PREFIX + "*"):
+        pid = path.name.removeprefix(PRIVATE_FOLDER_PREFIX).partition("-")[0]
+        try:
+            ours = path.stat().st_uid == os.getuid()
+        except OSError:
+            continue
+        if ours and pid.isdigit() and not psutil.pid_exists(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+    return tempfile.TemporaryDirectory(prefix=f"{PRIVATE_FOLDER_PREFIX}{os.getpid()}-")
 
 
 def live_part(name: str, fresh, current) -> tuple[dict, list[str], list[str]]:
