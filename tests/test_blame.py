@@ -75,6 +75,15 @@ def test_a_request_failing_before_it_starts_is_blamed_and_quarantined(start_serv
         assert status["failures_in_window"] == 0 and status["failures_forgiven"] == 3
         assert status["failures_after_progress"] == 1
         assert len(status["quarantine"]["quarantined"]) == 2
+
+        # [recovery] quarantine_s = 0, saved live, switches quarantining off: what it holds
+        # is let in again (it stayed refused until its time, and counted in the status).
+        config = server.log_path.with_name(f"guardian-{server.port}.toml")
+        config.write_text(config.read_text().replace("[recovery]\n", "[recovery]\nquarantine_s = 0\n"))
+        poll(lambda: engine_status(server)["quarantine"]["quarantined_count"] == 0, 15,
+             what="the quarantine released")
+        [released] = server.events("quarantine_released")
+        assert released["released"] == 2
     assert server.proc.poll() is None, "four engine failures and max_failures = 1: still serving"
     assert server.health() == 200
 

@@ -74,11 +74,27 @@ class ExpiringTable:
     """Fingerprints refused at the door until their time runs out (any thread)."""
 
     def __init__(self, quarantine_s: float, log):
-        self.quarantine_s = quarantine_s
         self.refused = 0
         self._log = log
         self._entries: OrderedDict[str, Entry] = OrderedDict()
         self._lock = threading.Lock()
+        self.quarantine_s = quarantine_s
+
+    @property
+    def quarantine_s(self) -> float:
+        return self._quarantine_s
+
+    @quarantine_s.setter
+    def quarantine_s(self, value: float) -> None:
+        """Set live (``[recovery] quarantine_s``): 0 switches quarantining off, and lets in
+        what it holds now, as the operator who sets it means (it was refused until its time)."""
+        self._quarantine_s = value
+        if value > 0:
+            return
+        with self._lock:
+            released, self._entries = len(self._entries), OrderedDict()
+        if released:
+            self._log.warning("quarantine_released", released=released, why="quarantine_s is 0")
 
     @property
     def enabled(self) -> bool:
