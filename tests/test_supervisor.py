@@ -371,11 +371,13 @@ def test_flags_the_child_refuses_are_not_restarted(start_supervisor):
     assert len(supervised.supervisor_events("child_exited")) == 1
 
 
-def test_stock_engine_is_proxied_and_restarted(start_supervisor, model_cache):
+def test_stock_engine_is_proxied_and_restarted(start_supervisor, model_cache, tmp_path):
     from guardian.demo_model import ensure_demo_model
 
     model = str(ensure_demo_model(model_cache))
-    supervised = start_supervisor("--engine", "stock", "--model", model)
+    config = tmp_path / "stock.toml"
+    config.write_text("[http]\nidle_timeout_s = 5.0\n")
+    supervised = start_supervisor("--engine", "stock", "--model", model, "--guardian-config", str(config))
     first_pid = supervised.wait_ready()
     with httpx.Client(timeout=30) as client:
         assert client.post(supervised.url + COMPLETIONS, json=chat_body(max_tokens=4)).status_code == 200
@@ -387,6 +389,12 @@ def test_stock_engine_is_proxied_and_restarted(start_supervisor, model_cache):
     [started, _] = supervised.supervisor_events("child_started")
     assert started["command"][1:4] == ["-m", "mlx_lm", "server"]
     assert supervised.supervisor()["last_exit"]["reason"].startswith("killed by SIGKILL")
+    # A save a restart would refuse (a table nothing reads with a stock child) is refused live.
+    config.write_text("[http]\nidle_timeout_s = 6.0\n[guardian]\nrequest_timeout_s = 3.0\n")
+    [refused] = poll(lambda: supervised.supervisor_events("supervisor_config_reload_failed"), 15,
+                     what="the save refused")
+    assert "--engine stock reads only" in refused["error_message"]
+    assert not supervised.supervisor_events("supervisor_config_reloaded")
 
 
 def test_supervise_help_shows_the_supervisors_flags():

@@ -305,6 +305,7 @@ class Supervisor:
             fresh_http = config.http.with_flags(self.options)
             fresh_supervisor = config.supervisor.with_flags(self.options)
             core = config.core.with_flags(self.options)
+            check_stock_tables(config, self.settings.engine)
         except ConfigError as e:
             log.error("supervisor_config_reload_failed", reason=reason, error_message=str(e))
             return
@@ -1049,14 +1050,21 @@ def read_settings(options: argparse.Namespace) -> tuple[SupervisorSettings, Core
     """
     config = load_config(options.guardian_config)
     settings = config.supervisor.with_flags(options)
-    if settings.engine == "stock":
-        # [access] is the public port's, which the supervisor serves whatever the child.
-        others = [name for name in config.tables
-                  if name not in (SupervisorSettings.table_name, AccessSettings.table_name, "http")]
-        if others:
-            raise ConfigError(f"{config.source}: --engine stock reads only [supervisor], [access] and [http]; "
-                              f"nothing reads [{others[0]}]")
+    check_stock_tables(config, settings.engine)
     return settings, config.core.with_flags(options)
+
+
+def check_stock_tables(config, engine: str) -> None:
+    """With --engine stock the file may hold only what the supervisor reads: ConfigError if not
+    (at start, and at each save: a version a restart would refuse is refused live too)."""
+    if engine != "stock":
+        return
+    # [access] and [http] are the public port's, which the supervisor serves whatever the child.
+    others = [name for name in config.tables
+              if name not in (SupervisorSettings.table_name, AccessSettings.table_name, HttpSettings.table_name)]
+    if others:
+        raise ConfigError(f"{config.source}: --engine stock reads only [supervisor], [access] and [http]; "
+                          f"nothing reads [{others[0]}]")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
