@@ -334,6 +334,7 @@ def test_a_receiver_that_never_answers_holds_the_exit_no_longer_than_exit_flush_
 @pytest.mark.parametrize("table, message", [
     ('ntfy_url = "ftp://example.invalid/SECRET"', "must start with http:// or https://"),
     ('events = ["stall", "lunch"]', "unknown ['lunch']"),
+    ('events = ["stall", "https://hooks.example/SECRET"]', "unknown ['a string of 28 characters']"),
     ("timeout_s = 0", "timeout_s"),
 ])
 def test_bad_settings_stop_the_start_naming_the_key_but_not_the_url(tmp_path, table, message):
@@ -346,7 +347,7 @@ def test_bad_settings_stop_the_start_naming_the_key_but_not_the_url(tmp_path, ta
 
 
 def test_a_bad_setting_saved_while_serving_is_refused_whole(start_server, receiver, tmp_path):
-    """The plugin's own checks (Settings.check) run at every reload, as the types do: a
+    """The plugin's own checks (its Settings' __post_init__) run at every reload, as the types do: a
     mistake saved live is refused, the version in force stays, and the URL is not echoed.
     It was put in force, with a warning, and the bad destination failed every send."""
     rx = receiver()

@@ -91,20 +91,16 @@ def parse_settings(settings_class, table: dict, section: str):
 
     ``settings_class`` is a ``Table`` (the built-ins) or a third-party
     plugin's ``Settings`` dataclass, checked through the same types. A
-    dataclass may check more than the types say in a ``check()`` method
-    (raising ValueError): run here, at start and at every reload, so that a
-    version it refuses is refused whole, as a wrong type is.
+    dataclass may check more than the types say where dataclasses do, in its
+    ``__post_init__`` (raising ValueError): made here, at start and at every
+    reload, so that a version it refuses is refused whole, as a wrong type is.
     """
     if isinstance(settings_class, type) and issubclass(settings_class, Table):
         return settings_class.from_toml(table)
     checked = table_of_dataclass(settings_class, section).from_toml(table)
-    settings = settings_class(**{k: v for k, v in vars(checked).items() if k in table})
-    check = getattr(settings, "check", None)
-    if callable(check):
-        try:
-            check()
-        except ConfigError:
-            raise
-        except ValueError as e:
-            raise ConfigError(f"[{section}]: {e}") from None
-    return settings
+    try:
+        return settings_class(**{k: v for k, v in vars(checked).items() if k in table})
+    except ConfigError:
+        raise
+    except ValueError as e:
+        raise ConfigError(f"[{section}]: {e}") from None

@@ -16,6 +16,7 @@ nothing at all, so installing it changes nothing until it is configured.
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections import deque
@@ -24,7 +25,7 @@ from dataclasses import dataclass, field
 import structlog
 
 import guardian
-from guardian.config.registry import ConfigError
+from guardian.config.registry import ConfigError, shown
 from guardian.exit_codes import reason as exit_reason
 from guardian_notifier.notice import DEFAULT, HIGH, URGENT, Notice
 from guardian_notifier.outbox import Outbox, destinations
@@ -69,9 +70,9 @@ class NotifierSettings:
     # At exit, how long queued notices (the exit notice among them) may take to go out.
     exit_flush_s: float = field(default=10.0, metadata=live(min=0))
 
-    def check(self) -> None:
-        """What the types alone do not say (the guardian runs it at start and at each reload:
-        a version it refuses changes nothing)."""
+    def __post_init__(self) -> None:
+        """What the types alone do not say. The guardian makes the settings at start and at
+        each reload: a version this refuses changes nothing."""
         check(self)
 
 
@@ -177,7 +178,9 @@ def check(settings: NotifierSettings) -> None:
             raise ConfigError("[notifier]: every webhook_urls entry and ntfy_url must start with http:// or https://")
     unknown = [event for event in settings.events if event not in EVENTS]
     if unknown:
-        raise ConfigError(f"[notifier] events: unknown {unknown}; known: {list(EVENTS)}")
+        # An event's name is shown; anything else (a URL in the wrong key) only by its size.
+        named = [e if isinstance(e, str) and re.fullmatch(r"[a-z_]{1,32}", e) else shown(e) for e in unknown]
+        raise ConfigError(f"[notifier] events: unknown {named}; known: {list(EVENTS)}")
 
 
 def mib(n) -> str:
