@@ -58,7 +58,7 @@ def add_guardian_arguments(parser: argparse.ArgumentParser) -> None:
     for action in parser._actions:  # noqa: SLF001 - argparse keeps no public list of them
         if action.dest == "allowed_origins":
             action.help = (f"Origins whose web pages may use the server (CORS); '*' for any. Default: pages "
-                           f"on this machine ({Origins.DEFAULT}); stock's default was '*'.")
+                           f"on this machine ({Origins.DEFAULT}, and https); stock's default was '*'.")
     parser.description = DESCRIPTION
     parser.epilog = other_commands_help()
     # Keeps the epilog's lines; flags' help texts are wrapped as before.
@@ -132,13 +132,14 @@ def start_from_version_in_force(namespace: argparse.Namespace, error: ConfigErro
     child ran (guardian.config.in_force); anyone else stops: exit 2."""
     kept = in_force.kept_version()
     if kept is not None and namespace.guardian_config is not None:
-        log.error("config_invalid_kept_in_force", error_message=str(error), file=str(namespace.guardian_config),
-                  hint="the version the last child ran is in force; the next good save of the file applies")
         try:
             live, pm = load_runtime(namespace, kept, source=namespace.guardian_config)
-        except ConfigError:
-            pass
+        except ConfigError as kept_error:
+            log.error("config_in_force_invalid", error_message=str(kept_error))
         else:
+            log.error("config_invalid_kept_in_force", error_message=str(error),
+                      file=str(namespace.guardian_config),
+                      hint="the version the last child ran is in force; the next good save of the file applies")
             live.start_failure(str(error))
             return live, pm
     log.critical("config_invalid", error_message=str(error))

@@ -741,3 +741,20 @@ def test_a_crash_suspects_path_is_logged_cut():
 
     path = Relay(None, "POST", "/v1/" + "a" * 60_000).path
     assert path.startswith("/v1/aaa") and len(path) < LOGGED_LINE_CHARS + 100
+
+
+def test_a_continuation_the_child_refused_for_its_deadline_ends_with_the_deadlines_error():
+    """The race a real run cannot aim at: a stream's deadline passes between the supervisor's
+    look and the child's. The child's 504 is the client's error event; it read as a lost child."""
+    import io
+
+    from guardian.supervise.proxy import child_deadline_error
+
+    body = {"error": {"message": "The request was not answered within its deadline of 8 s "
+                                 "(request_timeout_s).", "type": "server_error", "param": None,
+                      "code": "deadline_exceeded"}}
+    error = child_deadline_error(io.BytesIO(json.dumps(body).encode()))
+    assert (error.status, error.code) == (504, "deadline_exceeded") and "8 s" in error.message
+    assert b'"deadline_exceeded"' in error.sse_bytes()
+    for other in (b"not json", b'{"error": {"code": "server_busy"}}', b'{"error": "x"}', b"[]"):
+        assert child_deadline_error(io.BytesIO(other)) is None

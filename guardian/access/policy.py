@@ -154,7 +154,8 @@ def machine_names() -> set[str]:
 class Origins:
     """Which web pages' origins may use the server (CORS, and the Origin check)."""
 
-    # Without --allowed-origins: pages served from this machine, on any port (http or https).
+    # Without --allowed-origins: pages served from this machine, on any port, by http or
+    # https (``allows``); said as the http ones.
     DEFAULT = "http://localhost:*, http://127.0.0.1:*, http://[::1]:*"
 
     def __init__(self, explicit: Optional[list[str]]):

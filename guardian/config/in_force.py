@@ -13,7 +13,9 @@ watches the real file as before: the next good save applies.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import tempfile
 from pathlib import Path
 from typing import Optional
 
@@ -40,13 +42,22 @@ def kept_version() -> Optional[Path]:
 
 
 def keep(config: GuardianConfig) -> None:
-    """Write ``config``'s bytes (a version just put in force) for the next child, whole or not at all."""
+    """Write ``config``'s bytes (a version just put in force) for the next child, whole or not
+    at all (two reloads may keep at once: each writes a file of its own, then renames it)."""
     path = kept_path()
     if path is None or config.raw is None:
         return
-    partial = path.with_name(f".{path.name}.{os.getpid()}")
     try:
-        partial.write_bytes(config.raw)
-        os.replace(partial, path)
-    except OSError as e:  # the supervisor's folder gone (it is exiting): the next child reads the file
+        fd, partial = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(config.raw)
+            os.replace(partial, path)
+        except BaseException:
+            os.unlink(partial)
+            raise
+    except OSError as e:  # the supervisor's folder gone (it is exiting), a full disk
         log.warning("config_in_force_not_kept", error_message=str(e))
+        # An older version kept would be a next child's, silently: none is better (the file's read).
+        with contextlib.suppress(OSError):
+            path.unlink()

@@ -134,7 +134,8 @@ class LiveConfig:
             self._pinned.reset(token)
 
     def on_change(self, listener: Callable[[Change], None]) -> None:
-        """Call ``listener(change)`` after each version that applied a live change."""
+        """Call ``listener(change)`` after each version put in force (its live changes applied,
+        or none: one that changed only settings bound at start is put in force too)."""
         self._listeners.append(listener)
 
     @property

@@ -35,8 +35,9 @@ ever completing one, and its failures keep counting until the process
 exits with code 4. After a shortage the watchdog runs a probe at its next
 look while idle (``FailureHandler.proof_wanted``), so that a client sending
 again a request short of memory, as Retry-After says, finds the engine
-proven in between (a blamed request is quarantined: it is not sent again). Synthetic probes are never blamed, so a failure with
-only probes in flight counts unless the engine progressed.
+proven in between (a blamed request is quarantined: it is not sent again).
+Synthetic probes are never blamed, so a failure with only probes in flight
+counts unless the engine progressed.
 """
 
 from __future__ import annotations

@@ -263,7 +263,7 @@ class StallDetector:
             return
         if self.engine.state is not EngineState.READY:
             return
-        proof_wanted = self.engine.failures.proof_wanted  # after a blame without one (guardian.engine.failures)
+        proof_wanted = self.engine.failures.proof_wanted  # after a memory shortage (guardian.engine.failures)
         if now - self._last_probe_at < self.settings.probe_interval_s and not proof_wanted:
             return
         if self.engine.ledger.has_work():

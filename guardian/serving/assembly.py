@@ -139,6 +139,9 @@ def serve(host: str, port: int, model_provider, config: Union[GuardianConfig, Li
     served.start()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: exit_request(EXIT_OK))
+    # Said again when a save opens or closes the door (protected_mode is live); before any
+    # reload, so that no save goes unsaid.
+    live.on_change(lambda change: announce(door) if "access.protected_mode" in change.applied else None)
     # SIGHUP re-reads --guardian-config, the key file and the certificate (its default would end the process).
     held = signal.signal(signal.SIGHUP, lambda *_: reload_on_sighup(live, door, tls))
     if getattr(held, "pending", False):  # one came while the model loaded (guardian.cli.HeldSighup)
@@ -160,8 +163,6 @@ def serve(host: str, port: int, model_provider, config: Union[GuardianConfig, Li
         frozen_objects=frozen_objects,
     )
     announce(door)
-    # Said again when a save opens or closes the door (protected_mode is live).
-    live.on_change(lambda change: announce(door) if "access.protected_mode" in change.applied else None)
     code = exit_request.wait()
     log.info("server_stopping", exit_code=code)
     served.stop_admitting()

@@ -59,6 +59,8 @@ log = structlog.get_logger(LOGGER_NAME)
 CHILD_CONNECT_TIMEOUT_S = 5.0
 # One read from the child: whatever has arrived, up to this much.
 RELAY_READ_BYTES = 1 << 16
+# An error's body from the child is read up to this much.
+MAX_ERROR_BODY_BYTES = 1 << 16
 BODY_METHODS = relay_protocol.BODY_METHODS
 HOP_BY_HOP = relay_protocol.HOP_BY_HOP
 # A child's word that it tagged a stream's tokens; not for the client.
@@ -581,7 +583,9 @@ class ProxyHandler(BaseHTTPRequestHandler):
             else:
                 log.warning("stream_continuation_refused", path=self.logged_path, child_pid=child.pid,
                             status=response.status)
-                self.give_up(stream, self.server.supervisor.lost_child_error())
+                # Its deadline passed as it reached the child: said as such, not as a lost child.
+                deadline = child_deadline_error(response) if response.status == 504 else None
+                self.give_up(stream, deadline or self.server.supervisor.lost_child_error())
                 return ANSWERED
             cut = self.relay_events(upstream, stream) if is_sse else self.relay_bytes(upstream)
             if cut is not None and self.gone:  # we cut it: the client left
@@ -833,6 +837,18 @@ def child_died(child, alone: bool) -> bool:
     except subprocess.TimeoutExpired:
         return False
     return True
+
+
+def child_deadline_error(response) -> Optional[GuardianError]:
+    """The child's 504 deadline_exceeded (a continuation it refused), as the client's error."""
+    try:
+        error = json.loads(response.read(MAX_ERROR_BODY_BYTES))["error"]
+    except (OSError, ValueError, TypeError, KeyError, http.client.HTTPException):
+        return None
+    if not isinstance(error, dict) or error.get("code") != "deadline_exceeded":
+        return None
+    return GuardianError(str(error.get("message", "The request's deadline passed.")), status=504,
+                         type="server_error", code="deadline_exceeded", retry=False)
 
 
 def client_writer(connection):
