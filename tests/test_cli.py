@@ -167,13 +167,14 @@ def test_guardian_flags_come_from_the_settings_registry():
 
 
 def supervisor_options(*argv):
-    from guardian.supervise.supervisor import make_parser
+    from guardian.supervise.settings import make_parser
 
     return make_parser().parse_known_args(["--supervise", *argv])
 
 
 def test_supervisor_reads_its_table_and_flags_win(tmp_path):
-    from guardian.supervise.supervisor import child_command, read_settings
+    from guardian.supervise.child import child_command
+    from guardian.supervise.settings import read_settings
 
     path = tmp_path / "guardian.toml"
     path.write_text("[supervisor]\ninterval_s = 2\nmax_restarts = 1\n"
@@ -192,7 +193,7 @@ def test_supervisor_reads_its_table_and_flags_win(tmp_path):
 
 def test_supervisor_defaults_without_a_file():
     from guardian.config.tables import SupervisorSettings
-    from guardian.supervise.supervisor import read_settings
+    from guardian.supervise.settings import read_settings
 
     settings, core = read_settings(supervisor_options()[0])
     assert settings == SupervisorSettings() and core.retry_after_s == 1.0
@@ -200,7 +201,7 @@ def test_supervisor_defaults_without_a_file():
 
 def test_stock_engine_reads_only_the_supervisor_table(tmp_path):
     from guardian.config.registry import ConfigError
-    from guardian.supervise.supervisor import read_settings
+    from guardian.supervise.settings import read_settings
 
     path = tmp_path / "guardian.toml"
     path.write_text("[supervisor]\nengine = 'stock'\n")

@@ -171,7 +171,7 @@ def test_the_private_folder_of_a_killed_supervisor_is_removed_by_the_next(tmp_pa
     (SIGKILL, the OOM killer) cannot remove its own: the next supervisor does."""
     import tempfile
 
-    from guardian.supervise.supervisor import PRIVATE_FOLDER_PREFIX, private_folder
+    from guardian.supervise.child import PRIVATE_FOLDER_PREFIX, private_folder
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     dead = tmp_path / f"{PRIVATE_FOLDER_PREFIX}{2**22 + 1}-abc"  # past Linux's pid_max: no such process

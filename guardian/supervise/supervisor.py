@@ -22,25 +22,19 @@ from __future__ import annotations
 import argparse
 import os
 import queue
-import re
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
 import httpx
-import psutil
 import structlog
 
-from guardian.config.tables import (AccessSettings, CommandLine, CoreSettings, HttpSettings, SupervisorSettings,
-                                    WatchdogSettings)
+from guardian.config.tables import AccessSettings, CoreSettings, HttpSettings, SupervisorSettings, WatchdogSettings
 from guardian.config import in_force
 from guardian.config.registry import ConfigError
 from guardian.config.loading import load_config
@@ -49,31 +43,25 @@ from guardian.quarantine.crashes import CrashQuarantine
 from guardian.supervise.metrics import SupervisorMetrics
 from guardian.distributed.launch import LauncherProcess, group_command, kill_leftovers
 from guardian.errors import SERVER_STOPPING, GuardianError
-from guardian import exit_codes
 from guardian.exit_codes import EXIT_BOOT_ERROR, EXIT_OK, EXIT_SUPERVISOR_GAVE_UP, EXIT_USAGE
 from guardian.observability.logs import configure_logging
-from guardian.observability.versions import version_line
-from guardian.access import announce, make_door
+from guardian.access import announce
 from guardian.access.tls import ServerCertificate, load_certificate
 from guardian import handoff, long_lived
 from guardian.relay_protocol import KEY_HEADER, RELAY_KEY_ENV, new_relay_key
 from guardian.health.parent_watch import PARENT_PID_ENV
-from guardian.serving.connection import HANDLER_HEADROOM, LISTEN_FD_ENV, ConnectionLimits, reserve_port
-from guardian.serving import framing
-from guardian.relay_protocol import HEADERS_ADDED_FOR_CHILD
+from guardian.serving.connection import LISTEN_FD_ENV, reserve_port
 from guardian.supervise.proxy import CHILD_CONNECT_TIMEOUT_S, CHILD_HOST, DEEP_READINESS_MARGIN_S, PublicServer
 from guardian.health.sd_notify import SystemdNotifier
+from guardian.supervise.child import (Child, child_command, close_quietly, exit_reason, free_port,
+                                      loggable_command, private_folder, signal_quietly)
+from guardian.supervise.settings import (SUPERVISOR_CORE_SETTINGS, abbreviated_flag, check_stock_tables, live_part,
+                                         make_parser, public_door, public_limits, read_settings)
 from guardian.supervise.state import HOLDING, SERVING, State
 
 
 log = structlog.get_logger("guardian.supervisor")
 
-# Stock's defaults for the public address, so --supervise changes nothing there.
-DEFAULT_HOST = "127.0.0.1"
-DEFAULT_PORT = 8080
-# Until a child is first ready, checks are cheap (refused, or an instant
-# 503) and each one saved shortens the outage of a restart.
-STARTUP_CHECK_INTERVAL_S = 0.1
 # serve_forever's poll: how long closing the public port can take at exit.
 HTTP_POLL_S = 0.1
 # systemd talks to the supervisor (the unit's main pid), never to the child.
@@ -98,63 +86,14 @@ HEALTH_CHECK_MAX_S = 5.0
 # time is no child's fault. (A pause inside a health check is not seen: a check's own
 # time cannot tell a pause from a child slow to answer, which is the child's.)
 PAUSE_NOTICED_S = 1.0
-# Why a child died, gunicorn-style: the signal or exit code, and what it suggests.
-SIGNAL_HINTS = {
-    signal.SIGKILL: "perhaps out of memory?",
-    signal.SIGSEGV: "native crash",
-    signal.SIGBUS: "native crash",
-    signal.SIGILL: "native crash",
-    signal.SIGFPE: "native crash",
-    signal.SIGABRT: "aborted, perhaps a failed native assertion",
-    signal.SIGTERM: "terminated",
-    signal.SIGINT: "interrupted",
-}
 
 
 # A relay cut with nothing sent: a child that crashed is reaped within
 # milliseconds. One still alive after this long dropped the connection on its
 # own (stock does when its generation thread dies): no crash to send again after.
 REAP_WAIT_S = 5.0
-# Of the [guardian] table, the live settings the supervisor acts on too: its own 503s'
-# Retry-After, the deadline of a request it holds (guardian.serving.deadlines), and how
-# long requests in flight get to reach their clients when it exits.
-SUPERVISOR_CORE_SETTINGS = ("retry_after_s", "request_timeout_s", "exit_grace_s")
 # How long a reaped child's last words may take to be read before its requests are struck.
 REAP_READ_WORDS_TIMEOUT_S = 1.0
-
-
-@dataclass
-class Child:
-    """One engine process and the pooled HTTP client that talks to it."""
-
-    proc: subprocess.Popen
-    port: int
-    generation: int
-    has_readyz: bool
-    client: httpx.Client
-    started_at: float = field(default_factory=time.monotonic)
-    ready_at: Optional[float] = None
-    last_ok: Optional[float] = None
-    last_check_at: Optional[float] = None
-    last_check: str = "not checked yet"
-    # Its hand-off socket (guardian.handoff); None: every request is relayed.
-    handoff: Optional[handoff.Channel] = None
-    kill_reason: Optional[str] = None
-    hard_kill_at: Optional[float] = None
-    hard_killed: bool = False
-    sighup_held: bool = False  # a SIGHUP came while it started: sent once it is ready
-    paused_s: float = 0.0  # how long the supervisor was paused since it started this child
-
-    @property
-    def pid(self) -> int:
-        """The child's process id."""
-        return self.proc.pid
-
-    def next_check_at(self, interval: float) -> float:
-        """When the next health check is due; often while starting, to serve sooner."""
-        if self.ready_at is None:
-            interval = min(interval, STARTUP_CHECK_INTERVAL_S)
-        return (self.last_check_at or self.started_at) + interval
 
 
 class Supervisor:
@@ -809,33 +748,6 @@ class Supervisor:
         }
 
 
-# -- helpers ---------------------------------------------------------------------
-def exit_reason(child: Child) -> str:
-    """Why a child is gone, in words an operator can act on."""
-    code = child.proc.returncode
-    if code < 0:
-        if child.hard_killed and -code == signal.SIGKILL:
-            return f"hard-killed (SIGKILL) by the supervisor after the grace ({child.kill_reason})"
-        described = f"killed by {signal_name(-code)}: {SIGNAL_HINTS.get(-code, 'a signal')}"
-    elif isinstance(child.proc, LauncherProcess):
-        # mlx.launch exits 0 whatever its ranks did; each rank logs its own code.
-        described = (f"the group ended (mlx.launch exit code {code}; each rank logs its own "
-                     "code: rank_stopped, server_stopped)")
-    else:
-        described = f"exit code {code}: {exit_codes.reason(code)}"
-    if child.kill_reason:
-        return f"{described}; the supervisor had sent SIGTERM: {child.kill_reason}"
-    return described
-
-
-def signal_name(signum: int) -> str:
-    """SIGSEGV for 11; real-time signals have no name in the enum."""
-    try:
-        return signal.Signals(signum).name
-    except ValueError:
-        return f"signal {signum}"
-
-
 class PauseWatch:
     """A thread that ticks every ``TICK_S`` and keeps the longest it went without running
     past that: only a pause of the whole process (SIGSTOP, a frozen VM) makes one of a
@@ -859,212 +771,6 @@ class PauseWatch:
         """The longest pause since the last take."""
         longest, self._longest = self._longest, 0.0
         return longest
-
-
-def child_command(options: argparse.Namespace, engine: str, child_args: list[str], port: int) -> list[str]:
-    """The child's command line: the other flags, then the private address."""
-    address = ["--host", CHILD_HOST, "--port", str(port)]
-    if options.log_level is not None:
-        child_args = [*child_args, "--log-level", options.log_level]
-    if engine == "stock":
-        # `python -m mlx_lm server` works on 0.31 and 0.32 without
-        # `python -m mlx_lm.server`'s deprecation warning.
-        return [sys.executable, "-m", "mlx_lm", "server", *child_args, *address]
-    if options.log_format is not None:
-        child_args = [*child_args, "--log-format", options.log_format]
-    if options.guardian_config is not None:
-        child_args = [*child_args, "--guardian-config", options.guardian_config]
-    return [sys.executable, "-m", "guardian", *child_args, *address]
-
-
-# mlx.launch's ``--env NAME=VALUE`` (in --launch-args) may carry a token (HF_TOKEN=...).
-_ENV_VALUE = re.compile(r"((?:^|\s)--env(?:=|\s+)[^=\s]+=)\S+")
-
-
-def loggable_command(command: list[str]) -> list[str]:
-    """A child's command as logged: the values of mlx.launch's ``--env`` hidden."""
-    hidden, after_env = [], False
-    for arg in command:
-        if after_env and "=" in arg:
-            arg = arg.partition("=")[0] + "=***"
-        else:
-            arg = _ENV_VALUE.sub(r"\1***", arg)
-        hidden.append(arg)
-        after_env = arg == "--env"
-    return hidden
-
-
-def free_port() -> int:
-    """A port free on 127.0.0.1 now, for a child that binds its own after its model loads
-    (stock, a group's rank 0). One that loses the race for it exits: stock with 1, and is
-    replaced; a group's rank 0 with 2, which ends the supervisor too."""
-    with socket.socket() as s:
-        s.bind((CHILD_HOST, 0))
-        return s.getsockname()[1]
-
-
-def public_door(options: argparse.Namespace, child_args: list[str]):
-    """The public port's door: [access] from --guardian-config, the key-file flag
-    winning, and the child's --allowed-origins (read here, passed on: the child's
-    CORS headers grant what this door lets in)."""
-    access = load_config(options.guardian_config).access.with_flags(options)
-    origins = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    origins.add_argument("--allowed-origins", type=lambda x: x.split(","), default=None)
-    allowed_origins = origins.parse_known_args(child_args)[0].allowed_origins
-    return make_door(access, bound_host=options.host, allowed_origins=allowed_origins)
-
-
-def public_limits(options: argparse.Namespace, child_args: list[str], settings: SupervisorSettings,
-                  core: Optional[CoreSettings] = None, http: Optional[HttpSettings] = None):
-    """The public port's connection layer: [http] (``http``, else from --guardian-config); its
-    handler threads, when not set, sized from the child's --decode-concurrency and the
-    requests the supervisor holds while no child is ready."""
-    http = http or load_config(options.guardian_config).http.with_flags(options)
-    flags = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    flags.add_argument("--decode-concurrency", type=int, default=32)  # stock's default
-    decode_concurrency = flags.parse_known_args(child_args)[0].decode_concurrency
-    auto = decode_concurrency + settings.hold_requests + HANDLER_HEADROOM
-    # A head the child could not read whole is refused here, in OpenAI's shape.
-    max_header_count = min(http.max_header_count, framing.STDLIB_MAX_HEADERS - HEADERS_ADDED_FOR_CHILD)
-    return ConnectionLimits(**{**vars(http), "max_handlers": http.max_handlers or auto,
-                               "max_header_count": max_header_count,
-                               # A busy door's Retry-After, as the child's: [guardian] retry_after_s.
-                               "retry_after_s": (core or CoreSettings()).retry_after_s})
-
-
-# The supervisor's private folder: the prefix, then its pid (guardian.config.in_force).
-PRIVATE_FOLDER_PREFIX = "mlx-guardian-supervisor-"
-
-
-def private_folder() -> tempfile.TemporaryDirectory:
-    """A folder only this user reads, named with this process' pid; removed at exit. Those
-    left by supervisors that were killed (SIGKILL, the OOM killer) go first: each held a
-    copy of the configuration."""
-    for path in Path(tempfile.gettempdir()).glob(PRIVATE_FOLDER_PREFIX + "*"):
-        pid = path.name.removeprefix(PRIVATE_FOLDER_PREFIX).partition("-")[0]
-        try:
-            ours = path.stat().st_uid == os.getuid()
-        except OSError:
-            continue
-        if ours and pid.isdigit() and not psutil.pid_exists(int(pid)):
-            shutil.rmtree(path, ignore_errors=True)
-    return tempfile.TemporaryDirectory(prefix=f"{PRIVATE_FOLDER_PREFIX}{os.getpid()}-")
-
-
-def live_part(name: str, fresh, current) -> tuple[dict, list[str], list[str]]:
-    """Of table ``name`` as read again (``fresh``) against the one in force (``current``):
-    the values to put in force (the fresh live ones, the current others), the live keys
-    that change, and the other keys the file changed (they wait for a restart)."""
-    values, changed, waiting = {}, [], []
-    for key, setting in type(current).settings.items():
-        value = getattr(fresh, key)
-        if setting.live:
-            values[key] = value
-            if value != getattr(current, key):
-                changed.append(f"{name}.{key}")
-        else:
-            values[key] = getattr(current, key)
-            if value != values[key]:
-                waiting.append(f"{name}.{key}")
-    return values, changed, waiting
-
-
-def signal_quietly(proc: subprocess.Popen, signum: int) -> None:
-    """Send a signal; a child that already exited is no error (reap tells why)."""
-    try:
-        proc.send_signal(signum)
-    except ProcessLookupError:
-        pass
-
-
-def close_quietly(client: httpx.Client) -> None:
-    """Release the pool of a child that is gone; its sockets are already closed."""
-    try:
-        client.close()
-    except Exception:  # noqa: BLE001 - nothing to save in a dead child's pool
-        log.debug("child_client_close_failed", exc_info=True)
-
-
-# -- command line ------------------------------------------------------------------
-def make_parser() -> argparse.ArgumentParser:
-    """Only the supervisor's flags, from the settings registry; every other flag goes to the child."""
-    parser = argparse.ArgumentParser(
-        prog="mlx-guardian --supervise",
-        # Exact names only: a prefix of a child's flag must reach the child.
-        allow_abbrev=False,
-        description="Run the engine as a child process on a private port, relay "
-                    "requests to it, and replace it when it dies or stops answering. "
-                    "--engine and each --supervisor-* flag have a key in the [supervisor] "
-                    "table of --guardian-config; a flag wins over the file.",
-        epilog="Every other flag is passed to the child: mlx-guardian's and mlx_lm.server's "
-               "(see `mlx-guardian --help`), or with --engine stock, mlx_lm.server's.",
-    )
-    CommandLine.add_flags(parser)
-    parser.add_argument("--version", action="version", version=version_line(),
-                        help="print the versions of mlx-guardian, mlx-lm, mlx and Python, and exit")
-    # Stock's flags and defaults for the public address, so --supervise changes nothing there.
-    parser.add_argument("--host", default=DEFAULT_HOST, help="public host (default: %(default)s)")
-    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="public port (default: %(default)s)")
-    SupervisorSettings.add_flags(parser)
-    # The door is the public port's: the key file stays with the supervisor.
-    AccessSettings.api_key_file.add_flag(parser)
-    # The public port terminates TLS; the child stays plain HTTP on loopback.
-    AccessSettings.ssl_certfile.add_flag(parser)
-    AccessSettings.ssl_keyfile.add_flag(parser)
-    # Read here and passed on: the supervisor logs the way the child does.
-    CoreSettings.log_format.add_flag(parser)
-    parser.add_argument("--log-level", default=None, help=argparse.SUPPRESS)
-    return parser
-
-
-# Flags of the child's that the supervisor reads from the child's arguments too.
-CHILD_FLAGS_READ_HERE = ("--allowed-origins", "--decode-concurrency")
-
-
-def abbreviated_flag(parser: argparse.ArgumentParser, child_args: list[str]) -> Optional[str]:
-    """A refusal if ``child_args`` hold a shortened flag that the child's parser (stock's,
-    which takes any unambiguous prefix) would read as one the supervisor reads: it would
-    not, and the child would act on it alone (``--api-key FILE`` reaching the child as
-    ``--api-key-file``, which a child ignores: the public port served with no key).
-    None when there is none. No flag of the child's is such a prefix
-    (tests/test_supervisor.py checks it)."""
-    read_here = [*parser._option_string_actions, *CHILD_FLAGS_READ_HERE]  # noqa: SLF001 - argparse's own table
-    for arg in child_args:
-        if arg == "--":
-            break
-        name = arg.partition("=")[0]
-        if not name.startswith("--") or name in read_here:
-            continue
-        meant = sorted(flag for flag in read_here if flag.startswith(name) and flag.startswith("--"))
-        if meant:
-            return (f"{name} is short for {' or '.join(meant)}, which the supervisor reads: "
-                    f"under --supervise, spell it in full")
-    return None
-
-
-def read_settings(options: argparse.Namespace) -> tuple[SupervisorSettings, CoreSettings]:
-    """[supervisor] and [guardian] from --guardian-config, each flag given winning over the file.
-
-    A guardian child reads the same file and checks the rest of it; stock
-    reads none of it, so with --engine stock any other table is an error.
-    """
-    config = load_config(options.guardian_config)
-    settings = config.supervisor.with_flags(options)
-    check_stock_tables(config, settings.engine)
-    return settings, config.core.with_flags(options)
-
-
-def check_stock_tables(config, engine: str) -> None:
-    """With --engine stock the file may hold only what the supervisor reads: ConfigError if not
-    (at start, and at each save: a version a restart would refuse is refused live too)."""
-    if engine != "stock":
-        return
-    # [access] and [http] are the public port's, which the supervisor serves whatever the child.
-    others = [name for name in config.tables
-              if name not in (SupervisorSettings.table_name, AccessSettings.table_name, HttpSettings.table_name)]
-    if others:
-        raise ConfigError(f"{config.source}: --engine stock reads only [supervisor], [access] and [http]; "
-                          f"nothing reads [{others[0]}]")
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -1,0 +1,189 @@
+"""One child of the supervisor: the command that starts it, what the supervisor knows of
+it while it runs, and how it went (the signal or exit code, and what that suggests).
+
+Also the supervisor's private folder, where each child keeps the version of the
+configuration it runs for the next one (guardian.config.in_force). Imports neither mlx
+nor mlx_lm.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import httpx
+import psutil
+import structlog
+
+from guardian import exit_codes
+from guardian.distributed.launch import LauncherProcess
+from guardian.handoff import Channel
+from guardian.supervise.proxy import CHILD_HOST
+
+log = structlog.get_logger("guardian.supervisor")
+
+
+# Until a child is first ready, checks are cheap (refused, or an instant
+# 503) and each one saved shortens the outage of a restart.
+STARTUP_CHECK_INTERVAL_S = 0.1
+
+
+# Why a child died, gunicorn-style: the signal or exit code, and what it suggests.
+SIGNAL_HINTS = {
+    signal.SIGKILL: "perhaps out of memory?",
+    signal.SIGSEGV: "native crash",
+    signal.SIGBUS: "native crash",
+    signal.SIGILL: "native crash",
+    signal.SIGFPE: "native crash",
+    signal.SIGABRT: "aborted, perhaps a failed native assertion",
+    signal.SIGTERM: "terminated",
+    signal.SIGINT: "interrupted",
+}
+
+
+@dataclass
+class Child:
+    """One engine process and the pooled HTTP client that talks to it."""
+
+    proc: subprocess.Popen
+    port: int
+    generation: int
+    has_readyz: bool
+    client: httpx.Client
+    started_at: float = field(default_factory=time.monotonic)
+    ready_at: Optional[float] = None
+    last_ok: Optional[float] = None
+    last_check_at: Optional[float] = None
+    last_check: str = "not checked yet"
+    # Its hand-off socket (guardian.handoff); None: every request is relayed.
+    handoff: Optional[Channel] = None
+    kill_reason: Optional[str] = None
+    hard_kill_at: Optional[float] = None
+    hard_killed: bool = False
+    sighup_held: bool = False  # a SIGHUP came while it started: sent once it is ready
+    paused_s: float = 0.0  # how long the supervisor was paused since it started this child
+
+    @property
+    def pid(self) -> int:
+        """The child's process id."""
+        return self.proc.pid
+
+    def next_check_at(self, interval: float) -> float:
+        """When the next health check is due; often while starting, to serve sooner."""
+        if self.ready_at is None:
+            interval = min(interval, STARTUP_CHECK_INTERVAL_S)
+        return (self.last_check_at or self.started_at) + interval
+
+
+def exit_reason(child: Child) -> str:
+    """Why a child is gone, in words an operator can act on."""
+    code = child.proc.returncode
+    if code < 0:
+        if child.hard_killed and -code == signal.SIGKILL:
+            return f"hard-killed (SIGKILL) by the supervisor after the grace ({child.kill_reason})"
+        described = f"killed by {signal_name(-code)}: {SIGNAL_HINTS.get(-code, 'a signal')}"
+    elif isinstance(child.proc, LauncherProcess):
+        # mlx.launch exits 0 whatever its ranks did; each rank logs its own code.
+        described = (f"the group ended (mlx.launch exit code {code}; each rank logs its own "
+                     "code: rank_stopped, server_stopped)")
+    else:
+        described = f"exit code {code}: {exit_codes.reason(code)}"
+    if child.kill_reason:
+        return f"{described}; the supervisor had sent SIGTERM: {child.kill_reason}"
+    return described
+
+
+def signal_name(signum: int) -> str:
+    """SIGSEGV for 11; real-time signals have no name in the enum."""
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def child_command(options: argparse.Namespace, engine: str, child_args: list[str], port: int) -> list[str]:
+    """The child's command line: the other flags, then the private address."""
+    address = ["--host", CHILD_HOST, "--port", str(port)]
+    if options.log_level is not None:
+        child_args = [*child_args, "--log-level", options.log_level]
+    if engine == "stock":
+        # `python -m mlx_lm server` works on 0.31 and 0.32 without
+        # `python -m mlx_lm.server`'s deprecation warning.
+        return [sys.executable, "-m", "mlx_lm", "server", *child_args, *address]
+    if options.log_format is not None:
+        child_args = [*child_args, "--log-format", options.log_format]
+    if options.guardian_config is not None:
+        child_args = [*child_args, "--guardian-config", options.guardian_config]
+    return [sys.executable, "-m", "guardian", *child_args, *address]
+
+
+# mlx.launch's ``--env NAME=VALUE`` (in --launch-args) may carry a token (HF_TOKEN=...).
+_ENV_VALUE = re.compile(r"((?:^|\s)--env(?:=|\s+)[^=\s]+=)\S+")
+
+
+def loggable_command(command: list[str]) -> list[str]:
+    """A child's command as logged: the values of mlx.launch's ``--env`` hidden."""
+    hidden, after_env = [], False
+    for arg in command:
+        if after_env and "=" in arg:
+            arg = arg.partition("=")[0] + "=***"
+        else:
+            arg = _ENV_VALUE.sub(r"\1***", arg)
+        hidden.append(arg)
+        after_env = arg == "--env"
+    return hidden
+
+
+def free_port() -> int:
+    """A port free on 127.0.0.1 now, for a child that binds its own after its model loads
+    (stock, a group's rank 0). One that loses the race for it exits: stock with 1, and is
+    replaced; a group's rank 0 with 2, which ends the supervisor too."""
+    with socket.socket() as s:
+        s.bind((CHILD_HOST, 0))
+        return s.getsockname()[1]
+
+
+def signal_quietly(proc: subprocess.Popen, signum: int) -> None:
+    """Send a signal; a child that already exited is no error (reap tells why)."""
+    try:
+        proc.send_signal(signum)
+    except ProcessLookupError:
+        pass
+
+
+def close_quietly(client: httpx.Client) -> None:
+    """Release the pool of a child that is gone; its sockets are already closed."""
+    try:
+        client.close()
+    except Exception:  # noqa: BLE001 - nothing to save in a dead child's pool
+        log.debug("child_client_close_failed", exc_info=True)
+
+
+# The supervisor's private folder: the prefix, then its pid (guardian.config.in_force).
+PRIVATE_FOLDER_PREFIX = "mlx-guardian-supervisor-"
+
+
+def private_folder() -> tempfile.TemporaryDirectory:
+    """A folder only this user reads, named with this process' pid; removed at exit. Those
+    left by supervisors that were killed (SIGKILL, the OOM killer) go first: each held a
+    copy of the configuration."""
+    for path in Path(tempfile.gettempdir()).glob(PRIVATE_FOLDER_PREFIX + "*"):
+        pid = path.name.removeprefix(PRIVATE_FOLDER_PREFIX).partition("-")[0]
+        try:
+            ours = path.stat().st_uid == os.getuid()
+        except OSError:
+            continue
+        if ours and pid.isdigit() and not psutil.pid_exists(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+    return tempfile.TemporaryDirectory(prefix=f"{PRIVATE_FOLDER_PREFIX}{os.getpid()}-")

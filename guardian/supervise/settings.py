@@ -1,0 +1,158 @@
+"""What the supervisor reads: its own flags (every other flag goes to the child), and
+of ``--guardian-config`` the tables it acts on, at start and at each save: [supervisor],
+[access] and [http] (its public port's door and connection layer), and a few of
+[guardian]'s. Imports neither mlx nor mlx_lm.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Optional
+
+from guardian.access import make_door
+from guardian.config.loading import load_config
+from guardian.config.registry import ConfigError
+from guardian.config.tables import AccessSettings, CommandLine, CoreSettings, HttpSettings, SupervisorSettings
+from guardian.observability.versions import version_line
+from guardian.relay_protocol import HEADERS_ADDED_FOR_CHILD
+from guardian.serving import framing
+from guardian.serving.connection import HANDLER_HEADROOM, ConnectionLimits
+
+# Stock's defaults for the public address, so --supervise changes nothing there.
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8080
+
+
+# Of the [guardian] table, the live settings the supervisor acts on too: its own 503s'
+# Retry-After, the deadline of a request it holds (guardian.serving.deadlines), and how
+# long requests in flight get to reach their clients when it exits.
+SUPERVISOR_CORE_SETTINGS = ("retry_after_s", "request_timeout_s", "exit_grace_s")
+
+
+def public_door(options: argparse.Namespace, child_args: list[str]):
+    """The public port's door: [access] from --guardian-config, the key-file flag
+    winning, and the child's --allowed-origins (read here, passed on: the child's
+    CORS headers grant what this door lets in)."""
+    access = load_config(options.guardian_config).access.with_flags(options)
+    origins = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    origins.add_argument("--allowed-origins", type=lambda x: x.split(","), default=None)
+    allowed_origins = origins.parse_known_args(child_args)[0].allowed_origins
+    return make_door(access, bound_host=options.host, allowed_origins=allowed_origins)
+
+
+def public_limits(options: argparse.Namespace, child_args: list[str], settings: SupervisorSettings,
+                  core: Optional[CoreSettings] = None, http: Optional[HttpSettings] = None):
+    """The public port's connection layer: [http] (``http``, else from --guardian-config); its
+    handler threads, when not set, sized from the child's --decode-concurrency and the
+    requests the supervisor holds while no child is ready."""
+    http = http or load_config(options.guardian_config).http.with_flags(options)
+    flags = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    flags.add_argument("--decode-concurrency", type=int, default=32)  # stock's default
+    decode_concurrency = flags.parse_known_args(child_args)[0].decode_concurrency
+    auto = decode_concurrency + settings.hold_requests + HANDLER_HEADROOM
+    # A head the child could not read whole is refused here, in OpenAI's shape.
+    max_header_count = min(http.max_header_count, framing.STDLIB_MAX_HEADERS - HEADERS_ADDED_FOR_CHILD)
+    return ConnectionLimits(**{**vars(http), "max_handlers": http.max_handlers or auto,
+                               "max_header_count": max_header_count,
+                               # A busy door's Retry-After, as the child's: [guardian] retry_after_s.
+                               "retry_after_s": (core or CoreSettings()).retry_after_s})
+
+
+def live_part(name: str, fresh, current) -> tuple[dict, list[str], list[str]]:
+    """Of table ``name`` as read again (``fresh``) against the one in force (``current``):
+    the values to put in force (the fresh live ones, the current others), the live keys
+    that change, and the other keys the file changed (they wait for a restart)."""
+    values, changed, waiting = {}, [], []
+    for key, setting in type(current).settings.items():
+        value = getattr(fresh, key)
+        if setting.live:
+            values[key] = value
+            if value != getattr(current, key):
+                changed.append(f"{name}.{key}")
+        else:
+            values[key] = getattr(current, key)
+            if value != values[key]:
+                waiting.append(f"{name}.{key}")
+    return values, changed, waiting
+
+
+# -- command line ------------------------------------------------------------------
+def make_parser() -> argparse.ArgumentParser:
+    """Only the supervisor's flags, from the settings registry; every other flag goes to the child."""
+    parser = argparse.ArgumentParser(
+        prog="mlx-guardian --supervise",
+        # Exact names only: a prefix of a child's flag must reach the child.
+        allow_abbrev=False,
+        description="Run the engine as a child process on a private port, relay "
+                    "requests to it, and replace it when it dies or stops answering. "
+                    "--engine and each --supervisor-* flag have a key in the [supervisor] "
+                    "table of --guardian-config; a flag wins over the file.",
+        epilog="Every other flag is passed to the child: mlx-guardian's and mlx_lm.server's "
+               "(see `mlx-guardian --help`), or with --engine stock, mlx_lm.server's.",
+    )
+    CommandLine.add_flags(parser)
+    parser.add_argument("--version", action="version", version=version_line(),
+                        help="print the versions of mlx-guardian, mlx-lm, mlx and Python, and exit")
+    # Stock's flags and defaults for the public address, so --supervise changes nothing there.
+    parser.add_argument("--host", default=DEFAULT_HOST, help="public host (default: %(default)s)")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="public port (default: %(default)s)")
+    SupervisorSettings.add_flags(parser)
+    # The door is the public port's: the key file stays with the supervisor.
+    AccessSettings.api_key_file.add_flag(parser)
+    # The public port terminates TLS; the child stays plain HTTP on loopback.
+    AccessSettings.ssl_certfile.add_flag(parser)
+    AccessSettings.ssl_keyfile.add_flag(parser)
+    # Read here and passed on: the supervisor logs the way the child does.
+    CoreSettings.log_format.add_flag(parser)
+    parser.add_argument("--log-level", default=None, help=argparse.SUPPRESS)
+    return parser
+
+
+# Flags of the child's that the supervisor reads from the child's arguments too.
+CHILD_FLAGS_READ_HERE = ("--allowed-origins", "--decode-concurrency")
+
+
+def abbreviated_flag(parser: argparse.ArgumentParser, child_args: list[str]) -> Optional[str]:
+    """A refusal if ``child_args`` hold a shortened flag that the child's parser (stock's,
+    which takes any unambiguous prefix) would read as one the supervisor reads: it would
+    not, and the child would act on it alone (``--api-key FILE`` reaching the child as
+    ``--api-key-file``, which a child ignores: the public port served with no key).
+    None when there is none. No flag of the child's is such a prefix
+    (tests/test_supervisor.py checks it)."""
+    read_here = [*parser._option_string_actions, *CHILD_FLAGS_READ_HERE]  # noqa: SLF001 - argparse's own table
+    for arg in child_args:
+        if arg == "--":
+            break
+        name = arg.partition("=")[0]
+        if not name.startswith("--") or name in read_here:
+            continue
+        meant = sorted(flag for flag in read_here if flag.startswith(name) and flag.startswith("--"))
+        if meant:
+            return (f"{name} is short for {' or '.join(meant)}, which the supervisor reads: "
+                    f"under --supervise, spell it in full")
+    return None
+
+
+def read_settings(options: argparse.Namespace) -> tuple[SupervisorSettings, CoreSettings]:
+    """[supervisor] and [guardian] from --guardian-config, each flag given winning over the file.
+
+    A guardian child reads the same file and checks the rest of it; stock
+    reads none of it, so with --engine stock any other table is an error.
+    """
+    config = load_config(options.guardian_config)
+    settings = config.supervisor.with_flags(options)
+    check_stock_tables(config, settings.engine)
+    return settings, config.core.with_flags(options)
+
+
+def check_stock_tables(config, engine: str) -> None:
+    """With --engine stock the file may hold only what the supervisor reads: ConfigError if not
+    (at start, and at each save: a version a restart would refuse is refused live too)."""
+    if engine != "stock":
+        return
+    # [access] and [http] are the public port's, which the supervisor serves whatever the child.
+    others = [name for name in config.tables
+              if name not in (SupervisorSettings.table_name, AccessSettings.table_name, HttpSettings.table_name)]
+    if others:
+        raise ConfigError(f"{config.source}: --engine stock reads only [supervisor], [access] and [http]; "
+                          f"nothing reads [{others[0]}]")
