@@ -28,7 +28,8 @@ from hypothesis import strategies as st
 from conftest import BOTH_MODES, ModeServer, Server, chat_body, free_port, poll, scraped, spawn_guardian
 from guardian.errors import GuardianError
 from guardian.serving import framing
-from guardian.serving.connection import ConnectionLimits, RequestReader
+from guardian.serving.limits import ConnectionLimits
+from guardian.serving.reader import RequestReader
 from guardian.relay_protocol import HEADERS_ADDED_FOR_CHILD
 
 COMPLETIONS = "/v1/chat/completions"

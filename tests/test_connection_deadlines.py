@@ -18,7 +18,9 @@ import httpx
 import pytest
 
 from conftest import poll
-from guardian.serving.connection import EXPIRE_BATCH, ConnectionLimits, HeldConnections
+from guardian.serving.connection import HeldConnections
+from guardian.serving.limits import ConnectionLimits
+from guardian.serving.reader import EXPIRE_BATCH
 
 HOST = "127.0.0.1"
 

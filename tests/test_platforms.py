@@ -21,7 +21,7 @@ from conftest import poll
 from guardian.errors import CLIENT_GONE, write_error_as_client_gone
 from guardian.observability import metrics as observability_metrics
 from guardian.supervise.proxy import client_writer
-from guardian.serving import connection, open_files
+from guardian.serving import connection, open_files, sockets
 from guardian.health import parent_watch
 from guardian.health.sd_notify import SystemdNotifier
 from guardian.stock.import_guard import never_lowered
@@ -76,17 +76,17 @@ def test_on_macos_the_parent_watch_notices_the_parent_die(tmp_path):
 
 
 def test_without_procs_somaxconn_the_backlog_asked_is_the_default(monkeypatch, tmp_path):
-    monkeypatch.setattr(connection, "SOMAXCONN_PATH", str(tmp_path / "absent"))  # macOS has no /proc
-    assert connection.listen_backlog() == connection.LISTEN_BACKLOG
+    monkeypatch.setattr(sockets, "SOMAXCONN_PATH", str(tmp_path / "absent"))  # macOS has no /proc
+    assert sockets.listen_backlog() == sockets.LISTEN_BACKLOG
 
 
 def test_a_readable_somaxconn_caps_the_backlog_at_no_less_than_1024(monkeypatch, tmp_path):
     somaxconn = tmp_path / "somaxconn"
-    monkeypatch.setattr(connection, "SOMAXCONN_PATH", str(somaxconn))
+    monkeypatch.setattr(sockets, "SOMAXCONN_PATH", str(somaxconn))
     somaxconn.write_text("128\n")
-    assert connection.listen_backlog() == 1024
+    assert sockets.listen_backlog() == 1024
     somaxconn.write_text("2048\n")
-    assert connection.listen_backlog() == 2048
+    assert sockets.listen_backlog() == 2048
 
 
 def test_sd_notify_needs_no_linux_socket_flag(monkeypatch, notify_receiver):

@@ -26,7 +26,8 @@ import trustme
 
 from conftest import SessionServer, chat_body, free_port, pace, poll, read_stream, spawn_guardian
 from guardian.access.tls import ServerCertificate
-from guardian.serving.connection import ConnectionLimits, HeldConnections
+from guardian.serving.connection import HeldConnections
+from guardian.serving.limits import ConnectionLimits
 from guardian.exit_codes import EXIT_USAGE
 
 COMPLETIONS = "/v1/chat/completions"

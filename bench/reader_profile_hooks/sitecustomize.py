@@ -21,6 +21,7 @@ if os.environ.get("READER_PROFILE_DIR"):
     import guardian.handoff as handoff
     import guardian.quarantine.crashes as crashes
     import guardian.serving.connection as connection
+    import guardian.serving.reader as reader_module
     import guardian.supervise.fast_handoff as fast_handoff
     import guardian.supervise.proxy as proxy
 
@@ -40,7 +41,7 @@ if os.environ.get("READER_PROFILE_DIR"):
                 sums[1] += 1
         return wrapper
 
-    reader = connection.RequestReader
+    reader = reader_module.RequestReader
     for name, step in (("_accept", "accept"), ("_on_readable", "read"), ("_on_ready", "child_word"),
                        ("_take_handoffs", "take_handoffs"), ("_drain_wakeups", "wake"),
                        ("_on_watched", "watched"), ("_take_arrivals", "loop"), ("_expire", "loop"),

@@ -20,7 +20,7 @@ import os
 
 if os.environ.get("GUARDIAN_BENCH_SELF_HANDOFF"):
     from guardian import handoff
-    from guardian.serving import connection
+    from guardian.serving import connection, sockets
 
     _dispatch = connection.HeldConnections.dispatch
     _channels: dict = {}
@@ -40,7 +40,7 @@ if os.environ.get("GUARDIAN_BENCH_SELF_HANDOFF"):
         def on_word():  # as the supervisor's fast hand-off takes the child's DONE
             handed.wait()
             handed.close()
-            connection.close_quietly(client)
+            sockets.close_quietly(client)
 
         server.when_readable(handed.control, on_word)
 
@@ -51,7 +51,7 @@ elif os.environ.get("GUARDIAN_BENCH_CHILD_SIDE"):
     import socket
 
     from guardian import handoff
-    from guardian.serving import connection
+    from guardian.serving import connection, sockets
 
     _dispatch = connection.HeldConnections.dispatch
     _to_supervisor, _supervisor_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)

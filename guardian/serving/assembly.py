@@ -24,7 +24,8 @@ from guardian.access.tls import ServerCertificate, load_certificate
 from guardian.config.tables import AccessSettings
 from guardian.config.registry import ConfigError
 from guardian.config.loading import GuardianConfig
-from guardian.serving.connection import HANDLER_HEADROOM, HeldConnections, LiveLimits
+from guardian.serving.connection import HeldConnections
+from guardian.serving.limits import HANDLER_HEADROOM, LiveLimits
 from guardian.observability import metrics
 from guardian.observability.counting import ActiveCount
 from guardian.admission.facts import served_model_config

@@ -24,7 +24,7 @@ import structlog
 
 from guardian import relay_protocol, stock
 from guardian.access.policy import AccessDecision, AccessRequest
-from guardian.serving.connection import linger_close
+from guardian.serving.sockets import linger_close
 from guardian.serving.deadlines import COMPLETION_PATHS, SDK_RETRY_COUNT_HEADER, TEXT_COMPLETION_PATH, deadlines_of
 from guardian.serving.endpoints import GET_PATHS, MONITORING_PATHS, Endpoints
 from guardian.request_context import (REQUEST_ID_HEADER, add_response_headers, bind_log_fields, client_gone,

@@ -31,7 +31,7 @@ from guardian import handoff, relay_protocol
 from guardian.access.keys import API_KEY_HEADER, AUTHORIZATION
 from guardian.access.policy import CLIENT_HEADER, KEY_NAME_HEADER, AccessDecision, AccessRequest
 from guardian.serving import framing
-from guardian.serving.connection import close_quietly
+from guardian.serving.sockets import close_quietly
 from guardian.observability.logs import loggable_line
 
 log = structlog.get_logger("guardian.supervisor")

@@ -37,8 +37,8 @@ import structlog
 from guardian import handoff, relay_protocol
 from guardian.access.policy import AccessDecision, AccessRequest
 from guardian.access.tls import ServerCertificate
-from guardian.serving.connection import BufferedConnection, HeldConnections, close_quietly, linger_close, raw_socket
-from guardian.serving.connection import client_left_now
+from guardian.serving.connection import BufferedConnection, HeldConnections, raw_socket
+from guardian.serving.sockets import client_left_now, close_quietly, linger_close
 from guardian.serving.deadlines import COMPLETION_PATHS, Deadline, deadlines_of
 from guardian.serving.framing import request_path
 from guardian.request_context import REQUEST_ID_HEADER, sane_request_id

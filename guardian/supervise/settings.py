@@ -16,7 +16,7 @@ from guardian.config.tables import AccessSettings, CommandLine, CoreSettings, Ht
 from guardian.observability.versions import version_line
 from guardian.relay_protocol import HEADERS_ADDED_FOR_CHILD
 from guardian.serving import framing
-from guardian.serving.connection import HANDLER_HEADROOM, ConnectionLimits
+from guardian.serving.limits import HANDLER_HEADROOM, ConnectionLimits
 
 # Stock's defaults for the public address, so --supervise changes nothing there.
 DEFAULT_HOST = "127.0.0.1"

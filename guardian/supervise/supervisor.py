@@ -50,7 +50,7 @@ from guardian.access.tls import ServerCertificate, load_certificate
 from guardian import handoff, long_lived
 from guardian.relay_protocol import KEY_HEADER, RELAY_KEY_ENV, new_relay_key
 from guardian.health.parent_watch import PARENT_PID_ENV
-from guardian.serving.connection import LISTEN_FD_ENV, reserve_port
+from guardian.serving.sockets import LISTEN_FD_ENV, reserve_port
 from guardian.supervise.proxy import CHILD_CONNECT_TIMEOUT_S, CHILD_HOST, DEEP_READINESS_MARGIN_S, PublicServer
 from guardian.health.sd_notify import SystemdNotifier
 from guardian.supervise.child import (Child, child_command, close_quietly, exit_reason, free_port,

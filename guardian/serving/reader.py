@@ -1,0 +1,638 @@
+"""The connection layer's reader thread (guardian.serving.connection): one selector over
+every connection whose request is still arriving, each read under its deadline
+(``Incoming.deadline``), TLS handshakes done there too, non-blocking; a whole request is
+given to the server's ``dispatch``. It also watches the connections of requests being
+answered (a client that leaves), runs timers (a request's deadline), and takes the
+connections a supervisor hands over. Imports no mlx.
+"""
+
+from __future__ import annotations
+
+import collections
+import heapq
+import itertools
+import selectors
+import socket
+import ssl
+import threading
+import time
+import weakref
+from typing import Optional
+
+import structlog
+
+from guardian import handoff
+from guardian.errors import GuardianError
+from guardian.serving import framing
+from guardian.serving.limits import ConnectionLimits, snapshot
+from guardian.serving.sockets import (READ_BYTES, asks_head_only, client_left, close_quietly, drained, pending_bytes,
+                                      send_quietly, send_refusal)
+
+log = structlog.get_logger("guardian.connection")
+
+
+# What the reader takes of one connection before it serves the others again (a large
+# body from a fast client would hold every other connection's reads and accepts).
+READ_BYTES_PER_TURN = 1 << 20
+
+
+# The reader wakes at least this often to expire deadlines.
+TICK_S = 0.25
+
+
+# Connections accepted in one go before the reader reads the others again.
+ACCEPT_BATCH = 64
+
+
+# Connections expired in one go: a wave of them (a flood opened together times
+# out together) is let go a batch a loop, with the other connections' reads,
+# accepts and /health between batches.
+EXPIRE_BATCH = 256
+
+
+# Why the connection layer ended a connection before any handler had its request, as
+# /guardian/status and /metrics count them: no byte came (closed without a word), its
+# headers or its body came too late (408), its head was refused (400, 411, 414, 417,
+# 431, 505: guardian.serving.framing), no room for its body (503, or 413), no handler
+# free or none could start (503).
+CLOSE_REASONS = ("timeout_idle", "timeout_headers", "timeout_body", "refused_head", "buffers_full",
+                 "handlers_busy")
+
+
+# -- a request on its way in ------------------------------------------------------
+class Incoming:
+    """One connection the reader holds until its request is complete."""
+
+    __slots__ = ("sock", "address", "accepted_at", "buffer", "scanned", "headers_end", "headers_at", "needed",
+                 "reserved", "access", "handshaking", "tls_checked", "handed_off", "held", "__weakref__")
+
+    def __init__(self, sock: socket.socket, address, tls: bool):
+        self.sock = sock
+        self.address = address
+        self.accepted_at = time.monotonic()
+        self.buffer = bytearray()
+        self.scanned = 0  # of the buffer, searched for the head's end
+        self.headers_end = -1  # offset past the blank line, once seen
+        self.headers_at = 0.0
+        self.needed = 0  # bytes the whole request has, once its headers are read
+        self.reserved = 0  # of the reader's max_buffered_bytes, for a body still arriving
+        self.access = None  # the door's decision, when made on the head (``decide_at_head``)
+        self.handshaking = tls
+        self.tls_checked = not tls
+        # A connection the supervisor handed over, its request read (guardian.handoff).
+        self.handed_off: Optional[handoff.Received] = None
+        self.held = False  # in the reader's selector, its deadline running
+
+    def deadline(self, limits: ConnectionLimits) -> tuple[float, bool]:
+        """(when this connection expires, whether it gets a 408 then)."""
+        if not self.buffer:
+            return self.accepted_at + limits.idle_timeout_s, False
+        if self.headers_end < 0:
+            return self.accepted_at + limits.header_timeout_s, True
+        return self.headers_at + limits.body_timeout_s, True
+
+
+class Listening:
+    """The server's listening socket, as the reader's selector holds it."""
+
+    __slots__ = ("sock", "kind")
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        # What each accepted socket is, read once: socket.accept() converts the
+        # listener's family and type to enums for every connection (~40 us here).
+        self.kind = (int(sock.family), int(sock.type), sock.proto)
+
+    def accept(self) -> tuple[socket.socket, object]:
+        fd, address = self.sock._accept()
+        return socket.socket(*self.kind, fileno=fd), address
+
+
+class Watched:
+    """A connection whose request is being answered: its client's leaving ends the request."""
+
+    __slots__ = ("sock", "on_gone")
+
+    def __init__(self, sock: socket.socket, on_gone):
+        self.sock = sock
+        self.on_gone = on_gone
+
+
+class Readable:
+    """A socket whose next readable moment calls ``callback`` (on the reader's thread), once."""
+
+    __slots__ = ("sock", "callback")
+
+    def __init__(self, sock: socket.socket, callback):
+        self.sock = sock
+        self.callback = callback
+
+
+class HandoffChannel:
+    """A supervised child's hand-off socket: connections arrive on it with their requests."""
+
+    __slots__ = ("sock",)
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+
+
+# Where a handed-over request seems to come from: its supervisor, as when relayed.
+HANDED_OFF_ADDRESS = ("127.0.0.1", 0)
+
+
+# A TLS connection's first byte: a handshake record (RFC 8446 §5.1). A plain
+# HTTP request starts with a method's letters.
+TLS_HANDSHAKE_RECORD = b"\x16"
+
+
+# What a client that sent plain HTTP to the TLS port gets, as nginx answers it.
+PLAIN_HTTP_TO_TLS_PORT = GuardianError(
+    "This port serves HTTPS: send the request to https:// instead of http://.",
+    status=400, type="invalid_request_error", code="https_required")
+
+
+class RequestReader:
+    """The thread that reads every connection's request before a handler sees it,
+    and watches the connections of requests being answered for their clients' leaving."""
+
+    def __init__(self, server):
+        self.server = server
+        self.selector = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self.selector.register(self._wake_r, selectors.EVENT_READ, None)
+        self._arrivals: collections.deque = collections.deque()
+        # Registrations change from handler threads too (watch, unwatch).
+        self._lock = threading.Lock()
+        # (when, seq, callback) for call_at; a cancelled entry's callback is None.
+        self._timers: list = []
+        self._timer_ids = itertools.count()
+        self._next_expiry_pass = 0.0
+        # Bytes the bodies still arriving have reserved ([http] max_buffered_bytes).
+        self.buffered_reserved = 0
+        # (deadline, seq, weak reference to an Incoming) of every connection
+        # held, soonest first; an entry is checked when it comes due (the
+        # connection may have moved on to a later deadline, or be gone), so a
+        # pass looks at the due ones only. Weak: a request handed to a handler
+        # leaves its buffer to be freed, not kept until its entry comes due.
+        self._deadlines: list = []
+        self._deadline_ids = itertools.count()
+        self._limits: Optional[ConnectionLimits] = None
+        self._stopped = False
+        self.held = 0
+        self.thread = threading.Thread(target=self._run, name="http-reader", daemon=True)
+        self.thread.start()
+
+    def add(self, sock: socket.socket, address) -> None:
+        """A connection just accepted (any thread)."""
+        self._arrivals.append((sock, address))
+        self._wake()
+
+    def listen(self, listener: socket.socket) -> None:
+        """Accept ``listener``'s connections on this thread from now on.
+
+        One thread that both accepts and reads never waits on another for the
+        GIL: with accepts on a thread of their own, each accept waited up to a
+        switch interval (5 ms) behind the reader busy with a flood, and a
+        client queued behind a thousand reconnecting ones waited seconds.
+        """
+        try:
+            listener.setblocking(False)
+            with self._lock:
+                self.selector.register(listener, selectors.EVENT_READ, Listening(listener))
+        except (OSError, ValueError, KeyError):  # closed meanwhile (a pause after EMFILE, then a stop)
+            return
+        self._wake()
+
+    def take_handoffs(self, channel: socket.socket) -> None:
+        """Serve the connections a supervisor hands over on ``channel`` (guardian.handoff)."""
+        channel.setblocking(False)
+        with self._lock:
+            self.selector.register(channel, selectors.EVENT_READ, HandoffChannel(channel))
+        self._wake()
+
+    def when_readable(self, sock: socket.socket, callback) -> None:
+        """Call ``callback()`` on this reader's thread once ``sock`` is readable (or closed)."""
+        with self._lock:
+            self.selector.register(sock, selectors.EVENT_READ, Readable(sock, callback))
+        self._wake()
+
+    def handle_readable_now(self, timeout: float) -> bool:
+        """Wait (any other thread) until this reader has handled what is readable now; False
+        if not within ``timeout``. A round handles what it selected, then runs the timers
+        due: the round under way may have selected before what is readable now became so,
+        so the timer asks for the round after it (one whose select comes after this call)."""
+        done = threading.Event()
+        self.call_at(0.0, lambda: self.call_at(0.0, done.set))
+        return done.wait(timeout)
+
+    def watch(self, sock: socket.socket, on_gone) -> None:
+        """Call ``on_gone()`` (on this reader's thread) if the client closes or resets ``sock``."""
+        with self._lock:
+            try:
+                self.selector.register(sock, selectors.EVENT_READ, Watched(sock, on_gone))
+            except (KeyError, ValueError, OSError):
+                return
+        self._wake()
+
+    def call_at(self, when: float, callback) -> list:
+        """Call ``callback()`` on this reader's thread at ``when`` (time.monotonic());
+        the handle returned cancels it (``cancel_call``)."""
+        entry = [when, next(self._timer_ids), callback]
+        with self._lock:
+            heapq.heappush(self._timers, entry)
+        self._wake()
+        return entry
+
+    @staticmethod
+    def cancel_call(entry: list) -> None:
+        entry[2] = None
+
+    def _run_timers(self) -> float:
+        """Call what is due; seconds until the next one (at most a tick)."""
+        now = time.monotonic()
+        due = []
+        with self._lock:
+            while self._timers and self._timers[0][0] <= now:
+                due.append(heapq.heappop(self._timers)[2])
+            next_at = self._timers[0][0] if self._timers else now + TICK_S
+        for callback in due:
+            if callback is not None:
+                try:
+                    callback()
+                except Exception:  # noqa: BLE001 - one request's deadline must not stop the reader
+                    log.exception("deadline_callback_failed")
+        return max(0.0, min(TICK_S, next_at - now))
+
+    def unwatch(self, sock: socket.socket) -> None:
+        """Stop watching (before the socket is closed: its number may be reused)."""
+        with self._lock:
+            try:
+                self.selector.unregister(sock)
+            except (KeyError, ValueError, OSError):
+                pass
+
+    def _wake(self) -> None:
+        if threading.get_ident() == self.thread.ident:
+            return  # the reader itself registered something: it selects again before it sleeps
+        try:
+            self._wake_w.send(b"x")
+        except BlockingIOError:
+            pass  # already awake
+        except OSError:
+            pass
+
+    def stop(self) -> None:
+        self._stopped = True
+        self._wake()
+        self.thread.join(timeout=5)
+
+    # -- the reader's thread ---------------------------------------------------
+    def _run(self) -> None:
+        try:
+            wait = TICK_S
+            while not self._stopped:
+                events = self.selector.select(wait)
+                for key, _ in events:
+                    if key.data is None:
+                        self._drain_wakeups()
+                    elif isinstance(key.data, Watched):
+                        self._on_watched(key.data)
+                    elif isinstance(key.data, Listening):
+                        self._accept(key.data)
+                    elif isinstance(key.data, HandoffChannel):
+                        self._take_handoffs(key.data)
+                    elif isinstance(key.data, Readable):
+                        self._on_ready(key.data)
+                    else:
+                        self._read_one(key.data)
+                self._take_arrivals()
+                more_due = self._expire()
+                wait = self._run_timers()
+                if more_due:
+                    wait = 0.0
+        except Exception:  # noqa: BLE001 - the server must not go deaf silently
+            log.exception("http_reader_crashed")
+        finally:
+            for key in list(self.selector.get_map().values()):
+                if isinstance(key.data, Incoming):
+                    close_quietly(key.data.sock)
+            self.selector.close()
+            self._wake_r.close()
+            self._wake_w.close()
+
+    def _read_one(self, incoming: Incoming) -> None:
+        """Read what ``incoming`` sent; a fault of ours on one connection ends that
+        connection, never the reader (every other client's door)."""
+        try:
+            self._on_readable(incoming)
+        except Exception:  # noqa: BLE001 - one request's head must not stop the reader
+            log.exception("request_read_failed", client=incoming.address[0])
+            if incoming.held:
+                self._forget(incoming)
+            close_quietly(incoming.sock)
+
+    def _on_watched(self, watched: Watched) -> None:
+        """A watched connection is readable: its client left, or sent more. Bytes past the
+        request (a CRLF some clients add, a pipelined request its HTTP/1.0 answer will not
+        reach) are dropped and the watch goes on; under TLS they are its records, left be."""
+        self.unwatch(watched.sock)
+        if client_left(watched.sock) or (self.server.tls is None and not drained(watched.sock)):
+            try:
+                watched.on_gone()
+            except Exception:  # noqa: BLE001 - one request's callback must not stop the reader
+                log.exception("client_gone_callback_failed")
+        elif self.server.tls is None:
+            self.watch(watched.sock, watched.on_gone)
+
+    def _on_ready(self, readable: Readable) -> None:
+        self.unwatch(readable.sock)
+        try:
+            readable.callback()
+        except Exception:  # noqa: BLE001 - one request's callback must not stop the reader
+            log.exception("readable_callback_failed")
+
+    def _drain_wakeups(self) -> None:
+        try:
+            while self._wake_r.recv(4096):
+                pass
+        except (BlockingIOError, OSError):
+            pass
+
+    def _accept(self, listening: "Listening") -> None:
+        """Take every waiting connection, up to a batch (reads of the others go on meanwhile)."""
+        for _ in range(ACCEPT_BATCH):
+            try:
+                sock, address = listening.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:  # out of file descriptors: stop accepting for a tick
+                log.warning("http_accept_failed", error_message=str(e))
+                self.unwatch(listening.sock)
+                self.call_at(time.monotonic() + TICK_S, lambda: self.listen(listening.sock))
+                return
+            self._hold(sock, address)
+
+    def _take_handoffs(self, channel: HandoffChannel) -> None:
+        """Every connection handed over so far: its request is whole, straight to a handler."""
+        for _ in range(ACCEPT_BATCH):
+            try:
+                received = handoff.receive(channel.sock)
+            except (EOFError, OSError) as e:  # the supervisor is gone
+                log.info("handoff_channel_closed", reason=str(e))
+                self.unwatch(channel.sock)
+                close_quietly(channel.sock)
+                return
+            if received is None:
+                return
+            incoming = Incoming(received.client, HANDED_OFF_ADDRESS, tls=False)
+            incoming.buffer += received.request
+            incoming.handed_off = received
+            self.server.dispatch(incoming)
+
+    def _take_arrivals(self) -> None:
+        while self._arrivals:
+            self._hold(*self._arrivals.popleft())
+
+    def _hold(self, sock: socket.socket, address) -> None:
+        try:
+            sock.setblocking(False)
+            incoming = Incoming(sock, address, self.server.tls is not None)
+            with self._lock:
+                self.selector.register(sock, selectors.EVENT_READ, incoming)
+        except (OSError, ValueError, KeyError):
+            close_quietly(sock)
+            return
+        self.held += 1
+        incoming.held = True
+        self._schedule(incoming)
+
+    def _schedule(self, incoming: Incoming) -> None:
+        """Put ``incoming``'s deadline as it now stands in the queue (its phase changed)."""
+        if self._limits is None:
+            self._limits = snapshot(self.server.limits)
+        heapq.heappush(self._deadlines, (incoming.deadline(self._limits)[0], next(self._deadline_ids),
+                                         weakref.ref(incoming)))
+
+    def _forget(self, incoming: Incoming) -> None:
+        with self._lock:
+            try:
+                self.selector.unregister(incoming.sock)
+            except (KeyError, ValueError, OSError):
+                pass
+        self.held -= 1
+        incoming.held = False  # its queued deadlines are dropped as they come due
+        self.buffered_reserved -= incoming.reserved
+        incoming.reserved = 0
+
+    def _on_readable(self, incoming: Incoming) -> None:
+        if not incoming.tls_checked and not self._check_tls(incoming):
+            return
+        if incoming.handshaking and not self._handshake(incoming):
+            return
+        phase = (bool(incoming.buffer), incoming.headers_end)
+        while True:
+            if not self._read_some(incoming):
+                return
+            self._advance(incoming)
+            # Bytes a TLS socket decrypted already wake no selector: read on while they are wanted.
+            if not (incoming.held and self._wanted(incoming) > 0 and pending_bytes(incoming.sock)):
+                break
+        if incoming.held and phase != (bool(incoming.buffer), incoming.headers_end):
+            self._schedule(incoming)  # its first bytes, or its whole headers: another deadline
+
+    def _wanted(self, incoming: Incoming) -> int:
+        """How many more bytes the request may have: up to its body's end once its head is
+        read, else one past the largest head (which ``_advance`` refuses, 431). The rest
+        stays in the kernel: a client sending past its Content-Length is never buffered."""
+        if incoming.headers_end < 0:
+            return self.server.limits.max_header_bytes + 5 - len(incoming.buffer)
+        return incoming.needed - len(incoming.buffer)
+
+    def _read_some(self, incoming: Incoming) -> bool:
+        """Read what has come of ``incoming``'s request, at most what it may still have;
+        False: the connection is gone (closed here)."""
+        turn_ends_at = len(incoming.buffer) + READ_BYTES_PER_TURN
+        try:
+            while (wanted := self._wanted(incoming)) > 0 and len(incoming.buffer) < turn_ends_at:
+                chunk = incoming.sock.recv(min(READ_BYTES, wanted))
+                if not chunk:  # the client closed before its request was whole
+                    self._forget(incoming)
+                    close_quietly(incoming.sock)
+                    return False
+                incoming.buffer += chunk
+                if len(chunk) < min(READ_BYTES, wanted) and not pending_bytes(incoming.sock):
+                    break
+        except (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
+            pass
+        except OSError:
+            self._forget(incoming)
+            close_quietly(incoming.sock)
+            return False
+        return True
+
+    def _check_tls(self, incoming: Incoming) -> bool:
+        """The first byte of a TLS port's connection: a handshake, or plain HTTP to refuse."""
+        try:
+            first = incoming.sock.recv(1, socket.MSG_PEEK)
+        except BlockingIOError:
+            return False
+        except OSError:
+            first = b""
+        incoming.tls_checked = True
+        if first == TLS_HANDSHAKE_RECORD:
+            incoming.sock = self.server.tls.context.wrap_socket(
+                incoming.sock, server_side=True, do_handshake_on_connect=False)
+            with self._lock:
+                self.selector.modify(incoming.sock, selectors.EVENT_READ, incoming)
+            return True
+        self._forget(incoming)
+        if first.isalpha():
+            log.debug("tls_handshake_failed", client=incoming.address[0], error_message="plain HTTP")
+            threading.Thread(target=send_refusal, args=(incoming.sock, PLAIN_HTTP_TO_TLS_PORT, True),
+                             daemon=True).start()
+        else:
+            close_quietly(incoming.sock)
+        return False
+
+    def _handshake(self, incoming: Incoming) -> bool:
+        try:
+            incoming.sock.do_handshake()
+        except ssl.SSLWantReadError:
+            with self._lock:
+                self.selector.modify(incoming.sock, selectors.EVENT_READ, incoming)
+            return False
+        except ssl.SSLWantWriteError:
+            with self._lock:
+                self.selector.modify(incoming.sock, selectors.EVENT_WRITE, incoming)
+            return False
+        except (OSError, ValueError) as e:
+            log.debug("tls_handshake_failed", client=incoming.address[0], error_message=str(e) or type(e).__name__)
+            self._forget(incoming)
+            close_quietly(incoming.sock)
+            return False
+        incoming.handshaking = False
+        with self._lock:
+            self.selector.modify(incoming.sock, selectors.EVENT_READ, incoming)
+        return True
+
+    def _advance(self, incoming: Incoming) -> None:
+        """Hand the request over once whole; refuse it once it cannot be."""
+        limits = self.server.limits
+        if incoming.headers_end < 0:
+            body_start = framing.find_head_end(incoming.buffer, incoming.scanned, limits.max_header_bytes + 4)
+            if body_start is None:
+                if len(incoming.buffer) > limits.max_header_bytes:
+                    return self._refuse_framing(incoming, framing.refusal(
+                        431, f"The request's headers exceed {limits.max_header_bytes} bytes.", "headers_too_large"))
+                incoming.scanned = len(incoming.buffer)
+                return
+            try:
+                head = framing.judge_head(bytes(incoming.buffer[:body_start]), limits.max_header_count)
+            except GuardianError as error:
+                return self._refuse_framing(incoming, error)
+            if head.canonical is not None:  # the handlers read CRLF lines and an origin-form target
+                incoming.buffer[:body_start] = head.canonical
+                body_start = len(head.canonical)
+            incoming.headers_end = body_start
+            incoming.headers_at = time.monotonic()
+            incoming.needed = body_start + head.body_length
+            limit = self.server.body_limit() if head.body_length else None
+            if limit is not None and head.body_length > limit:
+                incoming.needed = 0  # to a handler now: it answers 413 from the headers, the body unread
+            elif len(incoming.buffer) < incoming.needed:  # a body still to come: the door, then its room
+                incoming.access = self.server.decide_at_head(incoming)
+                if incoming.access is not None and not incoming.access.allowed:
+                    incoming.needed = 0  # to a handler now: it answers, and drops the body unread
+                else:
+                    if not self._reserve(incoming, head.body_length, limits):
+                        return
+                    if head.expects_continue:
+                        send_quietly(incoming.sock, framing.CONTINUE)
+        if len(incoming.buffer) >= incoming.needed:
+            self._forget(incoming)
+            self.server.dispatch(incoming)
+
+    def _reserve(self, incoming: Incoming, body_length: int, limits) -> bool:
+        """Room for ``incoming``'s body among those still arriving; False: refused (503)."""
+        cap = limits.max_buffered_bytes
+        if cap and self.buffered_reserved + body_length > cap:
+            self.server.count_closed("buffers_full")
+            log.warning("http_buffers_full", client=incoming.address[0], body_bytes=body_length,
+                        buffered_bytes=self.buffered_reserved, max_buffered_bytes=cap)
+            self._forget(incoming)
+            incoming.buffer = bytearray()  # what came of the body so far goes now
+            # Unread, the body may reset the answer away: a client that sends as it reads
+            # gets the 503, one that sends first an error on the connection (the openai
+            # SDK retries either). Lingering here would hold the reader.
+            if body_length > cap:  # it never fits: no point in sending it again
+                error = GuardianError(f"The request body is {body_length} bytes; this server holds at most {cap} "
+                                      "bytes of bodies at once.", status=413, type="invalid_request_error",
+                                      code="request_too_large", retry=False)
+            else:
+                error = GuardianError("The server holds as many request bodies as it may now; send the "
+                                      "request again.", status=503, code="server_busy",
+                                      retry_after_s=limits.retry_after_s)
+            send_refusal(incoming.sock, error)
+            return False
+        incoming.reserved = body_length
+        self.buffered_reserved += body_length
+        return True
+
+    def _expire(self) -> bool:
+        """Let the connections whose deadline has passed go; whether more are due
+        than one batch let go (the loop comes back at once, after its events)."""
+        # A pass at most once a tick, however many events (a flood of
+        # trickling clients) wake the loop meanwhile, unless a batch is left.
+        now = time.monotonic()
+        if now < self._next_expiry_pass:
+            return False
+        self._next_expiry_pass = now + TICK_S
+        # Read once a pass: a live view's attribute costs microseconds, times every connection.
+        limits = snapshot(self.server.limits)
+        if limits != self._limits:  # changed live: every deadline again, by the new limits
+            self._limits = limits
+            self._deadlines = [(incoming.deadline(limits)[0], seq, ref) for _, seq, ref in self._deadlines
+                               if (incoming := ref()) is not None and incoming.held]
+            heapq.heapify(self._deadlines)
+        expired = 0
+        while self._deadlines and self._deadlines[0][0] <= now:
+            ref = heapq.heappop(self._deadlines)[2]
+            incoming = ref()
+            if incoming is None or not incoming.held:
+                continue
+            deadline, answered = incoming.deadline(limits)
+            if now < deadline:  # moved on to a later phase since this entry
+                heapq.heappush(self._deadlines, (deadline, next(self._deadline_ids), ref))
+                continue
+            if answered and not incoming.handshaking:
+                phase = "headers" if incoming.headers_end < 0 else "body"
+                self._refuse(incoming, 408, "request_timeout", f"The request's {phase} did not arrive in time.")
+            else:
+                self._forget(incoming)
+                close_quietly(incoming.sock)
+            self.server.count_closed("timeout_" + ("idle" if not incoming.buffer else
+                                                   "headers" if incoming.headers_end < 0 else "body"))
+            expired += 1
+            if expired >= EXPIRE_BATCH:
+                self._next_expiry_pass = now
+                return True
+        return False
+
+    def _refuse(self, incoming: Incoming, status: int, code: str, message: str) -> None:
+        # A late request may come in time on a new connection; oversized headers never will.
+        self._refuse_error(incoming, GuardianError(message, status=status, type="invalid_request_error",
+                                                   code=code, retry=status == 408))
+
+    def _refuse_error(self, incoming: Incoming, error: GuardianError) -> None:
+        self._forget(incoming)
+        send_refusal(incoming.sock, error, head_only=asks_head_only(incoming.buffer))
+
+    def _refuse_framing(self, incoming: Incoming, error: GuardianError) -> None:
+        """A head the door will not pass on (guardian.serving.framing): refused, counted, logged."""
+        self.server.count_closed("refused_head")
+        log.info("request_head_refused", client=incoming.address[0], status=error.status, code=error.code,
+                 reason=error.message)
+        self._refuse_error(incoming, error)

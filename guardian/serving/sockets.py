@@ -1,0 +1,208 @@
+"""Small things done to one socket, by the connection layer and the handlers: refuse a
+client in OpenAI's shape and close, linger for its unread body, tell whether it left,
+close without a word; and the listening socket (its backlog, one reserved early or
+inherited from a supervisor). Imports no mlx.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import ssl
+import time
+from http import HTTPStatus
+from typing import Optional
+
+import structlog
+
+from guardian import handoff
+from guardian.errors import GuardianError
+
+log = structlog.get_logger("guardian.connection")
+
+# One read from a connection.
+READ_BYTES = 1 << 16
+
+
+# How long a refused client's unread body is drained before the close.
+LINGER_S = 2.0
+
+
+# Answers the reader writes itself go out within this, or are dropped.
+REFUSAL_SEND_TIMEOUT_S = 1.0
+
+
+def linger_close(connection: socket.socket, linger_s: float = LINGER_S) -> None:
+    """Let a client that sent a body we will not read get our answer first.
+
+    Closing a socket with unread data sends a reset, which can destroy the
+    response before the client reads it. Like a web server's lingering
+    close: stop writing, then drop what arrives for a moment (never more
+    than ``linger_s``, however much the client sends).
+    """
+    try:
+        connection.shutdown(socket.SHUT_WR)
+        deadline = time.monotonic() + linger_s
+        while (remaining := deadline - time.monotonic()) > 0:
+            connection.settimeout(remaining)
+            if not connection.recv(65536):
+                return
+    except OSError:
+        return
+
+
+# Linux's cap on a listen backlog; macOS has none to read (sysctl kern.ipc.somaxconn).
+SOMAXCONN_PATH = "/proc/sys/net/core/somaxconn"
+
+
+# The listen backlog we ask for; the kernel caps it at net.core.somaxconn
+# (Linux) or kern.ipc.somaxconn (macOS). socketserver's default is 5: a burst
+# of connections then waits for SYN retransmits.
+LISTEN_BACKLOG = 4096
+
+
+def listen_backlog() -> int:
+    """What to ask listen() for: the system's cap if it can be read, at least 1024."""
+    try:
+        with open(SOMAXCONN_PATH) as f:
+            return max(1024, min(LISTEN_BACKLOG, int(f.read().strip())))
+    except (OSError, ValueError):
+        return LISTEN_BACKLOG  # macOS and others: the kernel caps it silently
+
+
+def pending_bytes(sock) -> int:
+    """Bytes a TLS socket has decrypted and not yet handed out (no selector sees them); 0 for TCP."""
+    pending = getattr(sock, "pending", None)
+    return pending() if pending is not None else 0
+
+
+def client_left(sock: socket.socket) -> bool:
+    """Whether a readable connection whose request was read whole is at its end (EOF or reset).
+
+    Peeks at the TCP stream under any TLS layer: a FIN or a reset is the end;
+    bytes (a TLS alert, a pipelined request) are not. On a socket with a timeout,
+    Python first waits for it to be readable: ``client_left_now`` never waits.
+    """
+    try:
+        return socket.socket.recv(sock, 1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except (BlockingIOError, InterruptedError):
+        return False
+    except OSError:
+        return True
+
+
+def drained(sock: socket.socket) -> bool:
+    """Read and drop what a plain connection has ready, without waiting; False if it is at
+    its end (EOF or reset) instead."""
+    try:
+        return socket.socket.recv(sock, READ_BYTES, socket.MSG_DONTWAIT) != b""
+    except (BlockingIOError, InterruptedError):
+        return True
+    except OSError:
+        return False
+
+
+def client_left_now(sock: socket.socket) -> bool:
+    """``client_left`` for a handler's socket, which has a timeout: asked at once."""
+    timeout = sock.gettimeout()
+    if not timeout:
+        return client_left(sock)
+    try:
+        sock.settimeout(0)
+        return client_left(sock)
+    finally:
+        try:
+            sock.settimeout(timeout)
+        except OSError:
+            pass
+
+
+def asks_head_only(buffer) -> bool:
+    """Whether a request (its first bytes) is a HEAD, whose answer has no body (RFC 9110 §9.3.2)."""
+    return buffer[:5] == b"HEAD "
+
+
+def send_refusal(sock: socket.socket, error: GuardianError, linger: bool = False,
+                 handed_off: Optional[handoff.Received] = None, head_only: bool = False) -> None:
+    """``error`` in OpenAI's shape (its headers: Retry-After, x-should-retry), written
+    straight to the socket within a second, then the close; ``linger``: the
+    request is unread, drain it first so the answer is not reset away;
+    ``handed_off``: the supervisor is told once the answer is written;
+    ``head_only``: the request is a HEAD: the headers alone."""
+    body = json.dumps(error.body()).encode()
+    head = [f"HTTP/1.0 {error.status} {HTTPStatus(error.status).phrase}", "Content-Type: application/json",
+            f"Content-Length: {len(body)}", "Connection: close",
+            *(f"{name}: {value}" for name, value in error.response_headers().items())]
+    try:
+        sock.setblocking(True)
+        sock.settimeout(REFUSAL_SEND_TIMEOUT_S)
+        sock.sendall(("\r\n".join(head) + "\r\n\r\n").encode() + (b"" if head_only else body))
+        if linger:
+            linger_close(sock)
+        elif handed_off is not None:
+            sock.shutdown(socket.SHUT_WR)  # the supervisor's copy keeps it open
+    except OSError:
+        pass
+    close_quietly(sock)
+    if handed_off is not None:
+        handed_off.finish()
+
+
+def send_close_notify(tls: ssl.SSLSocket) -> None:
+    """End the TLS session before the socket closes, without waiting for the
+    client's reply. A response that ends with the connection (stock's streams)
+    can only be told from a cut one by this (RFC 8446 §6.1); a strict client
+    (Python's ssl with suppress_ragged_eofs=False) reports an error without it."""
+    try:
+        tls.setblocking(False)
+        tls.unwrap()
+    except (OSError, ValueError):  # SSLWantReadError: ours is sent, the client's not awaited
+        pass
+
+
+def send_quietly(sock: socket.socket, data: bytes) -> None:
+    """A few bytes on a non-blocking socket, or nothing: a full buffer or a gone client drops them."""
+    try:
+        sock.send(data)
+    except (OSError, ValueError):  # BlockingIOError, ssl.SSLWantWriteError among them
+        pass
+
+
+def close_quietly(sock) -> None:
+    try:
+        sock.close()
+    except OSError:
+        pass
+
+
+# A supervised child's listening socket, bound by its supervisor (the descriptor's number):
+# the port is the child's from the supervisor's pick, not from its own bind after the
+# model loads, which an outgoing connection on the host could take meanwhile.
+LISTEN_FD_ENV = "MLX_GUARDIAN_LISTEN_FD"
+
+
+def reserve_port(host: str) -> socket.socket:
+    """A socket bound to a free port of ``host``, not listening: the port is held, and a
+    connection to it is refused until its server listens (a child still loading)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind((host, 0))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def inherited_listener(server_address) -> Optional[socket.socket]:
+    """The socket ``reserve_port`` bound for this process (``LISTEN_FD_ENV``), if it is
+    bound to ``server_address``; taken once (the variable leaves the environment)."""
+    sock = handoff.inherited_socket(LISTEN_FD_ENV)
+    if sock is None:
+        return None
+    try:
+        if sock.getsockname()[:2] == tuple(server_address[:2]):
+            return sock
+    except OSError:
+        pass
+    sock.close()
+    return None
