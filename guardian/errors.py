@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import json
+import ssl
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -108,12 +109,17 @@ CLIENT_GONE = (BrokenPipeError, ConnectionResetError, ConnectionAbortedError, Ti
 def write_error_as_client_gone(error: BaseException) -> BaseException:
     """A write's error as the client's leaving where it is one. macOS answers a write
     to a connection its peer is tearing down with EPROTOTYPE now and then (CPython
-    issue 77631), a plain OSError: here it is the BrokenPipeError it means."""
+    issue 77631), a plain OSError: here it is the BrokenPipeError it means. Over TLS, a
+    write to a client that left raises an SSL error (SSLEOFError, then "bad length" for
+    any write after it): its session is over, as its connection is."""
     if type(error) is OSError and error.errno == errno.EPROTOTYPE:
         gone = BrokenPipeError(errno.EPIPE, f"the client left ({error.strerror})")
-        gone.__cause__ = error
-        return gone
-    return error
+    elif isinstance(error, ssl.SSLError) and not isinstance(error, (ssl.SSLWantReadError, ssl.SSLWantWriteError)):
+        gone = BrokenPipeError(errno.EPIPE, f"the client's TLS session ended ({error})")
+    else:
+        return error
+    gone.__cause__ = error
+    return gone
 
 
 class ClientGoneAbort(BaseException):

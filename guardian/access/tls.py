@@ -19,6 +19,7 @@ from guardian.config.registry import ConfigError
 
 log = structlog.get_logger("guardian.access")
 
+
 class ServerCertificate:
     """The server's certificate and key, as the SSL context new connections use."""
 
@@ -31,7 +32,10 @@ class ServerCertificate:
         """A server-side context (TLS 1.2 or newer) from the files as they are now."""
         context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         context.minimum_version = ssl.TLSVersion.TLSv1_2
-        context.load_cert_chain(self.certfile, self.keyfile)
+        # A key that needs a passphrase fails to load (said, as any file that does not
+        # load), where OpenSSL would ask for one on the terminal and wait there: the
+        # supervisor's main loop, which reloads on SIGHUP, with it.
+        context.load_cert_chain(self.certfile, self.keyfile, password=no_passphrase)
         return context
 
     def reload(self, reason: str = "sighup") -> bool:
@@ -46,6 +50,10 @@ class ServerCertificate:
         self.context = context
         log.info("tls_reloaded", reason=reason, certfile=self.certfile, keyfile=self.keyfile)
         return True
+
+
+def no_passphrase() -> bytes:
+    raise ValueError("the key file needs a passphrase; give a key without one (openssl pkey -in KEY -out KEY2)")
 
 
 def load_certificate(settings) -> Optional[ServerCertificate]:

@@ -55,7 +55,7 @@ from guardian.errors import GuardianError
 from guardian.serving.limits import ConnectionLimits
 from guardian.serving.reader import CLOSE_REASONS, Incoming, RequestReader
 from guardian.serving.sockets import (asks_head_only, close_quietly, inherited_listener, listen_backlog,
-                                      send_close_notify, send_refusal)
+                                      refuse_in_background, send_close_notify, send_refusal)
 
 log = structlog.get_logger("guardian.connection")
 
@@ -265,10 +265,10 @@ class HeldConnections:
         if self.busy():
             self.count_closed("handlers_busy")
             log.warning("http_handlers_busy", client=incoming.address[0], handlers=self.handlers.active)
-            threading.Thread(target=send_refusal, daemon=True, args=(incoming.sock, GuardianError(
+            refuse_in_background(incoming.sock, GuardianError(
                 f"All {self.limits.max_handlers} request handlers are busy; send the request again.",
                 status=503, code="server_busy", retry_after_s=self.limits.retry_after_s),
-                False, incoming.handed_off, asks_head_only(incoming.buffer))).start()
+                handed_off=incoming.handed_off, head_only=asks_head_only(incoming.buffer))
             return
         sock = incoming.sock
         try:

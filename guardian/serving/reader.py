@@ -26,7 +26,7 @@ from guardian.errors import GuardianError
 from guardian.serving import framing
 from guardian.serving.limits import ConnectionLimits, snapshot
 from guardian.serving.sockets import (READ_BYTES, asks_head_only, client_left, close_quietly, drained, pending_bytes,
-                                      send_quietly, send_refusal)
+                                      peer_closed, refuse_in_background, send_quietly, send_refusal)
 
 log = structlog.get_logger("guardian.connection")
 
@@ -38,6 +38,8 @@ READ_BYTES_PER_TURN = 1 << 20
 
 # The reader wakes at least this often to expire deadlines.
 TICK_S = 0.25
+# A TLS client's close_notify comes a moment before its FIN: looked for this long after it.
+CLOSE_AFTER_RECORDS_S = 0.02
 
 
 # Connections accepted in one go before the reader reads the others again.
@@ -54,9 +56,10 @@ EXPIRE_BATCH = 256
 # /guardian/status and /metrics count them: no byte came (closed without a word), its
 # headers or its body came too late (408), its head was refused (400, 411, 414, 417,
 # 431, 505: guardian.serving.framing), no room for its body (503, or 413), no handler
-# free or none could start (503).
+# free or none could start (503), a TLS port's connection whose handshake failed or
+# that spoke plain HTTP (400 https_required) or anything else.
 CLOSE_REASONS = ("timeout_idle", "timeout_headers", "timeout_body", "refused_head", "buffers_full",
-                 "handlers_busy")
+                 "handlers_busy", "tls_failed")
 
 
 # -- a request on its way in ------------------------------------------------------
@@ -182,6 +185,8 @@ class RequestReader:
         self._limits: Optional[ConnectionLimits] = None
         self._stopped = False
         self.held = 0
+        # Watched TLS connections with records unread, looked at on a timer (``_look_again``).
+        self._unread: dict[socket.socket, Watched] = {}
         self.thread = threading.Thread(target=self._run, name="http-reader", daemon=True)
         self.thread.start()
 
@@ -268,6 +273,7 @@ class RequestReader:
 
     def unwatch(self, sock: socket.socket) -> None:
         """Stop watching (before the socket is closed: its number may be reused)."""
+        self._unread.pop(sock, None)
         with self._lock:
             try:
                 self.selector.unregister(sock)
@@ -337,15 +343,38 @@ class RequestReader:
     def _on_watched(self, watched: Watched) -> None:
         """A watched connection is readable: its client left, or sent more. Bytes past the
         request (a CRLF some clients add, a pipelined request its HTTP/1.0 answer will not
-        reach) are dropped and the watch goes on; under TLS they are its records, left be."""
+        reach) are dropped and the watch goes on. Under TLS they are records only the
+        handler's thread may read (a client's close_notify, sent as it closes): the watch
+        goes on by looking for the peer's close beyond them (``_look_again``)."""
         self.unwatch(watched.sock)
         if client_left(watched.sock) or (self.server.tls is None and not drained(watched.sock)):
-            try:
-                watched.on_gone()
-            except Exception:  # noqa: BLE001 - one request's callback must not stop the reader
-                log.exception("client_gone_callback_failed")
+            self._gone(watched)
         elif self.server.tls is None:
             self.watch(watched.sock, watched.on_gone)
+        else:
+            self._unread[watched.sock] = watched
+            self._look_again(watched, CLOSE_AFTER_RECORDS_S)
+
+    def _look_again(self, watched: Watched, after_s: float) -> None:
+        """A TLS connection with records unread: is its client gone yet? Asked until the
+        request ends (``unwatch``)."""
+        def look():
+            if self._unread.get(watched.sock) is not watched:
+                return  # its request ended
+            if peer_closed(watched.sock):
+                del self._unread[watched.sock]
+                self._gone(watched)
+            else:
+                self._look_again(watched, TICK_S)
+
+        self.call_at(time.monotonic() + after_s, look)
+
+    @staticmethod
+    def _gone(watched: Watched) -> None:
+        try:
+            watched.on_gone()
+        except Exception:  # noqa: BLE001 - one request's callback must not stop the reader
+            log.exception("client_gone_callback_failed")
 
     def _on_ready(self, readable: Readable) -> None:
         self.unwatch(readable.sock)
@@ -489,10 +518,10 @@ class RequestReader:
                 self.selector.modify(incoming.sock, selectors.EVENT_READ, incoming)
             return True
         self._forget(incoming)
+        self.server.count_closed("tls_failed")
         if first.isalpha():
             log.debug("tls_handshake_failed", client=incoming.address[0], error_message="plain HTTP")
-            threading.Thread(target=send_refusal, args=(incoming.sock, PLAIN_HTTP_TO_TLS_PORT, True),
-                             daemon=True).start()
+            refuse_in_background(incoming.sock, PLAIN_HTTP_TO_TLS_PORT, linger=True)
         else:
             close_quietly(incoming.sock)
         return False
@@ -510,6 +539,7 @@ class RequestReader:
             return False
         except (OSError, ValueError) as e:
             log.debug("tls_handshake_failed", client=incoming.address[0], error_message=str(e) or type(e).__name__)
+            self.server.count_closed("tls_failed")
             self._forget(incoming)
             close_quietly(incoming.sock)
             return False

@@ -7,8 +7,10 @@ inherited from a supervisor). Imports no mlx.
 from __future__ import annotations
 
 import json
+import select
 import socket
 import ssl
+import threading
 import time
 from http import HTTPStatus
 from typing import Optional
@@ -91,6 +93,25 @@ def client_left(sock: socket.socket) -> bool:
         return True
 
 
+def peer_closed(sock: socket.socket) -> bool:
+    """Whether the peer has closed its side (a FIN or a reset) though bytes it sent before
+    are still unread: a TLS client's close_notify, which the TLS layer's owner (a handler
+    thread) alone may read. Linux's POLLRDHUP, or kqueue's EV_EOF (macOS, the BSDs); where
+    neither exists, False."""
+    if hasattr(select, "POLLRDHUP"):
+        poller = select.poll()
+        poller.register(sock, select.POLLRDHUP)
+        return any(events & (select.POLLRDHUP | select.POLLHUP | select.POLLERR) for _, events in poller.poll(0))
+    if hasattr(select, "kqueue"):
+        queue = select.kqueue()
+        try:
+            events = queue.control([select.kevent(sock, select.KQ_FILTER_READ, select.KQ_EV_ADD)], 1, 0)
+        finally:
+            queue.close()
+        return any(event.flags & select.KQ_EV_EOF for event in events)
+    return False
+
+
 def drained(sock: socket.socket) -> bool:
     """Read and drop what a plain connection has ready, without waiting; False if it is at
     its end (EOF or reset) instead."""
@@ -123,20 +144,28 @@ def asks_head_only(buffer) -> bool:
 
 
 def send_refusal(sock: socket.socket, error: GuardianError, linger: bool = False,
-                 handed_off: Optional[handoff.Received] = None, head_only: bool = False) -> None:
+                 handed_off: Optional[handoff.Received] = None, head_only: bool = False,
+                 wait: bool = True) -> None:
     """``error`` in OpenAI's shape (its headers: Retry-After, x-should-retry), written
     straight to the socket within a second, then the close; ``linger``: the
     request is unread, drain it first so the answer is not reset away;
     ``handed_off``: the supervisor is told once the answer is written;
-    ``head_only``: the request is a HEAD: the headers alone."""
+    ``head_only``: the request is a HEAD: the headers alone; ``wait`` False: one
+    send that does not wait (what the socket's buffer takes), no linger."""
     body = json.dumps(error.body()).encode()
     head = [f"HTTP/1.0 {error.status} {HTTPStatus(error.status).phrase}", "Content-Type: application/json",
             f"Content-Length: {len(body)}", "Connection: close",
             *(f"{name}: {value}" for name, value in error.response_headers().items())]
+    answer = ("\r\n".join(head) + "\r\n\r\n").encode() + (b"" if head_only else body)
     try:
-        sock.setblocking(True)
-        sock.settimeout(REFUSAL_SEND_TIMEOUT_S)
-        sock.sendall(("\r\n".join(head) + "\r\n\r\n").encode() + (b"" if head_only else body))
+        if not wait:
+            sock.setblocking(False)
+            sock.send(answer)
+            linger = False
+        else:
+            sock.setblocking(True)
+            sock.settimeout(REFUSAL_SEND_TIMEOUT_S)
+            sock.sendall(answer)
         if linger:
             linger_close(sock)
         elif handed_off is not None:
@@ -146,6 +175,33 @@ def send_refusal(sock: socket.socket, error: GuardianError, linger: bool = False
     close_quietly(sock)
     if handed_off is not None:
         handed_off.finish()
+
+
+# Refusals written on threads of their own, each for up to a second (LINGER_S more when
+# it drains the client's unread request first): at most this many at once. Past it a
+# refusal is written without waiting and the connection closed, so that a flood of them
+# (plain HTTP to the TLS port, a busy server's) costs no thread.
+MAX_REFUSAL_THREADS = 64
+_refusal_threads = threading.BoundedSemaphore(MAX_REFUSAL_THREADS)
+
+
+def refuse_in_background(sock: socket.socket, error: GuardianError, linger: bool = False,
+                         handed_off: Optional[handoff.Received] = None, head_only: bool = False) -> None:
+    """``send_refusal`` on a thread of its own, or at once without waiting when
+    ``MAX_REFUSAL_THREADS`` are busy (the answer may then be reset away)."""
+    if _refusal_threads.acquire(blocking=False):
+        def refuse():
+            try:
+                send_refusal(sock, error, linger, handed_off, head_only)
+            finally:
+                _refusal_threads.release()
+
+        try:
+            threading.Thread(target=refuse, name="http-refusal", daemon=True).start()
+            return
+        except RuntimeError:  # can't start a new thread
+            _refusal_threads.release()
+    send_refusal(sock, error, handed_off=handed_off, head_only=head_only, wait=False)
 
 
 def send_close_notify(tls: ssl.SSLSocket) -> None:
