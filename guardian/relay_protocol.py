@@ -347,6 +347,11 @@ class RelayedStream:
                         carried = self._tokens_at_continuation
                         usage["prompt_tokens"] -= carried
                         usage["completion_tokens"] = usage.get("completion_tokens", 0) + carried
+                        # Its prompt cache's hits were of that longer prompt: of the client's,
+                        # at most all of it (it read 31 cached of 17).
+                        details = usage.get("prompt_tokens_details")
+                        if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+                            details["cached_tokens"] = min(details["cached_tokens"], usage["prompt_tokens"])
                 event = _DATA + json.dumps(payload).encode()
             events.append(event)
         return b"\n\n".join(events)

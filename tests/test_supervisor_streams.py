@@ -93,6 +93,9 @@ def test_a_stream_cut_by_the_childs_death_is_continued_on_the_next_child(start_s
     assert cut.result["status"] == 200 and cut.result["done"], cut.result
     assert not cut.result["errors"]
     assert streamed(cut.result) == streamed(reference.result)
+    # The next child's prompt cache hits were of its longer prompt: of the client's, at most all.
+    [usage] = [e["usage"] for e in cut.result["events"] if e.get("usage")]
+    assert 0 <= usage["prompt_tokens_details"]["cached_tokens"] <= usage["prompt_tokens"], usage
     # One stream: every event carries the first child's id and created.
     assert {(e["id"], e["created"]) for e in cut.result["events"]} == {
         (cut.result["events"][0]["id"], cut.result["events"][0]["created"])}
@@ -276,3 +279,38 @@ def test_a_stream_that_progressed_between_two_crashes_is_no_poison(start_supervi
     assert struck["position"] > first["suspects"][0]["position"] > 0
     quarantine = supervised.supervisor()["quarantine"]
     assert quarantine["quarantined"] == [] and quarantine["refused"] == 0
+
+
+def test_streams_waiting_for_the_next_child_are_kept_alive(start_supervisor, tmp_path):
+    """Two identical streams whose child died wait for the next one: its start (a model's
+    load; here a start held 4 s), then their turns to run alone, sent nothing, and a client
+    reading with a 2.5 s timeout (httpx's, the openai SDK's timeout=) gave up. SSE comments
+    keep them reading. The second's usage counted the first's continuation, cached in the
+    next child's prompt cache, as its prompt's (31 cached of 17)."""
+    config = tmp_path / "slow.toml"
+    config.write_text(SLOW_STEPS + '[guardian]\nplugins = ["tests.plugins.slow_start:SlowStart"]\n'
+                      "[slow_start]\nhold_s = 4.0\n")
+    supervised = start_supervisor("--guardian-config", str(config))
+    first_pid = supervised.wait_ready()
+    streams = [[], []]
+
+    def read(lines: list) -> None:
+        with httpx.Client(timeout=httpx.Timeout(2.5)) as client, client.stream(
+                "POST", supervised.url + COMPLETIONS, json=greedy_stream("Go on, slowly.", max_tokens=120)) \
+                as response:
+            lines.extend(response.iter_lines())
+
+    readers = [threading.Thread(target=read, args=(lines,), daemon=True) for lines in streams]
+    for reader in readers:
+        reader.start()
+    poll(lambda: all(len(lines) >= 20 for lines in streams), 60, what="both streams under way")
+    supervised.signal_child(first_pid, signal.SIGKILL)
+    for reader in readers:
+        reader.join(timeout=120)
+    assert {e["dead_child_pid"] for e in supervised.supervisor_events("stream_continuing")} == {first_pid}
+    for lines in streams:
+        assert [line for line in lines if line][-1] == "data: [DONE]" and '"error"' not in "".join(lines)
+        assert lines.count(": keepalive") >= 3, lines  # 4 s and more without the next child
+        [usage] = [json.loads(line[len("data: "):])["usage"] for line in lines
+                   if line.startswith("data: {") and '"usage"' in line]
+        assert 0 <= usage["prompt_tokens_details"]["cached_tokens"] <= usage["prompt_tokens"], usage

@@ -20,12 +20,14 @@ child's end of every connection, so every read from it ends.
 from __future__ import annotations
 
 import contextlib
+import functools
 import http.client
 import json
 import logging
 import os
 import socket
 import subprocess
+import threading
 import time
 from typing import Optional
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -59,6 +61,12 @@ log = structlog.get_logger(LOGGER_NAME)
 CHILD_CONNECT_TIMEOUT_S = 5.0
 # One read from the child: whatever has arrived, up to this much.
 RELAY_READ_BYTES = 1 << 16
+# A stream whose child died is sent an SSE comment this often while it waits for the
+# next child (reaped, started, its turn to run alone): its client's read timeout (httpx's,
+# the openai SDK's timeout=) counts each wait for bytes, and a child's start takes a
+# model's load.
+STREAM_KEEPALIVE_S = 1.0
+STREAM_KEEPALIVE = b": keepalive\n\n"
 # An error's body from the child is read up to this much.
 MAX_ERROR_BODY_BYTES = 1 << 16
 BODY_METHODS = relay_protocol.BODY_METHODS
@@ -289,11 +297,20 @@ class ProxyHandler(BaseHTTPRequestHandler):
         Every attempt passes the crash quarantine again: a request the dead
         child struck is relayed alone, and one it struck twice is refused.
         """
+        try:
+            self.relay_attempts(path, body, request_fingerprint)
+        finally:
+            self.keepalive.stop()
+
+    def relay_attempts(self, path: str, body: bytes, request_fingerprint: str) -> None:
+        """``serve``'s attempts, each to a child, until one answers or the request is given up."""
         supervisor = self.server.supervisor
         resends = 0
         stream = None  # a stream the client is receiving, once it can be continued
         passed = self.passed
         while not self.gone:
+            if stream is not None:
+                self.keepalive.start()  # until the next child has it
             if passed is not None:  # the reader's hand-off was the first attempt
                 # What the client has is known only from here (a stream's head may be out):
                 # its deadlines are judged at the next attempt, as any continuation's.
@@ -317,6 +334,7 @@ class ProxyHandler(BaseHTTPRequestHandler):
                         return self.give_up(stream, supervisor.isolation_busy_error())
                     # The turn may come just after the request before it crashed
                     # this child: never send to a dead one (it would be struck too).
+                    self.keepalive.stop()  # the next child writes from here
                     outcome = CHILD_GONE if child_died(child, alone) else self.to_child(
                         child, path, body, request_fingerprint, stream)
             if outcome is CHILD_GONE:
@@ -333,6 +351,7 @@ class ProxyHandler(BaseHTTPRequestHandler):
                 return
             if outcome is not NOTHING_SENT:
                 stream = outcome  # cut, to be continued
+                self.keepalive.start()
             # Once the dead child is reaped, its crash has struck this
             # request: refused, or relayed alone.
             reaped = supervisor.wait_reaped(child)
@@ -351,6 +370,11 @@ class ProxyHandler(BaseHTTPRequestHandler):
 
     # When the request reached the public port (monotonic): its deadlines count from here.
     arrived_at = 0.0
+
+    @functools.cached_property
+    def keepalive(self) -> "StreamKeepAlive":
+        """A cut stream's comments while it waits for the next child (``STREAM_KEEPALIVE_S``)."""
+        return StreamKeepAlive(self.connection)
 
     def next_deadline(self, path: str, stream) -> Optional[tuple[float, Deadline]]:
         """(when, which) of a completion's deadlines comes first (guardian.serving.deadlines);
@@ -397,6 +421,7 @@ class ProxyHandler(BaseHTTPRequestHandler):
 
     def give_up(self, stream, error: Optional[GuardianError]) -> None:
         """Answer ``error``: as the response if nothing was sent, else as the stream's end."""
+        self.keepalive.stop()
         if stream is None:
             return self.send_error_json(error)
         try:
@@ -837,6 +862,38 @@ def child_died(child, alone: bool) -> bool:
     except subprocess.TimeoutExpired:
         return False
     return True
+
+
+class StreamKeepAlive:
+    """SSE comments to a stream's client on a thread of their own, between ``start`` and
+    ``stop`` (while the handler's thread writes nothing to it: it waits)."""
+
+    def __init__(self, connection):
+        self.connection = connection
+        self._stop: Optional[threading.Event] = None
+        self._thread: Optional[threading.Thread] = None
+
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._stop = stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, args=(stop,), name="stream-keepalive", daemon=True)
+        self._thread.start()
+
+    def _beat(self, stop: threading.Event) -> None:
+        while not stop.wait(STREAM_KEEPALIVE_S):
+            try:
+                self.connection.sendall(STREAM_KEEPALIVE)
+            except (OSError, ValueError):  # the client left: the handler finds out at its next write
+                return
+
+    def stop(self) -> None:
+        """Stop, once the comment being written (if one is) is out."""
+        if self._thread is None:
+            return
+        self._stop.set()
+        self._thread.join()
+        self._thread = None
 
 
 def child_deadline_error(response) -> Optional[GuardianError]:
