@@ -700,6 +700,23 @@ def test_a_deep_readiness_check_is_waited_for_as_long_as_the_childs_probes_may_t
     assert Supervisor(options, child_args).deep_readiness_timeout_s == 45.0
 
 
+def test_a_pause_seen_by_the_main_loop_and_the_pause_watch_is_counted_once():
+    """After a SIGSTOP of the group, the main loop and the pause-watch thread (which sees a
+    pause inside a health check) can both see the one pause: it was counted twice (a
+    flaky test of the pause on a loaded machine). A later pause is one more."""
+    from guardian.supervise.settings import make_parser
+    from guardian.supervise.supervisor import Supervisor
+
+    options, child_args = make_parser().parse_known_args([])
+    supervisor = Supervisor(options, child_args)
+    now = time.monotonic()
+    supervisor.notice_pause(9.0, ended_at=now)  # the main loop's: 9 s late
+    supervisor.notice_pause(8.8, ended_at=now + 0.3)  # the watch's, of the same pause, a moment on
+    assert (supervisor.pauses, round(supervisor.paused_s, 1)) == (1, 9.0)
+    supervisor.notice_pause(2.0, ended_at=now + 10)  # another, after it
+    assert (supervisor.pauses, round(supervisor.paused_s, 1)) == (2, 11.0)
+
+
 def test_a_suspect_is_never_let_in_beside_another_running_alone():
     """Two crash suspects: one runs alone; the other's wait runs out. Let in beside it (as
     it was), a crash of either struck both, and the innocent one was quarantined."""

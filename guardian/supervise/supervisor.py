@@ -124,6 +124,7 @@ class Supervisor:
         self.pauses = 0
         self.pause_watch = PauseWatch()
         self.paused_s = 0.0
+        self.paused_until = 0.0  # when the last pause counted ended (monotonic): counted once
         self.last_exit: Optional[dict] = None
         self.outage_started = time.monotonic()
         self.exit_code: Optional[int] = None
@@ -495,12 +496,17 @@ class Supervisor:
         if now >= child.next_check_at(self.settings.interval_s):
             self.check_health(child)
 
-    def notice_pause(self, late_s: float) -> None:
-        """The supervisor ran ``late_s`` later than due: if that is a pause, the child's
-        clocks (its start, its unhealthy spell) stand still for it, as the in-process
-        watchdog's heartbeat clock does (``process_paused``)."""
+    def notice_pause(self, late_s: float, ended_at: Optional[float] = None) -> None:
+        """The supervisor ran ``late_s`` later than due (until ``ended_at``, now if not
+        given): if that is a pause, the child's clocks (its start, its unhealthy spell)
+        stand still for it, as the in-process watchdog's heartbeat clock does
+        (``process_paused``). Once: the main loop and the pause watch may both see it."""
         if late_s < PAUSE_NOTICED_S:
             return
+        ended_at = time.monotonic() if ended_at is None else ended_at
+        if ended_at - late_s < self.paused_until - PAUSE_NOTICED_S:
+            return  # the pause already counted, seen again
+        self.paused_until = ended_at
         self.pauses += 1
         self.paused_s += late_s
         child = self.child
@@ -521,9 +527,9 @@ class Supervisor:
         # a frozen VM): a pause, as one between checks is, and the check that failed
         # across it is no verdict on the child. (Not the check's length: httpx's timeout is
         # each phase's, and a slow child can make a check outlast it.)
-        paused_s = self.pause_watch.take()
+        paused_s, ended_at = self.pause_watch.take()
         if paused_s >= PAUSE_NOTICED_S:
-            self.notice_pause(paused_s)
+            self.notice_pause(paused_s, ended_at)
             if not ok:
                 return
         if ok:
@@ -756,7 +762,7 @@ class PauseWatch:
     TICK_S = 0.25
 
     def __init__(self):
-        self._longest = 0.0
+        self._longest = (0.0, 0.0)  # (seconds, when it ended)
         threading.Thread(target=self._tick, name="pause-watch", daemon=True).start()
 
     def _tick(self) -> None:
@@ -764,12 +770,13 @@ class PauseWatch:
         while True:
             time.sleep(self.TICK_S)
             now = time.monotonic()
-            self._longest = max(self._longest, now - last - self.TICK_S)
+            if now - last - self.TICK_S > self._longest[0]:
+                self._longest = (now - last - self.TICK_S, now)
             last = now
 
-    def take(self) -> float:
-        """The longest pause since the last take."""
-        longest, self._longest = self._longest, 0.0
+    def take(self) -> tuple[float, float]:
+        """The longest pause since the last take, and when it ended (monotonic)."""
+        longest, self._longest = self._longest, (0.0, 0.0)
         return longest
 
 
