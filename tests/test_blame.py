@@ -82,7 +82,7 @@ def test_a_request_failing_before_it_starts_is_blamed_and_quarantined(start_serv
         config.write_text(config.read_text().replace("[recovery]\n", "[recovery]\nquarantine_s = 0\n"))
         poll(lambda: engine_status(server)["quarantine"]["quarantined_count"] == 0, 15,
              what="the quarantine released")
-        [released] = server.events("quarantine_released")
+        [released] = server.wait_for_event("quarantine_released")  # logged as the table is emptied
         assert released["released"] == 2
     assert server.proc.poll() is None, "four engine failures and max_failures = 1: still serving"
     assert server.health() == 200

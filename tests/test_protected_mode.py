@@ -244,13 +244,13 @@ def test_protected_mode_turned_off_live_serves_the_network(netns, plain):
         assert answer["status"] == 200, answer
         assert json.loads(answer["body"])["choices"]
         # The door opened by a save is said as loudly as one open from the start.
-        [opened] = server.events("access_open")
+        [opened] = server.wait_for_event("access_open")  # logged as the version is put in force
         assert opened["level"] == "warning" and opened["bound_host"] == "0.0.0.0"
     finally:
         config.write_text(PROTECTED)
         server.wait_for_event("config_reloaded", count=loads + 2)
     assert netns.request(*completion(netns, server))["status"] == 403
-    assert len(server.events("access_protected_mode")) == protected + 1
+    server.wait_for_event("access_protected_mode", count=protected + 1)
 
 
 def test_with_keys_the_network_is_served_with_a_key(netns, plain):
@@ -301,7 +301,8 @@ def test_supervised_protected_mode_turned_off_live_serves_the_network_and_says_s
         config.write_text(OPEN)
         poll(lambda: netns.request(*completion(netns, server))["status"] == 200, 15,
              what="the public port opened by the save")
-        [opened] = [e for e in server.events("access_open") if e.get("logger") == "guardian.access"]
+        [opened] = poll(lambda: [e for e in server.events("access_open") if e.get("logger") == "guardian.access"],
+                        10, what="the open door said")
         assert opened["level"] == "warning"
     finally:
         config.write_text(PROTECTED)
