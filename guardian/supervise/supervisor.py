@@ -763,21 +763,25 @@ class PauseWatch:
 
     def __init__(self):
         self._longest = (0.0, 0.0)  # (seconds, when it ended)
+        self._last_tick = time.monotonic()
         threading.Thread(target=self._tick, name="pause-watch", daemon=True).start()
 
     def _tick(self) -> None:
-        last = time.monotonic()
         while True:
             time.sleep(self.TICK_S)
             now = time.monotonic()
-            if now - last - self.TICK_S > self._longest[0]:
-                self._longest = (now - last - self.TICK_S, now)
-            last = now
+            if now - self._last_tick - self.TICK_S > self._longest[0]:
+                self._longest = (now - self._last_tick - self.TICK_S, now)
+            self._last_tick = now
 
     def take(self) -> tuple[float, float]:
-        """The longest pause since the last take, and when it ended (monotonic)."""
+        """The longest pause since the last take, and when it ended (monotonic). A pause
+        the ticking thread has not run since (the main thread ran first after it) is one
+        too: it ends now."""
+        now = time.monotonic()
+        ongoing = now - self._last_tick - self.TICK_S
         longest, self._longest = self._longest, (0.0, 0.0)
-        return longest
+        return (ongoing, now) if ongoing > longest[0] else longest
 
 
 def main(argv: Optional[list[str]] = None) -> int:
