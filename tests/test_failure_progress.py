@@ -195,12 +195,14 @@ def test_out_of_memory_for_a_request_that_fits_is_a_503_then_it_is_served(start_
 
 
 def test_a_client_that_retries_a_request_short_of_memory_as_told_never_ends_the_process(start_server):
-    """The incident's error (Metal's resource limit) at every step of one request, which
-    its client sends again each time Retry-After says: each time it fails alone, twice,
-    and is answered 503 memory_shortage. A probe between the retries proves the engine
-    serves, so those failures are forgiven; they counted toward the crash loop, and the
-    fourth retry got 503 engine_failed as the process exited 4."""
-    server = start_server(table("fault_injection", enabled=True, poison_marker="SHORT-OF-MEMORY"))
+    """The incident's error (Metal's resource limit) raised inside stock's step for one
+    request, which its client sends again each time Retry-After says: each time it fails
+    alone, twice, and is answered 503 memory_shortage. A probe between the retries proves
+    the engine serves, so those failures are forgiven; they counted toward the crash loop,
+    and the fourth retry got 503 engine_failed as the process exited 4. A stream of it whose
+    head was sent gets the same error as an event (which the openai SDK does not retry)."""
+    server = start_server(POSITION_FAULTS + table("position_faults", marker="SHORT-OF-MEMORY", fail_at=0,
+                                                  message="[metal::malloc] Resource limit (499000) exceeded."))
     body = chat_body("SHORT-OF-MEMORY, then a story.", max_tokens=8)
     with httpx.Client(timeout=60) as http:
         for attempt in range(8):
@@ -208,8 +210,11 @@ def test_a_client_that_retries_a_request_short_of_memory_as_told_never_ends_the_
             assert answer.status_code == 503, (attempt, answer.text)
             assert answer.json()["error"]["code"] == "memory_shortage", (attempt, answer.text)
             pace(float(answer.headers["retry-after"]))  # as the openai SDK does
+        streamed = read_stream(http, server.url + COMPLETIONS, {**body, "stream": True})
+        assert streamed["status"] == 200 and [e["code"] for e in streamed["errors"]] == ["memory_shortage"]
         assert http.post(server.url + COMPLETIONS, json=chat_body(max_tokens=4)).status_code == 200
-    assert len(server.events("engine_error")) == 16  # each attempt: alone, then alone again
+    errors = server.events("engine_error")
+    assert len(errors) == 18 and {e["classification"] for e in errors} == {"metal_resource_limit"}
     assert server.proc.poll() is None and status(server)["state"] == "ready"
     assert status(server)["failures_in_window"] <= 2  # at most the last attempt's, not yet proven
 

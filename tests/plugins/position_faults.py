@@ -16,6 +16,8 @@ from inside stock's step, as a kernel that faults on one sequence would.
   of returning: that token never reaches the request, which stands at
   ``fail_at`` tokens generated at every failure.
 - ``times``: how many faults in all (0: no limit).
+- ``message``: what the step raises (a RuntimeError); "": the planted poison's own. The
+  incident's Metal message makes it a memory failure, as the engine classifies it.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ class PositionFaultsSettings:
     marker: str = ""
     fail_at: int = 0
     times: int = 0
+    message: str = ""
 
 
 class PositionFaults:
@@ -106,6 +109,8 @@ class PositionFaults:
                 if position == settings.fail_at and (not settings.times or plugin.faults < settings.times):
                     plugin.faults += 1
                     log.warning("position_fault", position=position, faults=plugin.faults)
+                    if settings.message:
+                        raise RuntimeError(settings.message)
                     raise PlantedPoison(f"planted poison at token {position} of the marked request")
             return responses
 
