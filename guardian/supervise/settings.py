@@ -10,7 +10,7 @@ import argparse
 from typing import Optional
 
 from guardian.access import make_door
-from guardian.config.loading import load_config
+from guardian.config.loading import GuardianConfig, load_config
 from guardian.config.registry import ConfigError
 from guardian.config.tables import AccessSettings, CommandLine, CoreSettings, HttpSettings, SupervisorSettings
 from guardian.observability.versions import version_line
@@ -58,22 +58,21 @@ def public_limits(options: argparse.Namespace, child_args: list[str], settings: 
                                "retry_after_s": (core or CoreSettings()).retry_after_s})
 
 
-def live_part(name: str, fresh, current) -> tuple[dict, list[str], list[str]]:
-    """Of table ``name`` as read again (``fresh``) against the one in force (``current``):
-    the values to put in force (the fresh live ones, the current others), the live keys
-    that change, and the other keys the file changed (they wait for a restart)."""
-    values, changed, waiting = {}, [], []
-    for key, setting in type(current).settings.items():
-        value = getattr(fresh, key)
-        if setting.live:
-            values[key] = value
-            if value != getattr(current, key):
-                changed.append(f"{name}.{key}")
-        else:
-            values[key] = getattr(current, key)
-            if value != values[key]:
-                waiting.append(f"{name}.{key}")
-    return values, changed, waiting
+def read_file(options: argparse.Namespace) -> GuardianConfig:
+    """--guardian-config as the supervisor reads it: each flag given winning over its key."""
+    config = load_config(options.guardian_config)
+    for attribute in ("core", "access", "http", "supervisor"):
+        setattr(config, attribute, getattr(config, attribute).with_flags(options))
+    return config
+
+
+def acted_on_here(key: str) -> bool:
+    """Whether the supervisor acts on setting ``key`` ("table.name") of the file; a guardian
+    child reads the rest (and says which of those wait for a restart)."""
+    table, _, name = key.partition(".")
+    return (table in (AccessSettings.table_name, HttpSettings.table_name, SupervisorSettings.table_name)
+            or (table == CoreSettings.table_name and name in SUPERVISOR_CORE_SETTINGS)
+            or key == "watchdog.probe_timeout_s")
 
 
 # -- command line ------------------------------------------------------------------
@@ -139,10 +138,9 @@ def read_settings(options: argparse.Namespace) -> tuple[SupervisorSettings, Core
     A guardian child reads the same file and checks the rest of it; stock
     reads none of it, so with --engine stock any other table is an error.
     """
-    config = load_config(options.guardian_config)
-    settings = config.supervisor.with_flags(options)
-    check_stock_tables(config, settings.engine)
-    return settings, config.core.with_flags(options)
+    config = read_file(options)
+    check_stock_tables(config, config.supervisor.engine)
+    return config.supervisor, config.core
 
 
 def check_stock_tables(config, engine: str) -> None:

@@ -34,10 +34,11 @@ from typing import Callable, Optional
 import httpx
 import structlog
 
-from guardian.config.tables import AccessSettings, CoreSettings, HttpSettings, SupervisorSettings, WatchdogSettings
+from guardian.config.tables import CoreSettings, HttpSettings, SupervisorSettings
 from guardian.config import in_force
 from guardian.config.registry import ConfigError
-from guardian.config.loading import load_config
+from guardian.config.live import merge
+from guardian.config.loading import GuardianConfig
 from guardian.observability.counting import ActiveCount, RecentEvents
 from guardian.quarantine.crashes import CrashQuarantine
 from guardian.supervise.metrics import SupervisorMetrics
@@ -55,8 +56,8 @@ from guardian.supervise.proxy import CHILD_CONNECT_TIMEOUT_S, CHILD_HOST, DEEP_R
 from guardian.health.sd_notify import SystemdNotifier
 from guardian.supervise.child import (Child, child_command, close_quietly, exit_reason, free_port,
                                       loggable_command, private_folder, signal_quietly)
-from guardian.supervise.settings import (SUPERVISOR_CORE_SETTINGS, abbreviated_flag, check_stock_tables, live_part,
-                                         make_parser, public_door, public_limits, read_settings)
+from guardian.supervise.settings import (abbreviated_flag, acted_on_here, check_stock_tables, make_parser,
+                                         public_door, public_limits, read_file, read_settings)
 from guardian.supervise.state import HOLDING, SERVING, State
 
 
@@ -148,19 +149,24 @@ class Supervisor:
         # in the kernel and never replies): it fails past --supervisor-health-timeout, and
         # past HEALTH_CHECK_MAX_S whatever: it runs on the main loop (signals, reaping, kills).
         self.health_timeout = min(self.settings.health_timeout_s, HEALTH_CHECK_MAX_S)
-        # The child's probes' deadline (its [watchdog] table, read as it starts) and a margin.
+        # The file as in force here, flags winning (live settings follow its saves), and as
+        # it was at start (what the others stay bound to).
         try:
-            probe_timeout_s = load_config(options.guardian_config).watchdog.probe_timeout_s
+            self.config = self.started_config = read_file(options)
         except ConfigError:  # the file broke since it was read: the child will say so
-            probe_timeout_s = WatchdogSettings.probe_timeout_s.default
-        self.deep_readiness_timeout_s = probe_timeout_s + DEEP_READINESS_MARGIN_S
-        # The public port's [http], as in force ([http] is live here as in a child).
-        try:
-            self.http = load_config(options.guardian_config).http.with_flags(options)
-        except ConfigError:
-            self.http = HttpSettings()
+            self.config = self.started_config = GuardianConfig()
         # Settings the file changed that the supervisor reads at start only.
         self.pending_restart: tuple = ()
+
+    @property
+    def http(self) -> HttpSettings:
+        """The public port's [http] (live here as in a child)."""
+        return self.config.http
+
+    @property
+    def deep_readiness_timeout_s(self) -> float:
+        """How long a deep readiness check may take: the child's probes' deadline, and a margin."""
+        return self.config.watchdog.probe_timeout_s + DEEP_READINESS_MARGIN_S
 
     # -- main loop ----------------------------------------------------------
     def run(self) -> int:
@@ -240,31 +246,19 @@ class Supervisor:
         if self.options.guardian_config is None:
             return
         try:
-            config = load_config(self.options.guardian_config)
-            fresh_access = config.access.with_flags(self.options)
-            fresh_http = config.http.with_flags(self.options)
-            fresh_supervisor = config.supervisor.with_flags(self.options)
-            core = config.core.with_flags(self.options)
-            check_stock_tables(config, self.settings.engine)
+            fresh = read_file(self.options)
+            check_stock_tables(fresh, self.settings.engine)
         except ConfigError as e:
             log.error("supervisor_config_reload_failed", reason=reason, error_message=str(e))
             return
-        access_values, changed, waiting = live_part("access", fresh_access, self.door.settings)
-        http_values, http_changed, http_waiting = live_part("http", fresh_http, self.http)
-        _, _, supervisor_waiting = live_part("supervisor", fresh_supervisor, self.settings)
-        changed += http_changed
-        waiting += http_waiting + supervisor_waiting
-        # Of [guardian], what the supervisor itself acts on.
-        core_values = {key: getattr(core, key) for key in SUPERVISOR_CORE_SETTINGS}
-        changed += [f"guardian.{key}" for key, value in core_values.items() if value != getattr(self.core, key)]
-        deep_readiness_timeout_s = config.watchdog.probe_timeout_s + DEEP_READINESS_MARGIN_S
-        if deep_readiness_timeout_s != self.deep_readiness_timeout_s:
-            changed.append("watchdog.probe_timeout_s")
+        merged, change = merge(self.config, fresh, self.started_config)
+        changed = [key for key in change.applied if acted_on_here(key)]
+        waiting = [key for key in change.needs_restart if acted_on_here(key)]
         newly_waiting = sorted(set(waiting) - set(self.pending_restart))
         if not changed and not newly_waiting:
             self.pending_restart = tuple(sorted(waiting))
             return
-        refused = self.child_refused(config.sha256)
+        refused = self.child_refused(fresh.sha256)
         if refused is not None:
             log.error("supervisor_config_reload_failed", reason=reason, error_message=f"the child refused this "
                       f"version of the file, so the supervisor keeps its settings too: {refused}")
@@ -276,13 +270,11 @@ class Supervisor:
                         hint="the supervisor reads these at start; restart it (its child restarts with it)")
         if not changed:
             return
-        self.door.use_settings(AccessSettings(**access_values))
+        self.config = merged
+        self.door.use_settings(merged.access)
         if "access.protected_mode" in changed:  # a save opened or closed the door: said as at start
             announce(self.door)
-        self.http = HttpSettings(**http_values)
-        self.core = CoreSettings(**{**{key: getattr(self.core, key) for key in CoreSettings.settings},
-                                    **core_values})
-        self.deep_readiness_timeout_s = deep_readiness_timeout_s
+        self.core = merged.core
         if self.httpd is not None:  # the public port's connection layer reads its limits at each use
             self.httpd.limits = public_limits(self.options, self.child_args, self.settings, self.core, self.http)
         log.info("supervisor_config_reloaded", reason=reason, changed=sorted(changed))
