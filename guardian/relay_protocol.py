@@ -85,13 +85,19 @@ def relayed_by_supervisor(headers) -> bool:
         given.encode("latin-1", "replace"), expected.encode())
 
 
+def header_number(value: Optional[str], max_digits: int) -> Optional[int]:
+    """A header's whole number (this protocol's, and the openai SDK's retry count), if it is
+    ASCII digits and no more than ``max_digits`` of them (str.isdigit() takes "²", which
+    int() refuses, as it refuses 5,000 digits); else None."""
+    if value and value.isascii() and value.isdigit() and len(value) <= max_digits:
+        return int(value)
+    return None
+
+
 def request_age(headers) -> float:
     """Seconds since the request reached the supervisor's public port (0 if it says none)."""
-    value = headers.get(AGE_HEADER) or ""
-    # ASCII digits, a few: str.isdigit() takes "²", which int() refuses.
-    if not (value.isascii() and value.isdigit() and len(value) <= 9):
-        return 0.0
-    return min(int(value), MAX_AGE_MS) / 1000
+    age_ms = header_number(headers.get(AGE_HEADER), max_digits=9)
+    return 0.0 if age_ms is None else min(age_ms, MAX_AGE_MS) / 1000
 
 
 def continued_from(headers, vocab_size: Optional[int]) -> Optional[list[int]]:

@@ -59,6 +59,7 @@ def sane_request_id(given: Optional[str]) -> Optional[str]:
     """The client's X-Request-ID if it is safe to log and echo, else None."""
     return given if given and SANE_REQUEST_ID.fullmatch(given) else None
 
+
 _current: contextvars.ContextVar[RequestInfo] = contextvars.ContextVar(
     "guardian_request", default=RequestInfo()
 )

@@ -71,12 +71,13 @@ def poll(condition: Callable[[], object], timeout: float, interval: float = 0.02
         time.sleep(interval)  # the poll loop: bounded by the deadline above
 
 
-def scraped(server, name: str, **labels) -> float:
+def scraped(server, name: str, via: Optional[httpx.Client] = None, **labels) -> float:
     """The sum of a metric's samples in a scrape of ``server``'s /metrics, of those with
-    ``labels`` if given (0 if none has them yet); the metric must be in the scrape."""
+    ``labels`` if given (0 if none has them yet); the metric must be in the scrape.
+    ``via``: the client to scrape with (one that trusts an HTTPS server's CA)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = httpx.get(server.url + "/metrics", timeout=5).text
+    text = (via or httpx).get(server.url + "/metrics", timeout=5).text
     assert f" {name}" in text or f"\n{name}" in text, f"{name} not in the scrape"
     return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
                if sample.name == name and labels.items() <= sample.labels.items())

@@ -24,7 +24,7 @@ import openai
 import pytest
 import trustme
 
-from conftest import SessionServer, chat_body, free_port, pace, poll, read_stream, spawn_guardian
+from conftest import SessionServer, chat_body, free_port, pace, poll, read_stream, scraped, spawn_guardian
 from guardian.access.tls import ServerCertificate
 from guardian.serving.connection import HeldConnections
 from guardian.serving.limits import ConnectionLimits
@@ -264,9 +264,7 @@ def test_a_flood_of_plain_http_to_the_tls_port_costs_no_thread_each(server):
 
     def closed() -> float:
         with server.client() as client:
-            text = client.get(server.url + "/metrics").text
-        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                   if line.startswith(name + '{reason="tls_failed"}'))
+            return scraped(server, name, via=client, reason="tls_failed")
 
     def threads() -> int:
         status = Path(f"/proc/{server.proc.pid}/status").read_text()

@@ -110,10 +110,9 @@ class GuardianHandler(Endpoints, stock.handler.DoorCorsHandler):
         """The request's deadlines (guardian.serving.deadlines), as timers on the connection
         layer's clock, counted from when the request reached the public port: here, or at
         the supervisor that held it (``relay_protocol.request_age``)."""
-        retries = self.headers.get(SDK_RETRY_COUNT_HEADER, "0")
-        # ASCII digits, a few: str.isdigit() takes "²", which int() refuses, as it refuses 5,000 digits.
-        if retries.isascii() and retries.isdigit() and len(retries) <= 6 and int(retries) > 0:
-            bind_log_fields(client_retry=int(retries))  # the openai SDK sent it again
+        retries = relay_protocol.header_number(self.headers.get(SDK_RETRY_COUNT_HEADER), max_digits=6)
+        if retries:
+            bind_log_fields(client_retry=retries)  # the openai SDK sent it again
         relayed = relay_protocol.relayed_by_supervisor(self.headers)
         arrived = info.started_at - (relay_protocol.request_age(self.headers) if relayed else 0.0)
         continued = relayed and relay_protocol.CONTINUE_HEADER in self.headers
