@@ -215,6 +215,26 @@ def test_heads_past_what_http_server_reads_are_refused_in_openais_shape(held):
         assert head.startswith(b"HTTP/1.0 %d" % status), (count, head)
 
 
+def test_a_header_count_set_live_is_the_door_s_and_the_server_reads_as_many(held):
+    """[http] max_header_count set live below http.server's own: as many header lines as it
+    says get in, one more gets 431, in both modes; under --supervise the child (the
+    request handed to it) reads them with the supervisor's own added. Relayed:
+    tests/test_supervisor_handoff.py."""
+    def answered(count: int) -> bytes:
+        others = b"".join(b"X-H%d: 1\r\n" % i for i in range(count - 2))  # Host and Content-Length
+        head, _ = raw_answer(held, b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n" + others
+                             + b"Content-Length: %d\r\n\r\n" % len(BODY) + BODY)
+        return head[len(b"HTTP/1.0 "):][:3]
+
+    try:
+        held.config.write_text(CONFIG.replace("[http]\n", "[http]\nmax_header_count = 40\n"))
+        poll(lambda: answered(41) == b"431", 15, what="the new limit at the door")
+        assert answered(40) == b"200"
+    finally:
+        held.config.write_text(CONFIG)
+        poll(lambda: answered(41) == b"200", 15, what="the limit back")
+
+
 def test_head_and_other_methods(held):
     logged_before = held.log_path.stat().st_size
     head = httpx.head(held.url + "/v1/models", timeout=10)
