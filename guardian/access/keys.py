@@ -217,7 +217,7 @@ class KeyRing:
         return True
 
     def request_reload(self, reason: str = "sighup") -> None:
-        """Read the file again soon (safe from a signal handler): on the watch's thread, which
+        """Read the file again soon (SIGHUP's, run on the main thread): on the watch's thread, which
         waits for a writer that has the file open to close it, as it does for a save (where
         the kernel says so: Linux)."""
         if self.path is None:

@@ -262,7 +262,7 @@ class LiveConfig:
         self.watcher.start(read_sha256=self._file.sha256)
 
     def request_reload(self, reason: str) -> None:
-        """Reload soon, on the reloader thread (safe from a signal handler)."""
+        """Reload soon, on the reloader thread."""
         if self.watcher is None:
             threading.Thread(target=self.reload, args=(reason,), name="config-reload", daemon=True).start()
         else:

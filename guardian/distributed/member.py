@@ -47,7 +47,7 @@ class GroupMember:
 
     def __init__(self, group: Group, peer_timeout_s: float, on_exit):
         self.group = group
-        # The process's guardian.serving.assembly.ExitRequest.
+        # The process's guardian.serving.exit_request.ExitRequest.
         self.on_exit = on_exit
         # Rank 0 said the group stops: a collective cut by its exit is no failure.
         self.stopping = False

@@ -25,6 +25,7 @@ from guardian.config.tables import AccessSettings
 from guardian.config.registry import ConfigError
 from guardian.config.loading import GuardianConfig
 from guardian.serving.connection import HeldConnections
+from guardian.serving.exit_request import ExitRequest
 from guardian.serving.limits import HANDLER_HEADROOM, LiveLimits
 from guardian.observability import metrics
 from guardian.observability.counting import ActiveCount
@@ -45,33 +46,6 @@ from guardian import handoff, long_lived
 from guardian.relay_protocol import HEADERS_ADDED_FOR_CHILD, started_by_supervisor
 
 log = structlog.get_logger("guardian.server")
-
-
-class ExitRequest:
-    """The first exit code asked for wins; the main thread waits on it."""
-
-    def __init__(self):
-        self._event = threading.Event()
-        self.code: Optional[int] = None
-
-    def __call__(self, code: int) -> None:
-        if self.code is None:
-            self.code = code
-        self._event.set()
-
-    def fail(self, code: int) -> None:
-        """A failure wins over a clean stop asked for meanwhile: mlx.launch
-        sends SIGTERM to a rank as its group breaks, at the moment this rank
-        learns why."""
-        if self.code in (None, EXIT_OK):
-            self.code = code
-        self._event.set()
-
-    def wait(self) -> int:
-        # A timeout keeps the main thread responsive to signals.
-        while not self._event.wait(0.5):
-            pass
-        return self.code
 
 
 def serve(host: str, port: int, model_provider, config: Union[GuardianConfig, LiveConfig], pm,
@@ -143,10 +117,12 @@ def serve(host: str, port: int, model_provider, config: Union[GuardianConfig, Li
     # Said again when a save opens or closes the door (protected_mode is live); before any
     # reload, so that no save goes unsaid.
     live.on_change(lambda change: announce(door) if "access.protected_mode" in change.applied else None)
-    # SIGHUP re-reads --guardian-config, the key file and the certificate (its default would end the process).
-    held = signal.signal(signal.SIGHUP, lambda *_: reload_on_sighup(live, door, tls))
+    # SIGHUP re-reads --guardian-config, the key file and the certificate (its default would end
+    # the process), on the main thread: the reload starts threads, which a handler may not.
+    reload = functools.partial(reload_on_sighup, live, door, tls)
+    held = signal.signal(signal.SIGHUP, lambda *_: exit_request.run_on_main_thread(reload))
     if getattr(held, "pending", False):  # one came while the model loaded (guardian.cli.HeldSighup)
-        reload_on_sighup(live, door, tls)
+        exit_request.run_on_main_thread(reload)
     live.follow()
     door.keys.follow()
 
@@ -248,7 +224,8 @@ class ServedModel(AdmittingGenerator):
 
 
 def reload_on_sighup(live: LiveConfig, door, tls: Optional[ServerCertificate] = None) -> None:
-    """SIGHUP: read --guardian-config, the key file and the certificate again (each on a thread of its own)."""
+    """SIGHUP, on the main thread: read --guardian-config, the key file and the certificate
+    again (each on a thread of its own)."""
     live.request_reload("sighup")
     door.keys.request_reload("sighup")
     if tls is not None:

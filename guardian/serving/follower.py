@@ -13,7 +13,8 @@ from guardian.distributed.group import Group
 from guardian.distributed.member import GroupMember
 from guardian.exit_codes import EXIT_BOOT_ERROR, EXIT_OK
 from guardian.plugin_manager import notify
-from guardian.serving.assembly import ExitRequest, ServedModel
+from guardian.serving.assembly import ServedModel
+from guardian.serving.exit_request import ExitRequest
 
 # A rank's events, as guardian.distributed.member logs them.
 log = structlog.get_logger("guardian.group")
@@ -57,7 +58,9 @@ def serve_follower(model_provider, config, pm, group: Group) -> int:
     # signalled rank leaves after that long anyway, and the group with it.
     leave_after_s = settings.core.exit_grace_s + STOP_MARGIN_S
     for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: _leave_later(exit_request, leave_after_s))
+        # The leaving logs and starts a timer: on the main thread, not in the handler.
+        signal.signal(signum, lambda *_: exit_request.run_on_main_thread(
+            lambda: _leave_later(exit_request, leave_after_s)))
     log.info("rank_started", model=model_provider.cli_args.model,
              mlx_lm_version=stock.contract.STOCK_VERSION)
     code = exit_request.wait()

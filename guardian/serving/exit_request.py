@@ -1,0 +1,60 @@
+"""How a serving process is asked to stop: the main thread waits here, and does here what
+signal handlers leave it.
+
+A signal handler runs on the main thread between two of its lines, wherever it is. So a
+handler may take no lock the main thread could be holding at that moment: a
+``threading.Event``'s, which the main thread takes twice a second while it waits, deadlocks
+the process for good when the signal lands inside that window (a supervised child heard its
+supervisor die, logged ``parent_gone``, and never stopped; the watch's own call then waited
+on the same lock). ``queue.SimpleQueue.put`` is what the standard library documents as safe
+there, so handlers only put, and the main thread does the work.
+"""
+
+from __future__ import annotations
+
+import queue
+from typing import Callable, Optional
+
+from guardian.exit_codes import EXIT_OK
+
+# How often the main thread looks up from its wait even with nothing put (a code set by a
+# thread that has not put yet is seen within this).
+POLL_S = 0.5
+
+
+class ExitRequest:
+    """The first exit code asked for wins; the main thread waits on it (``wait``).
+    Safe to call from a signal handler, as is ``run_on_main_thread``."""
+
+    def __init__(self):
+        self._mail: queue.SimpleQueue = queue.SimpleQueue()
+        self.code: Optional[int] = None
+
+    def __call__(self, code: int) -> None:
+        if self.code is None:
+            self.code = code
+        self._mail.put(None)
+
+    def fail(self, code: int) -> None:
+        """A failure wins over a clean stop asked for meanwhile: mlx.launch
+        sends SIGTERM to a rank as its group breaks, at the moment this rank
+        learns why."""
+        if self.code in (None, EXIT_OK):
+            self.code = code
+        self._mail.put(None)
+
+    def run_on_main_thread(self, work: Callable[[], None]) -> None:
+        """``work`` runs on the main thread, in ``wait``: what a signal handler wants done
+        (anything that logs, starts a thread or takes a lock) without doing it in the handler."""
+        self._mail.put(work)
+
+    def wait(self) -> int:
+        """Run what is left for the main thread until an exit is asked for; its code."""
+        while self.code is None:
+            try:
+                work = self._mail.get(timeout=POLL_S)
+            except queue.Empty:
+                continue
+            if work is not None:
+                work()
+        return self.code

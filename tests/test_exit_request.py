@@ -1,0 +1,60 @@
+"""A signal handler runs on the main thread between two of its lines, wherever the main
+thread is; serve's SIGTERM handler asks for the exit (guardian.serving.exit_request). It
+once took the lock of the ``threading.Event`` the main thread waited on: a signal landing
+while the main thread held that lock deadlocked the process for good (a supervised child
+logged ``parent_gone`` after its supervisor's SIGKILL and never stopped)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+# Run in a process of its own: the failure is a deadlock. A trace function is called
+# where a handler could run, at every line the main thread runs inside ``wait`` (the
+# standard library's included), and does what serve's SIGTERM handler does, at the
+# first line, then the second, and so on, until a wait ends before the call comes.
+AT_EVERY_LINE_OF_WAIT = textwrap.dedent("""
+    import sys, threading
+    from guardian.exit_codes import EXIT_OK
+    from guardian.serving.exit_request import ExitRequest
+
+    def wait_with_a_handler_at(line):
+        exit_request = ExitRequest()
+        lines = 0
+
+        def handler_here(frame, event, arg):
+            nonlocal lines
+            if event == "line":
+                lines += 1
+                if lines == line:
+                    exit_request(EXIT_OK)  # what serve's SIGTERM handler does
+            return handler_here
+
+        # No handler call at all past the last line: the exit then comes from a thread.
+        threading.Timer(0.2, exit_request, (EXIT_OK,)).start()
+        sys.settrace(handler_here)
+        try:
+            assert exit_request.wait() == EXIT_OK
+        finally:
+            sys.settrace(None)
+        return lines >= line
+
+    line = 1
+    while wait_with_a_handler_at(line):
+        print("returned with the handler at line", line, flush=True)
+        line += 1
+    print("every line", line - 1, flush=True)
+""")
+
+
+def test_a_signal_handler_asking_for_the_exit_at_any_line_of_the_wait_never_deadlocks():
+    try:
+        done = subprocess.run([sys.executable, "-c", AT_EVERY_LINE_OF_WAIT], capture_output=True,
+                              text=True, timeout=30)
+    except subprocess.TimeoutExpired as e:
+        shown = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        last = shown.strip().splitlines()[-1:] or ["before the first line"]
+        raise AssertionError(f"the wait deadlocked after: {last[0]}") from None
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1].startswith("every line")
