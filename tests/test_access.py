@@ -135,6 +135,29 @@ def test_a_broken_file_keeps_the_last_good_set(tmp_path):
     assert ring.names == ["carol"] and ring.identify(ALICE.encode()) == "carol"
 
 
+def test_an_event_for_unchanged_bytes_reads_them_and_changes_nothing(tmp_path, capsys):
+    """A file event with the same bytes (another event of one save, a chmod, or FSEvents'
+    events from before the watch began, on macOS) is read, and warned of if others may read
+    it now, but is no reload: no api_keys_reloaded line saying nothing was added. A
+    signal's reload, or one after a failed read, is said as before."""
+    from guardian.observability.logs import configure_logging
+
+    configure_logging("json", "INFO")
+    ring = keyring(tmp_path)
+    capsys.readouterr()
+    assert ring.reload("file_changed") is True and ring.loads == 1
+    (tmp_path / "keys.txt").chmod(0o644)
+    assert ring.reload("file_changed") is True and ring.loads == 1
+    said = capsys.readouterr().err
+    assert "api_keys_reloaded" not in said and "api_key_file_readable_by_others" in said
+    assert ring.reload("sighup") is True and ring.loads == 2
+    assert "api_keys_reloaded" in capsys.readouterr().err
+    (tmp_path / "keys.txt").write_text("alice:tiny\n")
+    assert ring.reload("file_changed") is False
+    (tmp_path / "keys.txt").write_text(KEY_FILE)  # the bytes in force, after a failed read: said
+    assert ring.reload("file_changed") is True and ring.loads == 3 and ring.last_failure is None
+
+
 # -- a presented key ---------------------------------------------------------------------
 @pytest.mark.parametrize("pairs, key, problem", [
     ((("Authorization", f"Bearer {ALICE}"),), ALICE.encode(), None),

@@ -10,10 +10,12 @@ mounts a ConfigMap or a Secret so), the folder itself replaced, and chmod.
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import pytest
 from watchdog.observers import Observer
+from watchdog.observers.api import EventEmitter
 
 from conftest import pace, poll
 from guardian.config import live
@@ -147,3 +149,30 @@ def test_a_file_gone_for_a_moment_is_read_once_it_is_back(tmp_path, watched):
     path.write_text("two\n")
     poll(lambda: reloads.read("two\n"), 5, what="the file read once back")
     assert found and all(found), found
+
+
+def emitters() -> int:
+    """watchdog's event threads in this process: one per folder watched."""
+    return sum(isinstance(thread, EventEmitter) for thread in threading.enumerate())
+
+
+def test_two_files_in_one_folder_share_one_watch_and_each_sees_its_saves(tmp_path, watched, monkeypatch):
+    """The configuration and the key file, usually in one folder, in one process. Each
+    watch had an observer of its own; before 7.0 watchdog refused a second watch of one
+    folder on macOS (FSEvents, one table for the process): the key file's saves were seen
+    only by the poll, seconds later, and stopping either watch ended the other's."""
+    monkeypatch.setattr(live, "POLL_S", 60.0)  # no poll in this test: events alone
+    before = emitters()
+    config = watched(tmp_path / "guardian.toml")
+    keys = watched(tmp_path / "keys")
+    assert emitters() == before + 1
+    assert config.watcher.running and keys.watcher.running
+    (tmp_path / "keys").write_text("two\n")
+    poll(lambda: keys.read("two\n"), 5, what="the key file's save read")
+    keys.watcher.stop()
+    assert not keys.watcher.running and config.watcher.running
+    (tmp_path / "guardian.toml").write_text("[guardian]\n")
+    poll(lambda: config.read("[guardian]\n"), 5, what="the configuration's save read, the other watch stopped")
+    assert config.seen == [("file_changed", "[guardian]\n")]
+    config.watcher.stop()
+    poll(lambda: emitters() == before, 5, what="the folder's watch ended with its last file's")

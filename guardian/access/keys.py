@@ -200,6 +200,7 @@ class KeyRing:
         if self.path is None:
             return False
         with self._lock:
+            before = self.read_sha256
             try:
                 keys = self._read()
             except KeyFileError as e:
@@ -207,6 +208,10 @@ class KeyRing:
                 log.error("api_keys_reload_failed", reason=reason, error_message=str(e),
                           keys_in_force=len(self._keys))
                 return False
+            if reason == "file_changed" and self.read_sha256 == before and self.last_failure is None:
+                # Another event of one save, a change of mode (read, so warned of if others may
+                # read it now), or FSEvents' events from before the watch began: the set in force.
+                return True
             old = set(self.names)
             self._keys = keys
             self.loads += 1

@@ -32,6 +32,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import structlog
 
+from guardian.config import folder_watch
 from guardian.config.tables import CORE_TABLES
 from guardian.config.registry import ConfigError
 from guardian.config.loading import GuardianConfig, load_config, parse_settings
@@ -353,14 +354,6 @@ def reports_closes(observer) -> bool:
     return type(observer).__name__ == "InotifyObserver"
 
 
-def folder_identity(path: Path) -> Optional[tuple]:
-    try:
-        stat = os.stat(path)
-    except OSError:
-        return None
-    return stat.st_dev, stat.st_ino
-
-
 class ConfigFileWatcher:
     """Calls ``reload(reason)`` once a burst of file-system events on one file settles.
 
@@ -382,7 +375,6 @@ class ConfigFileWatcher:
         self._stopped = threading.Event()
         self._reasons: list[str] = []
         self._reasons_lock = threading.Lock()
-        self._observer = None
         self._handler = None
         self._folder: Optional[tuple] = None  # the watched folder's identity
         self._stamp: Optional[tuple] = None  # the file's, when last read
@@ -391,15 +383,18 @@ class ConfigFileWatcher:
         self._thread = threading.Thread(target=self._run, name="config-reload", daemon=True)
 
     @property
+    def folder(self) -> str:
+        return str(self.path.parent)
+
+    @property
     def running(self) -> bool:
-        return self._observer is not None and self._observer.is_alive()
+        return self._handler is not None and folder_watch.watching(self.folder, self._handler)
 
     def start(self, read_sha256: Optional[str] = None) -> None:
         """Watch from now on. ``read_sha256``: the file's bytes as last read (at start);
         a file that differs by the time the watch begins was saved before it (while
         the model loaded, which a large model takes minutes over) and is read now."""
         from watchdog.events import FileSystemEventHandler
-        from watchdog.observers import Observer
 
         watcher = self
 
@@ -415,12 +410,9 @@ class ConfigFileWatcher:
 
         self._stamp = file_stamp(self.path)
         self._handler = Handler()
-        self._observer = Observer()
-        self.close_events = reports_closes(self._observer)
-        self._observer.daemon = True
-        self._folder = folder_identity(self.path.parent)
-        self._observer.schedule(self._handler, str(self.path.parent), recursive=False)
-        self._observer.start()
+        self.close_events = reports_closes(folder_watch.observer())
+        self._folder = folder_watch.directory(self.folder)
+        folder_watch.add(self.folder, self._handler)
         self._thread.start()
         log.info("config_watch_started", file=str(self.path))
         if read_sha256 is not None and file_sha256(self.path) != read_sha256:
@@ -470,12 +462,11 @@ class ConfigFileWatcher:
     def _look(self) -> None:
         """The poll: the file changed without an event seen (read it), its folder replaced
         (watch the new one)."""
-        folder = folder_identity(self.path.parent)
+        folder = folder_watch.directory(self.folder)
         if folder is not None and folder != self._folder:
             self._folder = folder
             try:
-                self._observer.unschedule_all()
-                self._observer.schedule(self._handler, str(self.path.parent), recursive=False)
+                folder_watch.watch_again(self.folder)
                 log.info("config_watch_restarted", file=str(self.path), why="its folder was replaced")
             except (OSError, RuntimeError) as e:
                 log.warning("config_watch_restart_failed", file=str(self.path), error_message=str(e))
@@ -485,5 +476,5 @@ class ConfigFileWatcher:
     def stop(self) -> None:
         self._stopped.set()
         self._wake.set()
-        if self._observer is not None:
-            self._observer.stop()
+        if self._handler is not None:
+            folder_watch.remove(self.folder, self._handler)
