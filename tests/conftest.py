@@ -234,6 +234,20 @@ def start_server(tmp_path, model_cache):
 BOTH_MODES = ["one_process", pytest.param("supervised", marks=pytest.mark.subprocess_mode)]
 
 
+def _hands_off() -> bool:
+    from guardian import handoff
+
+    return handoff.supported()
+
+
+# A third, for modules where it matters: under --supervise, every request relayed through the
+# supervisor. On Linux a supervisor hands most requests to its child (guardian.handoff); macOS
+# cannot, so there "supervised" already is this, and only Linux runs it as a mode of its own.
+RELAYED = pytest.param("relayed", marks=[
+    pytest.mark.subprocess_mode,
+    pytest.mark.skipif(not _hands_off(), reason="a supervisor relays every request here: the supervised mode is this")])
+
+
 class SessionServer(Server):
     """A server started in a session of its own (``start_new_session=True``):
     stopping it kills its process group, a supervisor's children too."""
@@ -248,23 +262,37 @@ class SessionServer(Server):
 
 class ModeServer(SessionServer):
     """A server a module's tests share, reconfigured live through ``self.config``:
-    one process, or (``kind`` "supervised") a supervisor in a session of its own."""
+    one process, or (``kind`` "supervised", or "relayed": ``RELAYED``) a supervisor in a
+    session of its own."""
 
     def __init__(self, kind: str, folder: Path, model_cache: Path, config: str = "", *args: str,
                  headers: Optional[dict] = None):
         self.kind = kind
+        self.supervised = kind in ("supervised", "relayed")
         self.config = folder / "guardian.toml"
-        self.config.write_text(config)
+        self.config.write_text(config + ("\n[supervisor]\nhand_off = false\n" if kind == "relayed" else ""))
         port = free_port()
         argv = ["--port", str(port), "--guardian-config", str(self.config), *args]
-        if kind == "supervised":
+        if self.supervised:
             argv = ["--supervise", *argv]
         log_path = folder / f"{kind}.log"
         super().__init__(spawn_guardian(argv, log_path, model_cache, start_new_session=True), port, log_path)
         self.wait_healthy()
-        if kind == "supervised":  # its /readyz is the child's: ready once a child is
+        if self.supervised:  # its /readyz is the child's: ready once a child is
             poll(lambda: httpx.get(self.url + "/guardian/supervisor", headers=headers or {},
                                    timeout=5).json()["state"] == "ready", 60, what="a ready child")
+
+    def check_passed_as_its_mode_says(self) -> None:
+        """Under --supervise, the requests so far went to the child as this mode says:
+        relayed, every one; supervised, handed off where this platform can."""
+        if not self.supervised:
+            return
+        name = "mlx_guardian_supervisor_requests_passed_total"
+        handed_off, relayed = scraped(self, name, how="handed_off"), scraped(self, name, how="relayed")
+        if self.kind == "relayed":
+            assert handed_off == 0 and relayed > 0, (handed_off, relayed)
+        elif _hands_off():
+            assert handed_off > 0, (handed_off, relayed)
 
 
 class SharedServer(ModeServer):

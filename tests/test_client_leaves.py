@@ -20,7 +20,7 @@ import httpx
 import openai
 import pytest
 
-from conftest import BOTH_MODES, ModeServer, chat_body, pace, poll, scraped
+from conftest import BOTH_MODES, RELAYED, ModeServer, chat_body, pace, poll, scraped
 
 COMPLETIONS = "/v1/chat/completions"
 STEP_S = 0.02
@@ -53,6 +53,15 @@ class EngineServer(ModeServer):
     def cancelled(self, reason: str) -> int:
         return self.engine_status()["requests_cancelled"][reason]
 
+    def cut_at_deadline(self) -> int:
+        """Requests ended at their deadline: by the engine, or under --supervise by the
+        supervisor, which answers one whose deadline passed before a child had it (a relayed
+        request; a handed-off one is the child's to judge)."""
+        cut = self.cancelled("deadline")
+        if self.supervised:
+            cut += scraped(self, "mlx_guardian_supervisor_requests_deadline_exceeded_total")
+        return int(cut)
+
     def idle(self) -> bool:
         status = self.engine_status()
         return status["in_flight"] == 0 and status["queued"] == 0
@@ -69,7 +78,8 @@ class EngineServer(ModeServer):
         return sock
 
 
-@pytest.fixture(scope="module", params=BOTH_MODES)
+# Relayed too: the supervised path of macOS, where nothing is handed off.
+@pytest.fixture(scope="module", params=[*BOTH_MODES, RELAYED])
 def engine_server(request, tmp_path_factory, model_cache):
     server = EngineServer(request.param, tmp_path_factory.mktemp(request.param), model_cache)
     yield server
@@ -87,6 +97,7 @@ def leave_and_check(server: EngineServer, sock: socket.socket, phase) -> None:
     assert time.monotonic() - left_at < 2  # a step is 20 ms; the watch and a status request add little
     assert server.cancelled("client_left") == before + 1
     assert server.engine_status()["tokens_after_cancel"] - tokens_before <= 2  # a step in flight at most
+    server.check_passed_as_its_mode_says()
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -252,7 +263,7 @@ def test_a_deadline_passed_on_arrival_is_a_504_every_time(engine_server):
     """A deadline shorter than reading the request has passed before the handler starts:
     it fails the request there, not on a timer that the shortest answer could beat
     (a stream too, before any of it is sent)."""
-    before = engine_server.cancelled("deadline")
+    before = engine_server.cut_at_deadline()
     expired = {"x-stainless-read-timeout": "0.000001"}
     with httpx.Client(timeout=30) as client:
         for _ in range(5):
@@ -263,5 +274,5 @@ def test_a_deadline_passed_on_arrival_is_a_504_every_time(engine_server):
             stream.read()
             # Nothing was sent yet: a 504 in OpenAI's shape, not an event stream.
             assert stream.status_code == 504 and stream.json()["error"]["code"] == "deadline_exceeded"
-    assert engine_server.cancelled("deadline") == before + 6
+    assert engine_server.cut_at_deadline() == before + 6
     assert engine_server.idle()

@@ -483,6 +483,8 @@ class ProxyHandler(BaseHTTPRequestHandler):
         else:
             headers.append((relay_protocol.KEY_HEADER, key))
         headers.append(relay_protocol.age_header(self.age_s()))
+        if self.gone:  # left before its relay began (a FIN with the request): nobody to answer
+            return ANSWERED
         self.server.supervisor.metrics.passed_relayed.inc()
         try:
             upstream = Upstream(child.port, self.command, self.target(), headers, body, holder=self)
@@ -801,6 +803,10 @@ class Upstream:
         if holder is not None:
             holder.upstream = self
         try:
+            if holder is not None and holder.gone:
+                # Its client left after the handler looked and before the line above, so
+                # client_left found no relay to cut: this one is cut here instead.
+                self.abort()
             self.connection.sock.settimeout(None)  # the connect is bounded, reads are not
             # Host is the child's; Accept-Encoding is the client's, if it sent one.
             self.connection.putrequest(method, target, skip_accept_encoding=True)
