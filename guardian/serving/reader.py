@@ -273,8 +273,8 @@ class RequestReader:
 
     def unwatch(self, sock: socket.socket) -> None:
         """Stop watching (before the socket is closed: its number may be reused)."""
-        self._unread.pop(sock, None)
         with self._lock:
+            self._unread.pop(sock, None)
             try:
                 self.selector.unregister(sock)
             except (KeyError, ValueError, OSError):
@@ -346,23 +346,40 @@ class RequestReader:
         reach) are dropped and the watch goes on. Under TLS they are records only the
         handler's thread may read (a client's close_notify, sent as it closes): the watch
         goes on by looking for the peer's close beyond them (``_look_again``)."""
-        self.unwatch(watched.sock)
+        # Never registered again here: the handler's thread may unwatch the socket at any
+        # moment and close it, and a registration made between the two outlived the socket
+        # (the selector kept its number, and refused every later connection given that
+        # number: the server went deaf). A drained socket stays registered as it is.
         if client_left(watched.sock) or (self.server.tls is None and not drained(watched.sock)):
+            self.unwatch(watched.sock)
             self._gone(watched)
-        elif self.server.tls is None:
-            self.watch(watched.sock, watched.on_gone)
-        else:
-            self._unread[watched.sock] = watched
+        elif self.server.tls is not None:
+            with self._lock:
+                if not self._watching(watched):
+                    return  # its request ended meanwhile
+                self.selector.unregister(watched.sock)  # records stay readable: no more wake-ups
+                self._unread[watched.sock] = watched
             self._look_again(watched, CLOSE_AFTER_RECORDS_S)
+
+    def _watching(self, watched: Watched) -> bool:
+        """Whether ``watched`` is the socket's registration now (under ``_lock``)."""
+        try:
+            key = self.selector.get_map().get(watched.sock)
+        except ValueError:  # closed, and no registration holds it
+            return False
+        return key is not None and key.data is watched
 
     def _look_again(self, watched: Watched, after_s: float) -> None:
         """A TLS connection with records unread: is its client gone yet? Asked until the
         request ends (``unwatch``)."""
         def look():
-            if self._unread.get(watched.sock) is not watched:
-                return  # its request ended
-            if peer_closed(watched.sock):
-                del self._unread[watched.sock]
+            with self._lock:  # the handler's unwatch, then its close, wait for this look
+                if self._unread.get(watched.sock) is not watched:
+                    return  # its request ended
+                gone = peer_closed(watched.sock)
+                if gone:
+                    del self._unread[watched.sock]
+            if gone:
                 self._gone(watched)
             else:
                 self._look_again(watched, TICK_S)
@@ -430,6 +447,7 @@ class RequestReader:
             sock.setblocking(False)
             incoming = Incoming(sock, address, self.server.tls is not None)
             with self._lock:
+                self._drop_closed(sock.fileno())
                 self.selector.register(sock, selectors.EVENT_READ, incoming)
         except (OSError, ValueError, KeyError):
             close_quietly(sock)
@@ -437,6 +455,15 @@ class RequestReader:
         self.held += 1
         incoming.held = True
         self._schedule(incoming)
+
+    def _drop_closed(self, fd: int) -> None:
+        """A registration under ``fd`` whose socket is closed (under ``_lock``): dropped, with
+        a line, so that the new connection given that number is not refused. None is left
+        so now; a later change that leaves one must not cost every later client."""
+        key = self.selector.get_map().get(fd)
+        if key is not None and key.fileobj.fileno() == -1:
+            log.error("reader_stale_registration_dropped", fd=fd, kind=type(key.data).__name__)
+            self.selector.unregister(key.fileobj)
 
     def _schedule(self, incoming: Incoming) -> None:
         """Put ``incoming``'s deadline as it now stands in the queue (its phase changed)."""

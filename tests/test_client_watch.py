@@ -1,0 +1,136 @@
+"""The reader's watch of a connection whose request is being answered (guardian.serving.reader):
+it sees the client leave, and drops bytes sent past the request (a CRLF some clients add).
+The handler's thread ends the watch (``unwatch_client``) and closes the socket whenever its
+answer is done, whatever the reader is doing at that moment.
+
+The reader once registered a drained socket again; a handler that unwatched and closed it
+around that left the selector holding the closed socket's number, and every later
+connection the kernel gave that number (most, on a quiet server: the lowest free one) was
+closed unanswered. A client spraying CRLFs turned a real server deaf after ~50 requests.
+Against a real HeldConnections server on 127.0.0.1 with a plain handler (no model).
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from conftest import poll
+from guardian.serving.connection import HeldConnections
+from guardian.serving.reader import RequestReader
+
+HOST = "127.0.0.1"
+WAIT_S = 10
+
+
+class Steps:
+    """Where the handler and the reader are, each waiting for the test's word to go on."""
+
+    def __init__(self):
+        for name in ("in_handler", "unwatch", "unwatched", "finish", "reader_paused", "reader_go", "reader_done"):
+            setattr(self, name, threading.Event())
+
+
+class Watching(BaseHTTPRequestHandler):
+    """GET /watched: watched while answered, then unwatched, then (on the test's word) closed."""
+
+    def do_GET(self):
+        self.send_response(200)
+        self.send_header("Content-Length", "2")
+        self.end_headers()
+        self.wfile.write(b"ok")
+        if self.path == "/watched":
+            steps = self.server.steps
+            self.server.watch_client(self.connection, lambda: None)
+            steps.in_handler.set()
+            steps.unwatch.wait(WAIT_S)
+            self.server.unwatch_client(self.connection)  # as the guardian's handler does, then closes
+            steps.unwatched.set()
+            steps.finish.wait(WAIT_S)
+
+    def log_message(self, *args):
+        pass
+
+
+class WatchingServer(HeldConnections, ThreadingHTTPServer):
+    daemon_threads = True
+    steps: Steps
+
+
+def pause_reader_at(line: int, steps: Steps):
+    """A trace for the reader's thread: inside RequestReader._on_watched (a watched socket
+    readable), wait for the test's word at the ``line``-th line it runs; say when it returns."""
+    watched_code = RequestReader._on_watched.__code__
+
+    def trace(frame, event, arg):
+        if frame.f_code is not watched_code:
+            return None
+        lines = 0
+
+        def local(frame, event, arg):
+            nonlocal lines
+            if event == "line":
+                lines += 1
+                if lines == line:
+                    steps.reader_paused.set()
+                    steps.reader_go.wait(WAIT_S)
+            elif event == "return":
+                steps.reader_done.set()
+            return local
+        return local
+    return trace
+
+
+def get(port: int, path: str = "/") -> bytes:
+    with socket.create_connection((HOST, port), timeout=WAIT_S) as sock:
+        sock.sendall(f"GET {path} HTTP/1.0\r\n\r\n".encode())
+        answer = b""
+        while chunk := sock.recv(4096):
+            answer += chunk
+    return answer
+
+
+@pytest.mark.skipif(sys.implementation.name != "cpython", reason="pauses a thread with sys.settrace")
+def test_a_handler_that_ends_its_watch_at_any_point_of_the_readers_look_leaves_the_server_serving():
+    line = 1
+    while True:
+        steps = Steps()
+        threading.settrace(pause_reader_at(line, steps))  # the reader's thread starts with the first client
+        httpd = WatchingServer((HOST, 0), Watching)
+        httpd.steps = steps
+        port = httpd.server_address[1]
+        threading.Thread(target=httpd.serve_forever, args=(0.05,), daemon=True).start()
+        try:
+            client = socket.create_connection((HOST, port), timeout=WAIT_S)
+            client.sendall(b"GET /watched HTTP/1.0\r\n\r\n")
+            assert steps.in_handler.wait(WAIT_S)
+            threading.settrace(None)
+            client.sendall(b"\r\n")  # past the request: the reader looks at the watched socket
+            poll(lambda: steps.reader_paused.is_set() or steps.reader_done.is_set(), WAIT_S,
+                 what="the reader at the line or done")
+            ran_past_the_end = not steps.reader_paused.is_set()
+            steps.unwatch.set()  # the handler's answer is done: it ends the watch
+            assert steps.unwatched.wait(WAIT_S)
+            steps.reader_go.set()
+            assert steps.reader_done.wait(WAIT_S)
+            steps.finish.set()  # then its socket is closed
+            while client.recv(4096):
+                pass
+            client.close()
+            # The next connections get the closed socket's number: each is answered.
+            for _ in range(3):
+                assert get(port).startswith(b"HTTP/1.0 200"), f"refused after a pause at line {line}"
+        finally:
+            threading.settrace(None)
+            for step in ("unwatch", "finish", "reader_go"):
+                getattr(steps, step).set()
+            httpd.shutdown()
+            httpd.server_close()
+        if ran_past_the_end:
+            break
+        line += 1
+    assert line > 2  # it paused at every line the look runs
