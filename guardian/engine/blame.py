@@ -43,6 +43,7 @@ counts unless the engine progressed.
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from collections import deque
 from enum import Enum
@@ -91,10 +92,16 @@ def verdicts(records: list, max_reruns: int, max_continuations: int = 0, *,
 class FailureBudget:
     """Engine failures within ``window_s``: every one (the failure rate, whether
     the engine is degraded, the time lost), and those that count toward the
-    crash loop: the failures without progress."""
+    crash loop: the failures without progress.
+
+    Read by the engine's loop as it fails and by every /metrics scrape and status
+    request at once: each method holds ``_lock``, since pruning the window is a look
+    and then a removal (two threads pruning one expired failure: a KeyError on the
+    loop's thread ended the process)."""
 
     def __init__(self, window_s: float):
         self.window_s = window_s
+        self._lock = threading.Lock()
         self._times: dict[int, float] = {}  # counted failure id -> monotonic time
         self._ids = itertools.count(1)
         # Every failure within the window: [monotonic time, seconds the engine was down after it].
@@ -112,43 +119,48 @@ class FailureBudget:
         unless that moved since the previous failure. Its id (for ``forgive``),
         or None when it is not counted."""
         now = time.monotonic() if now is None else now
-        self.total += 1
-        self._recent.append([now, 0.0])
-        progressed = self._progress_seen is not None and progress != self._progress_seen
-        self._progress_seen = progress
-        if progressed:
-            self.after_progress += 1
-            return None
-        failure_id = next(self._ids)
-        self._times[failure_id] = now
-        return failure_id
+        with self._lock:
+            self.total += 1
+            self._recent.append([now, 0.0])
+            progressed = self._progress_seen is not None and progress != self._progress_seen
+            self._progress_seen = progress
+            if progressed:
+                self.after_progress += 1
+                return None
+            failure_id = next(self._ids)
+            self._times[failure_id] = now
+            return failure_id
 
     def lost(self, seconds: float) -> None:
         """The engine was down ``seconds`` after the last failure (its restart, backoff included)."""
-        self.time_lost_s += seconds
-        if self._recent:
-            self._recent[-1][1] += seconds
+        with self._lock:
+            self.time_lost_s += seconds
+            if self._recent:
+                self._recent[-1][1] += seconds
 
     def forgive(self, failure_ids: Iterable[int]) -> int:
         """Stop counting these failures; return how many were still counted."""
-        forgiven = sum(self._times.pop(i, None) is not None for i in set(failure_ids))
-        self.forgiven += forgiven
-        return forgiven
+        with self._lock:
+            forgiven = sum(self._times.pop(i, None) is not None for i in set(failure_ids))
+            self.forgiven += forgiven
+            return forgiven
 
     def count(self, now: Optional[float] = None) -> int:
         """The failures the crash-loop budget counts now."""
         now = time.monotonic() if now is None else now
-        for failure_id, at in list(self._times.items()):
-            if at < now - self.window_s:
-                del self._times[failure_id]
-        return len(self._times)
+        with self._lock:
+            for failure_id, at in list(self._times.items()):
+                if at < now - self.window_s:
+                    del self._times[failure_id]
+            return len(self._times)
 
     def recent(self, now: Optional[float] = None) -> list:
         """Every failure within the window, oldest first: [time, seconds lost]."""
         now = time.monotonic() if now is None else now
-        while self._recent and self._recent[0][0] < now - self.window_s:
-            self._recent.popleft()
-        return list(self._recent)
+        with self._lock:
+            while self._recent and self._recent[0][0] < now - self.window_s:
+                self._recent.popleft()
+            return [list(failure) for failure in self._recent]
 
     def degraded_until(self, max_failures: int, now: Optional[float] = None) -> Optional[float]:
         """While more than ``max_failures`` failures fall within the window (as

@@ -14,23 +14,28 @@ from typing import Optional
 
 
 class RecentEvents:
-    """Times of events within the last ``window_s`` seconds (monotonic clock)."""
+    """Times of events within the last ``window_s`` seconds (monotonic clock). Counted by
+    one thread as events come and read by others (a scrape) at once: pruning is a look,
+    then a removal, so it holds a lock."""
 
     def __init__(self, window_s: float):
         self.window_s = window_s
         self._times: deque[float] = deque()
+        self._lock = threading.Lock()
 
     def add(self, now: Optional[float] = None) -> int:
         """Record an event; return how many fall within the window, this one included."""
         now = time.monotonic() if now is None else now
-        self._times.append(now)
+        with self._lock:
+            self._times.append(now)
         return self.count(now)
 
     def count(self, now: Optional[float] = None) -> int:
         now = time.monotonic() if now is None else now
-        while self._times and self._times[0] < now - self.window_s:
-            self._times.popleft()
-        return len(self._times)
+        with self._lock:
+            while self._times and self._times[0] < now - self.window_s:
+                self._times.popleft()
+            return len(self._times)
 
 
 class ActiveCount:

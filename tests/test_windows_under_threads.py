@@ -1,0 +1,98 @@
+"""The windows of failures and restarts (guardian.engine.blame.FailureBudget,
+guardian.observability.counting.RecentEvents) are pruned as they are read, and read by
+two threads at once: the engine's loop as it fails and a /metrics scrape, or the
+supervisor's main loop and its status page. Pruning an expired entry is a look, then a
+removal; two threads pruning one entry raised KeyError or IndexError, which on the
+engine's loop ended the process and on the supervisor's ended the supervisor."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+
+import pytest
+
+from guardian.engine.blame import FailureBudget
+from guardian.observability.counting import RecentEvents
+
+WINDOW_S = 60.0
+
+
+def paused_at(line: int, code, paused: threading.Event, go: threading.Event):
+    """A trace that waits for ``go`` at the ``line``-th line run inside ``code``."""
+    def trace(frame, event, arg):
+        if frame.f_code is not code:
+            return None
+        lines = 0
+
+        def local(frame, event, arg):
+            nonlocal lines
+            if event == "line":
+                lines += 1
+                if lines == line:
+                    paused.set()
+                    go.wait(10)
+            return local
+        return local
+    return trace
+
+
+def interleaved(make, method: str) -> int:
+    """For each line ``method`` runs in turn: one thread stops there while another runs
+    the whole method on the same object (an expired entry in it), then the first goes
+    on. Neither may fail. How many lines there were."""
+    line = 1
+    while True:
+        window = make()
+        call = getattr(window, method)
+        paused, go, errors = threading.Event(), threading.Event(), []
+
+        def run(trace=None):
+            if trace is not None:
+                sys.settrace(trace)
+            try:
+                call()
+            except Exception as e:  # noqa: BLE001 - what the test looks for
+                errors.append(repr(e))
+            finally:
+                sys.settrace(None)
+
+        first = threading.Thread(target=run, args=(paused_at(line, getattr(type(window), method).__code__, paused, go),))
+        first.start()
+        first_paused = paused.wait(0.5) if first.is_alive() else False
+        second = threading.Thread(target=run)
+        second.start()
+        second.join(0.05)  # done, or waiting for the first (a lock): either is right
+        go.set()
+        first.join(10)
+        second.join(10)
+        assert not first.is_alive() and not second.is_alive()
+        assert errors == [], f"{type(window).__name__}.{method}, the first thread stopped at line {line}: {errors}"
+        if not first_paused:
+            return line - 1
+        line += 1
+
+
+def budget_with_an_expired_failure() -> FailureBudget:
+    budget = FailureBudget(WINDOW_S)
+    budget.add(progress=(0, 0), now=time.monotonic() - 2 * WINDOW_S)
+    return budget
+
+
+def events_with_an_expired_one() -> RecentEvents:
+    events = RecentEvents(WINDOW_S)
+    events.add(time.monotonic() - 2 * WINDOW_S)
+    return events
+
+
+@pytest.mark.skipif(sys.implementation.name != "cpython", reason="pauses a thread with sys.settrace")
+@pytest.mark.parametrize("make, method", [
+    (budget_with_an_expired_failure, "count"),
+    (budget_with_an_expired_failure, "recent"),
+    (events_with_an_expired_one, "count"),
+])
+def test_a_window_pruned_by_two_threads_at_once_never_fails(make, method):
+    assert interleaved(make, method) >= 2
+    window = make()
+    assert getattr(window, method)() in (0, [])
