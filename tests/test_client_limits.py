@@ -62,6 +62,24 @@ def test_tokens_past_the_limit_are_refused_until_enough_leave_the_window():
     assert door.status()["tokens_last_minute"]["alice"] == 80
 
 
+def test_clients_that_never_come_back_are_forgotten_once_their_window_has_passed():
+    """Without keys a client is its address: a phone's changes, a scanner has many. Each
+    was kept for good (its window pruned only when it came back, or a status read came)."""
+    door, _, clock = limits(tokens_per_minute=1000)
+    for n in range(500):
+        assert door.admit(f"10.0.{n // 256}.{n % 256}", 10) is None
+        door.release(f"10.0.{n // 256}.{n % 256}")
+        door.charge(f"10.0.{n // 256}.{n % 256}", 5)
+    assert door.clients_counted == 500
+    clock.now += WINDOW_S / 2
+    assert door.admit("alice", 10) is None  # within the window: all are still counted
+    assert door.clients_counted == 501
+    clock.now += WINDOW_S / 2 + 1
+    door.charge("alice", 5)  # a window after the first 500: they are swept out
+    assert door.clients_counted == 1
+    assert door.status()["tokens_last_minute"] == {"alice": 15}
+
+
 def test_retry_after_is_whole_seconds_between_one_and_the_window():
     door, _, clock = limits(tokens_per_minute=50)
     assert door.admit("alice", 50) is None

@@ -40,6 +40,9 @@ class ClientLimits:
         self._lock = threading.Lock()
         self._in_flight: dict[str, int] = defaultdict(int)
         self._tokens: dict[str, deque] = defaultdict(deque)  # (when, tokens), oldest first
+        # A client's window is pruned when it comes back; one that never does (an address
+        # of a phone's or a scanner's) is swept out once a window has passed.
+        self._swept_at = clock()
 
     def admit(self, client: str, prompt_tokens: int) -> Optional[GuardianError]:
         """Take a place for a request, or the 429 that refuses it. A request
@@ -66,6 +69,7 @@ class ClientLimits:
                         self._seconds_until_below(client, per_minute - prompt_tokens)), None
                 receipt = (self.clock(), prompt_tokens)
                 self._tokens[client].append(receipt)
+                self._sweep()
             self._in_flight[client] = in_flight + 1
         return None, receipt
 
@@ -96,6 +100,23 @@ class ClientLimits:
         if tokens > 0 and self.settings.client_tokens_per_minute:
             with self._lock:
                 self._tokens[client].append((self.clock(), tokens))
+                self._sweep()
+
+    @property
+    def clients_counted(self) -> int:
+        """How many clients the token table holds (a status read prunes it; this does not)."""
+        with self._lock:
+            return len(self._tokens)
+
+    def _sweep(self) -> None:
+        """Once a window has passed since the last sweep: every client's window pruned,
+        those left with nothing forgotten (under ``_lock``)."""
+        now = self.clock()
+        if now - self._swept_at < WINDOW_S:
+            return
+        self._swept_at = now
+        for client in list(self._tokens):
+            self._used(client)
 
     def _used(self, client: str) -> int:
         entries = self._tokens.get(client)
