@@ -15,7 +15,6 @@ import threading
 import time
 
 import httpx
-import pytest
 
 from conftest import chat_body, poll, read_stream
 from guardian.exit_codes import EXIT_ENGINE_STALLED
@@ -278,3 +277,31 @@ def test_a_request_stuck_again_at_the_exit_rung_is_blamed_not_sent_back(start_se
     assert response.headers["x-should-retry"] == "false"
     assert server.proc.wait(timeout=30) == EXIT_ENGINE_STALLED
     assert [s["action"] for s in server.events("engine_stalled")] == ["restart", "exit"]
+
+
+def test_past_max_abandoned_loops_a_stall_takes_the_exit_rung(start_server):
+    """Each stall leaves its loop thread alive for good (stuck, or parked once its step
+    returns), with its memory: two threads and ~1.3 MB each on the CPU, measured over six
+    stalls. Stalls far apart, each after requests were served, never leave the first rung,
+    so they piled up without limit. Past max_abandoned_loops a stall exits instead (code 5)."""
+    config = (LOOP_FAULTS
+              + table("loop_faults", hang_repetition_penalty=HANG_PENALTY, hang_at_call=2, hang_which=[1, 3],
+                      hang_s=3.0)
+              + table("watchdog", interval_s=0.05, stall_timeout_s=1.0, probe_timeout_s=1.0,
+                      ladder=["restart"], ladder_window_s=600.0, max_abandoned_loops=1))
+    server = start_server(config)
+    url = server.url + COMPLETIONS
+    with httpx.Client(timeout=60) as client:
+        first = chat_body("Hang 1.", max_tokens=16, repetition_penalty=HANG_PENALTY)
+        assert client.post(url, json=first).status_code == 200  # re-run on the new loop
+        server.wait_for_event("engine_stalled", timeout=30)
+        assert client.post(url, json=chat_body("Served.", max_tokens=4)).status_code == 200
+        assert client.get(server.url + "/guardian/status").json()["abandoned_loop_threads"] == 1
+        results: dict = {}
+        post_in_background(url, chat_body("Hang 2.", max_tokens=16, repetition_penalty=HANG_PENALTY),
+                           results, "second")
+        assert server.proc.wait(timeout=60) == EXIT_ENGINE_STALLED
+    stalls = server.events("engine_stalled")
+    assert [(s["action"], s["stalls_in_window"], s["completed_since_last_stall"]) for s in stalls] == [
+        ("restart", 1, False), ("exit", 1, True)]
+    assert "max_abandoned_loops 1" in stalls[1]["reason"]

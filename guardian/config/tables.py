@@ -119,6 +119,15 @@ class WatchdogSettings(Table, name="watchdog"):
         weights; "reload": the same after reading the weights again; "exit": answer
         every request and exit with code 5 for launchd or systemd.""", live=True)
     ladder_window_s = Setting(SECONDS, 600.0, live=True)
+    max_abandoned_loops = Setting(Int(min=0), 4, """
+        A loop thread a stall replaced lives as long as the process: one stuck in a
+        step cannot be killed, and one whose step returns is parked (its exit would
+        destroy what mlx keeps per thread, under the live loop's work on a GPU). Each
+        holds its own stream and memory (on the CPU, two threads and ~1.3 MB). Once
+        this many are alive, a stall takes the exit rung, whatever the ladder says, so
+        that launchd or systemd starts a clean process; stalls far apart, each after
+        requests were served, would otherwise never leave the first rung. 0: no limit.""",
+        live=True)
     probe_interval_s = Setting(Float(min=0.05), 30.0, """
         Synthetic probes run this often while the engine is idle (never while it
         visibly progresses: progress is the proof then).""", live=True)

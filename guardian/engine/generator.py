@@ -408,6 +408,11 @@ class GuardianEngine(stock.loop.GuardedResponseGenerator):
         if replaced is not None:
             self._abandoned_threads = [t for t in self._abandoned_threads if t.is_alive()] + [replaced]
 
+    @property
+    def abandoned_loop_threads(self) -> int:
+        """Loop threads a stall replaced that are still alive: stuck in a step, or parked."""
+        return sum(t.is_alive() for t in self._abandoned_threads)
+
     def fail(self, record: RequestRecord, error: GuardianError) -> None:
         record.fail(error)
 
@@ -448,7 +453,7 @@ class GuardianEngine(stock.loop.GuardedResponseGenerator):
             **self.failures.status(),
             "steps": self.steps,
             # Each holds its stack's arrays (stuck) or what mlx keeps per thread (parked).
-            "abandoned_loop_threads": sum(t.is_alive() for t in self._abandoned_threads),
+            "abandoned_loop_threads": self.abandoned_loop_threads,
             "heartbeat_age_s": round(time.monotonic() - self.last_beat, 3),
             "mlx_lm_version": stock.contract.STOCK_VERSION,
             "backoff": self.backoff.status(),

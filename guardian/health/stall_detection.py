@@ -238,6 +238,10 @@ class StallDetector:
         stalls_in_window = self.stalls.count() + 1
         action = ladder[min(stalls_in_window, len(ladder)) - 1]
         reason = f"{why} for {heartbeat_age_s:.1f} s"
+        abandoned, most = self.engine.abandoned_loop_threads, self.settings.max_abandoned_loops
+        if most and abandoned >= most and action != "exit":
+            action = "exit"  # another abandoned loop would hold memory for good: a clean process instead
+            reason += f"; {abandoned} abandoned loop threads alive already (max_abandoned_loops {most})"
         if not self.engine.lifecycle.stalled(action):
             return  # the engine gave up or stopped meanwhile: no loop to replace
         self.stalls.add()
