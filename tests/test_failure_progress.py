@@ -239,3 +239,31 @@ def test_a_crash_suspect_whose_stream_progressed_is_not_quarantined():
         if generation < 3:  # the first crash, then one after progress
             assert struck["suspects"][0]["strikes"] == 1 and struck["quarantined_count"] == 0
     assert struck["quarantined_count"] == 1, "the third crash found it where the second did"
+
+
+def test_a_crash_suspect_is_forgotten_once_its_strike_window_has_passed():
+    """A suspect is cleared when the same request is answered in full; a unique prompt never
+    is. Kept for good, after one crash every answered request worked out its fingerprint (a
+    parse and a hash of its body) for as long as the supervisor ran. Past the strike window
+    it cannot strike again: forgotten, as the window would count it anyway."""
+    from guardian.quarantine.crashes import CrashQuarantine
+
+    window_s = 1.0
+    quarantine = CrashQuarantine(quarantine_s=600, strike_window_s=window_s)
+    with quarantine.relaying(1, "POST", "/v1/chat/completions", "fp-unique") as relay:
+        relay.lost = True
+    quarantine.child_exited(1, crashed=True)
+
+    def answered_once(generation: int) -> None:
+        with quarantine.relaying(generation, "POST", "/v1/chat/completions", f"fp-{generation}") as other:
+            other.answered = True
+
+    answered_once(2)
+    assert [s["strikes"] for s in quarantine.status()["suspects"]] == [1]  # within its window: kept
+
+    def forgotten() -> bool:
+        answered_once(3)
+        return not quarantine.suspects
+
+    poll(forgotten, window_s + 10, what="the suspect forgotten once its window passed")
+    assert quarantine.status()["suspects"] == [] and quarantine.status()["quarantined_count"] == 0

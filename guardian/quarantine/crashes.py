@@ -228,6 +228,7 @@ class CrashQuarantine:
         if method != TRACKED_METHOD:
             return relay
         if self.enabled:
+            self._forget_expired()
             if self.quarantined.has_entries() or self.suspects:
                 # Only then is the fingerprint worth its cost now.
                 if self.quarantined.holds(relay.fingerprint) or relay.fingerprint in self.suspects:
@@ -253,6 +254,7 @@ class CrashQuarantine:
         """A relay's end: off the record unless the child failed under it; a suspect answered is cleared."""
         if not relay.lost:
             self._remove(generation, id(relay))
+        self._forget_expired()
         if answered and self.suspects:  # only a suspect is cleared: no fingerprint worked out for nothing
             self._clear(relay.fingerprint)
 
@@ -271,6 +273,21 @@ class CrashQuarantine:
         """A relay answered in full: it is no suspect of anything."""
         with self.lock:
             self.relays.get(generation, {}).pop(key, None)
+
+    def _forget_expired(self) -> None:
+        """Suspects whose last crash left the strike window can strike no more: forgotten,
+        oldest first (the table is in the order of their last crash). Kept, a suspect
+        never answered again (a unique prompt) made every answered request after a
+        crash work out its fingerprint, for as long as the supervisor ran."""
+        if not self.suspects:
+            return
+        horizon = time.monotonic() - self.strike_window_s
+        with self.lock:
+            while self.suspects:
+                fp, suspect = next(iter(self.suspects.items()))
+                if suspect.crash_times and suspect.crash_times[-1] > horizon:
+                    break
+                del self.suspects[fp]
 
     def _clear(self, fp: str) -> None:
         """A request answered in full did not crash the child: no longer a suspect."""
