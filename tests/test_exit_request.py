@@ -58,3 +58,19 @@ def test_a_signal_handler_asking_for_the_exit_at_any_line_of_the_wait_never_dead
         raise AssertionError(f"the wait deadlocked after: {last[0]}") from None
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1].startswith("every line")
+
+
+def test_a_failure_wins_over_a_clean_stop_asked_for_first_and_not_the_other_way():
+    """serve gives the engine ``fail`` for its give-up: a SIGTERM landing as the engine gave
+    up (exit 4) made the process exit 0, and launchd or systemd read a clean stop."""
+    from guardian.exit_codes import EXIT_OK
+    from guardian.serving.exit_request import ExitRequest
+
+    stopped_then_failed = ExitRequest()
+    stopped_then_failed(EXIT_OK)
+    stopped_then_failed.fail(4)
+    assert stopped_then_failed.wait() == 4
+    failed_then_stopped = ExitRequest()
+    failed_then_stopped.fail(4)
+    failed_then_stopped(EXIT_OK)
+    assert failed_then_stopped.wait() == 4

@@ -46,7 +46,7 @@ def serve_follower(model_provider, config, pm, group: Group) -> int:
         member.failing(f"the model could not be loaded: {e}")
         member.leave(EXIT_BOOT_ERROR)
         return EXIT_BOOT_ERROR
-    served = ServedModel(model_provider, config, pm, on_exit=exit_request, engine_class=GroupEngine)
+    served = ServedModel(model_provider, config, pm, on_exit=exit_request.fail, engine_class=GroupEngine)
     member.watch(served.engine)
     # Start-up hooks as on rank 0 (the probe's prompt kept out of the prompt
     # cache: every rank's cache must hold the same entries), no watchdog:
