@@ -74,3 +74,19 @@ def test_a_failure_wins_over_a_clean_stop_asked_for_first_and_not_the_other_way(
     failed_then_stopped.fail(4)
     failed_then_stopped(EXIT_OK)
     assert failed_then_stopped.wait() == 4
+
+
+def test_work_left_for_the_main_thread_runs_there_and_a_failure_of_it_ends_nothing():
+    """SIGHUP's reload runs on the main thread, in wait: one that raises is logged, and the
+    server goes on waiting for its exit."""
+    import threading
+
+    from guardian.serving.exit_request import ExitRequest
+
+    exit_request = ExitRequest()
+    ran_on = []
+    exit_request.run_on_main_thread(lambda: 1 / 0)
+    exit_request.run_on_main_thread(lambda: ran_on.append(threading.current_thread()))
+    exit_request.run_on_main_thread(lambda: exit_request(3))
+    assert exit_request.wait() == 3
+    assert ran_on == [threading.current_thread()]

@@ -99,8 +99,3 @@ def watching(folder: str, handler) -> bool:
         entry = _folders.get(folder)
         return entry is not None and handler in entry[1] and _observer is not None and _observer.is_alive()
 
-
-def watches() -> int:
-    """How many folders the observer watches (one per folder, however many files)."""
-    with _lock:
-        return len(_folders)

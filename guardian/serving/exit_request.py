@@ -15,7 +15,11 @@ from __future__ import annotations
 import queue
 from typing import Callable, Optional
 
+import structlog
+
 from guardian.exit_codes import EXIT_OK
+
+log = structlog.get_logger("guardian.server")
 
 # How often the main thread looks up from its wait even with nothing put (a code set by a
 # thread that has not put yet is seen within this).
@@ -56,5 +60,8 @@ class ExitRequest:
             except queue.Empty:
                 continue
             if work is not None:
-                work()
+                try:
+                    work()
+                except Exception:  # noqa: BLE001 - a reload that failed must not end the server
+                    log.exception("main_thread_work_failed")
         return self.code
