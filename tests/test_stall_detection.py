@@ -296,3 +296,43 @@ def test_a_replacement_loop_is_judged_by_its_own_silence(start_server):
     assert first["heartbeat_age_s"] >= stall_s
     assert "failed its probe" in second["reason"]
     assert second["heartbeat_age_s"] < probe_s + 2.0, second
+
+
+def test_one_verification_of_a_replacement_loop_at_a_time_however_late_its_thread_starts():
+    """The watchdog verifies a loop that replaced a stuck one with a probe, on a thread of its
+    own. It checked the probes' lock before starting one, so a thread not yet scheduled by
+    the next look (a loaded machine) made it start a second: two failed probes, two rungs
+    climbed for one loop. The verification's thread is held at its first line here, as
+    a late one would be, while the watchdog looks again and again."""
+    from types import SimpleNamespace
+
+    from guardian.config.tables import WatchdogSettings
+    from guardian.health.stall_detection import StallDetector
+
+    verified = []
+    engine = SimpleNamespace(lifecycle=SimpleNamespace(on_trial=True, verified=lambda: verified.append(1)),
+                             plugin_view=None)
+    hook = SimpleNamespace(probe=lambda **_: [{"name": "generation", "ok": True}],
+                           on_probe_result=lambda **_: None)
+    detector = StallDetector(engine, SimpleNamespace(hook=hook), WatchdogSettings())
+    started, go = [], threading.Event()
+    code = StallDetector._verify_replacement.__code__
+
+    def hold_at_its_start(frame, event, arg):
+        if frame.f_code is code and event == "call":
+            started.append(threading.current_thread())
+            go.wait(10)
+        return None
+
+    threading.settrace(hold_at_its_start)
+    try:
+        for _ in range(5):  # the watchdog's looks while the first verification is not under way yet
+            detector._maybe_probe(time.monotonic())
+        poll(lambda: started, 5, what="the verification's thread")
+    finally:
+        threading.settrace(None)
+        go.set()
+    assert len(started) == 1
+    poll(lambda: verified, 5, what="the replacement verified")
+    # Once it is done, a later look may verify again (still on trial: another replacement).
+    poll(lambda: detector._maybe_probe(time.monotonic()) or len(verified) == 2, 5, what="a second verification")

@@ -76,6 +76,7 @@ class StallDetector:
         self._last_sample_at = float("-inf")
         self._last_ping_at = float("-inf")
         self._probing = threading.Lock()
+        self._verifying = False  # a replacement loop's verification under way (_maybe_probe)
         self._stopped = threading.Event()
         self._ready_sent = False
         self._settings_changed = False
@@ -261,9 +262,13 @@ class StallDetector:
 
     # -- probes -------------------------------------------------------------
     def _maybe_probe(self, now: float) -> None:
-        if self.engine.lifecycle.on_trial and not self._probing.locked():
-            # A loop that replaced a stuck one is ready once it generated.
-            threading.Thread(target=self._verify_replacement, name="probe", daemon=True).start()
+        if self.engine.lifecycle.on_trial:
+            # A loop that replaced a stuck one is ready once it generated. One verification at
+            # a time, claimed here: a thread started at the last look may not hold the probes'
+            # lock yet, and a second one's failure would climb a second rung for one loop.
+            if not self._verifying:
+                self._verifying = True
+                threading.Thread(target=self._verify_replacement, name="probe", daemon=True).start()
             return
         if self.engine.state is not EngineState.READY:
             return
@@ -308,10 +313,14 @@ class StallDetector:
 
     def _verify_replacement(self) -> None:
         """Probe the loop that replaced a stuck one: ready if it generated, else another stall."""
-        if self.run_probes()["ok"]:
-            self.engine.lifecycle.verified()
-        elif self.engine.lifecycle.on_trial:
-            self._on_stall(self._restarted_loop_silent_for(time.monotonic()), "the replacement loop failed its probe")
+        try:
+            if self.run_probes()["ok"]:
+                self.engine.lifecycle.verified()
+            elif self.engine.lifecycle.on_trial:
+                self._on_stall(self._restarted_loop_silent_for(time.monotonic()),
+                               "the replacement loop failed its probe")
+        finally:
+            self._verifying = False
 
     # -- readiness ------------------------------------------------------------
     def heartbeat_fresh(self) -> bool:
