@@ -405,7 +405,7 @@ class ConfigFileWatcher:
                 paths = [event.src_path, getattr(event, "dest_path", "")]
                 if any(watcher.is_ours(p) for p in paths if p):
                     if watcher.close_events:  # written in place: wait for the close; renamed or closed: whole
-                        watcher.writing = event.event_type == "modified"
+                        watcher.writing = event.event_type == "modified" and watcher.content_moved()
                     watcher.kick("file_changed")
 
         self._stamp = file_stamp(self.path)
@@ -417,6 +417,13 @@ class ConfigFileWatcher:
         log.info("config_watch_started", file=str(self.path))
         if read_sha256 is not None and file_sha256(self.path) != read_sha256:
             self.kick("file_changed")
+
+    def content_moved(self) -> bool:
+        """Whether the file's size or modification time moved since it was last read: a
+        write. A change of mode moves neither, and watchdog before 7.0 reports it as
+        "modified" too; no close follows it, so waiting for one held the read 10 s."""
+        now = file_stamp(self.path)
+        return now is None or self._stamp is None or now[3:5] != self._stamp[3:5]
 
     def is_ours(self, event_path) -> bool:
         path = os.fsdecode(event_path)
