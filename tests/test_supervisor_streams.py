@@ -18,7 +18,7 @@ import threading
 import httpx
 import pytest
 
-from conftest import chat_body, poll
+from conftest import RELAYED, chat_body, poll, scraped
 from test_continuation import streamed
 from test_continuation import TEXT as TEXT_COMPLETIONS
 from test_supervisor import COMPLETIONS, SLOW_STEPS, assert_restarting_error, start_supervisor  # noqa: F401 - a fixture
@@ -65,10 +65,15 @@ def read_whole(url: str, body: dict) -> StreamReader:
     return reader
 
 
-@pytest.mark.parametrize("signum, path", [(signal.SIGKILL, COMPLETIONS), (signal.SIGSEGV, TEXT_COMPLETIONS)])
-def test_a_stream_cut_by_the_childs_death_is_continued_on_the_next_child(start_supervisor, tmp_path, signum, path):
+@pytest.mark.parametrize("signum, path, hand_off", [
+    (signal.SIGKILL, COMPLETIONS, True), (signal.SIGSEGV, TEXT_COMPLETIONS, True),
+    # Relayed: the Mac's path, where nothing is handed off (conftest.RELAYED).
+    pytest.param(signal.SIGKILL, COMPLETIONS, False, marks=RELAYED.marks)])
+def test_a_stream_cut_by_the_childs_death_is_continued_on_the_next_child(start_supervisor, tmp_path, signum, path,
+                                                                          hand_off):
     config = tmp_path / "slow.toml"
-    config.write_text(SLOW_STEPS)  # steps of at least 10 ms: the kill lands mid-stream
+    # Steps of at least 10 ms: the kill lands mid-stream.
+    config.write_text(SLOW_STEPS + ("" if hand_off else "[supervisor]\nhand_off = false\n"))
     supervised = start_supervisor("--guardian-config", str(config))
     first_pid = supervised.wait_ready()
     body = greedy_stream("Go on across the crash.", max_tokens=120)
@@ -106,6 +111,9 @@ def test_a_stream_cut_by_the_childs_death_is_continued_on_the_next_child(start_s
     assert continuing["dead_child_pid"] == first_pid and continuing["tokens_relayed"] >= events_before_kill
     second_pid = supervised.wait_ready(not_pid=first_pid, timeout=30)
     assert second_pid != first_pid
+    if not hand_off:  # the reference and the cut stream, each through the supervisor
+        passed = "mlx_guardian_supervisor_requests_passed_total"
+        assert scraped(supervised, passed, how="handed_off") == 0 and scraped(supervised, passed, how="relayed") >= 2
     print(f"\nmeasured: {continuing['tokens_relayed']} tokens relayed before the "
           f"{signal.Signals(signum).name}; the stream went on from the next child, identical to an unfailed run")
 
