@@ -10,6 +10,8 @@ import subprocess
 import sys
 import textwrap
 
+from conftest import poll
+
 # Run in a process of its own: the failure is a deadlock. A trace function is called
 # where a handler could run, at every line the main thread runs inside ``wait`` (the
 # standard library's included), and does what serve's SIGTERM handler does, at the
@@ -90,3 +92,53 @@ def test_work_left_for_the_main_thread_runs_there_and_a_failure_of_it_ends_nothi
     exit_request.run_on_main_thread(lambda: exit_request(3))
     assert exit_request.wait() == 3
     assert ran_on == [threading.current_thread()]
+
+
+def test_a_failure_set_while_a_clean_stop_is_half_asked_for_still_wins():
+    """The clean stop (a signal's) and the failure (the engine's give-up, on its thread) each
+    looked at one shared code, then wrote it: a failure written between the stop's look and
+    its write was overwritten with 0. The stop's caller is held at each line in turn."""
+    import sys
+    import threading
+
+    from guardian.exit_codes import EXIT_OK
+    from guardian.serving.exit_request import ExitRequest
+
+    line = 1
+    while True:
+        exit_request = ExitRequest()
+        paused, go, lines = threading.Event(), threading.Event(), [0]
+        code = ExitRequest.__call__.__code__
+
+        def held(frame, event, arg):
+            if frame.f_code is not code:
+                return None
+
+            def local(frame, event, arg):
+                if event == "line":
+                    lines[0] += 1
+                    if lines[0] == line:
+                        paused.set()
+                        go.wait(10)
+                return local
+            return local
+
+        def stop():
+            sys.settrace(held)
+            try:
+                exit_request(EXIT_OK)
+            finally:
+                sys.settrace(None)
+
+        stopper = threading.Thread(target=stop)
+        stopper.start()
+        poll(lambda: paused.is_set() or not stopper.is_alive(), 10, what="the stop held or done")
+        reached = paused.is_set()
+        exit_request.fail(4)
+        go.set()
+        stopper.join(10)
+        assert exit_request.wait() == 4, f"the stop held at line {line}"
+        if not reached:
+            break
+        line += 1
+    assert line > 2

@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from conftest import poll
 from guardian.engine.blame import FailureBudget
 from guardian.observability.counting import RecentEvents
 
@@ -60,7 +61,8 @@ def interleaved(make, method: str) -> int:
 
         first = threading.Thread(target=run, args=(paused_at(line, getattr(type(window), method).__code__, paused, go),))
         first.start()
-        first_paused = paused.wait(0.5) if first.is_alive() else False
+        poll(lambda: paused.is_set() or not first.is_alive(), 10, interval=0.01, what="the first thread held or done")
+        first_paused = paused.is_set()
         second = threading.Thread(target=run)
         second.start()
         second.join(0.05)  # done, or waiting for the first (a lock): either is right

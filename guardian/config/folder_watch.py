@@ -33,19 +33,22 @@ def observer():
         if _observer is None:
             from watchdog.observers import Observer
 
-            _observer = Observer()
-            _observer.daemon = True
-            _observer.start()
+            started = Observer()
+            started.daemon = True
+            started.start()  # kept only once it runs: a later call tries again
+            _observer = started
         return _observer
 
 
-def add(folder: str, handler) -> None:
-    """Give ``handler`` (a watchdog FileSystemEventHandler) the events of ``folder``."""
+def add(folder: str, handler, identity: Optional[tuple]) -> None:
+    """Give ``handler`` (a watchdog FileSystemEventHandler) the events of ``folder``;
+    ``identity``: the directory there as its caller saw it before (``directory``): a watch
+    made now is of that one, or of one that replaced it, which the caller's poll finds."""
     shared = observer()
     with _lock:
         watch = shared.schedule(handler, folder, recursive=False)
-        _, handlers, identity = _folders.get(folder, (watch, [], None))
-        _folders[folder] = (watch, [*handlers, handler], identity or directory(folder))
+        _, handlers, known = _folders.get(folder, (watch, [], identity))
+        _folders[folder] = (watch, [*handlers, handler], known)
 
 
 def remove(folder: str, handler) -> None:
@@ -66,15 +69,15 @@ def remove(folder: str, handler) -> None:
                 _observer.unschedule(watch)
 
 
-def watch_again(folder: str) -> None:
+def watch_again(folder: str) -> bool:
     """The folder was replaced (a new directory at its path): watch the new one, every
-    handler on it as before, once (each file's watcher notices). Raises what watchdog
-    raises (OSError, RuntimeError)."""
+    handler on it as before, once (each file's watcher notices); whether this call did.
+    Raises what watchdog raises (OSError, RuntimeError)."""
     with _lock:
         entry = _folders.get(folder)
         now = directory(folder)
         if entry is None or now is None or now == entry[2]:
-            return
+            return False
         old, handlers, _ = entry
         with contextlib.suppress(KeyError):  # unscheduled already, by an attempt that failed after
             _observer.unschedule(old)
@@ -82,6 +85,7 @@ def watch_again(folder: str) -> None:
         for handler in handlers:
             watch = _observer.schedule(handler, folder, recursive=False)
         _folders[folder] = (watch, handlers, now)
+        return True
 
 
 def directory(folder: str) -> Optional[tuple]:

@@ -409,11 +409,16 @@ class ConfigFileWatcher:
                     watcher.kick("file_changed")
 
         self._stamp = file_stamp(self.path)
-        self._handler = Handler()
         self.close_events = reports_closes(folder_watch.observer())
         self._folder = folder_watch.directory(self.folder)
-        folder_watch.add(self.folder, self._handler)
-        self._thread.start()
+        self._thread.start()  # first: a handler on the shared watch with nobody to read its kicks would pile them up
+        self._handler = Handler()
+        try:
+            folder_watch.add(self.folder, self._handler, self._folder)
+        except BaseException:
+            self._handler = None
+            self.stop()
+            raise
         log.info("config_watch_started", file=str(self.path))
         if read_sha256 is not None and file_sha256(self.path) != read_sha256:
             self.kick("file_changed")
@@ -473,8 +478,8 @@ class ConfigFileWatcher:
         if folder is not None and folder != self._folder:
             self._folder = folder
             try:
-                folder_watch.watch_again(self.folder)
-                log.info("config_watch_restarted", file=str(self.path), why="its folder was replaced")
+                if folder_watch.watch_again(self.folder):  # once for the folder, by whichever file saw it first
+                    log.info("config_watch_restarted", file=str(self.path), why="its folder was replaced")
             except (OSError, RuntimeError) as e:
                 log.warning("config_watch_restart_failed", file=str(self.path), error_message=str(e))
         if file_stamp(self.path) != self._stamp:

@@ -268,7 +268,11 @@ class StallDetector:
             # lock yet, and a second one's failure would climb a second rung for one loop.
             if not self._verifying:
                 self._verifying = True
-                threading.Thread(target=self._verify_replacement, name="probe", daemon=True).start()
+                try:
+                    threading.Thread(target=self._verify_replacement, name="probe", daemon=True).start()
+                except BaseException:  # no thread: the next look tries again
+                    self._verifying = False
+                    raise
             return
         if self.engine.state is not EngineState.READY:
             return

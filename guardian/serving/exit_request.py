@@ -32,19 +32,29 @@ class ExitRequest:
 
     def __init__(self):
         self._mail: queue.SimpleQueue = queue.SimpleQueue()
-        self.code: Optional[int] = None
+        # Each written once, by one kind of caller: a look and a write of one shared field
+        # let a signal's clean stop, between the two, overwrite a failure set meanwhile.
+        self._asked: Optional[int] = None
+        self._failed: Optional[int] = None
+
+    @property
+    def code(self) -> Optional[int]:
+        """The exit code: the first asked for, unless a failure came and that was a clean stop."""
+        if self._failed is not None and self._asked in (None, EXIT_OK):
+            return self._failed
+        return self._asked
 
     def __call__(self, code: int) -> None:
-        if self.code is None:
-            self.code = code
+        if self._asked is None:
+            self._asked = code
         self._mail.put(None)
 
     def fail(self, code: int) -> None:
         """A failure wins over a clean stop asked for meanwhile: mlx.launch
         sends SIGTERM to a rank as its group breaks, at the moment this rank
-        learns why."""
-        if self.code in (None, EXIT_OK):
-            self.code = code
+        learns why; the engine may give up as a SIGTERM comes."""
+        if self._failed is None:
+            self._failed = code
         self._mail.put(None)
 
     def run_on_main_thread(self, work: Callable[[], None]) -> None:
