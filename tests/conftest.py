@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 from pathlib import Path
 from typing import Callable, Optional
@@ -81,6 +82,31 @@ def scraped(server, name: str, via: Optional[httpx.Client] = None, **labels) -> 
     assert f" {name}" in text or f"\n{name}" in text, f"{name} not in the scrape"
     return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
                if sample.name == name and labels.items() <= sample.labels.items())
+
+
+def hold_at_line(code, line: int, paused: threading.Event, go: threading.Event,
+                 returned: Optional[threading.Event] = None):
+    """A trace function (sys.settrace, threading.settrace) that holds a thread at the
+    ``line``-th line it runs inside ``code``: it sets ``paused``, then waits for ``go``;
+    ``returned`` is set when that frame returns. Where a thread the scheduler preempted, or
+    a signal handler's moment, could meet the others: tests walk ``line`` over every line."""
+    def trace(frame, event, arg):
+        if frame.f_code is not code:
+            return None
+        lines = 0
+
+        def local(frame, event, arg):
+            nonlocal lines
+            if event == "line":
+                lines += 1
+                if lines == line:
+                    paused.set()
+                    go.wait(10)
+            elif event == "return" and returned is not None:
+                returned.set()
+            return local
+        return local
+    return trace
 
 
 def pace(seconds: float) -> None:

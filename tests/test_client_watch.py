@@ -19,7 +19,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from conftest import poll
+from conftest import hold_at_line, poll
 from guardian.serving.connection import HeldConnections
 from guardian.serving.reader import RequestReader
 
@@ -61,30 +61,6 @@ class WatchingServer(HeldConnections, ThreadingHTTPServer):
     steps: Steps
 
 
-def pause_reader_at(line: int, steps: Steps):
-    """A trace for the reader's thread: inside RequestReader._on_watched (a watched socket
-    readable), wait for the test's word at the ``line``-th line it runs; say when it returns."""
-    watched_code = RequestReader._on_watched.__code__
-
-    def trace(frame, event, arg):
-        if frame.f_code is not watched_code:
-            return None
-        lines = 0
-
-        def local(frame, event, arg):
-            nonlocal lines
-            if event == "line":
-                lines += 1
-                if lines == line:
-                    steps.reader_paused.set()
-                    steps.reader_go.wait(WAIT_S)
-            elif event == "return":
-                steps.reader_done.set()
-            return local
-        return local
-    return trace
-
-
 def get(port: int, path: str = "/") -> bytes:
     with socket.create_connection((HOST, port), timeout=WAIT_S) as sock:
         sock.sendall(f"GET {path} HTTP/1.0\r\n\r\n".encode())
@@ -99,7 +75,9 @@ def test_a_handler_that_ends_its_watch_at_any_point_of_the_readers_look_leaves_t
     line = 1
     while True:
         steps = Steps()
-        threading.settrace(pause_reader_at(line, steps))  # the reader's thread starts with the first client
+        # The reader's thread starts with the first client; held inside its look at a watched socket.
+        threading.settrace(hold_at_line(RequestReader._on_watched.__code__, line, steps.reader_paused,
+                                        steps.reader_go, steps.reader_done))
         httpd = WatchingServer((HOST, 0), Watching)
         httpd.steps = steps
         port = httpd.server_address[1]

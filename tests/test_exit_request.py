@@ -10,7 +10,7 @@ import subprocess
 import sys
 import textwrap
 
-from conftest import poll
+from conftest import hold_at_line, poll
 
 # Run in a process of its own: the failure is a deadlock. A trace function is called
 # where a handler could run, at every line the main thread runs inside ``wait`` (the
@@ -107,21 +107,8 @@ def test_a_failure_set_while_a_clean_stop_is_half_asked_for_still_wins():
     line = 1
     while True:
         exit_request = ExitRequest()
-        paused, go, lines = threading.Event(), threading.Event(), [0]
-        code = ExitRequest.__call__.__code__
-
-        def held(frame, event, arg):
-            if frame.f_code is not code:
-                return None
-
-            def local(frame, event, arg):
-                if event == "line":
-                    lines[0] += 1
-                    if lines[0] == line:
-                        paused.set()
-                        go.wait(10)
-                return local
-            return local
+        paused, go = threading.Event(), threading.Event()
+        held = hold_at_line(ExitRequest.__call__.__code__, line, paused, go)
 
         def stop():
             sys.settrace(held)

@@ -13,30 +13,11 @@ import time
 
 import pytest
 
-from conftest import poll
+from conftest import hold_at_line, poll
 from guardian.engine.blame import FailureBudget
 from guardian.observability.counting import RecentEvents
 
 WINDOW_S = 60.0
-
-
-def paused_at(line: int, code, paused: threading.Event, go: threading.Event):
-    """A trace that waits for ``go`` at the ``line``-th line run inside ``code``."""
-    def trace(frame, event, arg):
-        if frame.f_code is not code:
-            return None
-        lines = 0
-
-        def local(frame, event, arg):
-            nonlocal lines
-            if event == "line":
-                lines += 1
-                if lines == line:
-                    paused.set()
-                    go.wait(10)
-            return local
-        return local
-    return trace
 
 
 def interleaved(make, method: str) -> int:
@@ -59,7 +40,8 @@ def interleaved(make, method: str) -> int:
             finally:
                 sys.settrace(None)
 
-        first = threading.Thread(target=run, args=(paused_at(line, getattr(type(window), method).__code__, paused, go),))
+        held = hold_at_line(getattr(type(window), method).__code__, line, paused, go)
+        first = threading.Thread(target=run, args=(held,))
         first.start()
         poll(lambda: paused.is_set() or not first.is_alive(), 10, interval=0.01, what="the first thread held or done")
         first_paused = paused.is_set()
