@@ -40,15 +40,16 @@ def observer():
         return _observer
 
 
-def add(folder: str, handler, identity: Optional[tuple]) -> None:
-    """Give ``handler`` (a watchdog FileSystemEventHandler) the events of ``folder``;
-    ``identity``: the directory there as its caller saw it before (``directory``): a watch
-    made now is of that one, or of one that replaced it, which the caller's poll finds."""
+def add(folder: str, handler) -> None:
+    """Give ``handler`` (a watchdog FileSystemEventHandler) the events of ``folder``."""
     shared = observer()
     with _lock:
+        # Which directory is there, read before the watch is made: the watch is of that one,
+        # or of one that replaced it since, which ``watch_again`` then finds.
+        identity = _folders[folder][2] if folder in _folders else directory(folder)
         watch = shared.schedule(handler, folder, recursive=False)
-        _, handlers, known = _folders.get(folder, (watch, [], identity))
-        _folders[folder] = (watch, [*handlers, handler], known)
+        handlers = _folders[folder][1] if folder in _folders else []
+        _folders[folder] = (watch, [*handlers, handler], identity)
 
 
 def remove(folder: str, handler) -> None:
@@ -70,15 +71,17 @@ def remove(folder: str, handler) -> None:
 
 
 def watch_again(folder: str) -> bool:
-    """The folder was replaced (a new directory at its path): watch the new one, every
-    handler on it as before, once (each file's watcher notices); whether this call did.
-    Raises what watchdog raises (OSError, RuntimeError)."""
+    """If the folder was replaced (a new directory at its path), watch the new one, every
+    handler on it as before; whether this call did (the first of its files' polls to look).
+    Raises what watchdog raises (OSError, RuntimeError); a directory it failed on is not
+    tried again (the polls still read each file)."""
     with _lock:
         entry = _folders.get(folder)
         now = directory(folder)
         if entry is None or now is None or now == entry[2]:
             return False
         old, handlers, _ = entry
+        _folders[folder] = (old, handlers, now)
         with contextlib.suppress(KeyError):  # unscheduled already, by an attempt that failed after
             _observer.unschedule(old)
         watch: Optional[object] = None

@@ -376,7 +376,6 @@ class ConfigFileWatcher:
         self._reasons: list[str] = []
         self._reasons_lock = threading.Lock()
         self._handler = None
-        self._folder: Optional[tuple] = None  # the watched folder's identity
         self._stamp: Optional[tuple] = None  # the file's, when last read
         self.writing = False  # a writer has it open (its write seen, its close not yet)
         self.close_events = False  # whether the observer says when a writer closes the file
@@ -410,11 +409,10 @@ class ConfigFileWatcher:
 
         self._stamp = file_stamp(self.path)
         self.close_events = reports_closes(folder_watch.observer())
-        self._folder = folder_watch.directory(self.folder)
         self._thread.start()  # first: a handler on the shared watch with nobody to read its kicks would pile them up
         self._handler = Handler()
         try:
-            folder_watch.add(self.folder, self._handler, self._folder)
+            folder_watch.add(self.folder, self._handler)
         except BaseException:
             self._handler = None
             self.stop()
@@ -474,14 +472,11 @@ class ConfigFileWatcher:
     def _look(self) -> None:
         """The poll: the file changed without an event seen (read it), its folder replaced
         (watch the new one)."""
-        folder = folder_watch.directory(self.folder)
-        if folder is not None and folder != self._folder:
-            self._folder = folder
-            try:
-                if folder_watch.watch_again(self.folder):  # once for the folder, by whichever file saw it first
-                    log.info("config_watch_restarted", file=str(self.path), why="its folder was replaced")
-            except (OSError, RuntimeError) as e:
-                log.warning("config_watch_restart_failed", file=str(self.path), error_message=str(e))
+        try:
+            if folder_watch.watch_again(self.folder):  # once for the folder, by whichever file saw it first
+                log.info("config_watch_restarted", file=str(self.path), why="its folder was replaced")
+        except (OSError, RuntimeError) as e:
+            log.warning("config_watch_restart_failed", file=str(self.path), error_message=str(e))
         if file_stamp(self.path) != self._stamp:
             self.kick("file_changed")
 
