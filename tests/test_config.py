@@ -75,6 +75,8 @@ def test_every_loaded_settings_table_is_in_the_example():
         ("[watchdog]\nladder = ['restart', 'pray']\n", r"watchdog.ladder\[1\]: must be one of 'restart', 'reload', 'exit'"),
         ("[watchdog]\nladder = []\n", r"watchdog.ladder: needs at least 1"),
         ("[watchdog]\ninterval_s = true\n", r"watchdog.interval_s: expected float"),
+        ("[watchdog]\nmax_abandoned_loops = -1\n", r"watchdog.max_abandoned_loops: must be >= 0"),
+        ("[watchdog]\nmax_abandoned_loops = 'four'\n", r"watchdog.max_abandoned_loops: expected int"),
         ("[guardian]\nplugins = 'x'\n", r"guardian.plugins: expected list"),
         ("[guardian]\nallowed_models = ['a', 3]\n", r"guardian.allowed_models\[1\]: expected str"),
         ("[supervisor]\ninterval_s = 0\n", r"supervisor.interval_s: must be > 0"),
