@@ -107,8 +107,11 @@ def test_half_sent_headers_hold_no_thread_and_get_408(held):
     try:
         for sock in sockets:
             sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Le")
-        poll(lambda: held.connections()["held"] >= SLOW_CLIENTS, 10, what="the reader holding every client")
-        assert held.metric("http_connections_reading") >= SLOW_CLIENTS
+        # Read once, from the metric (the status's "held" is the same count): the first of them
+        # reach their 1 s header deadline soon, and on a loaded machine a status read, then a
+        # scrape, once spanned it (65 of 100 left at the scrape; clean-clone run).
+        poll(lambda: held.metric("http_connections_reading") >= SLOW_CLIENTS, 10,
+             what="the reader holding every client, as /metrics says")
         # Meanwhile a normal request is served, and no handler thread waits on the slow ones.
         response = httpx.post(held.url + COMPLETIONS, json=chat_body(max_tokens=2), timeout=30)
         assert response.status_code == 200, response.text
