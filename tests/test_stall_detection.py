@@ -335,4 +335,4 @@ def test_one_verification_of_a_replacement_loop_at_a_time_however_late_its_threa
     assert len(started) == 1
     poll(lambda: verified, 5, what="the replacement verified")
     # Once it is done, a later look may verify again (still on trial: another replacement).
-    poll(lambda: detector._maybe_probe(time.monotonic()) or len(verified) == 2, 5, what="a second verification")
+    poll(lambda: detector._maybe_probe(time.monotonic()) or len(verified) >= 2, 5, what="a second verification")
