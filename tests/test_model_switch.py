@@ -57,3 +57,44 @@ def test_a_switch_to_an_allowed_model_is_admitted_against_that_model(start_serve
         assert switched.status_code == 200, switched.text
         assert client.post(server.url + CHAT, json=chat_body(max_tokens=4)).status_code == 200
     assert server.events("admission_skipped") == []
+
+
+def fake_hub_cache(folder):
+    """A hub cache holding one model stock's /v1/models would list (its three files, empty)."""
+    snapshot = folder / "models--mlx-community--Elsewhere-4bit" / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    for name in ("config.json", "model.safetensors.index.json", "tokenizer_config.json"):
+        (snapshot / name).write_text("{}")
+    (folder / "models--mlx-community--Elsewhere-4bit" / "refs").mkdir()
+    (folder / "models--mlx-community--Elsewhere-4bit" / "refs" / "main").write_text("abc123")
+    (folder / "models--mlx-community--Elsewhere-4bit" / "blobs").mkdir()
+    return folder
+
+
+def test_the_models_listed_are_the_models_a_request_may_name(start_server, tmp_path, model_cache):
+    # Started by a name that is not the model's resolved path (as `--model ./model` is): stock's
+    # listing gives the resolved path, and a client that takes the id it was given must be served.
+    [served] = [p for p in model_cache.iterdir() if (p / "config.json").exists()]
+    by_link = tmp_path / "served-by-link"
+    by_link.symlink_to(served, target_is_directory=True)
+    hub = fake_hub_cache(tmp_path / "hub")
+    server = start_server("", "--model", str(by_link),
+                          env={"HF_HUB_CACHE": str(hub), "HF_HUB_OFFLINE": "1"})
+    with httpx.Client(timeout=60) as client:
+        listed = [model["id"] for model in client.get(server.url + "/v1/models").json()["data"]]
+        # The hub cache's model would be refused (404 model_not_found), so it is not listed.
+        assert listed == [str(served.resolve())]
+        for name in (*listed, str(by_link), "default_model"):
+            answer = client.post(server.url + CHAT, json=chat_body(max_tokens=4, model=name))
+            assert answer.status_code == 200, (name, answer.text)
+            assert answer.json()["model"] == name  # stock's echo of the name asked for
+        refused = client.post(server.url + CHAT, json=chat_body(max_tokens=4, model="mlx-community/Elsewhere-4bit"))
+        assert refused.status_code == 404 and refused.json()["error"]["code"] == "model_not_found"
+        # An adapter beside the listed name is a switch, as it is beside the name it was started with.
+        adapter = client.post(server.url + CHAT, json=chat_body(max_tokens=4, model=listed[0],
+                                                                 adapters=str(tmp_path / "adapter")))
+        assert adapter.status_code == 404 and adapter.json()["error"]["param"] == "adapters", adapter.text
+    # Each went to the loaded model as stock's arguments named it: admitted against its
+    # tokenizer, with no other model's files read (stock would have loaded the listed name again).
+    assert server.events("admission_skipped") == []
+    assert server.events("unloaded_model_read") == []

@@ -63,6 +63,8 @@ class AdmittingGenerator:
         engine.check_available()
         # Until the engine queues it, the loop may wait a moment for it.
         with engine.arriving():
+            if self.gate.model_access is not None:
+                self.gate.model_access.name_served_model(generation_args)
             admission = self.gate.admit(request, generation_args, engine=engine.plugin_view)
             if admission is not None:
                 request = admission.request  # a hook may have dropped messages

@@ -8,10 +8,16 @@ left with no model at all: the next request skips the prompt guard, since
 there is no tokenizer to count with. By default a request may name only
 what the server was started with; ``[guardian] allowed_models`` adds more,
 and ``allow_any_model = true`` restores stock's behaviour.
+
+Stock's own /v1/models lists a local ``--model`` by its resolved path, which
+is not the name it was started with: a client that names the model it was
+listed is given the served model, without the reload stock would make of it
+(``listed_name``), and the listing shows only models a request may name.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Optional
 
@@ -33,11 +39,28 @@ class ModelAccess:
         self.served_key = stock.models.requested_model_key(model_provider, describe({}))
         self.allowed = frozenset(allowed_models)
         self.allow_any_model = allow_any_model
+        self.listed_name = listed_name(model_provider.cli_args.model)
+
+    def as_served(self, model):
+        """The served model's listed name read as the name it was started with (so stock loads
+        nothing more, and an adapter named beside it is still a switch); others as they are."""
+        return self.served_key[0] if model is not None and model == self.listed_name else model
+
+    def name_served_model(self, args) -> None:
+        """Make stock's request arguments name the served model as it was started where they
+        name it as the listing does; the answer still echoes the body's name."""
+        args.model.model = self.as_served(args.model.model)
+
+    def may_name(self, model: str) -> bool:
+        """Whether a request may name ``model`` (an id of stock's /v1/models)."""
+        return (self.allow_any_model or model in self.allowed
+                or model in (self.served_key[0], self.listed_name))
 
     def requested_key(self, body: dict) -> Optional[tuple]:
         """The (model, adapter, draft) key stock would load for this body; None
         while a model field is not a string (validation names it)."""
         description = describe(body)
+        description.model = self.as_served(description.model)
         names = (description.model, description.adapter, description.draft)
         if not all(name is None or isinstance(name, str) for name in names):
             return None
@@ -75,6 +98,13 @@ class ModelAccess:
                 raise
 
         provider.load = load
+
+
+def listed_name(model: Optional[str]) -> Optional[str]:
+    """The id stock's /v1/models gives a local model path (resolved); None for a hub id."""
+    if not model or not Path(model).exists():
+        return None
+    return str(Path(model).resolve())
 
 
 def describe(body: dict) -> SimpleNamespace:

@@ -68,8 +68,12 @@ class Endpoints:
         self.wfile.write(body)
 
     def send_models(self, cli_args, gate) -> None:
-        """Stock's listing with each model's ``context_length``; no hub cache is no error."""
+        """Stock's listing with each model's ``context_length``, of the models a request may name
+        (stock lists every model in the hub cache); no hub cache is no error."""
         listing = stock.models.models_listing(self)
+        access = gate.model_access
+        if access is not None and isinstance(listing.get("data"), list):
+            listing["data"] = [model for model in listing["data"] if access.may_name(model.get("id"))]
         served = cli_args.model
         served_ids = {served, str(Path(served).resolve())} if served else set()
         for model in listing.get("data", []):
