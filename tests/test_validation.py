@@ -291,6 +291,9 @@ def run_guardian(*args, model_cache, timeout=90):
     (("--decode-concurrency", "0"), "--decode-concurrency must be at least 1"),
     (("--temp", "-1"), "--temp must be at least 0"),
     (("--top-p", "1.5"), "--top-p must be between 0 and 1"),
+    (("--top-k", "-1"), "--top-k must be at least 0"),
+    pytest.param(("--max-tokens", "0"), "--max-tokens must be at least 1", marks=pytest.mark.skipif(
+        stock.contract.MIN_MAX_TOKENS == 0, reason="this mlx-lm serves a request of 0 tokens")),
 ])
 def test_a_flag_that_can_never_work_stops_the_server_at_start(model_cache, flags, message):
     result = run_guardian(*flags, model_cache=model_cache)
@@ -301,6 +304,16 @@ def test_a_flag_that_can_never_work_stops_the_server_at_start(model_cache, flags
 @pytest.mark.skipif(stock.contract.STOCK_VERSION.startswith("0.31."), reason="mlx-lm 0.31 has no --kv-bits")
 def test_kv_bits_that_cannot_quantize_the_heads_stop_the_server(model_cache):
     # The demo model's heads are 16 wide; the default group of 64 cannot divide them.
-    result = run_guardian("--kv-bits", "4", model_cache=model_cache)
+    result = run_guardian("--kv-bits", "4", "--quantized-kv-start", "100", model_cache=model_cache)
     assert result.returncode == 2, result.stderr[-2000:]
     assert "head dimension 16" in result.stderr and "--kv-group-size 64" in result.stderr
+    assert "--quantized-kv-start 100" in result.stderr
+
+
+@pytest.mark.skipif(stock.contract.STOCK_VERSION.startswith("0.31."), reason="mlx-lm 0.31 has no --kv-bits")
+def test_kv_bits_never_reached_within_the_context_start_the_server(start_server):
+    # Stock's default --quantized-kv-start (5000) is past the demo model's 2048-token context:
+    # no request that fits ever quantizes, so stock serves every one, and so must the guardian.
+    server = start_server("", "--kv-bits", "4")
+    response = httpx.post(server.url + CHAT, json=chat(max_tokens=4), timeout=60)
+    assert response.status_code == 200, response.text

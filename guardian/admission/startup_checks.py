@@ -10,15 +10,17 @@ from __future__ import annotations
 
 import argparse
 
-from guardian.admission.facts import text_config
+from guardian.admission.facts import context_length_from_config, text_config
+from guardian import stock
 
 # Flags stock reads as counts, and the least value that can work: a prefill
-# step of 0 tokens never ends a prompt, a batch of 0 never decodes.
+# step of 0 tokens never ends a prompt, a batch of 0 never decodes, and
+# stock's handler refuses a max_tokens below its least.
 AT_LEAST = {
     "prefill_step_size": 1,
     "decode_concurrency": 1,
     "prompt_concurrency": 1,
-    "max_tokens": 1,
+    "max_tokens": stock.contract.MIN_MAX_TOKENS,
     "num_draft_tokens": 0,
     "top_k": 0,
     "temp": 0,
@@ -43,10 +45,16 @@ def impossible_flags(cli_args: argparse.Namespace, model_config: dict) -> list[s
 
 
 def kv_quantization_problems(cli_args: argparse.Namespace, model_config: dict) -> list[str]:
-    """Whether mlx can quantize this model's KV cache as --kv-bits/--kv-group-size ask (0.31 has neither)."""
+    """Whether mlx can quantize this model's KV cache as --kv-bits/--kv-group-size ask (0.31 has neither),
+    where a request can reach the quantization: past --quantized-kv-start, within the model's context
+    (past the context the prompt guard refuses a prompt, and clamps max_tokens to it)."""
     bits = getattr(cli_args, "kv_bits", None)
     if bits is None:
         return []
+    start = getattr(cli_args, "quantized_kv_start", 0)
+    context_length = context_length_from_config(model_config)[0]
+    if context_length is not None and isinstance(start, int) and start >= context_length:
+        return []  # stock serves every request that fits, unquantized, and so does the guardian
     import mlx.core as mx
 
     group_size = getattr(cli_args, "kv_group_size", 64)
@@ -59,10 +67,15 @@ def kv_quantization_problems(cli_args: argparse.Namespace, model_config: dict) -
         except (ValueError, RuntimeError) as e:
             problems.append(
                 f"--kv-bits {bits} --kv-group-size {group_size} cannot quantize this model's "
-                f"KV cache (head dimension {dimension}): {e}"
+                f"KV cache (head dimension {dimension}), as every request past --quantized-kv-start "
+                f"{start} tokens would need{within(context_length)}: {e}"
             )
             break
     return problems
+
+
+def within(context_length) -> str:
+    return f" (the model's context holds {context_length})" if context_length else ""
 
 
 def kv_head_dimensions(config: dict) -> set[int]:
