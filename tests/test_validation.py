@@ -79,6 +79,17 @@ REFUSED = [
     (CHAT, chat(stream=True, stream_options="x"), "stream_options", "invalid_type"),
     (CHAT, chat(chat_template_kwargs={"tokenize": False}), "chat_template_kwargs.tokenize", "invalid_value"),
     (CHAT, chat(chat_template_kwargs={"return_dict": True}), "chat_template_kwargs.return_dict", "invalid_value"),
+    (CHAT, chat(chat_template_kwargs={"tokenize": True}), "chat_template_kwargs.tokenize", "invalid_value"),  # stock: 404
+    # A prompt padded to 10**8 tokens on the HTTP thread, before the guard counts them.
+    (CHAT, chat(chat_template_kwargs={"padding": "max_length", "max_length": 10**8}),
+     "chat_template_kwargs.padding", "invalid_value"),
+    (CHAT, chat(chat_template_kwargs={"truncation": True, "max_length": -5}),
+     "chat_template_kwargs.max_length", "invalid_value"),  # stock: 404 with an OverflowError
+    (CHAT, chat(chat_template_kwargs={"max_length": "5"}), "chat_template_kwargs.max_length", "invalid_type"),
+    # A template of the client's: nested loops of 100,000 ran on the HTTP thread for hours.
+    (CHAT, chat(chat_template_kwargs={"chat_template": "{% for i in range(100000) %}{% for j in range(100000) %}"
+                                                       "{% endfor %}{% endfor %}"}),
+     "chat_template_kwargs.chat_template", "invalid_value"),
     (CHAT, chat(chat_template_kwargs="x"), "chat_template_kwargs", "invalid_type"),
     (CHAT, {"max_tokens": 4}, "messages", "missing_required_parameter"),
     (CHAT, chat(messages=[]), "messages", "invalid_value"),
@@ -197,6 +208,10 @@ SERVED = [
                           {"role": "tool", "tool_call_id": "c1", "content": "Sunny"}])),
     (CHAT, chat(unknown_field={"anything": [1, 2]}, n=1, user="u-1")),
     (CHAT, chat(model="default_model")),
+    # The tokenizer's own arguments at values that leave the prompt a list of tokens.
+    (CHAT, chat(chat_template_kwargs={"truncation": False, "padding": "longest", "return_dict": False,
+                                      "return_assistant_tokens_mask": False, "max_length": 4096})),
+    (CHAT, chat(chat_template_kwargs={"truncation": True, "max_length": 5})),
     (TEXT, {"prompt": "Once upon a time", "max_tokens": 4, "echo": False}),
 ]
 

@@ -18,7 +18,9 @@ run after these (``GuardianHandler.validate_model_parameters``).
 
 from __future__ import annotations
 
+import json
 import math
+import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -36,13 +38,22 @@ MAX_SEED = 2**64 - 1
 MAX_LOGIT_BIAS = 100.0
 # OpenAI's most top_logprobs (stock allows 11 and checks that itself).
 MAX_TOP_LOGPROBS = 20
-# Keys of chat_template_kwargs that stock passes itself (a second value is a
-# TypeError), or that make the template return something other than tokens.
-RESERVED_TEMPLATE_KWARGS = frozenset({
-    "conversation", "messages", "tools", "tokenize", "add_generation_prompt",
-    "return_dict", "return_tensors", "return_assistant_tokens_mask",
-    "tokenizer_kwargs", "padding", "truncation", "max_length",
-})
+# Keys of chat_template_kwargs that stock passes itself (a second value is a TypeError).
+RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "messages", "tools", "add_generation_prompt", "tokenize"})
+# Keys that take the template's answer away from a list of tokens unless they hold the value
+# the tokenizer defaults to (the only one they may hold).
+TEMPLATE_KWARGS_AT_DEFAULT = {
+    "return_dict": False, "return_tensors": None,
+    "return_assistant_tokens_mask": False, "tokenizer_kwargs": None,
+}
+# padding = "max_length" pads the prompt to max_length tokens on the HTTP thread, before
+# the prompt guard can count them (10**9 of them: gigabytes); any other padding of one
+# prompt is none. Truncation only shortens it.
+TEMPLATE_PADDING_ALLOWED = (False, True, None, "do_not_pad", "longest")
+# A template sent in the request (rather than the name of one of the model's) is code
+# the HTTP thread runs with no bound on its time: jinja's sandbox caps a range at
+# 100,000 items, not loops inside loops.
+TEMPLATE_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 # Content parts stock reads as images (mlx_lm.server._image_url).
 IMAGE_PART_TYPES = ("image_url", "input_image", "image")
 
@@ -210,11 +221,35 @@ def check_stop(body: dict, bounds: RequestBounds) -> None:
 
 
 def check_template_kwargs(body: dict) -> None:
-    kwargs = check_type(body, "chat_template_kwargs", dict, nullable=True)
-    reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(kwargs or ()))
+    kwargs = check_type(body, "chat_template_kwargs", dict, nullable=True) or {}
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(kwargs))
     if reserved:
         raise Invalid(f"chat_template_kwargs.{reserved[0]}",
                       f"chat_template_kwargs cannot set {reserved[0]!r}: the server sets it.")
+    for key, default in TEMPLATE_KWARGS_AT_DEFAULT.items():
+        # `is` for the booleans and None: JSON's 1 is not true here, nor 0 false.
+        if key in kwargs and kwargs[key] is not default:
+            raise Invalid(f"chat_template_kwargs.{key}",
+                          f"chat_template_kwargs.{key} may only be {json.dumps(default)}: the server needs the "
+                          "prompt's tokens.")
+    padding = kwargs.get("padding")
+    if not any(padding is allowed or (isinstance(padding, str) and padding == allowed)
+               for allowed in TEMPLATE_PADDING_ALLOWED):
+        raise Invalid("chat_template_kwargs.padding",
+                      "chat_template_kwargs.padding may only be false, true, \"longest\" or \"do_not_pad\": "
+                      "padding a prompt to a length is refused.")
+    max_length = kwargs.get("max_length")
+    if max_length is not None:
+        if type(max_length) is not int:
+            raise Invalid("chat_template_kwargs.max_length", "chat_template_kwargs.max_length must be an integer.",
+                          code="invalid_type")
+        if max_length < 1:
+            raise Invalid("chat_template_kwargs.max_length", "chat_template_kwargs.max_length must be at least 1.")
+    template = kwargs.get("chat_template")
+    if template is not None and not (isinstance(template, str) and TEMPLATE_NAME.fullmatch(template)):
+        raise Invalid("chat_template_kwargs.chat_template",
+                      "chat_template_kwargs.chat_template may only name one of the model's chat templates: "
+                      "a template sent in a request is refused (--chat-template sets the server's).")
 
 
 # -- the prompt ------------------------------------------------------------------------
