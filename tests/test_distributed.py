@@ -304,6 +304,30 @@ def test_supervised_group_is_replaced_after_sigkill_of_rank_1_and_its_clients_se
 
 
 @pytest.mark.one_version
+def test_supervised_group_whose_rank_1_fails_ends_at_once_and_kills_nothing(launch, tmp_path):
+    """Rank 1 fails in its step, says so and exits: rank 0 leaves its request to the supervisor
+    at once. It waited a second for rank 1's end, which only its own blocked thread would
+    have seen, then sent SIGKILL to rank 1's pid, which by then could be anyone's."""
+    arm = tmp_path / "arm"
+    group = launch([sys.executable, "-m", "guardian", "--supervise", "--supervisor-interval", "0.2",
+                    "--launch-args", f"--backend ring -n 2 --starting-port {free_ring_port()}"],
+                   config=('[guardian]\nplugins = ["tests.plugins.rank_faults:RankFaults"]\n'
+                           f'[rank_faults]\nrank = 1\narm_file = "{arm}"\n'))
+    group.wait_healthy()
+    first = group.ranks()
+    arm.touch()
+    with ThreadPoolExecutor(1) as pool:
+        client = pool.submit(answer, group.url + COMPLETIONS, chat_body(max_tokens=4))
+        group.wait_for_event("group_failed", timeout=60)
+        arm.unlink()  # the next group serves
+        result = client.result(timeout=120)
+    assert result["status"] == 200, result  # sent again to the next group
+    poll(lambda: not (set(first.values()) & set(group.ranks().values())), ANSWER_BOUND_S,
+         what="the first group's ranks gone")
+    assert group.rank_events("rank_killed", 0) == []
+
+
+@pytest.mark.one_version
 def test_fault_injection_aims_at_one_rank():
     """[fault_injection] rank: faults planted on that rank only (a process alone is rank 0)."""
     from guardian.plugins.fault_injection import FaultInjection, FaultInjectionSettings

@@ -78,9 +78,15 @@ class Connection:
 
     def _read(self, reader) -> None:
         why = self._read_until_lost(reader)
-        if why is not None and not self.closed:
-            self._on_lost(self.peer, why)
-        self._read_until_gone()
+        if why is None or self.closed:
+            self._read_until_gone()
+            return
+        # The peer's end is watched on a thread of its own: _on_lost may wait for it (rank 0
+        # under --supervise exits from here, after kill_stuck_ranks waits for ``gone``), and
+        # on this thread nothing would set it: a rank that had failed and exited was waited
+        # for a whole second, then sent a SIGKILL by a pid no longer its own.
+        threading.Thread(target=self._read_until_gone, name=f"group-rank-{self.peer}-end", daemon=True).start()
+        self._on_lost(self.peer, why)
 
     def _read_until_gone(self) -> None:
         """After its last word, the peer's process exits: its end closes (``gone``).
