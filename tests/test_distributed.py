@@ -304,6 +304,30 @@ def test_supervised_group_is_replaced_after_sigkill_of_rank_1_and_its_clients_se
 
 
 @pytest.mark.one_version
+def test_a_rank_stuck_in_its_step_is_a_stall_at_the_limit_though_rank_0_waits_busily(launch):
+    """Rank 1 hangs in its step, its interpreter free (so its beats still come): rank 0 waits
+    in the collective, its threads using CPU (the ring backend polls), and its watchdog
+    must not take that for a step computing: a stall at the limit, not 30 s more."""
+    group = launch(ring_group(free_ring_port()),
+                   config="[fault_injection]\nenabled = true\nrank = 1\nhang_at_step = 40\n")
+    group.wait_healthy()
+    with ThreadPoolExecutor(len(BURST)) as pool:
+        clients = [pool.submit(answer, group.url + COMPLETIONS, body) for body in BURST]
+        group.wait_for_event("fault_injected", timeout=60)
+        results = [c.result(timeout=90) for c in clients]
+    for result in results:
+        assert result["status"] == 503 or result["errors"], result
+    # The launcher relays the ranks' lines: once it is gone, every line is in the log.
+    poll(lambda: group.proc.poll() is not None, ANSWER_BOUND_S, what="the launcher's exit")
+    assert group.ranks() == {}
+    [stalled] = group.rank_events("engine_stalled", 0)
+    assert "computing" not in stalled["reason"], stalled
+    assert group.rank_events("engine_step_busy", 0) == []
+    # At the pace's limit (stall_min_s, 3 s, here); it was 30 s later before.
+    assert stalled["heartbeat_age_s"] < 10, stalled
+
+
+@pytest.mark.one_version
 def test_supervised_group_whose_rank_1_fails_ends_at_once_and_kills_nothing(launch, tmp_path):
     """Rank 1 fails in its step, says so and exits: rank 0 leaves its request to the supervisor
     at once. It waited a second for rank 1's end, which only its own blocked thread would

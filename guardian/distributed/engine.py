@@ -52,6 +52,9 @@ class GroupEngine(GuardianEngine):
     # The rank's membership (guardian.distributed.member), set once it watches this engine.
     group_member = None
     memory_class = GroupMemory
+    # Waiting in a collective for a stuck rank, rank 0's threads used ~70 % of a core (the
+    # ring backend, measured on the CPU): a stuck group looked like a long step computing.
+    steps_wait_busily = True
 
     def give_up(self, reason: str, exit_code: int = EXIT_GROUP_FAILED, records=()) -> None:
         """Tell the other ranks first (they are waiting in a collective), then give up with code 7."""

@@ -48,6 +48,9 @@ def batch_places(cli_args) -> int:
 class GuardianEngine(stock.loop.GuardedResponseGenerator):
     # What holds the loop's memory; a group's ranks trim it their own way.
     memory_class = EngineMemory
+    # Whether a step that waits can still use CPU, so that the watchdog cannot tell it from a
+    # step that computes (a rank's collective: mlx's ring backend polls its sockets).
+    steps_wait_busily = False
 
     def __init__(self, model_provider, prompt_cache_size: int, *, pm, core, on_exit: Callable[[int], None],
                  access=None):

@@ -191,8 +191,10 @@ class StallDetector:
 
     def _busy_step_allowed(self, age: float, beat: float) -> bool:
         """Past the stall limit, a step whose engine threads compute may go on, up to
-        ``stall_busy_extra_s`` more; one that waits may not (nor an unknown one)."""
-        if not self.step_cpu.busy() or age > self.stall_limit_s + self.settings.stall_busy_extra_s:
+        ``stall_busy_extra_s`` more; one that waits may not (nor an unknown one, nor any
+        step of an engine whose waits use CPU: a group's rank)."""
+        if (self.engine.steps_wait_busily or not self.step_cpu.busy()
+                or age > self.stall_limit_s + self.settings.stall_busy_extra_s):
             return False
         if self._busy_logged_for != beat:
             self._busy_logged_for = beat
@@ -207,7 +209,7 @@ class StallDetector:
         share = self.step_cpu.share
         if share is None:
             return f"no engine step or prompt progress ({limit})"
-        if self.step_cpu.busy():
+        if self.step_cpu.busy() and not self.engine.steps_wait_busily:
             return (f"a step computing past its allowance ({limit} + "
                     f"{self.settings.stall_busy_extra_s:g} s; engine threads at {share:.0%} of a core)")
         return f"no engine step or prompt progress ({limit}; engine threads at {share:.0%} of a core)"
@@ -397,7 +399,7 @@ class StallDetector:
             **self.pace.status(),
             "process_pauses": self.pauses,
             "process_paused_s": round(self.paused_s, 3),
-            "busy_step_detection": self.step_cpu.available,
+            "busy_step_detection": self.step_cpu.available and not self.engine.steps_wait_busily,
             "probes_run": self.probes_run,
             "last_probe": probe or None,
             "last_resource_sample": self.last_sample,
