@@ -162,6 +162,7 @@ def launch(tmp_path, model_cache):
                                     stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     env=env, cwd=REPO, start_new_session=True)
         group = Group(proc, port, log_path, marker)
+        group.config_path = config_path
         groups.append(group)
         return group
 
@@ -325,6 +326,33 @@ def test_a_rank_stuck_in_its_step_is_a_stall_at_the_limit_though_rank_0_waits_bu
     assert group.rank_events("engine_step_busy", 0) == []
     # At the pace's limit (stall_min_s, 3 s, here); it was 30 s later before.
     assert stalled["heartbeat_age_s"] < 10, stalled
+
+
+@pytest.mark.one_version
+def test_a_signalled_rank_asks_rank_0_to_drain_with_its_grace_as_it_stands_now(launch, tmp_path):
+    """SIGTERM to rank 1 alone: rank 0 drains its clients, then every rank exits 0. Rank 1
+    used to leave by its own copy of exit_grace_s, read at its start: a grace raised since
+    (rank 0 follows the file, no other rank does) cut a request rank 0 was still draining."""
+    config = "[fault_injection]\nenabled = true\nstep_delay_s = 0.05\nrank = 0\n"
+    group = launch(ring_group(free_ring_port()), config=config + "[guardian]\nexit_grace_s = 1.0\n")
+    group.wait_healthy()
+    group.config_path.write_text(config + "[guardian]\nexit_grace_s = 30.0\n")
+    poll(lambda: [e for e in group.rank_events("config_reloaded", 0) if "guardian.exit_grace_s" in e["changed"]],
+         20, what="rank 0 following the raised grace")
+    steps = engine_steps(group)
+    with ThreadPoolExecutor(1) as pool:
+        # 80 steps of >= 0.05 s: still generating well past the old grace (1 s + 2 s).
+        client = pool.submit(answer, group.url + COMPLETIONS, chat_body("Tell me a story.", max_tokens=80))
+        poll(lambda: generating(group, steps, 1), 30, what="the request generating")
+        os.kill(group.ranks()[1], signal.SIGTERM)
+        result = client.result(timeout=60)
+    assert result["status"] == 200, result
+    assert result["body"]["usage"]["completion_tokens"] == 80
+    assert group.proc.wait(timeout=30) == 0
+    assert group.ranks() == {}
+    assert [e["by_rank"] for e in group.rank_events("group_stopping", 0)] == [1]
+    assert [e["exit_code"] for e in group.rank_events("server_stopped", 0)] == [EXIT_OK]
+    assert [e["exit_code"] for e in group.rank_events("rank_stopped", 1)] == [EXIT_OK]
 
 
 @pytest.mark.one_version

@@ -65,6 +65,7 @@ def test_systemd_unit_restarts_on_failure_and_uses_the_watchdog():
     assert service["Type"] == "notify"
     assert service["Restart"] == "on-failure"
     assert int(service["WatchdogSec"]) > 0
+    assert service["KillMode"] == "mixed"  # the main process drains; a group's launcher dies of SIGTERM
     assert "--guardian-config" in service["ExecStart"]
 
 

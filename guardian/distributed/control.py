@@ -37,7 +37,7 @@ class Connection:
     """One control connection, to the rank ``peer``: lines out, a reader thread in."""
 
     def __init__(self, sock: socket.socket, peer: int, peer_timeout_s: float,
-                 on_lost: OnLost, on_stopping: Callable[[], None], hello: Optional[dict] = None):
+                 on_lost: OnLost, on_stopping: Callable[[int], None], hello: Optional[dict] = None):
         self.sock = sock
         self.peer = peer
         # Where the peer runs (its hello): a rank on this machine can be killed.
@@ -122,7 +122,7 @@ class Connection:
             if message.get("kind") == "failing":
                 return f"failed: {message.get('reason')}"
             if message.get("kind") == "stopping":
-                self._on_stopping()
+                self._on_stopping(self.peer)
                 return None
 
 
@@ -130,7 +130,7 @@ class ControlLinks:
     """This rank's control connections: rank 0 holds one per other rank, the others one to rank 0."""
 
     def __init__(self, rank: int, size: int, *, beat_s: float, peer_timeout_s: float,
-                 on_lost: OnLost, on_stopping: Callable[[], None]):
+                 on_lost: OnLost, on_stopping: Callable[[int], None]):
         self.rank = rank
         self.size = size
         self.beat_s = beat_s

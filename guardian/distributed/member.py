@@ -116,6 +116,11 @@ class GroupMember:
             except ProcessLookupError:
                 pass
 
+    def ask_group_to_stop(self) -> None:
+        """A rank other than 0, signalled: rank 0 drains its clients and then tells every rank to stop."""
+        log.info("rank_signalled", asked="rank 0 to stop the group")
+        self.links.tell("stopping")
+
     def leave(self, exit_code: int) -> None:
         """At exit: a clean stop tells the others to stop too; then the links close."""
         if exit_code == EXIT_OK:
@@ -144,7 +149,9 @@ class GroupMember:
         # GroupEngine.give_up also fails the exit request with code 7.
         self.engine.give_up(f"{who} {why}" if rank >= 0 else why)
 
-    def _stopping(self) -> None:
-        log.info("group_stopping", by_rank=0)
+    def _stopping(self, rank: int) -> None:
+        """Rank 0 stops the group (a rank other than 0 hears it leave), or a signalled rank
+        asks rank 0 to (rank 0 hears it: it drains, then tells every rank)."""
+        log.info("group_stopping", by_rank=rank)
         self.stopping = True
         self.on_exit(EXIT_OK)

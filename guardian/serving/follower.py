@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import signal
-import threading
 
 import structlog
 
@@ -18,17 +17,6 @@ from guardian.serving.exit_request import ExitRequest
 
 # A rank's events, as guardian.distributed.member logs them.
 log = structlog.get_logger("guardian.group")
-
-
-# A signalled rank other than 0 waits for rank 0's drain, and this much more.
-STOP_MARGIN_S = 2.0
-
-
-def _leave_later(exit_request, delay_s: float) -> None:
-    log.info("rank_signalled", leave_after_s=delay_s)
-    timer = threading.Timer(delay_s, exit_request, (EXIT_OK,))
-    timer.daemon = True
-    timer.start()
 
 
 def serve_follower(model_provider, config, pm, group: Group) -> int:
@@ -53,14 +41,13 @@ def serve_follower(model_provider, config, pm, group: Group) -> int:
     # this rank's stall stops rank 0's loop in a collective, and rank 0's
     # watchdog sees it there.
     notify(pm.hook.guardian_startup, engine=served.engine.plugin_view, config=served.config)
-    # Rank 0 has the clients: it drains them, then tells this rank to stop
-    # (the launcher or supervisor signals every rank at once). Alone, a
-    # signalled rank leaves after that long anyway, and the group with it.
-    leave_after_s = settings.core.exit_grace_s + STOP_MARGIN_S
+    # Rank 0 has the clients: a signalled rank asks it to stop the group, and leaves when
+    # rank 0 has drained them and says so (the launcher or supervisor signals every rank
+    # at once), or when rank 0 is lost. Rank 0 bounds its drain by its exit_grace_s, which
+    # its configuration file may have changed since this rank read it.
     for signum in (signal.SIGTERM, signal.SIGINT):
-        # The leaving logs and starts a timer: on the main thread, not in the handler.
-        signal.signal(signum, lambda *_: exit_request.run_on_main_thread(
-            lambda: _leave_later(exit_request, leave_after_s)))
+        # The asking logs and writes: on the main thread, not in the handler.
+        signal.signal(signum, lambda *_: exit_request.run_on_main_thread(member.ask_group_to_stop))
     log.info("rank_started", model=model_provider.cli_args.model,
              mlx_lm_version=stock.contract.STOCK_VERSION)
     code = exit_request.wait()
