@@ -69,7 +69,8 @@ class FaultInjectionSettings(Table, name="fault_injection"):
     rank = Setting(Int(min=-1), -1, """
         Under mlx.launch: plant faults on this rank of the group only, counting its
         steps (the ranks step together); -1: on every rank. A process alone is rank 0.
-        Requests are known on rank 0 only: min_started and the markers work there.""")
+        Requests are known on rank 0 only: min_started and the markers work there.
+        Only rank 0 follows the file: another rank's faults are those it read at start.""")
 
 
 # What the armed log line says (the triggers).
