@@ -74,10 +74,31 @@ def markdown_table() -> str:
     return "\n".join(["| code | meaning |", "|---|---|", *rows]) + "\n"
 
 
+# Where the ranks of a supervised mlx.launch group leave their exit codes (this, then
+# ".rank" and the rank): the launcher exits 0 whatever its ranks did, and the supervisor
+# acts on the code (3: the model cannot load).
+GROUP_EXIT_CODE_ENV = "MLX_GUARDIAN_GROUP_EXIT_CODE_FILE"
+
+
+def leave_for_supervisor(code: int) -> None:
+    """As this process exits with ``code``: where it is a rank of a supervised group, write
+    the code where the supervisor reads it. Every rank does: the first to fail may be any
+    of them, and the launcher may kill the others before they can."""
+    path = os.environ.get(GROUP_EXIT_CODE_ENV)
+    if not path:
+        return
+    try:
+        with open(f"{path}.rank{int(os.environ.get('MLX_RANK', '0'))}", "w") as f:
+            f.write(str(code))
+    except (OSError, ValueError):
+        pass  # the supervisor then knows only that the group ended
+
+
 def exit_now(code: int) -> None:
     """Exit at once with ``code``, answering nothing: the logs are flushed, no
     thread is waited for. For a supervised child that gives up (its supervisor
     sends what it held again to the next child) and a group's failing ranks."""
+    leave_for_supervisor(code)
     logging.shutdown()
     sys.stderr.flush()
     os._exit(code)

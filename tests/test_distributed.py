@@ -27,7 +27,7 @@ import psutil
 import pytest
 
 from conftest import REPO, Server, SessionServer, chat_body, free_port, poll, read_stream
-from guardian.exit_codes import EXIT_GROUP_FAILED, EXIT_OK
+from guardian.exit_codes import EXIT_BOOT_ERROR, EXIT_GROUP_FAILED, EXIT_OK
 
 COMPLETIONS = "/v1/chat/completions"
 LAUNCHER = str(Path(sys.executable).with_name("mlx.launch"))
@@ -377,6 +377,37 @@ def test_supervised_group_whose_rank_1_fails_ends_at_once_and_kills_nothing(laun
     poll(lambda: not (set(first.values()) & set(group.ranks().values())), ANSWER_BOUND_S,
          what="the first group's ranks gone")
     assert group.rank_events("rank_killed", 0) == []
+
+
+@pytest.mark.one_version
+def test_a_supervised_group_whose_model_cannot_load_ends_with_code_3_after_one_retry(launch, tmp_path):
+    """mlx.launch exits 0 whatever its ranks did: rank 0 leaves its code for the supervisor,
+    which gives up on a model that cannot load after one retry, as for one child, not after
+    its restart budget (six group starts, each of them a model load)."""
+    group = launch([sys.executable, "-m", "guardian", "--supervise", "--supervisor-interval", "0.2",
+                    "--launch-args", f"--backend ring -n 2 --starting-port {free_ring_port()}",
+                    "--model", str(tmp_path / "no-such-model")])
+    assert group.proc.wait(timeout=120) == EXIT_BOOT_ERROR
+    supervisor = [e for e in group.logs() if e.get("logger") == "guardian.supervisor"]
+    started = [e for e in supervisor if e.get("event") == "child_started"]
+    exited = [e for e in supervisor if e.get("event") == "child_exited"]
+    assert len(started) == 2, started
+    # Whichever rank failed first (the launcher may kill the other before it says so).
+    assert all("'s exit code 3: the model could not be loaded" in e["reason"] for e in exited), exited
+    [gave_up] = [e for e in supervisor if e.get("event") == "supervisor_gave_up"]
+    assert gave_up["exit_code"] == EXIT_BOOT_ERROR
+
+
+def test_the_groups_exit_code_is_a_rank_that_failed_of_its_own(tmp_path):
+    from guardian.distributed.launch import group_exit_code
+
+    path = str(tmp_path / "group-1-exit-code")
+    assert group_exit_code(path) is None  # no rank left one: the launcher's code stands
+    for rank, code in ((0, 7), (1, 3)):  # rank 1's model failed; rank 0 left for that
+        (tmp_path / f"group-1-exit-code.rank{rank}").write_text(str(code))
+    assert group_exit_code(path) == (1, 3)
+    (tmp_path / "group-1-exit-code.rank1").write_text("0")
+    assert group_exit_code(path) == (0, 7)
 
 
 @pytest.mark.one_version

@@ -22,6 +22,9 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
+
+from guardian.exit_codes import EXIT_GROUP_FAILED, EXIT_OK
 
 LAUNCHER = "mlx.launch"
 
@@ -62,8 +65,41 @@ class LauncherProcess(subprocess.Popen):
     the launcher would die of it.
     """
 
-    def __init__(self, args, **kwargs):
+    def __init__(self, args, *, exit_code_file: Optional[str] = None, **kwargs):
+        # Where the ranks leave their exit codes (guardian.exit_codes.leave_for_supervisor):
+        # once the launcher has exited 0, ``returncode`` is the group's (``ranks_code``),
+        # which the supervisor acts on as on one child's.
+        self.exit_code_file = exit_code_file
+        self.ranks_code: Optional[tuple[int, int]] = None  # (rank, its exit code)
         super().__init__(args, start_new_session=True, **kwargs)
+
+    def poll(self):
+        return self._as_the_groups(super().poll())
+
+    def wait(self, timeout=None):
+        return self._as_the_groups(super().wait(timeout))
+
+    def _as_the_groups(self, code: Optional[int]) -> Optional[int]:
+        if code == 0 and self.exit_code_file and self.ranks_code is None:
+            self.ranks_code = group_exit_code(self.exit_code_file)
+            if self.ranks_code is not None:
+                self.returncode = code = self.ranks_code[1]
+        return code
+
+
+def group_exit_code(path: str) -> Optional[tuple[int, int]]:
+    """(rank, exit code) of the group: a rank's that failed of its own (3: its model would
+    not load), before one that left because another failed (7), before a clean stop (0);
+    among equals, the lowest rank's. None when no rank left one (killed, or on another host)."""
+    codes = {}
+    for written in Path(path).parent.glob(Path(path).name + ".rank*"):
+        try:
+            codes[int(written.name.rpartition(".rank")[2])] = int(written.read_text().strip())
+        except (OSError, ValueError):
+            continue
+    if not codes:
+        return None
+    return min(codes.items(), key=lambda item: (item[1] == EXIT_OK, item[1] == EXIT_GROUP_FAILED, item[0]))
 
     def send_signal(self, signum: int) -> None:
         if signum == signal.SIGHUP:

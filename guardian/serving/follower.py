@@ -10,7 +10,7 @@ from guardian import stock
 from guardian.distributed.engine import GroupEngine
 from guardian.distributed.group import Group
 from guardian.distributed.member import GroupMember
-from guardian.exit_codes import EXIT_BOOT_ERROR, EXIT_OK
+from guardian.exit_codes import EXIT_BOOT_ERROR
 from guardian.plugin_manager import notify
 from guardian.serving.assembly import ServedModel
 from guardian.serving.exit_request import ExitRequest

@@ -93,6 +93,9 @@ def exit_reason(child: Child) -> str:
         if child.hard_killed and -code == signal.SIGKILL:
             return f"hard-killed (SIGKILL) by the supervisor after the grace ({child.kill_reason})"
         described = f"killed by {signal_name(-code)}: {SIGNAL_HINTS.get(-code, 'a signal')}"
+    elif isinstance(child.proc, LauncherProcess) and child.proc.ranks_code is not None:
+        rank = child.proc.ranks_code[0]
+        described = f"the group ended: rank {rank}'s exit code {code}: {exit_codes.reason(code)}"
     elif isinstance(child.proc, LauncherProcess):
         # mlx.launch exits 0 whatever its ranks did; each rank logs its own code.
         described = (f"the group ended (mlx.launch exit code {code}; each rank logs its own "

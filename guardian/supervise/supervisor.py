@@ -20,6 +20,7 @@ kills an engine can take it down with it.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import queue
 import signal
@@ -44,7 +45,7 @@ from guardian.quarantine.crashes import CrashQuarantine
 from guardian.supervise.metrics import SupervisorMetrics
 from guardian.distributed.launch import LauncherProcess, group_command, kill_leftovers
 from guardian.errors import SERVER_STOPPING, GuardianError
-from guardian.exit_codes import EXIT_BOOT_ERROR, EXIT_OK, EXIT_SUPERVISOR_GAVE_UP, EXIT_USAGE
+from guardian.exit_codes import EXIT_BOOT_ERROR, EXIT_OK, EXIT_SUPERVISOR_GAVE_UP, EXIT_USAGE, GROUP_EXIT_CODE_ENV
 from guardian.observability.logs import configure_logging
 from guardian.access import announce
 from guardian.access.tls import ServerCertificate, load_certificate
@@ -384,7 +385,12 @@ class Supervisor:
             env[LISTEN_FD_ENV] = str(listener.fileno())
             pass_fds += (listener.fileno(),)
         if self.settings.launch_args:  # an mlx.launch group (guardian.distributed.launch)
-            command, popen = group_command(self.settings.launch_args, command), LauncherProcess
+            command = group_command(self.settings.launch_args, command)
+            exit_code_file = (os.path.join(self.private_dir.name, f"group-{self.generation}-exit-code")
+                              if self.private_dir is not None else None)
+            popen = functools.partial(LauncherProcess, exit_code_file=exit_code_file)
+            if exit_code_file is not None:
+                env[GROUP_EXIT_CODE_ENV] = exit_code_file
         elif self.settings.hand_off and not stock_engine and handoff.supported():
             channel = handoff.Channel()
             env.update(channel.child_env())
