@@ -86,21 +86,6 @@ class LauncherProcess(subprocess.Popen):
                 self.returncode = code = self.ranks_code[1]
         return code
 
-
-def group_exit_code(path: str) -> Optional[tuple[int, int]]:
-    """(rank, exit code) of the group: a rank's that failed of its own (3: its model would
-    not load), before one that left because another failed (7), before a clean stop (0);
-    among equals, the lowest rank's. None when no rank left one (killed, or on another host)."""
-    codes = {}
-    for written in Path(path).parent.glob(Path(path).name + ".rank*"):
-        try:
-            codes[int(written.name.rpartition(".rank")[2])] = int(written.read_text().strip())
-        except (OSError, ValueError):
-            continue
-    if not codes:
-        return None
-    return min(codes.items(), key=lambda item: (item[1] == EXIT_OK, item[1] == EXIT_GROUP_FAILED, item[0]))
-
     def send_signal(self, signum: int) -> None:
         if signum == signal.SIGHUP:
             return
@@ -117,6 +102,21 @@ def group_exit_code(path: str) -> Optional[tuple[int, int]]:
             os.killpg(self.pid, signum)
         except (ProcessLookupError, PermissionError):
             pass
+
+
+def group_exit_code(path: str) -> Optional[tuple[int, int]]:
+    """(rank, exit code) of the group: a rank's that failed of its own (3: its model would
+    not load), before one that left because another failed (7), before a clean stop (0);
+    among equals, the lowest rank's. None when no rank left one (killed, or on another host)."""
+    codes = {}
+    for written in Path(path).parent.glob(Path(path).name + ".rank*"):
+        try:
+            codes[int(written.name.rpartition(".rank")[2])] = int(written.read_text().strip())
+        except (OSError, ValueError):
+            continue
+    if not codes:
+        return None
+    return min(codes.items(), key=lambda item: (item[1] == EXIT_OK, item[1] == EXIT_GROUP_FAILED, item[0]))
 
 
 def children(pid: int) -> list[int]:
