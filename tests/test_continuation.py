@@ -299,6 +299,24 @@ def test_a_stream_on_the_non_batched_path_is_continued(continuing_server):
     assert streamed(result) == unfailed(server, CHAT, body)
 
 
+def test_a_seeded_request_no_client_saw_is_run_again_and_answers_as_if_unfailed(continuing_server):
+    # Stock seeds the sampler again where a continuation starts: continued, a seeded request's
+    # tokens after the cut were sampled from the seed's first draws and differed from an
+    # unfailed run's. Its client has seen nothing yet, so it is run again from nothing.
+    server = continuing_server(faults=dict(at_step=12, max_faults=1))
+    body = {"messages": [{"role": "user", "content": "Once upon a time"}], "max_tokens": 30,
+            "temperature": 3.0, "seed": 42}
+    with httpx.Client(timeout=60) as client:
+        got = client.post(server.url + CHAT, json=body)
+    assert got.status_code == 200, got.text
+    [rerun] = server.events("request_rerun")
+    assert not rerun["continued"] and rerun["generated"] > 0, rerun
+    expected = unfailed(server, CHAT, body)
+    assert message(expected) == message(unfailed(server, CHAT, body))  # the seed makes an unfailed run repeat
+    assert message(got.json()) == message(expected)
+    assert got.json()["usage"]["completion_tokens"] == expected["usage"]["completion_tokens"]
+
+
 def test_a_continued_request_that_fails_again_after_progress_is_continued_again(continuing_server):
     # Blame needs reproduction: the continuation fails again, but only after
     # SEAM - 1 new tokens (the plugin counts a continuation's tokens afresh), so

@@ -279,7 +279,12 @@ class RequestRecord:
 
     def may_continue(self, max_continuations: int) -> bool:
         """Whether, after a failure, it may go on from the tokens it generated: at
-        most ``max_continuations`` times at one point (guardian.engine.blame)."""
+        most ``max_continuations`` times at one point (guardian.engine.blame). Not a
+        seeded request no client has seen a token of: stock seeds its sampler again
+        where a continuation starts, so the tokens after the cut would differ from an
+        unfailed run's; run again from nothing, it gets exactly that run's tokens."""
+        if not self.stream and getattr(self.first_args, "seed", None) is not None:
+            return False
         return (self.has_output and self.stuck_failures <= max_continuations
                 and stock.continuation.continuable(self.request))
 
