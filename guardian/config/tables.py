@@ -180,7 +180,9 @@ class SupervisorSettings(Table, name="supervisor"):
     max_resends = Setting(Int(min=0), 1, """
         A request whose child died before any byte of the answer reached the client
         is sent again to the next child, at most this many times (a request in
-        flight at two crashes is quarantined first). 0: 503 + Retry-After instead.""",
+        flight at two crashes is quarantined first). 0: 503 + Retry-After instead.
+        A stream cut by its child's death is continued on the next child this many
+        times at one point: one that progressed since its last cut counts from 0.""",
         flag="--supervisor-max-resends", metavar="N")
     health_timeout_s = Setting(POSITIVE_SECONDS, 1.0, """
         A check of the child (the supervisor's own, each interval) fails if not

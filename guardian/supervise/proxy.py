@@ -307,6 +307,7 @@ class ProxyHandler(BaseHTTPRequestHandler):
         supervisor = self.server.supervisor
         resends = 0
         stream = None  # a stream the client is receiving, once it can be continued
+        relayed_at_last_cut = 0  # its tokens when the last child died under it
         passed = self.passed
         while not self.gone:
             if stream is not None:
@@ -352,6 +353,11 @@ class ProxyHandler(BaseHTTPRequestHandler):
             if outcome is not NOTHING_SENT:
                 stream = outcome  # cut, to be continued
                 self.keepalive.start()
+                # A stream that progressed since its last cut starts its count again, as an
+                # in-process continuation does: max_resends bounds deaths at one point.
+                relayed = len(stream.tokens)
+                if relayed > relayed_at_last_cut:
+                    resends, relayed_at_last_cut = 0, relayed
             # Once the dead child is reaped, its crash has struck this
             # request: refused, or relayed alone.
             reaped = supervisor.wait_reaped(child)
