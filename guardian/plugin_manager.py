@@ -154,11 +154,23 @@ def active_hook(pm: pluggy.PluginManager, name: str):
 
 
 def notify(hook, **kwargs) -> None:
-    """Call an observer hook; a plugin's exception is logged, not raised."""
-    try:
-        hook(**kwargs)
-    except Exception:
-        log.exception("plugin_hook_failed", hook=hook.name)
+    """Call an observer hook, each plugin's implementation on its own and in pluggy's
+    order: one that raises is logged (with its plugin's name) and those after it are
+    still called. (pluggy stops a call at its first exception: one plugin's bug
+    silenced the notifier's alerts, and the access plugin's token charge.)"""
+    impls = hook.get_hookimpls()
+    if any(impl.hookwrapper or impl.wrapper for impl in impls):  # wrappers need pluggy's own call
+        try:
+            hook(**kwargs)
+        except Exception:
+            log.exception("plugin_hook_failed", hook=hook.name)
+        return
+    for impl in reversed(impls):  # pluggy calls the last registered (and tryfirst) first
+        try:
+            impl.function(*[kwargs[name] for name in impl.argnames],
+                          **{name: kwargs[name] for name in impl.kwargnames if name in kwargs})
+        except Exception:
+            log.exception("plugin_hook_failed", hook=hook.name, plugin=impl.plugin_name)
 
 
 def describe(pm: pluggy.PluginManager) -> list[dict]:

@@ -154,3 +154,34 @@ def test_a_shutdown_hook_that_raises_keeps_the_exit_code(start_server):
                           "[recovery]\nmax_failures = 1\n", wait=False)
     assert server.proc.wait(timeout=60) == EXIT_ENGINE_FAILED
     assert "guardian_shutdown" in hook_failures(server)
+
+
+def test_an_observer_that_raises_leaves_the_others_called():
+    """pluggy ends a call at its first exception: the plugins after one that raised
+    (the notifier's alerts, the access plugin's token charge) were never told."""
+    import pluggy
+    from structlog.testing import capture_logs
+
+    import guardian
+    from guardian.plugin_manager import notify
+
+    pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
+    pm.add_hookspecs(hookspecs)
+    told = []
+
+    class Broken:
+        @guardian.hookimpl(tryfirst=True)
+        def on_stall(self, engine, heartbeat_age_s, action):
+            raise RuntimeError("a plugin's bug")
+
+    class Listening:
+        @guardian.hookimpl
+        def on_stall(self, engine, heartbeat_age_s, action):
+            told.append(action)
+
+    pm.register(Listening(), name="listening")
+    pm.register(Broken(), name="broken")
+    with capture_logs() as logs:
+        notify(pm.hook.on_stall, engine=None, heartbeat_age_s=3.0, action="restart")
+    assert told == ["restart"]
+    assert [(e["event"], e["plugin"]) for e in logs] == [("plugin_hook_failed", "broken")]
