@@ -63,7 +63,10 @@ def make_plugin_manager(config: GuardianConfig, live=None) -> pluggy.PluginManag
         names = ", ".join(f"[{name}]" for name in tables)
         raise ConfigError(f"{config.source}: no loaded plugin reads {names}")
     check_required_hooks(pm)
-    pm.check_pending()
+    try:
+        pm.check_pending()
+    except pluggy.PluginValidationError as e:  # a hook name no spec has (a misspelt one)
+        raise ConfigError(f"plugin {e.plugin!r}: {e}") from None
     return pm
 
 
@@ -108,6 +111,8 @@ def resolve(spec: str):
         return getattr(obj, attribute) if attribute else obj
     except (ImportError, AttributeError) as e:
         raise ConfigError(f"cannot load plugin {spec!r}: {e}") from None
+    except Exception as e:  # its module raised as it was imported (a SyntaxError, its own check)
+        raise ConfigError(f"cannot load plugin {spec!r}: {type(e).__name__}: {e}") from None
 
 
 def register(pm: pluggy.PluginManager, plugin, tables: dict, spec: str, disabled=frozenset(), *,
@@ -120,19 +125,27 @@ def register(pm: pluggy.PluginManager, plugin, tables: dict, spec: str, disabled
             f"two plugins are named {name!r}: {spec!r} and {plugin_spec(pm.get_plugin(name))!r}; "
             "disable one with [guardian] disabled_plugins"
         )
-    if isinstance(plugin, type):
-        settings_class = getattr(plugin, "Settings", None)
-        table = tables.pop(name, {})
-        if settings_class is not None:
-            settings = parse_settings(settings_class, table, name)
-            if config is not None:
-                config.plugin_settings[name] = settings
-            plugin = plugin(live.view(name) if live is not None else settings)
-        elif table:
-            raise ConfigError(f"[{name}]: plugin {spec!r} takes no settings")
-        else:
-            plugin = plugin()
-    pm.register(plugin, name=name)
+    try:
+        if isinstance(plugin, type):
+            settings_class = getattr(plugin, "Settings", None)
+            table = tables.pop(name, {})
+            if settings_class is not None:
+                settings = parse_settings(settings_class, table, name)
+                if config is not None:
+                    config.plugin_settings[name] = settings
+                plugin = plugin(live.view(name) if live is not None else settings)
+            elif table:
+                raise ConfigError(f"[{name}]: plugin {spec!r} takes no settings")
+            else:
+                plugin = plugin()
+        pm.register(plugin, name=name)
+    except ConfigError:
+        raise
+    except Exception as e:
+        # Its __init__ or settings raised, or pluggy refused a hook (a misspelt name): a
+        # configuration that can never start (exit 2), not a crash to retry (exit 1, which
+        # a supervisor took for a crash loop).
+        raise ConfigError(f"cannot load plugin {spec!r}: {type(e).__name__}: {e}") from None
 
 
 def plugin_name(plugin, spec: str) -> str:

@@ -95,6 +95,20 @@ def test_two_plugins_with_one_name_are_a_configuration_error(tmp_path, installed
         make_plugin_manager(config_with(tmp_path))
 
 
+@pytest.mark.parametrize("broken, message", [
+    (EXTRA.replace("def sample_resources", "def sample_resource"), "sample_resource"),  # a misspelt hook
+    (EXTRA.replace('name = "extra"', 'name = "extra"\n        def __init__(self):\n            raise RuntimeError("no")'),
+     "RuntimeError: no"),
+    ("import guardian\nraise RuntimeError('at import')\n", "at import"),
+])
+def test_a_plugin_that_cannot_load_is_a_configuration_error(tmp_path, installed_plugin, broken, message):
+    """Exit 2 at start, not an uncaught exception's exit 1, which a supervisor took for a
+    crash to retry, six times over."""
+    installed_plugin(broken)
+    with pytest.raises(ConfigError, match=message):
+        make_plugin_manager(config_with(tmp_path))
+
+
 @pytest.mark.parametrize("hook, plugin", [("on_engine_error", "recovery"), ("probe", "generation_probe")])
 def test_a_required_hook_missing_at_start_is_a_clear_error(tmp_path, hook, plugin):
     with pytest.raises(ConfigError, match=rf"no plugin implements {hook}"):
@@ -185,3 +199,17 @@ def test_an_observer_that_raises_leaves_the_others_called():
         notify(pm.hook.on_stall, engine=None, heartbeat_age_s=3.0, action="restart")
     assert told == ["restart"]
     assert [(e["event"], e["plugin"]) for e in logs] == [("plugin_hook_failed", "broken")]
+
+
+def test_an_admission_hook_returning_neither_none_nor_an_error_is_a_500_in_openais_shape(start_server):
+    import httpx
+
+    from conftest import chat_body
+
+    server = start_server('[guardian]\nplugins = ["tests.plugins.odd_admission:OddAdmission"]\n')
+    response = httpx.post(server.url + "/v1/chat/completions", json=chat_body(max_tokens=4), timeout=60)
+    # Stock's 404 with an AttributeError's words ('str' object has no attribute 'message') before.
+    assert response.status_code == 500, response.text
+    assert response.json()["error"]["code"] == "internal_error"
+    [failed] = server.events("admission_failed")
+    assert failed["returned_type"] == "str"

@@ -199,6 +199,11 @@ class AdmissionGate:
             admission.refused = True
             admission.finish()  # what the hooks before it took (a client's place, its tokens) is given back
             raise
+        if error is not None and not isinstance(error, GuardianError):
+            # A hook's bug: the client got stock's 404 with an AttributeError's words.
+            log.error("admission_failed", reason="an admit_request hook returned neither None nor a GuardianError",
+                      returned_type=type(error).__name__)
+            error = GuardianError("The server failed to admit the request.", status=500, code="internal_error")
         if error is None:
             # Tokenized here whether or not a hook asked: the engine reuses
             # the tokens, and it must never see a prompt it cannot run.
