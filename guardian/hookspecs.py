@@ -57,7 +57,13 @@ def check_access(request, door):
     address) names the client in logs, per-client limits and fair admission;
     with an ``error``, the request is answered with it. None: no opinion.
     Stops at first non-None result; the built-in answers last (trylast), so
-    a plugin of yours decides first.
+    a plugin of yours decides first. In a child of ``--supervise`` the relay
+    key decides before any plugin: a request the supervisor did not send is
+    refused, and the supervisor's own checks are let in; a client's request
+    it relayed comes to the plugins (without the client's API key, which stops
+    at the supervisor's port). A hook that raises refuses the request (500).
+    ``request.headers`` are the request's as sent: an API key in them is the
+    client's, in clear.
     """
 
 
@@ -67,8 +73,8 @@ def on_access_decision(request, decision):
 
     The HTTP thread serving it, every request on every path. ``decision`` is
     the AccessDecision (``decision.error`` is what a refused client gets;
-    ``decision.key_name`` which API key let it in, if any). Never holds the
-    key itself. Return value ignored.
+    ``decision.key_name`` which API key let it in, if any; the decision never
+    holds the key, though ``request.headers`` do, as sent). Return value ignored.
     """
 
 

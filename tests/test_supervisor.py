@@ -776,3 +776,21 @@ def test_a_continuation_the_child_refused_for_its_deadline_ends_with_the_deadlin
     assert b'"deadline_exceeded"' in error.sse_bytes()
     for other in (b"not json", b'{"error": {"code": "server_busy"}}', b'{"error": "x"}', b"[]"):
         assert child_deadline_error(io.BytesIO(other)) is None
+
+
+def test_an_operators_check_access_plugin_neither_blocks_the_supervisor_nor_passes_its_key(start_supervisor, tmp_path):
+    """The child's door decides on the relay key before any plugin: a plugin that refused
+    requests without its own header refused the supervisor's health checks (the child was
+    never ready), and one that let such a request in let local processes past the key."""
+    config = tmp_path / "token-door.toml"
+    config.write_text('[guardian]\nplugins = ["tests.plugins.token_door:TokenDoor"]\n')
+    supervised = start_supervisor("--guardian-config", str(config))  # waits for ready
+    with httpx.Client(timeout=60) as client:
+        refused = client.post(supervised.url + COMPLETIONS, json=chat_body(max_tokens=4))
+        assert refused.status_code == 403 and refused.json()["error"]["code"] == "token_needed", refused.text
+        served = client.post(supervised.url + COMPLETIONS, json=chat_body(max_tokens=4), headers={"X-Token": "ok"})
+        assert served.status_code == 200, served.text
+        child_port = supervised.supervisor()["child"]["port"]
+        direct = client.post(f"http://127.0.0.1:{child_port}{COMPLETIONS}", json=chat_body(max_tokens=4),
+                             headers={"X-Token": "ok"})
+        assert direct.status_code == 403 and direct.json()["error"]["code"] == "not_from_supervisor", direct.text

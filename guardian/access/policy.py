@@ -233,6 +233,19 @@ class AccessPolicy:
             return AccessDecision(address)
         return AccessDecision(address, protected_mode_error(self.bound_host))
 
+    def decided_by_relay_key(self, request: AccessRequest) -> Optional[AccessDecision]:
+        """A supervised child's decision before any plugin's: a request the supervisor did
+        not send refused (a plugin's check_access let local processes past the relay key),
+        and the supervisor's own (its health checks, naming no client) let in (a plugin
+        refused them: the child was never ready). None: a client's request the supervisor
+        relayed, or no supervisor: the check_access hooks decide."""
+        if self.relay_key is None:
+            return None
+        decision = self.check_relayed(request)
+        if not decision.allowed or request.headers.get(CLIENT_HEADER) is None:
+            return decision
+        return None
+
     def check_relayed(self, request: AccessRequest) -> AccessDecision:
         """A supervised child: the relay key, then the client the supervisor names.
         Health checks stay open to anyone on this machine, as at the public port."""

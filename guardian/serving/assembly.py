@@ -34,7 +34,7 @@ from guardian.admission.gate import AdmissionGate, AdmittingGenerator
 from guardian.engine.generator import GuardianEngine
 from guardian.errors import SERVER_STOPPING, AbortRequest, GuardianError
 from guardian.exit_codes import EXIT_BOOT_ERROR, EXIT_OK, EXIT_USAGE
-from guardian.serving.handler import GuardianHandler
+from guardian.serving.handler import GuardianHandler, decide_access
 from guardian.config.live import LiveConfig
 from guardian.admission.model_access import ModelAccess
 from guardian.admission.startup_checks import impossible_flags
@@ -250,8 +250,7 @@ class GuardianHTTPServer(HeldConnections, ThreadingHTTPServer):
         """The door on the head of a request whose body is still to come: a refused
         client's body is never held (its handler answers it, with this decision)."""
         request = self.head_request(incoming)
-        decision = (self.pm.hook.check_access(request=request, door=self.door) if self.pm is not None
-                    else self.door.check(request))
+        decision = decide_access(self.pm, self.door, request)
         return decision if decision is not None else AccessDecision(incoming.address[0])
 
 

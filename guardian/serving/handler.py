@@ -62,7 +62,7 @@ class GuardianHandler(Endpoints, stock.handler.DoorCorsHandler):
         request = AccessRequest(self.command, self.path.partition("?")[0], self.headers, self.client_address[0])
         pm = self.response_generator.pm
         # Made on the head already where the body was still to come (GuardianHTTPServer.decide_at_head).
-        decision = getattr(self.connection, "access", None) or pm.hook.check_access(request=request, door=door)
+        decision = getattr(self.connection, "access", None) or decide_access(pm, door, request)
         # No plugin answered (the built-in disabled): as if there were no door.
         self.access = decision if decision is not None else AccessDecision(self.client_address[0])
         notify(pm.hook.on_access_decision, request=request, decision=self.access)
@@ -416,3 +416,21 @@ def stock_refusal(response: bytes) -> GuardianError:
 
 def invalid_json(message: str) -> GuardianError:
     return GuardianError(message, status=400, type="invalid_request_error", code="invalid_json")
+
+
+def decide_access(pm, door, request: AccessRequest) -> Optional[AccessDecision]:
+    """The door's decision on ``request``: in a supervised child the relay key's first
+    (AccessPolicy.decided_by_relay_key), then the check_access hooks. A hook that raises
+    refuses the request with a 500 (the client got an empty reply, its traceback went to
+    stderr unstructured); None: no hook answered."""
+    decision = door.decided_by_relay_key(request) if door is not None else None
+    if decision is not None:
+        return decision
+    if pm is None:
+        return door.check(request) if door is not None else None
+    try:
+        return pm.hook.check_access(request=request, door=door)
+    except Exception:
+        log.exception("access_check_failed", path=request.path)
+        return AccessDecision(request.client_address, GuardianError(
+            "The server failed to check the request's access.", status=500, code="internal_error"))
