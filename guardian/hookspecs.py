@@ -210,7 +210,9 @@ def probe(engine, timeout_s):
     HTTP thread (``GET /readyz?deep=1``). ``timeout_s`` is the deadline the
     probe must keep. Return a dict ``{"name": str, "ok": bool, "duration_ms":
     float, "error": str | None}`` plus any fields of your own; None means this
-    plugin has no probe. Every plugin's result is collected.
+    plugin has no probe. Every plugin's result is collected. A probe that
+    raises, or returns anything but a dict with a bool ``ok``, is a failed
+    result named after its plugin (``plugin_hook_failed``).
     """
 
 

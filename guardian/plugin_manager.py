@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+from typing import Iterator, Optional
 
 import pluggy
 import structlog
@@ -171,19 +172,29 @@ def notify(hook, **kwargs) -> None:
     order: one that raises is logged (with its plugin's name) and those after it are
     still called. (pluggy stops a call at its first exception: one plugin's bug
     silenced the notifier's alerts, and the access plugin's token charge.)"""
-    impls = hook.get_hookimpls()
-    if any(impl.hookwrapper or impl.wrapper for impl in impls):  # wrappers need pluggy's own call
+    if any(impl.hookwrapper or impl.wrapper for impl in hook.get_hookimpls()):  # they need pluggy's own call
         try:
             hook(**kwargs)
         except Exception:
             log.exception("plugin_hook_failed", hook=hook.name)
         return
-    for impl in reversed(impls):  # pluggy calls the last registered (and tryfirst) first
+    for plugin, _result, error in call_each(hook, **kwargs):
+        if error is not None:
+            log.error("plugin_hook_failed", hook=hook.name, plugin=plugin, exc_info=error)
+
+
+def call_each(hook, **kwargs) -> Iterator[tuple[str, object, Optional[Exception]]]:
+    """(plugin name, result, exception) of each implementation of ``hook`` (none a
+    wrapper), each called on its own, in pluggy's order: the last registered, and
+    tryfirst, first."""
+    for impl in reversed(hook.get_hookimpls()):
         try:
-            impl.function(*[kwargs[name] for name in impl.argnames],
-                          **{name: kwargs[name] for name in impl.kwargnames if name in kwargs})
-        except Exception:
-            log.exception("plugin_hook_failed", hook=hook.name, plugin=impl.plugin_name)
+            result = impl.function(*[kwargs[name] for name in impl.argnames],
+                                   **{name: kwargs[name] for name in impl.kwargnames if name in kwargs})
+        except Exception as e:
+            yield impl.plugin_name, None, e
+        else:
+            yield impl.plugin_name, result, None
 
 
 def describe(pm: pluggy.PluginManager) -> list[dict]:

@@ -213,3 +213,22 @@ def test_an_admission_hook_returning_neither_none_nor_an_error_is_a_500_in_opena
     assert response.json()["error"]["code"] == "internal_error"
     [failed] = server.events("admission_failed")
     assert failed["returned_type"] == "str"
+
+
+def test_a_probe_that_raises_is_a_failed_result_naming_its_plugin(start_server):
+    """It killed the probe thread: /readyz?deep=1 got an empty reply, and readiness went
+    stale, since the built-in probe's passing result was thrown away with it."""
+    import httpx
+
+    from conftest import poll
+
+    # Never ready: a probe that fails holds readiness (the start waits for /readyz).
+    server = start_server('[guardian]\nplugins = ["tests.plugins.raising_probe:RaisingProbe"]\n', wait=False)
+    poll(lambda: server.health() == 200, 60, what="the engine serving")
+    response = httpx.get(server.url + "/readyz?deep=1", timeout=60)
+    assert response.status_code == 503, response.text
+    results = {r["name"]: r for r in response.json()["last_probe"]["results"]}
+    assert results["raising_probe"]["ok"] is False
+    assert "a probe plugin's bug" in results["raising_probe"]["error"]
+    assert results["generation"]["ok"] is True  # the built-in's result kept beside it
+    assert any(e.get("plugin") == "raising_probe" for e in server.events("plugin_hook_failed"))

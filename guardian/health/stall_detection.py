@@ -42,7 +42,7 @@ from guardian.engine.lifecycle import EngineState
 from guardian.health.pace import Pace
 from guardian.health.step_cpu import StepCpu
 from guardian.observability.logs import probe_running
-from guardian.plugin_manager import notify
+from guardian.plugin_manager import call_each, notify
 from guardian.health.sd_notify import SystemdNotifier
 
 log = structlog.get_logger("guardian.watchdog")
@@ -292,7 +292,7 @@ class StallDetector:
         timeout_s = timeout_s or self.settings.probe_timeout_s
         with self._probing:
             with probe_running():
-                results = [r for r in self.pm.hook.probe(engine=self.engine.plugin_view, timeout_s=timeout_s) if r]
+                results = self._probe_results(timeout_s)
             outcome = {
                 "ok": all(r["ok"] for r in results),
                 "at": time.time(),
@@ -304,6 +304,24 @@ class StallDetector:
         self._log_probe(outcome, previous)
         notify(self.pm.hook.on_probe_result, results=results, engine=self.engine.plugin_view)
         return outcome
+
+    def _probe_results(self, timeout_s: float) -> list[dict]:
+        """Each plugin's probe result. A probe that raises, or answers with something other
+        than a dict with a bool ``ok``, is a failed result naming its plugin (it killed the
+        probe thread: readiness went stale, and a replacement loop was never proven)."""
+        results = []
+        for plugin, result, error in call_each(self.pm.hook.probe, engine=self.engine.plugin_view,
+                                               timeout_s=timeout_s):
+            if error is None and not result:
+                continue  # no opinion
+            if error is None and isinstance(result, dict) and isinstance(result.get("ok"), bool):
+                results.append(result)
+                continue
+            why = (f"{type(error).__name__}: {error}" if error is not None
+                   else f"the probe returned {type(result).__name__}, not a dict with a bool ok")
+            log.error("plugin_hook_failed", hook="probe", plugin=plugin, error_message=why)
+            results.append({"name": plugin, "ok": False, "error": why})
+        return results
 
     def _log_probe(self, outcome: dict, previous: Optional[dict]) -> None:
         """A failed probe is a warning; a passed one is news (INFO) only when it is
