@@ -306,15 +306,25 @@ def test_one_verification_of_a_replacement_loop_at_a_time_however_late_its_threa
     a late one would be, while the watchdog looks again and again."""
     from types import SimpleNamespace
 
+    import pluggy
+
+    import guardian
+    from guardian import hookspecs
     from guardian.config.tables import WatchdogSettings
     from guardian.health.stall_detection import StallDetector
 
+    class PassingProbe:
+        @guardian.hookimpl
+        def probe(self, engine, timeout_s):
+            return {"name": "generation", "ok": True}
+
+    pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
+    pm.add_hookspecs(hookspecs)
+    pm.register(PassingProbe(), name="generation_probe")
     verified = []
     engine = SimpleNamespace(lifecycle=SimpleNamespace(on_trial=True, verified=lambda: verified.append(1)),
                              plugin_view=None)
-    hook = SimpleNamespace(probe=lambda **_: [{"name": "generation", "ok": True}],
-                           on_probe_result=lambda **_: None)
-    detector = StallDetector(engine, SimpleNamespace(hook=hook), WatchdogSettings())
+    detector = StallDetector(engine, pm, WatchdogSettings())
     started, go = [], threading.Event()
     code = StallDetector._verify_replacement.__code__
 
