@@ -108,7 +108,7 @@ def load_runtime(namespace: argparse.Namespace, path, source=None):
     """The live configuration and the plugins, from the file at ``path`` (read as the
     file at ``source``, which is watched, when given); ConfigError if it does not do."""
     from guardian.config.live import LiveConfig
-    from guardian.plugin_manager import make_plugin_manager
+    from guardian.plugin_manager import check_plugin_list, make_plugin_manager
 
     config = load_config(path)
     if source is not None:
@@ -121,7 +121,7 @@ def load_runtime(namespace: argparse.Namespace, path, source=None):
     # supervised child lets in its supervisor alone, and reads none.
     namespace.guardian_keys = KeyRing(None if started_by_supervisor() else config.access.api_key_file or None)
     # Plugins and the core read their settings through it: the file may change.
-    live = LiveConfig(config, flags=namespace)
+    live = LiveConfig(config, flags=namespace, check_plugins=check_plugin_list)
     configure_logging(config.core.log_format, live.log_level())
     keep_stock_request_lines(config.core.stock_request_logs)
     return live, make_plugin_manager(config, live=live)

@@ -71,6 +71,13 @@ def make_plugin_manager(config: GuardianConfig, live=None) -> pluggy.PluginManag
     return pm
 
 
+def check_plugin_list(config: GuardianConfig) -> None:
+    """Load ``config``'s plugins as a start would, and drop them: ConfigError where a start
+    could not (a live save's new plugin list, guardian.config.live). Plugins' ``__init__``
+    runs; their start-up hooks do not."""
+    make_plugin_manager(config)
+
+
 def plugin_entry_points() -> tuple[list, list]:
     """The ``mlx_guardian`` entry points: (third-party, ours), each once.
 

@@ -133,11 +133,19 @@ def test_a_broken_edit_changes_nothing_and_says_why(served):
     save(served, BASE + "[no_such_plugin]\nx = 1\n")  # a table nobody reads
     [*_, unknown] = served.wait_for_event("config_reload_failed", count=failures + 3)
     assert "[no_such_plugin]" in unknown["error_message"]
+    # A plugin list waits for a restart, but one no start could load is refused at the save
+    # (put in force, it was kept for a supervisor's next child, which then could not start).
+    save(served, BASE + '[guardian]\nplugins = ["no_such_module"]\n')
+    [*_, unloadable] = served.wait_for_event("config_reload_failed", count=failures + 4)
+    assert "cannot load plugin 'no_such_module'" in unloadable["error_message"]
 
     now = status(served)["config"]
     assert now["sha256"] == live["sha256"] and now["loads"] == live["loads"]
-    assert "no_such_plugin" in now["last_failure"]["error_message"]
+    assert "no_such_module" in now["last_failure"]["error_message"]
     assert chat(served).status_code == 400  # the limit of the version in force still holds
+    # A list that loads is put in force, waiting for the restart.
+    loadable = save_and_wait(served, BASE + '[guardian]\nplugins = ["tests.plugins.slow_start:SlowStart"]\n')
+    assert loadable["config"]["pending_restart"] == ["guardian.plugins"]
     save_and_wait(served, BASE)
 
 

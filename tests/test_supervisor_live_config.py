@@ -100,9 +100,10 @@ def test_a_version_the_child_refuses_changes_the_public_ports_door_no_more(start
 
 
 def test_a_broken_save_does_not_stop_the_next_child(start_supervisor, tmp_path):
-    """A live edit that does not parse changes nothing in either process. A child started
-    after a crash starts from the version in force, not from the file as it is now: it
-    read the broken file, exited 2 ("refused its flags"), and the supervisor gave up with it.
+    """A live edit that does not parse, or names plugins that cannot load, changes nothing in
+    either process. A child started after a crash starts from the version in force, not from
+    the file as it is now: it read the broken file, exited 2 ("refused its flags"), and the
+    supervisor gave up with it.
     A key file saved broken is the supervisor's alone to refuse: a child reads none."""
     keys = tmp_path / "keys"
     keys.write_text("alice:sk-alice-0123456789abcdef\n")
@@ -119,6 +120,11 @@ def test_a_broken_save_does_not_stop_the_next_child(start_supervisor, tmp_path):
         return httpx.post(supervised.url + "/v1/chat/completions", json=body, headers=alice, timeout=30).status_code
 
     assert stops(3) == 400
+    # A plugin list no start could load is refused at the save too: put in force, it was
+    # the version kept for the next child, which exited 2, and the supervisor with it.
+    config.write_text(good + 'plugins = ["no_such_module"]\n')
+    [unloadable] = poll(lambda: supervised.events("config_reload_failed"), 15, what="the plugin list's refusal")
+    assert "cannot load plugin 'no_such_module'" in unloadable["error_message"]
     config.write_text(good.replace("= 2", '= "ten"'))
     poll(lambda: supervised.supervisor_events("supervisor_config_reload_failed"), 15, what="the refusal")
     keys.write_text("alice:sk-alice-0123456789abcdef\ncarol:short\n")

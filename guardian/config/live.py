@@ -98,12 +98,16 @@ class Change:
 class LiveConfig:
     """The configuration in force, its file's version, and how it is replaced."""
 
-    def __init__(self, config: GuardianConfig, flags=None):
+    def __init__(self, config: GuardianConfig, flags=None,
+                 check_plugins: Optional[Callable[[GuardianConfig], None]] = None):
         self._config = config
         self.started_with = config
         self._file = config  # the last version of the file read, as it was written
         # Command-line flags win over the file at every version, as at start.
         self.flags = flags
+        # Loads a version's plugin list as a start would, raising ConfigError where it could not
+        # (guardian.plugin_manager.check_plugin_list; passed in: this layer imports no plugins).
+        self.check_plugins = check_plugins
         self._pinned: contextvars.ContextVar[Optional[GuardianConfig]] = contextvars.ContextVar(
             "guardian_pinned_config", default=None)
         self._lock = threading.Lock()  # one reload at a time
@@ -220,6 +224,11 @@ class LiveConfig:
         if tables and not plugins_changed:
             names = ", ".join(f"[{name}]" for name in tables)
             raise ConfigError(f"{new.source}: no loaded plugin reads {names}")
+        if plugins_changed and self.check_plugins is not None:
+            # The list waits for a restart, but a list no start can load is refused now: put
+            # in force, it was kept for a supervisor's next child, which could not start
+            # (exit 2), and the supervisor stopped with it.
+            self.check_plugins(dataclasses.replace(new, plugin_settings={}))
 
     def _failed(self, reason: str, message: str, new: Optional[GuardianConfig] = None) -> None:
         self._record_failure(reason, message, new)
