@@ -53,6 +53,10 @@ SETTLE_S = 0.1
 # write whatever: a half-written key file must not be in force (everyone refused, or a
 # key cut short let in), nor a config file's first tables alone.
 MAX_OPEN_WAIT_S = 10.0
+# Where no close is reported (macOS' FSEvents, the polling observer), a file is read once
+# it has not changed for this long (still within MAX_OPEN_WAIT_S): a writer slower than the
+# settling, pausing between its writes, was read half-way. One pausing longer still is.
+STILL_S = 0.5
 # The watch also looks at the file itself this often: a change no event in its folder
 # reports (a symlink swapped in another folder, as Kubernetes mounts a ConfigMap or a
 # Secret; the folder itself replaced; chmod) is read within this.
@@ -463,6 +467,8 @@ class ConfigFileWatcher:
                 if time.monotonic() > open_until:
                     self.writing = False  # its close was never seen (lost, or none comes): read it now
                     break
+            if not self.close_events:
+                self._wait_until_still(open_until)
             missing_until = time.monotonic() + MISSING_WAIT_S
             while not self.path.exists() and time.monotonic() < missing_until and not self._stopped.is_set():
                 self._stopped.wait(self.settle_s)
@@ -477,6 +483,16 @@ class ConfigFileWatcher:
                 self.reload(reason)
             except Exception:
                 log.exception("config_reload_crashed")
+
+    def _wait_until_still(self, until: float) -> None:
+        """Return once the file's stamp has held for ``STILL_S``, or at ``until``."""
+        stamp = file_stamp(self.path)
+        while not self._stopped.is_set() and time.monotonic() < until:
+            self._stopped.wait(STILL_S)
+            now = file_stamp(self.path)
+            if now == stamp:
+                return
+            stamp = now
 
     def _look(self) -> None:
         """The poll: the file changed without an event seen (read it), its folder replaced
