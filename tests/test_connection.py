@@ -9,6 +9,7 @@ the tests are quick; their defaults are in config/guardian.example.toml.
 
 from __future__ import annotations
 
+import errno
 import http.client
 import json
 import resource
@@ -398,7 +399,8 @@ def test_a_client_waiting_on_expect_100_continue_gets_it_before_its_body(held):
     assert answer.startswith(b"HTTP/1.0 200") and b'"chat.completion"' in answer
 
 
-@pytest.mark.skipif(not shutil.which("ss"), reason="ss (iproute2) reads a listening socket's backlog; Linux")
+@pytest.mark.linux("macOS caps a backlog at kern.ipc.somaxconn, 128 unless raised")
+@pytest.mark.skipif(not shutil.which("ss"), reason="ss (iproute2) reads a listening socket's backlog")
 def test_the_listen_backlog_is_at_least_1024(held):
     out = subprocess.run(["ss", "-ltnH", f"sport = :{held.port}"], capture_output=True, text=True).stdout
     backlog = int(out.split()[2])  # a listening socket's Send-Q is its backlog
@@ -483,6 +485,59 @@ def test_a_fault_on_one_connection_ends_that_connection_not_the_reader():
         assert reader.thread.is_alive()
     finally:
         reader.stop()
+        for client in clients:
+            client.close()
+
+
+class QueueResets(socket.socket):
+    """A listener whose accept() reports what BSD and macOS report for connections their
+    clients reset while queued: the first comes back with no address (Python's None), the
+    next accept fails with ECONNABORTED."""
+
+    calls = 0
+
+    def _accept(self):
+        self.calls += 1
+        if self.calls == 2:
+            raise ConnectionAbortedError(errno.ECONNABORTED, "Software caused connection abort")
+        fd, address = super()._accept()
+        return fd, (None if self.calls == 1 else address)
+
+
+def test_a_connection_reset_in_the_listen_queue_is_skipped_and_the_door_stays_open():
+    """Either was taken for running out of descriptors (accepting paused, ``http_accept_failed``),
+    or held with no address, which every log line and the door index."""
+    from structlog.testing import capture_logs
+
+    dispatched = []
+
+    def dispatch(incoming):
+        dispatched.append(incoming.address)
+        incoming.sock.close()
+
+    server = SimpleNamespace(limits=ConnectionLimits(), tls=None, dispatch=dispatch, body_limit=lambda: None,
+                             decide_at_head=lambda incoming: None)
+    listener = QueueResets(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    reader = RequestReader(server)
+    clients = []
+    try:
+        with capture_logs() as logs:
+            reader.listen(listener)
+            reset = socket.create_connection(listener.getsockname(), timeout=5)
+            clients.append(reset)
+            assert reset.recv(1) == b""  # closed: nothing to answer
+            client = socket.create_connection(listener.getsockname(), timeout=5)
+            clients.append(client)
+            client.sendall(b"GET /v1/models HTTP/1.1\r\nHost: h\r\n\r\n")
+            poll(lambda: dispatched, 5, what="the next client's request handed over")
+        assert dispatched == [client.getsockname()]
+        assert listener.calls >= 3 and reader.thread.is_alive()
+        assert [e["event"] for e in logs if e["log_level"] in ("warning", "error")] == []
+    finally:
+        reader.stop()
+        listener.close()
         for client in clients:
             client.close()
 

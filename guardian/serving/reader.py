@@ -9,6 +9,7 @@ connections a supervisor hands over. Imports no mlx.
 from __future__ import annotations
 
 import collections
+import errno
 import heapq
 import itertools
 import selectors
@@ -44,6 +45,10 @@ CLOSE_AFTER_RECORDS_S = 0.02
 
 # Connections accepted in one go before the reader reads the others again.
 ACCEPT_BATCH = 64
+# accept() errors that are one connection's, gone before it was taken (BSD and macOS
+# report a connection reset in the listen queue; Linux drops it unseen): skipped, where
+# any other error (out of descriptors) pauses the accepting.
+GONE_BEFORE_ACCEPTED = frozenset({errno.ECONNABORTED, errno.ECONNRESET, errno.EPROTO})
 
 
 # Connections expired in one go: a wave of them (a flood opened together times
@@ -414,11 +419,19 @@ class RequestReader:
                 sock, address = listening.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError as e:  # out of file descriptors: stop accepting for a tick
+            except OSError as e:
+                if e.errno in GONE_BEFORE_ACCEPTED:
+                    continue  # one client's connection, reset in the queue: the others' go on
+                # Out of file descriptors or memory: stop accepting for a tick.
                 log.warning("http_accept_failed", error_message=str(e))
                 self.unwatch(listening.sock)
                 self.call_at(time.monotonic() + TICK_S, lambda: self.listen(listening.sock))
                 return
+            if address is None:
+                # macOS's accept() can give a connection its client already reset with no
+                # address (Python's None): nothing to answer, and every log line names one.
+                sock.close()
+                continue
             self._hold(sock, address)
 
     def _take_handoffs(self, channel: HandoffChannel) -> None:
