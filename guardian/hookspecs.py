@@ -252,7 +252,9 @@ def sample_resources(engine):
 
     Watchdog thread, every ``resource_interval_s``. Return a flat dict of
     numbers (for example ``{"active_memory_bytes": ...}``); None contributes
-    nothing. Every plugin's dict is merged into one sample.
+    nothing. Every plugin's dict is merged into one sample. One that raises,
+    or returns something else, is left out of the sample (``plugin_hook_failed``,
+    logged once until it works again); the others' gauges are kept.
     """
 
 

@@ -143,19 +143,28 @@ def hook_failures(server) -> list[str]:
     return [e["hook"] for e in server.events("plugin_hook_failed")]
 
 
-def test_start_up_and_shutdown_hooks_that_raise_are_contained(start_server):
+def test_start_up_shutdown_and_sampling_hooks_that_raise_are_contained(start_server):
     import signal
 
     import httpx
 
-    from conftest import chat_body
+    from conftest import chat_body, poll
 
-    server = start_server(RAISING)
+    server = start_server(RAISING + "[watchdog]\nresource_interval_s = 0.1\n")
     response = httpx.post(server.url + "/v1/chat/completions", json=chat_body(max_tokens=4), timeout=60)
     assert response.status_code == 200, response.text
+    # Its sample raises at each look: the built-in resources plugin's gauges are sampled still
+    # (one plugin's raise took every plugin's with it, the memory thresholds' included).
+    def sampled_at():
+        sample = httpx.get(server.url + "/guardian/status", timeout=5).json()["last_resource_sample"]
+        return sample is not None and "memory_used_bytes" in sample and sample["at"]
+
+    first = poll(sampled_at, 10, what="a resource sample")
+    poll(lambda: sampled_at() != first, 10, what="the next resource sample")
     server.proc.send_signal(signal.SIGTERM)
     assert server.proc.wait(timeout=30) == 0
-    assert hook_failures(server) == ["guardian_startup", "guardian_shutdown"]
+    # Said once, not at every sample.
+    assert hook_failures(server) == ["guardian_startup", "sample_resources", "guardian_shutdown"]
     # What hooks get is the facade, never the engine itself.
     assert {e["engine_type"] for e in server.events("observer_saw_engine")} == {"EngineView"}
 

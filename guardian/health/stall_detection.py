@@ -72,6 +72,7 @@ class StallDetector:
         self.last_probe: Optional[dict] = None
         self.probes_run = 0  # rounds, for /guardian/status
         self.last_sample: Optional[dict] = None
+        self._failing_samplers: set[str] = set()  # plugins whose last sample failed (logged once)
         self._last_probe_at = float("-inf")
         self._last_sample_at = float("-inf")
         self._last_ping_at = float("-inf")
@@ -386,10 +387,26 @@ class StallDetector:
             return
         self._last_sample_at = now
         sample = {"at": time.time()}
-        for gauges in self.pm.hook.sample_resources(engine=self.engine.plugin_view):
-            sample.update(gauges or {})
+        for plugin, gauges, error in call_each(self.pm.hook.sample_resources, engine=self.engine.plugin_view):
+            if error is None and isinstance(gauges, dict):
+                sample.update(gauges)
+                self._failing_samplers.discard(plugin)
+            elif error is not None or gauges is not None:
+                self._sampler_failed(plugin, error, gauges)
         self.last_sample = sample
         notify(self.pm.hook.on_resource_sample, sample=sample, engine=self.engine.plugin_view)
+
+    def _sampler_failed(self, plugin: str, error: Optional[Exception], gauges) -> None:
+        """A plugin's sample that raised or was not a dict: left out, the others' kept (one
+        that raised took every plugin's gauges with it, the built-in memory thresholds'
+        included). Logged when it starts failing, not at every sample."""
+        if plugin in self._failing_samplers:
+            return
+        self._failing_samplers.add(plugin)
+        why = (f"{type(error).__name__}: {error}" if error is not None
+               else f"the sample was {type(gauges).__name__}, not a dict")
+        log.error("plugin_hook_failed", hook="sample_resources", plugin=plugin, error_message=why,
+                  hint="logged once until its sample works again")
 
     # -- systemd ------------------------------------------------------------
     def _ping_systemd(self, now: float) -> None:

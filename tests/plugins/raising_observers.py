@@ -1,4 +1,5 @@
-"""A test plugin whose start-up and shutdown hooks raise, after saying what they were given.
+"""A test plugin whose start-up and shutdown hooks raise, after saying what they were given,
+and whose resource sample always raises.
 
 ``[guardian] plugins = ["tests.plugins.raising_observers:RaisingObservers"]``.
 """
@@ -29,3 +30,7 @@ class RaisingObservers:
         log.warning("observer_saw_engine", hook="guardian_shutdown", engine_type=type(engine).__name__,
                     exit_code=exit_code)
         raise ObserverBroke("guardian_shutdown broke on purpose")
+
+    @guardian.hookimpl
+    def sample_resources(self, engine):
+        raise ObserverBroke("sample_resources broke on purpose")
