@@ -307,15 +307,16 @@ def test_supervised_group_is_replaced_after_sigkill_of_rank_1_and_its_clients_se
 
 @pytest.mark.one_version
 def test_a_rank_stuck_in_its_step_is_a_stall_at_the_limit_though_rank_0_waits_busily(launch):
-    """Rank 1 hangs in its step, its interpreter free (so its beats still come): rank 0 waits
-    in the collective, its threads using CPU (the ring backend polls), and its watchdog
+    """Rank 1 hangs inside stock's step, its interpreter free (so its beats still come): rank 0
+    waits in the collective, its threads using CPU (the ring backend polls), and its watchdog
     must not take that for a step computing: a stall at the limit, not 30 s more."""
     group = launch(ring_group(free_ring_port()),
-                   config="[fault_injection]\nenabled = true\nrank = 1\nhang_at_step = 40\n")
+                   config=('[guardian]\nplugins = ["tests.plugins.rank_faults:RankFaults"]\n'
+                           "[rank_faults]\nrank = 1\nhang_at_call = 40\n"))
     group.wait_healthy()
     with ThreadPoolExecutor(len(BURST)) as pool:
         clients = [pool.submit(answer, group.url + COMPLETIONS, body) for body in BURST]
-        group.wait_for_event("fault_injected", timeout=60)
+        group.wait_for_event("rank_step_hang", timeout=60)
         results = [c.result(timeout=90) for c in clients]
     for result in results:
         assert result["status"] == 503 or result["errors"], result
