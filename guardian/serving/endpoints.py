@@ -9,10 +9,9 @@ guardian.serving.assembly): its engine, its stall detection (``/health``,
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from guardian import stock
 from guardian.admission.facts import context_length_of
+from guardian.admission.model_access import listed_name
 from guardian.observability import metrics
 
 # Polled by the supervisor, load balancers and Prometheus: their access
@@ -74,8 +73,7 @@ class Endpoints:
         access = gate.model_access
         if access is not None and isinstance(listing.get("data"), list):
             listing["data"] = [model for model in listing["data"] if access.may_name(model.get("id"))]
-        served = cli_args.model
-        served_ids = {served, str(Path(served).resolve())} if served else set()
+        served_ids = {cli_args.model, listed_name(cli_args.model)} - {None}
         for model in listing.get("data", []):
             if model.get("id") in served_ids and gate.served_context_length:
                 context_length = gate.served_context_length
