@@ -290,7 +290,8 @@ def metrics_page() -> str:
             lines.append(f"| `{metric['name']}` | {metric['type']} | {labels} | {cell(metric['help'])} |")
         lines.append("")
     lines += ["The one-process server's registry also holds prometheus-client's `ProcessCollector` "
-              "(`process_*`: resident memory, CPU, open files; where `/proc` exists) and "
+              "(`process_*`: resident memory, CPU, open files; from psutil where there is no `/proc`, as "
+              "on macOS) and "
               "`PlatformCollector` (`python_info`).", ""]
     return "\n".join(lines)
 

@@ -34,7 +34,12 @@ def leader_host() -> str:
     coordinator = os.environ.get("MLX_JACCL_COORDINATOR")
     if coordinator:
         return coordinator.rsplit(":", 1)[0]
-    return os.environ.get("NCCL_HOST_IP") or socket.gethostbyname(socket.gethostname())
+    if os.environ.get("NCCL_HOST_IP"):
+        return os.environ["NCCL_HOST_IP"]
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:  # a Mac whose "Name.local" does not resolve: the ranks of one machine
+        return "127.0.0.1"
 
 
 def share_address(rank: int, address: Optional[tuple[str, int]]) -> tuple[str, int]:
