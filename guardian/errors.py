@@ -22,7 +22,8 @@ class GuardianError(Exception):
 
     message: str
     status: int = 503
-    type: str = "server_error"
+    # OpenAI's error type; None: from the status (a plugin's 400 said "server_error").
+    type: Optional[str] = None
     code: Optional[str] = None
     param: Optional[str] = None
     retry_after_s: Optional[float] = None
@@ -35,6 +36,9 @@ class GuardianError(Exception):
 
     def __post_init__(self):
         super().__init__(self.message)
+        if self.type is None:
+            self.type = ("rate_limit_error" if self.status == 429
+                         else "invalid_request_error" if 400 <= self.status < 500 else "server_error")
 
     def body(self) -> dict:
         error = {

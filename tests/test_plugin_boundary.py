@@ -131,6 +131,16 @@ def test_a_replacement_for_a_disabled_built_in_satisfies_the_requirement(tmp_pat
                                    engine=None) == "exit"
 
 
+def test_a_plugins_error_is_typed_by_its_status_unless_it_says():
+    """A plugin's refusal with status 400 and no type told its client "server_error"."""
+    from guardian.errors import GuardianError
+
+    assert GuardianError("blocked", status=400).body()["error"]["type"] == "invalid_request_error"
+    assert GuardianError("busy", status=429).body()["error"]["type"] == "rate_limit_error"
+    assert GuardianError("down").body()["error"]["type"] == "server_error"
+    assert GuardianError("no", status=403, type="permission_error").body()["error"]["type"] == "permission_error"
+
+
 def test_required_hooks_are_hooks():
     assert set(REQUIRED_HOOKS) <= {name for name in dir(hookspecs) if not name.startswith("_")}
 
