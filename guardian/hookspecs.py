@@ -185,8 +185,9 @@ def on_request_finished(request_id, outcome, prompt_tokens, cached_prompt_tokens
                         time_to_first_token_s, time_between_tokens_s, engine):
     """A user's request the engine had queued ended; probes are not reported.
 
-    The thread that ended it: the generation thread, or an HTTP thread
-    when the client left or an error answered it. ``outcome`` is
+    A thread of its own (``request-reports``), after the request ended (on the
+    generation thread, or an HTTP thread when the client left or an error
+    answered it), in the order requests ended. ``outcome`` is
     ``"completed"`` (it had its last token), ``"failed"`` (answered with an
     error; ``on_request_failed`` says which) or ``"cancelled"`` (its client
     left). ``prompt_tokens``: the prompt's length as the engine first ran it
@@ -196,8 +197,8 @@ def on_request_finished(request_id, outcome, prompt_tokens, cached_prompt_tokens
     from when the handler took the request (admission and queueing
     included) to its first token; None without one.
     ``time_between_tokens_s``: the gaps between its tokens, in order (a
-    restart's included). Keep it cheap: most calls come from the
-    generation thread. Return value ignored.
+    restart's included). A slow one delays the reports after it, not the
+    engine. Return value ignored.
     """
 
 
