@@ -131,7 +131,9 @@ def register(pm: pluggy.PluginManager, plugin, tables: dict, spec: str, disabled
     if pm.has_plugin(name):
         raise ConfigError(
             f"two plugins are named {name!r}: {spec!r} and {plugin_spec(pm.get_plugin(name))!r}; "
-            "disable one with [guardian] disabled_plugins"
+            "leave one out: an installed one by its entry point's name in [guardian] disabled_plugins "
+            "(the name before '=' in its distribution's mlx_guardian entry points; the name they "
+            "share leaves out both), one of [guardian] plugins by taking it off that list"
         )
     try:
         if isinstance(plugin, type):

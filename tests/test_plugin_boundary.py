@@ -91,8 +91,13 @@ def test_disabled_plugins_covers_entry_point_plugins(tmp_path, installed_plugin)
 
 def test_two_plugins_with_one_name_are_a_configuration_error(tmp_path, installed_plugin):
     installed_plugin(EXTRA.replace('name = "extra"', 'name = "resources"'))
-    with pytest.raises(ConfigError, match=r"two plugins are named 'resources'"):
+    with pytest.raises(ConfigError, match=r"two plugins are named 'resources'") as refused:
         make_plugin_manager(config_with(tmp_path))
+    # The advice works: the entry point's name leaves out the installed one alone (the
+    # advice was the name they share, which leaves out both).
+    assert "entry point's name" in str(refused.value)
+    pm = make_plugin_manager(config_with(tmp_path, '[guardian]\ndisabled_plugins = ["extra"]\n'))
+    assert type(pm.get_plugin("resources")).__module__ == "guardian.plugins.resources"
 
 
 @pytest.mark.parametrize("broken, message", [
