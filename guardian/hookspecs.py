@@ -61,7 +61,8 @@ def check_access(request, door):
     key decides before any plugin: a request the supervisor did not send is
     refused, and the supervisor's own checks are let in; a client's request
     it relayed comes to the plugins (without the client's API key, which stops
-    at the supervisor's port). A hook that raises refuses the request (500).
+    at the supervisor's port, and without the supervisor's relay key). A hook
+    that raises refuses the request (500).
     ``request.headers`` are the request's as sent: an API key in them is the
     client's, in clear.
     """

@@ -85,6 +85,18 @@ def relayed_by_supervisor(headers) -> bool:
         given.encode("latin-1", "replace"), expected.encode())
 
 
+def without_relay_key(headers):
+    """``headers`` (an http.client.HTTPMessage) without the supervisor's key: what plugins see
+    of a relayed request (one that logged its headers wrote the key to the log)."""
+    if headers.get(KEY_HEADER) is None:
+        return headers
+    kept = type(headers)()
+    for name, value in headers.items():
+        if name.lower() != KEY_HEADER.lower():
+            kept[name] = value
+    return kept
+
+
 def header_number(value: Optional[str], max_digits: int) -> Optional[int]:
     """A header's whole number (this protocol's, and the openai SDK's retry count), if it is
     ASCII digits and no more than ``max_digits`` of them (str.isdigit() takes "²", which

@@ -787,7 +787,7 @@ def test_a_continuation_the_child_refused_for_its_deadline_ends_with_the_deadlin
         assert child_deadline_error(io.BytesIO(other)) is None
 
 
-def test_an_operators_check_access_plugin_neither_blocks_the_supervisor_nor_passes_its_key(start_supervisor, tmp_path):
+def test_an_operators_check_access_plugin_neither_blocks_the_supervisor_nor_passes_nor_sees_its_key(start_supervisor, tmp_path):
     """The child's door decides on the relay key before any plugin: a plugin that refused
     requests without its own header refused the supervisor's health checks (the child was
     never ready), and one that let such a request in let local processes past the key."""
@@ -803,3 +803,9 @@ def test_an_operators_check_access_plugin_neither_blocks_the_supervisor_nor_pass
         direct = client.post(f"http://127.0.0.1:{child_port}{COMPLETIONS}", json=chat_body(max_tokens=4),
                              headers={"X-Token": "ok"})
         assert direct.status_code == 403 and direct.json()["error"]["code"] == "not_from_supervisor", direct.text
+    # The plugin saw the client's request, not the supervisor's key (a plugin that logged its
+    # headers wrote the key to the log).
+    seen = supervised.events("token_door_saw")
+    assert {e["hook"] for e in seen} == {"check_access", "on_access_decision"}
+    assert any("X-Token" in e["headers"] for e in seen)
+    assert not any(name.lower() == "x-guardian-relay-key" for e in seen for name in e["headers"]), seen

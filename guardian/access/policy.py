@@ -68,6 +68,9 @@ class AccessRequest:
     client_address: str  # the peer's IP address
     # Set by the decision: who the client is (a key's name, or its address).
     client: Optional[str] = None
+    # A supervised child's request whose relay key the door checked before the plugins'
+    # turn; the headers they see no longer hold it (guardian.serving.handler.for_plugins).
+    relay_key_checked: bool = False
 
 
 @dataclass
@@ -249,9 +252,10 @@ class AccessPolicy:
     def check_relayed(self, request: AccessRequest) -> AccessDecision:
         """A supervised child: the relay key, then the client the supervisor names.
         Health checks stay open to anyone on this machine, as at the public port."""
-        if request.path in self.settings.public_paths and not relayed_by_supervisor(request.headers):
+        relayed = request.relay_key_checked or relayed_by_supervisor(request.headers)
+        if request.path in self.settings.public_paths and not relayed:
             return AccessDecision(request.client_address)
-        if not relayed_by_supervisor(request.headers):
+        if not relayed:
             return AccessDecision(request.client_address, GuardianError(
                 "This server is a supervised child: send requests to the supervisor's port.",
                 status=403, type="invalid_request_error", code=NOT_FROM_SUPERVISOR, retry=False))

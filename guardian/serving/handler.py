@@ -14,6 +14,7 @@ engine. The handler's own endpoints (``GET``, guardian.serving.endpoints) read i
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import io
 import json
@@ -65,7 +66,7 @@ class GuardianHandler(Endpoints, stock.handler.DoorCorsHandler):
         decision = getattr(self.connection, "access", None) or decide_access(pm, door, request)
         # No plugin answered (the built-in disabled): as if there were no door.
         self.access = decision if decision is not None else AccessDecision(self.client_address[0])
-        notify(pm.hook.on_access_decision, request=request, decision=self.access)
+        notify(pm.hook.on_access_decision, request=for_plugins(request), decision=self.access)
         if self.access.allowed:
             return True
         self.close_connection = True
@@ -418,6 +419,16 @@ def invalid_json(message: str) -> GuardianError:
     return GuardianError(message, status=400, type="invalid_request_error", code="invalid_json")
 
 
+def for_plugins(request: AccessRequest, key_checked: bool = False) -> AccessRequest:
+    """``request`` as plugins see it: a supervised child's without the supervisor's key
+    (``key_checked``: the door found it valid, and its own check in the plugins' turn,
+    the built-in access plugin's, takes that word for it)."""
+    headers = relay_protocol.without_relay_key(request.headers)
+    if headers is request.headers:
+        return request
+    return dataclasses.replace(request, headers=headers, relay_key_checked=key_checked)
+
+
 def decide_access(pm, door, request: AccessRequest) -> Optional[AccessDecision]:
     """The door's decision on ``request``: in a supervised child the relay key's first
     (AccessPolicy.decided_by_relay_key), then the check_access hooks. A hook that raises
@@ -426,6 +437,7 @@ def decide_access(pm, door, request: AccessRequest) -> Optional[AccessDecision]:
     decision = door.decided_by_relay_key(request) if door is not None else None
     if decision is not None:
         return decision
+    request = for_plugins(request, key_checked=door is not None and door.relay_key is not None)
     if pm is None:
         return door.check(request) if door is not None else None
     try:
