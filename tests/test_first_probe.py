@@ -12,6 +12,8 @@ the child ready and its start timeout never applied.
 
 from __future__ import annotations
 
+import httpx
+
 from conftest import poll
 
 FIRST_STEP_HANGS = ("[fault_injection]\nenabled = true\nhang_at_step = 1\n"
@@ -32,3 +34,6 @@ def test_not_ready_until_the_first_probe_generated(start_server, notify_receiver
     assert not probe["ok"]
     assert 200 not in statuses, "/readyz said ready before any token was generated"
     assert "READY=1" not in notify_receiver.messages
+    # The probe was cancelled at its deadline: no client left (each failed probe was one).
+    status = httpx.get(server.url + "/guardian/status", timeout=5).json()
+    assert status["requests_cancelled"] == {"client_left": 0, "deadline": 0}

@@ -109,7 +109,7 @@ class RequestRecord:
         self.ledger.beat()
         with self._lock:
             if self.stage is Stage.DONE:
-                if isinstance(item, stock.contract.Response):
+                if isinstance(item, stock.contract.Response) and not self.synthetic:
                     # Generated for nobody (its client left, or its deadline passed):
                     # the loop drops it at its next step; the goal is 0 or 1 per request.
                     self.ledger.tokens_after_cancel += 1
@@ -187,7 +187,8 @@ class RequestRecord:
         with self._lock:
             if self.stage is not Stage.DONE:
                 self.stage = Stage.DONE
-                self.ledger.count_cancelled(CLIENT_LEFT)
+                # A probe past its time is cancelled too, and counted as no client's.
+                self.ledger.count_cancelled(None if self.synthetic else CLIENT_LEFT)
                 self.ledger.finished(self)
 
     def client_left(self) -> None:
@@ -200,7 +201,7 @@ class RequestRecord:
     def time_out(self, error: GuardianError) -> None:
         """Its deadline passed (any thread): stop generating; its client gets ``error``."""
         if self.stage is not Stage.DONE:
-            self.ledger.count_cancelled(DEADLINE)
+            self.ledger.count_cancelled(None if self.synthetic else DEADLINE)
         self.stop_generation()
         self.fail(error)
 
@@ -659,9 +660,13 @@ class RequestLedger:
             self._cond.notify_all()
         return waiting
 
-    def count_cancelled(self, reason: str) -> None:
+    def count_cancelled(self, reason: Optional[str]) -> None:
+        """A request was cancelled: the loop drops it at this step's end. ``reason`` counts
+        it (requests_cancelled_total); None, a probe's, is left out as its other ends are
+        (every failed probe was a client that left)."""
         with self._cond:
-            self.cancelled[reason] = self.cancelled.get(reason, 0) + 1
+            if reason is not None:
+                self.cancelled[reason] = self.cancelled.get(reason, 0) + 1
             self._cancels += 1
 
     def cancelled_since_look(self) -> bool:
