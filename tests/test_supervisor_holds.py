@@ -15,9 +15,12 @@ import time
 
 import httpx
 
-from conftest import chat_body, poll
+from conftest import chat_body, poll, scraped
 from guardian.exit_codes import EXIT_ENGINE_FAILED
 from test_supervisor import COMPLETIONS, SEGFAULT_MARKER, SLOW_STEPS, start_supervisor  # noqa: F401 - a fixture
+
+
+RESENT = "mlx_guardian_supervisor_requests_resent_total"
 
 
 def post_in_thread(url: str, body: dict, results: list, timeout: float = 120) -> threading.Thread:
@@ -73,10 +76,33 @@ def test_requests_in_flight_at_a_sigkill_and_sent_meanwhile_are_served(start_sup
     [ready] = [e for e in supervised.supervisor_events("child_ready") if e["pid"] == second_pid]
     resent = supervised.supervisor_events("request_resent")
     assert resent and all(e["dead_child_pid"] == first_pid and e["resends"] == 1 for e in resent)
+    assert scraped(supervised, RESENT, kind="request") == len(resent)
     print(f"\nmeasured: child down {ready['downtime_s']:.2f} s; the request in flight at the kill "
           f"answered 200 (300 tokens) {resent_after:.2f} s after it; held requests took "
           + ", ".join(f"{t:.2f}" for _, t in meanwhile) + " s")
     assert supervised.supervisor()["restarts"] == 1
+
+
+def test_a_request_given_up_before_the_next_child_had_it_was_not_sent_again(start_supervisor, tmp_path):
+    """In flight at a SIGKILL, held for the next child no longer than --supervisor-hold (0.5 s,
+    less than any child takes to start): its client gets 503, and it is counted, and logged,
+    as sent again only when a child takes it. It was counted at the decision."""
+    config = tmp_path / "slow.toml"
+    config.write_text(SLOW_STEPS)
+    supervised = start_supervisor("--guardian-config", str(config), "--supervisor-hold", "0.5")
+    first_pid = supervised.wait_ready()
+    in_flight = []
+    sender = post_in_thread(supervised.url, chat_body("In flight at the kill.", max_tokens=300), in_flight)
+    poll(lambda: supervised.supervisor()["in_flight"] >= 1, 10, what="the request relayed")
+    os.kill(first_pid, signal.SIGKILL)
+    sender.join(timeout=60)
+    [(response, _)] = in_flight
+    assert isinstance(response, httpx.Response) and response.status_code == 503, response
+    assert response.json()["error"]["code"] == "engine_restarting"
+    supervised.wait_ready(not_pid=first_pid, timeout=30)
+    assert [e["reason"] for e in supervised.supervisor_events("request_not_held")] == ["hold_timed_out"]
+    assert supervised.supervisor_events("request_resent") == []
+    assert scraped(supervised, RESENT) == 0
 
 
 def test_the_hold_is_bounded_in_requests_and_time(start_supervisor, tmp_path):

@@ -63,7 +63,8 @@ class SupervisorMetrics:
             self.relay_errors.labels(stage)
         self.requests_resent = Counter(
             P + "requests_resent", "Requests sent again to the next child after theirs died: a request "
-            "not yet answered, or a stream continued after the tokens its client has.", ["kind"], registry=r)
+            "not yet answered, or a stream continued after the tokens its client has; counted when "
+            "a child takes it (one given up while held is not).", ["kind"], registry=r)
         for kind in ("request", "stream"):
             self.requests_resent.labels(kind)
         self.requests_passed = Counter(

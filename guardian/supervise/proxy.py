@@ -308,6 +308,7 @@ class ProxyHandler(BaseHTTPRequestHandler):
         resends = 0
         stream = None  # a stream the client is receiving, once it can be continued
         relayed_at_last_cut = 0  # its tokens when the last child died under it
+        dead_child_pid = None  # set while a resend is due: counted once a child has it
         passed = self.passed
         while not self.gone:
             if stream is not None:
@@ -336,8 +337,13 @@ class ProxyHandler(BaseHTTPRequestHandler):
                     # The turn may come just after the request before it crashed
                     # this child: never send to a dead one (it would be struck too).
                     self.keepalive.stop()  # the next child writes from here
-                    outcome = CHILD_GONE if child_died(child, alone) else self.to_child(
-                        child, path, body, request_fingerprint, stream)
+                    if child_died(child, alone):
+                        outcome = CHILD_GONE
+                    else:
+                        if dead_child_pid is not None:
+                            self.resending(path, stream, dead_child_pid, resends)
+                            dead_child_pid = None
+                        outcome = self.to_child(child, path, body, request_fingerprint, stream)
             if outcome is CHILD_GONE:
                 if supervisor.wait_reaped(child):
                     continue
@@ -367,12 +373,18 @@ class ProxyHandler(BaseHTTPRequestHandler):
             if not reaped or resends >= supervisor.settings.max_resends:
                 return self.give_up(stream, supervisor.lost_child_error())
             resends += 1
-            supervisor.metrics.requests_resent.labels("request" if stream is None else "stream").inc()
-            if stream is None:
-                log.info("request_resent", path=loggable_line(path), dead_child_pid=child.pid, resends=resends)
-            else:
-                log.info("stream_continuing", path=loggable_line(path), dead_child_pid=child.pid, resends=resends,
-                         tokens_relayed=len(stream.tokens))
+            dead_child_pid = child.pid
+
+    def resending(self, path: str, stream, dead_child_pid: int, resends: int) -> None:
+        """The request goes to the next child after its own died: counted and logged here, once
+        a child takes it (counted when decided, a request given up meanwhile, its deadline
+        past or the hold full, counted as sent again)."""
+        self.server.supervisor.metrics.requests_resent.labels("request" if stream is None else "stream").inc()
+        if stream is None:
+            log.info("request_resent", path=loggable_line(path), dead_child_pid=dead_child_pid, resends=resends)
+        else:
+            log.info("stream_continuing", path=loggable_line(path), dead_child_pid=dead_child_pid,
+                     resends=resends, tokens_relayed=len(stream.tokens))
 
     # When the request reached the public port (monotonic): its deadlines count from here.
     arrived_at = 0.0
