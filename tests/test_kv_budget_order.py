@@ -10,6 +10,8 @@ in only when everything ahead of it is: the small ones never overtake.
 
 from __future__ import annotations
 
+import json
+import socket
 import threading
 
 import httpx
@@ -64,3 +66,20 @@ def test_requests_waiting_for_kv_memory_are_let_in_in_arrival_order(start_server
     # Let in one at a time (each waits for the one ahead to finish), in arrival order.
     dequeued = server.events("request_dequeued")
     assert [ids[e["request_id"]] for e in dequeued] == [name for name, _ in arrivals]
+    # A client that leaves while it waits for memory is counted as one that left: it was in
+    # no count (neither admitted, nor refused, nor cancelled).
+    status = lambda: httpx.get(server.url + "/guardian/status", timeout=10).json()
+    holder = threading.Thread(target=post, args=("holder", chat_body("Hold on.", max_tokens=150, stream=True)))
+    holder.start()
+    try:
+        poll(lambda: status()["in_flight"] == 1, 30, what="the holder generating")
+        body = json.dumps(chat_body(LARGE + "Leaving.", max_tokens=8)).encode()
+        with socket.create_connection(("127.0.0.1", server.port), timeout=30) as leaver:
+            leaver.sendall(b"POST " + COMPLETIONS.encode() + b" HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                           b"Content-Type: application/json\r\nContent-Length: " + str(len(body)).encode()
+                           + b"\r\n\r\n" + body)
+            server.wait_for_event("request_queued", count=len(arrivals) + 1, timeout=30)
+        poll(lambda: status()["requests_cancelled"]["client_left"] == 1, 10, what="the leaver counted")
+        assert status()["waiting_for_memory"] == 0
+    finally:
+        holder.join(timeout=90)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Optional
+from typing import Callable, Optional
 
 import structlog
 
@@ -26,7 +26,7 @@ from guardian.admission.facts import (
     vocab_size_of,
 )
 from guardian.request_context import add_response_headers, at_request_end, bind_log_fields, current_request
-from guardian.errors import AbortRequest, GuardianError, from_stock_exception
+from guardian.errors import AbortRequest, ClientGoneAbort, GuardianError, from_stock_exception
 from guardian.plugin_manager import notify
 from guardian.admission.unloaded_models import UnloadedModels
 from guardian.admission.validation import RequestBounds, check_body
@@ -92,9 +92,13 @@ class AdmittingGenerator:
 
 
 class AdmissionGate:
-    def __init__(self, model_provider, pm, *, model_access=None, live=None, door=None):
+    def __init__(self, model_provider, pm, *, model_access=None, live=None, door=None,
+                 on_client_left: Optional[Callable[[], None]] = None):
         self.model_provider = model_provider
         self.pm = pm
+        # Told of a client that left while an admit_request hook waited (for KV memory):
+        # the engine counts it with the requests cancelled (it was in no count).
+        self.on_client_left = on_client_left
         # The server's AccessPolicy (guardian.access): admit_request hooks get it
         # for its per-client limits. None: no door (a bench, a unit test).
         self.door = door
@@ -195,9 +199,11 @@ class AdmissionGate:
         except Exception:
             log.exception("admission_failed")
             error = GuardianError("The server failed to admit the request.", status=500, code="internal_error")
-        except BaseException:  # ClientGoneAbort: its client left while a hook waited (for KV memory)
+        except BaseException as e:  # ClientGoneAbort: its client left while a hook waited (for KV memory)
             admission.refused = True
             admission.finish()  # what the hooks before it took (a client's place, its tokens) is given back
+            if isinstance(e, ClientGoneAbort) and self.on_client_left is not None:
+                self.on_client_left()
             raise
         if error is not None and not isinstance(error, GuardianError):
             # A hook's bug: the client got stock's 404 with an AttributeError's words.

@@ -669,6 +669,12 @@ class RequestLedger:
                 self.cancelled[reason] = self.cancelled.get(reason, 0) + 1
             self._cancels += 1
 
+    def count_left_at_admission(self) -> None:
+        """A client left while its request waited to be admitted (for KV memory): counted as
+        one that left, though the engine never had it (nothing for the loop to drop)."""
+        with self._cond:
+            self.cancelled[CLIENT_LEFT] += 1
+
     def cancelled_since_look(self) -> bool:
         """Whether a request was cancelled since the loop last looked at the queue:
         its run of decode steps should end now, so stock drops it at this step's end

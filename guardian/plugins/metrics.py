@@ -97,7 +97,8 @@ class Metrics:
                               "name (never the key).", ["api_key"], registry=r)
         self.admitted = Counter(P + "requests_admitted", "Completion requests let in at the door.", registry=r)
         self.refused = Counter(P + "requests_refused", "Completion requests turned away at the door, by the "
-                               "error code their client got.", ["code"], registry=r)
+                               "error code their client got (a body refused unread or unparsed, 413 "
+                               "request_too_large or 400 invalid_json, is not counted).", ["code"], registry=r)
         self.failed = Counter(P + "requests_failed", "Requests the engine had queued that ended with an "
                               "error instead of a completion, by error code.", ["code"], registry=r)
         self.finished = Counter(P + "requests_finished", "Requests the engine had queued that ended, by "
@@ -215,13 +216,15 @@ class EngineCollector:
                                   value=status["steps"])
         cancelled = CounterMetricFamily(P + "requests_cancelled", "Requests ended before their answer, by "
                                         "reason: client_left (it closed its connection, or stopped "
-                                        "reading), deadline.", labels=["reason"])
+                                        "reading; while it waited at admission for KV memory too), "
+                                        "deadline. Probes are not counted.", labels=["reason"])
         for reason, count in sorted(status.get("requests_cancelled", {}).items()):
             cancelled.add_metric([reason], count)
         yield cancelled
         yield CounterMetricFamily(P + "tokens_after_disconnect", "Tokens the engine generated for requests "
-                                  "already cancelled: at most one for each cancelled while decoding (stock's "
-                                  "step under way when it was cancelled), none more.",
+                                  "already cancelled (their client left, or their deadline passed): at most "
+                                  "one for each cancelled while decoding (stock's step under way when it was "
+                                  "cancelled), none more.",
                                   value=status.get("tokens_after_cancel", 0))
         yield gauge(P + "engine_heartbeat_age_seconds",
                     "Since the engine's loop last stepped, reported progress or polled for work.",

@@ -182,7 +182,8 @@ class ServedModel(AdmittingGenerator):
         model_access = ModelAccess(model_provider, allowed_models=config.core.allowed_models,
                                    allow_any_model=config.core.allow_any_model)
         model_access.keep_served_model()
-        gate = AdmissionGate(model_provider, pm, model_access=model_access, live=live, door=door)
+        gate = AdmissionGate(model_provider, pm, model_access=model_access, live=live, door=door,
+                             on_client_left=engine.ledger.count_left_at_admission)
         # Hooks see the engine and admission through this facade only.
         engine.plugin_view = EngineView(engine, gate)
         super().__init__(gate, engine)
