@@ -111,6 +111,11 @@ def test_a_stream_cut_by_the_childs_death_is_continued_on_the_next_child(start_s
     assert continuing["dead_child_pid"] == first_pid and continuing["tokens_relayed"] >= events_before_kill
     second_pid = supervised.wait_ready(not_pid=first_pid, timeout=30)
     assert second_pid != first_pid
+    # The next child, which served the continuation alone, counts its client's prompt: the
+    # tokens it went on after are a re-run's prefill (they were counted as prompt tokens).
+    assert scraped(supervised, "mlx_guardian_prompt_tokens_total") == usage["prompt_tokens"]
+    child = httpx.get(supervised.url + "/guardian/status", timeout=10).json()
+    assert child["rerun_prompt_tokens"] >= continuing["tokens_relayed"], child["rerun_prompt_tokens"]
     if not hand_off:  # the reference and the cut stream, each through the supervisor
         passed = "mlx_guardian_supervisor_requests_passed_total"
         assert scraped(supervised, passed, how="handed_off") == 0 and scraped(supervised, passed, how="relayed") >= 2
