@@ -149,6 +149,18 @@ def test_a_broken_edit_changes_nothing_and_says_why(served):
     save_and_wait(served, BASE)
 
 
+def test_a_context_of_one_token_refuses_every_prompt(served):
+    """It left no room for a prompt and was read as "no limit": the clamp left max_tokens
+    below 1, the engine failed on it twice, and the request was quarantined for 10 min."""
+    save_and_wait(served, BASE + "[prompt_guard]\nmax_context_tokens = 1\n")
+    answer = chat(served)
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["error"]["code"] == "context_length_exceeded"
+    save_and_wait(served, BASE)
+    assert chat(served).status_code == 200
+    assert not served.events("engine_error")
+
+
 def test_a_setting_bound_at_start_is_logged_as_needing_a_restart(served):
     save_and_wait(served, BASE)
     # seed = 2: a key of BASE's last table, [fault_injection].

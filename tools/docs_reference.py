@@ -66,17 +66,20 @@ def describe_type(setting_type) -> str:
     if isinstance(setting_type, s.Bool):
         return "bool"
     if isinstance(setting_type, s.Int):
-        return "int" + (f" ≥ {setting_type.min}" if setting_type.min is not None else "")
-    if isinstance(setting_type, s.Float):
+        bounds = [f"≥ {setting_type.min}" if setting_type.min is not None else "",
+                  f"≤ {setting_type.max}" if setting_type.max is not None else ""]
+        return " ".join(["int", *filter(None, bounds)])
+    if isinstance(setting_type, s.Float):  # finite, always
         bounds = [f"≥ {setting_type.min:g}" if setting_type.min is not None else "",
-                  f"> {setting_type.above:g}" if setting_type.above is not None else ""]
+                  f"> {setting_type.above:g}" if setting_type.above is not None else "",
+                  f"≤ {setting_type.max:g}" if setting_type.max is not None else ""]
         return " ".join(["float", *filter(None, bounds)])
     if isinstance(setting_type, s.OneOf):
         return "one of " + ", ".join(f'`"{choice}"`' for choice in setting_type.choices)
     if isinstance(setting_type, s.ListOf):
         return f"list of {describe_type(setting_type.item)}"
     if isinstance(setting_type, s.Str):
-        return "string"
+        return "string, not empty" if setting_type.nonempty else "string"
     return setting_type.describe()
 
 
@@ -107,8 +110,9 @@ def settings_page() -> str:
              "(`guardian/config/registry.py`; the core's tables in `guardian/config/tables.py`, each built-in plugin's "
              f"beside its code). {core} configure the core; every other table belongs to the plugin of "
              "that name. A key that is "
-             "not listed, or a value of the wrong type, stops the server at start (exit 2) with a "
-             "message naming the key. *live*: takes effect when the file is saved or on SIGHUP, "
+             "not listed, or a value of the wrong type or out of its bounds (a float is never "
+             "`nan` or `inf`, which TOML allows), stops the server at start (exit 2) with a "
+             "message naming the key, and a save with one is refused whole. *live*: takes effect when the file is saved or on SIGHUP, "
              "between requests; any other setting waits for a restart "
              "([live configuration](../operations.md#changing-the-configuration-without-a-restart)). "
              "A flag wins over its key. `config/guardian.example.toml` is the same registry as a file "

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import textwrap
 from typing import Any, ClassVar, Optional
 
@@ -101,13 +102,15 @@ class Bool(Type):
 class Int(Type):
     python = (int,)
 
-    def __init__(self, min: Optional[int] = None):
-        self.min = min
+    def __init__(self, min: Optional[int] = None, max: Optional[int] = None):
+        self.min, self.max = min, max
 
     def check(self, value: Any) -> int:
         value = super().check(value)
         if self.min is not None and value < self.min:
             raise ValueError(f"must be >= {self.min}, got {shown(value)}")
+        if self.max is not None and value > self.max:
+            raise ValueError(f"must be <= {self.max}, got {shown(value)}")
         return value
 
     def parse(self, text: str) -> int:
@@ -118,17 +121,23 @@ class Int(Type):
 
 
 class Float(Type):
-    """Seconds, fractions: a TOML integer is fine too. ``above``: strictly more than."""
+    """Seconds, fractions: a TOML integer is fine too. ``above``: strictly more than.
+    Never nan or inf (TOML has both): a comparison with nan is always false, so it passed
+    every bound, and inf overflows the waits and socket timeouts it is given to."""
 
     python = (float,)
 
-    def __init__(self, min: Optional[float] = None, above: Optional[float] = None):
-        self.min, self.above = min, above
+    def __init__(self, min: Optional[float] = None, above: Optional[float] = None, max: Optional[float] = None):
+        self.min, self.above, self.max = min, above, max
 
     def check(self, value: Any) -> float:
         if isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
         value = super().check(value)
+        if not math.isfinite(value):
+            raise ValueError(f"must be a finite number, got {value}")
+        if self.max is not None and value > self.max:
+            raise ValueError(f"must be <= {self.max}, got {shown(value)}")
         if self.min is not None and value < self.min:
             raise ValueError(f"must be >= {self.min}, got {shown(value)}")
         if self.above is not None and value <= self.above:
@@ -144,6 +153,16 @@ class Float(Type):
 
 class Str(Type):
     python = (str,)
+    nonempty = False
+
+    def __init__(self, nonempty: bool = False):
+        self.nonempty = nonempty
+
+    def check(self, value: Any) -> str:
+        value = super().check(value)
+        if self.nonempty and not value:
+            raise ValueError("must not be empty")
+        return value
 
 
 class OneOf(Str):

@@ -80,15 +80,16 @@ class CoreSettings(Table, name="guardian"):
 
 class WatchdogSettings(Table, name="watchdog"):
     enabled = Setting(Bool(), True)
-    interval_s = Setting(Float(min=0.01), 0.25, """
-        How often the watchdog looks at the engine.""", live=True)
-    stall_timeout_s = Setting(Float(min=0.05), 30.0, """
+    interval_s = Setting(Float(min=0.01, max=10.0), 0.25, """
+        How often the watchdog looks at the engine (at most every 10 s: the
+        stall checks, probes and samples all wait for its looks).""", live=True)
+    stall_timeout_s = Setting(Float(min=0.5), 30.0, """
         The longest the heartbeat (engine steps, prompt progress) may stop while
         work waits, and the limit whenever the engine's pace is unknown: until
         the loop (after start or a restart) has completed a step, and while a
         request without a token has not yet had a step go by since the watchdog
         first saw it (its first prefill chunk, of a size the watchdog cannot see).""", live=True)
-    stall_min_s = Setting(Float(min=0.05), 3.0, """
+    stall_min_s = Setting(Float(min=0.5), 3.0, """
         The shortest: a stall needs the heartbeat stopped at least this long,
         however fast the engine's steps are. Far above a healthy engine's pauses
         (garbage collection, a new shape's kernels, a busy CPU) and, with a
@@ -275,7 +276,7 @@ class HttpSettings(Table, name="http"):
     send_timeout_s = Setting(SECONDS, 30.0, """
         A write to a client that makes no progress for this long ends its
         request: the client stopped reading (nginx's send_timeout). 0: none.""", live=True)
-    send_buffer_bytes = Setting(Int(min=0), 256 * 1024, """
+    send_buffer_bytes = Setting(Int(min=0, max=1 << 30), 256 * 1024, """
         The kernel's send buffer for each client connection (SO_SNDBUF): what a
         client that stopped reading can leave unsent before send_timeout_s
         starts to count, and the kernel memory it holds (autotuned, a buffer can
@@ -287,12 +288,12 @@ class HttpSettings(Table, name="http"):
         now: it is live) plus 32 for health checks, refusals and streams ending
         (the supervisor: from the child's --decode-concurrency, plus [supervisor]
         hold_requests).""")
-    max_header_bytes = Setting(Int(min=1024), 64 * 1024, """
+    max_header_bytes = Setting(Int(min=1024, max=1 << 30), 64 * 1024, """
         The request line and headers together; past it, 431. One line of more than
         64 KiB is refused whatever this is (414 for the request line, else 431):
         http.server reads no longer line.""", live=True)
-    max_header_count = Setting(Int(min=1), 99, """
-        Header lines; past it, 431. At most 99 whatever this is: http.server reads
+    max_header_count = Setting(Int(min=16), 99, """
+        Header lines; past it, 431 (at least 16: a client's usual few, and a proxy's). At most 99 whatever this is: http.server reads
         no more (it counts the blank line among its 100); under --supervise at most
         87 at the public port, which leaves room for the headers the supervisor adds.""", live=True)
     max_buffered_bytes = Setting(Int(min=0), 256 * 1024 * 1024, """

@@ -12,7 +12,7 @@ from guardian.config.registry import Setting, Str, Table
 
 
 class GenerationProbeSettings(Table, name="generation_probe"):
-    prompt = Setting(Str(), "mlx-guardian probe", """
+    prompt = Setting(Str(nonempty=True), "mlx-guardian probe", """
         The synthetic probe: one token of a text completion with this prompt,
         through the same queue and engine as users' requests; kept out of the
         prompt cache and the access log. Keep it short: it runs every probe.""", live=True)

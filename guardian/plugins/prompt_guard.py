@@ -83,7 +83,7 @@ class PromptGuardSettings(Table, name="prompt_guard"):
         --kv-bits, sliding-window layers). One request over it gets 400
         kv_cache_budget_exceeded. 0: the device memory mlx reports, minus the
         weights, less kv_budget_margin.""", live=True)
-    kv_budget_margin = Setting(Float(min=0.0), 0.25, """
+    kv_budget_margin = Setting(Float(min=0.0, max=0.95), 0.25, """
         Fraction of (device memory - weights) kept out of the default budget for
         activations, the prompt cache and everything else.""", live=True)
     memory_cap_hold_s = Setting(Float(min=0.0), 60.0, """
@@ -311,7 +311,10 @@ class PromptGuard:
 
     def prompt_limit(self, n_ctx: Optional[int]) -> Optional[int]:
         """The most prompt tokens a request may have: one token must fit after them."""
-        limits = [n for n in (self.settings.max_prompt_tokens, n_ctx and n_ctx - 1) if n]
+        # A context of 1 leaves no prompt token: 0, every prompt refused (it was dropped as
+        # "no limit", and the clamp left max_tokens below 1, which failed in the engine).
+        limits = [n for n in (self.settings.max_prompt_tokens or None, n_ctx - 1 if n_ctx else None)
+                  if n is not None]
         return min(limits) if limits else None
 
     def check_length(self, admission: Admission, n_prompt: int, n_ctx: Optional[int]):
