@@ -89,7 +89,8 @@ def test_every_loaded_settings_table_is_in_the_example():
         # /health 503 for ever, the engine failing at each probe until the process exited).
         ("[watchdog]\ninterval_s = inf\n", r"watchdog.interval_s: must be a finite number, got inf"),
         ("[watchdog]\ninterval_s = nan\n", r"watchdog.interval_s: must be a finite number, got nan"),
-        ("[watchdog]\ninterval_s = 1e9\n", r"watchdog.interval_s: must be <= 10.0"),
+        ("[watchdog]\ninterval_s = 1e9\n", r"watchdog.interval_s: must be <= 10,"),
+        ("[http]\nsend_timeout_s = 1e10\n", r"http.send_timeout_s: must be <= 1e\+09"),
         ("[watchdog]\nstall_timeout_s = nan\n", r"watchdog.stall_timeout_s: must be a finite number"),
         ("[watchdog]\nstall_timeout_s = 0.05\n", r"watchdog.stall_timeout_s: must be >= 0.5"),
         ("[http]\nsend_timeout_s = inf\n", r"http.send_timeout_s: must be a finite number"),
@@ -98,7 +99,7 @@ def test_every_loaded_settings_table_is_in_the_example():
         ("[http]\nmax_header_count = 1\n", r"http.max_header_count: must be >= 16"),
         ("[resources]\nretry_after_s = nan\n", r"resources.retry_after_s: must be a finite number"),
         ("[resources]\nrefuse_above = inf\n", r"resources.refuse_above: must be a finite number"),
-        ("[prompt_guard]\nkv_budget_margin = 1.0\n", r"prompt_guard.kv_budget_margin: must be <= 0.95"),
+        ("[prompt_guard]\nkv_budget_margin = 1.0\n", r"prompt_guard.kv_budget_margin: must be <= 0.95,"),
         ("[generation_probe]\nprompt = ''\n", r"generation_probe.prompt: must not be empty"),
     ],
 )

@@ -111,7 +111,7 @@ def settings_page() -> str:
              f"beside its code). {core} configure the core; every other table belongs to the plugin of "
              "that name. A key that is "
              "not listed, or a value of the wrong type or out of its bounds (a float is never "
-             "`nan` or `inf`, which TOML allows), stops the server at start (exit 2) with a "
+             "`nan` or `inf`, which TOML allows, nor past 1e9), stops the server at start (exit 2) with a "
              "message naming the key, and a save with one is refused whole. *live*: takes effect when the file is saved or on SIGHUP, "
              "between requests; any other setting waits for a restart "
              "([live configuration](../operations.md#changing-the-configuration-without-a-restart)). "

@@ -120,6 +120,11 @@ class Int(Type):
         return str(value)
 
 
+# The largest float a setting takes, whatever its own bounds: a billion seconds (~32 years).
+# More overflows the waits and socket timeouts a number of seconds is given to (time_t).
+LARGEST_FLOAT = 1e9
+
+
 class Float(Type):
     """Seconds, fractions: a TOML integer is fine too. ``above``: strictly more than.
     Never nan or inf (TOML has both): a comparison with nan is always false, so it passed
@@ -136,8 +141,9 @@ class Float(Type):
         value = super().check(value)
         if not math.isfinite(value):
             raise ValueError(f"must be a finite number, got {value}")
-        if self.max is not None and value > self.max:
-            raise ValueError(f"must be <= {self.max}, got {shown(value)}")
+        largest = LARGEST_FLOAT if self.max is None else min(self.max, LARGEST_FLOAT)
+        if value > largest:
+            raise ValueError(f"must be <= {largest:g}, got {shown(value)}")
         if self.min is not None and value < self.min:
             raise ValueError(f"must be >= {self.min}, got {shown(value)}")
         if self.above is not None and value <= self.above:
