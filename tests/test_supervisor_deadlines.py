@@ -55,11 +55,12 @@ def test_a_request_held_past_its_deadline_gets_504_from_the_supervisor(start_sup
             error = answer.json()["error"]
             assert error["code"] == "deadline_exceeded" and source in error["message"], error
             assert answer.headers["x-should-retry"] == "false"
-            assert 0.9 < took < 5, took
+            assert 0.85 < took < 5, took  # 1.5 s; the client's 1.0 s less its lead, 0.1 s
             assert supervised.supervisor()["state"] == "starting"  # no child served it
     assert scraped(supervised, DEADLINES) == 2
     logged = supervised.supervisor_events("request_deadline_exceeded")
-    assert [e["deadline"] for e in logged] == ["request_timeout_s", "the client's x-stainless-read-timeout"]
+    assert [e["deadline"].partition(" of ")[0] for e in logged] == [
+        "request_timeout_s", "the client's x-stainless-read-timeout"]
     assert not supervised.supervisor_events("request_not_held")
 
 

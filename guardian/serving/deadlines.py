@@ -19,6 +19,9 @@ from guardian.errors import GuardianError
 # The openai SDK's own read timeout (seconds), and how many times it sent this request before.
 SDK_READ_TIMEOUT_HEADER = "x-stainless-read-timeout"
 SDK_RETRY_COUNT_HEADER = "x-stainless-retry-count"
+# A deadline from the client's read timeout is this much earlier: the lesser of the two.
+CLIENT_TIMEOUT_LEAD_S = 0.5
+CLIENT_TIMEOUT_LEAD_SHARE = 0.1
 # Stock's completion endpoints: the POST paths that carry a JSON body, and have deadlines.
 TEXT_COMPLETION_PATH = "/v1/completions"
 COMPLETION_PATHS = (TEXT_COMPLETION_PATH, "/v1/chat/completions", "/chat/completions")
@@ -56,5 +59,10 @@ def deadlines_of(headers, request_timeout_s: float, *, stream: bool, continued: 
         deadlines.append(Deadline(request_timeout_s, "request_timeout_s"))
     client_s = client_read_timeout(headers)
     if client_s and not continued:
-        deadlines.append(Deadline(client_s, f"the client's {SDK_READ_TIMEOUT_HEADER}", until_head=stream))
+        # A moment before the client's own timeout, so that the 504 (which says not to
+        # retry) reaches it first: at the same moment the SDK nearly always gave up first
+        # and sent the request again, twice, each run cut at its deadline.
+        ahead_s = min(CLIENT_TIMEOUT_LEAD_S, CLIENT_TIMEOUT_LEAD_SHARE * client_s)
+        deadlines.append(Deadline(client_s - ahead_s, f"the client's {SDK_READ_TIMEOUT_HEADER} of {client_s:g} s, "
+                                  "less a moment for this answer to reach it first", until_head=stream))
     return deadlines
