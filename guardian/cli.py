@@ -182,7 +182,12 @@ def demo_model_command(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     from guardian.demo_model import write_demo_model
 
-    print(write_demo_model(args.path, seed=args.seed))
+    try:
+        print(write_demo_model(args.path, seed=args.seed))
+    except OSError as e:  # there already, a parent that is a file, or one it may not write
+        why = "it already exists" if args.path.is_dir() else (e.strerror or str(e))
+        print(f"mlx-guardian: cannot write the demo model to {args.path}: {why}", file=sys.stderr)
+        return EXIT_USAGE
     return 0
 
 

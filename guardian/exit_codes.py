@@ -42,10 +42,14 @@ class ExitCode(NamedTuple):
 
 
 EXIT_CODES = (
-    ExitCode(EXIT_OK, "the child stopped (SIGTERM or SIGINT)", "stopped by SIGTERM or SIGINT"),
+    ExitCode(EXIT_OK, "the child stopped (SIGTERM or SIGINT)",
+             "stopped by SIGTERM or SIGINT (before it serves, while the model loads, the "
+             "process ends by that signal instead, as stock's does; a service manager counts "
+             "both as a clean stop)"),
     ExitCode(EXIT_UNCAUGHT, "uncaught Python error", "an uncaught Python error: a bug, never on purpose"),
     ExitCode(EXIT_USAGE, "bad flags or configuration",
-             "bad flags or configuration (the message names the key), flags that can never "
+             "bad flags or configuration (the message names the key), a `demo-model` path it "
+             "cannot write, flags that can never "
              "work with this model (`flags_invalid`), or a `--host`/`--port` it cannot listen on "
              "(`http_bind_failed`, `supervisor_bind_failed`: the port taken, a host with no such address)"),
     ExitCode(EXIT_BOOT_ERROR, "the model could not be loaded",

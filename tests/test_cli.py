@@ -103,10 +103,18 @@ def test_ctrl_c_while_the_model_loads_ends_with_one_line_not_a_traceback(tmp_pat
 
 
 def test_demo_model_command_writes_a_model(tmp_path):
+    from guardian.exit_codes import EXIT_USAGE
+
     result = run("demo-model", str(tmp_path / "m"))
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "m" / "config.json").exists()
     assert (tmp_path / "m" / "model.safetensors").exists()
+    # A path it cannot use is one line, a usage error (it was a traceback and exit 1, "a bug").
+    again = run("demo-model", str(tmp_path / "m"))
+    assert again.returncode == EXIT_USAGE and "it already exists" in again.stderr, again.stderr
+    under_a_file = run("demo-model", str(tmp_path / "m" / "config.json" / "x"))
+    assert under_a_file.returncode == EXIT_USAGE and "cannot write the demo model" in under_a_file.stderr
+    assert "Traceback" not in again.stderr + under_a_file.stderr
 
 
 def test_missing_model_path_exits_with_boot_error(tmp_path):
@@ -116,6 +124,10 @@ def test_missing_model_path_exits_with_boot_error(tmp_path):
     assert result.returncode == EXIT_BOOT_ERROR, result.stderr[-2000:]
     events = [json.loads(line)["event"] for line in result.stderr.splitlines() if line.startswith("{")]
     assert "model_load_failed" in events
+    # One line a person reads, naming the fix; no traceback (stock's loader took the path
+    # for a hub id: "Repo id must be in the form ...").
+    assert f"cannot load the model {tmp_path / 'nothing-here'}: no such folder" in result.stderr
+    assert "Traceback" not in result.stderr and '"exception"' not in result.stderr
 
 
 def test_a_demo_model_it_cannot_write_exits_with_boot_error_naming_the_fix(tmp_path):

@@ -8,11 +8,13 @@ stops the HTTP server and the engine, and returns the exit code.
 from __future__ import annotations
 
 import functools
+import os
 import signal
 import sys
 import threading
 import time
 from http.server import ThreadingHTTPServer
+from pathlib import Path
 from typing import Optional, Union
 
 import structlog
@@ -48,6 +50,18 @@ from guardian.relay_protocol import HEADERS_ADDED_FOR_CHILD, started_by_supervis
 log = structlog.get_logger("guardian.server")
 
 
+def why_no_model(model: Optional[str], error: Exception) -> str:
+    """Why ``--model`` could not load, in a few words: a path that is not a model folder
+    said as such (stock's loader took it for a hub id: "Repo id must be in the form...")."""
+    if model and (os.sep in model or model.startswith((".", "~"))):
+        path = Path(model).expanduser()
+        if not path.exists():
+            return "no such folder (give a folder holding config.json and the weights, or a Hugging Face id)"
+        if not path.is_dir():
+            return "it is a file; give the folder holding config.json and the weights"
+    return f"{type(error).__name__}: {error}"
+
+
 def serve(host: str, port: int, model_provider, config: Union[GuardianConfig, LiveConfig], pm,
           group=None) -> int:
     """Serve until asked to exit; the exit code. ``group``: this process is
@@ -75,8 +89,12 @@ def serve(host: str, port: int, model_provider, config: Union[GuardianConfig, Li
     try:
         model_provider.load_default()
     except Exception as e:
-        log.critical("model_load_failed", model=model_provider.cli_args.model,
-                     error_type=type(e).__name__, error_message=str(e), exc_info=True)
+        cli_args = model_provider.cli_args
+        # A path or id that names no model is the operator's to mend: one line says so.
+        # Anything else may be a bug of a loader's: its traceback goes to the log.
+        log.critical("model_load_failed", model=cli_args.model, draft_model=getattr(cli_args, "draft_model", None),
+                     error_type=type(e).__name__, error_message=str(e), exc_info=not isinstance(e, (OSError, ValueError)))
+        print(f"mlx-guardian: cannot load the model {cli_args.model}: {why_no_model(cli_args.model, e)}", file=sys.stderr)
         return EXIT_BOOT_ERROR
 
     problems = impossible_flags(model_provider.cli_args,
