@@ -137,6 +137,24 @@ def test_a_poison_that_fails_at_the_same_token_is_blamed_once_it_reproduces_alon
     assert server.proc.poll() is None
 
 
+def test_distinct_poisons_sent_back_to_back_are_each_blamed_and_the_server_stays_up(start_server):
+    """A blame forgives its failures only if the engine completed a request since the one
+    before (an engine that fails everything blames each request in turn). Poisons sent back
+    to back left no completion between them: each was blamed rightly, and the fourth ended
+    the process (exit 4). Now a probe runs ahead of the next request after such a blame, and
+    its token proves the engine between them."""
+    server = start_server(POSITION_FAULTS + table("position_faults", marker=POISON, fail_at=0))
+    with httpx.Client(timeout=60) as http:
+        for i in range(5):
+            answer = http.post(server.url + COMPLETIONS, json=chat_body(f"{POISON}, variant {i}.", max_tokens=8))
+            assert answer.status_code == 500, (i, answer.text)
+            assert answer.json()["error"]["code"] == "request_failed_repeatedly", (i, answer.text)
+        assert http.post(server.url + COMPLETIONS, json=chat_body(max_tokens=4)).status_code == 200
+    assert server.proc.poll() is None and status(server)["state"] == "ready"
+    assert len(server.events("request_blamed")) == 5 and not server.events("engine_gave_up")
+    assert status(server)["failures_in_window"] <= 2  # at most the last blame's, not yet proven
+
+
 def test_a_stream_continued_at_one_point_past_max_continuations_is_cut(start_server):
     # The count that bounds continuations is of failures at one point: this
     # stream fails at its token 5 each time (max_reruns raised so that it is

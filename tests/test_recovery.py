@@ -243,21 +243,26 @@ def test_poison_request_fails_alone(failing_server):
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["answer", "stream"])
-def test_crash_loop_exits_with_documented_code(start_server, stream):
+def test_crash_loop_exits_with_documented_code(start_server, tmp_path, stream):
     from guardian.exit_codes import EXIT_ENGINE_FAILED
 
     # The engine's answers at its give-up come 2.5 s after its state changed:
     # mlx-lm 0.32's handler threads, which look at the state each second as
     # they wait, see it first (tests.plugins.slow_give_up).
-    server = start_server(faults(poison_marker="POISON", message="planted poison")
-                          + "[recovery]\nmax_failures = 3\n"
-                          + '[guardian]\nplugins = ["tests.plugins.slow_give_up:SlowGiveUp"]\n')
+    config = (faults(poison_marker="POISON", message="planted poison") + "[recovery]\nmax_failures = 3\n"
+              + '[guardian]\nplugins = ["tests.plugins.slow_give_up:SlowGiveUp"]\n')
+    server = start_server(config)
+    # Once up, the probes fail too (their prompt is a poison's): an engine that fails
+    # every request, the proof between two blames included.
+    (tmp_path / f"guardian-{server.port}.toml").write_text(config + '[generation_probe]\nprompt = "POISON probe"\n')
+    poll(lambda: server.events("config_reloaded"), 10, what="the probes' poisoned prompt")
     with httpx.Client(timeout=30) as client:
         # Every step of a poison request fails. Each is blamed after two
         # failures; a blame forgives its failures only if the engine completed
-        # a request since the last blame (the start-up probe, for the first):
-        # an engine that fails every request keeps counting. The third poison
-        # is in flight at the fourth counted failure, one too many.
+        # a request since the last blame (the start-up probe, for the first;
+        # after the second, the probe it runs ahead of the next request, which
+        # fails twice): the fourth counted failure is one too many, and the
+        # third poison comes as the engine gives up.
         for poison in ("POISON 1", "POISON 2"):
             blamed = completion(client, server, content=poison, max_tokens=8)
             assert blamed.status_code == 500

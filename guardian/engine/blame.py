@@ -32,7 +32,11 @@ memory-short) request was in flight at is forgiven too, but only if the
 engine has completed a request (a user's or a probe) since the previous
 blame: an engine that fails every request blames each in turn without
 ever completing one, and its failures keep counting until the process
-exits with code 4. After a shortage the watchdog runs a probe at its next
+exits with code 4. A blame with no completion since the one before queues a
+probe to run alone ahead of every waiting request (``Probes.queue_proof``),
+and its failures are forgiven once the engine completes one: distinct
+poisons sent back to back left no completion between their blames, and the
+fourth ended the process. After a shortage the watchdog runs a probe at its next
 look while idle (``FailureHandler.proof_wanted``), so that a client sending
 again a request short of memory, as Retry-After says, finds the engine
 proven in between (a blamed request is quarantined: it is not sent again).

@@ -69,6 +69,13 @@ class FailureHandler:
         # that proof. A client that sends it again as Retry-After says then finds its
         # failures forgiven, where they counted toward the crash loop until exit 4.
         self.proof_wanted = False
+        # A blame without a completion since the one before: its failures, forgiven once the
+        # engine completes a request after ``ledger.completed`` was ``_unproven_at`` (the
+        # probe it queues ahead of the next request, ``Probes.queue_proof``, is one). Poisons
+        # sent back to back left no completion between them, and the fourth ended the process.
+        self._unproven: list[int] = []
+        self._unproven_at = 0
+        self._proof_due = False
         self.last_error: Optional[dict] = None
 
     def configure(self, *, window_s: float, max_failures: int, max_reruns: int, max_continuations: int,
@@ -91,11 +98,12 @@ class FailureHandler:
         failed_at = self.engine.lifecycle.trouble_at
         counts = self.engine.ledger.counts()
         records = self.engine.ledger.take_in_flight()
+        proven_since = self._forgive_proven_blames()
         failure_id = self.budget.add(self.progress(), failed_at)
         decided = self._judge(records, failure_id, memory=classification in MEMORY_CLASSIFICATIONS)
         # Answered for what they did alone (poison), or needed (memory): their failures are explained.
         explained = [r for r, verdict in decided if verdict in (Verdict.BLAME, Verdict.SHORTAGE)]
-        forgiven = self._forgive(explained)
+        forgiven = proven_since + self._forgive(explained)
         if any(verdict is Verdict.SHORTAGE for _, verdict in decided):
             self.proof_wanted = True  # its client will send it again: see __init__
         failures_in_window = self.budget.count(failed_at)
@@ -142,6 +150,9 @@ class FailureHandler:
             )
         else:
             self._settle(decided, cause, classification)
+            if self._proof_due:
+                self._proof_due = False
+                self.engine.probes.queue_proof()
         self.engine.restart_clock.mark("settle")
         return action
 
@@ -193,9 +204,22 @@ class FailureHandler:
         completed = self.engine.ledger.completed
         proven = completed != self._completed_at_last_blame
         self._completed_at_last_blame = completed
+        ids = [i for record in blamed for i in record.failure_ids]
         if not proven:
+            # Forgiven once the engine completes a request, the probe queued ahead of the
+            # next one (if a probe plugin gave its prompt) or a user's: until then they count.
+            self._unproven += ids
+            self._unproven_at = completed
+            self._proof_due = True  # queued once the failure is settled (a blame ends isolation)
             return 0
-        return self.budget.forgive(i for record in blamed for i in record.failure_ids)
+        return self.budget.forgive(ids)
+
+    def _forgive_proven_blames(self) -> int:
+        """At a failure: forgive unproven blames' failures if a request completed since."""
+        if not self._unproven or self.engine.ledger.completed == self._unproven_at:
+            return 0
+        ids, self._unproven = self._unproven, []
+        return self.budget.forgive(ids)
 
     def _settle(self, decided: list[tuple], cause: BaseException, classification: str) -> None:
         """Re-run, continue or answer every request the dead loop had taken, as judged."""

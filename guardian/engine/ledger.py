@@ -423,9 +423,10 @@ class RequestLedger:
             self._set_aside += set_aside
             self._cond.notify_all()
 
-    def put(self, item, block=True, timeout=None, *, synthetic: bool = False):
+    def put(self, item, block=True, timeout=None, *, synthetic: bool = False, first: bool = False):
         """Stock's ``generate()`` enqueues ``(response_queue, request, args)``;
-        the engine's probes too, ``synthetic``."""
+        the engine's probes too, ``synthetic``; ``first``: ahead of every waiting request,
+        as re-runs are (a proof between two blames, guardian.engine.failures)."""
         response_queue, request, args = item
         info = current_request()
         record = RequestRecord(
@@ -447,7 +448,12 @@ class RequestLedger:
         with self._cond:
             self._arriving -= arrived
             refused = self.closed_error
-            if refused is None:
+            if refused is None and first:
+                # Alone: beside the next request (a poison, again) it failed with it, unproven.
+                # Alone until its first token, as a re-run is until past where it failed.
+                record.isolate, record.failed_at_position = True, 0
+                self._reruns.appendleft(record)
+            elif refused is None:
                 self._waiting.setdefault(record.client, deque()).append(record)
                 if not synthetic:
                     self._saw(record.client)

@@ -12,6 +12,7 @@ import copy
 import itertools
 import time
 from queue import Empty, Queue
+from typing import Optional
 
 import structlog
 
@@ -27,6 +28,8 @@ class Probes:
     def __init__(self, engine):
         self.engine = engine
         self._ids = itertools.count(1)
+        # The probe plugin's prompt (kept out of the prompt cache): a proof's too.
+        self.proof_prompt: Optional[str] = None
 
     def probe(self, prompt: str, timeout_s: float) -> dict:
         """Generate one token through the same queue and loop as users' requests.
@@ -57,8 +60,21 @@ class Probes:
         result["duration_ms"] = round((time.monotonic() - started) * 1000, 1)
         return result
 
+    def queue_proof(self) -> bool:
+        """Queue a probe to run alone ahead of every waiting request, waited for by nobody
+        (the loop thread, after a failure): its completion proves the engine generates
+        between two blames (guardian.engine.failures). False: no probe plugin gave a prompt."""
+        if self.proof_prompt is None:
+            return False
+        request, args = stock.requests.make_request(self.proof_prompt, max_tokens=1, cli_args=self.engine.cli_args)
+        with request_scope(f"proof-{next(self._ids)}", stream=True):
+            self.engine.ledger.put((Queue(), request, args), synthetic=True, first=True)
+        log.info("proof_probe_queued", why="a request was blamed with no completion since the last blame")
+        return True
+
     def keep_out_of_prompt_cache(self, prompt: str, *, deferred: bool = False) -> None:
         """Keep probe prompts out of the prompt cache."""
+        self.proof_prompt = prompt
         tokenizer = self.engine.model_provider.tokenizer
         if tokenizer is None:
             # A reload is reading the weights: the loop asks for work again only
