@@ -162,6 +162,30 @@ def test_a_segfaulting_body_is_sent_again_once_then_quarantined(start_supervisor
     assert [q["strikes"] for q in status["quarantine"]["quarantined"]] == [2]
 
 
+def test_distinct_segfaulting_bodies_back_to_back_are_each_quarantined_and_the_supervisor_stays(start_supervisor,
+                                                                                                tmp_path):
+    """Each crashes a child that had served twice (sent again alone after the first) and is
+    quarantined, rightly; the restarts a quarantined request explains are no crash loop.
+    Three of them, two restarts each, went past --supervisor-max-restarts 3, and the
+    supervisor gave up (exit 6) where every other client was served."""
+    config = tmp_path / "segfault.toml"
+    config.write_text(f'[fault_injection]\nenabled = true\nsegfault_marker = "{SEGFAULT_MARKER}"\n')
+    supervised = start_supervisor("--guardian-config", str(config), "--supervisor-max-restarts", "3")
+    supervised.wait_ready()
+    with httpx.Client(timeout=120) as client:
+        for i in range(3):
+            poison = chat_body(f"{SEGFAULT_MARKER}, variant {i}", max_tokens=4)
+            response = client.post(supervised.url + COMPLETIONS, json=poison)
+            assert response.status_code == 500, (i, response.text)
+            assert response.json()["error"]["code"] == "request_quarantined", (i, response.text)
+        assert client.post(supervised.url + COMPLETIONS, json=chat_body(max_tokens=4)).status_code == 200
+    status = supervised.supervisor()
+    assert status["restarts"] == 6 and status["state"] == "ready", status
+    assert status["restarts_in_window"] == 0, status
+    assert not supervised.supervisor_events("supervisor_gave_up")
+    assert len(supervised.supervisor_events("restarts_forgiven")) == 3
+
+
 def test_health_on_the_public_port_never_hangs_on_a_stopped_child(start_supervisor):
     health_timeout = 0.5
     supervised = start_supervisor("--supervisor-interval", "0.25", "--supervisor-unhealthy-after", "60",

@@ -164,7 +164,8 @@ class SupervisorSettings(Table, name="supervisor"):
         Seconds between SIGTERM and SIGKILL when a child is stopped.""",
         flag="--supervisor-kill-grace", metavar="S")
     max_restarts = Setting(Int(min=0), 5, """
-        Give up (exit 6) at the first restart past this many within window_s.""",
+        Give up (exit 6) at the first restart past this many within window_s (the
+        crashes of a request quarantined by a child that had been ready do not count).""",
         flag="--supervisor-max-restarts", metavar="N")
     window_s = Setting(POSITIVE_SECONDS, 300.0, """
         The crash-loop window in seconds.""", flag="--supervisor-window", metavar="S")

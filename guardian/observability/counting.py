@@ -30,6 +30,18 @@ class RecentEvents:
             self._times.append(now)
         return self.count(now)
 
+    def forget_first_after(self, times) -> int:
+        """For each of ``times``, stop counting the first event at or after it (the one it
+        led to); return how many were forgotten."""
+        forgotten = 0
+        with self._lock:
+            for at in sorted(times):
+                later = next((t for t in self._times if t >= at), None)
+                if later is not None:
+                    self._times.remove(later)
+                    forgotten += 1
+        return forgotten
+
     def count(self, now: Optional[float] = None) -> int:
         now = time.monotonic() if now is None else now
         with self._lock:

@@ -300,20 +300,23 @@ class CrashQuarantine:
                      path=suspect.path)
 
     # -- the supervisor's main loop -------------------------------------------
-    def child_exited(self, generation: int, crashed: bool, **exit_info) -> None:
-        """Settle a reaped child; if it died on its own, strike what was in flight."""
+    def child_exited(self, generation: int, crashed: bool, **exit_info) -> list[dict]:
+        """Settle a reaped child; if it died on its own, strike what was in flight. The
+        suspects, each with its crash times (``crash_times``, the monotonic clock)."""
         with self.lock:
             relays = self.relays.pop(generation, {})
             self.settled_through = max(self.settled_through, generation)
         if not crashed:
-            return
+            return []
         now = time.monotonic()
         in_flight = [relay for relay in relays.values() if not relay.answered_in_full]
         distinct = {relay.fingerprint: relay for relay in in_flight}
         suspects = [self._strike(fp, relay, now) for fp, relay in distinct.items()]
-        log.warning("crash_suspects", generation=generation, suspects=suspects,
+        log.warning("crash_suspects", generation=generation,
+                    suspects=[{k: v for k, v in s.items() if k != "crash_times"} for s in suspects],
                     answered_in_full=len(relays) - len(in_flight), quarantine_s=self.quarantine_s,
                     **exit_info)
+        return suspects
 
     def _strike(self, fp: str, relay: Relay, now: float) -> dict:
         """One more crash for ``fp``; quarantine it at the second at one point within the window."""
@@ -338,7 +341,7 @@ class CrashQuarantine:
                                  shown={"method": suspect.method, "path": suspect.path, "strikes": strikes})
         return {"fingerprint": short(fp), "method": relay.method, "path": relay.path,
                 "strikes": strikes, "lost": relay.lost, "quarantined": quarantine,
-                "position": position, "progressed": progressed}
+                "position": position, "progressed": progressed, "crash_times": list(suspect.crash_times)}
 
     # -- status -----------------------------------------------------------------
     def status(self) -> dict:

@@ -439,9 +439,10 @@ class Supervisor:
             # The child's last words on requests handed off (guardian.supervise.fast_handoff)
             # are read first: one it answered in full just before it died is no crash suspect.
             self.httpd.handle_readable_now(timeout=REAP_READ_WORDS_TIMEOUT_S)
+        suspects = []
         try:
-            self.quarantine.child_exited(child.generation, crashed=child.kill_reason is None,
-                                         pid=child.pid, reason=reason)
+            suspects = self.quarantine.child_exited(child.generation, crashed=child.kill_reason is None,
+                                                    pid=child.pid, reason=reason)
         except Exception as e:  # noqa: BLE001 - what one request carried must not end the supervisor
             log.exception("crash_suspects_failed", generation=child.generation, error_type=type(e).__name__)
         with self.changed:
@@ -453,10 +454,11 @@ class Supervisor:
         if child.handoff is not None:
             child.handoff.close()
         if self.exit_code is None:
-            self.replace_child(child)
+            self.replace_child(child, quarantined=[s for s in suspects if s["quarantined"]])
 
-    def replace_child(self, dead: Child) -> None:
-        """Start the next child, or give up on a crash loop or refused flags."""
+    def replace_child(self, dead: Child, quarantined: list = ()) -> None:
+        """Start the next child, or give up on a crash loop or refused flags. ``quarantined``:
+        the requests this crash quarantined (guardian.quarantine.crashes)."""
         if dead.kill_reason is None and dead.proc.returncode in NOT_RESTARTABLE:
             return self.give_up(f"the child refused its flags (exit code {dead.proc.returncode})",
                                 dead.proc.returncode)
@@ -465,10 +467,19 @@ class Supervisor:
         if self.boot_failures >= BOOT_FAILURES_IN_A_ROW:
             return self.give_up(f"the model could not be loaded, {self.boot_failures} children in a row "
                                 f"(exit code {EXIT_BOOT_ERROR})", EXIT_BOOT_ERROR)
-        if self.restart_times.count() >= self.settings.max_restarts:
+        explained = bool(quarantined) and dead.ready_at is not None
+        if explained:
+            # A request crashed a child that had served (its engine works), and is quarantined
+            # now: its crashes are no crash loop. Distinct poisons sent back to back, each
+            # quarantined rightly, counted two restarts each, and the third ended the supervisor.
+            forgiven = self.restart_times.forget_first_after(t for s in quarantined for t in s["crash_times"])
+            log.info("restarts_forgiven", restarts=forgiven + 1, why="a quarantined request's crashes",
+                     fingerprints=[s["fingerprint"] for s in quarantined])
+        elif self.restart_times.count() >= self.settings.max_restarts:
             return self.give_up(f"more than {self.settings.max_restarts} restarts "
                                 f"within {self.restart_times.window_s:g} s", EXIT_SUPERVISOR_GAVE_UP)
-        self.restart_times.add()
+        else:
+            self.restart_times.add()
         self.restarts += 1
         self.metrics.child_restarted(dead)
         self.spawn_child()
