@@ -195,11 +195,12 @@ def notify(hook, **kwargs) -> None:
 def call_each(hook, **kwargs) -> Iterator[tuple[str, object, Optional[Exception]]]:
     """(plugin name, result, exception) of each implementation of ``hook`` (none a
     wrapper), each called on its own, in pluggy's order: the last registered, and
-    tryfirst, first."""
+    tryfirst, first. Its arguments as pluggy's own call gives them (``_multicall``): the
+    ones it names, by position, from ``HookImpl``'s public ``argnames``; pluggy has no
+    public call of one implementation."""
     for impl in reversed(hook.get_hookimpls()):
         try:
-            result = impl.function(*[kwargs[name] for name in impl.argnames],
-                                   **{name: kwargs[name] for name in impl.kwargnames if name in kwargs})
+            result = impl.function(*[kwargs[name] for name in impl.argnames])
         except Exception as e:
             yield impl.plugin_name, None, e
         else:

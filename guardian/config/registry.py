@@ -159,7 +159,6 @@ class Float(Type):
 
 class Str(Type):
     python = (str,)
-    nonempty = False
 
     def __init__(self, nonempty: bool = False):
         self.nonempty = nonempty
@@ -175,6 +174,7 @@ class OneOf(Str):
     """A string from a fixed set."""
 
     def __init__(self, *choices: str):
+        super().__init__()
         self.choices = choices
 
     def check(self, value: Any) -> str:

@@ -69,12 +69,11 @@ class FailureHandler:
         # that proof. A client that sends it again as Retry-After says then finds its
         # failures forgiven, where they counted toward the crash loop until exit 4.
         self.proof_wanted = False
-        # A blame without a completion since the one before: its failures, forgiven once the
-        # engine completes a request after ``ledger.completed`` was ``_unproven_at`` (the
-        # probe it queues ahead of the next request, ``Probes.queue_proof``, is one). Poisons
-        # sent back to back left no completion between them, and the fourth ended the process.
+        # Blames without a completion since the one before: their failures, forgiven once the
+        # engine completes a request after the last of them (the probe each queues ahead of the
+        # next request, ``Probes.queue_proof``, is one). Poisons sent back to back left no
+        # completion between them, and the fourth ended the process.
         self._unproven: list[int] = []
-        self._unproven_at = 0
         self._proof_due = False
         self.last_error: Optional[dict] = None
 
@@ -209,14 +208,13 @@ class FailureHandler:
             # Forgiven once the engine completes a request, the probe queued ahead of the
             # next one (if a probe plugin gave its prompt) or a user's: until then they count.
             self._unproven += ids
-            self._unproven_at = completed
             self._proof_due = True  # queued once the failure is settled (a blame ends isolation)
             return 0
         return self.budget.forgive(ids)
 
     def _forgive_proven_blames(self) -> int:
         """At a failure: forgive unproven blames' failures if a request completed since."""
-        if not self._unproven or self.engine.ledger.completed == self._unproven_at:
+        if not self._unproven or self.engine.ledger.completed == self._completed_at_last_blame:
             return 0
         ids, self._unproven = self._unproven, []
         return self.budget.forgive(ids)
