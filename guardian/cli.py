@@ -59,6 +59,9 @@ def add_guardian_arguments(parser: argparse.ArgumentParser) -> None:
         if action.dest == "allowed_origins":
             action.help = (f"Origins whose web pages may use the server (CORS); '*' for any. Default: pages "
                            f"on this machine ({Origins.DEFAULT}, and https); stock's default was '*'.")
+        elif action.dest == "model" and action.help:  # stock's help, and what leaving it out does here
+            action.help = (f"{action.help.rstrip('.')}: a folder or a Hugging Face id. Default: a tiny built-in "
+                           "demo model, to try the server (its answers are noise).")
     parser.description = DESCRIPTION
     parser.epilog = other_commands_help()
     # Keeps the epilog's lines; flags' help texts are wrapped as before.

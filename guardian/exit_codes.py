@@ -43,9 +43,10 @@ class ExitCode(NamedTuple):
 
 EXIT_CODES = (
     ExitCode(EXIT_OK, "the child stopped (SIGTERM or SIGINT)",
-             "stopped by SIGTERM or SIGINT (before it serves, while the model loads, the "
-             "process ends by that signal instead, as stock's does; a service manager counts "
-             "both as a clean stop)"),
+             "stopped by SIGTERM or SIGINT, after requests in flight had up to `exit_grace_s`; "
+             "a second one a second or more later stops without waiting (before it serves, while "
+             "the model loads, the process ends by that signal instead, as stock's does; a service "
+             "manager counts both as a clean stop)"),
     ExitCode(EXIT_UNCAUGHT, "uncaught Python error", "an uncaught Python error: a bug, never on purpose"),
     ExitCode(EXIT_USAGE, "bad flags or configuration",
              "bad flags or configuration (the message names the key), a `demo-model` path it "

@@ -35,6 +35,9 @@ def test_help_shows_stock_and_guardian_flags():
     allowed_origins = " ".join(result.stdout.partition("--allowed-origins ALLOWED_ORIGINS\n")[2].split())
     assert allowed_origins.startswith("Origins whose web pages") and "(default: *)" not in result.stdout
     assert "http://127.0.0.1:*" in allowed_origins.partition("--")[0]
+    # Stock's --model had no default; leaving it out here serves the demo model.
+    model = " ".join(result.stdout.partition("\n  --model MODEL")[2].split()).partition("--")[0]
+    assert "demo model" in model, model
 
 
 @pytest.mark.one_version
@@ -260,6 +263,8 @@ def test_a_port_already_taken_exits_2_at_once_naming_it(mode, model_cache):
     events = [json.loads(line) for line in result.stderr.splitlines() if line.startswith("{")]
     failed = [e for e in events if e["event"] in ("http_bind_failed", "supervisor_bind_failed")]
     assert failed and "in use" in failed[0]["error_message"] and "Traceback" not in result.stderr
+    # Before the model loads: a service manager restarting it would load a real model each time.
+    assert not [e for e in events if e["event"] in ("engine_ready", "child_started")], events
 
 
 @pytest.mark.parametrize("mode", BOTH_MODES)
@@ -299,3 +304,54 @@ def test_an_ipv6_host_is_served_as_stock_binds_it(mode, model_cache, tmp_path):
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+@pytest.mark.one_version
+def test_a_second_stop_signal_ends_the_drain_and_one_at_the_same_moment_does_not(start_server):
+    """A person's second Ctrl-C while a long request drains ends the process at once, as
+    the supervisor's second signal does; a SIGTERM that comes with the first (a supervisor or
+    mlx.launch passing on a terminal's Ctrl-C) is the same stop, and the drain goes on."""
+    import threading
+    import time
+
+    from conftest import chat_body, pace
+    from guardian.exit_codes import EXIT_OK
+    from guardian.serving.exit_request import SAME_STOP_S
+
+    # The engine hangs under the request; the drain would wait for it up to 60 s.
+    server = start_server("""
+        [guardian]
+        exit_grace_s = 60
+        [fault_injection]
+        enabled = true
+        hang_at_step = 8
+        [watchdog]
+        stall_timeout_s = 120
+    """)
+    answered = {}
+
+    def post_hung():
+        try:
+            with httpx.Client(timeout=90) as client:
+                answered["status"] = client.post(server.url + "/v1/chat/completions",
+                                                  json=chat_body(max_tokens=32)).status_code
+        except httpx.TransportError as e:
+            answered["error"] = e
+
+    waiter = threading.Thread(target=post_hung, daemon=True)
+    waiter.start()
+    server.wait_for_event("fault_injected")
+    server.proc.send_signal(signal.SIGINT)
+    server.proc.send_signal(signal.SIGTERM)
+    server.wait_for_event("server_stopping")
+    pace(SAME_STOP_S)
+    assert server.proc.poll() is None and not server.events("drain_cut_short")
+    server.proc.send_signal(signal.SIGINT)
+    second_at = time.monotonic()
+    assert server.proc.wait(timeout=20) == EXIT_OK
+    print(f"\nmeasured: exit {time.monotonic() - second_at:.2f} s after the second SIGINT")
+    [cut] = server.events("drain_cut_short")
+    assert cut["requests_in_flight"] == 1 and cut["seconds_left"] > 30
+    waiter.join(timeout=30)
+    assert answered, "the client was left waiting"  # an answer, or its connection closed as the process ends
+    print(f"measured: the client got {answered}")

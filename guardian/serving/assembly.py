@@ -15,7 +15,7 @@ import threading
 import time
 from http.server import ThreadingHTTPServer
 from pathlib import Path
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import structlog
 
@@ -26,7 +26,7 @@ from guardian.access.tls import ServerCertificate, load_certificate
 from guardian.config.tables import AccessSettings
 from guardian.config.registry import ConfigError
 from guardian.config.loading import GuardianConfig
-from guardian.serving.connection import HeldConnections
+from guardian.serving.connection import HeldConnections, check_can_listen
 from guardian.serving.exit_request import ExitRequest
 from guardian.serving.limits import HANDLER_HEADROOM, LiveLimits
 from guardian.observability import metrics
@@ -62,6 +62,13 @@ def why_no_model(model: Optional[str], error: Exception) -> str:
     return f"{type(error).__name__}: {error}"
 
 
+def cannot_listen(host: str, port: int, error: OSError) -> int:
+    """The port taken, a host with no such address: nothing will ever serve. Exit 2."""
+    log.critical("http_bind_failed", host=host, port=port, error_message=str(error))
+    print(f"mlx-guardian: cannot listen on {host}:{port}: {error}", file=sys.stderr)
+    return EXIT_USAGE
+
+
 def serve(host: str, port: int, model_provider, config: Union[GuardianConfig, LiveConfig], pm,
           group=None) -> int:
     """Serve until asked to exit; the exit code. ``group``: this process is
@@ -86,6 +93,11 @@ def serve(host: str, port: int, model_provider, config: Union[GuardianConfig, Li
         log.critical("config_invalid", error_message=str(e))
         print(f"mlx-guardian: {e}", file=sys.stderr)
         return EXIT_USAGE
+    try:  # and the port, which a supervised child is given bound
+        if not started_by_supervisor():
+            check_can_listen(host, port)
+    except OSError as e:
+        return cannot_listen(host, port, e)
     try:
         model_provider.load_default()
     except Exception as e:
@@ -117,11 +129,9 @@ def serve(host: str, port: int, model_provider, config: Union[GuardianConfig, Li
         member.watch(engine)
     try:
         httpd = make_http_server(host, port, served, door, tls)
-    except OSError as e:  # the port taken, a host with no such address: nothing will ever serve
-        log.critical("http_bind_failed", host=host, port=port, error_message=str(e))
-        print(f"mlx-guardian: cannot listen on {host}:{port}: {e}", file=sys.stderr)
+    except OSError as e:  # taken while the model loaded
         stock.loop.stop_generation_thread(engine)  # its thread would keep the process alive
-        return EXIT_USAGE
+        return cannot_listen(host, port, e)
     registry = metrics.registry_of(pm)
     if registry is not None:  # the connection layer's counts, beside the engine's
         registry.register(metrics.ConnectionCollector(httpd.connection_status))
@@ -161,11 +171,11 @@ def serve(host: str, port: int, model_provider, config: Union[GuardianConfig, Li
     )
     announce(door)
     code = exit_request.wait()
-    log.info("server_stopping", exit_code=code)
+    log.info("server_stopping", exit_code=code, hint="a second SIGINT (Ctrl-C) or SIGTERM stops without draining")
     served.stop_admitting()
     live.stop()
     door.keys.stop()
-    drain(httpd, engine, live.config.core.exit_grace_s)
+    drain(httpd, engine, live.config.core.exit_grace_s, cut_short=lambda: exit_request.asked_again)
     httpd.shutdown()
     httpd.server_close()
     stock.loop.stop_generation_thread(engine)
@@ -308,8 +318,12 @@ def auto_max_handlers(served: ServedModel) -> int:
     return getattr(served.cli_args, "decode_concurrency", 32) + queued + HANDLER_HEADROOM
 
 
-def drain(httpd, engine, grace_s: float) -> None:
-    """Give requests in flight until ``grace_s`` to reach their clients."""
+def drain(httpd, engine, grace_s: float, cut_short: Callable[[], bool] = lambda: False) -> None:
+    """Give requests in flight until ``grace_s`` to reach their clients, or until ``cut_short()``."""
     deadline = time.monotonic() + grace_s
     while (engine.ledger.has_work() or httpd.completions.active) and time.monotonic() < deadline:
+        if cut_short():
+            log.warning("drain_cut_short", requests_in_flight=httpd.completions.active,
+                        seconds_left=round(deadline - time.monotonic(), 1))
+            return
         time.sleep(0.02)

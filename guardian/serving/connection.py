@@ -175,6 +175,26 @@ class Serving:
             self._ended.wait()
 
 
+def listen_address(host: str, port: int) -> tuple:
+    """The family and address a server for ``host`` and ``port`` binds, as stock's
+    _run_http_server binds: the host's first address (IPv6 for --host :: or ::1).
+    OSError where there is none."""
+    if not 0 <= port <= 65535:  # getaddrinfo would take 70000 as 4464, and serve there
+        raise OSError(f"a port is 0 to 65535, not {port}")
+    family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    return family, address
+
+
+def check_can_listen(host: str, port: int) -> None:
+    """Bind ``host`` and ``port`` as the server will, and let go: OSError (the port in use,
+    no such address) before a model loads for a minute, rather than after. A service
+    manager restarting a process whose port is taken would load the model each time."""
+    family, address = listen_address(host, port)
+    with socket.socket(family, socket.SOCK_STREAM) as trial:
+        trial.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as HTTPServer binds
+        trial.bind(address)
+
+
 _READER_START = threading.Lock()
 
 
@@ -191,14 +211,7 @@ class HeldConnections:
     _reader: Optional[RequestReader] = None
 
     def __init__(self, server_address, *args, **kwargs):
-        # As stock's _run_http_server binds: the family of the host's first address
-        # (IPv6 for --host :: or ::1), for this server alone.
-        host, port = server_address[:2]
-        if not 0 <= port <= 65535:  # getaddrinfo would take 70000 as 4464, and serve there
-            raise OSError(f"a port is 0 to 65535, not {port}")
-        family, _, _, _, server_address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                             flags=socket.AI_PASSIVE)[0]
-        self.address_family = family
+        self.address_family, server_address = listen_address(*server_address[:2])
         super().__init__(server_address, *args, **kwargs)
 
     def server_bind(self):

@@ -13,6 +13,7 @@ there, so handlers only put, and the main thread does the work.
 from __future__ import annotations
 
 import queue
+import time
 from typing import Callable, Optional
 
 import structlog
@@ -24,6 +25,9 @@ log = structlog.get_logger("guardian.server")
 # How often the main thread looks up from its wait even with nothing put (a code set by a
 # thread that has not put yet is seen within this).
 POLL_S = 0.5
+# Asks this close to the first are the same stop: a terminal's Ctrl-C reaches a whole process
+# group, and a supervisor (or mlx.launch) passes the stop on as SIGTERM at the same moment.
+SAME_STOP_S = 1.0
 
 
 class ExitRequest:
@@ -36,6 +40,8 @@ class ExitRequest:
         # let a signal's clean stop, between the two, overwrite a failure set meanwhile.
         self._asked: Optional[int] = None
         self._failed: Optional[int] = None
+        self._first_asked_at: Optional[float] = None
+        self._asked_again = False  # a second SIGTERM or SIGINT cuts the drain short
 
     @property
     def code(self) -> Optional[int]:
@@ -44,7 +50,18 @@ class ExitRequest:
             return self._failed
         return self._asked
 
+    @property
+    def asked_again(self) -> bool:
+        """Whether a stop was asked for again, ``SAME_STOP_S`` or more after the first: a
+        person's second Ctrl-C, a second ``kill``; the requests still draining are given up."""
+        return self._asked_again
+
     def __call__(self, code: int) -> None:
+        now = time.monotonic()
+        if self._first_asked_at is None:
+            self._first_asked_at = now
+        elif now - self._first_asked_at >= SAME_STOP_S:
+            self._asked_again = True
         if self._asked is None:
             self._asked = code
         self._mail.put(None)
