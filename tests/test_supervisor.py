@@ -25,7 +25,7 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import SessionServer, chat_body, free_port, poll, read_stream, spawn_guardian
+from conftest import SessionServer, chat_body, free_port, poll, read_stream, scraped, spawn_guardian
 from guardian import handoff
 from guardian.exit_codes import EXIT_BOOT_ERROR, EXIT_OK, EXIT_SUPERVISOR_GAVE_UP, EXIT_USAGE
 
@@ -471,6 +471,8 @@ def test_a_body_that_crashes_the_child_twice_is_quarantined(start_supervisor, tm
     quarantine = status["quarantine"]
     # Refused twice: when its resend crashed the second child, and at the door.
     assert [q["strikes"] for q in quarantine["quarantined"]] == [2] and quarantine["refused"] == 2
+    # Counted where an operator's refusal rate looks, as a child's own refusals are.
+    assert scraped(supervised, "mlx_guardian_supervisor_requests_refused_total", code="request_quarantined") == 2
     assert quarantine["suspects"] == [] and quarantine["cleared"] == 1  # the bystander, answered alone
     assert supervised.proc.poll() is None and not supervised.supervisor_events("supervisor_gave_up")
     first, second = supervised.supervisor_events("crash_suspects")

@@ -74,6 +74,13 @@ class SupervisorMetrics:
         # Counted for every request: the children looked up once.
         self.passed_handed_off = self.requests_passed.labels("handed_off")
         self.passed_relayed = self.requests_passed.labels("relayed")
+        self.requests_refused = Counter(
+            P + "requests_refused", "Requests the crash quarantine turned away before any child saw them, "
+            "by code: request_quarantined (struck by two child crashes; 500) or crash_check_busy (a crash "
+            "suspect that waited in vain to run alone; 503). The child's own refusals are in "
+            "mlx_guardian_requests_refused_total.", ["code"], registry=r)
+        for code in ("request_quarantined", "crash_check_busy"):
+            self.requests_refused.labels(code)
         self.access_refused = Counter(
             P + "access_refused", "Requests the public port's door refused, by reason: invalid_api_key, "
             "protected_mode, host_not_allowed, origin_not_allowed.", ["reason"], registry=r)

@@ -249,7 +249,7 @@ class ProxyHandler(BaseHTTPRequestHandler):
         request_fingerprint = fingerprint(self.command, self.path, body)
         refusal = supervisor.quarantine.refusal(self.command, request_fingerprint)
         if refusal is not None and self.passed is None:  # a resumed one may have been answered in part
-            return self.send_error_json(refusal)
+            return self.refuse(refusal)
         # A client that closes its connection: the relay to the child is cut at
         # once, and the child, seeing its own client leave, ends the request.
         self.server.watch_client(self.connection, self.client_left)
@@ -333,7 +333,7 @@ class ProxyHandler(BaseHTTPRequestHandler):
                     if self.gone:
                         return  # left while it waited its turn
                     if alone is isolation.REFUSED:
-                        return self.give_up(stream, supervisor.isolation_busy_error())
+                        return self.refuse(supervisor.isolation_busy_error(), stream)
                     # The turn may come just after the request before it crashed
                     # this child: never send to a dead one (it would be struck too).
                     self.keepalive.stop()  # the next child writes from here
@@ -369,7 +369,7 @@ class ProxyHandler(BaseHTTPRequestHandler):
             reaped = supervisor.wait_reaped(child)
             refusal = supervisor.quarantine.refusal(self.command, request_fingerprint)
             if refusal is not None:
-                return self.give_up(stream, refusal)
+                return self.refuse(refusal, stream)
             if not reaped or resends >= supervisor.settings.max_resends:
                 return self.give_up(stream, supervisor.lost_child_error())
             resends += 1
@@ -436,6 +436,11 @@ class ProxyHandler(BaseHTTPRequestHandler):
                                             request_fingerprint) as self.relay_record:
             self.relay_record.stream = stream  # a continuation: where it stands (no strike for progress)
             return self.proxy(child, body, stream)
+
+    def refuse(self, error: GuardianError, stream=None) -> None:
+        """The crash quarantine's answer (``give_up``), counted by its code."""
+        self.server.supervisor.metrics.requests_refused.labels(error.code).inc()
+        self.give_up(stream, error)
 
     def give_up(self, stream, error: Optional[GuardianError]) -> None:
         """Answer ``error``: as the response if nothing was sent, else as the stream's end."""
