@@ -396,7 +396,9 @@ def test_stock_engine_is_proxied_and_restarted(start_supervisor, model_cache, tm
         supervised.wait_ready(not_pid=first_pid, timeout=30)
         assert client.post(supervised.url + COMPLETIONS, json=chat_body(max_tokens=4)).status_code == 200
     [started, _] = supervised.supervisor_events("child_started")
-    assert started["command"][1:4] == ["-m", "mlx_lm", "server"]
+    # Through the shim that asks the kernel for SIGTERM when the supervisor dies (Linux).
+    assert started["command"][1:4] == ["-m", "guardian.distributed.launch", "--"]
+    assert started["command"][5:8] == ["-m", "mlx_lm", "server"]
     assert supervised.supervisor()["last_exit"]["reason"].startswith("killed by SIGKILL")
     # A save a restart would refuse (a table nothing reads with a stock child) is refused live.
     config.write_text("[http]\nidle_timeout_s = 6.0\n[guardian]\nrequest_timeout_s = 3.0\n")

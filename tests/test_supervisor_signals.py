@@ -13,6 +13,7 @@ import time
 
 import httpx
 import psutil
+import pytest
 
 from conftest import chat_body, poll
 from guardian.exit_codes import EXIT_OK
@@ -99,15 +100,29 @@ def test_the_child_never_outlives_a_killed_supervisor(start_supervisor):
     os.kill(supervised.proc.pid, signal.SIGKILL)
     supervised.proc.wait(timeout=10)
 
-    def child_gone():
-        if not pid_alive(child_pid):
-            return True
-        # A zombie nobody reaps any more still answers kill(0): it is gone all the same.
-        try:
-            return psutil.Process(child_pid).status() == psutil.STATUS_ZOMBIE
-        except psutil.NoSuchProcess:
-            return True
-
-    poll(child_gone, 30, interval=0.05, what="the orphaned child to exit")
+    poll(lambda: process_gone(child_pid), 30, interval=0.05, what="the orphaned child to exit")
     # It drained and stopped as on SIGTERM (the kernel's parent-death signal, or its watch).
     assert any(e.get("event") == "server_stopping" for e in supervised.logs())
+
+
+@pytest.mark.linux("the kernel's parent-death signal (prctl); macOS has none, and stock watches no parent")
+def test_a_stock_child_never_outlives_a_killed_supervisor(start_supervisor, model_cache):
+    """Stock's server asks for no parent-death signal: it lived on, serving on its private
+    port with the model loaded, 15 s after its supervisor's SIGKILL and beyond."""
+    from guardian.demo_model import ensure_demo_model
+
+    supervised = start_supervisor("--engine", "stock", "--model", str(ensure_demo_model(model_cache)))
+    child_pid = supervised.wait_ready()
+    os.kill(supervised.proc.pid, signal.SIGKILL)
+    supervised.proc.wait(timeout=10)
+    poll(lambda: process_gone(child_pid), 30, interval=0.05, what="the orphaned stock child to exit")
+
+
+def process_gone(pid: int) -> bool:
+    if not pid_alive(pid):
+        return True
+    # A zombie nobody reaps any more still answers kill(0): it is gone all the same.
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True

@@ -50,7 +50,13 @@ def group_command(launch_args: str, server_command: list[str]) -> list[str]:
     python, program = server_command[0], server_command[1:]
     if not any(a == "--python" or a.startswith("--python=") for a in args):
         args += ["--python", python]
-    return [sys.executable, "-m", "guardian.distributed.launch", "--", launcher(), *args, "--", *program]
+    return dying_with_parent([launcher(), *args, "--", *program])
+
+
+def dying_with_parent(command: list[str]) -> list[str]:
+    """``command``, run through this module's ``exec_dying_with_parent``: for a program
+    that asks for no parent-death signal itself (mlx.launch, stock's server)."""
+    return [sys.executable, "-m", "guardian.distributed.launch", "--", *command]
 
 
 class LauncherProcess(subprocess.Popen):

@@ -43,7 +43,7 @@ from guardian.config.loading import GuardianConfig
 from guardian.observability.counting import ActiveCount, RecentEvents
 from guardian.quarantine.crashes import CrashQuarantine
 from guardian.supervise.metrics import SupervisorMetrics
-from guardian.distributed.launch import LauncherProcess, group_command, kill_leftovers
+from guardian.distributed.launch import LauncherProcess, dying_with_parent, group_command, kill_leftovers
 from guardian.errors import SERVER_STOPPING, GuardianError
 from guardian.exit_codes import EXIT_BOOT_ERROR, EXIT_OK, EXIT_SUPERVISOR_GAVE_UP, EXIT_USAGE, GROUP_EXIT_CODE_ENV
 from guardian.observability.logs import configure_logging
@@ -391,7 +391,9 @@ class Supervisor:
             popen = functools.partial(LauncherProcess, exit_code_file=exit_code_file)
             if exit_code_file is not None:
                 env[GROUP_EXIT_CODE_ENV] = exit_code_file
-        elif self.settings.hand_off and not stock_engine and handoff.supported():
+        elif stock_engine:  # stock asks for no parent-death signal: it would outlive a SIGKILLed supervisor
+            command = dying_with_parent(command)
+        elif self.settings.hand_off and handoff.supported():
             channel = handoff.Channel()
             env.update(channel.child_env())
             pass_fds += channel.child_fds()
