@@ -58,7 +58,10 @@ class CoreSettings(Table, name="guardian"):
         stream, until its head is sent (the client's limit is on each wait for
         bytes, and the events keep those short). 0: none but the client's.""", live=True)
     exit_grace_s = Setting(SECONDS, 5.0, """
-        On exit, how long requests in flight get to reach their clients.""", live=True)
+        On exit (SIGTERM, SIGINT), how long requests in flight get to reach their
+        clients; the watchdog still acts meanwhile. Those still running then get 503
+        server_stopping (a stream, its error event). A second signal, a second or
+        more after the first, ends the wait at once.""", live=True)
     max_stop_sequences = Setting(Int(min=0), 32, """
         A request's "stop" may hold at most this many strings (400 otherwise;
         OpenAI's API takes 4). Stock builds its matcher from them on the loop

@@ -722,6 +722,12 @@ class RequestLedger:
         with self._cond:
             return list(self._in_flight.values())
 
+    def unfinished(self) -> list[RequestRecord]:
+        """Every request queued, to be re-run or in flight."""
+        with self._cond:
+            return [*(record for queue in self._waiting.values() for record in queue), *self._reruns,
+                    *self._in_flight.values()]
+
     def has_work(self) -> bool:
         with self._cond:
             return bool(self._waiting or self._reruns or self._in_flight)

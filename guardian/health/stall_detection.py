@@ -78,7 +78,8 @@ class StallDetector:
         self._last_ping_at = float("-inf")
         self._probing = threading.Lock()
         self._verifying = False  # a replacement loop's verification under way (_maybe_probe)
-        self._stopped = threading.Event()
+        self._stopped = threading.Event()  # stopping: draining, no probes, no new work
+        self._ended = threading.Event()  # the drain is over: the thread ends
         self._ready_sent = False
         self._settings_changed = False
         self._thread = threading.Thread(target=self._run, name="watchdog", daemon=True)
@@ -101,8 +102,15 @@ class StallDetector:
             self.pace.gaps = deque(self.pace.gaps, maxlen=s.pace_samples)
 
     def stop(self) -> None:
+        """The server is stopping: no probes, no new work. The stall checks go on while
+        requests drain (a hang then is recovered, as at any time), until ``end``."""
         self._stopped.set()
         self.notifier.notify("STOPPING=1")
+
+    def end(self) -> None:
+        """The drain is over: the watchdog's thread ends."""
+        self._stopped.set()
+        self._ended.set()
 
     @property
     def stopped(self) -> bool:
@@ -111,7 +119,7 @@ class StallDetector:
 
     def _run(self) -> None:
         due = time.monotonic() + self.settings.interval_s
-        while not self._stopped.wait(self.settings.interval_s):
+        while not self._ended.wait(self.settings.interval_s):
             now, cpu = time.monotonic(), time.thread_time()
             self.tick(now, late_s=now - due)
             # The next look is due an interval after this one ends, plus the time
@@ -277,7 +285,7 @@ class StallDetector:
                     self._verifying = False
                     raise
             return
-        if self.engine.state is not EngineState.READY:
+        if self.engine.state is not EngineState.READY or self.stopped:
             return
         proof_wanted = self.engine.failures.proof_wanted  # after a memory shortage (guardian.engine.failures)
         if now - self._last_probe_at < self.settings.probe_interval_s and not proof_wanted:

@@ -62,6 +62,10 @@ def why_no_model(model: Optional[str], error: Exception) -> str:
     return f"{type(error).__name__}: {error}"
 
 
+# After the drain, how long the requests still in flight get to write their 503 or error event.
+ANSWER_REST_S = 1.0
+
+
 def cannot_listen(host: str, port: int, error: OSError) -> int:
     """The port taken, a host with no such address: nothing will ever serve. Exit 2."""
     log.critical("http_bind_failed", host=host, port=port, error_message=str(error))
@@ -176,13 +180,16 @@ def serve(host: str, port: int, model_provider, config: Union[GuardianConfig, Li
     live.stop()
     door.keys.stop()
     drain(httpd, engine, live.config.core.exit_grace_s, cut_short=lambda: exit_request.asked_again)
+    served.end_drain()
+    answer_the_rest(httpd)
     httpd.shutdown()
     httpd.server_close()
     stock.loop.stop_generation_thread(engine)
+    # The engine gave up during the drain (exit 4, 5), or, in a group, a rank was lost
+    # meanwhile (mlx.launch signals the others as a rank dies): that failure is the code
+    # (ExitRequest.fail), not the clean stop asked for before it.
+    code = exit_request.code
     if member is not None:
-        # A rank lost while this one stopped (mlx.launch signals the others
-        # as a rank dies) turns the stop into the group's failure (ExitRequest.fail).
-        code = exit_request.code
         member.leave(code)
     # Contained: a plugin failing here must not turn exit 4 into exit 1.
     notify(pm.hook.guardian_shutdown, engine=engine.plugin_view, exit_code=code)
@@ -246,11 +253,22 @@ class ServedModel(AdmittingGenerator):
         retries on 503 sends it to another replica) instead of lengthening the drain."""
         self.stall_detector.stop()
 
+    def stopping_error(self) -> GuardianError:
+        return GuardianError("The server is stopping; send the request again.", status=503, code=SERVER_STOPPING,
+                             retry_after_s=self.config.core.retry_after_s)
+
+    def end_drain(self) -> None:
+        """The drain is over: each request still in flight ends now with ``stopping_error``
+        (a stream's error event, else a 503), not a connection cut by the exit; the watchdog stops."""
+        self.stall_detector.end()
+        error = self.stopping_error()
+        for record in self.engine.ledger.unfinished():
+            record.stop_generation()
+            record.fail(error)
+
     def generate(self, request, generation_args, progress_callback=None):
         if self.stopping:
-            raise AbortRequest(GuardianError(
-                "The server is stopping; send the request again.", status=503, code=SERVER_STOPPING,
-                retry_after_s=self.config.core.retry_after_s))
+            raise AbortRequest(self.stopping_error())
         return super().generate(request, generation_args, progress_callback)
 
 
@@ -316,6 +334,13 @@ def auto_max_handlers(served: ServedModel) -> int:
     guard = served.config.plugin_settings.get("prompt_guard")
     queued = getattr(guard, "max_queued", 0) if getattr(guard, "enabled", False) else 0
     return getattr(served.cli_args, "decode_concurrency", 32) + queued + HANDLER_HEADROOM
+
+
+def answer_the_rest(httpd, within_s: float = ANSWER_REST_S) -> None:
+    """Give the requests ``end_drain`` failed a moment to write their answers."""
+    deadline = time.monotonic() + within_s
+    while httpd.completions.active and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def drain(httpd, engine, grace_s: float, cut_short: Callable[[], bool] = lambda: False) -> None:
