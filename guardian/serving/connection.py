@@ -349,7 +349,7 @@ class HeldConnections:
         return self._reader.call_at(when, callback)
 
     def cancel_call(self, handle) -> None:
-        RequestReader.cancel_call(handle)
+        self._reader.cancel_call(handle)  # there is one: call_at made the handle
 
     def unwatch_client(self, request) -> None:
         if self._reader is not None:
@@ -404,7 +404,7 @@ class HeldConnections:
         """For /guardian/status: connections held by the reader, handler threads busy, closes by reason."""
         if self._reader is None:
             return {"held": 0, "buffered_bytes": 0, "handlers_active": 0, "max_handlers": self.limits.max_handlers,
-                    "closed": dict.fromkeys(CLOSE_REASONS, 0)}
+                    "timers": 0, "closed": dict.fromkeys(CLOSE_REASONS, 0)}
         return {"held": self._reader.held, "buffered_bytes": self._reader.buffered_reserved,
-                "handlers_active": self.handlers.active,
-                "max_handlers": self.limits.max_handlers, "closed": dict(self.closed_counts)}
+                "handlers_active": self.handlers.active, "max_handlers": self.limits.max_handlers,
+                "timers": self._reader.timers_pending, "closed": dict(self.closed_counts)}

@@ -39,6 +39,8 @@ READ_BYTES_PER_TURN = 1 << 20
 
 # The reader wakes at least this often to expire deadlines.
 TICK_S = 0.25
+# Cancelled timers past this many, and past half the heap, are dropped at once.
+COMPACT_TIMERS_PAST = 32
 # A TLS client's close_notify comes a moment before its FIN: looked for this long after it.
 CLOSE_AFTER_RECORDS_S = 0.02
 
@@ -174,8 +176,11 @@ class RequestReader:
         self._arrivals: collections.deque = collections.deque()
         # Registrations change from handler threads too (watch, unwatch).
         self._lock = threading.Lock()
-        # (when, seq, callback) for call_at; a cancelled entry's callback is None.
+        # (when, seq, callback) for call_at; a cancelled entry's callback is None, and the
+        # entry stays until due or until the cancelled are many (a client's read timeout of
+        # 1e12 s would keep its request's entry for good): ``_cancelled`` counts them.
         self._timers: list = []
+        self._cancelled = 0
         self._timer_ids = itertools.count()
         self._next_expiry_pass = 0.0
         # Bytes the bodies still arriving have reserved ([http] max_buffered_bytes).
@@ -256,9 +261,21 @@ class RequestReader:
         self._wake()
         return entry
 
-    @staticmethod
-    def cancel_call(entry: list) -> None:
-        entry[2] = None
+    def cancel_call(self, entry: list) -> None:
+        with self._lock:
+            if entry[2] is None:
+                return  # called, or cancelled already
+            entry[2] = None
+            self._cancelled += 1
+            if self._cancelled > COMPACT_TIMERS_PAST and 2 * self._cancelled > len(self._timers):
+                self._timers = [kept for kept in self._timers if kept[2] is not None]
+                heapq.heapify(self._timers)
+                self._cancelled = 0
+
+    @property
+    def timers_pending(self) -> int:
+        """Calls waiting for their time (a request's deadlines), the cancelled not yet dropped included."""
+        return len(self._timers)
 
     def _run_timers(self) -> float:
         """Call what is due; seconds until the next one (at most a tick)."""
@@ -266,14 +283,18 @@ class RequestReader:
         due = []
         with self._lock:
             while self._timers and self._timers[0][0] <= now:
-                due.append(heapq.heappop(self._timers)[2])
+                entry = heapq.heappop(self._timers)
+                if entry[2] is None:
+                    self._cancelled -= 1
+                else:
+                    due.append(entry[2])
+                    entry[2] = None  # a cancel from now on is no cancel to count
             next_at = self._timers[0][0] if self._timers else now + TICK_S
         for callback in due:
-            if callback is not None:
-                try:
-                    callback()
-                except Exception:  # noqa: BLE001 - one request's deadline must not stop the reader
-                    log.exception("deadline_callback_failed")
+            try:
+                callback()
+            except Exception:  # noqa: BLE001 - one request's deadline must not stop the reader
+                log.exception("deadline_callback_failed")
         return max(0.0, min(TICK_S, next_at - now))
 
     def unwatch(self, sock: socket.socket) -> None:
