@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from conftest import Server, chat_body, free_port, poll, spawn_guardian
-from guardian.access.limits import CONCURRENCY_RETRY_AFTER_S, RATE_LIMITED, WINDOW_S, ClientLimits
+from guardian.access.limits import CONCURRENCY_RETRY_AFTER_S, RATE_LIMITED, STATUS_CLIENTS, WINDOW_S, ClientLimits
 
 pytestmark = pytest.mark.one_version
 
@@ -80,6 +80,21 @@ def test_clients_that_never_come_back_are_forgotten_once_their_window_has_passed
     assert door.status()["tokens_last_minute"] == {"alice": 15}
 
 
+def test_the_status_lists_the_clients_with_the_most_tokens_and_none_whose_window_passed():
+    """5,000 addresses in a minute made /guardian/status 98 KB; the first read after the
+    window listed every one of them again, with 0 tokens."""
+    door, _, clock = limits(tokens_per_minute=1000)
+    for n in range(3 * STATUS_CLIENTS):
+        assert door.admit(f"10.0.{n // 256}.{n % 256}", n + 1) is None
+        door.release(f"10.0.{n // 256}.{n % 256}")
+    status = door.status()
+    listed = status["tokens_last_minute"]
+    assert status["clients_counted"] == 3 * STATUS_CLIENTS and len(listed) == STATUS_CLIENTS
+    assert list(listed.values()) == list(range(3 * STATUS_CLIENTS, 2 * STATUS_CLIENTS, -1))  # the most first
+    clock.now += WINDOW_S + 1
+    assert door.status() == {"in_flight": {}, "tokens_last_minute": {}, "clients_counted": 0}
+
+
 def test_retry_after_is_whole_seconds_between_one_and_the_window():
     door, _, clock = limits(tokens_per_minute=50)
     assert door.admit("alice", 50) is None
@@ -117,7 +132,7 @@ def test_a_refund_takes_back_the_tokens_of_a_request_that_never_ran():
     door.release("alice")
     door.refund("alice", receipt)
     assert door.admit("alice", 90) is None
-    assert door.status() == {"in_flight": {"alice": 1}, "tokens_last_minute": {"alice": 90}}
+    assert door.status() == {"in_flight": {"alice": 1}, "tokens_last_minute": {"alice": 90}, "clients_counted": 1}
 
 
 def test_a_refused_client_leaves_no_count_behind():
@@ -226,3 +241,22 @@ def test_a_request_refused_after_the_limits_costs_its_client_no_tokens(served):
         refused = client.post(served.url + CHAT, json=too_long, headers={"Authorization": f"Bearer {KEYS['frank']}"})
         assert refused.status_code == 400 and refused.json()["error"]["code"] == "context_length_exceeded"
         assert chat(client, served, "frank").status_code == 200
+
+
+def test_a_request_a_later_hook_refused_is_not_kept_for_its_tokens():
+    """The built-in door keeps each request it let in until the engine says how many tokens
+    it generated; one a later hook refused (context too long) never finishes there, and was
+    kept until 10,000 newer ones pushed it out."""
+    from guardian.admission.facts import Admission
+    from guardian.plugins.access import Access
+
+    door_plugin = Access()
+    door, settings, _ = limits(tokens_per_minute=1000)
+    for n in range(5):
+        admission = Admission(None, None, limits=None, tokenize=lambda request: ([1, 2, 3], None),
+                              request_id=f"req-{n}", stream=False, client="alice")
+        assert door_plugin.admit_request(admission, SimpleNamespace(limits=door, settings=settings)) is None
+        admission.refused = True  # as the prompt guard's 400 sets it
+        admission.finish()
+    assert len(door_plugin._charging) == 0  # noqa: SLF001 - the bookkeeping itself is what is checked
+    assert door.status()["tokens_last_minute"] == {}  # and their prompts' tokens were given back

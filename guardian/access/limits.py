@@ -29,6 +29,9 @@ WINDOW_S = 60.0
 # A client at its concurrency limit may retry once a request of its ends: soon.
 CONCURRENCY_RETRY_AFTER_S = 1.0
 RATE_LIMITED = "rate_limit_exceeded"
+# The status lists the clients with the most tokens in the window, this many at most: a
+# client per address, thousands of them, made it 100 KB.
+STATUS_CLIENTS = 100
 
 
 class ClientLimits:
@@ -142,9 +145,14 @@ class ClientLimits:
         return WINDOW_S
 
     def status(self) -> dict:
+        """Requests in flight by client; tokens in the window by client, the most first, at
+        most ``STATUS_CLIENTS`` of them (``clients_counted``: how many hold tokens)."""
         with self._lock:
+            used = {client: self._used(client) for client in list(self._tokens)}
+            counted = sorted(((tokens, client) for client, tokens in used.items() if tokens), reverse=True)
             return {"in_flight": dict(self._in_flight),
-                    "tokens_last_minute": {client: self._used(client) for client in list(self._tokens)}}
+                    "tokens_last_minute": {client: tokens for tokens, client in counted[:STATUS_CLIENTS]},
+                    "clients_counted": len(counted)}
 
 
 def rate_limited(message: str, retry_after_s: float) -> GuardianError:

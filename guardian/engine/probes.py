@@ -22,6 +22,10 @@ from guardian.request_context import request_scope
 log = structlog.get_logger("guardian.engine")
 
 
+# How many probe prompts are kept out of the prompt cache: the latest of each plugin's.
+SKIPPED_PROMPTS = 8
+
+
 class Probes:
     """One engine's probes."""
 
@@ -86,5 +90,9 @@ class Probes:
             return
         # On a copy: the loop thread may be using the tokenizer, and fast
         # tokenizers shared between threads can fail ("Already borrowed").
-        tokens = copy.deepcopy(tokenizer).encode(prompt)
-        self.engine.prompt_cache.skip_prefixes.append(list(tokens))
+        tokens = list(copy.deepcopy(tokenizer).encode(prompt))
+        cache = self.engine.prompt_cache
+        # The latest few, each once: a save that changes the probe's prompt keeps the old one
+        # out a while longer, not for good (each save added one to every cache insert's check).
+        # Replaced whole: the loop thread reads the list as it inserts.
+        cache.skip_prefixes = [*(kept for kept in cache.skip_prefixes if kept != tokens), tokens][-SKIPPED_PROMPTS:]

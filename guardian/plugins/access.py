@@ -49,11 +49,12 @@ class Access:
         admission.on_finish(lambda: self._released(admission, limits, client, receipt))
         return None
 
-    @staticmethod
-    def _released(admission, limits, client: str, receipt) -> None:
+    def _released(self, admission, limits, client: str, receipt) -> None:
         limits.release(client)
         if admission.refused:  # by a later hook or the engine: it never ran, nothing is used
             limits.refund(client, receipt)
+            with self._lock:  # no on_request_finished comes for it
+                self._charging.pop(admission.request_id, None)
 
     @guardian.hookimpl
     def on_request_finished(self, request_id, generated_tokens):
