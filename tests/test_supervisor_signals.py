@@ -6,8 +6,10 @@ and cleanup kills its whole process group.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import socket
 import threading
 import time
 
@@ -126,3 +128,61 @@ def process_gone(pid: int) -> bool:
         return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return True
+
+
+def test_a_long_exit_grace_is_the_childs_to_drain_not_cut_by_the_kill_grace(start_supervisor, tmp_path):
+    """The child drains for exit_grace_s, but the supervisor SIGKILLed it at
+    --supervisor-kill-grace (10 s by default) whatever that was: with exit_grace_s = 20
+    both streams got server_stopping at 386 of 451 tokens (docs/deploy.md says to set
+    exit_grace_s to your longest generation, behind --supervise too)."""
+    config = tmp_path / "long-grace.toml"
+    config.write_text("[guardian]\nexit_grace_s = 15\n[fault_injection]\nenabled = true\nstep_delay_s = 0.02\n")
+    supervised = start_supervisor("--guardian-config", str(config), "--supervisor-kill-grace", "1")
+    supervised.wait_ready()
+    with httpx.Client(timeout=60) as client, client.stream(
+            "POST", supervised.url + COMPLETIONS, json=chat_body(max_tokens=150, stream=True)) as stream:
+        events = stream.iter_lines()
+        assert stream.status_code == 200 and next(line for line in events if line.startswith("data: "))
+        supervised.proc.send_signal(signal.SIGTERM)
+        rest = [line for line in events if line.startswith("data: ")]
+    assert rest[-1] == "data: [DONE]" and not any('"error"' in line for line in rest), rest[-2:]
+    assert '"finish_reason": "length"' in rest[-2]
+    assert supervised.proc.wait(timeout=30) == EXIT_OK
+    assert not supervised.supervisor_events("child_hard_killed")
+    [stopping] = supervised.supervisor_events("child_stopping")
+    assert stopping["grace_s"] > 15
+
+
+def test_a_signal_after_the_child_exited_ends_the_supervisors_own_wait(start_supervisor, tmp_path):
+    """Once the child has drained, the supervisor waits a moment for what it still owes its
+    clients (here two that never read their streams): the rest of exit_grace_s, which the
+    child used up. It waited exit_grace_s again, and a second SIGTERM meanwhile was swallowed."""
+    config = tmp_path / "slow-readers.toml"
+    config.write_text("[guardian]\nexit_grace_s = 3\n[http]\nsend_buffer_bytes = 16384\n"
+                      "[fault_injection]\nenabled = true\nstep_delay_s = 0.005\n")
+    supervised = start_supervisor("--guardian-config", str(config))
+    supervised.wait_ready()
+    body = json.dumps(chat_body(max_tokens=2000, stream=True)).encode()
+    readers = []
+    for _ in range(2):  # each never reads: its stream fills the buffers, and waits
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+        sock.connect(("127.0.0.1", supervised.port))
+        sock.sendall(b"POST " + COMPLETIONS.encode() + b" HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: " + str(len(body)).encode()
+                     + b"\r\n\r\n" + body)
+        readers.append(sock)
+    try:
+        poll(lambda: httpx.get(supervised.url + "/guardian/status", timeout=5).json()["in_flight"] >= 2,
+             20, what="both streams generating in the child")
+        supervised.proc.send_signal(signal.SIGTERM)
+        supervised.wait_for_event("child_exited", timeout=30)
+        supervised.proc.send_signal(signal.SIGTERM)
+        second_at = time.monotonic()
+        assert supervised.proc.wait(timeout=30) == EXIT_OK
+        elapsed = time.monotonic() - second_at
+        print(f"\nmeasured: exit {elapsed:.2f} s after the second SIGTERM")
+        assert elapsed < 1.5  # not the rest of its wait (LAST_ANSWERS_S, 2 s, at least)
+    finally:
+        for sock in readers:
+            sock.close()

@@ -164,7 +164,9 @@ class SupervisorSettings(Table, name="supervisor"):
         Replace a child not ready after this many seconds; raise it for a model
         downloaded at first start.""", flag="--supervisor-start-timeout", metavar="S")
     kill_grace_s = Setting(POSITIVE_SECONDS, 10.0, """
-        Seconds between SIGTERM and SIGKILL when a child is stopped.""",
+        Seconds between SIGTERM and SIGKILL when a child is stopped; when the
+        supervisor itself stops, at least the child's drain ([guardian] exit_grace_s)
+        and 2 s for its last answers.""",
         flag="--supervisor-kill-grace", metavar="S")
     max_restarts = Setting(Int(min=0), 5, """
         Give up (exit 6) at the first restart past this many within window_s (the

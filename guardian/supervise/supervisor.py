@@ -66,6 +66,9 @@ log = structlog.get_logger("guardian.supervisor")
 
 # serve_forever's poll: how long closing the public port can take at exit.
 HTTP_POLL_S = 0.1
+# When stopping: past the child's drain (exit_grace_s), time for the answers it and the
+# supervisor write to requests still in flight (the child's own wait is 1 s), and its exit.
+LAST_ANSWERS_S = 2.0
 # systemd talks to the supervisor (the unit's main pid), never to the child.
 SYSTEMD_ENV = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")
 # Restarting cannot fix bad flags: the child's parser said so.
@@ -130,6 +133,9 @@ class Supervisor:
         self.last_exit: Optional[dict] = None
         self.outage_started = time.monotonic()
         self.exit_code: Optional[int] = None
+        # When a SIGTERM or SIGINT asked for the stop; a later one gives up the drain.
+        self.stopping_since: Optional[float] = None
+        self.asked_again = False
         # Requests the public side is relaying now.
         self.in_flight = ActiveCount()
         # Requests in flight at crashes; the twice-struck are refused at the door.
@@ -357,11 +363,14 @@ class Supervisor:
             log.info("supervisor_stopping", signal=name)
             self.notifier.notify("STOPPING=1")
             self.exit_code = EXIT_OK
+            self.stopping_since = time.monotonic()
             self.set_state(State.STOPPING)
             if self.child is not None:
                 self.soft_kill(f"supervisor received {name}")
         elif self.child is not None and not self.child.hard_killed:
             self.hard_kill()
+        else:  # the child is gone: what its clients are still owed is given up too (``finish``)
+            self.asked_again = True
 
     # -- the child's life ---------------------------------------------------
     def spawn_child(self) -> None:
@@ -604,12 +613,16 @@ class Supervisor:
         signal_quietly(child.proc, signal.SIGHUP)
 
     def soft_kill(self, reason: str) -> None:
-        """SIGTERM (and SIGCONT, so a stopped child can act on it); SIGKILL after the grace."""
+        """SIGTERM (and SIGCONT, so a stopped child can act on it); SIGKILL after the grace:
+        ``kill_grace_s``, or when stopping for good, the child's drain (``exit_grace_s``) and
+        a moment for its last answers, if that is longer."""
         child = self.child
-        log.warning("child_stopping", pid=child.pid, reason=reason,
-                    grace_s=self.settings.kill_grace_s)
+        grace_s = self.settings.kill_grace_s
+        if self.exit_code is not None:
+            grace_s = max(grace_s, self.core.exit_grace_s + LAST_ANSWERS_S)
+        log.warning("child_stopping", pid=child.pid, reason=reason, grace_s=grace_s)
         child.kill_reason = reason
-        child.hard_kill_at = time.monotonic() + self.settings.kill_grace_s
+        child.hard_kill_at = time.monotonic() + grace_s
         if self.exit_code is None:
             self.set_state(State.RESTARTING)
         # Like systemd: a SIGSTOPped process only sees SIGTERM once continued.
@@ -634,10 +647,15 @@ class Supervisor:
 
     # -- exit ------------------------------------------------------------------
     def finish(self) -> int:
-        """Let in-flight requests reach their clients, close the port, return the code."""
-        deadline = time.monotonic() + self.core.exit_grace_s
-        while self.in_flight.active and time.monotonic() < deadline:
-            self.wait_for_signals(0.02)  # a bounded pause that still drains the queue
+        """Let in-flight requests reach their clients, close the port, return the code.
+        The wait is the rest of ``exit_grace_s`` from the stop (the child's drain took its
+        part; a moment more for answers the supervisor writes), unless a signal comes again."""
+        since = self.stopping_since if self.stopping_since is not None else time.monotonic()
+        deadline = max(since + self.core.exit_grace_s, time.monotonic() + LAST_ANSWERS_S)
+        while self.in_flight.active and time.monotonic() < deadline and not self.asked_again:
+            for signum in self.wait_for_signals(0.02):  # a bounded pause that still drains the queue
+                if signum in (signal.SIGTERM, signal.SIGINT):
+                    self.asked_again = True
         self.httpd.shutdown()
         self.httpd.server_close()
         log.info("supervisor_stopped", exit_code=self.exit_code, restarts=self.restarts,
