@@ -186,3 +186,49 @@ def test_a_signal_after_the_child_exited_ends_the_supervisors_own_wait(start_sup
     finally:
         for sock in readers:
             sock.close()
+
+
+def test_a_child_whose_supervisor_dies_before_it_serves_leaves_without_loading_its_model(start_supervisor,
+                                                                                          tmp_path):
+    """Orphaned as it started (imports, plugins; here a plugin holds it before the model
+    loads, as a large model's load would), it loaded the model, started and bound its port
+    before it noticed: 12 s on the demo model, and a restarted service loads its own meanwhile."""
+    config = tmp_path / "slow-start.toml"
+    config.write_text('[guardian]\nplugins = ["tests.plugins.slow_start:SlowStart"]\n'
+                      "[slow_start]\nhold_before_load_s = 10\nhold_s = 0\n")
+    supervised = start_supervisor("--guardian-config", str(config), wait=False)
+    supervised.wait_for_event("slow_start_loading", timeout=30)
+    [started] = supervised.supervisor_events("child_started")
+    os.kill(supervised.proc.pid, signal.SIGKILL)
+    supervised.proc.wait(timeout=10)
+    killed_at = time.monotonic()
+    poll(lambda: process_gone(started["pid"]), 5, interval=0.05, what="the orphaned child to leave")
+    print(f"\nmeasured: the child left {time.monotonic() - killed_at:.2f} s after its supervisor's SIGKILL")
+    assert not [e for e in supervised.logs() if e.get("event") in ("engine_ready", "server_started")]
+
+
+def test_without_the_kernels_signal_the_watch_alone_ends_a_child_orphaned_before_serving(tmp_path):
+    """macOS has no parent-death signal: the pid watch started first thing must end the
+    child. Here the child ignores SIGTERM, as if the kernel sent none."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+    from guardian.health.parent_watch import PARENT_PID_ENV
+
+    err = tmp_path / "child.err"
+    child_code = ("import signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                  "from guardian.health.parent_watch import leave_with_supervisor_before_serving as leave; "
+                  "leave(); print('watching', flush=True); time.sleep(60)")
+    # The stand-in supervisor starts the child, says its pid, and dies.
+    parent_code = ("import os, subprocess, sys; "
+                   f"env = {{**os.environ, {PARENT_PID_ENV!r}: str(os.getpid())}}; "
+                   f"child = subprocess.Popen([sys.executable, '-c', {child_code!r}], env=env, "
+                   f"stdout=subprocess.PIPE, stderr=open({str(err)!r}, 'w'), cwd={str(REPO)!r}); "
+                   "assert child.stdout.readline() == b'watching\\n'; print(child.pid, flush=True); os._exit(0)")
+    parent = subprocess.run([sys.executable, "-c", parent_code], capture_output=True, text=True, timeout=60, cwd=REPO)
+    child_pid = int(parent.stdout.strip())
+    gone_at = time.monotonic()
+    poll(lambda: process_gone(child_pid), 5, interval=0.05, what="the orphaned child to leave")
+    print(f"\nmeasured: the child left {time.monotonic() - gone_at:.2f} s after its parent")
+    assert "the supervisor that started this process is gone" in err.read_text()

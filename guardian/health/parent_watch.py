@@ -43,20 +43,67 @@ def ask_for_sigterm_when_parent_dies() -> None:
             log.warning("parent_death_signal_unavailable", errno=ctypes.get_errno())
 
 
+# What each watched parent's death does now, by its pid: one watch thread per parent, whose
+# action a later ``die_with_parent`` replaces (before serving: exit at once; serving: drain).
+_on_orphaned: dict[int, Callable[[], None]] = {}
+_watched = threading.Lock()
+
+
 def die_with_parent(on_orphaned: Callable[[], None], parent: Optional[int] = None) -> None:
     """Ask the kernel for SIGTERM when the parent dies (Linux), and watch its pid:
-    ``parent``, the one expected, or the one this process has now."""
+    ``parent``, the one expected, or the one this process has now. Called again for
+    the same parent, it changes what the parent's death does."""
     parent = parent or os.getppid()
-    ask_for_sigterm_when_parent_dies()
-    threading.Thread(target=_watch, args=(parent, on_orphaned), name="parent-watch", daemon=True).start()
+    with _watched:
+        watching = parent in _on_orphaned
+        _on_orphaned[parent] = on_orphaned
+    if not watching:
+        ask_for_sigterm_when_parent_dies()
+        threading.Thread(target=_watch, args=(parent,), name="parent-watch", daemon=True).start()
 
 
-def _watch(parent: int, on_orphaned: Callable[[], None]) -> None:
+def _watch(parent: int) -> None:
     # Checked at once as well: the parent may have died before prctl was set.
     while os.getppid() == parent:
         time.sleep(POLL_S)
-    log.error("parent_gone", parent_pid=parent)
-    on_orphaned()
+    try:
+        log.error("parent_gone", parent_pid=parent)
+    except Exception:  # noqa: BLE001 - the log's pipe may have gone with the parent: leave all the same
+        pass
+    _on_orphaned[parent]()
+
+
+def leave_with_supervisor_before_serving() -> None:
+    """A supervisor's child, from its first moment: a supervisor gone before the child
+    serves (killed as it imported, or loaded a model: minutes) leaves it nothing to
+    serve for, and a service manager is starting another, model and all. It exits at
+    once; ``die_with_parent`` once serving makes the death a drain."""
+    supervisor = supervisor_pid()
+    if supervisor is None:
+        return
+    if os.getppid() == supervisor:  # its child (a group's rank has its launcher between them)
+        die_with_parent(_exit_before_serving, parent=supervisor)
+    elif not _alive(supervisor):  # gone already
+        _exit_before_serving()
+
+
+def _exit_before_serving() -> None:
+    # Logging may not be set up yet: a plain line, then out (nothing to drain).
+    try:
+        print("mlx-guardian: the supervisor that started this process is gone; exiting before serving",
+              file=sys.stderr, flush=True)
+    finally:
+        os._exit(0)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def supervisor_pid() -> Optional[int]:

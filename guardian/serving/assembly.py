@@ -86,9 +86,6 @@ def serve(host: str, port: int, model_provider, config: Union[GuardianConfig, Li
 
         member = GroupMember(group, live.config.watchdog.peer_timeout_s, exit_request)
         member.join(pm)
-    elif started_by_supervisor():
-        # A supervisor's child (it gave us its relay key): never outlive it.
-        die_with_parent(lambda: exit_request(EXIT_OK), parent=supervisor_pid())
     try:  # before the model loads: a certificate that does not load is a usage error
         # A supervised child serves only its supervisor, in plain HTTP on loopback:
         # the supervisor's public port terminates TLS (the file's [access] is its).
@@ -148,6 +145,10 @@ def serve(host: str, port: int, model_provider, config: Union[GuardianConfig, Li
     served.start()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: exit_request(EXIT_OK))
+    if member is None and started_by_supervisor():
+        # A supervisor's child (it gave us its relay key) never outlives it: serving now, it
+        # drains (until now it left at once: guardian.cli's leave_with_supervisor_before_serving).
+        die_with_parent(lambda: exit_request(EXIT_OK), parent=supervisor_pid())
     # Said again when a save opens or closes the door (protected_mode is live); before any
     # reload, so that no save goes unsaid.
     live.on_change(lambda change: announce(door) if "access.protected_mode" in change.applied else None)
