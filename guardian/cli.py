@@ -165,8 +165,8 @@ def run(host, port, model_provider, *args, **kwargs):
     else:
         try:
             code = serve(host, port, model_provider, live, pm, group)
-        except KeyboardInterrupt:  # Ctrl-C before serve's own handler: a stop, as SIGINT is
-            code = EXIT_OK
+        except KeyboardInterrupt:  # Ctrl-C before serve takes SIGINT over: as while the model loads (main)
+            raise
         except Exception:  # a bug: said, then an exit, never a process left up on its engine's thread
             log.critical("server_failed", exc_info=True)
             code = EXIT_UNCAUGHT

@@ -85,17 +85,21 @@ def test_version_names_what_a_bug_report_needs(mode):
 
 
 @pytest.mark.skipif(not hasattr(signal, "SIGINT") or os.name != "posix", reason="POSIX signals")
-def test_ctrl_c_while_the_model_loads_ends_with_one_line_not_a_traceback(tmp_path):
+@pytest.mark.parametrize("held, logged", [("hold_s = 0.0\nhold_before_load_s = 30.0", "slow_start_loading"),
+                                          ("hold_s = 30.0", "slow_start_waiting")],
+                         ids=["while_the_model_loads", "after_it_loaded"])
+def test_ctrl_c_before_serving_ends_by_sigint_with_one_line_not_a_traceback(tmp_path, held, logged):
+    """Before the server takes SIGINT over, Ctrl-C ends the process as SIGTERM does then: by
+    the signal. Just after the model loaded it exited 0 instead."""
     config = tmp_path / "slow.toml"
-    config.write_text('[guardian]\nplugins = ["tests.plugins.slow_start:SlowStart"]\n'
-                      '[slow_start]\nhold_s = 0.0\nhold_before_load_s = 30.0\n')
+    config.write_text(f'[guardian]\nplugins = ["tests.plugins.slow_start:SlowStart"]\n[slow_start]\n{held}\n')
     # A shell's background jobs ignore SIGINT, and so would this one: a terminal's Ctrl-C is not ignored.
     proc = subprocess.Popen([sys.executable, "-m", "guardian", "--port", str(free_port()), "--guardian-config",
                              str(config)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         for line in proc.stdout:
-            if "slow_start_loading" in line:
+            if logged in line:
                 break
         proc.send_signal(signal.SIGINT)
         rest = proc.communicate(timeout=30)[0]
