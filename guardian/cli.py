@@ -24,7 +24,7 @@ from guardian.config.tables import AccessSettings, CommandLine, CoreSettings
 from guardian.config.registry import ConfigError
 from guardian.config import in_force
 from guardian.config.loading import load_config
-from guardian.exit_codes import EXIT_BOOT_ERROR, EXIT_OK, EXIT_UNCAUGHT, EXIT_USAGE, leave_for_supervisor
+from guardian.exit_codes import EXIT_BOOT_ERROR, EXIT_UNCAUGHT, EXIT_USAGE, leave_for_supervisor
 from guardian.access.keys import KeyRing
 from guardian.access.policy import Origins
 from guardian.observability.logs import bind_process, configure_logging, keep_stock_request_lines
