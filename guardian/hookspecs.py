@@ -62,7 +62,10 @@ def check_access(request, door):
     refused, and the supervisor's own checks are let in; a client's request
     it relayed comes to the plugins (without the client's API key, which stops
     at the supervisor's port, and without the supervisor's relay key). A hook
-    that raises refuses the request (500).
+    that raises, or returns anything else than an AccessDecision or None,
+    refuses the request (500; ``access_check_failed`` names the plugin): the
+    door never opens on a plugin's bug. To refuse with your own status,
+    return ``AccessDecision(client, GuardianError(...))``.
     ``request.headers`` are the request's as sent: an API key in them is the
     client's, in clear.
     """
@@ -140,7 +143,8 @@ def classify_engine_error(error):
 
     Generation thread. Return a snake_case string such as
     ``metal_resource_limit``, ``out_of_memory`` or ``unknown``; None means
-    no opinion. Stops at first non-None result.
+    no opinion. Stops at first non-None result; one that raises or returns
+    something else than a non-empty string is logged and passed over.
     """
 
 
@@ -157,7 +161,10 @@ def on_engine_error(error, classification, failures_in_window, engine):
     fresh loop on the loaded weights), ``"reload"`` (read the weights again,
     then restart) or ``"exit"`` (answer every request and exit the process
     with EXIT_ENGINE_FAILED). Stops at first non-None result; the built-in
-    ``recovery`` plugin always answers.
+    ``recovery`` plugin always answers. An implementation that raises or
+    returns anything else than those three (or None) is logged
+    (``plugin_hook_failed``, ``plugin_hook_answer_invalid``, naming the plugin)
+    and passed over: the next one decides.
     """
 
 

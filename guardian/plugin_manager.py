@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import pluggy
 import structlog
@@ -149,6 +149,7 @@ def register(pm: pluggy.PluginManager, plugin, tables: dict, spec: str, disabled
             else:
                 plugin = plugin()
         pm.register(plugin, name=name)
+        refuse_wrappers(pm, plugin, name)
     except ConfigError:
         raise
     except Exception as e:
@@ -156,6 +157,19 @@ def register(pm: pluggy.PluginManager, plugin, tables: dict, spec: str, disabled
         # configuration that can never start (exit 2), not a crash to retry (exit 1, which
         # a supervisor took for a crash loop).
         raise ConfigError(f"cannot load plugin {spec!r}: {type(e).__name__}: {e}") from None
+
+
+def refuse_wrappers(pm: pluggy.PluginManager, plugin, name: str) -> None:
+    """A hook wrapper (``wrapper=True``, ``hookwrapper=True``) is refused: the guardian calls
+    each plugin's implementation on its own, so that one plugin's failure is contained, and a
+    wrapper would need pluggy's own call of them all (one wrapper turned that off for every
+    plugin of its hook: the built-in memory thresholds' sample went unmade)."""
+    for caller in pm.get_hookcallers(plugin) or []:
+        for impl in caller.get_hookimpls():
+            if impl.plugin is plugin and (impl.hookwrapper or impl.wrapper):
+                pm.unregister(plugin)
+                raise ConfigError(f"plugin {name!r}: its {caller.name} is a hook wrapper; mlx-guardian calls "
+                                  "each implementation on its own and takes no wrappers (implement the hook)")
 
 
 def plugin_name(plugin, spec: str) -> str:
@@ -181,20 +195,29 @@ def notify(hook, **kwargs) -> None:
     order: one that raises is logged (with its plugin's name) and those after it are
     still called. (pluggy stops a call at its first exception: one plugin's bug
     silenced the notifier's alerts, and the access plugin's token charge.)"""
-    if any(impl.hookwrapper or impl.wrapper for impl in hook.get_hookimpls()):  # they need pluggy's own call
-        try:
-            hook(**kwargs)
-        except Exception:
-            log.exception("plugin_hook_failed", hook=hook.name)
-        return
     for plugin, _result, error in call_each(hook, **kwargs):
         if error is not None:
             log.error("plugin_hook_failed", hook=hook.name, plugin=plugin, exc_info=error)
 
 
+def first_answer(hook, valid: Callable[[object], bool], **kwargs):
+    """A first-result hook's answer, each implementation called on its own, in pluggy's
+    order: one that raises, or answers what ``valid`` refuses, is logged with its plugin's
+    name and passed over as having no opinion (a plugin's typo, ``"restart "``, ended the
+    process with exit 4 at the first engine failure). None: no valid answer."""
+    for plugin, result, error in call_each(hook, **kwargs):
+        if error is not None:
+            log.error("plugin_hook_failed", hook=hook.name, plugin=plugin, exc_info=error)
+        elif result is not None:
+            if valid(result):
+                return result
+            log.error("plugin_hook_answer_invalid", hook=hook.name, plugin=plugin, answer=repr(result)[:200])
+    return None
+
+
 def call_each(hook, **kwargs) -> Iterator[tuple[str, object, Optional[Exception]]]:
-    """(plugin name, result, exception) of each implementation of ``hook`` (none a
-    wrapper), each called on its own, in pluggy's order: the last registered, and
+    """(plugin name, result, exception) of each implementation of ``hook`` (none is a
+    wrapper: ``refuse_wrappers``), each called on its own, in pluggy's order: the last registered, and
     tryfirst, first. Its arguments as pluggy's own call gives them (``_multicall``): the
     ones it names, by position, from ``HookImpl``'s public ``argnames``; pluggy has no
     public call of one implementation."""

@@ -256,3 +256,64 @@ def test_a_probe_that_raises_is_a_failed_result_naming_its_plugin(start_server):
     assert "a probe plugin's bug" in results["raising_probe"]["error"]
     assert results["generation"]["ok"] is True  # the built-in's result kept beside it
     assert any(e.get("plugin") == "raising_probe" for e in server.events("plugin_hook_failed"))
+
+
+def test_a_hook_wrapper_is_refused_at_start_naming_its_plugin_and_hook(tmp_path, installed_plugin):
+    """The guardian calls each implementation on its own, so that one plugin's failure is
+    contained; one wrapper made the call pluggy's own for every plugin of its hook, and a
+    plugin that raised there silenced the built-in memory thresholds' sample."""
+    installed_plugin("""
+        import guardian
+
+        class Extra:
+            name = "extra"
+
+            @guardian.hookimpl(wrapper=True)
+            def on_resource_sample(self):
+                return (yield)
+    """)
+    with pytest.raises(ConfigError, match=r"plugin 'extra': its on_resource_sample is a hook wrapper"):
+        make_plugin_manager(config_with(tmp_path))
+
+
+def test_a_recovery_plugins_bug_is_passed_over_not_the_end_of_the_process(start_server):
+    """Its typo'd answer ("restart ") raised, and so did its classification: the engine gave
+    up at the first failure, exit 4 ("the engine kept failing"), blaming the engine."""
+    import httpx
+
+    from conftest import chat_body
+
+    server = start_server("""
+        [guardian]
+        plugins = ["tests.plugins.careless_plugins:TypoRecovery"]
+        [fault_injection]
+        enabled = true
+        at_step = 3
+    """)
+    with httpx.Client(timeout=60) as client:
+        response = client.post(server.url + "/v1/chat/completions", json=chat_body(max_tokens=8))
+        assert response.status_code == 200, response.text  # re-run on the restarted loop
+        assert client.post(server.url + "/v1/chat/completions", json=chat_body(max_tokens=4)).status_code == 200
+    assert server.proc.poll() is None and not server.events("engine_gave_up")
+    [error] = server.events("engine_error")
+    assert error["classification"] == "metal_resource_limit"  # the built-in's, the plugin's raised
+    assert [(e["hook"], e["plugin"]) for e in server.events("plugin_hook_failed")] == [
+        ("classify_engine_error", "typo_recovery")]
+    [invalid] = server.events("plugin_hook_answer_invalid")
+    assert (invalid["hook"], invalid["plugin"], invalid["answer"]) == ("on_engine_error", "typo_recovery",
+                                                                      "'restart '")
+
+
+def test_a_door_plugin_answering_what_is_no_decision_refuses_with_a_500(start_server):
+    """A GuardianError (admit_request's way) or True from check_access: the client got no
+    reply at all, and a traceback went to stderr unstructured."""
+    import httpx
+
+    server = start_server('[guardian]\nplugins = ["tests.plugins.careless_plugins:WrongDoor"]\n')
+    for path in ("/ge", "/true"):
+        response = httpx.get(server.url + path, timeout=10)
+        assert response.status_code == 500 and response.json()["error"]["code"] == "internal_error", path
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200  # no opinion: the built-in decides
+    failed = server.events("access_check_failed")
+    assert [e["path"] for e in failed] == ["/ge", "/true"] and {e["plugin"] for e in failed} == {"wrong_door"}
+    assert "Traceback" not in server.log_path.read_text()

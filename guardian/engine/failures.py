@@ -21,6 +21,7 @@ from guardian import stock
 from guardian.config.registry import ACTIONS, EXIT
 from guardian.engine.blame import MEMORY_CLASSIFICATIONS, FailureBudget, Verdict, verdicts
 from guardian.engine.ledger import RequestRecord
+from guardian.plugin_manager import first_answer
 from guardian.errors import EngineStepError, GuardianError
 from guardian.quarantine.blamed import Quarantine
 from guardian.quarantine.table import Entry, short
@@ -90,7 +91,8 @@ class FailureHandler:
         """On the loop thread that failed: log, judge every taken request, decide,
         settle them; return the action (restart, reload, exit)."""
         cause = exc.cause if isinstance(exc, EngineStepError) else exc
-        classification = self.engine.pm.hook.classify_engine_error(error=cause) or "unknown"
+        classification = first_answer(self.engine.pm.hook.classify_engine_error,
+                                      lambda name: isinstance(name, str) and bool(name), error=cause) or "unknown"
         if not self.engine.lifecycle.failed(classification):
             return EXIT  # the engine gave up or stopped meanwhile: nothing to restart
         self.engine.restart_clock.mark("classify")
@@ -133,15 +135,19 @@ class FailureHandler:
         )
         self._note_degraded(failed_at, rate)
         self.engine.restart_clock.mark("log")
-        action = self.engine.pm.hook.on_engine_error(
+        # A plugin's answer that raises or names no action is passed over: the built-in
+        # recovery plugin always answers.
+        action = first_answer(
+            self.engine.pm.hook.on_engine_error,
+            lambda answer: answer in ACTIONS,
             error=cause,
             classification=classification,
             failures_in_window=failures_in_window,
             engine=self.engine.plugin_view,
         )
         self.engine.restart_clock.mark("decide")
-        if action not in ACTIONS:
-            raise RuntimeError(f"on_engine_error returned {action!r}")
+        if action is None:
+            raise RuntimeError("no on_engine_error implementation answered (the built-in recovery always does)")
         if action == EXIT:
             self.engine.give_up(
                 f"the engine failed {failures_in_window} times within {self.budget.window_s:g} s",

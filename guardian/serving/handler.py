@@ -33,7 +33,7 @@ from guardian.request_context import (REQUEST_ID_HEADER, add_response_headers, b
 from guardian.errors import (CLIENT_GONE, SERVER_STOPPING, AbortRequest, ClientGoneAbort, GuardianError,
                              from_stock_exception, method_not_allowed)
 from guardian.observability.logs import loggable_line
-from guardian.plugin_manager import notify
+from guardian.plugin_manager import call_each, notify
 
 log = structlog.get_logger("guardian.http")
 
@@ -440,9 +440,18 @@ def decide_access(pm, door, request: AccessRequest) -> Optional[AccessDecision]:
     request = for_plugins(request, key_checked=door is not None and door.relay_key is not None)
     if pm is None:
         return door.check(request) if door is not None else None
-    try:
-        return pm.hook.check_access(request=request, door=door)
-    except Exception:
-        log.exception("access_check_failed", path=request.path)
+    # Each plugin's on its own: one that raises, or answers something other than an
+    # AccessDecision (its client got no reply at all), refuses the request, never lets it in.
+    for plugin, decision, error in call_each(pm.hook.check_access, request=request, door=door):
+        if error is not None:
+            log.error("access_check_failed", path=request.path, plugin=plugin, exc_info=error)
+        elif decision is not None and not isinstance(decision, AccessDecision):
+            log.error("access_check_failed", path=request.path, plugin=plugin,
+                      error_message=f"check_access returned {type(decision).__name__}, not an AccessDecision")
+        elif decision is not None:
+            return decision
+        else:
+            continue
         return AccessDecision(request.client_address, GuardianError(
             "The server failed to check the request's access.", status=500, code="internal_error"))
+    return None
