@@ -180,12 +180,17 @@ def test_a_third_party_settings_dataclass_is_checked_by_the_registry_types():
         ratio: float = 0.5
         mode: str = field(default="a", metadata={"choices": ("a", "b")})
         label: Optional[str] = None
+        words: list[str] = field(default_factory=list)
+        share: float = field(default=0.5, metadata={"min": 0.0, "max": 1.0})
 
-    parsed = parse_settings(Settings, {"ratio": 2, "mode": "b"}, "mine")
-    assert parsed == Settings(count=1, ratio=2.0, mode="b") and isinstance(parsed.ratio, float)
+    parsed = parse_settings(Settings, {"ratio": 2, "mode": "b", "words": ["x"]}, "mine")
+    assert parsed == Settings(count=1, ratio=2.0, mode="b", words=["x"]) and isinstance(parsed.ratio, float)
+    # The items of a list[str] and a "max" were not checked: [1, 2] was taken, and failed every request.
     for table, message in [({"count": -1}, r"mine.count: must be >= 0"),
                            ({"mode": "c"}, r"mine.mode: must be one of 'a', 'b'"),
                            ({"label": 3}, r"mine.label: expected str or none"),
+                           ({"words": [1, 2]}, r"mine.words\[0\]: expected str"),
+                           ({"share": 2.0}, r"mine.share: must be <= 1"),
                            ({"nope": 1}, r"\[mine\] unknown key 'nope'")]:
         with pytest.raises(ConfigError, match=message):
             parse_settings(Settings, table, "mine")

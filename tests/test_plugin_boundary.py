@@ -317,3 +317,24 @@ def test_a_door_plugin_answering_what_is_no_decision_refuses_with_a_500(start_se
     failed = server.events("access_check_failed")
     assert [e["path"] for e in failed] == ["/ge", "/true"] and {e["plugin"] for e in failed} == {"wrong_door"}
     assert "Traceback" not in server.log_path.read_text()
+
+
+def test_a_save_whose_live_settings_clash_with_those_bound_at_start_is_refused_not_a_crash(start_server):
+    """The live key of the new version beside the start's value of the other failed the
+    plugin's own check inside the merge: config_reload_crashed and a traceback, and the
+    status kept an older, unrelated failure."""
+    import httpx
+
+    from conftest import poll
+
+    head = '[guardian]\nplugins = ["tests.plugins.careless_plugins:RangeGate"]\n[range_gate]\n'
+    server = start_server(head)
+    config = next(server.log_path.parent.glob(f"guardian-{server.port}.toml"))
+    config.write_text(head + "low = 15\nhigh = 20\n")  # whole, fine; with high as at start (10), not
+    failure = poll(lambda: httpx.get(server.url + "/guardian/status", timeout=5).json()["config"]["last_failure"],
+                   10, what="the save refused")
+    assert "low (15) is above high (10)" in failure["error_message"], failure
+    [failed] = server.events("config_reload_failed")
+    assert "do not go with those in force until a restart" in failed["error_message"]
+    assert not server.events("config_reload_crashed")
+    assert server.health() == 200

@@ -188,7 +188,11 @@ class LiveConfig:
                 self._check(new, current)
             except ConfigError as e:
                 return self._failed(reason, str(e), new)
-            merged, change = merge(current, new, self.started_with)
+            try:
+                merged, change = merge(current, new, self.started_with)
+            except ValueError as e:  # a plugin's __post_init__ on its live keys beside those bound at start
+                return self._failed(reason, f"this version's live settings do not go with those in force "
+                                            f"until a restart: {e}", new)
             # Non-live keys this version changed (against the last one read), for the log.
             newly = [key for key in change.needs_restart
                      if key not in self.pending_restart or differs(self._file, new, key)]

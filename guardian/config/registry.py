@@ -347,8 +347,8 @@ class Table:
 def table_of_dataclass(settings_class, name: str) -> type[Table]:
     """A third-party plugin's ``Settings`` dataclass as a Table, checked the same way.
 
-    The field's type gives the setting's type; ``metadata={"min": ...}`` and
-    ``{"choices": (...)}`` bound it, as before the registry; ``{"live": True}``
+    The field's type gives the setting's type (``list[str]``: each item's too);
+    ``metadata={"min": ..., "max": ...}`` and ``{"choices": (...)}`` bound it; ``{"live": True}``
     marks a field the plugin reads at each use (``self.settings.field``), so a
     change to the file applies without a restart.
     """
@@ -376,7 +376,10 @@ def _type_of_hint(hint: Any, metadata) -> Type:
     if "choices" in metadata:
         return OneOf(*metadata["choices"])
     if python == (int,):
-        return Int(min=metadata.get("min"))
+        return Int(min=metadata.get("min"), max=metadata.get("max"))
     if python == (float,):
-        return Float(min=metadata.get("min"))
+        return Float(min=metadata.get("min"), max=metadata.get("max"))
+    if python == (list,) and len(typing.get_args(hint)) == 1:
+        # list[str]: each item checked (``words = [1, 2]`` was taken, and failed every request)
+        return ListOf(_type_of_hint(typing.get_args(hint)[0], {}))
     return Type(*python)

@@ -5,9 +5,13 @@ contain, naming the plugin: ``[guardian] plugins = ["tests.plugins.careless_plug
   ``classify_engine_error`` raises.
 - ``WrongDoor``: ``check_access`` answers a ``GuardianError`` (``admit_request``'s way)
   on ``/ge``, ``True`` on ``/true``; no opinion elsewhere.
+- ``RangeGate``: settings whose ``__post_init__`` checks a live field against one
+  bound at start.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import guardian
 from guardian.errors import GuardianError
@@ -35,3 +39,28 @@ class WrongDoor:
         if request.path == "/true":
             return True
         return None
+
+
+@dataclass
+class RangeSettings:
+    # ``low`` is read at each use (live); ``high`` only at start.
+    low: int = field(default=1, metadata={"live": True})
+    high: int = 10
+
+    def __post_init__(self):
+        if self.low > self.high:
+            raise ValueError(f"low ({self.low}) is above high ({self.high})")
+
+
+class RangeGate:
+    """Settings checked across two fields, one live and one bound at start."""
+
+    name = "range_gate"
+    Settings = RangeSettings
+
+    def __init__(self, settings):
+        self.settings = settings
+
+    @guardian.hookimpl
+    def guardian_startup(self):
+        pass
