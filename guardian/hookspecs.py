@@ -263,7 +263,9 @@ def sample_resources(engine):
     numbers (for example ``{"active_memory_bytes": ...}``); None contributes
     nothing. Every plugin's dict is merged into one sample. One that raises,
     or returns something else, is left out of the sample (``plugin_hook_failed``,
-    logged once until it works again); the others' gauges are kept.
+    logged once until it works again); the others' gauges are kept. A gauge
+    that is not a number (or None: unknown now), or whose name a plugin called
+    before named (the built-ins come first), is left out the same way.
     """
 
 

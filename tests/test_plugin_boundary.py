@@ -338,3 +338,24 @@ def test_a_save_whose_live_settings_clash_with_those_bound_at_start_is_refused_n
     assert "do not go with those in force until a restart" in failed["error_message"]
     assert not server.events("config_reload_crashed")
     assert server.health() == 200
+
+
+def test_a_sample_of_what_are_no_numbers_or_another_plugins_gauges_is_left_out(start_server):
+    """A plugin's text and table went into the status, and its memory_used_bytes replaced
+    the built-in's: a made-up petabyte paused admission and trimmed the prompt cache."""
+    import httpx
+
+    from conftest import poll
+
+    server = start_server('[guardian]\nplugins = ["tests.plugins.careless_plugins:OddSampler"]\n'
+                          "[watchdog]\nresource_interval_s = 0.1\n")
+
+    def sample():
+        return httpx.get(server.url + "/guardian/status", timeout=5).json()["last_resource_sample"] or {}
+
+    sampled = poll(lambda: "odd_count" in sample() and sample(), 10, what="a sample with the plugin's gauge")
+    assert sampled["odd_count"] == 3 and "odd_text" not in sampled and "odd_table" not in sampled
+    assert sampled["memory_used_bytes"] < 10 ** 15  # the built-in's
+    [failed] = [e for e in server.events("plugin_hook_failed") if e["plugin"] == "odd_sampler"]
+    assert "'odd_text', 'odd_table', 'memory_used_bytes'" in failed["error_message"]
+    assert not server.events("memory_trimmed") and not server.events("memory_admission_paused")

@@ -32,7 +32,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from typing import Optional
+from typing import Optional, Sequence
 
 import structlog
 
@@ -397,22 +397,36 @@ class StallDetector:
         sample = {"at": time.time()}
         for plugin, gauges, error in call_each(self.pm.hook.sample_resources, engine=self.engine.plugin_view):
             if error is None and isinstance(gauges, dict):
-                sample.update(gauges)
-                self._failing_samplers.discard(plugin)
+                # Numbers (or None: unknown now), each name once: a plugin's text or table went
+                # into the status, and its memory_used_bytes replaced the built-in's, which
+                # the memory thresholds act on (a made-up one trimmed the prompt cache).
+                dropped = [key for key, value in gauges.items()
+                           if key in sample or not (value is None or isinstance(value, (int, float)))]
+                sample.update((key, value) for key, value in gauges.items() if key not in dropped)
+                if dropped:
+                    self._sampler_failed(plugin, None, gauges, dropped)
+                else:
+                    self._failing_samplers.discard(plugin)
             elif error is not None or gauges is not None:
                 self._sampler_failed(plugin, error, gauges)
         self.last_sample = sample
         notify(self.pm.hook.on_resource_sample, sample=sample, engine=self.engine.plugin_view)
 
-    def _sampler_failed(self, plugin: str, error: Optional[Exception], gauges) -> None:
+    def _sampler_failed(self, plugin: str, error: Optional[Exception], gauges, dropped: Sequence = ()) -> None:
         """A plugin's sample that raised or was not a dict: left out, the others' kept (one
         that raised took every plugin's gauges with it, the built-in memory thresholds'
-        included). Logged when it starts failing, not at every sample."""
+        included); or its ``dropped`` gauges alone. Logged when it starts failing, not at
+        every sample."""
         if plugin in self._failing_samplers:
             return
         self._failing_samplers.add(plugin)
-        why = (f"{type(error).__name__}: {error}" if error is not None
-               else f"the sample was {type(gauges).__name__}, not a dict")
+        if error is not None:
+            why = f"{type(error).__name__}: {error}"
+        elif dropped:
+            why = (f"gauges left out, each not a number or named by a plugin before it: "
+                   f"{', '.join(map(repr, list(dropped)[:10]))}")
+        else:
+            why = f"the sample was {type(gauges).__name__}, not a dict"
         log.error("plugin_hook_failed", hook="sample_resources", plugin=plugin, error_message=why,
                   hint="logged once until its sample works again")
 

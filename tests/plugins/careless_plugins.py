@@ -5,6 +5,8 @@ contain, naming the plugin: ``[guardian] plugins = ["tests.plugins.careless_plug
   ``classify_engine_error`` raises.
 - ``WrongDoor``: ``check_access`` answers a ``GuardianError`` (``admit_request``'s way)
   on ``/ge``, ``True`` on ``/true``; no opinion elsewhere.
+- ``OddSampler``: a resource sample with text, a table, and the built-in's
+  ``memory_used_bytes`` (a petabyte).
 - ``RangeGate``: settings whose ``__post_init__`` checks a live field against one
   bound at start.
 """
@@ -64,3 +66,14 @@ class RangeGate:
     @guardian.hookimpl
     def guardian_startup(self):
         pass
+
+
+class OddSampler:
+    """A resource sample with text, a table and a name the built-in gauges use."""
+
+    name = "odd_sampler"
+
+    @guardian.hookimpl
+    def sample_resources(self):
+        return {"odd_count": 3, "odd_text": "not-a-number", "odd_table": {"a": 1},
+                "memory_used_bytes": 10 ** 15}
