@@ -44,22 +44,29 @@ def make_plugin_manager(config: GuardianConfig, live=None) -> pluggy.PluginManag
     """
     pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
     pm.add_hookspecs(hookspecs)
-    tables = dict(config.plugin_tables)
     disabled = set(config.core.disabled_plugins)
+    # A disabled plugin's table stays in the file, unread: turned off for a while, kept as it was.
+    tables = {name: table for name, table in config.plugin_tables.items() if name not in disabled}
     third_party, built_in = plugin_entry_points()
     if not built_in:
         raise ConfigError(
             f"no {hookspecs.PROJECT_NAME} entry points of {DISTRIBUTION} are installed: "
             "install the package (pip install -e .) so its built-in plugins register"
         )
+    found = {entry_point.name for entry_point in (*third_party, *built_in)}  # and each plugin's own name
+    loading = dict(tables=tables, disabled=disabled, config=config, live=live)
     for entry_point in third_party:
         if entry_point.name not in disabled:
-            register(pm, load(entry_point), tables, entry_point.value, disabled, config=config, live=live)
+            found.add(register(pm, load(entry_point), spec=entry_point.value, **loading))
     for spec in config.core.plugins:
-        register(pm, resolve(spec), tables, spec, disabled, config=config, live=live)
+        found.add(register(pm, resolve(spec), spec=spec, **loading))
     for entry_point in built_in:
         if entry_point.name not in disabled:
-            register(pm, load(entry_point), tables, entry_point.value, disabled, config=config, live=live)
+            found.add(register(pm, load(entry_point), spec=entry_point.value, **loading))
+    unknown = sorted(disabled - found)
+    if unknown:  # a misspelt name left its plugin on, where every other typo stops the start
+        raise ConfigError(f"[guardian] disabled_plugins: no plugin is named {', '.join(map(repr, unknown))}; "
+                          f"those found: {', '.join(sorted(found))}")
     if tables:
         names = ", ".join(f"[{name}]" for name in tables)
         raise ConfigError(f"{config.source}: no loaded plugin reads {names}")
@@ -124,10 +131,12 @@ def resolve(spec: str):
 
 
 def register(pm: pluggy.PluginManager, plugin, tables: dict, spec: str, disabled=frozenset(), *,
-             config=None, live=None) -> None:
+             config=None, live=None) -> str:
+    """Make ``plugin`` (with its table's settings) and register it, unless its name is
+    ``disabled``; its name."""
     name = plugin_name(plugin, spec)
     if name in disabled:
-        return
+        return name
     if pm.has_plugin(name):
         raise ConfigError(
             f"two plugins are named {name!r}: {spec!r} and {plugin_spec(pm.get_plugin(name))!r}; "
@@ -157,6 +166,7 @@ def register(pm: pluggy.PluginManager, plugin, tables: dict, spec: str, disabled
         # configuration that can never start (exit 2), not a crash to retry (exit 1, which
         # a supervisor took for a crash loop).
         raise ConfigError(f"cannot load plugin {spec!r}: {type(e).__name__}: {e}") from None
+    return name
 
 
 def refuse_wrappers(pm: pluggy.PluginManager, plugin, name: str) -> None:

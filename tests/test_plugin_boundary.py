@@ -89,6 +89,17 @@ def test_disabled_plugins_covers_entry_point_plugins(tmp_path, installed_plugin)
     assert "prompt_guard" in names
 
 
+def test_a_misspelt_disabled_plugin_is_a_configuration_error_and_a_disabled_ones_table_is_kept(tmp_path):
+    """A misspelt name in disabled_plugins left its plugin on, silently, where every other
+    typo in the file stops the start; and a plugin turned off with its table still in the
+    file stopped the start ("no loaded plugin reads [prompt_guard]")."""
+    with pytest.raises(ConfigError, match=r"disabled_plugins: no plugin is named 'notifer'; those found: .*notifier"):
+        make_plugin_manager(config_with(tmp_path, '[guardian]\ndisabled_plugins = ["notifer"]\n'))
+    pm = make_plugin_manager(config_with(tmp_path, '[guardian]\ndisabled_plugins = ["prompt_guard"]\n'
+                                                   "[prompt_guard]\nmax_context_tokens = 100\n"))
+    assert pm.get_plugin("prompt_guard") is None
+
+
 def test_two_plugins_with_one_name_are_a_configuration_error(tmp_path, installed_plugin):
     installed_plugin(EXTRA.replace('name = "extra"', 'name = "resources"'))
     with pytest.raises(ConfigError, match=r"two plugins are named 'resources'") as refused:

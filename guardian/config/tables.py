@@ -32,7 +32,8 @@ class CoreSettings(Table, name="guardian"):
         Extra plugins: "package.module" or "package.module:Class". Plugins
         installed with an entry point in the "mlx_guardian" group load by themselves.""")
     disabled_plugins = Setting(ListOf(Str()), [], """
-        Plugins to leave out, by name (see `mlx-guardian plugins`).""")
+        Plugins to leave out, by name (see `mlx-guardian plugins`); a name no plugin
+        has stops the start. A plugin left out leaves its table in the file unread.""")
     log_format = Setting(OneOf("json", "console"), "json", """
         "json" (one JSON object a line, on stderr) or "console" (for people).""",
         flag="--log-format")
