@@ -172,7 +172,8 @@ def on_engine_error(error, classification, failures_in_window, engine):
 def on_engine_restarted(duration_s, classification, restarts):
     """A restarted loop is polling for work again.
 
-    Generation thread. ``duration_s`` runs from the failure to now;
+    The new generation thread; after a stall, the probe thread that proved the
+    replacement, whichever saw it first. ``duration_s`` runs from the failure to now;
     ``restarts`` counts restarts since start. Return value ignored.
     """
 
@@ -205,7 +206,8 @@ def on_request_finished(request_id, outcome, prompt_tokens, cached_prompt_tokens
     from when the handler took the request (admission and queueing
     included) to its first token; None without one.
     ``time_between_tokens_s``: the gaps between its tokens, in order (a
-    restart's included). A slow one delays the reports after it, not the
+    restart's included). A plugin object with ``active = False`` (read once
+    at start) is not called. A slow one delays the reports after it, not the
     engine. Return value ignored.
     """
 

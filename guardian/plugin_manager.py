@@ -74,7 +74,8 @@ def make_plugin_manager(config: GuardianConfig, live=None) -> pluggy.PluginManag
     try:
         pm.check_pending()
     except pluggy.PluginValidationError as e:  # a hook name no spec has (a misspelt one)
-        raise ConfigError(f"plugin {e.plugin!r}: {e}") from None
+        raise ConfigError(f"plugin {pm.get_name(e.plugin) or plugin_spec(e.plugin)!r} "
+                          f"({plugin_spec(e.plugin)}): {e}") from None
     return pm
 
 

@@ -112,7 +112,9 @@ def test_two_plugins_with_one_name_are_a_configuration_error(tmp_path, installed
 
 
 @pytest.mark.parametrize("broken, message", [
-    (EXTRA.replace("def sample_resources", "def sample_resource"), "sample_resource"),  # a misspelt hook
+    # a misspelt hook, named with its plugin (the message showed "<extra_plugin_module.Extra object at 0x...>")
+    (EXTRA.replace("def sample_resources", "def sample_resource"),
+     r"plugin 'extra' \(extra_plugin_module:Extra\): .*sample_resource"),
     (EXTRA.replace('name = "extra"', 'name = "extra"\n        def __init__(self):\n            raise RuntimeError("no")'),
      "RuntimeError: no"),
     ("import guardian\nraise RuntimeError('at import')\n", "at import"),
@@ -247,7 +249,7 @@ def test_an_admission_hook_returning_neither_none_nor_an_error_is_a_500_in_opena
     assert response.status_code == 500, response.text
     assert response.json()["error"]["code"] == "internal_error"
     [failed] = server.events("admission_failed")
-    assert failed["returned_type"] == "str"
+    assert failed["returned_type"] == "str" and failed["plugin"] == "odd_admission"  # it named none
 
 
 def test_a_probe_that_raises_is_a_failed_result_naming_its_plugin(start_server):
