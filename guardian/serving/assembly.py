@@ -181,7 +181,9 @@ def serve(host: str, port: int, model_provider, config: Union[GuardianConfig, Li
     live.stop()
     door.keys.stop()
     drain(httpd, engine, live.config.core.exit_grace_s, cut_short=lambda: exit_request.asked_again)
-    served.end_drain()
+    # What is left is answered here, in one process; a supervisor's child leaves it to its
+    # supervisor, which sends it again to the next child (or answers it, when stopping too).
+    served.end_drain(answer=not started_by_supervisor())
     answer_the_rest(httpd)
     httpd.shutdown()
     httpd.server_close()
@@ -258,10 +260,13 @@ class ServedModel(AdmittingGenerator):
         return GuardianError("The server is stopping; send the request again.", status=503, code=SERVER_STOPPING,
                              retry_after_s=self.config.core.retry_after_s)
 
-    def end_drain(self) -> None:
-        """The drain is over: each request still in flight ends now with ``stopping_error``
-        (a stream's error event, else a 503), not a connection cut by the exit; the watchdog stops."""
+    def end_drain(self, answer: bool = True) -> None:
+        """The drain is over: the watchdog stops; with ``answer``, each request still in flight
+        ends now with ``stopping_error`` (a stream's error event, else a 503), not a
+        connection cut by the exit."""
         self.stall_detector.end()
+        if not answer:
+            return
         error = self.stopping_error()
         for record in self.engine.ledger.unfinished():
             record.stop_generation()

@@ -287,7 +287,19 @@ class ProxyHandler(BaseHTTPRequestHandler):
         supervisor = self.server.supervisor
         with supervisor.changed:
             supervisor.changed.notify_all()
-        log.info("proxy_client_gone", path=self.logged_path)
+        self.say_client_gone()
+
+    # Whether proxy_client_gone was logged for this connection: the reader's watch and a
+    # relay's failed write may both see the client leave, on two threads, at once.
+    _gone_said = False
+    _gone_saying = threading.Lock()  # one for all: taken only as a client leaves
+
+    def say_client_gone(self, **fields) -> None:
+        with self._gone_saying:
+            if self._gone_said:
+                return
+            self._gone_said = True
+        log.info("proxy_client_gone", path=self.logged_path, **fields)
 
     def serve(self, path: str, body: bytes, request_fingerprint: str) -> None:
         """Relay to a ready child, waiting for one if need be. If it dies before
@@ -646,7 +658,7 @@ class ProxyHandler(BaseHTTPRequestHandler):
                 self.relay_record.answered = True
         except CLIENT_GONE:
             # Closing the upstream connection tells the child its client left.
-            log.info("proxy_client_gone", path=self.logged_path, child_pid=child.pid)
+            self.say_client_gone(child_pid=child.pid)
         return ANSWERED
 
     def after_cut(self, child, cut: BaseException, is_sse: bool, stream):
@@ -664,7 +676,7 @@ class ProxyHandler(BaseHTTPRequestHandler):
                 return ANSWERED
             return stream
         except CLIENT_GONE:
-            log.info("proxy_client_gone", path=self.logged_path, child_pid=child.pid)
+            self.say_client_gone(child_pid=child.pid)
             return ANSWERED
 
     def relay_head(self, response):

@@ -7,12 +7,14 @@ contain, naming the plugin: ``[guardian] plugins = ["tests.plugins.careless_plug
   on ``/ge``, ``True`` on ``/true``; no opinion elsewhere.
 - ``OddSampler``: a resource sample with text, a table, and the built-in's
   ``memory_used_bytes`` (a petabyte).
+- ``StuckShutdown``: ``guardian_shutdown`` never returns.
 - ``RangeGate``: settings whose ``__post_init__`` checks a live field against one
   bound at start.
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
 import guardian
@@ -77,3 +79,13 @@ class OddSampler:
     def sample_resources(self):
         return {"odd_count": 3, "odd_text": "not-a-number", "odd_table": {"a": 1},
                 "memory_used_bytes": 10 ** 15}
+
+
+class StuckShutdown:
+    """A shutdown hook that never returns (a plugin waiting on a connection that is gone)."""
+
+    name = "stuck_shutdown"
+
+    @guardian.hookimpl
+    def guardian_shutdown(self):
+        threading.Event().wait(600)
