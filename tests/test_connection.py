@@ -631,3 +631,38 @@ def test_the_door_answers_any_head_or_passes_on_one_canonical_head(request_line,
         None, judged.body_length, judged.expects_continue)
     assert b"\n" not in judged.canonical.replace(b"\r\n", b"")
     assert judged.canonical.split(b" ", 2)[1].startswith(b"/")
+
+
+def test_a_handler_that_raises_is_logged_as_json_and_a_client_gone_is_routine(capfd):
+    """socketserver printed a handler's traceback to stderr, unstructured: a /readyz whose
+    caller had left (BrokenPipeError as its answer was written) put 30 lines into the log."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from structlog.testing import capture_logs
+
+    from guardian.serving.connection import HeldConnections
+
+    class Raising(BaseHTTPRequestHandler):
+        def do_GET(self):
+            raise BrokenPipeError(32, "Broken pipe") if self.path == "/gone" else RuntimeError("a bug")
+
+        def log_message(self, *args):
+            pass
+
+    class Server(HeldConnections, ThreadingHTTPServer):
+        daemon_threads = True
+
+    httpd = Server(("127.0.0.1", 0), Raising)
+    threading.Thread(target=httpd.serve_forever, args=(0.05,), daemon=True).start()
+    try:
+        with capture_logs() as logs:
+            for path in ("/gone", "/bug"):
+                with pytest.raises(httpx.HTTPError):  # each handler ends with no answer
+                    httpx.get(f"http://127.0.0.1:{httpd.server_address[1]}{path}", timeout=5)
+            poll(lambda: len(logs) >= 2, 5, what="both logged")
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    assert [(e["event"], e["log_level"]) for e in logs] == [("client_disconnected", "debug"),
+                                                           ("http_handler_failed", "error")]
+    assert "Traceback" not in capfd.readouterr().err

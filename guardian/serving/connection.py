@@ -42,6 +42,7 @@ import functools
 import io
 import socket
 import ssl
+import sys
 import threading
 from typing import Optional
 
@@ -51,7 +52,7 @@ from guardian import handoff
 from guardian.access.policy import AccessRequest
 from guardian.serving import framing
 from guardian.observability.counting import ActiveCount
-from guardian.errors import GuardianError
+from guardian.errors import CLIENT_GONE, GuardianError
 from guardian.serving.limits import ConnectionLimits
 from guardian.serving.reader import CLOSE_REASONS, Incoming, RequestReader
 from guardian.serving.sockets import (asks_head_only, close_quietly, inherited_listener, listen_backlog,
@@ -245,6 +246,17 @@ class HeldConnections:
         """The largest body this server reads; a longer one goes to a handler at once, unread,
         which answers 413 from the headers. None: any body ``max_buffered_bytes`` has room for."""
         return None
+
+    def handle_error(self, request, client_address):
+        """A handler raised (socketserver printed its traceback to stderr, unstructured): a
+        client gone while its answer was written (a /readyz whose caller timed out) is
+        routine; anything else is logged as JSON, traceback included."""
+        error = sys.exc_info()[1]
+        if isinstance(error, CLIENT_GONE):
+            log.debug("client_disconnected", client=client_address[0] if client_address else None,
+                      error_type=type(error).__name__)
+            return
+        log.error("http_handler_failed", client=client_address[0] if client_address else None, exc_info=True)
 
     def process_request(self, request, client_address):
         """Accepted by socketserver's handle_request(): to the reader, which reads the
