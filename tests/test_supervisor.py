@@ -747,6 +747,60 @@ def test_a_suspect_is_never_let_in_beside_another_running_alone():
     assert gate.running == 0 and not gate.alone
 
 
+def test_a_wait_for_a_turn_ends_at_the_requests_deadline_or_when_its_client_left():
+    """A request behind a suspect running alone waited up to max_wait_s (30 s) whatever its
+    own deadline: a 2 s one got its 504 at 15.6 s, once the suspect had finished."""
+    from guardian.quarantine.isolation import GAVE_UP, IsolationGate
+
+    gate = IsolationGate(max_wait_s=30)
+    with gate.admit(suspect=True) as first:
+        assert first is True
+        started = time.monotonic()
+        with gate.admit(suspect=False, until=started + 0.2) as behind:
+            assert behind is GAVE_UP
+        with gate.admit(suspect=True, until=started + 0.4) as another_suspect:
+            assert another_suspect is GAVE_UP
+        assert time.monotonic() - started < 2
+        left = threading.Event()
+        threading.Timer(0.2, left.set).start()
+        with gate.admit(suspect=False, given_up=left.is_set) as gone:
+            assert gone is GAVE_UP
+        assert time.monotonic() - started < 3
+        assert gate.status() == {"suspects_waiting": 0, "suspect_running_alone": True}
+    assert gate.running == 0 and not gate.alone
+
+
+def test_a_request_behind_a_crash_suspect_gets_its_504_at_its_deadline(start_supervisor, tmp_path):
+    config = tmp_path / "slow.toml"
+    config.write_text("[fault_injection]\nenabled = true\nstep_delay_s = 0.05\n")
+    supervised = start_supervisor("--guardian-config", str(config))
+    first_pid = supervised.wait_ready()
+    suspect = {}
+
+    def long_request():
+        with httpx.Client(timeout=120) as client:
+            suspect["response"] = client.post(supervised.url + COMPLETIONS, json=chat_body(max_tokens=300))
+
+    waiter = threading.Thread(target=long_request, daemon=True)
+    waiter.start()
+    poll(lambda: httpx.get(supervised.url + "/guardian/status", timeout=5).json()["in_flight"] == 1, 20,
+         what="the long request generating")
+    os.kill(first_pid, signal.SIGKILL)
+    supervised.wait_ready(not_pid=first_pid, timeout=30)
+    # The long request, in flight at the crash, is sent again alone (15 s): this one waits its turn.
+    poll(lambda: supervised.supervisor()["quarantine"]["isolation"]["suspect_running_alone"], 20,
+         what="the suspect running alone")
+    started = time.monotonic()
+    answer = httpx.post(supervised.url + COMPLETIONS, json=chat_body(max_tokens=2),
+                        headers={"x-stainless-read-timeout": "2"}, timeout=30)
+    elapsed = time.monotonic() - started
+    print(f"\nmeasured: 504 after {elapsed:.2f} s (deadline 1.8 s)")
+    assert answer.status_code == 504 and answer.json()["error"]["code"] == "deadline_exceeded"
+    assert elapsed < 4
+    waiter.join(timeout=60)
+    assert suspect["response"].status_code == 200
+
+
 def test_a_pause_of_the_whole_group_inside_a_health_check_is_not_the_childs_fault(start_supervisor):
     """The supervisor stopped while its check waited on a stopped child: once both ran
     again, the check failed, and the child was "unhealthy for" the whole pause and killed."""

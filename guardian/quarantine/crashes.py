@@ -41,7 +41,7 @@ import time
 from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import structlog
 
@@ -184,9 +184,12 @@ class CrashQuarantine:
         return self.quarantined.refusal(fp)
 
     @contextmanager
-    def turn(self, method: str, fp: str) -> Iterator[Optional[bool]]:
+    def turn(self, method: str, fp: str, until: Optional[float] = None,
+             given_up: Callable[[], bool] = lambda: False) -> Iterator[object]:
         """Wait until this request may go to the child; yield whether it runs alone,
-        or ``isolation.REFUSED`` (a suspect that could not: another runs alone).
+        or ``isolation.REFUSED`` (a suspect that could not: another runs alone), or
+        ``isolation.GAVE_UP`` (``until``, its deadline, passed, or ``given_up()``, its
+        client left, before its turn).
 
         A suspect runs alone and others wait behind it (bounded), so a
         crash under it strikes it and nothing else.
@@ -197,7 +200,7 @@ class CrashQuarantine:
         with self.lock:
             suspect = self.suspects.get(fp)
             struck = suspect is not None and suspect.strikes(time.monotonic(), self.strike_window_s) > 0
-        with self.isolation.admit(struck) as alone:
+        with self.isolation.admit(struck, until, given_up) as alone:
             yield alone
 
     @contextmanager

@@ -14,12 +14,17 @@ it. That one is refused (``REFUSED``: 503, to be sent again).
 from __future__ import annotations
 
 import threading
+import time
 from contextlib import contextmanager
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 
 # What ``admit`` yields for a suspect that could not run alone: another suspect runs alone.
 REFUSED = None
+# What ``admit`` yields for a request whose wait ended first: its deadline passed, or its client left.
+GAVE_UP = "gave up"
+# How often a wait looks whether its client left (nothing notifies the gate of that).
+CLIENT_LOOK_S = 0.1
 
 
 class IsolationGate:
@@ -33,17 +38,27 @@ class IsolationGate:
         self.alone = False  # a suspect runs alone now
 
     @contextmanager
-    def admit(self, suspect: bool) -> Iterator[Optional[bool]]:
+    def admit(self, suspect: bool, until: Optional[float] = None,
+              given_up: Callable[[], bool] = lambda: False) -> Iterator[object]:
         """Wait for this request's turn; yield whether it runs alone, or ``REFUSED``
-        (not admitted) for a suspect whose wait ran out while another ran alone."""
+        (not admitted) for a suspect whose wait ran out while another ran alone, or
+        ``GAVE_UP`` (not admitted) once ``until`` (monotonic: its deadline) passed or
+        ``given_up()`` (its client left) before its turn came: a request behind a suspect
+        waited up to ``max_wait_s`` whatever its deadline (a 2 s one got its 504 at 15.6 s)."""
         with self.condition:
-            alone = self._wait_until_alone() if suspect else self._wait_behind_suspects()
-            refused = suspect and not alone and self.alone
-            if not refused:
+            if suspect:
+                alone = self._wait_until_alone(until, given_up)
+            else:
+                alone = self._wait_behind_suspects(until, given_up)
+            if alone is GAVE_UP:
+                refused = GAVE_UP
+            else:
+                refused = REFUSED if suspect and not alone and self.alone else False
+            if refused is False:
                 self.running += 1
                 self.alone = self.alone or alone
-        if refused:
-            yield REFUSED
+        if refused is not False:
+            yield refused
             return
         try:
             yield alone
@@ -66,21 +81,33 @@ class IsolationGate:
             self.running -= 1
             self.condition.notify_all()
 
-    def _wait_until_alone(self) -> bool:
-        """Until nothing else runs (the condition is held); False if the wait ran out."""
+    def _wait_until_alone(self, until: Optional[float], given_up: Callable[[], bool]) -> object:
+        """Until nothing else runs (the condition is held); False if the wait ran out,
+        ``GAVE_UP`` if the request's deadline passed or its client left first."""
         self.suspects_waiting += 1
         try:
-            return self.condition.wait_for(lambda: self.running == 0, self.max_wait_s)
+            return self._wait(lambda: self.running == 0, until, given_up)
         finally:
             self.suspects_waiting -= 1
 
-    def _wait_behind_suspects(self) -> bool:
-        """Until no suspect waits or runs alone (the condition is held), or the wait ran out.
+    def _wait_behind_suspects(self, until: Optional[float], given_up: Callable[[], bool]) -> object:
+        """Until no suspect waits or runs alone (the condition is held), or the wait ran out
+        (False: a request that is no suspect never runs "alone"), or ``GAVE_UP``."""
+        waited = self._wait(lambda: not self.suspects_waiting and not self.alone, until, given_up)
+        return GAVE_UP if waited is GAVE_UP else False
 
-        Always False: a request that is no suspect never runs "alone".
-        """
-        self.condition.wait_for(lambda: not self.suspects_waiting and not self.alone, self.max_wait_s)
-        return False
+    def _wait(self, turn: Callable[[], bool], until: Optional[float], given_up: Callable[[], bool]) -> object:
+        """Wait (the condition held) for ``turn()``: True; False at ``max_wait_s``; ``GAVE_UP``
+        at ``until`` or once ``given_up()``."""
+        ends = time.monotonic() + self.max_wait_s
+        while not turn():
+            now = time.monotonic()
+            if given_up() or (until is not None and now >= until):
+                return GAVE_UP
+            if now >= ends:
+                return False
+            self.condition.wait(min(CLIENT_LOOK_S, ends - now, *([until - now] if until is not None else [])))
+        return True
 
     def status(self) -> dict:
         """For /guardian/supervisor."""

@@ -341,9 +341,12 @@ class ProxyHandler(BaseHTTPRequestHandler):
                 if child is None:
                     return self.give_up(stream, supervisor.unavailable_error())
                 # A crash suspect waits to run alone; others wait behind it.
-                with supervisor.quarantine.turn(self.command, request_fingerprint) as alone:
+                with supervisor.quarantine.turn(self.command, request_fingerprint, until=due and due[0],
+                                                given_up=lambda: self.gone) as alone:
                     if self.gone:
                         return  # left while it waited its turn
+                    if alone is isolation.GAVE_UP:  # its deadline passed while it waited its turn
+                        return self.deadline_passed(due[1], stream)
                     if alone is isolation.REFUSED:
                         return self.refuse(supervisor.isolation_busy_error(), stream)
                     # The turn may come just after the request before it crashed
