@@ -222,9 +222,9 @@ class EngineCollector:
             cancelled.add_metric([reason], count)
         yield cancelled
         yield CounterMetricFamily(P + "tokens_after_disconnect", "Tokens the engine generated for requests "
-                                  "already cancelled (their client left, or their deadline passed): at most "
+                                  "already cancelled (their client left, or their deadline passed): about "
                                   "one for each cancelled while decoding (stock's step under way when it was "
-                                  "cancelled), none more.",
+                                  "cancelled; at times the one after it, which stock had begun), two at most.",
                                   value=status.get("tokens_after_cancel", 0))
         yield gauge(P + "engine_heartbeat_age_seconds",
                     "Since the engine's loop last stepped, reported progress or polled for work.",
