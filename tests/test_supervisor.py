@@ -283,8 +283,10 @@ def test_sigterm_hard_kills_a_child_that_outlives_the_grace(start_supervisor, tm
     assert time.monotonic() - stopped_at < 3 + 12
     assert not pid_alive(child_pid)
     waiter.join(timeout=10)
+    # Answered: by the child as its engine stopped under it (the fault's hang ends at shutdown),
+    # or by the supervisor, as the child it relayed to was killed.
     assert hung["response"].status_code == 503
-    assert hung["response"].json()["error"]["code"] == "server_stopping"
+    assert hung["response"].json()["error"]["code"] in ("engine_unavailable", "server_stopping")
     [exited] = supervised.supervisor_events("child_exited")
     assert exited["reason"].startswith("hard-killed (SIGKILL) by the supervisor after the grace")
     assert supervised.supervisor_events("child_hard_killed")
