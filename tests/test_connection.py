@@ -60,7 +60,12 @@ class HeldServer(ModeServer):
 
     def server_status(self) -> dict:
         path = "/guardian/supervisor" if self.kind == "supervised" else "/guardian/status"
-        return httpx.get(self.url + path, timeout=10).json()
+        try:
+            return httpx.get(self.url + path, timeout=10).json()
+        except httpx.RemoteProtocolError:
+            # This module's idle limit is 0.5 s: a test process the busy machine held that long
+            # between its connect and its request found the connection closed (as it should be).
+            return httpx.get(self.url + path, timeout=10).json()
 
     def connections(self) -> dict:
         return self.server_status()["connections"]
