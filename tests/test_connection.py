@@ -52,6 +52,17 @@ step_delay_s = 0.02
 SLOW_CLIENTS = 100
 
 
+def once_more_if_closed(read):
+    """A status read or scrape, sent again once if the server closed its connection unanswered.
+    This module's idle limit is 0.5 s; in two clean-clone runs (three lanes on two cores) one
+    such read in a hundred found its fresh connection closed. Not seen alone, nor beside CPU
+    burners; the tests' own assertions are on the answers, never on these reads."""
+    try:
+        return read()
+    except httpx.RemoteProtocolError:
+        return read()
+
+
 class HeldServer(ModeServer):
     """One server for the module: one process, or a supervisor's public port."""
 
@@ -60,12 +71,7 @@ class HeldServer(ModeServer):
 
     def server_status(self) -> dict:
         path = "/guardian/supervisor" if self.kind == "supervised" else "/guardian/status"
-        try:
-            return httpx.get(self.url + path, timeout=10).json()
-        except httpx.RemoteProtocolError:
-            # This module's idle limit is 0.5 s: a test process the busy machine held that long
-            # between its connect and its request found the connection closed (as it should be).
-            return httpx.get(self.url + path, timeout=10).json()
+        return once_more_if_closed(lambda: httpx.get(self.url + path, timeout=10).json())
 
     def connections(self) -> dict:
         return self.server_status()["connections"]
@@ -73,7 +79,7 @@ class HeldServer(ModeServer):
     def metric(self, name: str, **labels) -> float:
         """The connection layer's metric ``name`` (past the prefix): the supervisor's are its own."""
         prefix = "mlx_guardian_supervisor_" if self.kind == "supervised" else "mlx_guardian_"
-        return scraped(self, prefix + name, **labels)
+        return once_more_if_closed(lambda: scraped(self, prefix + name, **labels))
 
     def closed(self, reason: str) -> float:
         """Connections ended before a handler had their request, for ``reason``: /metrics, which
