@@ -55,8 +55,8 @@ SLOW_CLIENTS = 100
 def once_more_if_closed(read):
     """A status read or scrape, sent again once if the server closed its connection unanswered.
     This module's idle limit is 0.5 s; in two clean-clone runs (three lanes on two cores) one
-    such read in a hundred found its fresh connection closed. Not seen alone, nor beside CPU
-    burners; the tests' own assertions are on the answers, never on these reads."""
+    such read, in one test each, found its fresh connection closed. Not seen alone, nor beside
+    CPU burners; the tests' own assertions are on the answers, never on these reads."""
     try:
         return read()
     except httpx.RemoteProtocolError:
