@@ -129,3 +129,18 @@ def test_a_failure_set_while_a_clean_stop_is_half_asked_for_still_wins():
             break
         line += 1
     assert line > 2
+
+
+def test_work_a_signal_queued_as_the_exit_came_from_elsewhere_still_runs():
+    """A rank's SIGTERM queues its asking rank 0 to stop; rank 0's own word to stop may set
+    the exit first, and ``wait`` returned with the asking (and its log line) never run."""
+    from guardian.exit_codes import EXIT_OK
+    from guardian.serving.exit_request import ExitRequest
+
+    exit_request = ExitRequest()
+    ran = []
+    exit_request(EXIT_OK)  # rank 0's word, first
+    exit_request.run_on_main_thread(lambda: ran.append("asked"))  # the signal's work, just after
+    assert exit_request.wait() == EXIT_OK
+    exit_request.run_pending()
+    assert ran == ["asked"]

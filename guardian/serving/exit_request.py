@@ -79,6 +79,21 @@ class ExitRequest:
         (anything that logs, starts a thread or takes a lock) without doing it in the handler."""
         self._mail.put(work)
 
+    def run_pending(self) -> None:
+        """Run the work still queued once ``wait`` returned: a signal whose handler put it
+        just before the exit was asked for elsewhere (a rank told to stop by rank 0 as its
+        own SIGTERM came) still does what it asked, and says so."""
+        while True:
+            try:
+                work = self._mail.get_nowait()
+            except queue.Empty:
+                return
+            if work is not None:
+                try:
+                    work()
+                except Exception:  # noqa: BLE001 - as in wait
+                    log.exception("main_thread_work_failed")
+
     def wait(self) -> int:
         """Run what is left for the main thread until an exit is asked for; its code."""
         while self.code is None:

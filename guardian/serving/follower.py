@@ -51,6 +51,7 @@ def serve_follower(model_provider, config, pm, group: Group) -> int:
     log.info("rank_started", model=model_provider.cli_args.model,
              mlx_lm_version=stock.contract.STOCK_VERSION)
     code = exit_request.wait()
+    exit_request.run_pending()  # a SIGTERM that came with rank 0's word to stop: asked, and logged
     stock.loop.stop_generation_thread(served.engine)
     notify(pm.hook.guardian_shutdown, engine=served.engine.plugin_view, exit_code=code)
     member.leave(code)
