@@ -26,8 +26,8 @@ from guardian import handoff
 from guardian.errors import GuardianError
 from guardian.serving import framing
 from guardian.serving.limits import ConnectionLimits, snapshot
-from guardian.serving.sockets import (READ_BYTES, asks_head_only, client_left, close_quietly, drained, pending_bytes,
-                                      peer_closed, refuse_in_background, send_quietly, send_refusal)
+from guardian.serving.sockets import (READ_BYTES, asks_head_only, bytes_waiting, client_left, close_quietly, drained,
+                                      pending_bytes, peer_closed, refuse_in_background, send_quietly, send_refusal)
 
 log = structlog.get_logger("guardian.connection")
 
@@ -74,7 +74,8 @@ class Incoming:
     """One connection the reader holds until its request is complete."""
 
     __slots__ = ("sock", "address", "accepted_at", "buffer", "scanned", "headers_end", "headers_at", "needed",
-                 "reserved", "access", "handshaking", "tls_checked", "handed_off", "held", "__weakref__")
+                 "reserved", "access", "handshaking", "tls_checked", "handed_off", "held", "spared",
+                 "__weakref__")
 
     def __init__(self, sock: socket.socket, address, tls: bool):
         self.sock = sock
@@ -92,6 +93,7 @@ class Incoming:
         # A connection the supervisor handed over, its request read (guardian.handoff).
         self.handed_off: Optional[handoff.Received] = None
         self.held = False  # in the reader's selector, its deadline running
+        self.spared = False  # its expiry put off once, for bytes that came before it (``_expire``)
 
     def deadline(self, limits: ConnectionLimits) -> tuple[float, bool]:
         """(when this connection expires, whether it gets a 408 then)."""
@@ -698,6 +700,14 @@ class RequestReader:
             if now < deadline:  # moved on to a later phase since this entry
                 heapq.heappush(self._deadlines, (deadline, next(self._deadline_ids), ref))
                 continue
+            if not incoming.spared and bytes_waiting(incoming.sock):
+                # Sent while this thread was held since its select (a long round, a pause of
+                # the process): read them first, once. A client whose request came 0.1 s after
+                # its connection, in time, was closed unanswered as idle.
+                incoming.spared = True
+                heapq.heappush(self._deadlines, (now, next(self._deadline_ids), ref))
+                self._next_expiry_pass = now  # the round after the read
+                break
             if answered and not incoming.handshaking:
                 phase = "headers" if incoming.headers_end < 0 else "body"
                 self._refuse(incoming, 408, "request_timeout", f"The request's {phase} did not arrive in time.")

@@ -78,6 +78,17 @@ def pending_bytes(sock) -> int:
     return pending() if pending is not None else 0
 
 
+def bytes_waiting(sock: socket.socket) -> bool:
+    """Whether the client sent bytes not read yet: a peek at the TCP stream under any TLS
+    layer (``client_left``'s), or what a TLS layer decrypted; never a wait."""
+    if pending_bytes(sock):
+        return True
+    try:
+        return socket.socket.recv(sock, 1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""
+    except OSError:  # nothing there yet (EAGAIN), or a reset
+        return False
+
+
 def client_left(sock: socket.socket) -> bool:
     """Whether a readable connection whose request was read whole is at its end (EOF or reset).
 
