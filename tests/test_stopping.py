@@ -53,6 +53,11 @@ class InFlight:
         return self.results
 
 
+def with_the_engine(server) -> int:
+    status = httpx.get(server.url + "/guardian/status", timeout=5).json()
+    return status["in_flight"] + status["queued"]
+
+
 def both_generating(server) -> bool:
     return scraped(server, "mlx_guardian_requests_in_flight") == 2
 
@@ -81,6 +86,7 @@ def test_a_hang_during_the_drain_is_recovered_as_at_any_time(start_server):
     server = start_server(SLOW_STEPS + "hang_at_step = 30\n[guardian]\nexit_grace_s = 15.0\n")
     in_flight = InFlight(server, max_tokens=60)
     server.wait_for_event("fault_injected")
+    poll(lambda: with_the_engine(server) == 2, 10, what="both requests with the engine, hung or queued")
     server.proc.send_signal(signal.SIGTERM)
     stopping_at = time.monotonic()
     assert server.proc.wait(timeout=30) == EXIT_OK
@@ -138,6 +144,7 @@ def test_a_second_stop_signal_ends_the_drain_and_one_at_the_same_moment_does_not
     """)
     in_flight = InFlight(server, max_tokens=32)
     server.wait_for_event("fault_injected")
+    poll(lambda: with_the_engine(server) == 2, 10, what="both requests with the engine, hung or queued")
     server.proc.send_signal(signal.SIGINT)
     server.proc.send_signal(signal.SIGTERM)
     server.wait_for_event("server_stopping")
