@@ -300,8 +300,11 @@ def test_supervised_group_is_replaced_after_sigkill_of_rank_1_and_its_clients_se
     group.proc.send_signal(signal.SIGTERM)
     assert group.proc.wait(timeout=30) == EXIT_OK
     assert group.ranks() == {}
-    # Rank 1 heard its SIGTERM (its handler leaves the asking to the main thread) and stopped.
-    assert group.rank_events("rank_signalled", 1)
+    # Rank 1 stopped cleanly: asked by its own SIGTERM (its handler leaves the asking to the
+    # main thread), or told by rank 0 first, which an idle group's drain may be (the launcher
+    # signals the ranks one after another). test_a_signalled_rank_asks_rank_0_... signals rank 1 alone.
+    assert group.rank_events("rank_signalled", 1) or [
+        e for e in group.rank_events("group_stopping", 1) if e["by_rank"] == 0]
     assert group.rank_events("rank_stopped", 1)[-1]["exit_code"] == EXIT_OK
 
 
