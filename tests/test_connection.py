@@ -673,22 +673,7 @@ def test_a_request_that_came_in_time_is_read_though_the_reader_was_held_past_its
     the two (a long round, a pause of the process) past a connection's idle limit, it closed
     the connection unanswered (a reset) though its request had come 0.1 s after it connected,
     in time: the clean-clone runs' status reads under three lanes' load."""
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-    from guardian.serving.connection import HeldConnections
-
-    class Hello(BaseHTTPRequestHandler):
-        def do_GET(self):
-            self.send_response(200)
-            self.send_header("Content-Length", "5")
-            self.end_headers()
-            self.wfile.write(b"hello")
-
-        def log_message(self, *args):
-            pass
-
-    class HelloServer(HeldConnections, ThreadingHTTPServer):
-        daemon_threads = True
+    from test_connection_deadlines import Hello, HelloServer
 
     armed, held, go = threading.Event(), threading.Event(), threading.Event()
     expire = RequestReader._expire.__code__

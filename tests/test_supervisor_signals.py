@@ -217,9 +217,10 @@ def test_without_the_kernels_signal_the_watch_alone_ends_a_child_orphaned_before
     from guardian.health.parent_watch import PARENT_PID_ENV
 
     err = tmp_path / "child.err"
-    child_code = ("import signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+    # The child idles until its watch ends it (bounded: 60 s, far past the poll's 5 s).
+    child_code = ("import signal, threading; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
                   "from guardian.health.parent_watch import leave_with_supervisor_before_serving as leave; "
-                  "leave(); print('watching', flush=True); time.sleep(60)")
+                  "leave(); print('watching', flush=True); threading.Event().wait(60)")
     # The stand-in supervisor starts the child, says its pid, and dies.
     parent_code = ("import os, subprocess, sys; "
                    f"env = {{**os.environ, {PARENT_PID_ENV!r}: str(os.getpid())}}; "
