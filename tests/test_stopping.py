@@ -2,7 +2,9 @@
 ``[guardian] exit_grace_s``, with the watchdog still at work; what is left at the end is
 answered (503, or a stream's error event), not cut by the exit; a second signal a second
 or more later ends the drain; a failure of the engine during it is the exit code.
-(The supervisor's own stop: tests/test_supervisor_signals.py.)"""
+(The supervisor's own stop: tests/test_supervisor_signals.py.) The slow steps, hangs and
+failures are planted inside stock's own ``BatchGenerator.next``
+(tests/plugins/stock_step_faults.py), where real ones happen."""
 
 from __future__ import annotations
 
@@ -20,8 +22,9 @@ from guardian.serving.exit_request import SAME_STOP_S
 pytestmark = pytest.mark.one_version  # signals and the drain: nothing of mlx-lm's version
 
 COMPLETIONS = "/v1/chat/completions"
-# Each step 20 ms longer: an 800-token request takes 16 s.
-SLOW_STEPS = "[fault_injection]\nenabled = true\nstep_delay_s = 0.02\n"
+STEP_FAULTS = '[guardian]\nplugins = ["tests.plugins.stock_step_faults:StockStepFaults"]\n'
+# Each of stock's steps 20 ms longer: an 800-token request takes 16 s.
+SLOW_STEPS = STEP_FAULTS + "[stock_step_faults]\ndelay_s = 0.02\n"
 
 
 class InFlight:
@@ -66,7 +69,7 @@ def test_requests_still_in_flight_when_the_drain_ends_are_answered_not_cut(start
     """They got a connection closed by the exit: a stream ended with no error event, no
     finish_reason and no [DONE] (an answer cut short that reads as whole), a non-streaming
     request no status at all. Under --supervise the supervisor answered them."""
-    server = start_server(SLOW_STEPS + "[guardian]\nexit_grace_s = 1.0\n")
+    server = start_server(SLOW_STEPS.replace("[guardian]\n", "[guardian]\nexit_grace_s = 1.0\n"))
     in_flight = InFlight(server, max_tokens=800)
     poll(lambda: both_generating(server), 20, what="both requests generating")
     server.proc.send_signal(signal.SIGTERM)
@@ -83,9 +86,10 @@ def test_requests_still_in_flight_when_the_drain_ends_are_answered_not_cut(start
 def test_a_hang_during_the_drain_is_recovered_as_at_any_time(start_server):
     """SIGTERM switched the watchdog off: a hang in the drain was never seen, and the
     requests waited out exit_grace_s (15 s), then were cut by the exit."""
-    server = start_server(SLOW_STEPS + "hang_at_step = 30\n[guardian]\nexit_grace_s = 15.0\n")
+    server = start_server(SLOW_STEPS.replace("[guardian]\n", "[guardian]\nexit_grace_s = 15.0\n")
+                          + "hang_at_call = 30\n")
     in_flight = InFlight(server, max_tokens=60)
-    server.wait_for_event("fault_injected")
+    server.wait_for_event("stock_step_hang")
     poll(lambda: with_the_engine(server) == 2, 10, what="both requests with the engine, hung or queued")
     server.proc.send_signal(signal.SIGTERM)
     stopping_at = time.monotonic()
@@ -98,22 +102,25 @@ def test_a_hang_during_the_drain_is_recovered_as_at_any_time(start_server):
     assert "engine_stalled" in events[events.index("server_stopping"):]
 
 
-def test_an_engine_that_gives_up_during_the_drain_exits_with_its_code_not_0(start_server):
+def test_an_engine_that_gives_up_during_the_drain_exits_with_its_code_not_0(start_server, tmp_path):
     """The give-up (exit 4) came during the drain, and the process exited 0, as the SIGTERM
     before it asked: a service manager does not restart a clean stop."""
-    # Every step of a CRASH request fails, and it is run again, never blamed (as a broken
-    # engine fails everything): the engine gives up after its backoff waits.
-    server = start_server("""
+    # Stock's step fails at every prefill, and each request is run again, never blamed (as
+    # a broken engine fails everything): the engine gives up after its backoff waits.
+    armed = tmp_path / "armed"
+    server = start_server(f"""
         [guardian]
+        plugins = ["tests.plugins.stock_step_faults:StockStepFaults"]
         exit_grace_s = 30.0
-        [fault_injection]
-        enabled = true
-        poison_marker = "CRASH"
+        [stock_step_faults]
+        raise_message = "planted in stock's step"
+        armed_by = "{armed}"
         [recovery]
         max_reruns = 100
         reload_after_failures = 0
     """)
-    in_flight = InFlight(server, max_tokens=50, content="CRASH and tell me a story.")
+    armed.write_text("1000")  # once serving: its first probe has passed
+    in_flight = InFlight(server, max_tokens=50)
     server.wait_for_event("engine_backoff")
     server.proc.send_signal(signal.SIGTERM)
     assert server.proc.wait(timeout=60) == EXIT_ENGINE_FAILED
@@ -135,15 +142,15 @@ def test_a_second_stop_signal_ends_the_drain_and_one_at_the_same_moment_does_not
     # would wait for it up to 60 s.
     server = start_server("""
         [guardian]
+        plugins = ["tests.plugins.stock_step_faults:StockStepFaults"]
         exit_grace_s = 60
-        [fault_injection]
-        enabled = true
-        hang_at_step = 8
+        [stock_step_faults]
+        hang_at_call = 8
         [watchdog]
         stall_timeout_s = 120
     """)
     in_flight = InFlight(server, max_tokens=32)
-    server.wait_for_event("fault_injected")
+    server.wait_for_event("stock_step_hang")
     poll(lambda: with_the_engine(server) == 2, 10, what="both requests with the engine, hung or queued")
     server.proc.send_signal(signal.SIGINT)
     server.proc.send_signal(signal.SIGTERM)
