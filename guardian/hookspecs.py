@@ -223,7 +223,10 @@ def probe(engine, timeout_s):
     float, "error": str | None}`` plus any fields of your own; None means this
     plugin has no probe. Every plugin's result is collected. A probe that
     raises, or returns anything but a dict with a bool ``ok``, is a failed
-    result named after its plugin (``plugin_hook_failed``).
+    result named after its plugin (``plugin_hook_failed``). Each runs on a
+    thread of its own: one still running a second past ``timeout_s`` is a
+    failed result (``probe_overran``) and is left to finish, and until it
+    does, that plugin's later probes fail at once without being called.
     """
 
 

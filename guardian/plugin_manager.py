@@ -232,13 +232,22 @@ def call_each(hook, **kwargs) -> Iterator[tuple[str, object, Optional[Exception]
     tryfirst, first. Its arguments as pluggy's own call gives them (``_multicall``): the
     ones it names, by position, from ``HookImpl``'s public ``argnames``; pluggy has no
     public call of one implementation."""
-    for impl in reversed(hook.get_hookimpls()):
+    for plugin, call in implementations(hook):
         try:
-            result = impl.function(*[kwargs[name] for name in impl.argnames])
+            result = call(**kwargs)
         except Exception as e:
-            yield impl.plugin_name, None, e
+            yield plugin, None, e
         else:
-            yield impl.plugin_name, result, None
+            yield plugin, result, None
+
+
+def implementations(hook) -> list[tuple[str, Callable[..., object]]]:
+    """(plugin name, ``call(**kwargs)``) of each implementation of ``hook``, in
+    ``call_each``'s order, for a caller that runs each its own way (on a thread of its own:
+    ``guardian.health.plugin_probes``)."""
+    def caller(impl):
+        return lambda **kwargs: impl.function(*[kwargs[name] for name in impl.argnames])
+    return [(impl.plugin_name, caller(impl)) for impl in reversed(hook.get_hookimpls())]
 
 
 def describe(pm: pluggy.PluginManager) -> list[dict]:

@@ -271,6 +271,34 @@ def test_a_probe_that_raises_is_a_failed_result_naming_its_plugin(start_server):
     assert any(e.get("plugin") == "raising_probe" for e in server.events("plugin_hook_failed"))
 
 
+def test_a_probe_that_overruns_its_deadline_is_cut_off_and_not_run_twice_at_once(start_server):
+    """It held the probe round's lock for as long as it ran: every later /readyz?deep=1
+    waited behind it (here for good), and so did every later round."""
+    import time
+
+    import httpx
+
+    from conftest import poll
+
+    server = start_server('[guardian]\nplugins = ["tests.plugins.stuck_probe:StuckProbe"]\n'
+                          '[watchdog]\nprobe_timeout_s = 1.0\n', wait=False)
+    poll(lambda: server.health() == 200, 60, what="the engine serving")
+    for round_ in range(2):
+        asked_at = time.monotonic()
+        response = httpx.get(server.url + "/readyz?deep=1", timeout=30)
+        print(f"\nmeasured: deep readiness {round_} answered in {time.monotonic() - asked_at:.2f} s")
+        assert response.status_code == 503, response.text
+        results = {r["name"]: r for r in response.json()["last_probe"]["results"]}
+        assert results["stuck_probe"]["ok"] is False
+        assert ("no result within" in results["stuck_probe"]["error"]
+                or "previous probe has not returned" in results["stuck_probe"]["error"]), results
+        assert results["generation"]["ok"] is True  # the built-in's result kept beside it
+    # The first round (at start) was cut off and left running; no round started a second.
+    assert len(server.events("stuck_probe_called")) == 1
+    [overran] = server.events("probe_overran")
+    assert overran["plugin"] == "stuck_probe"
+
+
 def test_a_hook_wrapper_is_refused_at_start_naming_its_plugin_and_hook(tmp_path, installed_plugin):
     """The guardian calls each implementation on its own, so that one plugin's failure is
     contained; one wrapper made the call pluggy's own for every plugin of its hook, and a

@@ -42,6 +42,7 @@ from guardian.engine.lifecycle import EngineState
 from guardian.health.pace import Pace
 from guardian.health.step_cpu import StepCpu
 from guardian.observability.logs import probe_running
+from guardian.health.plugin_probes import PluginProbes
 from guardian.plugin_manager import call_each, notify
 from guardian.health.sd_notify import SystemdNotifier
 
@@ -77,6 +78,7 @@ class StallDetector:
         self._last_sample_at = float("-inf")
         self._last_ping_at = float("-inf")
         self._probing = threading.Lock()
+        self._plugin_probes = PluginProbes(pm.hook.probe)
         self._verifying = False  # a replacement loop's verification under way (_maybe_probe)
         self._stopped = threading.Event()  # stopping: draining, no probes, no new work
         self._ended = threading.Event()  # the drain is over: the thread ends
@@ -317,10 +319,10 @@ class StallDetector:
     def _probe_results(self, timeout_s: float) -> list[dict]:
         """Each plugin's probe result. A probe that raises, or answers with something other
         than a dict with a bool ``ok``, is a failed result naming its plugin (it killed the
-        probe thread: readiness went stale, and a replacement loop was never proven)."""
+        probe thread: readiness went stale, and a replacement loop was never proven); so is
+        one that overruns its deadline (``guardian.health.plugin_probes``)."""
         results = []
-        for plugin, result, error in call_each(self.pm.hook.probe, engine=self.engine.plugin_view,
-                                               timeout_s=timeout_s):
+        for plugin, result, error in self._plugin_probes.run(self.engine.plugin_view, timeout_s):
             if error is None and not result:
                 continue  # no opinion
             if error is None and isinstance(result, dict) and isinstance(result.get("ok"), bool):
