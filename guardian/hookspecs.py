@@ -198,7 +198,7 @@ def on_request_finished(request_id, outcome, prompt_tokens, cached_prompt_tokens
     generation thread, or an HTTP thread when the client left or an error
     answered it), in the order requests ended. ``outcome`` is
     ``"completed"`` (it had its last token), ``"failed"`` (answered with an
-    error; ``on_request_failed`` says which) or ``"cancelled"`` (its client
+    error; ``on_request_failed``, told first, says which) or ``"cancelled"`` (its client
     left). ``prompt_tokens``: the prompt's length as the engine first ran it
     (0 if it never started), ``cached_prompt_tokens`` of them taken from the
     prompt cache. ``generated_tokens``: tokens the engine generated for it,

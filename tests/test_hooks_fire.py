@@ -164,6 +164,10 @@ def test_request_failed_names_the_request_and_its_error(scenario):
     [blamed] = server.events("request_blamed")
     [poison] = [f for f in failed if f["request_id"] == blamed["request_id"]]
     assert poison["error"]["code"] == "request_failed_repeatedly" and poison["error"]["status"] == 500
+    # Why it failed is told before that it ended: a plugin can count its failed ends by error.
+    told = [r["hook"] for r in records if r["args"].get("request_id") == blamed["request_id"]
+            and r["hook"] in ("on_request_failed", "on_request_finished")]
+    assert told == ["on_request_failed", "on_request_finished"], told
 
 
 def test_stall_hook_names_the_rung(scenario):

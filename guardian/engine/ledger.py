@@ -175,13 +175,13 @@ class RequestRecord:
         else:
             self._held.append(response)
 
-    def _finish(self, terminal):
+    def _finish(self, terminal, tell: bool = True):
         for response in self._held:
             self.downstream.put(response)
         self._held.clear()
         self.downstream.put(terminal)
         self.stage = Stage.DONE
-        self.ledger.finished(self, COMPLETED if terminal is None else FAILED)
+        self.ledger.finished(self, COMPLETED if terminal is None else FAILED, tell=tell)
 
     def cancel(self) -> None:
         """Nobody waits for this request any more (any thread): its client left
@@ -215,8 +215,11 @@ class RequestRecord:
             if self.stage is Stage.DONE:
                 return
             self._held.clear()
-            self._finish(error)
+            self._finish(error, tell=False)
+        # Which error first, then that it ended: a plugin told of a failed end
+        # (on_request_finished) can already know why (on_request_failed).
         self.ledger.on_failed(self, error)
+        self.ledger.on_finished(self, FAILED)
 
     def stop_generation(self) -> None:
         """Make stock drop this request from its batch at its next step, as it
@@ -350,7 +353,7 @@ class RequestLedger:
         self.beat = beat
         # Told of every request that ends, and how (COMPLETED, FAILED, CANCELLED).
         self.on_finished = on_finished
-        # Told of every request that ends with an error (a deadline's, a refusal's too), after on_finished.
+        # Told of every request that ends with an error (a deadline's, a refusal's too), before on_finished.
         self.on_failed = on_failed
         self.gather_arriving_s = gather_arriving_s
         self._arriving = 0  # requests being admitted, not yet put
@@ -622,7 +625,9 @@ class RequestLedger:
                 self._isolated = None
                 self._cond.notify_all()
 
-    def finished(self, record: RequestRecord, outcome: str = CANCELLED) -> None:
+    def finished(self, record: RequestRecord, outcome: str = CANCELLED, tell: bool = True) -> None:
+        """Its bookkeeping; ``on_finished`` is told unless ``tell`` is False (the
+        caller tells it, after ``on_failed``)."""
         with self._cond:
             self.completed += outcome == COMPLETED
             self.completed_for_users += outcome == COMPLETED and not record.synthetic
@@ -635,7 +640,8 @@ class RequestLedger:
             if self._isolated is record:
                 self._isolated = None
             self._cond.notify_all()
-        self.on_finished(record, outcome)
+        if tell:
+            self.on_finished(record, outcome)
 
     # -- the supervisor's side --------------------------------------------
     def take_in_flight(self) -> list[RequestRecord]:
