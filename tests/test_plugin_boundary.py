@@ -400,3 +400,32 @@ def test_a_sample_of_what_are_no_numbers_or_another_plugins_gauges_is_left_out(s
     [failed] = [e for e in server.events("plugin_hook_failed") if e["plugin"] == "odd_sampler"]
     assert "'odd_text', 'odd_table', 'memory_used_bytes'" in failed["error_message"]
     assert not server.events("memory_trimmed") and not server.events("memory_admission_paused")
+
+
+def test_a_wrongly_typed_default_in_a_plugins_settings_is_said_to_be_the_plugins(tmp_path, installed_plugin):
+    """It was reported as the file's key (``[extra] words: expected list, ...``), and the
+    operator's file has no such key: the author's mistake sent them looking in the file."""
+    installed_plugin("""
+        from dataclasses import dataclass
+
+        import guardian
+
+        @dataclass
+        class Settings:
+            limit: int = "3"
+
+        class Extra:
+            name = "extra"
+            Settings = Settings
+
+            def __init__(self, settings):
+                self.settings = settings
+
+            @guardian.hookimpl
+            def guardian_startup(self):
+                pass
+    """)
+    with pytest.raises(ConfigError, match=r"extra\.limit: expected int, got a string of 1 characters: "
+                                          r"the default declared in the plugin's extra_plugin_module\.Settings, "
+                                          r"not a value from the file"):
+        make_plugin_manager(config_with(tmp_path))

@@ -362,7 +362,14 @@ def table_of_dataclass(settings_class, name: str) -> type[Table]:
         default = None if default is dataclasses.MISSING else default
         attributes[f.name] = Setting(_type_of_hint(hints[f.name], f.metadata), default,
                                      live=bool(f.metadata.get("live", False)))
-    return type(f"{settings_class.__name__}Table", (Table,), attributes, name=name, register=False)
+    try:
+        return type(f"{settings_class.__name__}Table", (Table,), attributes, name=name, register=False)
+    except ConfigError as e:
+        # A default the field's own type refuses is the plugin's mistake: said as a
+        # file's key, its author (and the operator, who has no such key) looked in the file.
+        raise ConfigError(f"{e}: the default declared in the plugin's "
+                          f"{settings_class.__module__}.{settings_class.__qualname__}, "
+                          f"not a value from the file") from None
 
 
 def _type_of_hint(hint: Any, metadata) -> Type:
