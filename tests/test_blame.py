@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
-from conftest import chat_body, poll, read_stream
+from conftest import chat_body, poll, read_stream, scraped
 
 PLUGIN = '[guardian]\nplugins = ["tests.plugins.request_faults:RequestFaults"]\n'
 STOP_MARKER = "PLANTED-STOP"
@@ -73,6 +73,7 @@ def test_a_request_failing_before_it_starts_is_blamed_and_quarantined(start_serv
         # The other poison's first failure came after a completed request: not
         # counted at all (it progressed), so three were forgiven.
         assert status["failures_in_window"] == 0 and status["failures_forgiven"] == 3
+        assert scraped(server, "mlx_guardian_engine_failures_forgiven_total") == 3
         assert status["failures_after_progress"] == 1
         assert len(status["quarantine"]["quarantined"]) == 2
 

@@ -257,6 +257,9 @@ class EngineCollector:
         family.add_metric(["true"], after_progress)
         family.add_metric(["false"], total - after_progress)
         yield family
+        yield CounterMetricFamily(P + "engine_failures_forgiven", "Engine failures no longer counted toward "
+                                  "the crash loop because a request was blamed for them (guardian.engine.blame).",
+                                  value=status.get("failures_forgiven", 0))
         yield CounterMetricFamily(P + "engine_failure_time_lost_seconds", "From each engine failure to the "
                                   "restarted loop polling for work (backoff included).",
                                   value=status.get("time_lost_s", 0.0))
