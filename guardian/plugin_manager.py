@@ -16,7 +16,7 @@ import pluggy
 import structlog
 
 from guardian import hookspecs
-from guardian.config.registry import ConfigError
+from guardian.config.registry import TABLES, ConfigError, unread_tables
 from guardian.config.loading import GuardianConfig, parse_settings
 
 log = structlog.get_logger("guardian.plugins")
@@ -68,8 +68,7 @@ def make_plugin_manager(config: GuardianConfig, live=None) -> pluggy.PluginManag
         raise ConfigError(f"[guardian] disabled_plugins: no plugin is named {', '.join(map(repr, unknown))}; "
                           f"those found: {', '.join(sorted(found))}")
     if tables:
-        names = ", ".join(f"[{name}]" for name in tables)
-        raise ConfigError(f"{config.source}: no loaded plugin reads {names}")
+        raise unread_tables(config.source, tables, {*found, *TABLES})
     check_required_hooks(pm)
     try:
         pm.check_pending()

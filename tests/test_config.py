@@ -63,13 +63,15 @@ def test_every_loaded_settings_table_is_in_the_example():
 @pytest.mark.parametrize(
     "text, message",
     [
-        ("[recovery]\nmax_failurez = 3\n", r"\[recovery\] unknown key 'max_failurez'"),
+        ("[recovery]\nmax_failurez = 3\n", r"\[recovery\] unknown key 'max_failurez' \(did you mean 'max_failures'\?\)"),
         ("[recovery]\nmax_failures = 'three'\n", r"recovery.max_failures: expected int"),
         ("[recovery]\nmax_failures = 0\n", r"recovery.max_failures: must be >= 1"),
         ("[guardian]\nlog_format = 'xml'\n", r"guardian.log_format: must be one of"),
         ("[fault_injection]\nenabled = 1\n", r"fault_injection.enabled: expected bool"),
         ("[fault_injection]\nexception = 'NoSuchError'\n", r"fault_injection.exception"),
-        ("[nonesuch]\nx = 1\n", r"no loaded plugin reads \[nonesuch\]"),
+        ("[nonesuch]\nx = 1\n", r"no loaded plugin reads \[nonesuch\]$"),
+        ("[watchdg]\nx = 1\n", r"no loaded plugin reads \[watchdg\] \(did you mean \[watchdog\]\?\)"),
+        ("[promt_guard]\nx = 1\n", r"no loaded plugin reads \[promt_guard\] \(did you mean \[prompt_guard\]\?\)"),
         ("[guardian]\nplugins = ['no.such.module']\n", r"cannot load plugin 'no.such.module'"),
         ("not toml at all [", r"not valid TOML"),
         ("[watchdog]\nladder = ['restart', 'pray']\n", r"watchdog.ladder\[1\]: must be one of 'restart', 'reload', 'exit'"),

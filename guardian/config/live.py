@@ -34,10 +34,9 @@ import structlog
 
 from guardian.config import folder_watch
 from guardian.config.tables import CORE_TABLES
-from guardian.config.registry import ConfigError
+from guardian.config.registry import TABLES, ConfigError, Table, table_of_dataclass, unread_tables
 from guardian.config.loading import GuardianConfig, load_config, parse_settings
 from guardian.observability.logs import keep_stock_request_lines, set_log_level
-from guardian.config.registry import Table, table_of_dataclass
 
 log = structlog.get_logger("guardian.live_config")
 
@@ -230,8 +229,7 @@ class LiveConfig:
         plugins_changed = any(getattr(new.core, key) != getattr(current.core, key)
                               for key in ("plugins", "disabled_plugins"))
         if tables and not plugins_changed:
-            names = ", ".join(f"[{name}]" for name in tables)
-            raise ConfigError(f"{new.source}: no loaded plugin reads {names}")
+            raise unread_tables(new.source, tables, {*current.plugin_settings, *TABLES})
         if plugins_changed and self.check_plugins is not None:
             # The list waits for a restart, but a list no start can load is refused now: put
             # in force, it was kept for a supervisor's next child, which could not start

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import difflib
 import json
 import math
 import textwrap
@@ -42,6 +43,18 @@ RESTART = "restart"  # a fresh loop thread on the loaded weights
 RELOAD = "reload"  # read the weights again, then restart
 EXIT = "exit"  # answer every request and exit the process
 ACTIONS = (RESTART, RELOAD, EXIT)
+
+
+def did_you_mean(name: str, known, shown=repr) -> str:
+    """`` (did you mean 'x'?)`` for a near miss of one of ``known``, else ``""``."""
+    close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.75)
+    return f" (did you mean {shown(close[0])}?)" if close else ""
+
+
+def unread_tables(source, names, known) -> ConfigError:
+    """The error for tables that no loaded plugin reads, with the near miss of each."""
+    said = ", ".join(f"[{name}]{did_you_mean(name, known, lambda table: f'[{table}]')}" for name in names)
+    return ConfigError(f"{source}: no loaded plugin reads {said}")
 
 
 # -- types ---------------------------------------------------------------------------
@@ -306,7 +319,9 @@ class Table:
         unknown = set(values) - set(self.settings)
         if unknown:
             known = ", ".join(self.settings) or "none"
-            raise ConfigError(f"[{self.table_name}] unknown key {sorted(unknown)[0]!r} (known keys: {known})")
+            key = sorted(unknown)[0]
+            raise ConfigError(f"[{self.table_name}] unknown key {key!r}{did_you_mean(key, self.settings)} "
+                              f"(known keys: {known})")
         for key, setting in self.settings.items():
             value = values[key] if key in values else copy.copy(setting.default)
             if key in values:
