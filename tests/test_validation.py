@@ -208,6 +208,7 @@ SERVED = [
                           {"role": "tool", "tool_call_id": "c1", "content": "Sunny"}])),
     (CHAT, chat(unknown_field={"anything": [1, 2]}, n=1, user="u-1")),
     (CHAT, chat(model="default_model")),
+    (CHAT, chat(draft_model=None, adapters=None)),  # stock's "none", sent by clients that send every field
     # The tokenizer's own arguments at values that leave the prompt a list of tokens.
     (CHAT, chat(chat_template_kwargs={"truncation": False, "padding": "longest", "return_dict": False,
                                       "return_assistant_tokens_mask": False, "max_length": 4096})),

@@ -112,8 +112,9 @@ def check_body(body: dict, *, chat: bool, bounds: RequestBounds) -> Optional[Gua
 
 # -- which model ---------------------------------------------------------------------
 def check_models(body: dict, bounds: RequestBounds) -> None:
-    for key in ("model", "draft_model"):
-        check_type(body, key, str)
+    check_type(body, "model", str)  # stock loads a null model as a path: it fails
+    # A null draft model or adapter is stock's "none" (clients that send every field send it).
+    check_type(body, "draft_model", str, nullable=True)
     check_type(body, "adapters", str, nullable=True)
     field = bounds.disallowed_model_field
     if field is not None:
