@@ -53,13 +53,14 @@ def add_guardian_arguments(parser: argparse.ArgumentParser) -> None:
     CommandLine.add_flags(group)
     CoreSettings.log_format.add_flag(group)
     AccessSettings.add_flags(group)
-    # None unless given: the door then grants only pages on this machine
+    # None unless given: the door then grants only pages and apps on this machine
     # (stock's default, "*", let any web page drive the server). Its help says so.
     parser.set_defaults(allowed_origins=None)
     for action in parser._actions:  # noqa: SLF001 - argparse keeps no public list of them
         if action.dest == "allowed_origins":
             action.help = (f"Origins whose web pages may use the server (CORS); '*' for any. Default: pages "
-                           f"on this machine ({Origins.DEFAULT}, and https); stock's default was '*'.")
+                           f"on this machine, by http or https, and local apps ({Origins.DEFAULT}); "
+                           "stock's default was '*'.")
         elif action.dest == "model" and action.help:  # stock's help, and what leaving it out does here
             action.help = (f"{action.help.rstrip('.')}: a folder or a Hugging Face id. Default: a tiny built-in "
                            "demo model, to try the server (its answers are noise).")

@@ -14,6 +14,7 @@ import os
 
 import pytest
 
+import guardian.access.policy as policy_module
 from guardian.access import make_door
 from guardian.access.keys import KeyFileError, KeyRing, parse_key_file, presented_key
 from guardian.access.policy import (AccessPolicy, AccessRequest, Origins, bound_to_loopback, host_name_of,
@@ -248,6 +249,11 @@ def test_public_paths_are_a_setting(tmp_path):
     ("[::1]evil.example", "127.0.0.1", False),
     ("localhost:", "127.0.0.1", False),
     ("localhost.", "127.0.0.1", True),  # a fully qualified name: the same host
+    # A web UI in a container (Docker Desktop, Podman) names the machine it runs on so.
+    ("host.docker.internal:8080", "127.0.0.1", True),
+    ("host.containers.internal", "127.0.0.1", True),
+    ("evil.internal", "127.0.0.1", False),
+    ("host.docker.internal.evil.example", "127.0.0.1", False),
 ])
 def test_host_header(host_header, bound, allowed):
     policy = door(host=bound, protected_mode=False, allowed_hosts=[".llm.example.com"])
@@ -255,6 +261,17 @@ def test_host_header(host_header, bound, allowed):
     assert decision.allowed is allowed
     if not allowed:
         assert decision.error.status == 403 and decision.error.code == "host_not_allowed"
+
+
+@pytest.mark.parametrize("bound", ["127.0.0.1", "0.0.0.0"])
+def test_this_machines_own_names_are_its_hosts_on_loopback_too(bound, monkeypatch):
+    """Bound to loopback, a browser on this machine that named it (``studio-mac.local``)
+    got 403 host_not_allowed; no web page controls what those names resolve to."""
+    monkeypatch.setattr(policy_module, "machine_names", lambda: {"studio-mac", "studio-mac.local"})
+    policy = door(host=bound, protected_mode=False)
+    for host in ("studio-mac.local:8080", "studio-mac", "STUDIO-MAC.LOCAL"):
+        assert ask(policy, "/v1/models", "127.0.0.1", "GET", ("Host", host)).allowed, host
+    assert not ask(policy, "/v1/models", "127.0.0.1", "GET", ("Host", "other-mac.local")).allowed
 
 
 def test_no_host_header_is_no_browser():
@@ -273,6 +290,14 @@ def test_no_host_header_is_no_browser():
     ("http://[::1]evil.example", None, False, None),
     ("http://localhost:3000?x", None, False, None),
     ("http://localhost:3000/", None, False, None),
+    # Apps on this machine that are no web page (Ollama's defaults): Electron, Tauri, VS Code.
+    ("app://obsidian.md", None, True, "app://obsidian.md"),
+    ("tauri://localhost", None, True, "tauri://localhost"),
+    ("vscode-webview://1c2d3e4f-aaaa", None, True, "vscode-webview://1c2d3e4f-aaaa"),
+    ("app://", None, False, None),
+    ("app://obsidian.md/x", None, False, None),
+    ("chrome-extension://abcdef", None, False, None),  # an extension: --allowed-origins names it
+    ("app://obsidian.md", ["https://ui.example"], False, None),
     ("http://evil.example", ["*"], True, "*"),
     ("https://ui.example", ["https://ui.example"], True, "https://ui.example"),
     ("http://localhost:3000", ["https://ui.example"], False, None),

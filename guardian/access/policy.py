@@ -11,7 +11,8 @@ In order, a request is refused when:
    rebinding, CVE-2024-28224 in Ollama);
 2. it comes from a web page of an origin not allowed (403
    ``origin_not_allowed``): without an explicit ``--allowed-origins``, only
-   pages on this machine (``http://localhost:*`` and the like);
+   pages on this machine (``http://localhost:*`` and the like) and local apps
+   (``app://``, ``tauri://``, ``vscode-webview://``);
 3. its path is not public and keys exist, and it presents none of them
    (401 ``invalid_api_key``);
 4. there are no keys, the server listens beyond loopback, protected mode is
@@ -40,6 +41,14 @@ from guardian.relay_protocol import relayed_by_supervisor
 
 # Names that always mean this machine (RFC 6761: *.localhost too).
 LOOPBACK_NAMES = ("localhost", "localhost.localdomain")
+# The names a container uses for the machine it runs on (Docker Desktop, Podman), whose
+# connections reach a server bound to loopback: a web UI in a container (Open WebUI's
+# documented set-up) names the server so. ``.internal`` is reserved for private use and
+# never resolves in public DNS, so no web page can rebind these names to this machine.
+CONTAINER_HOST_NAMES = ("host.docker.internal", "host.containers.internal")
+# Origins of apps on this machine that are no web page (Ollama's defaults): an Electron
+# app (``app://obsidian.md``), a Tauri app, a VS Code webview. A web page cannot send them.
+APP_ORIGIN_SCHEMES = ("app", "tauri", "vscode-webview", "vscode-file")
 # An authority as a Host header or an Origin carries one (lower-cased): a name or an IPv4
 # address, or an IPv6 address in brackets; then perhaps a port. urlsplit alone reads
 # ``[::1]evil.example`` as ::1 and ``localhost:3000?x`` as localhost.
@@ -158,8 +167,9 @@ class Origins:
     """Which web pages' origins may use the server (CORS, and the Origin check)."""
 
     # Without --allowed-origins: pages served from this machine, on any port, by http or
-    # https (``allows``); said as the http ones.
-    DEFAULT = "http://localhost:*, http://127.0.0.1:*, http://[::1]:*"
+    # https (``allows``), said as the http ones; and the apps of ``APP_ORIGIN_SCHEMES``.
+    DEFAULT = ("http://localhost:*, http://127.0.0.1:*, http://[::1]:*, "
+               + ", ".join(f"{scheme}://*" for scheme in APP_ORIGIN_SCHEMES))
 
     def __init__(self, explicit: Optional[list[str]]):
         # Stock's --allowed-origins, when given; None: pages on this machine only.
@@ -174,10 +184,12 @@ class Origins:
             return "*" in self.explicit or origin in self.explicit
         value = origin.strip().lower()
         scheme, separator, authority = value.partition("://")
-        if scheme not in ("http", "https") or not separator:
+        if not separator:
             return False  # an Origin is scheme://host[:port], no more (RFC 6454)
         name = host_name_of(authority)
-        return name is not None and is_loopback_name(name)
+        if scheme in APP_ORIGIN_SCHEMES:
+            return name is not None
+        return scheme in ("http", "https") and name is not None and is_loopback_name(name)
 
     def describe(self) -> str:
         if self.explicit is None:
@@ -274,17 +286,18 @@ class AccessPolicy:
             status=403, type="invalid_request_error", code=HOST_NOT_ALLOWED, retry=False)
 
     def host_allowed(self, name: str) -> bool:
-        """Loopback names, the names ``allowed_hosts`` lists (a proxy in front of a
-        server bound to loopback forwards its clients' Host), and, bound beyond
-        loopback, addresses and this machine's own names."""
-        if is_loopback_name(name):
+        """Loopback names, a container's name for its host, this machine's own names,
+        the names ``allowed_hosts`` lists (a proxy in front of a server bound to loopback
+        forwards its clients' Host), and, bound beyond loopback, addresses. No web page
+        controls what this machine's own names or a container's resolve to."""
+        if is_loopback_name(name) or name in CONTAINER_HOST_NAMES or name in self._machine_names:
             return True
         for allowed in self.settings.allowed_hosts:
             allowed = allowed.lower()
             if allowed == "*" or name == allowed or (
                     allowed.startswith(".") and (name.endswith(allowed) or name == allowed[1:])):
                 return True
-        return not self.loopback_only and (is_ip_literal(name) or name in self._machine_names)
+        return not self.loopback_only and is_ip_literal(name)
 
     def check_origin(self, origin: Optional[str]) -> Optional[GuardianError]:
         # "null": a sandboxed frame or a file:// page; refused unless "*" was asked for.
