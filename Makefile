@@ -27,7 +27,8 @@ $(VENV)/.installed: pyproject.toml Makefile $(PLUGIN_PROJECTS)
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
 	$(VENV)/bin/pip install -q -e '.[test]' $(addprefix -e ,$(FIRST_PARTY_PLUGINS)) $(STOCK_TEST_DEPS)
-	touch $@
+	# Everything serving needs is in: a later `make serve` installs nothing again.
+	touch $(VENV)/.serving $@
 
 $(VENV_0313)/.installed: pyproject.toml Makefile $(PLUGIN_PROJECTS)
 	@$(PYTHON_NEW_ENOUGH)
