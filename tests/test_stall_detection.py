@@ -346,3 +346,31 @@ def test_one_verification_of_a_replacement_loop_at_a_time_however_late_its_threa
     poll(lambda: verified, 5, what="the replacement verified")
     # Once it is done, a later look may verify again (still on trial: another replacement).
     poll(lambda: detector._maybe_probe(time.monotonic()) or len(verified) >= 2, 5, what="a second verification")
+
+
+def test_a_stream_silent_for_a_second_is_sent_keepalive_comments(slowed_server, tmp_path):
+    """A stream under way was silent for as long as a step was slow, or the engine was
+    being replaced after a stall (seconds), and a client's read timeout (the openai SDK's)
+    could run out. Each second without a token now brings stock's own keepalive comment."""
+    armed = tmp_path / "slow-token"
+    # One step 4 s slow, and a floor that makes it no stall: a silence, nothing else.
+    server = slowed_server(step_faults=dict(token_delay_s=4.0, token_delay_armed_by=str(armed)),
+                           watchdog=dict(stall_min_s=10.0))
+    arrivals: list[tuple[float, bytes]] = []
+    with httpx.Client(timeout=30) as client:
+        with client.stream("POST", server.url + "/v1/chat/completions",
+                           json=chat_body(max_tokens=200, stream=True)) as response:
+            assert response.status_code == 200
+            for chunk in response.iter_raw():
+                arrivals.append((time.monotonic(), chunk))
+                if b"data: {" in chunk and not armed.exists() and not server.events("stock_step_slow_token"):
+                    armed.touch()  # the next step that makes a token is the slow one
+    body = b"".join(chunk for _, chunk in arrivals)
+    assert len(server.events("stock_step_slow_token")) == 1 and server.events("engine_stalled") == []
+    assert body.rstrip().endswith(b"data: [DONE]") and b'"error"' not in body
+    gaps = [later - earlier for (earlier, _), (later, _) in zip(arrivals, arrivals[1:])]
+    # Stock's own come with the prompt's progress, before the first token; these after it.
+    keepalives = body[body.index(b"data: {"):].count(b": keepalive")
+    print(f"\nmeasured: longest silence {max(gaps):.2f} s, {keepalives} keepalive comments after the first token")
+    assert keepalives >= 2
+    assert max(gaps) < 2.5  # 4 s without them

@@ -40,6 +40,9 @@ class Stage(Enum):
 COMPLETED, FAILED, CANCELLED = "completed", "failed", "cancelled"
 # Why a request was cancelled (requests_cancelled_total's reason).
 CLIENT_LEFT, DEADLINE = "client_left", "deadline"
+# A stream whose client has heard nothing this long gets stock's own keepalive comment
+# (``keep_alive``), as a supervisor's stream does while it waits for the next child.
+STREAM_QUIET_S = 1.0
 
 
 class RequestRecord:
@@ -93,6 +96,10 @@ class RequestRecord:
         self._first_ctx = None
         self._current_ctx = None
         self._lock = threading.Lock()
+        # The last prompt progress stock reported, and when the client was last sent a
+        # progress report or a keepalive (``keep_alive``; tokens have token_times).
+        self._progress = (0, 0)
+        self._progress_sent_at = 0.0
 
     @property
     def request(self):
@@ -126,6 +133,7 @@ class RequestRecord:
             elif item is None or isinstance(item, BaseException):
                 self._finish(item)
             else:  # prompt progress: (processed, total)
+                self._progress, self._progress_sent_at = item, time.monotonic()
                 self.downstream.put(item)
 
     def _on_context(self, ctx):
@@ -182,6 +190,25 @@ class RequestRecord:
         self.downstream.put(terminal)
         self.stage = Stage.DONE
         self.ledger.finished(self, COMPLETED if terminal is None else FAILED, tell=tell)
+
+    def keep_alive(self, now: float, quiet_s: float) -> bool:
+        """Send a streaming client that has heard nothing for ``quiet_s`` an SSE comment
+        (the watchdog's thread). While the engine is replaced after a stall or a failure,
+        or backs off, or a step is slow, a stream under way was silent for seconds, and a
+        client's read timeout (the openai SDK's) ran out. The comment is stock's own:
+        a prompt progress report put on the queue its handler reads, which that handler
+        writes (``: keepalive 40/40``) on its own thread, between its other writes."""
+        if not self.stream or self._first_ctx is None:
+            return False  # its handler waits for the context: nothing goes out before the head
+        last = self.token_times[-1] if self.token_times else self.arrived_at
+        if now - max(last, self._progress_sent_at) < quiet_s:
+            return False
+        with self._lock:
+            if self.stage is Stage.DONE:
+                return False
+            self._progress_sent_at = now
+            self.downstream.put(self._progress)
+        return True
 
     def cancel(self) -> None:
         """Nobody waits for this request any more (any thread): its client left
@@ -727,6 +754,10 @@ class RequestLedger:
     def in_flight(self) -> list[RequestRecord]:
         with self._cond:
             return list(self._in_flight.values())
+
+    def keep_streams_alive(self, now: float, quiet_s: float = STREAM_QUIET_S) -> int:
+        """``keep_alive`` for every request; how many streams were sent a comment."""
+        return sum(record.keep_alive(now, quiet_s) for record in self.unfinished())
 
     def unfinished(self) -> list[RequestRecord]:
         """Every request queued, to be re-run or in flight."""

@@ -140,8 +140,15 @@ class StallDetector:
         # Each part on its own: a plugin's failing sample must not stop the
         # stall checks or the systemd pings (systemd would kill for a gauge).
         self._contained(self._notice_pause, now, late_s)
-        for part in (self._check_progress, self._maybe_probe, self._maybe_sample, self._ping_systemd):
+        for part in (self._check_progress, self._keep_streams_alive, self._maybe_probe, self._maybe_sample,
+                     self._ping_systemd):
             self._contained(part, now)
+
+    def _keep_streams_alive(self, now: float) -> None:
+        """Streams silent for a second get a keepalive comment (``RequestRecord.keep_alive``):
+        this thread looks at the engine's requests anyway, and keeps looking while the
+        engine is stuck or replaced, which is when streams go silent."""
+        self.engine.ledger.keep_streams_alive(now)
 
     @staticmethod
     def _contained(part, *args) -> None:
