@@ -138,6 +138,9 @@ def test_hang_inside_stocks_step_is_reported_within_5_s_and_every_request_served
     assert detected_s <= GOAL_S
     assert stalled["heartbeat_age_s"] <= GOAL_S
     assert stalled["action"] == "restart" and stalled["in_flight"] >= 1
+    # Where the stuck loop thread was: in stock's step (the planted wait inside it).
+    assert any(frame.startswith("plugins/stock_step_faults.py:") and frame.endswith(" in next")
+               for frame in stalled["stuck_at"]), stalled["stuck_at"]
     # The replacement loop served every request the stuck one held.
     for response in responses:
         assert response.status_code == 200, response.text

@@ -41,6 +41,7 @@ from guardian.observability.counting import RecentEvents
 from guardian.engine.lifecycle import EngineState
 from guardian.health.pace import Pace
 from guardian.health.step_cpu import StepCpu
+from guardian.health.thread_stack import stack_of
 from guardian.observability.logs import probe_running
 from guardian.health.plugin_probes import PluginProbes
 from guardian.plugin_manager import call_each, notify
@@ -263,6 +264,7 @@ class StallDetector:
         if most and abandoned >= most and action != "exit":
             action = "exit"  # another abandoned loop would hold memory for good: a clean process instead
             reason += f"; {abandoned} abandoned loop threads alive already (max_abandoned_loops {most})"
+        stuck_at = stack_of(self.engine.lifecycle.owner)  # before a replacement owns the engine
         if not self.engine.lifecycle.stalled(action):
             return  # the engine gave up or stopped meanwhile: no loop to replace
         self.stalls.add()
@@ -275,6 +277,7 @@ class StallDetector:
             stalls_in_window=stalls_in_window,
             completed_since_last_stall=progressed,
             step=self.engine.steps,
+            stuck_at=stuck_at,
             **self.engine.ledger.counts(),
         )
         notify(self.pm.hook.on_stall, engine=self.engine.plugin_view, heartbeat_age_s=heartbeat_age_s, action=action)
