@@ -14,7 +14,7 @@ import sys
 from typing import NamedTuple
 
 EXIT_OK = 0
-# Python's own code for an uncaught exception: never on purpose.
+# Python's own code for an uncaught exception, and the HTTP reader's crash: never on purpose.
 EXIT_UNCAUGHT = 1
 # Bad flags, an unusable --guardian-config, or an address it cannot listen on (argparse uses 2 as well).
 EXIT_USAGE = 2
@@ -47,7 +47,9 @@ EXIT_CODES = (
              "a second one a second or more later stops without waiting (before it serves, while "
              "the model loads, the process ends by that signal instead, as stock's does; a service "
              "manager counts both as a clean stop)"),
-    ExitCode(EXIT_UNCAUGHT, "uncaught Python error", "an uncaught Python error: a bug, never on purpose"),
+    ExitCode(EXIT_UNCAUGHT, "uncaught Python error",
+             "an uncaught Python error, or a crash of the HTTP reader that accepts and reads every "
+             "request (`http_reader_crashed`; deaf, the process would stay up): a bug, never on purpose"),
     ExitCode(EXIT_USAGE, "bad flags or configuration",
              "bad flags or configuration (the message names the key), a `demo-model` path it "
              "cannot write, flags that can never "

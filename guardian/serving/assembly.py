@@ -35,7 +35,7 @@ from guardian.admission.facts import served_model_config
 from guardian.admission.gate import AdmissionGate, AdmittingGenerator
 from guardian.engine.generator import GuardianEngine
 from guardian.errors import SERVER_STOPPING, AbortRequest, GuardianError
-from guardian.exit_codes import EXIT_BOOT_ERROR, EXIT_OK, EXIT_USAGE
+from guardian.exit_codes import EXIT_BOOT_ERROR, EXIT_OK, EXIT_UNCAUGHT, EXIT_USAGE
 from guardian.serving.handler import GuardianHandler, decide_access
 from guardian.config.live import LiveConfig
 from guardian.admission.model_access import ModelAccess
@@ -161,6 +161,7 @@ def serve(host: str, port: int, model_provider, config: Union[GuardianConfig, Li
     live.follow()
     door.keys.follow()
 
+    httpd.on_reader_crash = lambda: exit_request.fail(EXIT_UNCAUGHT)
     threading.Thread(target=httpd.serve_forever, name="http", daemon=True).start()
     log.info(
         "server_started",

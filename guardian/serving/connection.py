@@ -44,7 +44,7 @@ import socket
 import ssl
 import sys
 import threading
-from typing import Optional
+from typing import Callable, Optional
 
 import structlog
 
@@ -210,6 +210,9 @@ class HeldConnections:
     limits = ConnectionLimits()
     tls = None
     _reader: Optional[RequestReader] = None
+    # Called (on the reader's thread) if the reader crashes: nothing is accepted or read
+    # any more, so whoever serves must end the process (a service manager starts it again).
+    on_reader_crash: Optional[Callable[[], None]] = None
 
     def __init__(self, server_address, *args, **kwargs):
         self.address_family, server_address = listen_address(*server_address[:2])

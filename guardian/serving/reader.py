@@ -325,6 +325,7 @@ class RequestReader:
 
     # -- the reader's thread ---------------------------------------------------
     def _run(self) -> None:
+        crashed = False
         try:
             wait = TICK_S
             while not self._stopped:
@@ -348,7 +349,8 @@ class RequestReader:
                 if more_due:
                     wait = 0.0
         except Exception:  # noqa: BLE001 - the server must not go deaf silently
-            log.exception("http_reader_crashed")
+            crashed = True
+            log.exception("http_reader_crashed", hint="a bug: the process ends, to be started again")
         finally:
             for key in list(self.selector.get_map().values()):
                 if isinstance(key.data, Incoming):
@@ -356,6 +358,12 @@ class RequestReader:
             self.selector.close()
             self._wake_r.close()
             self._wake_w.close()
+        # Deaf, the process would stay up: its port still accepts (into the backlog, never
+        # read), and a service manager sees a live process (systemd's watchdog, pinged
+        # while the engine is ready, too). Its server ends it.
+        on_crash = getattr(self.server, "on_reader_crash", None)
+        if crashed and on_crash is not None:
+            on_crash()
 
     def _read_one(self, incoming: Incoming) -> None:
         """Read what ``incoming`` sent; a fault of ours on one connection ends that

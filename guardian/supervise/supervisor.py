@@ -45,7 +45,8 @@ from guardian.quarantine.crashes import CrashQuarantine
 from guardian.supervise.metrics import SupervisorMetrics
 from guardian.distributed.launch import LauncherProcess, dying_with_parent, group_command, kill_leftovers
 from guardian.errors import SERVER_STOPPING, GuardianError
-from guardian.exit_codes import EXIT_BOOT_ERROR, EXIT_OK, EXIT_SUPERVISOR_GAVE_UP, EXIT_USAGE, GROUP_EXIT_CODE_ENV
+from guardian.exit_codes import (EXIT_BOOT_ERROR, EXIT_OK, EXIT_SUPERVISOR_GAVE_UP, EXIT_UNCAUGHT, EXIT_USAGE,
+                                 GROUP_EXIT_CODE_ENV)
 from guardian.observability.logs import configure_logging
 from guardian.access import announce
 from guardian.access.tls import ServerCertificate, load_certificate
@@ -64,6 +65,8 @@ from guardian.supervise.state import HOLDING, SERVING, State
 
 log = structlog.get_logger("guardian.supervisor")
 
+# Put on the signal queue by the public port's reader as it crashes (no signal's number).
+READER_CRASHED = -1
 # serve_forever's poll: how long closing the public port can take at exit.
 HTTP_POLL_S = 0.1
 # When stopping: past the child's drain (exit_grace_s), time for the answers it and the
@@ -195,6 +198,7 @@ class Supervisor:
             print(f"mlx-guardian: cannot listen on {self.options.host}:{self.options.port}: {e}", file=sys.stderr)
             return EXIT_USAGE
         frozen_objects = long_lived.freeze()  # as a served model's process does
+        self.httpd.on_reader_crash = lambda: self.signals.put(READER_CRASHED)
         threading.Thread(target=self.httpd.serve_forever, args=(HTTP_POLL_S,), name="http",
                          daemon=True).start()
         self.door.keys.follow()
@@ -355,6 +359,15 @@ class Supervisor:
                 self.tls.reload("sighup")
             if self.child is not None and self.settings.engine == "guardian":
                 self.forward_sighup(self.child)
+            return
+        if signum == READER_CRASHED:  # deaf: stop, as at SIGTERM, and exit as for a bug
+            if self.exit_code is None:
+                self.notifier.notify("STOPPING=1")
+                self.exit_code = EXIT_UNCAUGHT
+                self.stopping_since = time.monotonic()
+                self.set_state(State.STOPPING)
+                if self.child is not None:
+                    self.soft_kill("the supervisor's HTTP reader crashed")
             return
         if signum not in (signal.SIGTERM, signal.SIGINT):
             return

@@ -1,8 +1,14 @@
-"""Loaded at start-up by a supervisor a test starts with this folder on PYTHONPATH
-(tests/test_supervisor.py): with ``GUARDIAN_TEST_LATE_RESUME_S`` set, the handler
-thread that takes back a request the reader handed off (the child died with it or
-gave it back) starts that many seconds late, as on a loaded machine. Nothing here
-runs without that variable; the guardian's own code is not changed."""
+"""Loaded at start-up by a process a test starts with this folder on PYTHONPATH
+(tests/test_supervisor.py, tests/test_reader_crash.py). Nothing here runs without its
+variable; the guardian's own code is not changed.
+
+- ``GUARDIAN_TEST_LATE_RESUME_S``: the supervisor's handler thread that takes back a
+  request the reader handed off (the child died with it or gave it back) starts that
+  many seconds late, as on a loaded machine.
+- ``GUARDIAN_TEST_CRASH_READER_ARMED_BY`` (a path) and ``GUARDIAN_TEST_CRASH_READER_IN``
+  (``supervisor`` or ``server``): once the path exists, the HTTP reader of that process
+  (the supervisor's public port, or a one-process server's) raises from its loop, once.
+  A supervisor's child inherits the variables, and its own reader is left alone."""
 
 import os
 
@@ -19,3 +25,21 @@ if os.environ.get("GUARDIAN_TEST_LATE_RESUME_S"):
         return _resumed_outcome(handler, passed)
 
     proxy.ProxyHandler.resumed_outcome = _late_resumed_outcome
+
+if os.environ.get("GUARDIAN_TEST_CRASH_READER_ARMED_BY"):
+    import sys
+
+    import guardian.serving.reader as reader
+
+    _armed_by = os.environ["GUARDIAN_TEST_CRASH_READER_ARMED_BY"]
+    _in_supervisor = os.environ.get("GUARDIAN_TEST_CRASH_READER_IN") == "supervisor"
+    _take_arrivals = reader.RequestReader._take_arrivals
+
+    def _crashing_take_arrivals(self):
+        # Read at the call: sys.argv is not set yet while sitecustomize runs.
+        if ("--supervise" in sys.argv) == _in_supervisor and os.path.exists(_armed_by):
+            os.remove(_armed_by)
+            raise RuntimeError("planted in the HTTP reader's loop")
+        return _take_arrivals(self)
+
+    reader.RequestReader._take_arrivals = _crashing_take_arrivals
