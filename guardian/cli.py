@@ -29,7 +29,7 @@ from guardian.access.keys import KeyRing
 from guardian.access.policy import Origins
 from guardian.observability.logs import bind_process, configure_logging, keep_stock_request_lines
 from guardian.observability.versions import version_line
-from guardian.health.parent_watch import leave_with_supervisor_before_serving
+from guardian.health.parent_watch import leave_with_launcher_before_serving, leave_with_supervisor_before_serving
 from guardian.relay_protocol import started_by_supervisor
 from guardian.serving.open_files import raise_open_files_limit
 
@@ -248,8 +248,10 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def run_command(argv: list[str]) -> None:
-    # First: a supervisor's child whose supervisor goes while it imports and loads its model leaves.
+    # First: a supervisor's child, or a group's rank, whose supervisor or launcher goes while
+    # it imports and loads its model leaves.
     leave_with_supervisor_before_serving()
+    leave_with_launcher_before_serving()
     signal.signal(signal.SIGHUP, HeldSighup())
     # Every connection held is a file descriptor (the door holds thousands).
     raise_open_files_limit()

@@ -249,6 +249,23 @@ def test_a_stopped_rank_is_lost_and_killed_so_the_group_ends(launch):
     assert [e["exit_code"] for e in group.rank_events("server_stopped", 0)] == [EXIT_GROUP_FAILED]
 
 
+def test_ranks_whose_launcher_dies_before_they_serve_end_at_once(launch):
+    """Each rank asked to die with its launcher only as it joined the group, seconds after
+    it started (mlx's import, the ring's start, the plugins): a launcher killed before that
+    left both ranks serving for good, adopted by init (a review's run: 60 s later, /readyz
+    200), and a next group started beside them with a second copy of the model. They now
+    ask first thing. The start is held before the model loads (tests/plugins/slow_start.py)."""
+    group = launch(ring_group(free_ring_port()),
+                   config='[guardian]\nplugins = ["tests.plugins.slow_start:SlowStart"]\n'
+                          '[slow_start]\nhold_s = 0.0\nhold_before_load_s = 60.0\n')
+    poll(lambda: len(group.events("slow_start_loading")) == 2, 60, what="both ranks held before their load")
+    assert len(group.ranks()) == 2
+    os.kill(group.proc.pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    poll(lambda: group.ranks() == {}, 10, what="both ranks gone with their launcher")
+    print(f"\nmeasured: both ranks gone {time.monotonic() - killed_at:.2f} s after the launcher's SIGKILL")
+
+
 @pytest.mark.one_version
 def test_supervised_group_is_replaced_after_sigkill_of_rank_1_and_its_clients_see_no_failure(launch):
     ring_port = free_ring_port()

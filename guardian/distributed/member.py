@@ -22,7 +22,8 @@ import structlog
 from guardian.distributed.control import ControlLinks
 from guardian.distributed.engine import GroupEngine, GroupPolicy
 from guardian.distributed.group import Group
-from guardian.health.parent_watch import die_with_parent, die_with_process, is_ancestor, supervisor_pid
+from guardian.health.parent_watch import (die_with_parent, die_with_process, is_ancestor, launcher_pid,
+                                          supervisor_pid)
 from guardian.distributed.rendezvous import leader_host, share_address
 from guardian.exit_codes import EXIT_GROUP_FAILED, EXIT_OK, exit_now
 from guardian.relay_protocol import started_by_supervisor
@@ -67,7 +68,7 @@ class GroupMember:
     def join(self, pm) -> None:
         """Every rank, before the model loads: policy, launcher watch, control links."""
         pm.register(GroupPolicy(), name=GroupPolicy.name)
-        die_with_parent(lambda: self._lost(-1, "the launcher (this rank's parent) is gone"))
+        die_with_parent(lambda: self._lost(-1, "the launcher (this rank's parent) is gone"), parent=launcher_pid())
         supervisor = supervisor_pid()
         if supervisor is not None and is_ancestor(supervisor):  # under --supervise, on its machine
             die_with_process(supervisor, lambda: self._lost(-1, "the supervisor is gone"))

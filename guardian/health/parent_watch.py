@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import os
 import signal
 import sys
@@ -33,6 +34,13 @@ POLL_S = 0.5
 # its machine, a process to watch beside its launcher, which on macOS (no prctl) outlives
 # a supervisor that was killed.
 PARENT_PID_ENV = "MLX_GUARDIAN_SUPERVISOR_PID"
+# What mlx.launch's start script exports to every rank it starts: this process is a rank,
+# and its parent (on a remote machine, the ssh that runs it) is its launcher.
+RANK_ENV = "MLX_RANK"
+# A rank's launcher, read first thing (``leave_with_launcher_before_serving``): a rank that
+# read it once joined (after mlx's import and the group's start, seconds) read the process
+# that adopted it if the launcher had died meanwhile, and outlived its group for good.
+_launcher: Optional[int] = None
 
 
 def ask_for_sigterm_when_parent_dies() -> None:
@@ -87,11 +95,28 @@ def leave_with_supervisor_before_serving() -> None:
         _exit_before_serving()
 
 
-def _exit_before_serving() -> None:
+def leave_with_launcher_before_serving() -> None:
+    """A rank of an ``mlx.launch`` group, from its first moment: a launcher gone before
+    the group serves leaves the rank no group (and its model's memory held by an orphan
+    beside the next group). It exits at once; ``GroupMember.join`` makes a later death
+    the group's failure, for this same parent (``launcher_pid``)."""
+    global _launcher
+    if RANK_ENV not in os.environ:
+        return
+    _launcher = os.getppid()
+    die_with_parent(functools.partial(_exit_before_serving, "the mlx.launch that started this rank"),
+                    parent=_launcher)
+
+
+def launcher_pid() -> Optional[int]:
+    """The pid of this rank's launcher as it was at start; None outside a group."""
+    return _launcher
+
+
+def _exit_before_serving(who: str = "the supervisor that started this process") -> None:
     # Logging may not be set up yet: a plain line, then out (nothing to drain).
     try:
-        print("mlx-guardian: the supervisor that started this process is gone; exiting before serving",
-              file=sys.stderr, flush=True)
+        print(f"mlx-guardian: {who} is gone; exiting before serving", file=sys.stderr, flush=True)
     finally:
         os._exit(0)
 
