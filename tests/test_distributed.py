@@ -378,6 +378,34 @@ def test_a_signalled_rank_asks_rank_0_to_drain_with_its_grace_as_it_stands_now(l
 
 
 @pytest.mark.one_version
+def test_a_rank_lost_after_it_asked_rank_0_to_stop_still_fails_the_group(launch):
+    """Rank 1 asked rank 0 to stop the group (SIGTERM), then died while rank 0 drained.
+    Rank 0 stopped reading rank 1's connection at the ask, and took no loss as a failure
+    once asked: its collective waited for the dead rank, the client got nothing more, then
+    503 at the stall limit or the end of the drain (30 s here), and rank 0 exited 0."""
+    config = "[fault_injection]\nenabled = true\nstep_delay_s = 0.05\nrank = 0\n[guardian]\nexit_grace_s = 30.0\n"
+    group = launch(ring_group(free_ring_port()), config=config + "[watchdog]\nstall_min_s = 20.0\n")
+    group.wait_healthy()
+    steps = engine_steps(group)
+    with ThreadPoolExecutor(1) as pool:
+        client = pool.submit(answer, group.url + COMPLETIONS, chat_body("Tell me a story.", max_tokens=2000))
+        poll(lambda: generating(group, steps, 1), 30, what="the request generating")
+        rank_1 = group.ranks()[1]
+        os.kill(rank_1, signal.SIGTERM)
+        poll(lambda: group.rank_events("group_stopping", 0), 10, what="rank 0 asked to stop the group")
+        os.kill(rank_1, signal.SIGKILL)
+        killed_at = time.monotonic()
+        result = client.result(timeout=60)
+    print(f"\nmeasured: answered {result['ended'] - killed_at:.2f} s after rank 1's SIGKILL")
+    assert result["status"] == 503, result
+    assert result["ended"] - killed_at < ANSWER_BOUND_S
+    assert group.proc.wait(timeout=30) is not None and group.ranks() == {}
+    assert [e["exit_code"] for e in group.rank_events("server_stopped", 0)] == [EXIT_GROUP_FAILED]
+    [lost] = group.rank_events("group_rank_lost", 0)
+    assert lost["lost_rank"] == 1
+
+
+@pytest.mark.one_version
 def test_supervised_group_whose_rank_1_fails_ends_at_once_and_kills_nothing(launch, tmp_path):
     """Rank 1 fails in its step, says so and exits: rank 0 leaves its request to the supervisor
     at once. It waited a second for rank 1's end, which only its own blocked thread would

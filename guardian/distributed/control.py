@@ -103,7 +103,7 @@ class Connection:
                 self.gone.set()
 
     def _read_until_lost(self, reader) -> Optional[str]:
-        """Read lines until the peer is lost (why) or says it stops (None)."""
+        """Read lines until the peer is lost (why) or, rank 0, says the group stops (None)."""
         while True:
             try:
                 line = reader.readline()
@@ -123,7 +123,12 @@ class Connection:
                 return f"failed: {message.get('reason')}"
             if message.get("kind") == "stopping":
                 self._on_stopping(self.peer)
-                return None
+                if self.peer == 0:
+                    return None  # rank 0 stops the group: its end closing next is no loss
+                # A rank that asks rank 0 to stop the group stays in it until rank 0 says
+                # so: its failure or its loss meanwhile is the group's (rank 0's collectives
+                # would wait for it), and was not heard, so clients waited for the stall limit
+                # or the whole drain, and rank 0 exited 0.
 
 
 class ControlLinks:

@@ -52,6 +52,8 @@ class GroupMember:
         self.on_exit = on_exit
         # Rank 0 said the group stops: a collective cut by its exit is no failure.
         self.stopping = False
+        # A rank other than 0, signalled, asked rank 0 to stop the group (``ask_group_to_stop``).
+        self.asked_to_stop = False
         # This rank gave up and told the others: their leaving is its own doing.
         self.failed = False
         # The first peer lost, and why ("rank 1 failed: ...").
@@ -120,6 +122,7 @@ class GroupMember:
     def ask_group_to_stop(self) -> None:
         """A rank other than 0, signalled: rank 0 drains its clients and then tells every rank to stop."""
         log.info("rank_signalled", asked="rank 0 to stop the group")
+        self.asked_to_stop = True
         self.links.tell("stopping")
 
     def leave(self, exit_code: int) -> None:
@@ -138,7 +141,11 @@ class GroupMember:
         if rank >= 0 and not self._peer_lost.is_set():
             self._peer_lost_why = f"rank {rank} {why}"
             self._peer_lost.set()
-        if self.stopping or self.failed:
+        # The launcher gone while this rank stops already by a signal of its own (a service
+        # manager's stop, or the launcher's death, signals every process at once): the
+        # group drains as asked; only a rank's loss or failure ends that.
+        stopping_by_signal = rank < 0 and (self.asked_to_stop or self.on_exit.code == EXIT_OK)
+        if self.stopping or self.failed or stopping_by_signal:
             log.debug("group_rank_left", lost_rank=rank, reason=why)
             return
         who = "the launcher" if rank < 0 else f"rank {rank}"
@@ -154,5 +161,6 @@ class GroupMember:
         """Rank 0 stops the group (a rank other than 0 hears it leave), or a signalled rank
         asks rank 0 to (rank 0 hears it: it drains, then tells every rank)."""
         log.info("group_stopping", by_rank=rank)
-        self.stopping = True
+        if rank == 0:  # its word: the others leaving now is no failure (a rank's ask is not)
+            self.stopping = True
         self.on_exit(EXIT_OK)
