@@ -468,6 +468,31 @@ def test_the_groups_exit_code_is_a_rank_that_failed_of_its_own(tmp_path):
 
 
 @pytest.mark.one_version
+def test_a_group_that_ends_unasked_with_no_ranks_code_is_a_failure(tmp_path):
+    """mlx.launch exits 0 whatever its ranks did. A rank that crashed before it could leave
+    its code (a ring port taken: RuntimeError, exit 1; its peer then killed) left the group's
+    end reading as a clean stop: child_exited with returncode 0, exit_0 in the metrics."""
+    from types import SimpleNamespace
+
+    from guardian.distributed.launch import LauncherProcess
+    from guardian.supervise.child import exit_reason
+
+    code_file = str(tmp_path / "group-1-exit-code")
+    unasked = LauncherProcess([sys.executable, "-c", "pass"], exit_code_file=code_file)
+    assert unasked.wait(timeout=30) == EXIT_GROUP_FAILED and unasked.codes_missing
+    reason = exit_reason(SimpleNamespace(proc=unasked, hard_killed=False, kill_reason=None))
+    assert "no rank left its exit code" in reason and f"exit code {EXIT_GROUP_FAILED}" in reason
+    # Asked to stop, a group that leaves no code ended as asked: the launcher's 0 stands.
+    waiting = ("import signal, sys, time; signal.signal(signal.SIGTERM, lambda *_: sys.exit(0)); "
+               "print('ready', flush=True); time.sleep(30)")
+    asked = LauncherProcess([sys.executable, "-c", waiting], exit_code_file=code_file, stdout=subprocess.PIPE)
+    assert asked.stdout.readline() == b"ready\n"  # its handler is in place
+    asked.send_signal(signal.SIGTERM)
+    assert asked.wait(timeout=30) == EXIT_OK and not asked.codes_missing
+    asked.stdout.close()
+
+
+@pytest.mark.one_version
 def test_fault_injection_aims_at_one_rank():
     """[fault_injection] rank: faults planted on that rank only (a process alone is rank 0)."""
     from guardian.plugins.fault_injection import FaultInjection, FaultInjectionSettings

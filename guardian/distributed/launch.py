@@ -77,6 +77,12 @@ class LauncherProcess(subprocess.Popen):
         # which the supervisor acts on as on one child's.
         self.exit_code_file = exit_code_file
         self.ranks_code: Optional[tuple[int, int]] = None  # (rank, its exit code)
+        # Asked to stop (SIGTERM, SIGINT passed to the ranks): a group that ends with no
+        # rank's code then ended as asked.
+        self.stop_sent = False
+        # The launcher exited 0, unasked, and no rank left a code: a rank crashed or was
+        # killed before it could (``returncode`` is then EXIT_GROUP_FAILED, not the launcher's 0).
+        self.codes_missing = False
         super().__init__(args, start_new_session=True, **kwargs)
 
     def poll(self):
@@ -86,15 +92,22 @@ class LauncherProcess(subprocess.Popen):
         return self._as_the_groups(super().wait(timeout))
 
     def _as_the_groups(self, code: Optional[int]) -> Optional[int]:
-        if code == 0 and self.exit_code_file and self.ranks_code is None:
+        if code == 0 and self.exit_code_file and self.ranks_code is None and not self.codes_missing:
             self.ranks_code = group_exit_code(self.exit_code_file)
             if self.ranks_code is not None:
                 self.returncode = code = self.ranks_code[1]
+            elif not self.stop_sent:
+                # mlx.launch exits 0 whatever its ranks did: a group that ended unasked with
+                # no rank's word is a failure (it read as a clean stop, exit_0 in the metrics).
+                self.codes_missing = True
+                self.returncode = code = EXIT_GROUP_FAILED
         return code
 
     def send_signal(self, signum: int) -> None:
         if signum == signal.SIGHUP:
             return
+        if signum in (signal.SIGTERM, signal.SIGINT):
+            self.stop_sent = True
         ranks = children(self.pid) if signum in (signal.SIGTERM, signal.SIGINT) else []
         for pid in ranks:
             try:

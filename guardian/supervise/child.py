@@ -96,6 +96,9 @@ def exit_reason(child: Child) -> str:
     elif isinstance(child.proc, LauncherProcess) and child.proc.ranks_code is not None:
         rank = child.proc.ranks_code[0]
         described = f"the group ended: rank {rank}'s exit code {code}: {exit_codes.reason(code)}"
+    elif isinstance(child.proc, LauncherProcess) and child.proc.codes_missing:
+        described = (f"the group ended unasked and no rank left its exit code (one crashed or was "
+                     f"killed first: mlx.launch's own lines say which): counted as exit code {code}")
     elif isinstance(child.proc, LauncherProcess):
         # mlx.launch exits 0 whatever its ranks did; each rank logs its own code.
         described = (f"the group ended (mlx.launch exit code {code}; each rank logs its own "
