@@ -4,8 +4,8 @@ Every hook that takes ``engine`` receives an ``EngineView``, never the
 GuardianEngine itself, so the engine's internals (its ledger, lifecycle,
 prompt cache, the admission gate) can change without breaking plugins, and
 a plugin cannot write the engine's state behind the lifecycle's back.
-What a plugin may do is listed here, in four groups: status, limits,
-probes, and memory set aside while a request waits.
+What a plugin may do is listed here, in five groups: status, limits,
+probes, memory set aside while a request waits, and the recovery policy.
 """
 
 from __future__ import annotations

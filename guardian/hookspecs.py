@@ -94,7 +94,7 @@ def admit_request(admission, engine, door):
     model's files on disk, before its weights load; not called when the
     model is not on this machine (stock would download it).
 
-    ``admission`` is a ``guardian.admission.Admission``: the request and its
+    ``admission`` is a ``guardian.admission.facts.Admission``: the request and its
     GenerationArguments, ``prompt_tokens`` (tokenized on first use with
     stock's own code; the engine reuses them, so a request is tokenized
     once), ``limits`` (the model's context length and KV cache sizes). An

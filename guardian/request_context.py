@@ -88,16 +88,6 @@ def at_request_end(callback: Callable[[], None]) -> bool:
     return True
 
 
-def when_client_leaves(callback: Callable[[], None]) -> bool:
-    """Call ``callback`` (on another thread) if the current request's client leaves
-    before the request ends. False outside a request scope."""
-    info = _current.get()
-    if info.on_client_gone is None:
-        return False
-    _when_gone(info, callback)
-    return True
-
-
 def _when_gone(info: RequestInfo, callback: Callable[[], None]) -> None:
     """``callback`` among ``info``'s leaving callbacks; run now if its client left already.
     ``client_gone`` runs on the reader's thread: whichever of the two takes the callback

@@ -185,7 +185,7 @@ def test_an_abandoned_loop_whose_step_returns_touches_nothing(start_server):
     assert status["state"] == "ready"
     assert status["restarts"] == 1 and status["stalls"] == 1
     assert status["in_flight"] == 0 and status["queued"] == 0
-    assert server.events("engine_error") == [] and server.events("supervisor_failed") == []
+    assert server.events("engine_error") == [] and server.events("engine_guard_failed") == []
 
 
 def test_a_rerun_after_a_stall_is_served_though_the_stuck_loop_cached_its_prompt(start_server):

@@ -98,3 +98,19 @@ def test_the_models_listed_are_the_models_a_request_may_name(start_server, tmp_p
     # tokenizer, with no other model's files read (stock would have loaded the listed name again).
     assert server.events("admission_skipped") == []
     assert server.events("unloaded_model_read") == []
+
+
+def test_a_model_config_read_before_it_exists_is_read_again_once_it_does(tmp_path):
+    """An allowed model not on disk yet had its unknown vocabulary size and context length
+    cached for the life of the process: once stock had downloaded it, its logit_bias bounds
+    stayed unchecked and /v1/models never gave its context_length."""
+    import json
+
+    from guardian.admission.facts import context_length_of, vocab_size_of
+
+    folder = tmp_path / "later-model"
+    assert context_length_of(str(folder)) is None and vocab_size_of(str(folder)) is None
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 512,
+                                                    "max_position_embeddings": 4096}))
+    assert context_length_of(str(folder)) == 4096 and vocab_size_of(str(folder)) == 512

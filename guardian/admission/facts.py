@@ -242,22 +242,28 @@ def vocab_size_from_config(config: dict) -> Optional[int]:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
-@functools.lru_cache(maxsize=64)
 def vocab_size_of(model: str) -> Optional[int]:
     """The vocabulary size in a model's config, read before its weights load; None when unknown."""
     try:
-        return vocab_size_from_config(read_model_config(model))
-    except Exception:
+        return vocab_size_from_config(_model_config(model))
+    except Exception:  # noqa: BLE001 - unknown (not downloaded yet, no such model): no bound
+        return None
+
+
+def context_length_of(model: str) -> Optional[int]:
+    """The context length in a model's config; None when unknown or unreadable."""
+    try:
+        return context_length_from_config(_model_config(model))[0]
+    except Exception:  # noqa: BLE001 - unknown: /v1/models says nothing of it
         return None
 
 
 @functools.lru_cache(maxsize=64)
-def context_length_of(model: str) -> Optional[int]:
-    """The context length in a model's config; None when unknown or unreadable."""
-    try:
-        return context_length_from_config(read_model_config(model))[0]
-    except Exception:
-        return None
+def _model_config(model: str) -> dict:
+    """A model's config, read once. A config that cannot be read yet raises, and is not
+    remembered: a model stock downloads later is read then (a cached None left its
+    bounds unchecked and its context length unsaid for the life of the process)."""
+    return read_model_config(model)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -275,8 +275,8 @@ class GuardianEngine(stock.loop.GuardedResponseGenerator):
         except BaseException:
             # A bug here would leave a live process that never generates:
             # exactly the incident. Answer everyone and exit instead.
-            log.critical("supervisor_failed", exc_info=True)
-            self.give_up("the engine supervisor failed")
+            log.critical("engine_guard_failed", exc_info=True)
+            self.give_up("the engine's loop guard failed")
 
     def _restart_until_stopped(self, run_stock_loop) -> None:
         while True:

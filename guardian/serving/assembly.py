@@ -121,7 +121,7 @@ def serve(host: str, port: int, model_provider, config: Union[GuardianConfig, Li
                      allowed_origins=model_provider.cli_args.allowed_origins,
                      supervised_child=started_by_supervisor(),
                      keys=getattr(model_provider.cli_args, "guardian_keys", None))
-    # The engine's give-up (exit 3, 4, 5) wins over a SIGTERM that came just before it:
+    # The engine's give-up (exit 4, 5; 7 in a group) wins over a SIGTERM that came just before it:
     # launchd and systemd read what happened from the code.
     served = ServedModel(model_provider, live, pm, on_exit=exit_request.fail,
                       engine_class=GuardianEngine if member is None else member.engine_class, door=door)
