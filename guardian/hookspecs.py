@@ -2,9 +2,15 @@
 
 Hooks are called with keyword arguments; an implementation may accept any
 subset of them, so arguments can be added later without breaking plugins.
-An exception raised by an observer hook (``on_*``, ``guardian_startup`` and
-``guardian_shutdown``: no return value) is logged and contained; one raised
-by a deciding hook propagates.
+Each implementation is called on its own, and what it raises is contained
+to it, logged with its plugin's name (``plugin_hook_failed``; ``admission_failed``
+and ``access_check_failed`` for the two that refuse): an observer's
+(no return value) is passed over, and each deciding hook says below what
+its exception means (a probe's is a failed result, a resource sample's is
+left out, a recovery decision's is passed over for the built-in's, an
+``admit_request`` or ``check_access`` exception refuses the request with a
+500). One hook is not contained: ``on_engine_step`` runs inside the
+engine's step, and what it raises is an engine failure at that step.
 
 Wherever a hook takes ``engine``, it is an ``EngineView``
 (guardian/engine_view.py): the engine's status, the served model's

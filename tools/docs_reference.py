@@ -134,9 +134,12 @@ def hookspecs() -> list[tuple[str, Callable, dict]]:
 
 def call_mode(options: dict, doc: str) -> str:
     """How the plugin manager calls a hook, in words."""
+    words = " ".join(doc.lower().split())  # a phrase may break across the docstring's lines
     if options.get("firstresult"):
         return "first result: implementations run until one returns something other than None"
-    if "return value ignored" in doc.lower():
+    if "return value ignored" in words and "is an engine failure" in words:
+        return "observer, inside the engine's step: every implementation runs; an exception is an engine failure"
+    if "return value ignored" in words:
         return "observer: every implementation runs; an exception is logged and contained"
     return "collect-all: every implementation runs; their results are collected"
 
