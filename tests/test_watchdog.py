@@ -228,3 +228,15 @@ def test_systemd_notify_protocol(start_server, notify_receiver):
     assert server.proc.wait(timeout=15) == 0
     messages = notify_receiver.messages
     assert messages.index("READY=1") < messages.index("WATCHDOG=1") < messages.index("STOPPING=1")
+
+
+def test_a_watchdog_switched_off_leaves_the_server_ready(start_server):
+    """[watchdog] enabled = false started no watchdog at all: /readyz said 503 ("no probe
+    has run yet") for good, systemd never got READY=1, and under --supervise the child was
+    replaced after start_timeout_s until the supervisor gave up."""
+    server = start_server("[watchdog]\nenabled = false\n", wait=False)
+    poll(lambda: server.status("/readyz") == 200, 60, what="ready with the watchdog off")
+    status = httpx.get(server.url + "/guardian/status", timeout=10).json()
+    assert "the watchdog is off" in status["ready_reason"] and status["probes_run"] == 0
+    response = httpx.post(server.url + "/v1/chat/completions", json=chat_body(max_tokens=4), timeout=30)
+    assert response.status_code == 200

@@ -85,7 +85,11 @@ class CoreSettings(Table, name="guardian"):
 
 
 class WatchdogSettings(Table, name="watchdog"):
-    enabled = Setting(Bool(), True)
+    enabled = Setting(Bool(), True, """
+        false: the watchdog neither judges progress (no stall is ever detected) nor
+        runs probes, as for a debugger's breakpoint; /readyz then follows the
+        engine's state alone. Memory samples, stream keepalives and systemd's
+        pings go on.""")
     interval_s = Setting(Float(min=0.01, max=10.0), 0.25, """
         How often the watchdog looks at the engine (at most every 10 s: the
         stall checks, probes and samples all wait for its looks).""", live=True)
@@ -126,7 +130,9 @@ class WatchdogSettings(Table, name="watchdog"):
         first rung again. "restart": abandon the stuck loop thread, start a fresh one on the loaded
         weights; "reload": the same after reading the weights again; "exit": answer
         every request and exit with code 5 for launchd or systemd.""", live=True)
-    ladder_window_s = Setting(SECONDS, 600.0, live=True)
+    ladder_window_s = Setting(SECONDS, 600.0, """
+        Stalls within this many seconds of each other climb the ladder one rung
+        each; a stall after a quiet window starts at its first rung.""", live=True)
     max_abandoned_loops = Setting(Int(min=0), 4, """
         A loop thread a stall replaced lives as long as the process: one stuck in a
         step cannot be killed, and one whose step returns is parked (its exit would
@@ -139,7 +145,9 @@ class WatchdogSettings(Table, name="watchdog"):
     probe_interval_s = Setting(Float(min=0.05), 30.0, """
         Synthetic probes run this often while the engine is idle (never while it
         visibly progresses: progress is the proof then).""", live=True)
-    probe_timeout_s = Setting(Float(min=0.05), 10.0, live=True)
+    probe_timeout_s = Setting(Float(min=0.05), 10.0, """
+        A probe's deadline: the built-in probe's token must come within it, and a
+        plugin's probe still running a second past it is a failed result.""", live=True)
     probe_max_age_s = Setting(Float(min=0.05), 120.0, """
         /readyz wants a passed probe at most this old, or visible progress.""", live=True)
     resource_interval_s = Setting(Float(min=0.05), 5.0, """

@@ -141,8 +141,10 @@ class StallDetector:
         # Each part on its own: a plugin's failing sample must not stop the
         # stall checks or the systemd pings (systemd would kill for a gauge).
         self._contained(self._notice_pause, now, late_s)
-        for part in (self._check_progress, self._keep_streams_alive, self._maybe_probe, self._maybe_sample,
-                     self._ping_systemd):
+        # Switched off ([watchdog] enabled = false: a debugger's breakpoint, say), it neither
+        # judges progress nor probes; the rest goes on.
+        judging = (self._check_progress, self._maybe_probe) if self.settings.enabled else ()
+        for part in (*judging, self._keep_streams_alive, self._maybe_sample, self._ping_systemd):
             self._contained(part, now)
 
     def _keep_streams_alive(self, now: float) -> None:
@@ -392,6 +394,8 @@ class StallDetector:
             return False, f"no heartbeat for {age:.1f} s"
         if self.progressing():
             return True, "generating"
+        if not self.settings.enabled:
+            return True, "the engine is ready (the watchdog is off: no probes)"
         probe = self.last_probe
         if probe is None:
             return False, "no probe has run yet"

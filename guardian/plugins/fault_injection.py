@@ -46,7 +46,8 @@ class FaultInjectionSettings(Table, name="fault_injection"):
         Raise at every Nth engine step. 0: off.""", live=True)
     probability = Setting(Float(min=0.0), 0.0, """
         Raise at each step with this probability (seeded, so runs repeat).""", live=True)
-    seed = Setting(Int(), 0)
+    seed = Setting(Int(), 0, """
+        The seed of probability's random draws: the same seed, the same steps fail.""")
     poison_marker = Setting(Str(), "", """
         Raise at every step while a started request's prompt contains this text. "": off.""", live=True)
     segfault_marker = Setting(Str(), "", """

@@ -98,8 +98,10 @@ class PromptGuardSettings(Table, name="prompt_guard"):
         429 kv_cache_budget_busy with Retry-After: retry_after_s. One whose
         deadline passes meanwhile gets its 504, and one whose client leaves gives
         its place up, within 0.1 s.""", live=True)
-    max_queue_wait_s = Setting(Float(min=0.0), 30.0, live=True)
-    retry_after_s = Setting(Float(min=0.0), 2.0, live=True)
+    max_queue_wait_s = Setting(Float(min=0.0), 30.0, """
+        How long a request may wait for KV cache budget before its 429.""", live=True)
+    retry_after_s = Setting(Float(min=0.0), 2.0, """
+        The Retry-After of this guard's 429 kv_cache_budget_busy.""", live=True)
     max_body_bytes = Setting(Int(min=0), 32 * MiB, """
         Request bodies over this many bytes get 413 request_too_large, answered
         from the Content-Length header without reading the body. 0: no limit.""", live=True)

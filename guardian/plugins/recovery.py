@@ -19,7 +19,9 @@ class RecoverySettings(Table, name="recovery"):
         an engine that keeps serving while it fails stays up, and with more than
         this many failures of any kind within window_s it reports "degraded"
         (/guardian/status, /metrics, engine_degraded in the log).""", live=True)
-    window_s = Setting(Float(min=0), 60.0, live=True)
+    window_s = Setting(Float(min=0), 60.0, """
+        The window, in seconds, in which engine failures count toward max_failures
+        (the crash loop), reload_after_failures and "degraded".""", live=True)
     reload_after_failures = Setting(Int(min=0), 3, """
         From this many failures within the window on, read the weights again
         before restarting (0: never; restart on the loaded weights).""", live=True)

@@ -49,23 +49,29 @@ class ResourcesSettings(Table, name="resources"):
         the least recently used prompt-cache entries until memory is below it
         again (memory_trimmed). Checked at every resource sample
         ([watchdog] resource_interval_s). 0: never.""", live=True)
-    trim_above_bytes = Setting(Int(min=0), 0, live=True)
+    trim_above_bytes = Setting(Int(min=0), 0, """
+        trim_above as bytes; not 0: wins over the fraction.""", live=True)
     refuse_above = Setting(Float(min=0), 0.95, """
         Above this fraction, new requests get 429 memory_pressure with
         Retry-After (retry_after_s) until memory falls below resume_below;
         requests in flight go on. Checked at each request. 0: never.""", live=True)
-    refuse_above_bytes = Setting(Int(min=0), 0, live=True)
+    refuse_above_bytes = Setting(Int(min=0), 0, """
+        refuse_above as bytes; not 0: wins over the fraction.""", live=True)
     resume_below = Setting(Float(min=0), 0.9, """
         Admission resumes below this fraction (at most refuse_above: a margin,
         so that admission does not flap at the limit).""", live=True)
-    resume_below_bytes = Setting(Int(min=0), 0, live=True)
-    retry_after_s = Setting(Float(min=0), 2.0, live=True)
+    resume_below_bytes = Setting(Int(min=0), 0, """
+        resume_below as bytes; not 0: wins over the fraction.""", live=True)
+    retry_after_s = Setting(Float(min=0), 2.0, """
+        The Retry-After of the 429 memory_pressure refusals.""", live=True)
     leak_restarts = Setting(Int(min=2), 3, """
         Memory after an engine restart (active, less the prompt cache) higher
         after each of this many restarts in a row than after the one before,
         and by leak_min_growth_bytes in all: memory_leak_suspected (a warning;
         a restart of the process frees what a leak holds).""", live=True)
-    leak_min_growth_bytes = Setting(Int(min=0), 64 * MiB, live=True)
+    leak_min_growth_bytes = Setting(Int(min=0), 64 * MiB, """
+        The least growth, in all, over leak_restarts restarts that is reported as a
+        suspected leak (smaller steps are noise).""", live=True)
 
 
 class Resources:

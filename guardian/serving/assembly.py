@@ -243,8 +243,7 @@ class ServedModel(AdmittingGenerator):
     def start(self) -> None:
         """Run the start-up hooks, then the watchdog."""
         notify(self.pm.hook.guardian_startup, engine=self.engine.plugin_view, config=self.config)
-        if self.config.watchdog.enabled:
-            self.stall_detector.start()
+        self.stall_detector.start()  # with [watchdog] enabled = false, it neither judges nor probes
 
     @property
     def stopping(self) -> bool:
