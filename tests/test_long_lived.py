@@ -28,3 +28,23 @@ def test_freeze_leaves_what_exists_out_of_a_full_collection_and_thaw_lets_it_bac
         long_lived.thaw()
     assert gc.get_freeze_count() == 0 and walked(keep)
 
+
+
+def test_every_load_that_drops_the_model_thaws_first(monkeypatch):
+    """Only a failure's reload thawed: the ladder's reload and a switch to another model
+    dropped the frozen model without, and a cycle in it stayed for the life of the process."""
+    from types import SimpleNamespace
+
+    from guardian.stock import models
+
+    monkeypatch.setattr(models, "_drop_loaded_model", lambda provider: None)
+    monkeypatch.setattr(models.ModelProvider, "_load", lambda provider, *key: None)
+    provider = SimpleNamespace()
+    models.guard_model_loads(provider, check_owner=lambda: None)
+    try:
+        long_lived.freeze()
+        assert gc.get_freeze_count() > 0
+        provider._load("another-model", None, None)
+        assert gc.get_freeze_count() == 0
+    finally:
+        long_lived.thaw()

@@ -12,6 +12,7 @@ from typing import Callable
 import mlx_lm.server as server
 from huggingface_hub.utils import CacheNotFound
 
+from guardian import long_lived
 from guardian.stock.contract import ModelProvider, STOCK_SCAN_CACHE_DIR
 
 
@@ -99,6 +100,10 @@ def guard_model_loads(model_provider, check_owner: Callable[[], None]) -> None:
     """
 
     def load_while_owner(*model_key):
+        # The model about to go was frozen at start (guardian.long_lived): thawed, a cycle
+        # in it is collected. Every path that drops it comes here: a reload (the ladder's,
+        # a failure's) and a switch to another model.
+        long_lived.thaw()
         _drop_loaded_model(model_provider)
         shadow = copy.copy(model_provider)
         vars(shadow).pop("_load", None)
