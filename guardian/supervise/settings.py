@@ -1,7 +1,8 @@
 """What the supervisor reads: its own flags (every other flag goes to the child), and
 of ``--guardian-config`` the tables it acts on, at start and at each save: [supervisor],
-[access] and [http] (its public port's door and connection layer), and a few of
-[guardian]'s. Imports neither mlx nor mlx_lm.
+[access] and [http] (its public port's door and connection layer), a few of [guardian]'s,
+and [watchdog] probe_timeout_s (how long a deep readiness check may take). Imports neither
+mlx nor mlx_lm.
 """
 
 from __future__ import annotations

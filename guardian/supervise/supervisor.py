@@ -154,7 +154,7 @@ class Supervisor:
         self.relay_key = new_relay_key()
         # Who may come in at the public port (guardian.access): the same door as one process'.
         self.door = door or public_door(options, child_args)
-        self.access_watcher = None  # the file's watch, for [access] (``follow_access``)
+        self.config_watcher = None  # the file's watch (``follow_config``)
         # A check answers fast or not at all (a SIGSTOPped child accepts the connection
         # in the kernel and never replies): it fails past --supervisor-health-timeout, and
         # past HEALTH_CHECK_MAX_S whatever: it runs on the main loop (signals, reaping, kills).
@@ -202,7 +202,7 @@ class Supervisor:
         threading.Thread(target=self.httpd.serve_forever, args=(HTTP_POLL_S,), name="http",
                          daemon=True).start()
         self.door.keys.follow()
-        self.follow_access()
+        self.follow_config()
         log.info("supervisor_started", host=self.options.host, port=self.httpd.server_address[1],
                  engine=self.settings.engine, pid=os.getpid(), scheme=self.httpd.scheme, access=self.door.mode,
                  api_keys=len(self.door.keys.names), allowed_origins=self.door.origins.describe(),
@@ -238,15 +238,16 @@ class Supervisor:
             if getattr(held, "pending", False):  # one came while starting (guardian.cli.HeldSighup)
                 self.signals.put(signum)
 
-    def follow_access(self) -> None:
-        """Watch --guardian-config for [access]'s live settings, as a guardian child watches the rest."""
+    def follow_config(self) -> None:
+        """Watch --guardian-config for the live settings the supervisor acts on (``reload_config``),
+        as a guardian child watches the rest."""
         if self.options.guardian_config is not None:
             from guardian.config.live import ConfigFileWatcher
 
-            self.access_watcher = ConfigFileWatcher(Path(self.options.guardian_config), self.reload_access)
-            self.access_watcher.start()
+            self.config_watcher = ConfigFileWatcher(Path(self.options.guardian_config), self.reload_config)
+            self.config_watcher.start()
 
-    def reload_access(self, reason: str) -> None:
+    def reload_config(self, reason: str) -> None:
         """The file's settings the supervisor acts on, read again: [access] and [http] (its
         public port's door and connection layer), of [guardian] ``SUPERVISOR_CORE_SETTINGS``,
         [watchdog] probe_timeout_s (how long a deep readiness check may take). Live ones
@@ -350,10 +351,10 @@ class Supervisor:
         certificate, and goes to a guardian child (it re-reads --guardian-config);
         SIGTERM/SIGINT stop, a second one hard-kills."""
         if signum == signal.SIGHUP:
-            if self.access_watcher is not None:  # on its thread: it may wait for the child's verdict
-                self.access_watcher.kick("sighup")
+            if self.config_watcher is not None:  # on its thread: it may wait for the child's verdict
+                self.config_watcher.kick("sighup")
             else:
-                self.reload_access("sighup")
+                self.reload_config("sighup")
             self.door.keys.request_reload("sighup")  # once a writer has it closed
             if self.tls is not None:
                 self.tls.reload("sighup")
