@@ -47,7 +47,7 @@ def local_model_path(model: str) -> Optional[Path]:
         return path
     try:
         return hf_repo_to_path(model)
-    except Exception:
+    except Exception:  # noqa: BLE001 - not in the cache (or no hub id at all): not on this machine
         return None
 
 

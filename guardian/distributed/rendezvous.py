@@ -30,7 +30,7 @@ def leader_host() -> str:
             # The ring's hostfile: one list of "ip:port" per rank.
             return (first[0] if isinstance(first, list) else first).rsplit(":", 1)[0]
         except (OSError, ValueError, IndexError, KeyError, TypeError, AttributeError):
-            pass
+            pass  # not the ring's hostfile as we know it: the other backends' variables, below
     coordinator = os.environ.get("MLX_JACCL_COORDINATOR")
     if coordinator:
         return coordinator.rsplit(":", 1)[0]
