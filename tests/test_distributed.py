@@ -366,6 +366,9 @@ def test_a_signalled_rank_asks_rank_0_to_drain_with_its_grace_as_it_stands_now(l
         # 80 steps of >= 0.05 s: still generating well past the old grace (1 s + 2 s).
         client = pool.submit(answer, group.url + COMPLETIONS, chat_body("Tell me a story.", max_tokens=80))
         poll(lambda: generating(group, steps, 1), 30, what="the request generating")
+        # A SIGHUP to rank 1 changes nothing (rank 0 alone follows the file), and says so.
+        os.kill(group.ranks()[1], signal.SIGHUP)
+        poll(lambda: group.rank_events("sighup_ignored", 1), 10, what="rank 1 saying it ignored the SIGHUP")
         os.kill(group.ranks()[1], signal.SIGTERM)
         result = client.result(timeout=60)
     assert result["status"] == 200, result

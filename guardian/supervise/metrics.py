@@ -25,7 +25,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from guardian.observability import metrics
 from guardian.observability.metrics import gauge
 from guardian.access.policy import REFUSALS as ACCESS_REFUSALS
-from guardian.exit_codes import EXIT_ENGINE_FAILED, EXIT_ENGINE_STALLED
+from guardian.exit_codes import EXIT_ENGINE_FAILED, EXIT_ENGINE_STALLED, EXIT_GROUP_FAILED
 
 P = metrics.PREFIX + "supervisor_"
 # The classic text format, asked of the child too: two expositions in it can
@@ -45,7 +45,7 @@ class SupervisorMetrics:
             "supervisor stopped it.", ["reason"], registry=r)
         # The commonest, 0 until the first (so increase() sees it); others appear when they happen.
         for reason in ("SIGKILL", "SIGSEGV", "SIGBUS", "SIGABRT", f"exit_{EXIT_ENGINE_FAILED}",
-                       f"exit_{EXIT_ENGINE_STALLED}", "unhealthy", "start_timeout"):
+                       f"exit_{EXIT_ENGINE_STALLED}", f"exit_{EXIT_GROUP_FAILED}", "unhealthy", "start_timeout"):
             self.child_restarts.labels(reason)
         self.requests_not_held = Counter(
             P + "requests_not_held", "Requests answered 503 while no child was ready, by why "
