@@ -101,6 +101,8 @@ def test_every_route_needs_a_key_but_the_public_ones(door_server):
                     assert without.status_code == 401, (method, path, without.status_code)
                     assert without.headers["WWW-Authenticate"] == "Bearer"
                     assert without.headers["x-should-retry"] == "false"
+                    # An id to report the refusal by, as every response has (OpenAI's way).
+                    assert without.headers["x-request-id"].startswith("req-")
                     if method != "HEAD":
                         assert without.json()["error"]["code"] == "invalid_api_key"
                 assert with_key.status_code not in (401, 403), (method, path, with_key.status_code)

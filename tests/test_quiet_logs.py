@@ -129,4 +129,12 @@ def test_a_refusal_and_other_paths_echo_the_clients_id(server):
     assert refused.status_code == 400 and refused.headers["x-request-id"] == "refused-7"
     with httpx.Client(timeout=10) as client:  # one connection: each request has its own id
         assert client.get(server.url + "/livez", headers={"X-Request-ID": "live-1"}).headers["x-request-id"] == "live-1"
-        assert "x-request-id" not in client.get(server.url + "/livez").headers
+        # Without one, every response still has an id, as OpenAI's do (the openai SDK shows
+        # it as an error's request_id): made for it, and named by its access line.
+        made = client.get(server.url + "/livez").headers["x-request-id"]
+        assert made.startswith("req-") and made != "live-1"
+        missing = client.get(server.url + "/v1/nothing-here")
+        assert missing.status_code == 404 and missing.headers["x-request-id"].startswith("req-")
+        assert missing.headers["x-request-id"] != made
+    [line] = poll(lambda: lines_of(server, missing.headers["x-request-id"]), 10, what="the 404's access line")
+    assert line["event"] == "http_access" and "/v1/nothing-here" in line["line"]

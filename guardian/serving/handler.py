@@ -19,6 +19,7 @@ import functools
 import io
 import json
 import time
+import uuid
 from typing import Optional
 
 import structlog
@@ -46,6 +47,8 @@ class GuardianHandler(Endpoints, stock.handler.DoorCorsHandler):
     _client_wfile = None
     # The client's X-Request-ID for the request being answered, when sane.
     client_request_id: Optional[str] = None
+    # The id made for a response outside a completion when the client sent none (``answer_id``).
+    _made_request_id: Optional[str] = None
     # The door's decision on the request being answered (guardian.access).
     access: Optional[AccessDecision] = None
 
@@ -53,6 +56,7 @@ class GuardianHandler(Endpoints, stock.handler.DoorCorsHandler):
         # Per request: one connection (one handler) may carry several.
         parsed = super().parse_request()
         self.client_request_id = sane_request_id(self.headers.get(REQUEST_ID_HEADER)) if parsed else None
+        self._made_request_id = None
         self.access = None
         return parsed and self.let_in()
 
@@ -349,13 +353,24 @@ class GuardianHandler(Endpoints, stock.handler.DoorCorsHandler):
             return
         linger_close(self.connection)
 
+    def answer_id(self) -> str:
+        """The X-Request-ID of a response outside a completion (a refusal at the door, a 404,
+        /health): the client's own when sane, else one made for it, which the access line
+        names too (a completion's is its own: ``request_scope``)."""
+        if self.client_request_id:
+            return self.client_request_id
+        if self._made_request_id is None:
+            self._made_request_id = f"req-{uuid.uuid4().hex}"
+        return self._made_request_id
+
     def end_headers(self):
         # Headers admission set for this request (X-Guardian-...) and its
         # X-Request-ID, whoever writes the response: stock or the guardian's
-        # error path. Outside a completion, a sane X-Request-ID is echoed.
+        # error path. Every response has one, as OpenAI's do (the openai SDK
+        # shows it as an error's request_id): a client reporting a refusal can name it.
         headers = current_request().response_headers
-        if headers is None and self.client_request_id:
-            headers = {REQUEST_ID_HEADER: self.client_request_id}
+        if headers is None:
+            headers = {REQUEST_ID_HEADER: self.answer_id()}
         for name, value in (headers or {}).items():
             self.send_header(name, value)
         if self._head_deadline is not None:  # a stream's head goes out now: the client reads on
@@ -371,9 +386,11 @@ class GuardianHandler(Endpoints, stock.handler.DoorCorsHandler):
         # The key's name, never the key: the request line (its query's values hidden) and
         # the status are all the line holds.
         key_name = self.access.key_name if self.access is not None else None
+        # Within a completion the log's context names its id already.
+        named = {} if current_request().response_headers is not None else {"request_id": self.answer_id()}
         (log.debug if routine else log.info)("http_access", client=self.client_name,
                                              line=loggable_line(format % args),
-                                             **({"api_key": key_name} if key_name else {}))
+                                             **({"api_key": key_name} if key_name else {}), **named)
 
 
 class RelayedGenerator:

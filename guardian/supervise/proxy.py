@@ -29,6 +29,7 @@ import socket
 import subprocess
 import threading
 import time
+import uuid
 from typing import Optional
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import quote
@@ -200,6 +201,7 @@ class ProxyHandler(BaseHTTPRequestHandler):
         """The door decides before anything is routed or read: the same code as
         the one-process server's (guardian.access.policy)."""
         self.access = None
+        self._made_request_id = None  # per request (``answer_id``)
         if not super().parse_request():
             return False
         door = self.server.supervisor.door
@@ -767,10 +769,9 @@ class ProxyHandler(BaseHTTPRequestHandler):
             self.send_header("Content-Length", str(len(body)))
             for name, value in (headers or {}).items():
                 self.send_header(name, value)
-            # As the child does: a sane X-Request-ID comes back, whoever answers.
-            request_id = sane_request_id(self.headers.get(REQUEST_ID_HEADER)) if self.headers else None
-            if request_id:
-                self.send_header(REQUEST_ID_HEADER, request_id)
+            # As the child does: an X-Request-ID comes back, whoever answers (the client's
+            # own when sane, else one made for it, which the access line names too).
+            self.send_header(REQUEST_ID_HEADER, self.answer_id())
             self.end_headers()
             if self.command != "HEAD":
                 self.wfile.write(body)
@@ -809,6 +810,16 @@ class ProxyHandler(BaseHTTPRequestHandler):
         """An OpenAI-shaped error, with Retry-After when it has one."""
         self.send_json(error.status, error.body(), error.response_headers())
 
+    def answer_id(self) -> str:
+        """The X-Request-ID of an answer the supervisor writes itself: the client's own when
+        sane, else one made for this request (``_made_request_id``, reset per request)."""
+        given = sane_request_id(self.headers.get(REQUEST_ID_HEADER)) if self.headers else None
+        if given:
+            return given
+        if getattr(self, "_made_request_id", None) is None:
+            self._made_request_id = f"req-{uuid.uuid4().hex}"
+        return self._made_request_id
+
     def log_message(self, format, *args):
         # The child logs every request it serves; the supervisor's own
         # access lines are for debugging only, as JSON like the rest.
@@ -816,7 +827,7 @@ class ProxyHandler(BaseHTTPRequestHandler):
             return
         key_name = self.access.key_name if self.access is not None else None
         log.debug("proxy_access", client=self.client_address[0], line=loggable_line(format % args),
-                  **({"api_key": key_name} if key_name else {}))
+                  request_id=self.answer_id(), **({"api_key": key_name} if key_name else {}))
 
 
 def access_lines_wanted() -> bool:
