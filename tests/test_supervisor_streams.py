@@ -329,3 +329,29 @@ def test_streams_waiting_for_the_next_child_are_kept_alive(start_supervisor, tmp
         [usage] = [json.loads(line[len("data: "):])["usage"] for line in lines
                    if line.startswith("data: {") and '"usage"' in line]
         assert 0 <= usage["prompt_tokens_details"]["cached_tokens"] <= usage["prompt_tokens"], usage
+
+
+def test_a_stream_through_a_stall_that_ends_its_child_keeps_a_2_s_read_timeout(start_supervisor, tmp_path):
+    """Stock's step hangs 6 s under a stream, and the stall's rung is exit: the child's
+    keepalives (a second into the silence) stop as it exits, and the supervisor's first
+    came a second after that: 2.0-2.3 s of silence, and a client reading with a 2 s timeout
+    (the openai SDK's timeout=2.0) gave up. The supervisor's first comes at once now."""
+    armed = tmp_path / "slow-token"
+    config = tmp_path / "stall-exit.toml"
+    config.write_text('[guardian]\nplugins = ["tests.plugins.stock_step_faults:StockStepFaults"]\n'
+                      f'[stock_step_faults]\ntoken_delay_s = 6.0\ntoken_delay_armed_by = "{armed}"\n'
+                      '[watchdog]\nladder = ["exit"]\n')
+    supervised = start_supervisor("--guardian-config", str(config))
+    first_pid = supervised.wait_ready()
+    lines = []
+    with httpx.Client(timeout=httpx.Timeout(2.0)) as client, client.stream(
+            "POST", supervised.url + COMPLETIONS, json=greedy_stream("Go on through a stall.", max_tokens=200)) \
+            as response:
+        for line in response.iter_lines():  # a read timeout here fails the test
+            lines.append(line)
+            if line.startswith("data: {") and not armed.exists() and not supervised.events("stock_step_slow_token"):
+                armed.touch()  # the next step that makes a token hangs
+    assert supervised.events("stock_step_slow_token") and supervised.events("engine_stalled")
+    assert {e["dead_child_pid"] for e in supervised.supervisor_events("stream_continuing")} == {first_pid}
+    assert [line for line in lines if line][-1] == "data: [DONE]" and '"error"' not in "".join(lines)
+    assert sum(line.startswith(": keepalive") for line in lines) >= 3

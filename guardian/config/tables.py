@@ -57,9 +57,10 @@ class CoreSettings(Table, name="guardian"):
         A client's own read timeout, which the openai SDK sends as
         x-stainless-read-timeout, is a deadline too, the sooner winning: for a
         stream, until its head is sent (the client's limit is on each wait for
-        bytes, and the events keep those short: a stream that has heard nothing
-        for a second, while a step is slow or the engine is replaced, is sent a
-        keepalive comment). 0: none but the client's.""", live=True)
+        bytes, and the events keep those short: a stream with no token for a
+        second, while a step is slow or the engine is replaced, is sent a keepalive
+        comment at each look of the watchdog, [watchdog] interval_s). 0: none but the
+        client's.""", live=True)
     exit_grace_s = Setting(SECONDS, 5.0, """
         On exit (SIGTERM, SIGINT), how long requests in flight get to reach their
         clients; the watchdog still acts meanwhile. Those still running then get 503

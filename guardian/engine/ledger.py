@@ -40,8 +40,8 @@ class Stage(Enum):
 COMPLETED, FAILED, CANCELLED = "completed", "failed", "cancelled"
 # Why a request was cancelled (requests_cancelled_total's reason).
 CLIENT_LEFT, DEADLINE = "client_left", "deadline"
-# A stream whose client has heard nothing this long gets stock's own keepalive comment
-# (``keep_alive``), as a supervisor's stream does while it waits for the next child.
+# A stream that has had no token (nor prompt progress) this long gets stock's own keepalive
+# comment (``keep_alive``), as a supervisor's stream does while it waits for the next child.
 STREAM_QUIET_S = 1.0
 
 
@@ -192,8 +192,9 @@ class RequestRecord:
         self.ledger.finished(self, COMPLETED if terminal is None else FAILED, tell=tell)
 
     def keep_alive(self, now: float, quiet_s: float) -> bool:
-        """Send a streaming client that has heard nothing for ``quiet_s`` an SSE comment
-        (the watchdog's thread). While the engine is replaced after a stall or a failure,
+        """Send a streaming client whose request has had no token nor prompt progress for
+        ``quiet_s`` an SSE comment (the watchdog's thread; what stock writes of a token, a
+        tool call's text it holds back, is not looked at). While the engine is replaced after a stall or a failure,
         or backs off, or a step is slow, a stream under way was silent for seconds, and a
         client's read timeout (the openai SDK's) ran out. The comment is stock's own:
         a prompt progress report put on the queue its handler reads, which that handler

@@ -143,14 +143,17 @@ class StallDetector:
         self._contained(self._notice_pause, now, late_s)
         # Switched off ([watchdog] enabled = false: a debugger's breakpoint, say), it neither
         # judges progress nor probes; the rest goes on.
+        # Keepalives first: a stall's exit rung ends the process from the progress check.
+        self._contained(self._keep_streams_alive, now)
         judging = (self._check_progress, self._maybe_probe) if self.settings.enabled else ()
-        for part in (*judging, self._keep_streams_alive, self._maybe_sample, self._ping_systemd):
+        for part in (*judging, self._maybe_sample, self._ping_systemd):
             self._contained(part, now)
 
     def _keep_streams_alive(self, now: float) -> None:
-        """Streams silent for a second get a keepalive comment (``RequestRecord.keep_alive``):
-        this thread looks at the engine's requests anyway, and keeps looking while the
-        engine is stuck or replaced, which is when streams go silent."""
+        """Streams with no token for a second get a keepalive comment at this look
+        (``RequestRecord.keep_alive``; so at most every ``interval_s``): this thread looks at
+        the engine's requests anyway, and keeps looking while the engine is stuck or
+        replaced, which is when streams go silent."""
         self.engine.ledger.keep_streams_alive(now)
 
     @staticmethod

@@ -936,11 +936,15 @@ class StreamKeepAlive:
         self._thread.start()
 
     def _beat(self, stop: threading.Event) -> None:
-        while not stop.wait(STREAM_KEEPALIVE_S):
+        # The first at once: the child may have sent nothing for a second before it died (its
+        # own keepalives come a second into a silence), and a client's 2 s read timeout ran out.
+        wait_s = 0.0
+        while not stop.wait(wait_s):
             try:
                 self.connection.sendall(STREAM_KEEPALIVE)
             except (OSError, ValueError):  # the client left: the handler finds out at its next write
                 return
+            wait_s = STREAM_KEEPALIVE_S
 
     def stop(self) -> None:
         """Stop, once the comment being written (if one is) is out."""
