@@ -249,11 +249,10 @@ def test_public_paths_are_a_setting(tmp_path):
     ("[::1]evil.example", "127.0.0.1", False),
     ("localhost:", "127.0.0.1", False),
     ("localhost.", "127.0.0.1", True),  # a fully qualified name: the same host
-    # A web UI in a container (Docker Desktop, Podman) names the machine it runs on so.
-    ("host.docker.internal:8080", "127.0.0.1", True),
-    ("host.containers.internal", "127.0.0.1", True),
+    # A container's name for this machine resolves where a LAN's resolver says: a rebinding's
+    # way in. A web UI in a container is let in by allowed_hosts (the test's own list, below).
+    ("host.docker.internal:8080", "127.0.0.1", False),
     ("evil.internal", "127.0.0.1", False),
-    ("host.docker.internal.evil.example", "127.0.0.1", False),
 ])
 def test_host_header(host_header, bound, allowed):
     policy = door(host=bound, protected_mode=False, allowed_hosts=[".llm.example.com"])
@@ -263,15 +262,17 @@ def test_host_header(host_header, bound, allowed):
         assert decision.error.status == 403 and decision.error.code == "host_not_allowed"
 
 
-@pytest.mark.parametrize("bound", ["127.0.0.1", "0.0.0.0"])
-def test_this_machines_own_names_are_its_hosts_on_loopback_too(bound, monkeypatch):
-    """Bound to loopback, a browser on this machine that named it (``studio-mac.local``)
-    got 403 host_not_allowed; no web page controls what those names resolve to."""
+@pytest.mark.parametrize("bound, served", [("127.0.0.1", False), ("0.0.0.0", True)])
+def test_this_machines_own_names_are_its_hosts_only_beyond_loopback(bound, served, monkeypatch):
+    """Bound to loopback, no name but loopback's is taken unless listed: mDNS or a search
+    domain's resolver can answer for this machine's names, and rebind them to 127.0.0.1."""
     monkeypatch.setattr(policy_module, "machine_names", lambda: {"studio-mac", "studio-mac.local"})
     policy = door(host=bound, protected_mode=False)
     for host in ("studio-mac.local:8080", "studio-mac", "STUDIO-MAC.LOCAL"):
-        assert ask(policy, "/v1/models", "127.0.0.1", "GET", ("Host", host)).allowed, host
+        assert ask(policy, "/v1/models", "127.0.0.1", "GET", ("Host", host)).allowed is served, host
     assert not ask(policy, "/v1/models", "127.0.0.1", "GET", ("Host", "other-mac.local")).allowed
+    listed = door(host=bound, protected_mode=False, allowed_hosts=["host.docker.internal"])
+    assert ask(listed, "/v1/models", "127.0.0.1", "GET", ("Host", "host.docker.internal:8080")).allowed
 
 
 def test_no_host_header_is_no_browser():

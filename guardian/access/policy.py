@@ -41,13 +41,9 @@ from guardian.relay_protocol import relayed_by_supervisor
 
 # Names that always mean this machine (RFC 6761: *.localhost too).
 LOOPBACK_NAMES = ("localhost", "localhost.localdomain")
-# The names a container uses for the machine it runs on (Docker Desktop, Podman), whose
-# connections reach a server bound to loopback: a web UI in a container (Open WebUI's
-# documented set-up) names the server so. ``.internal`` is reserved for private use and
-# never resolves in public DNS, so no web page can rebind these names to this machine.
-CONTAINER_HOST_NAMES = ("host.docker.internal", "host.containers.internal")
 # Origins of apps on this machine that are no web page (Ollama's defaults): an Electron
-# app (``app://obsidian.md``), a Tauri app, a VS Code webview. A web page cannot send them.
+# app (``app://obsidian.md``), a Tauri app, a VS Code webview. No web page can send them;
+# granting them trusts what is installed here, as a local process is trusted already.
 APP_ORIGIN_SCHEMES = ("app", "tauri", "vscode-webview", "vscode-file")
 # An authority as a Host header or an Origin carries one (lower-cased): a name or an IPv4
 # address, or an IPv6 address in brackets; then perhaps a port. urlsplit alone reads
@@ -286,18 +282,21 @@ class AccessPolicy:
             status=403, type="invalid_request_error", code=HOST_NOT_ALLOWED, retry=False)
 
     def host_allowed(self, name: str) -> bool:
-        """Loopback names, a container's name for its host, this machine's own names,
-        the names ``allowed_hosts`` lists (a proxy in front of a server bound to loopback
-        forwards its clients' Host), and, bound beyond loopback, addresses. No web page
-        controls what this machine's own names or a container's resolve to."""
-        if is_loopback_name(name) or name in CONTAINER_HOST_NAMES or name in self._machine_names:
+        """Loopback names, the names ``allowed_hosts`` lists (a proxy in front of a server
+        bound to loopback forwards its clients' Host; ``host.docker.internal`` for a web UI
+        in a container), and, bound beyond loopback, addresses and this machine's own names.
+        Bound to loopback, this machine's names are not taken: what they resolve to, a
+        search domain's resolver, mDNS (``NAME.local``) or a DHCP-given one (a
+        ``.internal`` name) can answer for, and so rebind to 127.0.0.1 (a review showed a
+        page's reads of /v1/models and /metrics let through)."""
+        if is_loopback_name(name):
             return True
         for allowed in self.settings.allowed_hosts:
             allowed = allowed.lower()
             if allowed == "*" or name == allowed or (
                     allowed.startswith(".") and (name.endswith(allowed) or name == allowed[1:])):
                 return True
-        return not self.loopback_only and is_ip_literal(name)
+        return not self.loopback_only and (is_ip_literal(name) or name in self._machine_names)
 
     def check_origin(self, origin: Optional[str]) -> Optional[GuardianError]:
         # "null": a sandboxed frame or a file:// page; refused unless "*" was asked for.

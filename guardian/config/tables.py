@@ -251,11 +251,11 @@ class AccessSettings(Table, name="access"):
         clients are served as always. false: serve everyone without keys (a
         trusted network, or a proxy in front that checks them).""", live=True)
     allowed_hosts = Setting(ListOf(Str()), [], """
-        Host header names served besides loopback names and addresses, this
-        machine's host name (and NAME.local) and host.docker.internal and
-        host.containers.internal (a container's name for this machine), which
-        always are, and, bound beyond loopback, IP addresses: "name",
-        ".example.com" (the domain and its subdomains) or "*" (any). Behind a proxy that forwards its clients'
+        Host header names served besides loopback names and addresses, which
+        always are, and, bound beyond loopback, IP addresses and this machine's
+        host name (and NAME.local): "name", ".example.com" (the domain and its
+        subdomains) or "*" (any). A web UI in a container that names this
+        machine: "host.docker.internal". Behind a proxy that forwards its clients'
         Host to a server bound to loopback, list the proxy's public name here.
         Another name is refused (403): a web page cannot reach the server
         through a DNS name it controls (DNS rebinding).""", live=True)
