@@ -45,9 +45,15 @@ def serve_follower(model_provider, config, pm, group: Group) -> int:
     # rank 0 has drained them and says so (the launcher or supervisor signals every rank
     # at once), or when rank 0 is lost. Rank 0 bounds its drain by its exit_grace_s, which
     # its configuration file may have changed since this rank read it.
-    for signum in (signal.SIGTERM, signal.SIGINT):
+    def asked_to_stop(*_):
+        # Marked here, at once: the launcher's death that sent this SIGTERM is seen by the
+        # parent watch's thread too, which must take it for the stop it is, not a failure.
+        member.asked_to_stop = True
         # The asking logs and writes: on the main thread, not in the handler.
-        signal.signal(signum, lambda *_: exit_request.run_on_main_thread(member.ask_group_to_stop))
+        exit_request.run_on_main_thread(member.ask_group_to_stop)
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, asked_to_stop)
     # Only rank 0 follows the file: a SIGHUP here changes nothing, and says so (it was silent).
     signal.signal(signal.SIGHUP, lambda *_: exit_request.run_on_main_thread(
         lambda: log.info("sighup_ignored", hint="only rank 0 reads --guardian-config again: send SIGHUP to rank 0")))
