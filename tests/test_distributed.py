@@ -350,7 +350,6 @@ def test_a_rank_stuck_in_its_step_is_a_stall_at_the_limit_though_rank_0_waits_bu
     assert stalled["heartbeat_age_s"] < 10, stalled
 
 
-@pytest.mark.one_version
 def test_a_signalled_rank_asks_rank_0_to_drain_with_its_grace_as_it_stands_now(launch, tmp_path):
     """SIGTERM to rank 1 alone: rank 0 drains its clients, then every rank exits 0. Rank 1
     used to leave by its own copy of exit_grace_s, read at its start: a grace raised since
@@ -380,7 +379,6 @@ def test_a_signalled_rank_asks_rank_0_to_drain_with_its_grace_as_it_stands_now(l
     assert [e["exit_code"] for e in group.rank_events("rank_stopped", 1)] == [EXIT_OK]
 
 
-@pytest.mark.one_version
 def test_a_rank_lost_after_it_asked_rank_0_to_stop_still_fails_the_group(launch):
     """Rank 1 asked rank 0 to stop the group (SIGTERM), then died while rank 0 drained.
     Rank 0 stopped reading rank 1's connection at the ask, and took no loss as a failure

@@ -16,7 +16,6 @@ from conftest import chat_body
 from guardian.exit_codes import EXIT_UNCAUGHT
 from test_supervisor import SUPERVISOR_HOOKS, start_supervisor  # noqa: F401 - a fixture
 
-pytestmark = pytest.mark.one_version  # the connection layer: nothing of mlx-lm's version
 
 
 def crash_env(armed: Path, where: str) -> dict:
