@@ -24,6 +24,7 @@ import os
 import statistics
 import sys
 import time
+import traceback
 
 SENTENCE = "The guardian watches a language model server and keeps it alive. "
 
@@ -45,7 +46,7 @@ def build_guardian():
     model_provider.load_default()
     config, pm = model_provider.cli_args.guardian_runtime
     served = ServedModel(model_provider, config, pm, on_exit=lambda code: None)
-    pm.hook.guardian_startup(engine=served.engine, config=config)
+    pm.hook.guardian_startup(engine=served.engine.plugin_view, config=config)
     return served
 
 
@@ -73,7 +74,7 @@ def main() -> None:
         _, generation_args = stock.requests.make_request("", max_tokens=128, cli_args=cli_args)
         with request_scope(f"bench-{i}", stream=True):
             started = time.perf_counter()
-            admission = gate.admit(chat_request(i), generation_args, engine=engine)
+            admission = gate.admit(chat_request(i), generation_args, engine=engine.plugin_view)
             admit_ms.append((time.perf_counter() - started) * 1000)
             admission.finish()
         started = time.perf_counter()
@@ -97,4 +98,10 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except BaseException:
+        # The engine's threads outlive a failure here, and one is no daemon: say what
+        # failed and leave, rather than wait for them for ever.
+        traceback.print_exc()
+        os._exit(1)

@@ -10,6 +10,13 @@ caches at the end of its segment (so do the user messages of a chat), and
 for a text completion, a single segment that stock caches only once the
 request ends; it prints a table.
 
+The fault falls between two steps, where the failed batch's KV caches are kept for
+the re-run (guardian/engine/kept_kv.py, since 2026-12-02): the continuation prefills
+one token whether the prompt cache is on or off, and the rows agree (7 ms at the seam).
+What the "off" row measured before, 538-612 ms for ~1,250 tokens, is what a failure
+inside a step (nothing kept) costs without the prompt cache
+(bench/results/continuation_cost.md).
+
 Note: after a stall (not a failure) the engine drops the prompt cache on
 purpose (the stuck loop's arrays cannot be used on a new thread), so a
 continuation after a stall always pays the "without" column.

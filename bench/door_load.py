@@ -341,7 +341,8 @@ def write_results(results: list[dict], connections: int, environment_line: str) 
     try:
         plot(results, RESULTS / "door_load.png")
     except ImportError:
-        print("matplotlib is not installed: no plot")
+        print("matplotlib is not installed: no plot (the older one, which no longer matches the table, removed)")
+        (RESULTS / "door_load.png").unlink(missing_ok=True)
     return report
 
 

@@ -31,8 +31,11 @@ CLIENTS = 8
 MAX_TOKENS = 150
 
 # The guardian's command with ROW_PROCESSORS swapped back to stock's plain lists.
-PLAIN_LISTS = ("import sys, guardian.stock as stock\n"
-               "stock.ROW_PROCESSORS = list\n"
+# (Set where it is read, guardian.stock.sampling: set on guardian.stock it changed nothing,
+# and the two servers were the same.)
+PLAIN_LISTS = ("import sys, guardian.stock.sampling as sampling\n"
+               "sampling.ROW_PROCESSORS = list\n"
+               "assert sampling.ROW_PROCESSORS is list\n"
                "sys.argv = ['mlx-guardian', *sys.argv[1:]]\n"
                "from guardian.cli import main\nmain()\n")
 

@@ -75,7 +75,8 @@ Usage::
     .venv/bin/python bench/soak.py inprocess --failures 30      # a quick look
 
 Results: bench/results/soak-<mode>.json and soak-<mode>.png (``--out``).
-Needs matplotlib (not declared by pyproject; ``.venv/bin/pip install matplotlib``).
+Plots with matplotlib when it is installed (not declared by pyproject; ``.venv/bin/pip install
+matplotlib``); without it, the JSON and the tables alone.
 Timings depend on the machine's load; the JSON records the load average.
 """
 
@@ -309,7 +310,12 @@ def outcomes(records: list[dict], faults: list[float]) -> dict:
 
 def plot(records: list[dict], faults: list[float], t0: float, title: str, path: Path,
          fault_labels: list[str] | None = None) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:  # the run's JSON and tables stand without it
+        print("no plot: matplotlib is not installed (.venv/bin/pip install matplotlib)", file=sys.stderr)
+        path.unlink(missing_ok=True)  # an older run's plot would not match this run
+        return
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -579,7 +585,7 @@ def main() -> None:
     shown = {k: v for k, v in result.items() if k not in ("records", "fault_times", "failed_requests", "status_at_end")}
     print(json.dumps(shown, indent=1, default=str))
     print(markdown(result))
-    print(f"\n{path}\n{path.with_suffix('.png')}")
+    print(f"\n{path}" + (f"\n{path.with_suffix('.png')}" if path.with_suffix(".png").exists() else ""))
 
 
 if __name__ == "__main__":
