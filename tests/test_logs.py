@@ -95,3 +95,52 @@ def test_a_query_is_hidden_to_the_end_of_its_target():
         line = without_query_values(f'"GET {target} HTTP/1.1" 200 -')
         assert "SEKRIT" not in line and line.endswith(' HTTP/1.1" 200 -'), line
     assert without_query_values("/readyz?deep=1") == "/readyz?deep=***"
+
+
+def test_a_log_reader_that_stops_reading_never_stops_the_server(model_cache, tmp_path):
+    """Its output is a pipe nobody reads (a terminal paused with Ctrl-S, a stopped
+    mlx.launch, a hung collector): once the pipe was full, every thread that logged
+    waited, and the server with them, /health included. Lines are dropped instead, and
+    the first line written again says how many."""
+    import os
+    import time
+
+    from conftest import free_port
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "guardian", "--port", str(port)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, cwd=REPO, env={**os.environ, "MLX_GUARDIAN_CACHE": str(model_cache)})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        def healthy():
+            try:
+                return httpx.get(url + "/health", timeout=1).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        # Its start-up lines are few: the pipe (64 KiB) has room for them.
+        poll(healthy, 60, interval=0.2, what="the server serving")
+        with httpx.Client(timeout=5) as client:  # ~400 bytes of access line each: past the pipe's room
+            for _ in range(400):
+                assert client.get(url + "/v1/models", headers={"X-Request-ID": "x" * 100}).status_code == 200
+            asked_at = time.monotonic()
+            assert client.get(url + "/health").status_code == 200
+            assert time.monotonic() - asked_at < 2
+            answer = client.post(url + "/v1/chat/completions", json=chat_body(max_tokens=2))
+            assert answer.status_code == 200
+        # The reader comes back: what was written is read, and the next line says what was lost.
+        os.set_blocking(proc.stdout.fileno(), False)
+        while True:
+            try:
+                if not os.read(proc.stdout.fileno(), 1 << 16):
+                    break
+            except BlockingIOError:
+                break
+        assert httpx.get(url + "/v1/models", timeout=5).status_code == 200
+        os.set_blocking(proc.stdout.fileno(), True)
+        [dropped] = [json.loads(line) for line in [proc.stdout.readline()]]
+        assert dropped["event"] == "log_lines_dropped" and dropped["lines"] > 0, dropped
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+        proc.stdout.close()

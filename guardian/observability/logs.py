@@ -16,8 +16,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
+import select
 import sys
 import threading
+from typing import Optional
 
 import structlog
 
@@ -200,6 +202,54 @@ def route_library_output_to_root() -> None:
             logger.propagate = True
 
 
+class NeverBlockingStreamHandler(logging.StreamHandler):
+    """A stream handler that drops a line rather than wait for a reader that does not read.
+
+    Every thread logs: the HTTP threads, the engine's loop, the watchdog. Writing to a pipe
+    or a terminal nobody reads (a terminal paused with Ctrl-S, an ``mlx.launch`` stopped
+    with SIGSTOP, a log collector that hangs) blocks once its buffer is full, and with it
+    every thread that logs: the whole server, /health included, hung until the reader came
+    back (measured: rank 0 under a stopped launcher, 41 s after the stop). Before each line
+    it asks the kernel whether the stream takes a write now (``poll``); when it does not,
+    the line is dropped and counted, and the next line written says how many went
+    (``log_lines_dropped``). A file, or a reader that keeps up, always takes it: the
+    order of lines and their timing are as with a plain handler.
+    """
+
+    def __init__(self, stream=None):
+        super().__init__(stream)
+        self.dropped = 0  # since the last line written (emit runs under the handler's lock)
+        try:
+            self._fd: Optional[int] = self.stream.fileno()
+        except (AttributeError, OSError, ValueError):  # no descriptor (a test's StringIO): never full
+            self._fd = None
+
+    def takes_a_write(self) -> bool:
+        """Whether a write now would not wait (select, not poll: macOS's poll refuses ttys)."""
+        if self._fd is None:
+            return True
+        try:
+            return bool(select.select([], [self._fd], [], 0)[1])
+        except (OSError, ValueError):
+            return True
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not self.takes_a_write():
+            self.dropped += 1
+            return
+        dropped, self.dropped = self.dropped, 0
+        if dropped:
+            super().emit(self._dropped_record(dropped))
+        super().emit(record)
+
+    @staticmethod
+    def _dropped_record(count: int) -> logging.LogRecord:
+        record = logging.LogRecord("guardian.logs", logging.WARNING, __file__, 0, "log_lines_dropped", None, None)
+        record.lines = count
+        record.why = "the log's reader did not read (a paused terminal or collector): lines were dropped, not waited for"
+        return record
+
+
 def configure_logging(log_format: str = "json", level: str = "INFO") -> None:
     renderer = (
         structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
@@ -219,7 +269,7 @@ def configure_logging(log_format: str = "json", level: str = "INFO") -> None:
             renderer,
         ],
     )
-    handler = logging.StreamHandler(sys.stderr)
+    handler = NeverBlockingStreamHandler(sys.stderr)
     handler.setFormatter(formatter)
     handler.addFilter(DropRawRequestBodies())
     handler.addFilter(RoutineLibraryLinesAtDebug())
