@@ -198,6 +198,15 @@ def test_rank_0_serves_and_a_failure_on_rank_1_ends_the_group_with_503s(launch, 
     assert group.events("server_started")[0]["access"] == "api_keys"
     assert [e["rank"] for e in group.events("rank_started")] == [1]
     assert {e["rank"] for e in group.events("group_joined")} == {0, 1}
+    # The group as rank 0 sees it: its status and its metrics name rank 1, and when it was heard.
+    seen = httpx.get(group.url + "/guardian/status", headers=WITH_KEY, timeout=10).json()["group"]
+    assert (seen["rank"], seen["size"], seen["stopping"], seen["lost"]) == (0, 2, False, None)
+    [peer] = seen["peers"]
+    assert peer["rank"] == 1 and peer["pid"] == ranks[1] and not peer["gone"]
+    assert peer["last_heard_s"] < seen["peer_timeout_s"]
+    metrics = httpx.get(group.url + "/metrics", headers=WITH_KEY, timeout=10).text
+    assert "mlx_guardian_group_ranks 2.0" in metrics
+    assert 'mlx_guardian_group_peer_last_heard_seconds{rank="1"}' in metrics
     guardian_lines = [e for e in group.logs() if "event" in e and "logger" in e]
     assert guardian_lines and all("rank" in e for e in guardian_lines)
 

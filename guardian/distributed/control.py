@@ -45,6 +45,8 @@ class Connection:
         self.peer_host = (hello or {}).get("host")
         # Set once the peer's end closed: its process is gone.
         self.gone = threading.Event()
+        # When a line of the peer's last came (its beats included): the status's view of it.
+        self.last_heard = time.monotonic()
         self._peer_timeout_s = peer_timeout_s
         self._on_lost = on_lost
         self._on_stopping = on_stopping
@@ -115,6 +117,7 @@ class Connection:
             if not line:
                 self.gone.set()
                 return "closed its connection (the process is gone)"
+            self.last_heard = time.monotonic()
             try:
                 message = json.loads(line)
             except ValueError:
@@ -209,6 +212,13 @@ class ControlLinks:
         return [c for c in self.connections
                 if c.peer_pid and c.peer_host == here
                 and not c.gone.wait(max(0.0, deadline - time.monotonic()))]
+
+    def status(self) -> list[dict]:
+        """Each connected rank as this one sees it, for ``/guardian/status``."""
+        now = time.monotonic()
+        return [{"rank": c.peer, "pid": c.peer_pid, "host": c.peer_host,
+                 "last_heard_s": round(now - c.last_heard, 3), "gone": c.gone.is_set()}
+                for c in sorted(self.connections, key=lambda c: c.peer)]
 
     def close(self) -> None:
         self._stopped.set()

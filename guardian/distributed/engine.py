@@ -56,6 +56,10 @@ class GroupEngine(GuardianEngine):
     # ring backend, measured on the CPU): a stuck group looked like a long step computing.
     steps_wait_busily = True
 
+    def status(self) -> dict:
+        member = self.group_member
+        return {**super().status(), **({"group": member.status()} if member is not None else {})}
+
     def give_up(self, reason: str, exit_code: int = EXIT_GROUP_FAILED, records=()) -> None:
         """Tell the other ranks first (they are waiting in a collective), then give up with code 7."""
         member = self.group_member

@@ -133,6 +133,12 @@ class GroupMember:
             self.kill_stuck_ranks(STUCK_AFTER_S)
         self.links.close()
 
+    def status(self) -> dict:
+        """The group as this rank sees it (rank 0's ``/guardian/status``, ``group``)."""
+        return {"rank": self.group.rank, "size": self.group.size,
+                "peer_timeout_s": self.links.peer_timeout_s, "peers": self.links.status(),
+                "stopping": self.stopping, "lost": self._peer_lost_why}
+
     def peer_lost(self, wait_s: float) -> Optional[str]:
         """Who was lost first and why, once a peer is lost (within ``wait_s``); else None."""
         return self._peer_lost_why if self._peer_lost.wait(wait_s) else None

@@ -242,7 +242,22 @@ class EngineCollector:
         quarantine = status.get("quarantine") or {}
         yield gauge(P + "quarantined_requests", "Fingerprints of requests blamed for an engine failure, "
                     "refused at the door until their quarantine ends.", quarantine.get("quarantined_count", 0))
+        yield from self.group(status.get("group"))
         yield from self.probes()
+
+    @staticmethod
+    def group(group: Optional[dict]):
+        """Under mlx.launch: each other rank, by when its control connection was last heard
+        (beats ten times a peer timeout; a rank past peer_timeout_s is lost)."""
+        if group is None:
+            return
+        yield gauge(P + "group_ranks", "Ranks in this mlx.launch group.", group["size"])
+        heard = GaugeMetricFamily(P + "group_peer_last_heard_seconds", "Since each other rank's control "
+                                  "connection was last heard (its beats come ten times a peer_timeout_s).",
+                                  labels=["rank"])
+        for peer in group["peers"]:
+            heard.add_metric([str(peer["rank"])], peer["last_heard_s"])
+        yield heard
 
     @staticmethod
     def failures(status: dict):
