@@ -70,7 +70,8 @@ class GroupMember:
     def join(self, pm) -> None:
         """Every rank, before the model loads: policy, launcher watch, control links."""
         pm.register(GroupPolicy(), name=GroupPolicy.name)
-        die_with_parent(lambda: self._lost(-1, "the launcher (this rank's parent) is gone"), parent=launcher_pid())
+        die_with_parent(lambda: self._lost(-1, "the launcher (this rank's parent) is gone"),
+                        parent=launcher_pid())
         supervisor = supervisor_pid()
         if supervisor is not None and is_ancestor(supervisor):  # under --supervise, on its machine
             die_with_process(supervisor, lambda: self._lost(-1, "the supervisor is gone"))

@@ -193,12 +193,13 @@ class RequestRecord:
 
     def keep_alive(self, now: float, quiet_s: float) -> bool:
         """Send a streaming client whose request has had no token nor prompt progress for
-        ``quiet_s`` an SSE comment (the watchdog's thread; what stock writes of a token, a
-        tool call's text it holds back, is not looked at). While the engine is replaced after a stall or a failure,
-        or backs off, or a step is slow, a stream under way was silent for seconds, and a
-        client's read timeout (the openai SDK's) ran out. The comment is stock's own:
-        a prompt progress report put on the queue its handler reads, which that handler
-        writes (``: keepalive 40/40``) on its own thread, between its other writes."""
+        ``quiet_s`` an SSE comment (the watchdog's thread). While the engine is replaced
+        after a stall or a failure, or backs off, or a step is slow, a stream under way was
+        silent for seconds, and a client's read timeout (the openai SDK's) ran out. The
+        comment is stock's own: a prompt progress report put on the queue its handler
+        reads, which that handler writes (``: keepalive 40/40``) on its own thread, between
+        its other writes. Tokens are what is timed, not what stock writes of them: a tool
+        call's text, which stock holds back until the call is whole, gets no comment."""
         if not self.stream or self._first_ctx is None:
             return False  # its handler waits for the context: nothing goes out before the head
         last = self.token_times[-1] if self.token_times else self.arrived_at

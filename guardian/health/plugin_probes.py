@@ -59,7 +59,8 @@ class PluginProbes:
         if thread.is_alive():
             self._left_running[plugin] = thread
             log.warning("probe_overran", plugin=plugin, timeout_s=timeout_s)
-            return None, ProbeOverran(f"no result within {timeout_s + OVERRUN_S:g} s (timeout_s {timeout_s:g}); left running")
+            return None, ProbeOverran(f"no result within {timeout_s + OVERRUN_S:g} s "
+                                      f"(timeout_s {timeout_s:g}); left running")
         return answer.get("result"), answer.get("error")
 
 

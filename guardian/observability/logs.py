@@ -246,7 +246,8 @@ class NeverBlockingStreamHandler(logging.StreamHandler):
     def _dropped_record(count: int) -> logging.LogRecord:
         record = logging.LogRecord("guardian.logs", logging.WARNING, __file__, 0, "log_lines_dropped", None, None)
         record.lines = count
-        record.why = "the log's reader did not read (a paused terminal or collector): lines were dropped, not waited for"
+        record.why = ("the log's reader did not read (a paused terminal or collector): "
+                      "lines were dropped, not waited for")
         return record
 
 

@@ -55,8 +55,8 @@ def serve_follower(model_provider, config, pm, group: Group) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, asked_to_stop)
     # Only rank 0 follows the file: a SIGHUP here changes nothing, and says so (it was silent).
-    signal.signal(signal.SIGHUP, lambda *_: exit_request.run_on_main_thread(
-        lambda: log.info("sighup_ignored", hint="only rank 0 reads --guardian-config again: send SIGHUP to rank 0")))
+    signal.signal(signal.SIGHUP, lambda *_: exit_request.run_on_main_thread(lambda: log.info(
+        "sighup_ignored", hint="only rank 0 reads --guardian-config again: send SIGHUP to rank 0")))
     log.info("rank_started", model=model_provider.cli_args.model,
              mlx_lm_version=stock.contract.STOCK_VERSION)
     code = exit_request.wait()
