@@ -44,6 +44,7 @@ flag below, and the guardian's (group "mlx-guardian")."""
 def add_guardian_arguments(parser: argparse.ArgumentParser) -> None:
     """The guardian's flags beside stock's, from the settings registry; the
     other ways to run the command in the help's epilog."""
+    stock_flags = [flag for flag in parser._option_string_actions if flag.startswith("--")]  # noqa: SLF001
     group = parser.add_argument_group("mlx-guardian")
     try:
         group.add_argument("--version", action="version", version=version_line(),
@@ -64,10 +65,28 @@ def add_guardian_arguments(parser: argparse.ArgumentParser) -> None:
         elif action.dest == "model" and action.help:  # stock's help, and what leaving it out does here
             action.help = (f"{action.help.rstrip('.')}: a folder or a Hugging Face id. Default: a tiny built-in "
                            "demo model, to try the server (its answers are noise).")
+    keep_stock_abbreviations(parser, stock_flags)
     parser.description = DESCRIPTION
     parser.epilog = other_commands_help()
     # Keeps the epilog's lines; flags' help texts are wrapped as before.
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
+
+
+def keep_stock_abbreviations(parser: argparse.ArgumentParser, stock_flags: list[str]) -> None:
+    """Every abbreviation of a stock flag that stock's parser takes still means that flag.
+
+    argparse takes any unambiguous prefix of a long flag; ours beside stock's made some of
+    stock's ambiguous (``--log`` for ``--log-level`` met ``--log-format``: exit 2 where stock
+    started). Each such prefix is made an exact name of the stock flag's action, which the
+    help does not list."""
+    options = parser._option_string_actions  # noqa: SLF001 - argparse has no public way to add a name
+    for flag in stock_flags:
+        for end in range(3, len(flag)):
+            prefix = flag[:end]
+            if prefix in options or [f for f in stock_flags if f.startswith(prefix)] != [flag]:
+                continue  # a name already, or not stock's own abbreviation of this flag
+            if any(other.startswith(prefix) for other in options if other not in stock_flags):
+                options[prefix] = options[flag]
 
 
 def other_commands_help() -> str:
@@ -258,6 +277,12 @@ def run_command(argv: list[str]) -> None:
     if argv and argv[0] in COMMANDS:
         command = COMMANDS[argv[0]][0]
         raise SystemExit(command(argv[1:]))
+    short = [arg for arg in argv if arg != CommandLine.supervise.flag and len(arg) >= 4
+             and CommandLine.supervise.flag.startswith(arg)]
+    if short:  # argparse would take it for --supervise, and this process would run without one
+        print(f"mlx-guardian: {short[0]} is short for {CommandLine.supervise.flag}: spell it in full",
+              file=sys.stderr)
+        raise SystemExit(EXIT_USAGE)
     if CommandLine.supervise.flag in argv:
         # Subprocess mode: the supervisor must carry no mlx, so guardian.stock
         # (which imports mlx_lm) is only imported below, for the engine.

@@ -59,6 +59,22 @@ def test_every_stock_flag_is_accepted():
     assert stock_flags and all(flag in help_text for flag in stock_flags)
 
 
+def test_stocks_abbreviations_of_its_flags_still_work():
+    """argparse takes a flag's unambiguous prefix. Ours beside stock's made some of stock's
+    ambiguous: `--log DEBUG` (stock: --log-level) exited 2, "could match --log-level,
+    --log-format", where stock started (a side-by-side run of every stock flag's prefixes)."""
+    for prefix in ("--l", "--lo", "--log", "--log-"):
+        result = run(prefix, "DEBUG", "--port", "99999")
+        # Parsed: it gets as far as the port, which no server can listen on.
+        assert result.returncode == 2 and "cannot listen" in result.stderr, (prefix, result.stderr[-300:])
+
+
+def test_an_abbreviated_supervise_is_refused_not_ignored():
+    """argparse took `--sup` for --supervise, and the process ran without a supervisor."""
+    result = run("--sup", "--port", "99999")
+    assert result.returncode == 2 and "--sup is short for --supervise: spell it in full" in result.stderr
+
+
 def test_bad_stock_flag_value_is_stocks_usage_error():
     result = run("--port", "not-a-number")
     assert result.returncode == 2
