@@ -153,6 +153,17 @@ def test_missing_model_path_exits_with_boot_error(tmp_path):
     assert "Traceback" not in result.stderr and '"exception"' not in result.stderr
 
 
+def test_a_missing_draft_model_is_named_not_the_model(tmp_path, model_cache):
+    """It was said as the model's failure, naming the model that loads."""
+    from guardian.exit_codes import EXIT_BOOT_ERROR
+
+    model = tmp_path / "model"
+    assert run("demo-model", str(model)).returncode == 0
+    result = run("--model", str(model), "--draft-model", str(tmp_path / "no-draft"), "--port", "0")
+    assert result.returncode == EXIT_BOOT_ERROR, result.stderr[-2000:]
+    assert f"cannot load the draft model {tmp_path / 'no-draft'}: no such folder" in result.stderr
+
+
 def test_a_demo_model_it_cannot_write_exits_with_boot_error_naming_the_fix(tmp_path):
     from guardian.exit_codes import EXIT_BOOT_ERROR
 

@@ -50,6 +50,18 @@ from guardian.relay_protocol import HEADERS_ADDED_FOR_CHILD, started_by_supervis
 log = structlog.get_logger("guardian.server")
 
 
+def which_model_failed(cli_args) -> tuple[str, Optional[str]]:
+    """("model", --model), or the adapter or draft model when that one is a path that is not
+    there while the model's is (a missing draft model was said as the model's failure)."""
+    model = cli_args.model
+    if model and Path(model).expanduser().is_dir():
+        for what, flag in (("adapter", "adapter_path"), ("draft model", "draft_model")):
+            name = getattr(cli_args, flag, None)
+            if name and (os.sep in name or name.startswith((".", "~"))) and not Path(name).expanduser().exists():
+                return what, name
+    return "model", model
+
+
 def why_no_model(model: Optional[str], error: Exception) -> str:
     """Why ``--model`` could not load, in a few words: a path that is not a model folder
     said as such (stock's loader took it for a hub id: "Repo id must be in the form...")."""
@@ -107,7 +119,8 @@ def serve(host: str, port: int, model_provider, config: Union[GuardianConfig, Li
         # Anything else may be a bug of a loader's: its traceback goes to the log.
         log.critical("model_load_failed", model=cli_args.model, draft_model=getattr(cli_args, "draft_model", None),
                      error_type=type(e).__name__, error_message=str(e), exc_info=not isinstance(e, (OSError, ValueError)))
-        print(f"mlx-guardian: cannot load the model {cli_args.model}: {why_no_model(cli_args.model, e)}", file=sys.stderr)
+        what, name = which_model_failed(cli_args)
+        print(f"mlx-guardian: cannot load the {what} {name}: {why_no_model(name, e)}", file=sys.stderr)
         return EXIT_BOOT_ERROR
 
     problems = impossible_flags(model_provider.cli_args,
