@@ -146,7 +146,9 @@ def test_logs_and_metrics_name_the_key_never_the_key(door_server):
         with socket.create_connection(("127.0.0.1", door_server.port), timeout=10) as sock:
             sock.sendall(f"GET {target} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode())
             assert sock.recv(65536).startswith(b"HTTP/1.0 401 ")
-    metrics = door_server.get("/metrics", ALICE).text
+    scraped_metrics = door_server.get("/metrics", ALICE)
+    assert scraped_metrics.headers["x-request-id"].startswith("req-")  # every response has one
+    metrics = scraped_metrics.text
     assert 'api_key="bob"' in metrics  # the child's, under --supervise: the supervisor names the key
     log = door_server.log_path.read_text()
     for secret in (ALICE, BOB, CAROL):

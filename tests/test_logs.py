@@ -136,10 +136,13 @@ def test_a_log_reader_that_stops_reading_never_stops_the_server(model_cache, tmp
                     break
             except BlockingIOError:
                 break
-        assert httpx.get(url + "/v1/models", timeout=5).status_code == 200
+        assert httpx.post(url + "/v1/chat/completions", json=chat_body(max_tokens=2), timeout=30,
+                          headers={"X-Request-ID": "after-the-pause"}).status_code == 200
         os.set_blocking(proc.stdout.fileno(), True)
         [dropped] = [json.loads(line) for line in [proc.stdout.readline()]]
         assert dropped["event"] == "log_lines_dropped" and dropped["lines"] > 0, dropped
+        # Written by that request's thread, and none of its: no request's fields on it.
+        assert "request_id" not in dropped, dropped
     finally:
         proc.kill()
         proc.wait(timeout=10)

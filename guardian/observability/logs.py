@@ -14,6 +14,7 @@ request writes one line at INFO, its ``http_access``.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import logging
 import re
 import select
@@ -239,7 +240,9 @@ class NeverBlockingStreamHandler(logging.StreamHandler):
             return
         dropped, self.dropped = self.dropped, 0
         if dropped:
-            super().emit(self._dropped_record(dropped))
+            # In a context of its own: the thread that writes it may be serving a request,
+            # whose fields (request_id, ...) are no part of this line.
+            contextvars.Context().run(super().emit, self._dropped_record(dropped))
         super().emit(record)
 
     @staticmethod

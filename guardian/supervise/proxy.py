@@ -785,6 +785,7 @@ class ProxyHandler(BaseHTTPRequestHandler):
             self.send_response(200)
             self.send_header("Content-Type", supervise_metrics.CONTENT_TYPE)
             self.send_header("Content-Length", str(len(body)))
+            self.send_header(REQUEST_ID_HEADER, self.answer_id())
             self.end_headers()
             if self.command != "HEAD":
                 self.wfile.write(body)
