@@ -53,10 +53,11 @@ class GuardianHandler(Endpoints, stock.handler.DoorCorsHandler):
     access: Optional[AccessDecision] = None
 
     def parse_request(self) -> bool:
-        # Per request: one connection (one handler) may carry several.
+        # Per request: one connection (one handler) may carry several. Reset before parsing:
+        # a request refused by the parse itself must not answer with the last one's id.
+        self.client_request_id = self._made_request_id = None
         parsed = super().parse_request()
         self.client_request_id = sane_request_id(self.headers.get(REQUEST_ID_HEADER)) if parsed else None
-        self._made_request_id = None
         self.access = None
         return parsed and self.let_in()
 

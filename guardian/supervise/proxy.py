@@ -201,9 +201,12 @@ class ProxyHandler(BaseHTTPRequestHandler):
         """The door decides before anything is routed or read: the same code as
         the one-process server's (guardian.access.policy)."""
         self.access = None
-        self._made_request_id = None  # per request (``answer_id``)
+        # Per request (``answer_id``), reset before parsing: a request refused by the parse
+        # itself must not answer with the last one's id.
+        self._given_request_id = self._made_request_id = None
         if not super().parse_request():
             return False
+        self._given_request_id = sane_request_id(self.headers.get(REQUEST_ID_HEADER))
         door = self.server.supervisor.door
         passed = self.passed
         # Made already: by the reader that handed it off, or on the head (PublicServer.decide_at_head).
@@ -814,7 +817,7 @@ class ProxyHandler(BaseHTTPRequestHandler):
     def answer_id(self) -> str:
         """The X-Request-ID of an answer the supervisor writes itself: the client's own when
         sane, else one made for this request (``_made_request_id``, reset per request)."""
-        given = sane_request_id(self.headers.get(REQUEST_ID_HEADER)) if self.headers else None
+        given = getattr(self, "_given_request_id", None)
         if given:
             return given
         if getattr(self, "_made_request_id", None) is None:
