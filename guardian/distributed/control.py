@@ -47,6 +47,8 @@ class Connection:
         self.gone = threading.Event()
         # When a line of the peer's last came (its beats included): the status's view of it.
         self.last_heard = time.monotonic()
+        # The peer (a rank other than 0) asked rank 0 to stop the group.
+        self.asked = False
         self._peer_timeout_s = peer_timeout_s
         self._on_lost = on_lost
         self._on_stopping = on_stopping
@@ -125,9 +127,13 @@ class Connection:
             if message.get("kind") == "failing":
                 return f"failed: {message.get('reason')}"
             if message.get("kind") == "stopping":
-                self._on_stopping(self.peer)
                 if self.peer == 0:
+                    self._on_stopping(self.peer)
                     return None  # rank 0 stops the group: its end closing next is no loss
+                if self.asked:
+                    continue  # said again as it leaves, once rank 0 has said the group stops
+                self.asked = True
+                self._on_stopping(self.peer)
                 # A rank that asks rank 0 to stop the group stays in it until rank 0 says
                 # so: its failure or its loss meanwhile is the group's (rank 0's collectives
                 # would wait for it), and was not heard, so clients waited for the stall limit

@@ -129,6 +129,9 @@ class GroupMember:
     def leave(self, exit_code: int) -> None:
         """At exit: a clean stop tells the others to stop too; then the links close."""
         if exit_code == EXIT_OK:
+            # Its word: the others leave now, and their going (a connection closed before
+            # these links are) is no loss.
+            self.stopping = True
             self.links.tell("stopping")
         else:
             self.kill_stuck_ranks(STUCK_AFTER_S)
