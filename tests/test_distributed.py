@@ -493,8 +493,9 @@ def test_a_group_that_ends_unasked_with_no_ranks_code_is_a_failure(tmp_path):
     reason = exit_reason(SimpleNamespace(proc=unasked, hard_killed=False, kill_reason=None))
     assert "no rank left its exit code" in reason and f"exit code {EXIT_GROUP_FAILED}" in reason
     # Asked to stop, a group that leaves no code ended as asked: the launcher's 0 stands.
-    waiting = ("import signal, sys, time; signal.signal(signal.SIGTERM, lambda *_: sys.exit(0)); "
-               "print('ready', flush=True); time.sleep(30)")
+    # A stand-in launcher that waits for its signal (SIGALRM ends it after 30 s if none comes).
+    waiting = ("import signal, sys; signal.signal(signal.SIGTERM, lambda *_: sys.exit(0)); "
+               "print('ready', flush=True); signal.alarm(30); signal.pause()")
     asked = LauncherProcess([sys.executable, "-c", waiting], exit_code_file=code_file, stdout=subprocess.PIPE)
     assert asked.stdout.readline() == b"ready\n"  # its handler is in place
     asked.send_signal(signal.SIGTERM)
