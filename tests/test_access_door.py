@@ -325,7 +325,10 @@ def test_hostile_key_headers(door_server):
 OTHER_HEADERS = st.lists(st.tuples(
     st.sampled_from(["Host", "Origin", "x-stainless-read-timeout", "x-stainless-retry-count"]),
     st.one_of(HEADER_TEXT, st.sampled_from(["localhost", "127.0.0.1:1", "[::1]", "http://localhost:3000", "null",
-                                            "nan", "inf", "-1", "0", "1e309", "0.000001", "99999999999"]))),
+                                            "nan", "inf", "-1", "0", "1e309", "0.000001", "99999999999",
+                                            # the local apps' schemes, and near misses of them
+                                            "app://obsidian.md", "app://", "tauri://a/b", "vscode-webview://x:99999",
+                                            "APP://X", "app:obsidian.md"]))),
     min_size=1, max_size=3, unique_by=lambda pair: pair[0])  # httpx sends one Host at most
 
 
