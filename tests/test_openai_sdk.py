@@ -97,7 +97,7 @@ def settled_posts(server, path: str = CHAT_PATH) -> list[int]:
     (Not a health path: their access lines are at DEBUG.)
     """
     marker = f"/v1/models/settled-{time.monotonic_ns()}"  # in the path: a query's values are hidden in logs
-    assert httpx.get(server.url + marker, timeout=10).status_code == 200
+    assert httpx.get(server.url + marker, timeout=10).status_code == 404
     poll(lambda: any(marker in event.get("line", "") for event in server.events("http_access")), 10,
          what="the marker request in the access log")
     return posts(server, path)
@@ -227,3 +227,18 @@ def test_a_stream_cut_by_an_engine_failure_raises_api_error_with_its_code(sdk_se
     assert len(chunks) >= 1  # tokens came before the error
     # Streams are not retried: the request was sent once, and answered 200.
     assert settled_posts(server) == [200]
+
+
+def test_models_retrieve_gives_the_served_model_and_a_not_found_for_any_other(sdk_server):
+    """Stock answers /v1/models/<id> with a list, which ``models.retrieve`` reads as a model with no id."""
+    server = sdk_server()
+    client = sdk(server)
+    [listed] = client.models.list().data
+    by_alias = client.models.retrieve("default_model")
+    assert (by_alias.id, by_alias.object) == (listed.id, "model")
+    assert by_alias.context_length == listed.context_length == 2048
+    assert client.models.retrieve(listed.id).id == listed.id  # a local path: its slashes in the URL
+    with pytest.raises(openai.NotFoundError) as raised:
+        client.models.retrieve("mlx-community/nonesuch")
+    assert raised.value.code == "model_not_found"
+    assert "mlx-community/nonesuch" in raised.value.message

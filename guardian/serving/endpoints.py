@@ -9,9 +9,12 @@ guardian.serving.assembly): its engine, its stall detection (``/health``,
 
 from __future__ import annotations
 
+import urllib.parse
+
 from guardian import stock
 from guardian.admission.facts import context_length_of
 from guardian.admission.model_access import listed_name
+from guardian.errors import GuardianError
 from guardian.observability import metrics
 
 # Polled by the supervisor, load balancers and Prometheus: their access
@@ -41,8 +44,10 @@ class Endpoints:
                                  "connections": self.server.connection_status()})
         elif path == "/metrics":
             self.send_metrics(metrics.registry_of(self.response_generator.pm))
-        elif path.startswith("/v1/models"):
-            self.send_models(engine.cli_args, self.response_generator.gate)
+        elif path == "/v1/models":
+            self.send_json(200, self.models_listing(engine.cli_args, self.response_generator.gate))
+        elif path.startswith("/v1/models/"):
+            self.send_model(path.removeprefix("/v1/models/"), engine.cli_args, self.response_generator.gate)
         else:
             self.send_method_not_allowed()
 
@@ -66,7 +71,7 @@ class Endpoints:
         self.end_headers()
         self.wfile.write(body)
 
-    def send_models(self, cli_args, gate) -> None:
+    def models_listing(self, cli_args, gate) -> dict:
         """Stock's listing with each model's ``context_length``, of the models a request may name
         (stock lists every model in the hub cache); no hub cache is no error."""
         listing = stock.models.models_listing(self)
@@ -81,7 +86,30 @@ class Endpoints:
                 context_length = context_length_of(model.get("id", ""))
             if context_length is not None:
                 model["context_length"] = context_length
-        self.send_json(200, listing)
+        return listing
+
+    def send_model(self, quoted_id: str, cli_args, gate) -> None:
+        """OpenAI's retrieve: one model object, or 404 ``model_not_found``.
+
+        Stock answers ``/v1/models/<id>`` with a list (filtered for hub
+        models only, so always its own model), which the openai SDK's
+        ``models.retrieve`` reads as a model with no id. The served model also
+        answers to the names a request may give it: ``default_model`` and
+        the ``--model`` as given.
+        """
+        model_id = urllib.parse.unquote(quoted_id)
+        served_ids = {cli_args.model, listed_name(cli_args.model)} - {None}
+        if model_id in ("default_model", cli_args.model):
+            wanted = served_ids
+        else:
+            wanted = {model_id}
+        for model in self.models_listing(cli_args, gate).get("data", []):
+            if model.get("id") in wanted:
+                return self.send_json(200, model)
+        self.send_error_json(GuardianError(
+            f"The model '{model_id}' does not exist", status=404,
+            type="invalid_request_error", param="model", code="model_not_found",
+        ))
 
     def send_health(self, engine, stall_detector) -> None:
         """Stock's path, truthful: 200 only while the engine can generate."""
