@@ -1,8 +1,8 @@
 """Real servers for the tests: ``mlx-guardian`` as a child process on 127.0.0.1.
 
-Every server runs the real stock engine on the CPU with the demo model,
-and is killed at the end of its test. Waiting is always a poll with a
-deadline.
+Every server runs the real stock engine with the demo model on mlx's default
+device (the CPU on Linux, the GPU on macOS), and is killed at the end of its
+test. Waiting is always a poll with a deadline.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """After the engine ran out of device memory, the KV budget is what the device can give.
 
 The failure is planted (fault_injection raising CUDA's out-of-memory message
-while a marked request is started): the CPU backend reports no free memory,
+while a marked request is started): the CPU backend (Metal too) reports no free memory,
 so the cap is the one learned from the failure, the KV admitted when the
 device ran out, less the margin (guardian.admission.memory_cap). The cap is
 temporary: a request over it that fits the configured budget gets 503

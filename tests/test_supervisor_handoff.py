@@ -356,6 +356,10 @@ def test_a_handed_off_answer_is_the_relayed_one(start_supervisor, tmp_path):
     assert answers["handing"][2] and answers["handing"][3][0] == 400
     assert passed_counts(handing.url) == {"handed_off": 3, "relayed": 0}
     assert passed_counts(relaying.url) == {"handed_off": 0, "relayed": 3}
+    # The start line says which (on macOS the hand-off is off whatever the setting says).
+    assert [e["passing"] for e in handing.supervisor_events("supervisor_started")] == ["handed off"]
+    assert [e["passing"] for e in relaying.supervisor_events("supervisor_started")] == [
+        "relayed ([supervisor] hand_off = false)"]
     # Odd targets get one process's answers, at once, in both ways: a byte past ASCII made
     # the relay wait 5 s for its healthy child's death and answer 503, a bracket in a
     # target ended the connection unanswered (or logged a traceback), and a scheme or a

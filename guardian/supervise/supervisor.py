@@ -206,7 +206,7 @@ class Supervisor:
         log.info("supervisor_started", host=self.options.host, port=self.httpd.server_address[1],
                  engine=self.settings.engine, pid=os.getpid(), scheme=self.httpd.scheme, access=self.door.mode,
                  api_keys=len(self.door.keys.names), allowed_origins=self.door.origins.describe(),
-                 frozen_objects=frozen_objects)
+                 passing=self.passing(), frozen_objects=frozen_objects)
         announce(self.door)
         if self.options.guardian_config is not None and self.settings.engine == "guardian":
             self.private_dir = private_folder()
@@ -215,6 +215,19 @@ class Supervisor:
         finally:
             if self.private_dir is not None:
                 self.private_dir.cleanup()
+
+    def passing(self) -> str:
+        """How requests reach a child, for the start line: ``hand_off`` is on by default
+        and silently cannot be everywhere (guardian.handoff)."""
+        if self.settings.engine != "guardian" or self.settings.launch_args:
+            return "relayed (the child is stock, or a group)"
+        if not self.settings.hand_off:
+            return "relayed ([supervisor] hand_off = false)"
+        if not handoff.supported():
+            return f"relayed (no hand-off on {sys.platform}: no count of the bytes a socket took)"
+        if self.httpd.scheme == "https":
+            return "relayed (TLS: the session stays in this process)"
+        return "handed off"
 
     def serve(self) -> int:
         """Run children until stopped or given up; return the exit code."""
