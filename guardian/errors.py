@@ -140,6 +140,14 @@ def method_not_allowed(method: str, path: str, allowed: str) -> GuardianError:
                          headers={"Allow": allowed})
 
 
+def body_too_large(length: int, limit: int) -> GuardianError:
+    """413 for a body over ``max_body_bytes``, answered from its Content-Length: the same
+    words from the one-process server and the supervisor's public port."""
+    return GuardianError(f"The request body is {length} bytes; this server accepts at most {limit} bytes.",
+                         status=413, type="invalid_request_error", code="request_too_large", retry=False,
+                         headers={"Connection": "close"})
+
+
 def engine_unavailable(message: str, retry_after_s: Optional[float] = None) -> GuardianError:
     """A 503 that says come back: after ``retry_after_s``, by default ``[guardian] retry_after_s``'s default."""
     if retry_after_s is None:

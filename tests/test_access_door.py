@@ -184,6 +184,28 @@ def test_a_refused_clients_body_is_never_held(door_server):
     assert door_server.get(path, ALICE).json()["connections"]["buffered_bytes"] == 0
 
 
+def test_refused_heads_whose_bodies_never_come_hold_no_handler(door_server):
+    """A refusal's close lingers for the body it will not read (or the client's reset may
+    destroy the answer): a handler thread did, up to 2 s each, so a client with no key
+    sending such heads (a hundred a second) kept every handler busy and keyed requests
+    got 503. The reader lingers now, a descriptor each."""
+    path = "/guardian/supervisor" if door_server.kind == "supervised" else "/guardian/status"
+    refused = []
+    try:
+        for _ in range(40):
+            sock = socket.create_connection(("127.0.0.1", door_server.port), timeout=10)
+            refused.append(sock)
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 1000\r\n\r\n")
+            assert sock.recv(65536).startswith(b"HTTP/1.0 401 ")
+        connections = door_server.get(path, ALICE).json()["connections"]
+        assert connections["handlers_active"] <= 1 and connections["lingering"] >= 1, connections
+    finally:
+        for sock in refused:
+            sock.close()
+    poll(lambda: door_server.get(path, ALICE).json()["connections"]["lingering"] == 0, 5,
+         what="the lingering closes ended by their clients")
+
+
 def test_key_file_is_followed_live(door_server):
     def status_with(key):
         return door_server.get("/v1/models", key).status_code

@@ -36,6 +36,7 @@ from guardian.relay_protocol import HEADERS_ADDED_FOR_CHILD
 COMPLETIONS = "/v1/chat/completions"
 MAX_HANDLERS = 4
 MAX_BUFFERED = 1 << 20
+MAX_BODY = 600_000  # [prompt_guard] max_body_bytes: under max_buffered_bytes, so the first to refuse
 CONFIG = f"""
 [guardian]
 retry_after_s = 2.0
@@ -45,6 +46,8 @@ body_timeout_s = 1.0
 idle_timeout_s = 0.5
 max_handlers = {MAX_HANDLERS}
 max_buffered_bytes = {MAX_BUFFERED}
+[prompt_guard]
+max_body_bytes = {MAX_BODY}
 [fault_injection]
 enabled = true
 step_delay_s = 0.02
@@ -355,6 +358,59 @@ def test_bodies_still_arriving_are_bounded_in_memory(held):
     assert head.startswith(b"HTTP/1.0 413") and json.loads(body)["error"]["code"] == "request_too_large"
     padded = chat_body(max_tokens=2, padding="p" * (MAX_BUFFERED // 2))  # room for it again
     assert httpx.post(held.url + COMPLETIONS, json=padded, timeout=30).status_code == 200
+
+
+def test_a_body_past_max_body_bytes_is_refused_at_once_in_both_modes(held):
+    """The supervisor waited for such a body (its room was within max_buffered_bytes), for
+    the child to refuse it whole: 408 at the body's deadline here. It answers the child's
+    413 from the head now, unread, as one process does, by the child's live setting."""
+    started = time.monotonic()
+    head, body = raw_answer(held, POST + b"Content-Length: %d\r\n\r\n{" % (MAX_BODY + 1))
+    assert head.startswith(b"HTTP/1.0 413"), head
+    error = json.loads(body)["error"]
+    assert error["code"] == "request_too_large" and f"at most {MAX_BODY} bytes" in error["message"]
+    assert time.monotonic() - started < 0.9  # before the body's deadline (1 s here)
+    assert held.connections()["buffered_bytes"] == 0
+
+
+def test_a_body_where_nothing_reads_one_is_never_held_nor_its_close_a_handler(held):
+    """Only a completion reads a body. Any other route's was held as a completion's: a
+    client with no key filled max_buffered_bytes through /health (open to all) with one
+    head, and every completion got 503 while it waited. Such a request is answered now
+    as its route answers, its body unread; the close lingers on the reader thread (a
+    handler lingered up to 2 s: refusals alone kept every handler busy)."""
+    unread = {b"POST /health": b"HTTP/1.0 405", b"GET /v1/models": b"HTTP/1.0 200",
+              b"OPTIONS /v1/chat/completions": b"HTTP/1.0 20", b"POST /nonesuch": b"HTTP/1.0 404"}
+    clients = []
+    try:
+        for _ in range(2 * MAX_HANDLERS):
+            for request_line, status in unread.items():
+                sock = held.connect()
+                clients.append(sock)
+                sock.sendall(request_line + b" HTTP/1.1\r\nHost: 127.0.0.1\r\nOrigin: http://localhost:3000\r\n"
+                             b"Access-Control-Request-Method: POST\r\nContent-Length: %d\r\n\r\n{" % MAX_BODY)
+                sock.settimeout(10)
+                answer = b""
+                while b"\r\n\r\n" not in answer:  # the head, before the body's deadline: not a 408
+                    chunk = sock.recv(65536)
+                    assert chunk, (request_line, answer)
+                    answer += chunk
+                assert answer.startswith(status), (request_line, answer[:200])
+        # Every client still holds its connection, its body unsent: nothing reserved, no
+        # handler held (this request's own), the closes lingering, a completion served.
+        connections = held.connections()
+        assert connections["buffered_bytes"] == 0
+        assert connections["handlers_active"] <= 1 and connections["lingering"] >= 1, connections
+        sock = held.connect()
+        clients.append(sock)
+        body = json.dumps(chat_body(max_tokens=2)).encode()
+        sock.sendall(POST + b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body))
+        sock.sendall(body)  # a second write, as httpx sends a body
+        assert answer_of(sock).startswith(b"HTTP/1.0 200")
+    finally:
+        for sock in clients:
+            sock.close()
+    poll(lambda: held.connections()["lingering"] == 0, 5, what="the lingering closes ended by their clients")
 
 
 def test_a_body_past_32_mib_is_refused_at_once(held):

@@ -172,6 +172,31 @@ def test_the_public_ports_http_table_is_live_and_the_supervisors_own_waits_for_a
     assert idle_for(3.0)
 
 
+def test_the_childs_max_body_bytes_is_the_public_ports_live(start_supervisor, tmp_path):
+    """A body past the child's [prompt_guard] max_body_bytes is answered 413 from its head at
+    the public port (the supervisor waited for it, for the child to refuse it whole), by the
+    version of the file in force: a save that raises it lets the same body through."""
+    config = tmp_path / "guardian.toml"
+    config.write_text("[prompt_guard]\nmax_body_bytes = 100\n")
+    supervised = start_supervisor("--guardian-config", str(config))
+    body = b'{"messages": [{"role": "user", "content": "%s"}], "max_tokens": 1}' % (b"x" * 200)
+
+    def head_alone() -> bytes:
+        """The answer to the head, its body never sent."""
+        with socket.create_connection(("127.0.0.1", supervised.port), timeout=5) as sock:
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: %d\r\n\r\n"
+                         % len(body))
+            return sock.recv(65536)
+
+    assert head_alone().startswith(b"HTTP/1.0 413 ")
+    config.write_text("[prompt_guard]\nmax_body_bytes = 1000\n")
+    [reloaded] = poll(lambda: supervised.supervisor_events("supervisor_config_reloaded"), 15,
+                      what="the supervisor's reload")
+    assert reloaded["changed"] == ["prompt_guard.max_body_bytes"]
+    answer = httpx.post(supervised.url + "/v1/chat/completions", content=body, timeout=30)
+    assert answer.status_code == 200, answer.text
+
+
 def test_the_private_folder_of_a_killed_supervisor_is_removed_by_the_next(tmp_path, monkeypatch):
     """Each supervisor's private folder holds a copy of the configuration; one killed
     (SIGKILL, the OOM killer) cannot remove its own: the next supervisor does."""

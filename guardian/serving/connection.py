@@ -15,6 +15,10 @@ a few bytes, never a thread:
 - a body that would take the bodies still arriving past ``max_buffered_bytes``
   (each reserves its Content-Length once its headers are read): 503 + Retry-After
   at once, unread;
+- a body that is refused (the door, past ``max_body_bytes``) or sent where
+  nothing reads one (only a completion does): never read; a handler answers
+  from the head, and the close lingers on the reader thread (``LINGER_S``)
+  so that the answer is not reset away;
 - a head two parsers could read two ways (two lengths, a transfer coding, a
   space before a colon, ...): 400, 411, 417 or 505 (``guardian.serving.framing``,
   which also gives the handlers a canonical head and a waiting client its
@@ -53,6 +57,7 @@ from guardian.access.policy import AccessRequest
 from guardian.serving import framing
 from guardian.observability.counting import ActiveCount
 from guardian.errors import CLIENT_GONE, GuardianError
+from guardian.serving.deadlines import takes_body
 from guardian.serving.limits import ConnectionLimits
 from guardian.serving.reader import CLOSE_REASONS, Incoming, RequestReader
 from guardian.serving.sockets import (asks_head_only, close_quietly, inherited_listener, listen_backlog,
@@ -89,6 +94,7 @@ class BufferedConnection:
         self.sock = sock
         self._prefix = prefix
         self.access = None
+        self.body_unread = False  # handed over before its body came: it is never read
 
     def makefile(self, mode="r", buffering=None, **kwargs):
         if "r" in mode:
@@ -245,6 +251,12 @@ class HeldConnections:
         the handler, once the request is whole. The server with a door says."""
         return None
 
+    def reads_body(self, incoming: Incoming) -> bool:
+        """Whether the route of a request whose body is still to come reads it: only a
+        completion does. Any other's is never read (nor held: ``body_unread``)."""
+        request = self.head_request(incoming)
+        return takes_body(request.method, request.path)
+
     def body_limit(self) -> Optional[int]:
         """The largest body this server reads; a longer one goes to a handler at once, unread,
         which answers 413 from the headers. None: any body ``max_buffered_bytes`` has room for."""
@@ -316,6 +328,7 @@ class HeldConnections:
         else:
             request = BufferedConnection(sock, bytes(incoming.buffer))
         request.access = incoming.access
+        request.body_unread = incoming.body_unread
         if not self.start_handler(request, incoming.address):
             self.count_closed("handlers_busy")
             send_refusal(sock, GuardianError("The server cannot start a handler now.", status=503,
@@ -384,6 +397,8 @@ class HeldConnections:
                 super().shutdown_request(sock)
             request.finish()
             return
+        if getattr(request, "body_unread", False) and self._reader is not None:
+            self._reader.linger(sock)  # the close waits there, not here
         super().shutdown_request(sock)
 
     def when_readable(self, sock: socket.socket, callback) -> None:
@@ -419,7 +434,8 @@ class HeldConnections:
         """For /guardian/status: connections held by the reader, handler threads busy, closes by reason."""
         if self._reader is None:
             return {"held": 0, "buffered_bytes": 0, "handlers_active": 0, "max_handlers": self.limits.max_handlers,
-                    "timers": 0, "closed": dict.fromkeys(CLOSE_REASONS, 0)}
+                    "timers": 0, "lingering": 0, "closed": dict.fromkeys(CLOSE_REASONS, 0)}
         return {"held": self._reader.held, "buffered_bytes": self._reader.buffered_reserved,
                 "handlers_active": self.handlers.active, "max_handlers": self.limits.max_handlers,
-                "timers": self._reader.timers_pending, "closed": dict(self.closed_counts)}
+                "timers": self._reader.timers_pending, "lingering": self._reader.lingering,
+                "closed": dict(self.closed_counts)}

@@ -27,6 +27,11 @@ TEXT_COMPLETION_PATH = "/v1/completions"
 COMPLETION_PATHS = (TEXT_COMPLETION_PATH, "/v1/chat/completions", "/chat/completions")
 
 
+def takes_body(method: str, path: str) -> bool:
+    """Whether a request's route reads its body: a completion's alone (stock's, and ours)."""
+    return method == "POST" and path in COMPLETION_PATHS
+
+
 @dataclass(frozen=True)
 class Deadline:
     seconds: float

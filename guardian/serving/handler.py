@@ -26,13 +26,12 @@ import structlog
 
 from guardian import relay_protocol, stock
 from guardian.access.policy import AccessDecision, AccessRequest
-from guardian.serving.sockets import linger_close
 from guardian.serving.deadlines import COMPLETION_PATHS, SDK_RETRY_COUNT_HEADER, TEXT_COMPLETION_PATH, deadlines_of
 from guardian.serving.endpoints import GET_PATHS, MONITORING_PATHS, Endpoints
 from guardian.request_context import (REQUEST_ID_HEADER, add_response_headers, bind_log_fields, client_gone,
                                       current_request, deadline_passed, request_scope, sane_request_id)
 from guardian.errors import (CLIENT_GONE, SERVER_STOPPING, AbortRequest, ClientGoneAbort, GuardianError,
-                             from_stock_exception, method_not_allowed)
+                             body_too_large, from_stock_exception, method_not_allowed)
 from guardian.observability.logs import loggable_line
 from guardian.plugin_manager import call_each, notify
 
@@ -75,9 +74,7 @@ class GuardianHandler(Endpoints, stock.handler.DoorCorsHandler):
         if self.access.allowed:
             return True
         self.close_connection = True
-        self.send_error_json(self.access.error)
-        if self.content_length() > 0:
-            self.discard_unread_body()
+        self.send_error_json(self.access.error)  # an unread body: the connection layer lingers at the close
         return False
 
     def cors_origin(self) -> Optional[str]:
@@ -298,12 +295,7 @@ class GuardianHandler(Endpoints, stock.handler.DoorCorsHandler):
             # Answered from the header alone; the body is never read into
             # memory, and this connection cannot carry another request.
             self.close_connection = True
-            self.send_error_json(GuardianError(
-                f"The request body is {length} bytes; this server accepts at most {limit} bytes.",
-                status=413, type="invalid_request_error", code="request_too_large",
-                headers={"Connection": "close"},
-            ))
-            return self.discard_unread_body()
+            return self.send_error_json(body_too_large(length, limit))
         # Stock reads and parses the body, and refuses a bad one (Content-Length,
         # JSON, not an object, parameters) with {"error": "text"} before it
         # calls handle_completion. Until that call its writes go to a buffer,
@@ -345,14 +337,6 @@ class GuardianHandler(Endpoints, stock.handler.DoorCorsHandler):
         buffered, self.wfile, self._client_wfile = self.wfile, self._client_wfile, None
         del self.log_request
         return buffered.getvalue()
-
-    def discard_unread_body(self) -> None:
-        """Let a client that sent its body anyway read the refusal before the close."""
-        try:
-            self.wfile.flush()
-        except OSError:
-            return
-        linger_close(self.connection)
 
     def answer_id(self) -> str:
         """The X-Request-ID of a response outside a completion (a refusal at the door, a 404,

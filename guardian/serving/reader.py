@@ -26,8 +26,9 @@ from guardian import handoff
 from guardian.errors import GuardianError
 from guardian.serving import framing
 from guardian.serving.limits import ConnectionLimits, snapshot
-from guardian.serving.sockets import (READ_BYTES, asks_head_only, bytes_waiting, client_left, close_quietly, drained,
-                                      pending_bytes, peer_closed, refuse_in_background, send_quietly, send_refusal)
+from guardian.serving.sockets import (LINGER_S, READ_BYTES, asks_head_only, bytes_waiting, client_left, close_quietly,
+                                      drained, pending_bytes, peer_closed, refuse_in_background, send_quietly,
+                                      send_refusal)
 
 log = structlog.get_logger("guardian.connection")
 
@@ -53,6 +54,11 @@ ACCEPT_BATCH = 64
 GONE_BEFORE_ACCEPTED = frozenset({errno.ECONNABORTED, errno.ECONNRESET, errno.EPROTO})
 
 
+# Closes lingering at once (``RequestReader.linger``): one descriptor each, for up to
+# LINGER_S. Past this many, a close lingers no more (its answer may be reset away).
+MAX_LINGERING = 1024
+
+
 # Connections expired in one go: a wave of them (a flood opened together times
 # out together) is let go a batch a loop, with the other connections' reads,
 # accepts and /health between batches.
@@ -75,7 +81,7 @@ class Incoming:
 
     __slots__ = ("sock", "address", "accepted_at", "buffer", "scanned", "headers_end", "headers_at", "needed",
                  "reserved", "access", "handshaking", "tls_checked", "handed_off", "held", "spared",
-                 "__weakref__")
+                 "body_unread", "__weakref__")
 
     def __init__(self, sock: socket.socket, address, tls: bool):
         self.sock = sock
@@ -94,6 +100,8 @@ class Incoming:
         self.handed_off: Optional[handoff.Received] = None
         self.held = False  # in the reader's selector, its deadline running
         self.spared = False  # its expiry put off once, for bytes that came before it (``_expire``)
+        # Handed to a handler before its body came, which is never read: the close lingers.
+        self.body_unread = False
 
     def deadline(self, limits: ConnectionLimits) -> tuple[float, bool]:
         """(when this connection expires, whether it gets a 408 then)."""
@@ -199,6 +207,7 @@ class RequestReader:
         self.held = 0
         # Watched TLS connections with records unread, looked at on a timer (``_look_again``).
         self._unread: dict[socket.socket, Watched] = {}
+        self.lingering = 0  # closes draining what their clients still send (``linger``)
         self.thread = threading.Thread(target=self._run, name="http-reader", daemon=True)
         self.thread.start()
 
@@ -253,6 +262,52 @@ class RequestReader:
             except (KeyError, ValueError, OSError):
                 return
         self._wake()
+
+    def linger(self, sock: socket.socket) -> None:
+        """``linger_close`` on this reader's thread, so that no handler waits in it (any thread).
+
+        A handler that answered a request whose body it never read (a refusal at the
+        door, a body over the limit) waited in the close up to LINGER_S: a client with
+        no key sending such heads kept every handler busy. Here: stop writing to
+        ``sock``, then drop what its client still sends, until it closes or LINGER_S
+        pass. ``sock`` stays its caller's to close; a duplicate keeps the connection
+        open meanwhile.
+        """
+        try:
+            sock.shutdown(socket.SHUT_WR)
+            kept = socket.fromfd(sock.fileno(), sock.family, sock.type)  # a TLS socket's raw bytes: dropped alike
+        except OSError:
+            return
+        self.call_at(0.0, lambda: self._linger(kept))
+
+    def _linger(self, kept: socket.socket) -> None:
+        if self.lingering >= MAX_LINGERING:
+            close_quietly(kept)
+            return
+        self.lingering += 1
+        ended = False
+
+        def end():
+            nonlocal ended
+            if not ended:
+                ended = True
+                self.lingering -= 1
+                self.unwatch(kept)
+                self.cancel_call(timer)
+                close_quietly(kept)
+
+        def drain():
+            if drained(kept):
+                self.when_readable(kept, drain)
+            else:  # the client's end (or a reset)
+                end()
+
+        timer = self.call_at(time.monotonic() + LINGER_S, end)
+        try:
+            kept.setblocking(False)
+            self.when_readable(kept, drain)
+        except (OSError, ValueError, KeyError):
+            end()
 
     def call_at(self, when: float, callback) -> list:
         """Call ``callback()`` on this reader's thread at ``when`` (time.monotonic());
@@ -642,11 +697,17 @@ class RequestReader:
             incoming.needed = body_start + head.body_length
             limit = self.server.body_limit() if head.body_length else None
             if limit is not None and head.body_length > limit:
-                incoming.needed = 0  # to a handler now: it answers 413 from the headers, the body unread
+                self._answer_unread(incoming)  # a handler answers 413 from the headers
             elif len(incoming.buffer) < incoming.needed:  # a body still to come: the door, then its room
                 incoming.access = self.server.decide_at_head(incoming)
                 if incoming.access is not None and not incoming.access.allowed:
-                    incoming.needed = 0  # to a handler now: it answers, and drops the body unread
+                    self._answer_unread(incoming)  # a handler answers the door's refusal
+                elif not self.server.reads_body(incoming):
+                    # Only a completion reads a body: held, any other's would take room in
+                    # max_buffered_bytes, which a client with no key could fill through a
+                    # path open to all (/health, a preflight) and keep full. Its handler
+                    # answers as the route does, which is not by its body.
+                    self._answer_unread(incoming)
                 else:
                     if not self._reserve(incoming, head.body_length, limits):
                         return
@@ -655,6 +716,12 @@ class RequestReader:
         if len(incoming.buffer) >= incoming.needed:
             self._forget(incoming)
             self.server.dispatch(incoming)
+
+    @staticmethod
+    def _answer_unread(incoming: Incoming) -> None:
+        """To a handler now, with its body unread (never read: the close lingers)."""
+        incoming.needed = 0
+        incoming.body_unread = True
 
     def _reserve(self, incoming: Incoming, body_length: int, limits) -> bool:
         """Room for ``incoming``'s body among those still arriving; False: refused (503)."""

@@ -150,7 +150,7 @@ def try_fast_hand_off(server, incoming) -> bool:
     """Hand ``incoming`` (a whole request, on the reader's thread) to the child now;
     False: take the handler path (nothing was sent anywhere)."""
     supervisor = server.supervisor
-    if server.tls is not None or incoming.headers_end < 0 or server.busy():
+    if server.tls is not None or incoming.headers_end < 0 or incoming.body_unread or server.busy():
         return False
     child = supervisor.serving_child()
     if child is None or child.handoff is None or child.kill_reason is not None:

@@ -41,8 +41,8 @@ from guardian import handoff, relay_protocol
 from guardian.access.policy import AccessDecision, AccessRequest
 from guardian.access.tls import ServerCertificate
 from guardian.serving.connection import BufferedConnection, HeldConnections, raw_socket
-from guardian.serving.sockets import client_left_now, close_quietly, linger_close
-from guardian.serving.deadlines import COMPLETION_PATHS, Deadline, deadlines_of
+from guardian.serving.sockets import client_left_now, close_quietly
+from guardian.serving.deadlines import COMPLETION_PATHS, Deadline, deadlines_of, takes_body
 from guardian.serving.framing import request_path
 from guardian.request_context import REQUEST_ID_HEADER, sane_request_id
 from guardian.supervise import metrics as supervise_metrics
@@ -50,7 +50,7 @@ from guardian.supervise.fast_handoff import (CHILD_HOST, FastHandOff, child_requ
                                              try_fast_hand_off)
 from guardian.quarantine import isolation
 from guardian.quarantine.crashes import fingerprint
-from guardian.errors import CLIENT_GONE, GuardianError, method_not_allowed, write_error_as_client_gone
+from guardian.errors import CLIENT_GONE, GuardianError, body_too_large, method_not_allowed, write_error_as_client_gone
 from guardian.observability.counting import ActiveCount
 from guardian.observability.logs import loggable_line
 
@@ -125,6 +125,11 @@ class PublicServer(HeldConnections, ThreadingHTTPServer):
         """The door on the head of a request whose body is still to come: a refused
         client's body is never held (a handler answers it, with this decision)."""
         return self.supervisor.door.check(self.head_request(incoming))
+
+    def body_limit(self) -> Optional[int]:
+        """A guardian child's ``max_body_bytes``: a longer body is answered 413 here from
+        its head, as the child answers it, never waited for."""
+        return self.supervisor.child_body_limit
 
     def busy(self) -> bool:
         """Requests the reader handed off count against ``max_handlers`` as handler threads do:
@@ -219,13 +224,7 @@ class ProxyHandler(BaseHTTPRequestHandler):
         log.info("request_refused_at_door", path=loggable_line(request_path(self.path)), code=self.access.error.code,
                  client=self.client_address[0])
         self.close_connection = True
-        self.send_error_json(self.access.error)
-        if self.headers.get("Content-Length", "0") not in ("", "0"):
-            try:
-                self.wfile.flush()
-            except OSError:
-                return False
-            linger_close(self.connection)
+        self.send_error_json(self.access.error)  # an unread body: the connection layer lingers at the close
         return False
 
     def do_GET(self):
@@ -244,9 +243,16 @@ class ProxyHandler(BaseHTTPRequestHandler):
         """Pick who answers: the supervisor itself, the crash quarantine, or the child's turn."""
         supervisor = self.server.supervisor
         path = request_path(self.path)
-        # Read the body first even when refusing: closing a socket with
-        # unread data can reset the connection before the client reads.
-        body = self.read_body()
+        if getattr(self.connection, "body_unread", False):  # the reader never read it (PublicServer.reads_body)
+            if takes_body(self.command, path):  # past the child's max_body_bytes: its 413, here
+                self.close_connection = True
+                return self.send_error_json(body_too_large(int(self.headers["Content-Length"]),
+                                                           self.server.body_limit()))
+            body = b""  # a route that reads none: the child answers without it
+        else:
+            # Read the body first even when refusing: closing a socket with
+            # unread data can reset the connection before the client reads.
+            body = self.read_body()
         if path in self.server.own_paths and self.command != "OPTIONS":  # a preflight: the child's, as any
             return self.answer_own(path)
         # Its deadlines count from here (or from the reader's hand-off of it).

@@ -1,8 +1,8 @@
 """What the supervisor reads: its own flags (every other flag goes to the child), and
 of ``--guardian-config`` the tables it acts on, at start and at each save: [supervisor],
 [access] and [http] (its public port's door and connection layer), a few of [guardian]'s,
-and [watchdog] probe_timeout_s (how long a deep readiness check may take). Imports neither
-mlx nor mlx_lm.
+[watchdog] probe_timeout_s (how long a deep readiness check may take) and [prompt_guard]
+max_body_bytes (the longest body a child reads). Imports neither mlx nor mlx_lm.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from guardian.config.loading import GuardianConfig, load_config
 from guardian.config.registry import ConfigError
 from guardian.config.tables import AccessSettings, CommandLine, CoreSettings, HttpSettings, SupervisorSettings
 from guardian.observability.versions import version_line
+from guardian.admission.guard_settings import PromptGuardSettings
 from guardian.relay_protocol import HEADERS_ADDED_FOR_CHILD
 from guardian.serving import framing
 from guardian.serving.limits import HANDLER_HEADROOM, ConnectionLimits
@@ -74,6 +75,20 @@ def acted_on_here(key: str) -> bool:
     return (table in (AccessSettings.table_name, HttpSettings.table_name, SupervisorSettings.table_name)
             or (table == CoreSettings.table_name and name in SUPERVISOR_CORE_SETTINGS)
             or key == "watchdog.probe_timeout_s")
+
+
+def child_body_limit(config: GuardianConfig, engine: str) -> Optional[int]:
+    """The longest body a guardian child reads: [prompt_guard] max_body_bytes, live there,
+    so read at every save here too. The public port answers a longer one 413 from its
+    head, as the child would, rather than wait for a body the child then refuses whole.
+    None: no limit (stock's engine, the guard left out or off, a table the child refuses)."""
+    if engine != "guardian" or PromptGuardSettings.table_name in config.core.disabled_plugins:
+        return None
+    try:
+        guard = PromptGuardSettings.from_toml(config.plugin_tables.get(PromptGuardSettings.table_name, {}))
+    except ConfigError:
+        return None
+    return (guard.max_body_bytes or None) if guard.enabled else None
 
 
 # -- command line ------------------------------------------------------------------

@@ -58,8 +58,8 @@ from guardian.supervise.proxy import CHILD_CONNECT_TIMEOUT_S, CHILD_HOST, DEEP_R
 from guardian.health.sd_notify import SystemdNotifier
 from guardian.supervise.child import (Child, child_command, close_quietly, exit_reason, free_port,
                                       loggable_command, private_folder, signal_quietly)
-from guardian.supervise.settings import (abbreviated_flag, acted_on_here, check_stock_tables, make_parser,
-                                         public_door, public_limits, read_file, read_settings)
+from guardian.supervise.settings import (abbreviated_flag, acted_on_here, check_stock_tables, child_body_limit,
+                                         make_parser, public_door, public_limits, read_file, read_settings)
 from guardian.supervise.state import HOLDING, SERVING, State
 
 
@@ -165,6 +165,7 @@ class Supervisor:
             self.config = self.started_config = read_file(options)
         except ConfigError:  # the file broke since it was read: the child will say so
             self.config = self.started_config = GuardianConfig()
+        self.child_body_limit = child_body_limit(self.config, self.settings.engine)
         # Settings the file changed that the supervisor reads at start only.
         self.pending_restart: tuple = ()
 
@@ -278,6 +279,9 @@ class Supervisor:
             return
         merged, change = merge(self.config, fresh, self.started_config)
         changed = [key for key in change.applied if acted_on_here(key)]
+        body_limit = child_body_limit(fresh, self.settings.engine)
+        if body_limit != self.child_body_limit:  # a plugin's table: no setting of the supervisor's
+            changed.append("prompt_guard.max_body_bytes")
         waiting = [key for key in change.needs_restart if acted_on_here(key)]
         newly_waiting = sorted(set(waiting) - set(self.pending_restart))
         if not changed and not newly_waiting:
@@ -296,6 +300,7 @@ class Supervisor:
         if not changed:
             return
         self.config = merged
+        self.child_body_limit = body_limit
         self.door.use_settings(merged.access)
         if "access.protected_mode" in changed:  # a save opened or closed the door: said as at start
             announce(self.door)
