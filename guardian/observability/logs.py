@@ -20,6 +20,7 @@ import re
 import select
 import sys
 import threading
+import time
 from typing import Optional
 
 import structlog
@@ -201,6 +202,34 @@ def route_library_output_to_root() -> None:
             for handler in own:
                 logger.removeHandler(handler)
             logger.propagate = True
+
+
+class AtMostEvery:
+    """A line that a flood could repeat thousands of times a second (every connection
+    refused as the handlers are busy): logged at most once per ``interval_s``, saying
+    how many were left out since. Its metric counts every one.
+
+        left_out = self.busy_lines.due()
+        if left_out is not None:
+            log.warning("http_handlers_busy", ..., left_out=left_out)
+    """
+
+    def __init__(self, interval_s: float = 1.0):
+        self.interval_s = interval_s
+        self._next_at = 0.0
+        self._left_out = 0
+        self._lock = threading.Lock()
+
+    def due(self) -> Optional[int]:
+        """None: leave this one out; else log it, with the count left out since the last."""
+        now = time.monotonic()
+        with self._lock:
+            if now < self._next_at:
+                self._left_out += 1
+                return None
+            self._next_at = now + self.interval_s
+            left_out, self._left_out = self._left_out, 0
+            return left_out
 
 
 class NeverBlockingStreamHandler(logging.StreamHandler):

@@ -56,6 +56,7 @@ from guardian import handoff
 from guardian.access.policy import AccessRequest
 from guardian.serving import framing
 from guardian.observability.counting import ActiveCount
+from guardian.observability.logs import AtMostEvery
 from guardian.errors import CLIENT_GONE, GuardianError
 from guardian.serving.deadlines import takes_body
 from guardian.serving.limits import ConnectionLimits
@@ -298,13 +299,17 @@ class HeldConnections:
                 self._serving = Serving()
                 self.handlers = ActiveCount()
                 self.closed_counts = collections.Counter(dict.fromkeys(CLOSE_REASONS, 0))
+                self.busy_lines = AtMostEvery()  # http_handlers_busy: one a second in a flood
                 self._reader = RequestReader(self)
 
     def dispatch(self, incoming: Incoming) -> None:
         """A whole request: to a handler thread, or 503 if every one is busy."""
         if self.busy():
             self.count_closed("handlers_busy")
-            log.warning("http_handlers_busy", client=incoming.address[0], handlers=self.handlers.active)
+            left_out = self.busy_lines.due()
+            if left_out is not None:
+                log.warning("http_handlers_busy", client=incoming.address[0], handlers=self.handlers.active,
+                            left_out=left_out)
             refuse_in_background(incoming.sock, GuardianError(
                 f"All {self.limits.max_handlers} request handlers are busy; send the request again.",
                 status=503, code="server_busy", retry_after_s=self.limits.retry_after_s),

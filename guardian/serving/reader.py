@@ -24,6 +24,7 @@ import structlog
 
 from guardian import handoff
 from guardian.errors import GuardianError
+from guardian.observability.logs import AtMostEvery
 from guardian.serving import framing
 from guardian.serving.limits import ConnectionLimits, snapshot
 from guardian.serving.sockets import (LINGER_S, READ_BYTES, asks_head_only, bytes_waiting, client_left, close_quietly,
@@ -208,6 +209,7 @@ class RequestReader:
         # Watched TLS connections with records unread, looked at on a timer (``_look_again``).
         self._unread: dict[socket.socket, Watched] = {}
         self.lingering = 0  # closes draining what their clients still send (``linger``)
+        self.full_lines = AtMostEvery()  # http_buffers_full: one a second in a flood
         self.thread = threading.Thread(target=self._run, name="http-reader", daemon=True)
         self.thread.start()
 
@@ -728,8 +730,10 @@ class RequestReader:
         cap = limits.max_buffered_bytes
         if cap and self.buffered_reserved + body_length > cap:
             self.server.count_closed("buffers_full")
-            log.warning("http_buffers_full", client=incoming.address[0], body_bytes=body_length,
-                        buffered_bytes=self.buffered_reserved, max_buffered_bytes=cap)
+            left_out = self.full_lines.due()
+            if left_out is not None:
+                log.warning("http_buffers_full", client=incoming.address[0], body_bytes=body_length,
+                            buffered_bytes=self.buffered_reserved, max_buffered_bytes=cap, left_out=left_out)
             self._forget(incoming)
             incoming.buffer = bytearray()  # what came of the body so far goes now
             # Unread, the body may reset the answer away: a client that sends as it reads
