@@ -244,6 +244,32 @@ def test_key_file_is_followed_live(door_server):
         poll(lambda: status_with(ALICE) == 200, 10)
 
 
+def test_a_key_removed_is_revoked_even_by_a_file_with_a_bad_line_or_none(door_server):
+    """A save that deleted a stolen key and broke another line kept every key in force (the
+    last good set), and so did deleting the file: revocation failed open. A broken file adds
+    no key, but removes what it no longer holds; no file holds none."""
+    def status_with(key):
+        return door_server.get("/v1/models", key).status_code
+
+    try:
+        door_server.keys.write_text(KEYS + f"carol:{CAROL}\n")
+        poll(lambda: status_with(CAROL) == 200, 10, what="carol's key to work")
+        failures = len(door_server.events("api_keys_reload_failed"))
+        door_server.keys.write_text(KEYS + "dave:tiny\n")  # carol's line gone, a bad one added
+        poll(lambda: status_with(CAROL) == 401, 10, what="carol's removed key refused")
+        assert status_with(ALICE) == 200  # the keys still on good lines stay
+        [failed] = door_server.events("api_keys_reload_failed")[failures:]
+        assert failed["revoked"] == ["carol"] and failed["keys_in_force"] == 2 and failed["bad_lines"] == 1
+        door_server.keys.write_text(KEYS + f"carol:{CAROL}\nerin:tiny\n")  # a file with a bad line adds none
+        poll(lambda: len(door_server.events("api_keys_reload_failed")) > failures + 1, 10)
+        assert status_with(CAROL) == 401 and status_with(ALICE) == 200
+        door_server.keys.unlink()
+        poll(lambda: status_with(ALICE) == 401, 10, what="every key revoked with the file")
+    finally:
+        door_server.keys.write_text(KEYS)
+        poll(lambda: status_with(ALICE) == 200, 10)
+
+
 def test_access_settings_are_live(door_server):
     """[access]'s live settings change with the file: in one process, and at the supervisor's public port."""
     try:

@@ -56,7 +56,16 @@ def digest_of(key: bytes) -> bytes:
 
 def parse_key_file(text: str, source: str = "the key file") -> tuple[ApiKey, ...]:
     """Every key in the file's text; KeyFileError for a line that is not one."""
+    keys, errors = parse_key_lines(text, source)
+    if errors:
+        raise errors[0]
+    return keys
+
+
+def parse_key_lines(text: str, source: str = "the key file") -> tuple[tuple[ApiKey, ...], list[KeyFileError]]:
+    """The keys of the lines that are keys, and an error for each line that is not one."""
     keys: list[ApiKey] = []
+    errors: list[KeyFileError] = []
     names: set[str] = set()
     for number, raw in enumerate(text.splitlines(), start=1):
         line = strip_comment(raw).strip()
@@ -64,13 +73,16 @@ def parse_key_file(text: str, source: str = "the key file") -> tuple[ApiKey, ...
             continue
         where = f"{source}, line {number}"
         name, key = split_name(line, default=f"key-{number}")
-        if not KEY_NAME.fullmatch(name):
-            raise KeyFileError(f"{where}: a key's name is letters, digits and ._@- (at most 64)")
-        if name in names:
-            raise KeyFileError(f"{where}: the name {name!r} is used twice")
+        try:
+            if not KEY_NAME.fullmatch(name):
+                raise KeyFileError(f"{where}: a key's name is letters, digits and ._@- (at most 64)")
+            if name in names:
+                raise KeyFileError(f"{where}: the name {name!r} is used twice")
+            keys.append(ApiKey(name, key_digest(key, where), in_clear=not key.startswith(HASHED_PREFIX)))
+        except KeyFileError as e:
+            errors.append(e)
         names.add(name)
-        keys.append(ApiKey(name, key_digest(key, where), in_clear=not key.startswith(HASHED_PREFIX)))
-    return tuple(keys)
+    return tuple(keys), errors
 
 
 def warn_if_others_may_read(path: Path, keys: tuple[ApiKey, ...]) -> None:
@@ -143,11 +155,13 @@ def encode(value: str) -> bytes:
 class KeyRing:
     """The keys in force, read from the key file and again whenever it changes.
 
-    A file that cannot be read or parsed keeps the last good set (logged as
-    ``api_keys_reload_failed``), and one being written in place is read once
-    its writer has closed it (guardian.config.live, where the kernel says so:
-    Linux), so a half-saved file neither locks everyone out nor lets a key cut
-    short in.
+    A file that cannot be read or parsed adds no key (logged as
+    ``api_keys_reload_failed``), but its removals apply: of the keys in force,
+    only those still on one of its good lines stay (a stolen key deleted in the
+    same save as a typo made elsewhere stayed in force; a file deleted revokes
+    every key). One being written in place is read once its writer has closed
+    it (guardian.config.live, where the kernel says so: Linux), so a half-saved
+    file lets no key cut short in.
     """
 
     def __init__(self, path: Optional[str]):
@@ -181,19 +195,28 @@ class KeyRing:
         return found
 
     def _read(self) -> tuple[ApiKey, ...]:
+        keys, errors = self._read_lines()
+        if errors:
+            raise errors[0]
+        return keys
+
+    def _read_lines(self) -> tuple[tuple[ApiKey, ...], list[KeyFileError]]:
+        """The file's good keys, and what is wrong with it (a file that cannot be read has none)."""
         try:
             raw = self.path.read_bytes()
             text = raw.decode("utf-8-sig")  # an editor's byte order mark is no part of a name
         except (OSError, UnicodeDecodeError) as e:
-            raise KeyFileError(f"{self.path}: cannot be read: {type(e).__name__}: {e}") from None
-        keys = parse_key_file(text, str(self.path))
+            return (), [KeyFileError(f"{self.path}: cannot be read: {type(e).__name__}: {e}")]
+        keys, errors = parse_key_lines(text, str(self.path))
+        if errors:
+            return keys, errors
         self.read_sha256 = hashlib.sha256(raw).hexdigest()
         warn_if_others_may_read(self.path, keys)
         if not keys:
             log.warning("api_key_file_empty", file=str(self.path),
                         why="no key in the file: every request that needs one is refused (401) "
                             "until a key is added (the file is followed)")
-        return keys
+        return keys, []
 
     def reload(self, reason: str = "sighup") -> bool:
         """Read the file again; whether the new set is in force."""
@@ -201,12 +224,15 @@ class KeyRing:
             return False
         with self._lock:
             before = self.read_sha256
-            try:
-                keys = self._read()
-            except KeyFileError as e:
-                self.last_failure = str(e)
-                log.error("api_keys_reload_failed", reason=reason, error_message=str(e),
-                          keys_in_force=len(self._keys))
+            keys, errors = self._read_lines()
+            if errors:
+                still_there = {key.digest for key in keys}
+                revoked = [key.name for key in self._keys if key.digest not in still_there]
+                self._keys = tuple(key for key in self._keys if key.digest in still_there)
+                self.last_failure = str(errors[0])
+                log.error("api_keys_reload_failed", reason=reason, error_message=str(errors[0]),
+                          bad_lines=len(errors), keys_in_force=len(self._keys), revoked=revoked,
+                          why="no key is added from a file with a bad line; a key no longer in it is revoked")
                 return False
             if reason == "file_changed" and self.read_sha256 == before and self.last_failure is None:
                 # Another event of one save, a change of mode (read, so warned of if others may
