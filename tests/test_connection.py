@@ -307,6 +307,8 @@ REFUSED_HEADS = {
     "two lengths": (POST + b"Content-Length: %d\r\nContent-Length: 2\r\n\r\n" % len(BODY) + BODY, 400,
                     "invalid_request"),
     "a signed length": (POST + b"Content-Length: +%d\r\n\r\n" % len(BODY) + BODY, 400, "invalid_request"),
+    "a list of one length": (POST + b"Content-Length: %d, %d\r\n\r\n" % (len(BODY), len(BODY)) + BODY, 400,
+                             "invalid_request"),
     "no length": (POST + b"\r\n", 411, "length_required"),
     "a space before a colon": (b"GET /v1/models HTTP/1.1\r\nHost : 127.0.0.1\r\n\r\n", 400, "invalid_request"),
     "a folded line": (b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nX-A: a\r\n b\r\n\r\n", 400,

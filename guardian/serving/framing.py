@@ -138,7 +138,9 @@ def judge_head(head: bytes, max_header_count: int) -> Head:
         if name == b"host":
             hosts += 1
         elif name == b"content-length":
-            lengths += [item.strip(b" \t") for item in value.split(b",")]
+            # A list, even of one value repeated (RFC 9112 §6.3 lets a recipient take it):
+            # the handlers read one number, and the supervisor's read none.
+            lengths.append(b"-" if b"," in value else value.strip(b" \t"))
         elif name == b"transfer-encoding":
             transfer_encoded = True
         elif name == b"expect":
