@@ -126,11 +126,15 @@ def test_a_bad_line_is_named_without_its_key(tmp_path, line, complaint):
     assert "0123456789" not in str(raised.value) and "short" not in str(raised.value)
 
 
-def test_a_broken_file_keeps_the_last_good_set(tmp_path):
+def test_a_broken_file_adds_no_key_and_removes_what_it_no_longer_holds(tmp_path):
     ring = keyring(tmp_path)
-    (tmp_path / "keys.txt").write_text("alice:tiny\n")
+    (tmp_path / "keys.txt").write_text(f"alice:{ALICE}\nbob:tiny\ncarol:sk-carol-0123456789\n")
     assert ring.reload("test") is False
-    assert ring.identify(ALICE.encode()) == "alice" and "line 1" in ring.last_failure
+    assert ring.identify(ALICE.encode()) == "alice" and "line 2" in ring.last_failure
+    assert ring.identify(b"sk-carol-0123456789") is None  # not added from a broken file
+    (tmp_path / "keys.txt").write_text("alice:tiny\n")  # alice's key no longer in it: revoked
+    assert ring.reload("test") is False
+    assert ring.identify(ALICE.encode()) is None and ring.names == []
     (tmp_path / "keys.txt").write_text(f"carol:{ALICE}\n")
     assert ring.reload("test") is True
     assert ring.names == ["carol"] and ring.identify(ALICE.encode()) == "carol"
@@ -273,6 +277,20 @@ def test_this_machines_own_names_are_its_hosts_only_beyond_loopback(bound, serve
     assert not ask(policy, "/v1/models", "127.0.0.1", "GET", ("Host", "other-mac.local")).allowed
     listed = door(host=bound, protected_mode=False, allowed_hosts=["host.docker.internal"])
     assert ask(listed, "/v1/models", "127.0.0.1", "GET", ("Host", "host.docker.internal:8080")).allowed
+
+
+def test_in_protected_mode_this_machines_own_names_are_no_hosts(monkeypatch):
+    """Protected mode serves this machine's own clients alone, and a page's name rebound to
+    127.0.0.1 is one: bound beyond loopback with no keys, a client on 127.0.0.1 naming the
+    machine was served (an adversarial review). Addresses and listed names still are."""
+    monkeypatch.setattr(policy_module, "machine_names", lambda: {"studio-mac", "studio-mac.local"})
+    protected = door(host="0.0.0.0", protected_mode=True)
+    assert protected.mode == "protected"
+    assert not ask(protected, "/v1/models", "127.0.0.1", "GET", ("Host", "studio-mac.local:8080")).allowed
+    for host in ("localhost:8080", "192.168.1.20:8080", "127.0.0.1"):
+        assert ask(protected, "/v1/models", "127.0.0.1", "GET", ("Host", host)).allowed, host
+    listed = door(host="0.0.0.0", protected_mode=True, allowed_hosts=["studio-mac.local"])
+    assert ask(listed, "/v1/models", "127.0.0.1", "GET", ("Host", "studio-mac.local:8080")).allowed
 
 
 def test_no_host_header_is_no_browser():

@@ -288,7 +288,9 @@ class AccessPolicy:
         Bound to loopback, this machine's names are not taken: what they resolve to, a
         search domain's resolver, mDNS (``NAME.local``) or a DHCP-given one (a
         ``.internal`` name) can answer for, and so rebind to 127.0.0.1 (a review showed a
-        page's reads of /v1/models and /metrics let through)."""
+        page's reads of /v1/models and /metrics let through). Nor in protected mode, for
+        the same reason: it serves only this machine's own clients, which a page's name
+        rebound to 127.0.0.1 is, and they have loopback names."""
         if is_loopback_name(name):
             return True
         for allowed in self.settings.allowed_hosts:
@@ -296,7 +298,9 @@ class AccessPolicy:
             if allowed == "*" or name == allowed or (
                     allowed.startswith(".") and (name.endswith(allowed) or name == allowed[1:])):
                 return True
-        return not self.loopback_only and (is_ip_literal(name) or name in self._machine_names)
+        if self.loopback_only:
+            return False
+        return is_ip_literal(name) or (name in self._machine_names and self.mode != "protected")
 
     def check_origin(self, origin: Optional[str]) -> Optional[GuardianError]:
         # "null": a sandboxed frame or a file:// page; refused unless "*" was asked for.
