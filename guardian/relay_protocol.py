@@ -153,6 +153,7 @@ class TokenTaggingOutput:
         self.continuable = True
         # Stock flushes after every event: straight to the wrapped file, no call of ours between.
         self.flush = wfile.flush
+        self._tail: Optional[_HeldTail] = None  # from the last token on (``hold_to_the_end``)
 
     def consumed(self, token: int, text: str) -> None:
         self._tokens.append(token)
@@ -195,15 +196,85 @@ class TokenTaggingOutput:
     def __getattr__(self, name):  # closed, ...
         return getattr(self.wrapped, name)
 
+    def hold_to_the_end(self) -> None:
+        """The engine gave the stream's last token: what follows up to ``[DONE]`` (that
+        token's event, the finish chunk, usage) goes out in one write (``release``).
+
+        A child that died between those writes left its client every token and no
+        end, which no continuation can give (nothing is left to generate: an error
+        event), or an end without the usage it asked for (dropped without a word). In
+        one write, all or none of it reaches the client, or the journal (handed off)
+        holds all of it for the supervisor to finish; none is a stream cut before its
+        last token, continued as any other.
+        """
+        if self._tail is None:
+            self._tail = _HeldTail(self)
+            self.wrapped, self._tagged_writer, self.flush = self._tail, self._tail.tagged, _HeldTail.flush
+
+    def release(self) -> None:
+        """Write what ``hold_to_the_end`` held, in one write (at ``[DONE]``, or as the request ends)."""
+        tail = self._tail
+        if tail is None:
+            return
+        self._tail = None
+        self.wrapped, self._tagged_writer, self.flush = tail.wrapped, tail.tagged_writer, tail.wrapped.flush
+        items = tail.items
+        if not items:
+            return
+        if any(tag is not None for tag, _ in items[1:]):  # a tag past the first event: each its own write
+            for tag, data in items:
+                self._emit(tag, data)
+        else:
+            self._emit(items[0][0], b"".join(data for _, data in items))
+        self.flush()
+
+    def _emit(self, tag: Optional[bytes], data: bytes) -> None:
+        if tag is None:
+            self.wrapped.write(data)
+        elif self._tagged_writer is not None:
+            self._tagged_writer(tag, data)
+        else:
+            self.wrapped.write(tag + data)
+
+
+class _HeldTail:
+    """A stream's writes from its last token to its ``[DONE]``, each with its tag (or None)."""
+
+    def __init__(self, output: TokenTaggingOutput):
+        self.output = output
+        self.wrapped, self.tagged_writer = output.wrapped, output._tagged_writer
+        self.items: list[tuple[Optional[bytes], bytes]] = []
+
+    def write(self, data) -> int:
+        data = bytes(data)
+        self.items.append((None, data))
+        if SSE_DONE in data:
+            self.output.release()
+        return len(data)
+
+    def tagged(self, tag: bytes, data: bytes) -> None:
+        self.items.append((tag, bytes(data)))
+        if SSE_DONE in data:
+            self.output.release()
+
+    @staticmethod
+    def flush() -> None:
+        """Nothing goes out until ``release``."""
+
+    def __getattr__(self, name):
+        return getattr(self.wrapped, name)
+
 
 def tap_tokens(responses: Iterable, output: TokenTaggingOutput):
     """Stock's response iterator, telling ``output`` of each token as the handler takes it
-    (``consumed``'s work, without a call per token)."""
+    (``consumed``'s work, without a call per token), and of the last (``hold_to_the_end``)."""
     add_token, add_text = output._tokens.append, output._text.append
     for response in responses:
         add_token(response.token)
         if response.text:
             add_text(response.text)
+        if response.finish_reason is not None:
+            output.hold_to_the_end()
         yield response
 
 

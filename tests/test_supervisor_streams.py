@@ -21,7 +21,8 @@ import pytest
 from conftest import RELAYED, chat_body, poll, scraped
 from test_continuation import streamed
 from test_continuation import TEXT as TEXT_COMPLETIONS
-from test_supervisor import COMPLETIONS, SLOW_STEPS, assert_restarting_error, start_supervisor  # noqa: F401 - a fixture
+from test_supervisor import (COMPLETIONS, SLOW_STEPS, SUPERVISOR_HOOKS, assert_restarting_error,  # noqa: F401
+                             start_supervisor)
 
 
 def greedy_stream(content: str, max_tokens: int) -> dict:
@@ -355,3 +356,45 @@ def test_a_stream_through_a_stall_that_ends_its_child_keeps_a_2_s_read_timeout(s
     assert {e["dead_child_pid"] for e in supervised.supervisor_events("stream_continuing")} == {first_pid}
     assert [line for line in lines if line][-1] == "data: [DONE]" and '"error"' not in "".join(lines)
     assert sum(line.startswith(": keepalive") for line in lines) >= 3
+
+
+@pytest.mark.parametrize("hand_off", [True, pytest.param(False, marks=RELAYED.marks)])
+@pytest.mark.parametrize("dies_before", ['"finish_reason": "', '"usage"', '"object": "chat.completion"'])
+def test_a_child_that_dies_at_an_answers_end_leaves_no_answer_without_its_end(start_supervisor, tmp_path,
+                                                                              dies_before, hand_off):
+    """The child dies just before its write that holds ``dies_before`` (planted in its
+    socket writes by tests/supervisor_hooks): a stream's finish chunk (every token already
+    sent), its usage, a whole answer's body. Each went out in a write of its own: the
+    stream ended with an error event (a continuation had nothing left to generate), or
+    without its usage and no word, and the whole answer was a 200 head with no body (found
+    by a helper's LD_PRELOAD shim). A stream's end now goes out with its last token in one
+    write, a head with its body: the client gets all of it, as an unfailed run's."""
+    config = tmp_path / "guardian.toml"
+    config.write_text("" if hand_off else "[supervisor]\nhand_off = false\n")
+    armed = tmp_path / "die-armed"
+    python_path = os.pathsep.join(filter(None, [str(SUPERVISOR_HOOKS), os.environ.get("PYTHONPATH")]))
+    supervised = start_supervisor("--guardian-config", str(config), "--supervisor-quarantine", "0",
+                                  env={"PYTHONPATH": python_path, "GUARDIAN_TEST_DIE_ARMED_BY": str(armed),
+                                       "GUARDIAN_TEST_DIE_BEFORE_SEND": dies_before})
+    first_pid = supervised.wait_ready()
+    if dies_before == '"object": "chat.completion"':  # a whole answer's body (a chunk's says .chunk")
+        body = chat_body("End cleanly.", max_tokens=4, temperature=0.0)
+        reference = httpx.post(supervised.url + COMPLETIONS, json=body, timeout=60).json()
+        armed.touch()
+        answer = httpx.post(supervised.url + COMPLETIONS, json=body, timeout=60)
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["choices"] == reference["choices"] and answer.json()["usage"]["completion_tokens"] == 4
+    else:
+        body = greedy_stream("End cleanly.", max_tokens=4)
+        reference = read_whole(supervised.url + COMPLETIONS, body)
+        armed.touch()
+        cut = read_whole(supervised.url + COMPLETIONS, body)
+        assert cut.result["status"] == 200 and cut.result["done"] and not cut.result["errors"], cut.result
+        assert streamed(cut.result) == streamed(reference.result)
+        [finish] = [e["choices"][0]["finish_reason"] for e in cut.result["events"]
+                    if e.get("choices") and e["choices"][0].get("finish_reason")]
+        assert finish == "length"
+        [usage] = [e["usage"] for e in cut.result["events"] if e.get("usage")]
+        assert usage["completion_tokens"] == 4
+    assert not armed.exists()  # the planted death happened
+    assert supervised.wait_ready(not_pid=first_pid, timeout=60) != first_pid

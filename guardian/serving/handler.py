@@ -150,6 +150,10 @@ class GuardianHandler(Endpoints, stock.handler.DoorCorsHandler):
         try:
             self.handle_completion_answered(request, stop_words)
         finally:
+            try:
+                output.release()  # a tail held with no [DONE] after it (an error's end)
+            except CLIENT_GONE:
+                pass
             self.response_generator, self.wfile = generator, output.wrapped
 
     def handle_completion_answered(self, request, stop_words):
@@ -363,6 +367,24 @@ class GuardianHandler(Endpoints, stock.handler.DoorCorsHandler):
             self._head_deadline = None
         super().end_headers()
 
+    def flush_headers(self):
+        """A head that promises a body of known length goes out with that body, in one write.
+
+        Stock writes a completion's head, then its body: a supervised child that died
+        between the two left its client a 200 and a ``Content-Length`` with no body,
+        which nothing can complete (the next child's answer is another length). In one
+        write, all or none of it reaches the client, or the journal (handed off) holds
+        all of it for the supervisor to finish.
+        """
+        buffered = getattr(self, "_headers_buffer", None)
+        if buffered and self.command != "HEAD":
+            head = b"".join(buffered)
+            if b"\r\nContent-Length: " in head and b"\r\nContent-Length: 0\r\n" not in head:
+                self._headers_buffer = []
+                self.wfile = HeadWithBody(self, head)
+                return
+        super().flush_headers()
+
     def log_message(self, format, *args):
         # BaseHTTPRequestHandler writes access lines straight to stderr;
         # route them through structlog so every line is JSON.
@@ -376,6 +398,27 @@ class GuardianHandler(Endpoints, stock.handler.DoorCorsHandler):
         (log.debug if routine else log.info)("http_access", client=self.client_name,
                                              line=loggable_line(format % args),
                                              **({"api_key": key_name} if key_name else {}), **named)
+
+
+class HeadWithBody:
+    """A handler's output while its head waits for its body (``flush_headers``): the first
+    write sends both; a flush with no write sends the head alone."""
+
+    def __init__(self, handler, head: bytes):
+        self.handler, self.wrapped, self.head = handler, handler.wfile, head
+
+    def write(self, data) -> int:
+        self.handler.wfile = self.wrapped
+        self.wrapped.write(self.head + bytes(data))
+        return len(data)
+
+    def flush(self) -> None:
+        self.handler.wfile = self.wrapped
+        self.wrapped.write(self.head)
+        self.wrapped.flush()
+
+    def __getattr__(self, name):
+        return getattr(self.wrapped, name)
 
 
 class RelayedGenerator:

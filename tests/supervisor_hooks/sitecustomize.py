@@ -8,7 +8,11 @@ variable; the guardian's own code is not changed.
 - ``GUARDIAN_TEST_CRASH_READER_ARMED_BY`` (a path) and ``GUARDIAN_TEST_CRASH_READER_IN``
   (``supervisor`` or ``server``): once the path exists, the HTTP reader of that process
   (the supervisor's public port, or a one-process server's) raises from its loop, once.
-  A supervisor's child inherits the variables, and its own reader is left alone."""
+  A supervisor's child inherits the variables, and its own reader is left alone.
+- ``GUARDIAN_TEST_DIE_BEFORE_SEND`` (bytes, as latin-1) and ``GUARDIAN_TEST_DIE_ARMED_BY``
+  (a path): once the path exists, a supervised child SIGKILLs itself just before the
+  first socket write that holds those bytes, once: where a native crash would cut an
+  answer between two of its writes."""
 
 import os
 
@@ -43,3 +47,24 @@ if os.environ.get("GUARDIAN_TEST_CRASH_READER_ARMED_BY"):
         return _take_arrivals(self)
 
     reader.RequestReader._take_arrivals = _crashing_take_arrivals
+
+if os.environ.get("GUARDIAN_TEST_DIE_ARMED_BY"):
+    import signal
+    import socket
+    import sys
+
+    _die_armed_by = os.environ["GUARDIAN_TEST_DIE_ARMED_BY"]
+    _die_before = os.environ["GUARDIAN_TEST_DIE_BEFORE_SEND"].encode("latin-1")
+
+    def _dying(send):
+        def send_or_die(sock, data, *args):
+            # Read at the call: sys.argv is not set yet while sitecustomize runs.
+            if ("--supervise" not in sys.argv and _die_before in bytes(data)
+                    and os.path.exists(_die_armed_by)):
+                os.remove(_die_armed_by)
+                os.kill(os.getpid(), signal.SIGKILL)
+            return send(sock, data, *args)
+        return send_or_die
+
+    socket.socket.send = _dying(socket.socket.send)
+    socket.socket.sendall = _dying(socket.socket.sendall)
