@@ -24,9 +24,10 @@ same request succeeds once the memory is back. It gets 503 with Retry-After
 (``Verdict.SHORTAGE``) and is never quarantined.
 
 The crash-loop budget (``recovery.max_failures`` within ``window_s``)
-counts failures without progress: no token generated and no request
-completed since the previous failure (the first failure always counts:
-there is nothing to compare it with). An engine that keeps serving while
+counts failures in a row without progress: no token generated and no
+request completed since the previous failure (the first failure always
+counts: there is nothing to compare it with). Progress ends the row: the
+failures before it count no more. An engine that keeps serving while
 it fails is degraded, not dead: it stays up. A failure a blamed (or
 memory-short) request was in flight at is forgiven too, but only if the
 engine has completed a request (a user's or a probe) since the previous
@@ -129,6 +130,11 @@ class FailureBudget:
             progressed = self._progress_seen is not None and progress != self._progress_seen
             self._progress_seen = progress
             if progressed:
+                # The engine moved since the previous failure: the failures before it were
+                # no loop. Counted on, random failures hours of work apart (one step in
+                # twenty failing, each now and then twice in a row) added up within the
+                # window to exit 4 while 90 % of them came after progress.
+                self._times.clear()
                 self.after_progress += 1
                 return None
             failure_id = next(self._ids)

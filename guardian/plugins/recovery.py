@@ -12,11 +12,12 @@ from guardian.engine.failures import classify
 
 class RecoverySettings(Table, name="recovery"):
     max_failures = Setting(Int(min=1), 5, """
-        More than this many engine failures without progress within window_s: answer
-        every request and exit with code 4, so launchd or systemd starts a fresh
-        process. A failure after the engine generated a token or completed a request
-        since the previous failure does not count (the first failure always does):
-        an engine that keeps serving while it fails stays up, and with more than
+        More than this many engine failures in a row without progress within
+        window_s: answer every request and exit with code 4, so launchd or systemd
+        starts a fresh process. A failure after the engine generated a token or
+        completed a request since the previous failure does not count, and those
+        before it count no more (the first failure always counts): an engine that
+        keeps serving while it fails stays up, and with more than
         this many failures of any kind within window_s it reports "degraded"
         (/guardian/status, /metrics, engine_degraded in the log).""", live=True)
     window_s = Setting(Float(min=0), 60.0, """
