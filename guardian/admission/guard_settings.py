@@ -46,8 +46,10 @@ class PromptGuardSettings(Table, name="prompt_guard"):
         After the engine ran out of device memory the KV budget is capped at what
         the device could give; where mlx cannot measure free memory (Metal, the
         CPU) the cap is lifted once this many seconds pass without another memory
-        failure. A request over the cap but within the budget gets 503
-        memory_shortage with Retry-After until then.""", live=True)
+        failure. A request over the cap but within the budget runs alone until
+        then: it waits its turn (max_queue_wait_s) for nothing else to hold KV.
+        (Where free memory is measured, it gets 503 memory_shortage with
+        Retry-After until the device has the memory.)""", live=True)
     max_queued = Setting(Int(min=0), 16, """
         Requests that arrive while the budget is full wait first come, first
         served: at most max_queued of them, each at most max_queue_wait_s; then

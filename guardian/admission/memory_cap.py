@@ -22,10 +22,15 @@ The lower of the two wins. The cap is lifted once the device has the
 configured budget free again (measured), or, where nothing measures it
 (Metal, the CPU), once ``hold_s`` pass without another memory failure. The
 cap is temporary, so a request over it that fits the configured budget is
-refused at the door with 503 ``memory_shortage`` and Retry-After (when the
-cap should lift, ``retry_in_s``); only a request over the configured budget
-(the device's total) gets 400 ``kv_cache_budget_exceeded``. Requests that
-would fill the cap wait, then get 429 ``kv_cache_budget_busy`` (prompt_guard's queue).
+no request's fault: where the cap is measured, the device has not the memory
+now, and the request gets 503 ``memory_shortage`` with Retry-After; where it
+is only learned, it runs alone, in its turn (one request in flight at the
+failure capped the budget below its own size, and refusing every request as
+large kept a server whose shortage had passed from serving for ``hold_s``;
+if memory is still short, it fails alone and gets 503 ``memory_shortage``,
+guardian.engine.blame). Only a request over the configured budget (the
+device's total) gets 400 ``kv_cache_budget_exceeded``. Requests that would fill the cap wait, then
+get 429 ``kv_cache_budget_busy`` (prompt_guard's queue).
 """
 
 from __future__ import annotations
@@ -122,15 +127,6 @@ class MemoryCap:
         self.cap_bytes = self.learned_bytes = self.measured_bytes = None
         self.failed_at = None
         return None
-
-    def retry_in_s(self) -> Optional[float]:
-        """Seconds until the cap lifts by itself (``hold_s`` after the last memory
-        failure, where nothing measures the device); None when capped by a
-        measurement (it lifts at a resample, once memory comes back) or not capped."""
-        with self._lock:
-            if self.cap_bytes is None or self.measured_bytes is not None or self.failed_at is None:
-                return None
-            return max(0.0, self.failed_at + self.hold_s - self._clock())
 
     def status(self) -> dict:
         return {

@@ -17,7 +17,8 @@ by the engine) and, before anything is enqueued:
   then 429 with Retry-After when the requests in flight fill it; after the
   device ran out of memory the budget is capped for a while
   (guardian.admission.memory_cap), and a request over that temporary cap
-  only gets 503 ``memory_shortage`` with Retry-After;
+  gets 503 ``memory_shortage`` with Retry-After where the device's free
+  memory is measured (CUDA), and runs alone where it is not (Metal, the CPU);
 - has the HTTP handler answer 413 to bodies over ``max_body_bytes``.
 """
 
@@ -315,9 +316,10 @@ class PromptGuard:
             budget = self.budget_bytes(admission.limits)[0]
             switch = (f" (the model this request names has {describe_bytes(admission.limits.weights_bytes)} "
                       "of weights)")
-        if nbytes > budget:
-            if not switch and nbytes <= self.budget.configured_bytes:
-                return self.shortage(admission, nbytes, budget)  # only the temporary cap refuses it
+        over_the_cap_alone = nbytes > budget and not switch and nbytes <= self.budget.configured_bytes
+        if over_the_cap_alone and self.memory_cap.measured_bytes is not None:
+            return self.shortage(admission, nbytes, budget)  # the device says it has not the memory now
+        if nbytes > budget and not over_the_cap_alone:
             if not switch:
                 budget = self.budget.configured_bytes  # the device's total: it never fits
             return GuardianError(
@@ -338,7 +340,14 @@ class PromptGuard:
             )
         # One budget counts the KV cache in flight, whichever model holds it;
         # a switched-in model's request that fits its own budget takes at
-        # most all of it (the batch drains before stock switches models).
+        # most all of it (the batch drains before stock switches models). So
+        # does one over a cap learned from a failure alone, with nothing to
+        # measure the device by (guardian.admission.memory_cap): it runs alone,
+        # in its turn. It was refused 503 until the cap lifted, and one failure
+        # with one request in flight capped the budget below that request's
+        # size: every request as large, for a minute, the passing shortage long
+        # past. A lasting one fails it alone, and that failure's 503
+        # memory_shortage says come back (guardian.engine.blame).
         reserved = min(nbytes, self.budget.total_bytes)
         error = self.budget.reserve(reserved, gave_up=request_ended)
         if error is None:
@@ -346,17 +355,16 @@ class PromptGuard:
         return error
 
     def shortage(self, admission: Admission, nbytes: int, cap: int) -> GuardianError:
-        """A request over the temporary cap, within the budget: 503, come back when it lifts."""
-        retry_after_s = max(self.settings.retry_after_s, self.memory_cap.retry_in_s() or 0.0)
+        """A request over the measured cap, within the budget: 503, come back when memory is."""
         return GuardianError(
             f"This request needs {describe_bytes(nbytes)} of KV cache "
             f"({admission.n_prompt_tokens} prompt + {admission.args.max_tokens} completion tokens); "
             f"the device is short of memory now: the KV cache budget was lowered from "
             f"{describe_bytes(self.budget.configured_bytes)} to {describe_bytes(cap)}, what the device "
-            "could give since the engine ran out of device memory. Retry later.",
+            "can give since the engine ran out of device memory. Retry later.",
             status=503,
             code="memory_shortage",
-            retry_after_s=retry_after_s,
+            retry_after_s=self.settings.retry_after_s,
             extra={"kv_cache_bytes": nbytes, "kv_budget_bytes": cap,
                    "kv_budget_configured_bytes": self.budget.configured_bytes},
         )
