@@ -140,10 +140,12 @@ def method_not_allowed(method: str, path: str, allowed: str) -> GuardianError:
                          headers={"Allow": allowed})
 
 
-def body_too_large(length: int, limit: int) -> GuardianError:
+def body_too_large(length: int, limit: Optional[int]) -> GuardianError:
     """413 for a body over ``max_body_bytes``, answered from its Content-Length: the same
-    words from the one-process server and the supervisor's public port."""
-    return GuardianError(f"The request body is {length} bytes; this server accepts at most {limit} bytes.",
+    words from the one-process server and the supervisor's public port (``limit`` None:
+    lifted by a save since the head was read)."""
+    most = f"at most {limit} bytes" if limit is not None else "no more than its limit at the time"
+    return GuardianError(f"The request body is {length} bytes; this server accepts {most}.",
                          status=413, type="invalid_request_error", code="request_too_large", retry=False,
                          headers={"Connection": "close"})
 

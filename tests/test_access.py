@@ -280,9 +280,10 @@ def test_this_machines_own_names_are_its_hosts_only_beyond_loopback(bound, serve
 
 
 def test_in_protected_mode_this_machines_own_names_are_no_hosts(monkeypatch):
-    """Protected mode serves this machine's own clients alone, and a page's name rebound to
+    """Protected mode serves this machine's own clients whole, and a page's name rebound to
     127.0.0.1 is one: bound beyond loopback with no keys, a client on 127.0.0.1 naming the
-    machine was served (an adversarial review). Addresses and listed names still are."""
+    machine was served (an adversarial review). Addresses and listed names still are, and
+    another machine's health check may name it (a review of that change: 403)."""
     monkeypatch.setattr(policy_module, "machine_names", lambda: {"studio-mac", "studio-mac.local"})
     protected = door(host="0.0.0.0", protected_mode=True)
     assert protected.mode == "protected"
@@ -291,6 +292,9 @@ def test_in_protected_mode_this_machines_own_names_are_no_hosts(monkeypatch):
         assert ask(protected, "/v1/models", "127.0.0.1", "GET", ("Host", host)).allowed, host
     listed = door(host="0.0.0.0", protected_mode=True, allowed_hosts=["studio-mac.local"])
     assert ask(listed, "/v1/models", "127.0.0.1", "GET", ("Host", "studio-mac.local:8080")).allowed
+    assert ask(protected, "/health", "192.168.1.50", "GET", ("Host", "studio-mac.local:8080")).allowed
+    refused = ask(protected, "/v1/models", "192.168.1.50", "GET", ("Host", "studio-mac.local:8080"))
+    assert refused.error.code == "protected_mode"  # the door's own answer to other machines, not the Host's
 
 
 def test_no_host_header_is_no_browser():

@@ -178,8 +178,7 @@ def test_a_flood_past_the_handler_cap_gets_503_at_once(held):
         # Every handler holds a stream now (each sent its status line): the next requests are refused.
         started = time.monotonic()
         refused = [httpx.get(held.url + "/v1/models", timeout=10) for _ in range(5)]
-        took = time.monotonic() - started
-        assert took < 2.5  # at once: no thread was started for them
+        assert time.monotonic() - started < 2.5  # at once: no thread was started for them
         busy = [r for r in refused if r.status_code == 503]
         assert busy, [r.status_code for r in refused]
         assert busy[0].json()["error"]["code"] == "server_busy"
@@ -195,7 +194,7 @@ def test_a_flood_past_the_handler_cap_gets_503_at_once(held):
     # Logged once a second at most, the next line saying how many were left out (a flood of
     # refusals wrote a line each: 1,367 in 10 s); the metric counts each.
     lines = held.events("http_handlers_busy")[lines_before:]
-    assert 1 <= len(lines) <= took + 2, lines
+    assert 1 <= len(lines) <= time.monotonic() - started + 2, lines  # since the first refusal, and the poll's
     if len(busy) >= 3:
         assert len(lines) < len(busy), lines
 

@@ -228,7 +228,8 @@ class AccessPolicy:
         if self.relay_key is not None:
             return self.check_relayed(request)
         address = request.client_address
-        error = self.check_host(request.headers.get("Host")) or self.check_origin(request.headers.get("Origin"))
+        error = (self.check_host(request.headers.get("Host"), address)
+                 or self.check_origin(request.headers.get("Origin")))
         if error is not None:
             return AccessDecision(address, error)
         public = request.path in self.settings.public_paths or request.method == "OPTIONS"
@@ -270,27 +271,28 @@ class AccessPolicy:
         return AccessDecision(request.headers.get(CLIENT_HEADER) or request.client_address,
                               key_name=request.headers.get(KEY_NAME_HEADER) or None)
 
-    def check_host(self, host_header: Optional[str]) -> Optional[GuardianError]:
+    def check_host(self, host_header: Optional[str], client_address: str = "") -> Optional[GuardianError]:
         if host_header is None:
             return None  # HTTP/1.0 without Host: no browser sends that
         name = host_name_of(host_header)
-        if name is not None and self.host_allowed(name):
+        if name is not None and self.host_allowed(name, client_address):
             return None
         return GuardianError(
             f"The Host header {host_header[:100]!r} is not a name this server answers to. "
             "Add it to [access] allowed_hosts in --guardian-config.",
             status=403, type="invalid_request_error", code=HOST_NOT_ALLOWED, retry=False)
 
-    def host_allowed(self, name: str) -> bool:
+    def host_allowed(self, name: str, client_address: str = "") -> bool:
         """Loopback names, the names ``allowed_hosts`` lists (a proxy in front of a server
         bound to loopback forwards its clients' Host; ``host.docker.internal`` for a web UI
         in a container), and, bound beyond loopback, addresses and this machine's own names.
         Bound to loopback, this machine's names are not taken: what they resolve to, a
         search domain's resolver, mDNS (``NAME.local``) or a DHCP-given one (a
         ``.internal`` name) can answer for, and so rebind to 127.0.0.1 (a review showed a
-        page's reads of /v1/models and /metrics let through). Nor in protected mode, for
-        the same reason: it serves only this machine's own clients, which a page's name
-        rebound to 127.0.0.1 is, and they have loopback names."""
+        page's reads of /v1/models and /metrics let through). Nor in protected mode from
+        a loopback client, for the same reason: it serves this machine's own clients
+        whole, and a page whose name is rebound to 127.0.0.1 is one (they have loopback
+        names); other machines' health checks may name it (their public paths)."""
         if is_loopback_name(name):
             return True
         for allowed in self.settings.allowed_hosts:
@@ -300,7 +302,9 @@ class AccessPolicy:
                 return True
         if self.loopback_only:
             return False
-        return is_ip_literal(name) or (name in self._machine_names and self.mode != "protected")
+        if is_ip_literal(name):
+            return True
+        return name in self._machine_names and not (self.mode == "protected" and is_loopback_address(client_address))
 
     def check_origin(self, origin: Optional[str]) -> Optional[GuardianError]:
         # "null": a sandboxed frame or a file:// page; refused unless "*" was asked for.

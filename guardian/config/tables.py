@@ -239,7 +239,8 @@ class AccessSettings(Table, name="access"):
         "sha256:<hex>" (the key's SHA-256, so the file need hold no secret); "#"
         starts a comment. Once it holds a key, every path but public_paths needs
         one (Authorization: Bearer KEY, or X-Api-Key: KEY). Followed live: a save
-        or SIGHUP reads it again, and a file that does not parse changes nothing.
+        or SIGHUP reads it again; a file with a bad line adds no key but revokes
+        those it no longer holds, and a file gone revokes every key.
         "": no keys.""", flag="--api-key-file", metavar="PATH")
     public_paths = Setting(ListOf(Str()), ["/livez", "/readyz", "/health"], """
         Paths served without a key (and to any address in protected mode):
@@ -253,7 +254,8 @@ class AccessSettings(Table, name="access"):
     allowed_hosts = Setting(ListOf(Str()), [], """
         Host header names served besides loopback names and addresses, which
         always are, and, bound beyond loopback, IP addresses and this machine's
-        host name (and NAME.local): "name", ".example.com" (the domain and its
+        host name (and NAME.local; in protected mode, from other machines only):
+        "name", ".example.com" (the domain and its
         subdomains) or "*" (any). A web UI in a container that names this
         machine: "host.docker.internal". Behind a proxy that forwards its clients'
         Host to a server bound to loopback, list the proxy's public name here.

@@ -61,7 +61,7 @@ from guardian.errors import CLIENT_GONE, GuardianError
 from guardian.serving.deadlines import takes_body
 from guardian.serving.limits import ConnectionLimits
 from guardian.serving.reader import CLOSE_REASONS, Incoming, RequestReader
-from guardian.serving.sockets import (asks_head_only, close_quietly, inherited_listener, listen_backlog,
+from guardian.serving.sockets import (asks_head_only, bytes_waiting, close_quietly, inherited_listener, listen_backlog,
                                       refuse_in_background, send_close_notify, send_refusal)
 
 log = structlog.get_logger("guardian.connection")
@@ -313,7 +313,8 @@ class HeldConnections:
             refuse_in_background(incoming.sock, GuardianError(
                 f"All {self.limits.max_handlers} request handlers are busy; send the request again.",
                 status=503, code="server_busy", retry_after_s=self.limits.retry_after_s),
-                handed_off=incoming.handed_off, head_only=asks_head_only(incoming.buffer))
+                linger=incoming.body_unread, handed_off=incoming.handed_off,
+                head_only=asks_head_only(incoming.buffer))
             return
         sock = incoming.sock
         try:
@@ -402,7 +403,9 @@ class HeldConnections:
                 super().shutdown_request(sock)
             request.finish()
             return
-        if getattr(request, "body_unread", False) and self._reader is not None:
+        if self._reader is not None and (getattr(request, "body_unread", False) or bytes_waiting(sock)):
+            # A body never read, or bytes past the request (a client's CRLF after its body):
+            # closed unread, they reset the connection, and the answer may go with them.
             self._reader.linger(sock)  # the close waits there, not here
         super().shutdown_request(sock)
 

@@ -58,6 +58,8 @@ GONE_BEFORE_ACCEPTED = frozenset({errno.ECONNABORTED, errno.ECONNRESET, errno.EP
 # Closes lingering at once (``RequestReader.linger``): one descriptor each, for up to
 # LINGER_S. Past this many, a close lingers no more (its answer may be reset away).
 MAX_LINGERING = 1024
+# Reads of a lingering close's client in one turn of the reader (64 KiB each).
+LINGER_READS_PER_TURN = 16
 
 
 # Connections expired in one go: a wave of them (a flood opened together times
@@ -299,10 +301,12 @@ class RequestReader:
                 close_quietly(kept)
 
         def drain():
-            if drained(kept):
-                self.when_readable(kept, drain)
-            else:  # the client's end (or a reset)
-                end()
+            for _ in range(LINGER_READS_PER_TURN):  # what came, up to a turn's worth: a wake-up each
+                if not drained(kept):  # the client's end (or a reset)
+                    return end()
+                if not bytes_waiting(kept):
+                    break
+            self.when_readable(kept, drain)
 
         timer = self.call_at(time.monotonic() + LINGER_S, end)
         try:

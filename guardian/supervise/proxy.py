@@ -244,10 +244,10 @@ class ProxyHandler(BaseHTTPRequestHandler):
         supervisor = self.server.supervisor
         path = request_path(self.path)
         if getattr(self.connection, "body_unread", False):  # the reader never read it (PublicServer.reads_body)
-            if takes_body(self.command, path):  # past the child's max_body_bytes: its 413, here
+            if takes_body(self.command, path):  # past the child's max_body_bytes (as the reader read it): 413
+                limit = self.server.body_limit()
                 self.close_connection = True
-                return self.send_error_json(body_too_large(int(self.headers["Content-Length"]),
-                                                           self.server.body_limit()))
+                return self.send_error_json(body_too_large(int(self.headers["Content-Length"]), limit))
             body = b""  # a route that reads none: the child answers without it
         else:
             # Read the body first even when refusing: closing a socket with
