@@ -308,3 +308,24 @@ def test_giving_up_counts_failures_in_a_row_without_progress_and_progress_ends_t
     for _ in range(5):  # a row with no progress at all: it counts whole
         budget.add(5, now=at)
     assert budget.count(now=at) == 6
+
+
+def test_a_request_past_metals_largest_buffer_is_blamed_not_told_to_come_back(start_server):
+    """Metal's "Attempting to allocate N bytes which is greater than the maximum allowed
+    buffer size" is one array past the device's largest buffer: the request's shapes, not
+    a shortage. Taken for one, the request was answered 503 memory_shortage (come back) each
+    time it was sent, never quarantined, and the KV budget was capped below every request
+    for a minute (a review). It is blamed once it fails alone; the budget keeps its size."""
+    message = ("[metal::malloc] Attempting to allocate 137438953472 bytes which is greater than the "
+               "maximum allowed buffer size of 77309411328 bytes.")
+    server = start_server(table("fault_injection", enabled=True, message=message, poison_marker="HUGE-ALLOC"))
+    with httpx.Client(timeout=60) as http:
+        blamed = http.post(server.url + COMPLETIONS, json=chat_body("HUGE-ALLOC, then a story.", max_tokens=8))
+        assert blamed.status_code == 500, blamed.text
+        assert blamed.json()["error"]["code"] == "request_failed_repeatedly"
+        assert blamed.headers["x-should-retry"] == "false"
+        assert {e["classification"] for e in server.events("engine_error")} == {"metal_buffer_too_large"}
+        assert not server.events("kv_budget_lowered")
+        again = http.post(server.url + COMPLETIONS, json=chat_body("HUGE-ALLOC, then a story.", max_tokens=8))
+        assert again.json()["error"]["code"] == "request_quarantined"
+        assert http.post(server.url + COMPLETIONS, json=chat_body("hello", max_tokens=4)).status_code == 200

@@ -29,7 +29,7 @@ from guardian.quarantine.table import Entry, short
 log = structlog.get_logger("guardian.engine")
 
 # What ``classify`` answers; plugins may add their own.
-CLASSIFICATIONS = ("metal_resource_limit", "out_of_memory", "unknown")
+CLASSIFICATIONS = ("metal_resource_limit", "metal_buffer_too_large", "out_of_memory", "unknown")
 
 
 def classify(exc: BaseException) -> str:
@@ -37,6 +37,13 @@ def classify(exc: BaseException) -> str:
     text = str(exc)
     if "Resource limit" in text and "metal" in text:
         return "metal_resource_limit"
+    # Metal's "[metal::malloc] Attempting to allocate N bytes which is greater than the
+    # maximum allowed buffer size of M bytes": one array past the device's largest
+    # buffer. Set by the shapes a request makes, not by what else holds memory: no
+    # shortage to wait out, but a request to blame once it fails alone (taken for a
+    # shortage, it was answered 503 to come back for good, and capped the KV budget).
+    if "maximum allowed buffer size" in text:
+        return "metal_buffer_too_large"
     if isinstance(exc, MemoryError) or any(
         marker in text.lower()
         for marker in ("out of memory", "insufficient memory", "attempting to allocate")
