@@ -53,7 +53,8 @@ def test_after_a_memory_failure_a_request_over_the_cap_runs_alone(start_server):
     model's smallest included), though the shortage had passed (the request itself was
     served at once, re-run). It waits for the rest to end, then runs alone."""
     server = start_server(OOM_ONCE.replace("max_faults = 1\n", "max_faults = 1\nstep_delay_s = 0.02\n")
-                          + f"[prompt_guard]\nkv_budget_bytes = {CONFIGURED_BUDGET}\n")
+                          + f"[prompt_guard]\nkv_budget_bytes = {CONFIGURED_BUDGET}\n"
+                          "memory_cap_hold_s = 600.0\n")  # capped throughout, however slow the machine
     # Over 256 tokens: two of the KV cache's 256-token steps, where a small request takes one.
     big = chat_body("OOM-HERE " + "word " * 300, max_tokens=64)
     with httpx.Client(timeout=60) as client:

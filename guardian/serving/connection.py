@@ -61,7 +61,7 @@ from guardian.errors import CLIENT_GONE, GuardianError
 from guardian.serving.deadlines import takes_body
 from guardian.serving.limits import ConnectionLimits
 from guardian.serving.reader import CLOSE_REASONS, Incoming, RequestReader
-from guardian.serving.sockets import (asks_head_only, bytes_waiting, close_quietly, inherited_listener, listen_backlog,
+from guardian.serving.sockets import (asks_head_only, bytes_waiting_now, close_quietly, inherited_listener, listen_backlog,
                                       refuse_in_background, send_close_notify, send_refusal)
 
 log = structlog.get_logger("guardian.connection")
@@ -403,7 +403,7 @@ class HeldConnections:
                 super().shutdown_request(sock)
             request.finish()
             return
-        if self._reader is not None and (getattr(request, "body_unread", False) or bytes_waiting(sock)):
+        if self._reader is not None and (getattr(request, "body_unread", False) or bytes_waiting_now(sock)):
             # A body never read, or bytes past the request (a client's CRLF after its body):
             # closed unread, they reset the connection, and the answer may go with them.
             self._reader.linger(sock)  # the close waits there, not here

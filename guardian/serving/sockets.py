@@ -89,6 +89,17 @@ def bytes_waiting(sock: socket.socket) -> bool:
         return False
 
 
+def bytes_waiting_now(sock: socket.socket) -> bool:
+    """``bytes_waiting`` for a handler's socket, which has a timeout: on such a socket Python
+    first waits for it to be readable, up to the timeout (every close waited send_timeout_s
+    for a client that sent nothing more). Asked at once; the socket is closing."""
+    try:
+        sock.setblocking(False)
+    except OSError:
+        return False
+    return bytes_waiting(sock)
+
+
 def client_left(sock: socket.socket) -> bool:
     """Whether a readable connection whose request was read whole is at its end (EOF or reset).
 
