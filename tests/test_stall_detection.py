@@ -356,9 +356,11 @@ def test_a_stream_silent_for_a_second_is_sent_keepalive_comments(slowed_server, 
     being replaced after a stall (seconds), and a client's read timeout (the openai SDK's)
     could run out. Each second without a token now brings stock's own keepalive comment."""
     armed = tmp_path / "slow-token"
-    # One step 4 s slow, and a floor that makes it no stall: a silence, nothing else.
+    # One step 4 s slow, and a floor that makes it no stall: a silence, nothing else. Steps
+    # of 10 ms at least: the stream is still under way when the first token's arrival arms
+    # the slow one (200 tokens could all be out before, on an idle machine).
     server = slowed_server(step_faults=dict(token_delay_s=4.0, token_delay_armed_by=str(armed)),
-                           watchdog=dict(stall_min_s=10.0))
+                           faults=dict(step_delay_s=0.01), watchdog=dict(stall_min_s=10.0))
     arrivals: list[tuple[float, bytes]] = []
     with httpx.Client(timeout=30) as client:
         with client.stream("POST", server.url + "/v1/chat/completions",
