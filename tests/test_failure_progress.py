@@ -318,7 +318,9 @@ def test_a_request_past_metals_largest_buffer_is_blamed_not_told_to_come_back(st
     for a minute (a review). It is blamed once it fails alone; the budget keeps its size."""
     message = ("[metal::malloc] Attempting to allocate 137438953472 bytes which is greater than the "
                "maximum allowed buffer size of 77309411328 bytes.")
-    server = start_server(table("fault_injection", enabled=True, message=message, poison_marker="HUGE-ALLOC"))
+    # Raised inside stock's own BatchGenerator step, where Metal's allocator fails.
+    server = start_server(POSITION_FAULTS + table("position_faults", marker="HUGE-ALLOC", fail_at=0,
+                                                  message=message))
     with httpx.Client(timeout=60) as http:
         blamed = http.post(server.url + COMPLETIONS, json=chat_body("HUGE-ALLOC, then a story.", max_tokens=8))
         assert blamed.status_code == 500, blamed.text

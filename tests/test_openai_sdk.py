@@ -18,10 +18,13 @@ import json
 import threading
 import time
 from typing import Optional
+from urllib.parse import quote
 
 import httpx
 import openai
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from conftest import SharedServer, chat_body, poll
 
@@ -242,3 +245,28 @@ def test_models_retrieve_gives_the_served_model_and_a_not_found_for_any_other(sd
         client.models.retrieve("mlx-community/nonesuch")
     assert raised.value.code == "model_not_found"
     assert "mlx-community/nonesuch" in raised.value.message
+
+
+def test_any_model_id_in_the_path_gets_the_model_or_openais_404(sdk_server):
+    """/v1/models/<id> reads an id from the path (percent-decoded): any id, bytes that are
+    no UTF-8 included, is the served model's object or a 404 model_not_found, never a 5xx."""
+    server = sdk_server()
+    listed = httpx.get(server.url + "/v1/models", timeout=10).json()["data"][0]["id"]
+    ids = st.one_of(st.text(max_size=300).map(lambda t: quote(t, safe="")),
+                    st.binary(max_size=100).map(lambda b: quote(b, safe="")),
+                    st.sampled_from(["default_model", quote(listed, safe=""), "%ff%fe", "..%2F..", "%00"]))
+
+    @settings(max_examples=60, derandomize=True, database=None, deadline=None,
+              suppress_health_check=list(HealthCheck))
+    @given(ids)
+    def answered(quoted_id):
+        response = httpx.get(f"{server.url}/v1/models/{quoted_id}", timeout=10)
+        assert response.status_code in (200, 404), (quoted_id, response.status_code, response.text)
+        body = response.json()
+        if response.status_code == 200:
+            assert body["object"] == "model" and body["id"] == listed
+        else:
+            assert body["error"]["code"] in ("model_not_found", "unknown_url"), body  # ".." leaves the path
+
+    answered()
+    assert httpx.get(server.url + "/v1/models/default_model", timeout=10).status_code == 200
