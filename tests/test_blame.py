@@ -44,8 +44,15 @@ def test_a_request_failing_before_it_starts_is_blamed_and_quarantined(start_serv
         assert first.json()["error"]["code"] == "request_failed_repeatedly"
         assert first.headers["x-should-retry"] == "false"
         errors = server.events("engine_error")
-        assert len(errors) == 2, "one run, one re-run alone, then blamed"
+        # One run; one re-run alone, with no work of the engine since the first
+        # failure (it might be the engine's own); a probe proves the engine; then alone
+        # again, and blamed.
+        assert len(errors) == 3, "one run, one re-run alone, a proof, alone again, then blamed"
+        assert [e["awaiting_proof"] for e in errors] == [[], [errors[-1]["blamed"][0]], []]
+        assert errors[1]["failures_in_window"] == 0, "waiting for the proof, its failures are not counted"
         assert errors[-1]["blamed"] and errors[-1]["failures_in_window"] == 0
+        [proof] = server.events("proof_probe_queued")
+        assert "failed alone" in proof["why"]
         [blamed] = server.events("request_blamed")
         [quarantined] = server.events("request_quarantined")
         assert blamed["quarantined"] and blamed["fingerprint"] == quarantined["fingerprint"]
@@ -60,7 +67,7 @@ def test_a_request_failing_before_it_starts_is_blamed_and_quarantined(start_serv
             assert quarantined["until"] in error["message"]
             assert again.headers["x-should-retry"] == "false"
         assert len(server.events("quarantined_request_refused")) == 3
-        assert len(server.events("engine_error")) == 2
+        assert len(server.events("engine_error")) == 3
 
         # Not the same request: served. A different poison after a completed
         # request is blamed as well, and its failures are forgiven too.
@@ -68,13 +75,14 @@ def test_a_request_failing_before_it_starts_is_blamed_and_quarantined(start_serv
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 8
         other = client.post(url, json={**poison, "max_tokens": 9})
         assert other.json()["error"]["code"] == "request_failed_repeatedly"
-        assert len(server.events("engine_error")) == 4
+        assert len(server.events("engine_error")) == 6
         status = engine_status(server)
-        # The other poison's first failure came after a completed request: not
-        # counted at all (it progressed), so three were forgiven.
+        # Each poison's failure after its proof came after progress (the probe's), and the
+        # other's first after a completed request: not counted at all. The three others
+        # were forgiven as they waited for their proofs.
         assert status["failures_in_window"] == 0 and status["failures_forgiven"] == 3
         assert scraped(server, "mlx_guardian_engine_failures_forgiven_total") == 3
-        assert status["failures_after_progress"] == 1
+        assert status["failures_after_progress"] == 3
         assert len(status["quarantine"]["quarantined"]) == 2
 
         # [recovery] quarantine_s = 0, saved live, switches quarantining off: what it holds
@@ -190,3 +198,33 @@ def test_failures_with_nobody_to_blame_still_end_in_exit_4(start_server):
     assert [e["failures_in_window"] for e in errors] == [1, 2, 3, 4]
     [gave_up] = server.events("engine_gave_up")
     assert gave_up["exit_code"] == EXIT_ENGINE_FAILED
+
+
+def test_an_engine_that_fails_every_step_blames_nobody_and_exits_4(start_server, tmp_path):
+    from guardian.exit_codes import EXIT_ENGINE_FAILED
+
+    # Up and proven first; then a save makes every engine step fail. A request that
+    # fails alone there is no evidence against itself: the probe run before blaming it
+    # fails too, so the engine is at fault, and the request gets the exit's 503 (its
+    # client may send it to the next process). The old code blamed it: 500, "will not
+    # be retried", and its fingerprint quarantined.
+    # Not the incident's memory failure, which is answered 503 "memory_shortage" alone.
+    config = ('[fault_injection]\narmable = true\nenabled = false\nmessage = "planted engine fault"\n'
+              "[recovery]\nmax_failures = 3\n")
+    server = start_server(config)
+    (tmp_path / f"guardian-{server.port}.toml").write_text(
+        config.replace("enabled = false", "enabled = true\nevery_n_steps = 1"))
+    poll(lambda: server.events("config_reloaded"), 10, what="every step failing")
+    with httpx.Client(timeout=60) as client:
+        answer = client.post(server.url + "/v1/chat/completions", json=chat_body(max_tokens=8))
+    assert answer.status_code == 503, answer.text
+    assert answer.json()["error"]["code"] == "engine_failed"
+    assert server.proc.wait(timeout=30) == EXIT_ENGINE_FAILED
+    errors = server.events("engine_error")
+    assert server.events("request_blamed") == [] and all(not e["blamed"] for e in errors)
+    assert server.events("request_quarantined") == []
+    # The request waited for a proof; the probes' failures counted, and ended the process.
+    assert any(e["awaiting_proof"] for e in errors)
+    assert len(server.events("proof_probe_queued")) >= 1
+    assert errors[-1]["failures_in_window"] == 4
+

@@ -121,20 +121,42 @@ def test_a_poison_that_fails_at_the_same_token_is_blamed_once_it_reproduces_alon
     for result in bystanders:
         assert result["status"] == 200 and result["done"] and not result["errors"], result
     # At token 5 beside the bystanders; continued, at token 5 again: run alone;
-    # at token 5 alone: blamed. (Its second failure came in the step that
+    # at token 5 alone: a probe proves the engine, then alone again; at token 5
+    # alone a second time: blamed. (Its second failure came in the step that
     # prefilled every continuation, before the bystanders' next token: they were
     # to run alone too, and once it was blamed they went on together.)
     errors = server.events("engine_error")
-    assert len(errors) == 3 and all("planted poison at token 5" in e["error_message"] for e in errors)
+    assert len(errors) == 4 and all("planted poison at token 5" in e["error_message"] for e in errors)
     [blamed_event] = server.events("request_blamed")
-    assert [e["blamed"] for e in errors] == [[], [], [blamed_event["request_id"]]]
-    reruns = [e for e in server.events("request_rerun") if e["request_id"] == blamed_event["request_id"]]
-    assert [(e["generated"], e["continued"], e["isolated"]) for e in reruns] == [(5, True, False), (5, True, True)]
+    poison_id = blamed_event["request_id"]
+    assert [e["blamed"] for e in errors] == [[], [], [], [poison_id]]
+    assert [e["awaiting_proof"] for e in errors] == [[], [], [poison_id], []]
+    assert "2 of them alone" in error["message"]
+    reruns = [e for e in server.events("request_rerun") if e["request_id"] == poison_id]
+    assert [(e["generated"], e["continued"], e["isolated"], e["awaiting_proof"]) for e in reruns] == [
+        (5, True, False, False), (5, True, True, False), (5, False, True, True)]  # past max_continuations: from nothing
     with httpx.Client(timeout=30) as http:
         again = http.post(url, json=poison)
         assert again.status_code == 500 and again.json()["error"]["code"] == "request_quarantined"
-    assert len(server.events("engine_error")) == 3
+    assert len(server.events("engine_error")) == 4
     assert server.proc.poll() is None
+
+
+def test_a_lone_stream_failing_at_one_token_is_blamed_after_its_proof_not_cut(start_server):
+    # Alone at token 5, continued; alone at token 5 again: a probe proves the engine;
+    # a third time, past max_continuations (2): blamed, not cut with a "retry" its
+    # client would follow into the same failure.
+    server = start_server(POSITION_FAULTS + table("position_faults", marker=POISON, fail_at=5))
+    body = chat_body(f"{POISON} streamed alone.", max_tokens=16, stream=True)
+    with httpx.Client(timeout=60) as http:
+        result = read_stream(http, server.url + COMPLETIONS, body)
+        assert result["status"] == 200 and result["done"], result
+        assert [e["code"] for e in result["errors"]] == ["request_failed_repeatedly"]
+        assert sum(bool(e.get("choices")) for e in result["events"]) >= 5
+        again = http.post(server.url + COMPLETIONS, json=body)
+        assert again.status_code == 500 and again.json()["error"]["code"] == "request_quarantined"
+    errors = server.events("engine_error")
+    assert [bool(e["awaiting_proof"]) for e in errors] == [False, True, False] and errors[-1]["blamed"]
 
 
 def test_distinct_poisons_sent_back_to_back_are_each_blamed_and_the_server_stays_up(start_server):
@@ -308,6 +330,48 @@ def test_giving_up_counts_failures_in_a_row_without_progress_and_progress_ends_t
     for _ in range(5):  # a row with no progress at all: it counts whole
         budget.add(5, now=at)
     assert budget.count(now=at) == 6
+
+
+def test_a_suspect_is_blamed_once_it_failed_alone_twice_with_the_engine_working_between():
+    """Failing alone once blamed a request: an engine that fails every step blamed the
+    first request it met (500, "will not be retried", quarantined), and one step in
+    twenty failing at random blamed 53 innocent requests in 45 s
+    (bench/random_faults_blame.py). Now the verdict is PROVE (a probe, then alone
+    again) until the suspect failed alone twice at its point with the engine working
+    between its last two failures (any completion or token); then BLAME. Without a
+    progress to compare (no probe to prove the engine with, or a stall) it is BLAME as
+    before; a memory failure alone stays a shortage."""
+    from types import SimpleNamespace
+
+    from guardian.engine.blame import Verdict, verdicts
+
+    def suspect(before, alone_failures=2, **overrides):
+        fields = dict(client_has_output=False, stuck_failures=2, synthetic=False, isolate=False,
+                      progress_at_previous_failure=before, alone_failures=alone_failures,
+                      may_continue=lambda _: False)
+        return SimpleNamespace(**{**fields, **overrides})
+
+    def verdict(record, **kwargs):
+        [(_, decided)] = verdicts([record], max_reruns=1, max_continuations=2, **kwargs)
+        return decided
+
+    assert verdict(suspect((3, 40)), progress=(3, 40)) is Verdict.PROVE  # nothing between
+    assert verdict(suspect((3, 40)), progress=(4, 40)) is Verdict.BLAME  # a probe completed
+    assert verdict(suspect((3, 40)), progress=(3, 41)) is Verdict.BLAME  # a token, anyone's
+    assert verdict(suspect((3, 40), alone_failures=1), progress=(4, 40)) is Verdict.PROVE  # alone once
+    assert verdict(suspect((3, 40), alone_failures=1)) is Verdict.BLAME  # nothing to prove the engine with
+    assert verdict(suspect(None), progress=(3, 40)) is Verdict.PROVE  # its failure before noted by a stall
+    assert verdict(suspect((3, 40)), progress=(3, 40), memory=True) is Verdict.SHORTAGE
+    assert verdict(suspect((3, 40), synthetic=True), progress=(3, 40)) is Verdict.ANSWER
+    assert verdict(suspect((3, 40), stuck_failures=1), progress=(3, 40)) is Verdict.RERUN
+    # A stream that sent tokens, past max_continuations at its point: blamed once it
+    # reproduced (a cut would be sent again), else cut (it cannot run again).
+    streamed = dict(client_has_output=True, stuck_failures=3)
+    assert verdict(suspect((3, 40), **streamed), progress=(4, 40)) is Verdict.BLAME
+    assert verdict(suspect((3, 40), **streamed), progress=(3, 40)) is Verdict.CUT
+    # Beside others it is run alone first.
+    [(_, first), (_, second)] = verdicts([suspect((3, 40)), suspect((4, 40))], 1, 2, progress=(4, 40))
+    assert first is second is Verdict.ISOLATE
 
 
 def test_a_request_past_metals_largest_buffer_is_blamed_not_told_to_come_back(start_server):

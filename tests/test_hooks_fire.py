@@ -147,14 +147,15 @@ def test_lifecycle_hooks_fire_once_each_in_order(scenario):
 def test_engine_failure_hooks_carry_the_failure(scenario):
     records, _ = scenario
     classified = calls(records, "classify_engine_error")
-    assert len(classified) == 2  # the poison fails twice: run, then re-run alone
+    # The poison fails three times: run, re-run alone, alone again once a probe proved the engine.
+    assert len(classified) == 3
     assert all(c["error"]["exception"] == "RuntimeError" for c in classified)
     decided = calls(records, "on_engine_error")
-    assert [d["classification"] for d in decided] == ["unknown"] * 2
+    assert [d["classification"] for d in decided] == ["unknown"] * 3
     restarted = calls(records, "on_engine_restarted")
-    # Two restarts after the failures, one after the stall (once a probe generated).
-    assert [r["restarts"] for r in restarted] == [1, 2, 3]
-    assert [r["classification"] for r in restarted][:2] == ["unknown"] * 2
+    # Three restarts after the failures, one after the stall (once a probe generated).
+    assert [r["restarts"] for r in restarted] == [1, 2, 3, 4]
+    assert [r["classification"] for r in restarted][:3] == ["unknown"] * 3
     assert all(r["duration_s"] >= 0 for r in restarted)
 
 

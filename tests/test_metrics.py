@@ -160,17 +160,18 @@ def test_a_planted_failure_moves_the_restart_counter_with_its_classification(ser
     url = served.url + COMPLETIONS
     with httpx.Client(timeout=60) as client:
         # The engine fails at every step of this request: a restart, a re-run
-        # alone, a second restart, then it is blamed and quarantined.
+        # alone, a second restart, a probe that proves the engine, a re-run alone
+        # again, a third restart, then it is blamed and quarantined.
         poisoned = client.post(url, json=chat_body(f"{POISON} pill", max_tokens=4))
         assert poisoned.status_code == 500, poisoned.text
         again = client.post(url, json=chat_body(f"{POISON} pill", max_tokens=4))
         assert again.json()["error"]["code"] == "request_quarantined"
     restarts = "mlx_guardian_engine_restarts_total"
     label = {"classification": "unknown"}
-    after = moved(served.url, restarts, 2, before.value(restarts, **label), **label)
-    assert after.value(restarts) - before.value(restarts) == 2  # no other classification moved
+    after = moved(served.url, restarts, 3, before.value(restarts, **label), **label)
+    assert after.value(restarts) - before.value(restarts) == 3  # no other classification moved
     assert (after.value("mlx_guardian_engine_restart_duration_seconds_count")
-            - before.value("mlx_guardian_engine_restart_duration_seconds_count")) == 2
+            - before.value("mlx_guardian_engine_restart_duration_seconds_count")) == 3
     failed = "mlx_guardian_requests_failed_total"
     assert after.value(failed, code="request_failed_repeatedly") - before.value(failed, code="request_failed_repeatedly") == 1
     refused = "mlx_guardian_requests_refused_total"

@@ -18,6 +18,22 @@ once more alone first. ``max_continuations`` bounds how often it is
 continued at one point; past that a stream that sent tokens is cut (an
 error event), and a non-streaming request is re-run from nothing.
 
+Failing alone once is weak evidence: an engine that fails every step (a
+broken device, a fault of its own) fails whatever runs alone on it, and
+random failures (one step in twenty) failed an innocent request alone at
+its point now and then, which blamed it. So a suspect is blamed only once
+it failed alone at its point twice, the engine having worked between its
+last two failures: completed a request or generated a token, anyone's. Until
+then (``Verdict.PROVE``) a probe runs alone (``Probes.queue_proof``), then the
+suspect runs alone again: the probe completing and the suspect failing
+again is a reproduction, and the suspect is blamed; the probe failing as
+well is the engine's fault, whose failures count toward the crash loop,
+and nobody is blamed. The suspect's failures are not counted while it
+waits for the proof (with ``max_failures = 1`` the wait itself would end
+the process). So a poison alone fails three times (two, before), and a
+poison beside others four (three). Without a probe prompt (no probe plugin)
+the engine cannot be proven, and a suspect is blamed as it fails alone.
+
 A suspect that failed alone for want of memory (``MEMORY_CLASSIFICATIONS``)
 is not blamed: it needed memory the device lacked at that moment, and the
 same request succeeds once the memory is back. It gets 503 with Retry-After
@@ -65,20 +81,31 @@ class Verdict(Enum):
     RERUN = "rerun"  # re-run transparently, from nothing
     CONTINUE = "continue"  # go on after the tokens it generated
     ISOLATE = "isolate"  # re-run (or continue) alone before blaming it
+    PROVE = "prove"  # failed alone, not yet twice with the engine working between: a probe, then alone again
     BLAME = "blame"  # failed alone at the same point: 500, and its fingerprint quarantined
     SHORTAGE = "shortage"  # failed alone at the same point for want of memory: 503, retry; not quarantined
 
 
 def verdicts(records: list, max_reruns: int, max_continuations: int = 0, *,
-             memory: bool = False) -> list[tuple]:
+             memory: bool = False, progress: Optional[Hashable] = None) -> list[tuple]:
     """(record, Verdict) for every request the dead loop had taken; each has
     noted this failure (``note_failure``). ``memory``: the failure was the
-    device running out of memory."""
+    device running out of memory. ``progress``: the engine's progress now, if
+    a blame needs two failures alone with the engine working between them
+    (``Verdict.PROVE``); None: blame as it fails alone."""
     alone = len(records) == 1
     decided = []
     for record in records:
         may_continue = record.may_continue(max_continuations)
-        if record.client_has_output and (max_reruns == 0 or not may_continue):
+        # Failed alone (or run alone) more than max_reruns times at one point: its answer
+        # goes before a cut, since a stream cut past max_continuations would be sent again.
+        suspect = (max_reruns > 0 and record.stuck_failures > max_reruns and not record.synthetic
+                   and (alone or record.isolate))
+        if suspect and memory:
+            verdict = Verdict.SHORTAGE
+        elif suspect and (progress is None or reproduced_alone(record, progress)):
+            verdict = Verdict.BLAME
+        elif record.client_has_output and (max_reruns == 0 or not may_continue):
             verdict = Verdict.CUT
         elif max_reruns == 0:
             verdict = Verdict.ANSWER
@@ -86,12 +113,20 @@ def verdicts(records: list, max_reruns: int, max_continuations: int = 0, *,
             verdict = Verdict.CONTINUE if may_continue else Verdict.RERUN
         elif record.synthetic:
             verdict = Verdict.ANSWER  # a probe is never blamed: its failures count
-        elif alone or record.isolate:
-            verdict = Verdict.SHORTAGE if memory else Verdict.BLAME
+        elif suspect:
+            verdict = Verdict.PROVE
         else:
             verdict = Verdict.ISOLATE
         decided.append((record, verdict))
     return decided
+
+
+def reproduced_alone(record, progress: Hashable) -> bool:
+    """Whether the record failed alone at its point twice, the engine having
+    completed a request or generated a token between its last two failures
+    (its progress now ``progress``)."""
+    previous = record.progress_at_previous_failure
+    return record.alone_failures >= 2 and previous is not None and previous != progress
 
 
 class FailureBudget:

@@ -83,6 +83,7 @@ class FailureHandler:
         # completion between them, and the fourth ended the process.
         self._unproven: list[int] = []
         self._proof_due = False
+        self._proof_why = ""
         self.last_error: Optional[dict] = None
 
     def configure(self, *, window_s: float, max_failures: int, max_reruns: int, max_continuations: int,
@@ -107,11 +108,13 @@ class FailureHandler:
         counts = self.engine.ledger.counts()
         records = self.engine.ledger.take_in_flight()
         proven_since = self._forgive_proven_blames()
-        failure_id = self.budget.add(self.progress(), failed_at)
-        decided = self._judge(records, failure_id, memory=classification in MEMORY_CLASSIFICATIONS)
+        progress = self.progress()
+        failure_id = self.budget.add(progress, failed_at)
+        decided = self._judge(records, failure_id, memory=classification in MEMORY_CLASSIFICATIONS,
+                              progress=progress if self.engine.probes.proof_prompt is not None else None)
         # Answered for what they did alone (poison), or needed (memory): their failures are explained.
         explained = [r for r, verdict in decided if verdict in (Verdict.BLAME, Verdict.SHORTAGE)]
-        forgiven = proven_since + self._forgive(explained)
+        forgiven = proven_since + self._forgive(explained) + self._await_proof(decided)
         if any(verdict is Verdict.SHORTAGE for _, verdict in decided):
             self.proof_wanted = True  # its client will send it again: see __init__
         failures_in_window = self.budget.count(failed_at)
@@ -135,6 +138,7 @@ class FailureHandler:
             progressed=failure_id is None,
             failures_in_window=failures_in_window,
             blamed=[r.request_id for r, verdict in decided if verdict is Verdict.BLAME],
+            awaiting_proof=[r.request_id for r, verdict in decided if verdict is Verdict.PROVE],
             short_of_memory=[r.request_id for r, verdict in decided if verdict is Verdict.SHORTAGE],
             failures_forgiven=forgiven,
             **rate,
@@ -164,20 +168,35 @@ class FailureHandler:
             self._settle(decided, cause, classification)
             if self._proof_due:
                 self._proof_due = False
-                self.engine.probes.queue_proof()
+                self.engine.probes.queue_proof(self._proof_why)
         self.engine.restart_clock.mark("settle")
         return action
 
     def _judge(self, records: list[RequestRecord], failure_id: Optional[int], *,
-               memory: bool = False) -> list[tuple]:
+               memory: bool = False, progress: Optional[tuple] = None) -> list[tuple]:
         """Count the failure for every request the dead loop had taken,
         whatever its stage, and decide what becomes of each. ``failure_id``:
-        the failure as the crash-loop budget counts it (None: not counted)."""
+        the failure as the crash-loop budget counts it (None: not counted).
+        ``progress``: the engine's, if a blame needs two failures alone with the
+        engine working between them (guardian.engine.blame)."""
+        alone = len(records) == 1
         for record in records:
-            record.note_failure()
+            record.note_failure(progress, alone=alone)
             if failure_id is not None:
                 record.failure_ids.append(failure_id)
-        return verdicts(records, self.max_reruns, self.max_continuations, memory=memory)
+        return verdicts(records, self.max_reruns, self.max_continuations, memory=memory, progress=progress)
+
+    def _await_proof(self, decided: list[tuple]) -> int:
+        """Queue a probe ahead of the suspects that failed alone, not yet twice with the
+        engine working between (``Verdict.PROVE``), so that failing alone again is a
+        reproduction; their failures wait for it uncounted. Return how many were forgiven."""
+        proving = [r for r, verdict in decided if verdict is Verdict.PROVE]
+        if not proving:
+            return 0
+        self._proof_due = True
+        self._proof_why = "a request failed alone: a proof of the engine before it runs alone again"
+        # The probe's own failures count: an engine that fails every step still ends in exit 4.
+        return self.budget.forgive(i for record in proving for i in record.failure_ids)
 
     def progress(self) -> tuple[int, int]:
         """The engine's progress: requests completed, tokens generated (guardian.engine.blame)."""
@@ -222,6 +241,7 @@ class FailureHandler:
             # next one (if a probe plugin gave its prompt) or a user's: until then they count.
             self._unproven += ids
             self._proof_due = True  # queued once the failure is settled (a blame ends isolation)
+            self._proof_why = "a request was blamed with no completion since the last blame"
             return 0
         return self.budget.forgive(ids)
 
@@ -247,13 +267,14 @@ class FailureHandler:
                 self._short_of_memory(record, cause, classification)
             else:
                 # ISOLATE: it failed more than once, but never alone: try it
-                # alone before blaming it.
-                record.isolate = record.isolate or verdict is Verdict.ISOLATE
+                # alone before blaming it. PROVE: it failed alone, not yet twice with
+                # the engine working between: alone again after a probe.
+                alone = verdict in (Verdict.ISOLATE, Verdict.PROVE)
+                record.isolate = record.isolate or alone
                 reruns.append(record)
-                if verdict is Verdict.CONTINUE or (
-                    verdict is Verdict.ISOLATE and record.may_continue(self.max_continuations)
-                ):
+                if verdict is Verdict.CONTINUE or (alone and record.may_continue(self.max_continuations)):
                     continued.append(record)
+        awaiting_proof = {id(record) for record, verdict in decided if verdict is Verdict.PROVE}
         for record in reruns:
             log.info(
                 "request_rerun",
@@ -261,6 +282,7 @@ class FailureHandler:
                 continued=record in continued,
                 failures=record.failures,
                 isolated=record.isolate,
+                awaiting_proof=id(record) in awaiting_proof,
                 stage=record.stage.value,
                 generated=len(record.generated),
                 continuations=record.continuations + (record in continued),
@@ -391,8 +413,8 @@ class FailureHandler:
             quarantined = f" Identical requests are refused until {entry.until_iso}."
         return GuardianError(
             f"This request was in flight at {record.stuck_failures} engine failures at the same point "
-            f"({len(record.generated)} tokens generated, none between them), the last one alone, "
-            f"and is their cause; it will not be retried.{quarantined} "
+            f"({len(record.generated)} tokens generated, none between them), {record.alone_failures} of "
+            f"them alone, and is their cause; it will not be retried.{quarantined} "
             f"Last failure: {classification}: {type(cause).__name__}: {cause}",
             status=500,
             code="request_failed_repeatedly",

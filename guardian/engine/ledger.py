@@ -79,6 +79,12 @@ class RequestRecord:
         # (guardian.engine.blame); and that point, in tokens generated.
         self.stuck_failures = 0
         self.failed_at_position: Optional[int] = None
+        # Of those, the failures it was alone at (or run alone); and the engine's progress
+        # (requests completed, tokens generated) at its failure before the last: whether
+        # the engine worked between them (guardian.engine.blame).
+        self.alone_failures = 0
+        self.progress_at_previous_failure: Optional[tuple] = None
+        self._progress_at_last_failure: Optional[tuple] = None
         self.isolate = False
         self.first_args = item[2]  # as the handler made them (continuations copy them)
         # Its samplers and logits processors (stock.sampling.sampling_kind), read once.
@@ -306,20 +312,26 @@ class RequestRecord:
         """Whether the request generated tokens a re-run would throw away."""
         return bool(self.generated)
 
-    def note_failure(self) -> bool:
-        """The engine failed with this request in flight: count it; whether the
-        request had progressed, a token past where it stood at its previous
-        failure (always, at its first). Without progress the failure is at the
-        same point (or, re-run from nothing, an earlier one) as the previous one."""
+    def note_failure(self, engine_progress: Optional[tuple] = None, alone: bool = False) -> bool:
+        """The engine failed with this request in flight, ``alone`` or not, the
+        engine's progress at ``engine_progress``: count it; whether the request
+        had progressed, a token past where it stood at its previous failure
+        (always, at its first). Without progress the failure is at the same
+        point (or, re-run from nothing, an earlier one) as the previous one."""
         position = len(self.generated)
         progressed = self.failed_at_position is None or position > self.failed_at_position
         self.failures += 1
+        self.progress_at_previous_failure, self._progress_at_last_failure = (
+            self._progress_at_last_failure, engine_progress)
+        alone = alone or self.isolate
         if progressed:
             self.failed_at_position = position
             self.stuck_failures = 1
+            self.alone_failures = int(alone)
             self.isolate = False  # no longer a suspect: it runs beside the others again
         else:
             self.stuck_failures += 1
+            self.alone_failures += alone
         return progressed
 
     def may_continue(self, max_continuations: int) -> bool:

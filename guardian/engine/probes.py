@@ -64,16 +64,17 @@ class Probes:
         result["duration_ms"] = round((time.monotonic() - started) * 1000, 1)
         return result
 
-    def queue_proof(self) -> bool:
+    def queue_proof(self, why: str) -> bool:
         """Queue a probe to run alone ahead of every waiting request, waited for by nobody
-        (the loop thread, after a failure): its completion proves the engine generates
-        between two blames (guardian.engine.failures). False: no probe plugin gave a prompt."""
+        (the loop thread, after a failure): its completion proves the engine generates,
+        before a suspect is blamed or between two blames (guardian.engine.blame,
+        guardian.engine.failures). False: no probe plugin gave a prompt."""
         if self.proof_prompt is None:
             return False
         request, args = stock.requests.make_request(self.proof_prompt, max_tokens=1, cli_args=self.engine.cli_args)
         with request_scope(f"proof-{next(self._ids)}", stream=True):
             self.engine.ledger.put((Queue(), request, args), synthetic=True, first=True)
-        log.info("proof_probe_queued", why="a request was blamed with no completion since the last blame")
+        log.info("proof_probe_queued", why=why)
         return True
 
     def keep_out_of_prompt_cache(self, prompt: str, *, deferred: bool = False) -> None:
