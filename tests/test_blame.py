@@ -228,3 +228,35 @@ def test_an_engine_that_fails_every_step_blames_nobody_and_exits_4(start_server,
     assert len(server.events("proof_probe_queued")) >= 1
     assert errors[-1]["failures_in_window"] == 4
 
+
+
+def test_three_distinct_poisons_among_streams_are_each_blamed_and_the_streams_go_on(start_server):
+    # Each poison fails every engine step once started (the fault-injection plugin's
+    # marker, inside stock's step). Every failure is one more at the bystanders' point,
+    # while the poisons' verdicts come one after the other.
+    server = start_server("[fault_injection]\nenabled = true\npoison_marker = \"POISON\"\n"
+                          "message = \"planted poison\"\n[watchdog]\nstall_min_s = 30.0\n")
+    url = server.url + "/v1/chat/completions"
+    started = [threading.Event() for _ in range(3)]
+    with ThreadPoolExecutor(6) as pool:
+        bystanders = [pool.submit(stream_signalling_start, url,
+                                  chat_body(content=f"Bystander {i}.", max_tokens=300, stream=True,
+                                            stream_options={"include_usage": True}), event)
+                      for i, event in enumerate(started)]
+        poll(lambda: all(e.is_set() for e in started), 30, what="bystanders streaming")
+
+        def poison(i):
+            with httpx.Client(timeout=90) as client:
+                return client.post(url, json=chat_body(content=f"POISON number {i}.", max_tokens=8))
+
+        poisons = [pool.submit(poison, i) for i in range(3)]
+        poisons = [f.result() for f in poisons]
+        bystanders = [f.result() for f in bystanders]
+    for answer in poisons:
+        assert answer.status_code == 500, answer.text
+        assert answer.json()["error"]["code"] == "request_failed_repeatedly"
+    for result in bystanders:
+        assert result["status"] == 200 and result["done"] and not result["errors"], result["errors"]
+        assert result["events"][-1]["usage"]["completion_tokens"] == 300
+    assert len(server.events("request_blamed")) == 3
+    assert server.proc.poll() is None

@@ -326,7 +326,14 @@ class FailureHandler:
         # The failures had a cause, and it is found: those in flight beside it need not run
         # alone one after the other any more (a long one held every new request until it
         # ended). Should one fail again, it is judged again: blame still needs failing alone.
-        self.engine.ledger.clear_isolation()
+        # But a stream that one more failure at its point would cut still runs alone: beside
+        # a second poison it was cut, innocent (three poisons among streams cut them all).
+        self.engine.ledger.clear_isolation(keep=self._one_failure_from_a_cut)
+
+    def _one_failure_from_a_cut(self, record: RequestRecord) -> bool:
+        """Whether one more failure at its point would cut the record's stream: it sent
+        tokens, and was continued there ``max_continuations`` times already."""
+        return record.client_has_output and record.stuck_failures >= self.max_continuations
 
     def settle_stall(self, reason: str) -> None:
         """Settle the requests of a loop thread a stall abandoned, as after a failure.

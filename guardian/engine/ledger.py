@@ -651,12 +651,14 @@ class RequestLedger:
         if not self._client_in_flight.get(client) and client not in self._waiting:
             self._served_at.pop(client, None)
 
-    def clear_isolation(self) -> None:
-        """A failure's cause was found: nothing queued or running waits to run alone."""
+    def clear_isolation(self, keep: Callable[[RequestRecord], bool] = lambda record: False) -> None:
+        """A failure's cause was found: nothing queued or running waits to run alone,
+        but what ``keep`` names."""
         with self._cond:
             for record in [*self._reruns, *self._in_flight.values()]:
-                record.isolate = False
-            self._isolated = None
+                record.isolate = record.isolate and keep(record)
+            if self._isolated is not None and not self._isolated.isolate:
+                self._isolated = None
             self._cond.notify_all()
 
     def end_isolation(self, record: RequestRecord) -> None:
