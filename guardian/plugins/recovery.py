@@ -49,7 +49,7 @@ class RecoverySettings(Table, name="recovery"):
         alone at that point it gets a 500 "request_failed_repeatedly" (or, when the
         device ran out of memory, a 503 "memory_shortage" with Retry-After, never
         quarantined), and the requests beside it are not blamed. The 500 needs a
-        reproduction: it fails alone twice, the engine having served a probe between.""", live=True)
+        reproduction: it fails alone twice, the engine serving something (a probe) between.""", live=True)
     max_continuations = Setting(Int(min=0), 2, """
         How often a request that had generated tokens when the engine failed is
         continued at the same point: given to the restarted engine with those tokens
