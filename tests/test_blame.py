@@ -200,34 +200,60 @@ def test_failures_with_nobody_to_blame_still_end_in_exit_4(start_server):
     assert gave_up["exit_code"] == EXIT_ENGINE_FAILED
 
 
-def test_an_engine_that_fails_every_step_blames_nobody_and_exits_4(start_server, tmp_path):
-    from guardian.exit_codes import EXIT_ENGINE_FAILED
+# Armed by a save once the server is up; not the incident's memory failure, which is
+# answered 503 "memory_shortage" alone.
+EVERY_STEP_FAILS_LATER = ('[fault_injection]\narmable = true\nenabled = false\nmessage = "planted engine fault"\n'
+                          "[recovery]\nbackoff_base_s = 0.0\n")
 
-    # Up and proven first; then a save makes every engine step fail. A request that
-    # fails alone there is no evidence against itself: the probe run before blaming it
-    # fails too, so the engine is at fault, and the request gets the exit's 503 (its
-    # client may send it to the next process). The old code blamed it: 500, "will not
-    # be retried", and its fingerprint quarantined.
-    # Not the incident's memory failure, which is answered 503 "memory_shortage" alone.
-    config = ('[fault_injection]\narmable = true\nenabled = false\nmessage = "planted engine fault"\n'
-              "[recovery]\nmax_failures = 3\n")
+
+def every_step_failing(start_server, tmp_path, max_failures: int):
+    config = EVERY_STEP_FAILS_LATER + f"max_failures = {max_failures}\n"
     server = start_server(config)
     (tmp_path / f"guardian-{server.port}.toml").write_text(
         config.replace("enabled = false", "enabled = true\nevery_n_steps = 1"))
     poll(lambda: server.events("config_reloaded"), 10, what="every step failing")
+    return server
+
+
+def test_an_engine_that_fails_every_step_blames_nobody_and_exits_4(start_server, tmp_path):
+    from guardian.exit_codes import EXIT_ENGINE_FAILED
+
+    # A request that fails alone on an engine failing every step is no evidence against
+    # itself: the probe run before blaming it fails too, so the engine is at fault, and
+    # the request gets the exit's 503 (its client may send it to the next process). The
+    # old code blamed it: 500, "will not be retried", and its fingerprint quarantined.
+    server = every_step_failing(start_server, tmp_path, max_failures=3)
     with httpx.Client(timeout=60) as client:
-        answer = client.post(server.url + "/v1/chat/completions", json=chat_body(max_tokens=8))
+        # One token: as many left as a proof has, which ran behind it (the proofs piled up).
+        answer = client.post(server.url + "/v1/chat/completions", json=chat_body(max_tokens=1))
     assert answer.status_code == 503, answer.text
     assert answer.json()["error"]["code"] == "engine_failed"
     assert server.proc.wait(timeout=30) == EXIT_ENGINE_FAILED
     errors = server.events("engine_error")
     assert server.events("request_blamed") == [] and all(not e["blamed"] for e in errors)
     assert server.events("request_quarantined") == []
-    # The request waited for a proof; the probes' failures counted, and ended the process.
-    assert any(e["awaiting_proof"] for e in errors)
-    assert len(server.events("proof_probe_queued")) >= 1
-    assert errors[-1]["failures_in_window"] == 4
+    # It fails twice; each proof fails twice (counted), each before the request runs alone
+    # again (its waits uncounted); the fourth counted failure ends the process.
+    [request_id] = errors[1]["awaiting_proof"]
+    assert [e["awaiting_proof"] for e in errors] == [[], [request_id], [], [], [request_id], [], []]
+    assert [e["failures_in_window"] for e in errors] == [1, 0, 1, 2, 2, 3, 4]
+    assert len(server.events("proof_probe_queued")) == 2
 
+
+def test_a_suspect_whose_proofs_fail_is_answered_not_held(start_server, tmp_path):
+    # max_failures high: the engine fails everything, its probes included, and does not
+    # exit soon. A request there waited for a proof after another for as long as the
+    # process lived; after two failed proofs it gets 503 engine_restarting, to retry.
+    server = every_step_failing(start_server, tmp_path, max_failures=100)
+    with httpx.Client(timeout=60) as client:
+        answer = client.post(server.url + "/v1/chat/completions", json=chat_body(max_tokens=8))
+    assert answer.status_code == 503, answer.text
+    assert answer.json()["error"]["code"] == "engine_restarting"
+    assert answer.headers["x-should-retry"] == "true"
+    errors = server.events("engine_error")[:8]
+    [request_id] = errors[1]["awaiting_proof"]
+    assert [e["awaiting_proof"] for e in errors] == [[], [request_id], [], [], [request_id], [], [], []]
+    assert server.events("request_blamed") == []
 
 
 def test_three_distinct_poisons_among_streams_are_each_blamed_and_the_streams_go_on(start_server):
@@ -260,3 +286,27 @@ def test_three_distinct_poisons_among_streams_are_each_blamed_and_the_streams_go
         assert result["events"][-1]["usage"]["completion_tokens"] == 300
     assert len(server.events("request_blamed")) == 3
     assert server.proc.poll() is None
+
+
+def test_after_a_lone_poisons_blame_the_streams_beside_it_run_together_with_new_requests(start_server):
+    # Three streams and one poison: once it is blamed, nothing else is suspected, and the
+    # streams it failed (each one failure from a cut) run on together, new requests
+    # beside them. Kept alone, they ran one after the other, and a new request waited
+    # ~10 s behind them (a review). Steps of 20 ms: the streams last ~5 s.
+    server = start_server('[fault_injection]\nenabled = true\npoison_marker = "POISON"\n'
+                          'message = "planted poison"\nstep_delay_s = 0.02\n[watchdog]\nstall_min_s = 30.0\n')
+    url = server.url + "/v1/chat/completions"
+    started = [threading.Event() for _ in range(3)]
+    with ThreadPoolExecutor(3) as pool:
+        bystanders = [pool.submit(stream_signalling_start, url,
+                                  chat_body(content=f"Bystander {i}.", max_tokens=250, stream=True), event)
+                      for i, event in enumerate(started)]
+        poll(lambda: all(e.is_set() for e in started), 30, what="bystanders streaming")
+        with httpx.Client(timeout=60) as client:
+            poisoned = client.post(url, json=chat_body(content="POISON now.", max_tokens=8))
+            assert poisoned.json()["error"]["code"] == "request_failed_repeatedly", poisoned.text
+            assert client.post(url, json=chat_body(max_tokens=8)).status_code == 200
+        assert not any(f.done() for f in bystanders), "the new request waited for a stream to end"
+        for result in [f.result() for f in bystanders]:
+            assert result["status"] == 200 and result["done"] and not result["errors"], result["errors"]
+

@@ -159,6 +159,21 @@ def test_a_lone_stream_failing_at_one_token_is_blamed_after_its_proof_not_cut(st
     assert [bool(e["awaiting_proof"]) for e in errors] == [False, True, False] and errors[-1]["blamed"]
 
 
+def test_a_request_made_again_from_nothing_is_no_proof_of_the_engine(start_server):
+    # max_continuations = 0: after its failure at token 5 the request runs again from
+    # nothing, making its 5 tokens again. Those are its own, no work for anyone else: it
+    # was blamed at its second failure with no proof run (a review). Now a probe first.
+    server = start_server(POSITION_FAULTS + table("position_faults", marker=POISON, fail_at=5)
+                          + table("recovery", max_continuations=0))
+    with httpx.Client(timeout=60) as http:
+        blamed = http.post(server.url + COMPLETIONS, json=chat_body(f"{POISON} made again.", max_tokens=16))
+    assert blamed.json()["error"]["code"] == "request_failed_repeatedly", blamed.text
+    errors = server.events("engine_error")
+    [request_id] = errors[-1]["blamed"]
+    assert [e["awaiting_proof"] for e in errors] == [[], [request_id], []]
+    assert len(server.events("proof_probe_queued")) == 1
+
+
 def test_distinct_poisons_sent_back_to_back_are_each_blamed_and_the_server_stays_up(start_server):
     """A blame forgives its failures only if the engine completed a request since the one
     before (an engine that fails everything blames each request in turn). Poisons sent back
@@ -338,16 +353,17 @@ def test_a_suspect_is_blamed_once_it_failed_alone_twice_with_the_engine_working_
     twenty failing at random blamed 53 innocent requests in 45 s
     (bench/random_faults_blame.py). Now the verdict is PROVE (a probe, then alone
     again) until the suspect failed alone twice at its point with the engine working
-    between its last two failures (any completion or token); then BLAME. Without a
-    progress to compare (no probe to prove the engine with, or a stall) it is BLAME as
-    before; a memory failure alone stays a shortage."""
+    for others between its last two failures (a completion, or a token not its own);
+    then BLAME. After MAX_PROOFS failed proofs it is answered 503 (the engine's fault).
+    Without a progress to compare (no probe to prove the engine with, or a stall) it is
+    BLAME as before; a memory failure alone stays a shortage."""
     from types import SimpleNamespace
 
-    from guardian.engine.blame import Verdict, verdicts
+    from guardian.engine.blame import MAX_PROOFS, Verdict, verdicts
 
-    def suspect(before, alone_failures=2, **overrides):
+    def suspect(before=(3, 40, 0), **overrides):
         fields = dict(client_has_output=False, stuck_failures=2, synthetic=False, isolate=False,
-                      progress_at_previous_failure=before, alone_failures=alone_failures,
+                      progress_at_previous_failure=before, alone_failures=2, tokens_made=0, proofs=0,
                       may_continue=lambda _: False)
         return SimpleNamespace(**{**fields, **overrides})
 
@@ -355,22 +371,29 @@ def test_a_suspect_is_blamed_once_it_failed_alone_twice_with_the_engine_working_
         [(_, decided)] = verdicts([record], max_reruns=1, max_continuations=2, **kwargs)
         return decided
 
-    assert verdict(suspect((3, 40)), progress=(3, 40)) is Verdict.PROVE  # nothing between
-    assert verdict(suspect((3, 40)), progress=(4, 40)) is Verdict.BLAME  # a probe completed
-    assert verdict(suspect((3, 40)), progress=(3, 41)) is Verdict.BLAME  # a token, anyone's
-    assert verdict(suspect((3, 40), alone_failures=1), progress=(4, 40)) is Verdict.PROVE  # alone once
-    assert verdict(suspect((3, 40), alone_failures=1)) is Verdict.BLAME  # nothing to prove the engine with
+    assert verdict(suspect(), progress=(3, 40)) is Verdict.PROVE  # nothing between
+    assert verdict(suspect(), progress=(4, 40)) is Verdict.BLAME  # a probe completed
+    assert verdict(suspect(), progress=(3, 41)) is Verdict.BLAME  # a token, another's
+    # Re-run from nothing, its own 14 tokens made again: no proof of the engine.
+    assert verdict(suspect((3, 40, 6), tokens_made=20), progress=(3, 54)) is Verdict.PROVE
+    assert verdict(suspect((3, 40, 6), tokens_made=20), progress=(3, 55)) is Verdict.BLAME
+    assert verdict(suspect(alone_failures=1), progress=(4, 40)) is Verdict.PROVE  # alone once
+    assert verdict(suspect(alone_failures=1)) is Verdict.BLAME  # nothing to prove the engine with
     assert verdict(suspect(None), progress=(3, 40)) is Verdict.PROVE  # its failure before noted by a stall
-    assert verdict(suspect((3, 40)), progress=(3, 40), memory=True) is Verdict.SHORTAGE
-    assert verdict(suspect((3, 40), synthetic=True), progress=(3, 40)) is Verdict.ANSWER
-    assert verdict(suspect((3, 40), stuck_failures=1), progress=(3, 40)) is Verdict.RERUN
+    assert verdict(suspect(), progress=(3, 40), memory=True) is Verdict.SHORTAGE
+    assert verdict(suspect(synthetic=True), progress=(3, 40)) is Verdict.ANSWER
+    assert verdict(suspect(stuck_failures=1), progress=(3, 40)) is Verdict.RERUN
+    # Its proofs failed as well: the engine's fault, answered to retry, not held for good.
+    assert verdict(suspect(proofs=MAX_PROOFS), progress=(3, 40)) is Verdict.ANSWER
+    assert verdict(suspect(proofs=MAX_PROOFS, client_has_output=True, may_continue=lambda _: True),
+                   progress=(3, 40)) is Verdict.CUT
     # A stream that sent tokens, past max_continuations at its point: blamed once it
     # reproduced (a cut would be sent again), else cut (it cannot run again).
     streamed = dict(client_has_output=True, stuck_failures=3)
-    assert verdict(suspect((3, 40), **streamed), progress=(4, 40)) is Verdict.BLAME
-    assert verdict(suspect((3, 40), **streamed), progress=(3, 40)) is Verdict.CUT
+    assert verdict(suspect(**streamed), progress=(4, 40)) is Verdict.BLAME
+    assert verdict(suspect(**streamed), progress=(3, 40)) is Verdict.CUT
     # Beside others it is run alone first.
-    [(_, first), (_, second)] = verdicts([suspect((3, 40)), suspect((4, 40))], 1, 2, progress=(4, 40))
+    [(_, first), (_, second)] = verdicts([suspect(), suspect()], 1, 2, progress=(4, 40))
     assert first is second is Verdict.ISOLATE
 
 

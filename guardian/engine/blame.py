@@ -22,17 +22,21 @@ Failing alone once is weak evidence: an engine that fails every step (a
 broken device, a fault of its own) fails whatever runs alone on it, and
 random failures (one step in twenty) failed an innocent request alone at
 its point now and then, which blamed it. So a suspect is blamed only once
-it failed alone at its point twice, the engine having worked between its
-last two failures: completed a request or generated a token, anyone's. Until
-then (``Verdict.PROVE``) a probe runs alone (``Probes.queue_proof``), then the
+it failed alone at its very point (the same token) twice, the engine having
+worked for others between its last two failures: completed a request or
+generated a token that is not the suspect's own. Until then
+(``Verdict.PROVE``) a probe runs alone (``Probes.queue_proof``), then the
 suspect runs alone again: the probe completing and the suspect failing
 again is a reproduction, and the suspect is blamed; the probe failing as
 well is the engine's fault, whose failures count toward the crash loop,
 and nobody is blamed. The suspect's failures are not counted while it
 waits for the proof (with ``max_failures = 1`` the wait itself would end
-the process). So a poison alone fails three times (two, before), and a
-poison beside others four (three). Without a probe prompt (no probe plugin)
-the engine cannot be proven, and a suspect is blamed as it fails alone.
+the process). After ``MAX_PROOFS`` proofs that failed the suspect is
+answered 503 (``engine_restarting``, to retry), not held for good on an
+engine that fails everything. So a poison alone fails three times (two,
+before), and a poison beside others four (three). Without a probe prompt
+(no probe plugin) the engine cannot be proven, and a suspect is blamed as
+it fails alone.
 
 A suspect that failed alone for want of memory (``MEMORY_CLASSIFICATIONS``)
 is not blamed: it needed memory the device lacked at that moment, and the
@@ -70,6 +74,10 @@ from collections import deque
 from enum import Enum
 from typing import Hashable, Iterable, Optional
 
+# Proofs of the engine asked for one suspect at one point: past them the engine
+# failed its probes as well, and the suspect is answered 503 rather than held.
+MAX_PROOFS = 2
+
 # Classifications (guardian.engine.failures.classify) that mean the device
 # ran out of memory: the environment's doing, not the request's.
 MEMORY_CLASSIFICATIONS = frozenset({"metal_resource_limit", "out_of_memory"})
@@ -87,7 +95,7 @@ class Verdict(Enum):
 
 
 def verdicts(records: list, max_reruns: int, max_continuations: int = 0, *,
-             memory: bool = False, progress: Optional[Hashable] = None) -> list[tuple]:
+             memory: bool = False, progress: Optional[tuple] = None) -> list[tuple]:
     """(record, Verdict) for every request the dead loop had taken; each has
     noted this failure (``note_failure``). ``memory``: the failure was the
     device running out of memory. ``progress``: the engine's progress now, if
@@ -113,6 +121,9 @@ def verdicts(records: list, max_reruns: int, max_continuations: int = 0, *,
             verdict = Verdict.CONTINUE if may_continue else Verdict.RERUN
         elif record.synthetic:
             verdict = Verdict.ANSWER  # a probe is never blamed: its failures count
+        elif suspect and record.proofs >= MAX_PROOFS:
+            # The engine failed its proofs too: the engine's fault, not the request's.
+            verdict = Verdict.CUT if record.client_has_output else Verdict.ANSWER
         elif suspect:
             verdict = Verdict.PROVE
         else:
@@ -121,12 +132,17 @@ def verdicts(records: list, max_reruns: int, max_continuations: int = 0, *,
     return decided
 
 
-def reproduced_alone(record, progress: Hashable) -> bool:
+def reproduced_alone(record, progress: tuple) -> bool:
     """Whether the record failed alone at its point twice, the engine having
-    completed a request or generated a token between its last two failures
-    (its progress now ``progress``)."""
+    completed a request or generated a token for others between its last two
+    failures (its progress now ``progress``: completed, tokens generated)."""
     previous = record.progress_at_previous_failure
-    return record.alone_failures >= 2 and previous is not None and previous != progress
+    if record.alone_failures < 2 or previous is None:
+        return False
+    completed, tokens = progress
+    completed_before, tokens_before, own_before = previous
+    # Its own tokens, made again from nothing, prove nothing of the engine's.
+    return completed != completed_before or tokens - tokens_before > record.tokens_made - own_before
 
 
 class FailureBudget:

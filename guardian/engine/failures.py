@@ -193,6 +193,8 @@ class FailureHandler:
         proving = [r for r, verdict in decided if verdict is Verdict.PROVE]
         if not proving:
             return 0
+        for record in proving:
+            record.proofs += 1
         self._proof_due = True
         self._proof_why = "a request failed alone: a proof of the engine before it runs alone again"
         # The probe's own failures count: an engine that fails every step still ends in exit 4.
@@ -241,7 +243,7 @@ class FailureHandler:
             # next one (if a probe plugin gave its prompt) or a user's: until then they count.
             self._unproven += ids
             self._proof_due = True  # queued once the failure is settled (a blame ends isolation)
-            self._proof_why = "a request was blamed with no completion since the last blame"
+            self._proof_why = "a request was blamed (or short of memory) with no completion since the last"
             return 0
         return self.budget.forgive(ids)
 
@@ -326,9 +328,11 @@ class FailureHandler:
         # The failures had a cause, and it is found: those in flight beside it need not run
         # alone one after the other any more (a long one held every new request until it
         # ended). Should one fail again, it is judged again: blame still needs failing alone.
-        # But a stream that one more failure at its point would cut still runs alone: beside
-        # a second poison it was cut, innocent (three poisons among streams cut them all).
-        self.engine.ledger.clear_isolation(keep=self._one_failure_from_a_cut)
+        # But a stream that one more failure at its point would cut still runs alone while
+        # another re-run is to run: beside a second poison it was cut, innocent (three
+        # poisons among streams cut them all). Kept alone with no other re-run left, the
+        # streams ran one after the other and held every new request (a review).
+        self.engine.ledger.clear_isolation(at_risk=self._one_failure_from_a_cut)
 
     def _one_failure_from_a_cut(self, record: RequestRecord) -> bool:
         """Whether one more failure at its point would cut the record's stream: it sent

@@ -79,10 +79,12 @@ class RequestRecord:
         # (guardian.engine.blame); and that point, in tokens generated.
         self.stuck_failures = 0
         self.failed_at_position: Optional[int] = None
-        # Of those, the failures it was alone at (or run alone); and the engine's progress
-        # (requests completed, tokens generated) at its failure before the last: whether
-        # the engine worked between them (guardian.engine.blame).
+        # Of those, the failures it was alone at (or run alone) at that very point; the
+        # proofs of the engine asked for it there; and at its failure before the last, the
+        # engine's progress (requests completed, tokens generated) and its own tokens:
+        # whether the engine worked for others between them (guardian.engine.blame).
         self.alone_failures = 0
+        self.proofs = 0
         self.progress_at_previous_failure: Optional[tuple] = None
         self._progress_at_last_failure: Optional[tuple] = None
         self.isolate = False
@@ -183,6 +185,8 @@ class RequestRecord:
             # is all running alone was to show. It runs on beside the rest, which waited.
             self.isolate = False
             self.ledger.end_isolation(self)
+        if self.ledger.guarded and self in self.ledger.guarded and len(self.generated) > self.failed_at_position:
+            self.ledger.unguard(self)  # past its point: a new failure would be at a new one
         if self.stream:
             self.stage = Stage.STREAMING
             self.downstream.put(response)
@@ -322,17 +326,26 @@ class RequestRecord:
         progressed = self.failed_at_position is None or position > self.failed_at_position
         self.failures += 1
         self.progress_at_previous_failure, self._progress_at_last_failure = (
-            self._progress_at_last_failure, engine_progress)
+            self._progress_at_last_failure,
+            None if engine_progress is None else (*engine_progress, self.tokens_made))
         alone = alone or self.isolate
         if progressed:
             self.failed_at_position = position
             self.stuck_failures = 1
             self.alone_failures = int(alone)
+            self.proofs = 0
             self.isolate = False  # no longer a suspect: it runs beside the others again
         else:
             self.stuck_failures += 1
-            self.alone_failures += alone
+            # Re-run from nothing, a failure at an earlier token is no reproduction: a
+            # random one anywhere in the tokens made again blamed innocent requests.
+            self.alone_failures += alone and position == self.failed_at_position
         return progressed
+
+    @property
+    def tokens_made(self) -> int:
+        """Every token it generated, its re-runs' included."""
+        return len(self.token_times)
 
     def may_continue(self, max_continuations: int) -> bool:
         """Whether, after a failure, it may go on from the tokens it generated: at
@@ -352,6 +365,17 @@ GATHER_ARRIVING_S = 0.005
 # Fair admission keeps the batch's last free place for a client that sent a
 # request within this many seconds and has nothing in flight.
 OTHER_CLIENTS_RECENT_S = 60.0
+
+
+def rerun_order(record: RequestRecord) -> tuple:
+    """Re-runs beside each other first; then a proof of the engine, right before the
+    suspects it proves (a suspect with one token left went first, and the proofs piled
+    up); then the suspects to run alone, the fewest tokens left first."""
+    if not record.isolate:
+        return (0, 0, record.seq)
+    if record.synthetic:
+        return (1, 0, record.seq)
+    return (2, record.tokens_left(), record.seq)
 
 
 class RequestLedger:
@@ -415,6 +439,10 @@ class RequestLedger:
         # Clients by their last request (monotonic), oldest first: who is about.
         self._recent_clients: dict[str, float] = {}
         self._isolated: Optional[RequestRecord] = None
+        # Streams one more failure at their point would cut, run again after a blame beside
+        # each other only: no new request is taken until each is past its point (a third
+        # poison taken beside them cut them all). Read by the loop at each token.
+        self.guarded: set[RequestRecord] = set()
         self.closed_error: Optional[GuardianError] = None
         # Requests that ended with their last token (probes included), and the
         # tokens generated (re-runs' included): the engine's progress, proof that
@@ -539,7 +567,7 @@ class RequestLedger:
             return False
         if self._reruns:
             return True
-        if not self._waiting:
+        if not self._waiting or self.guarded:
             return False
         # list(): one atomic copy of the clients, which HTTP threads add to.
         return not self.fair() or any(self._room_for(client) for client in list(self._waiting))
@@ -608,6 +636,8 @@ class RequestLedger:
             if record.isolate:
                 self._isolated = record
             return self._take(record.item)
+        if self.guarded:
+            return None
         record = self._pick()
         return None if record is None else self._take(record.item)
 
@@ -651,15 +681,29 @@ class RequestLedger:
         if not self._client_in_flight.get(client) and client not in self._waiting:
             self._served_at.pop(client, None)
 
-    def clear_isolation(self, keep: Callable[[RequestRecord], bool] = lambda record: False) -> None:
-        """A failure's cause was found: nothing queued or running waits to run alone,
-        but what ``keep`` names."""
+    def clear_isolation(self, at_risk: Callable[[RequestRecord], bool] = lambda record: False) -> None:
+        """A failure's cause was found: nothing queued or running waits to run alone, but
+        what is ``at_risk`` (one more failure would cut it) while another re-run, which
+        failed with it, is still to run: beside that one, a second poison, it could fail
+        once more. With none left, those at risk run again beside each other, ``guarded``."""
         with self._cond:
-            for record in [*self._reruns, *self._in_flight.values()]:
-                record.isolate = record.isolate and keep(record)
+            records = [*self._reruns, *self._in_flight.values()]
+            others_to_run = any(not record.synthetic and not at_risk(record) for record in records)
+            for record in records:
+                record.isolate = record.isolate and others_to_run and at_risk(record)
+                if at_risk(record) and not others_to_run:
+                    self.guarded.add(record)
             if self._isolated is not None and not self._isolated.isolate:
                 self._isolated = None
             self._cond.notify_all()
+
+    def unguard(self, record: RequestRecord) -> None:
+        """``record`` ran past its point, or ended: new requests may be taken once no
+        guarded stream is left."""
+        with self._cond:
+            if record in self.guarded:
+                self.guarded.discard(record)
+                self._cond.notify_all()
 
     def end_isolation(self, record: RequestRecord) -> None:
         """``record`` ran alone past the point where it failed: new requests may be taken again."""
@@ -682,6 +726,7 @@ class RequestLedger:
                     self._forget_if_idle(record.client)
             if self._isolated is record:
                 self._isolated = None
+            self.guarded.discard(record)
             self._cond.notify_all()
         if tell:
             self.on_finished(record, outcome)
@@ -691,6 +736,7 @@ class RequestLedger:
         """Every request the dead loop had taken and not finished, oldest first."""
         with self._cond:
             records = sorted(self._in_flight.values(), key=lambda r: r.seq)
+            self.guarded.difference_update(records)  # failed again: judged again
             self._in_flight.clear()
             self._client_in_flight.clear()
             for record in records:
@@ -701,13 +747,14 @@ class RequestLedger:
     def rerun(self, records: list[RequestRecord], continued=()) -> None:
         """Queue records ahead of new requests, in their original order; those
         also in ``continued`` go on from the tokens they generated. Those to run
-        alone come last, the one with the fewest tokens left first: its verdict
-        comes soonest, and everything behind it waits least (a long stream run
-        alone first held the poison's verdict and every new request until it ended)."""
+        alone come last (``rerun_order``), a proof of the engine first, then the one
+        with the fewest tokens left: its verdict comes soonest, and everything behind
+        it waits least (a long stream run alone first held the poison's verdict and
+        every new request until it ended)."""
         for record in records:
             record.prepare_rerun(continued=record in continued)
         with self._cond:
-            merged = sorted([*self._reruns, *records], key=lambda r: (r.tokens_left() if r.isolate else -1, r.seq))
+            merged = sorted([*self._reruns, *records], key=rerun_order)
             self._reruns = deque(merged)
             self._cond.notify_all()
 
@@ -724,6 +771,7 @@ class RequestLedger:
             self._client_in_flight.clear()
             self._served_at.clear()
             self._isolated = None
+            self.guarded.clear()
             self._cond.notify_all()
         return waiting
 

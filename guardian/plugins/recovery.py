@@ -45,11 +45,11 @@ class RecoverySettings(Table, name="recovery"):
         point: with no token generated since its previous failure (0: answer 503
         instead). A request that generated a token since then starts counting
         again, so a request that progresses is never blamed. A request in flight
-        at more failures at one point than this is re-run alone once; if it fails
-        alone at that point it gets a 500 "request_failed_repeatedly" (or, when the
-        device ran out of memory, a 503 "memory_shortage" with Retry-After, never
-        quarantined), and the requests beside it are not blamed. The 500 needs a
-        reproduction: it fails alone twice, the engine serving something (a probe) between.""", live=True)
+        at more failures at one point than this is re-run alone; if it fails alone
+        at that point, a probe runs, then the request alone again, and failing there
+        again it gets a 500 "request_failed_repeatedly" (or, failing alone once when
+        the device ran out of memory, a 503 "memory_shortage" with Retry-After, never
+        quarantined); the requests beside it are not blamed.""", live=True)
     max_continuations = Setting(Int(min=0), 2, """
         How often a request that had generated tokens when the engine failed is
         continued at the same point: given to the restarted engine with those tokens
