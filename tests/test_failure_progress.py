@@ -363,7 +363,8 @@ def test_a_suspect_is_blamed_once_it_failed_alone_twice_with_the_engine_working_
 
     def suspect(before=(3, 40, 0), **overrides):
         fields = dict(client_has_output=False, stuck_failures=2, synthetic=False, isolate=False,
-                      progress_at_previous_failure=before, alone_failures=2, tokens_made=0, proofs=0,
+                      progress_at_previous_alone_failure=before, alone_failures=2, tokens_made=0, proofs=0,
+                      failed_alone_at_point=True,
                       may_continue=lambda _: False)
         return SimpleNamespace(**{**fields, **overrides})
 
@@ -378,6 +379,9 @@ def test_a_suspect_is_blamed_once_it_failed_alone_twice_with_the_engine_working_
     assert verdict(suspect((3, 40, 6), tokens_made=20), progress=(3, 54)) is Verdict.PROVE
     assert verdict(suspect((3, 40, 6), tokens_made=20), progress=(3, 55)) is Verdict.BLAME
     assert verdict(suspect(alone_failures=1), progress=(4, 40)) is Verdict.PROVE  # alone once
+    # Alone twice at its point, a proof between, then alone at an earlier token (run again
+    # from nothing): no reproduction of the first two.
+    assert verdict(suspect(failed_alone_at_point=False), progress=(4, 40)) is Verdict.PROVE
     assert verdict(suspect(alone_failures=1)) is Verdict.BLAME  # nothing to prove the engine with
     assert verdict(suspect(None), progress=(3, 40)) is Verdict.PROVE  # its failure before noted by a stall
     assert verdict(suspect(), progress=(3, 40), memory=True) is Verdict.SHORTAGE
@@ -395,6 +399,38 @@ def test_a_suspect_is_blamed_once_it_failed_alone_twice_with_the_engine_working_
     # Beside others it is run alone first.
     [(_, first), (_, second)] = verdicts([suspect(), suspect()], 1, 2, progress=(4, 40))
     assert first is second is Verdict.ISOLATE
+
+
+def test_a_stream_whose_client_left_while_it_waited_to_run_again_holds_no_new_request():
+    """After a blame, streams one failure from a cut run again ``guarded``: no new request
+    is taken until each is past its point. One whose client left while it waited (a
+    review) was guarded all the same, never ran, and held every new request for good."""
+    from queue import Empty, Queue
+
+    from guardian.engine.ledger import RequestLedger
+    from guardian.request_context import request_scope
+
+    def put(ledger, request_id):
+        with request_scope(request_id, True, client=request_id):
+            return ledger.put((Queue(), "request", "args"))
+
+    def take(ledger):
+        try:
+            return ledger.get_nowait()[0]
+        except Empty:
+            return None
+
+    ledger = RequestLedger()
+    left, stays = put(ledger, "left"), put(ledger, "stays")
+    assert [take(ledger), take(ledger)] == [left, stays]
+    ledger.rerun(ledger.take_in_flight())  # the engine failed under both
+    left.cancel()  # its client left while it waited to run again
+    ledger.clear_isolation(at_risk=lambda record: True)  # a blame; both one failure from a cut
+    assert ledger.guarded == {stays}
+    newcomer = put(ledger, "newcomer")
+    assert take(ledger) is stays and take(ledger) is None  # guarded: no new request yet
+    ledger.unguard(stays)  # past its point
+    assert take(ledger) is newcomer
 
 
 def test_a_request_past_metals_largest_buffer_is_blamed_not_told_to_come_back(start_server):

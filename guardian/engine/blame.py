@@ -133,11 +133,11 @@ def verdicts(records: list, max_reruns: int, max_continuations: int = 0, *,
 
 
 def reproduced_alone(record, progress: tuple) -> bool:
-    """Whether the record failed alone at its point twice, the engine having
-    completed a request or generated a token for others between its last two
+    """Whether the record failed alone at its point now and before, the engine
+    having completed a request or generated a token for others between those two
     failures (its progress now ``progress``: completed, tokens generated)."""
-    previous = record.progress_at_previous_failure
-    if record.alone_failures < 2 or previous is None:
+    previous = record.progress_at_previous_alone_failure
+    if not record.failed_alone_at_point or record.alone_failures < 2 or previous is None:
         return False
     completed, tokens = progress
     completed_before, tokens_before, own_before = previous

@@ -79,14 +79,16 @@ class RequestRecord:
         # (guardian.engine.blame); and that point, in tokens generated.
         self.stuck_failures = 0
         self.failed_at_position: Optional[int] = None
-        # Of those, the failures it was alone at (or run alone) at that very point; the
-        # proofs of the engine asked for it there; and at its failure before the last, the
-        # engine's progress (requests completed, tokens generated) and its own tokens:
-        # whether the engine worked for others between them (guardian.engine.blame).
+        # Of those, the failures it was alone at (or run alone) at that very point, and
+        # whether its last failure was one; the proofs of the engine asked for it there;
+        # and at the one of them before the last, the engine's progress (requests
+        # completed, tokens generated) and its own tokens made: whether the engine worked
+        # for others between its last two (guardian.engine.blame).
         self.alone_failures = 0
+        self.failed_alone_at_point = False
         self.proofs = 0
-        self.progress_at_previous_failure: Optional[tuple] = None
-        self._progress_at_last_failure: Optional[tuple] = None
+        self.progress_at_previous_alone_failure: Optional[tuple] = None
+        self._progress_at_last_alone_failure: Optional[tuple] = None
         self.isolate = False
         self.first_args = item[2]  # as the handler made them (continuations copy them)
         # Its samplers and logits processors (stock.sampling.sampling_kind), read once.
@@ -325,21 +327,24 @@ class RequestRecord:
         position = len(self.generated)
         progressed = self.failed_at_position is None or position > self.failed_at_position
         self.failures += 1
-        self.progress_at_previous_failure, self._progress_at_last_failure = (
-            self._progress_at_last_failure,
-            None if engine_progress is None else (*engine_progress, self.tokens_made))
         alone = alone or self.isolate
         if progressed:
             self.failed_at_position = position
             self.stuck_failures = 1
-            self.alone_failures = int(alone)
+            self.alone_failures = 0
             self.proofs = 0
+            self._progress_at_last_alone_failure = None
             self.isolate = False  # no longer a suspect: it runs beside the others again
         else:
             self.stuck_failures += 1
-            # Re-run from nothing, a failure at an earlier token is no reproduction: a
-            # random one anywhere in the tokens made again blamed innocent requests.
-            self.alone_failures += alone and position == self.failed_at_position
+        # Re-run from nothing, a failure at an earlier token is no reproduction: a random
+        # one anywhere in the tokens made again blamed innocent requests.
+        self.failed_alone_at_point = alone and position == self.failed_at_position
+        if self.failed_alone_at_point:
+            self.alone_failures += 1
+            self.progress_at_previous_alone_failure, self._progress_at_last_alone_failure = (
+                self._progress_at_last_alone_failure,
+                None if engine_progress is None else (*engine_progress, self.tokens_made))
         return progressed
 
     @property
@@ -407,7 +412,9 @@ class RequestLedger:
     while that client has nothing in flight; a lone client keeps them all.
     Re-runs (they were in the batch when it failed) and probes (proof that
     the loop generates) are never held back. Without fair admission requests
-    are taken first come, first served, as soon as the loop looks.
+    are taken first come, first served, as soon as the loop looks. (While
+    streams are ``guarded`` after a blame, no new request is taken, probes
+    included: see ``clear_isolation``.)
     """
 
     def __init__(self, beat: Callable[[], None] = lambda: None,
@@ -574,7 +581,8 @@ class RequestLedger:
 
     def _takes_new(self) -> bool:
         """Whether the loop takes a request now: not while a re-run runs alone,
-        nor while the batch drains before one does."""
+        nor while the batch drains before one does. (Re-runs only, no new request,
+        while streams are ``guarded``: ``_next_item``.)"""
         if self._isolated is not None:
             return False
         return not (self._reruns and self._reruns[0].isolate and self._in_flight)
@@ -628,7 +636,7 @@ class RequestLedger:
 
     def _next_item(self):
         while self._reruns and self._reruns[0].stage is Stage.DONE:
-            self._reruns.popleft()
+            self.guarded.discard(self._reruns.popleft())
         if not self._takes_new():
             return None
         if self._reruns:
@@ -687,10 +695,13 @@ class RequestLedger:
         failed with it, is still to run: beside that one, a second poison, it could fail
         once more. With none left, those at risk run again beside each other, ``guarded``."""
         with self._cond:
-            records = [*self._reruns, *self._in_flight.values()]
+            # Not those whose client left or whose deadline passed meanwhile: they will not
+            # run, and guarded they would hold every new request for good.
+            records = [record for record in [*self._reruns, *self._in_flight.values()]
+                       if record.stage is not Stage.DONE]
             others_to_run = any(not record.synthetic and not at_risk(record) for record in records)
             for record in records:
-                record.isolate = record.isolate and others_to_run and at_risk(record)
+                record.isolate = others_to_run and at_risk(record)
                 if at_risk(record) and not others_to_run:
                     self.guarded.add(record)
             if self._isolated is not None and not self._isolated.isolate:
