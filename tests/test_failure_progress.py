@@ -433,6 +433,26 @@ def test_a_stream_whose_client_left_while_it_waited_to_run_again_holds_no_new_re
     assert take(ledger) is newcomer
 
 
+def test_a_proof_of_the_engine_runs_before_every_re_run():
+    """A suspect with one token left sorted ahead of the proof queued for it, and the
+    proofs piled up; a failed proof sorted behind streams run together waited for their
+    ends (two reviews). A proof goes first; then re-runs beside each other; then the
+    suspects to run alone, the fewest tokens left first."""
+    from types import SimpleNamespace
+
+    from guardian.engine.ledger import rerun_order
+
+    def record(seq, isolate, synthetic=False, left=8):
+        return SimpleNamespace(seq=seq, isolate=isolate, synthetic=synthetic, tokens_left=lambda: left)
+
+    suspect_one_left = record(1, True, left=1)
+    beside = record(2, False)
+    proof = record(3, True, synthetic=True, left=1)
+    suspect_long = record(0, True, left=200)
+    ordered = sorted([suspect_long, beside, suspect_one_left, proof], key=rerun_order)
+    assert ordered == [proof, beside, suspect_one_left, suspect_long]
+
+
 def test_a_request_past_metals_largest_buffer_is_blamed_not_told_to_come_back(start_server):
     """Metal's "Attempting to allocate N bytes which is greater than the maximum allowed
     buffer size" is one array past the device's largest buffer: the request's shapes, not

@@ -373,12 +373,14 @@ OTHER_CLIENTS_RECENT_S = 60.0
 
 
 def rerun_order(record: RequestRecord) -> tuple:
-    """Re-runs beside each other first; then a proof of the engine, right before the
-    suspects it proves (a suspect with one token left went first, and the proofs piled
-    up); then the suspects to run alone, the fewest tokens left first."""
-    if not record.isolate:
+    """A proof of the engine first, alone, ahead of every re-run (a suspect with one
+    token left went first, and the proofs piled up; a failed proof sorted behind
+    streams run together waited for their ends, and new requests with it); then the
+    re-runs beside each other; then the suspects to run alone, the fewest tokens left
+    first."""
+    if record.isolate and record.synthetic:
         return (0, 0, record.seq)
-    if record.synthetic:
+    if not record.isolate:
         return (1, 0, record.seq)
     return (2, record.tokens_left(), record.seq)
 
@@ -758,10 +760,10 @@ class RequestLedger:
     def rerun(self, records: list[RequestRecord], continued=()) -> None:
         """Queue records ahead of new requests, in their original order; those
         also in ``continued`` go on from the tokens they generated. Those to run
-        alone come last (``rerun_order``), a proof of the engine first, then the one
-        with the fewest tokens left: its verdict comes soonest, and everything behind
-        it waits least (a long stream run alone first held the poison's verdict and
-        every new request until it ended)."""
+        alone come last (``rerun_order``: a proof of the engine before all), the one
+        with the fewest tokens left first: its verdict comes soonest, and everything
+        behind it waits least (a long stream run alone first held the poison's verdict
+        and every new request until it ended)."""
         for record in records:
             record.prepare_rerun(continued=record in continued)
         with self._cond:
