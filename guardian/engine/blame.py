@@ -13,10 +13,10 @@ since its previous failure starts again at one: it is continued (its
 client keeps what it was sent; see guardian.engine.ledger), however often
 the engine failed under it, so its budget is its own progress, bounded by
 its ``max_tokens``. In flight at more than ``max_reruns`` failures at one
-point it is the suspect: if it failed alone it is blamed, else it runs
-once more alone first. ``max_continuations`` bounds how often it is
-continued at one point; past that a stream that sent tokens is cut (an
-error event), and a non-streaming request is re-run from nothing.
+point it is the suspect: if it failed alone it is blamed once that
+reproduces (below), else it runs alone first. ``max_continuations`` bounds
+how often it is continued at one point; past that a stream that sent tokens
+is cut (an error event), and a non-streaming request is re-run from nothing.
 
 Failing alone once is weak evidence: an engine that fails every step (a
 broken device, a fault of its own) fails whatever runs alone on it, and
@@ -105,8 +105,9 @@ def verdicts(records: list, max_reruns: int, max_continuations: int = 0, *,
     decided = []
     for record in records:
         may_continue = record.may_continue(max_continuations)
-        # Failed alone (or run alone) more than max_reruns times at one point: its answer
-        # goes before a cut, since a stream cut past max_continuations would be sent again.
+        # In flight at more than max_reruns failures at one point, alone (or run alone) at
+        # this one: its answer goes before a cut, since a stream cut past max_continuations
+        # would be sent again.
         suspect = (max_reruns > 0 and record.stuck_failures > max_reruns and not record.synthetic
                    and (alone or record.isolate))
         if suspect and memory:
