@@ -187,7 +187,9 @@ def test_a_client_that_stops_reading_a_stream(engine_server):
 
 def test_a_client_reading_a_large_answer_slowly_but_steadily_gets_all_of_it(engine_server):
     """[http] send_timeout_s (1 s here) bounds a write that makes no progress, not the whole
-    answer: the socket's sendall gave it to the whole call, and cut off such a client."""
+    answer: the socket's sendall gave it to the whole call, and cut off such a client.
+    Relayed, the child's writes wait for the supervisor's to the client: under load the
+    child took that for a client that stopped reading, and cut the answer (twice in CI)."""
     sock = engine_server.send_raw(chat_body(max_tokens=300, logprobs=True, top_logprobs=10,
                                             logit_bias={str(HE_TOKEN): 100}), rcvbuf=4096)
     received = b""

@@ -89,6 +89,15 @@ class GuardianHandler(Endpoints, stock.handler.DoorCorsHandler):
     def handle_completion(self, request, stop_words):
         # Stock accepted the body: from here on it writes to the client.
         self.resume_client_output()
+        relayed = relay_protocol.relayed_by_supervisor(self.headers) and getattr(
+            self.connection, "handed_off", None) is None
+        if relayed:
+            # Relayed: this connection is the supervisor's, which reads as fast as its own
+            # client does. A client reading a long answer slowly but steadily held the
+            # relay past send_timeout_s, and the answer was cut here (27,820 bytes short).
+            # The supervisor applies the client's send timeout, and closes this connection
+            # when its client stops reading. Restored after: it bounds a keep-alive's read.
+            self.connection.settimeout(None)
         with self.server.completions, request_scope(self.client_request_id or self.request_id, bool(self.stream),
                                                     client=self.client_name):
             # A client that closes its connection ends its request wherever it is:
@@ -101,6 +110,8 @@ class GuardianHandler(Endpoints, stock.handler.DoorCorsHandler):
                     return self.handle_relayed_stream(request, stop_words)
                 self.handle_completion_answered(request, stop_words)
             finally:
+                if relayed:
+                    self.connection.settimeout(self.server.limits.send_timeout_s or None)
                 self.server.unwatch_client(self.connection)
                 self._head_deadline = None
                 for deadline in deadlines:
