@@ -82,8 +82,8 @@ class FailureHandler:
         # next request, ``Probes.queue_proof``, is one). Poisons sent back to back left no
         # completion between them, and the fourth ended the process.
         self._unproven: list[int] = []
-        self._proof_due = False
-        self._proof_why = ""
+        # Why a proof is to be queued once this failure is settled; None: none is.
+        self._proof_due: Optional[str] = None
         self.last_error: Optional[dict] = None
 
     def configure(self, *, window_s: float, max_failures: int, max_reruns: int, max_continuations: int,
@@ -166,9 +166,9 @@ class FailureHandler:
             )
         else:
             self._settle(decided, cause, classification)
-            if self._proof_due:
-                self._proof_due = False
-                self.engine.probes.queue_proof(self._proof_why)
+            why, self._proof_due = self._proof_due, None
+            if why is not None:
+                self.engine.probes.queue_proof(why)
         self.engine.restart_clock.mark("settle")
         return action
 
@@ -195,8 +195,7 @@ class FailureHandler:
             return 0
         for record in proving:
             record.proofs += 1
-        self._proof_due = True
-        self._proof_why = "a request failed alone: a proof of the engine before it runs alone again"
+        self._proof_due = "a request failed alone: a proof of the engine before it runs alone again"
         # The probe's own failures count: an engine that fails every step still ends in exit 4.
         return self.budget.forgive(i for record in proving for i in record.failure_ids)
 
@@ -242,8 +241,8 @@ class FailureHandler:
             # Forgiven once the engine completes a request, the probe queued ahead of the
             # next one (if a probe plugin gave its prompt) or a user's: until then they count.
             self._unproven += ids
-            self._proof_due = True  # queued once the failure is settled (a blame ends isolation)
-            self._proof_why = "a request was blamed (or short of memory) with no completion since the last"
+            # Queued once the failure is settled (a blame ends isolation).
+            self._proof_due = "a request was blamed (or short of memory) with no completion since the last"
             return 0
         return self.budget.forgive(ids)
 

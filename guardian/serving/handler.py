@@ -89,8 +89,8 @@ class GuardianHandler(Endpoints, stock.handler.DoorCorsHandler):
     def handle_completion(self, request, stop_words):
         # Stock accepted the body: from here on it writes to the client.
         self.resume_client_output()
-        relayed = relay_protocol.relayed_by_supervisor(self.headers) and getattr(
-            self.connection, "handed_off", None) is None
+        by_supervisor = relay_protocol.relayed_by_supervisor(self.headers)
+        relayed = by_supervisor and getattr(self.connection, "handed_off", None) is None
         if relayed:
             # Relayed: this connection is the supervisor's, which reads as fast as its own
             # client does. A client reading a long answer slowly but steadily held the
@@ -106,7 +106,7 @@ class GuardianHandler(Endpoints, stock.handler.DoorCorsHandler):
             self.server.watch_client(self.connection, lambda: client_gone(info))
             deadlines = self.start_deadlines(info)
             try:
-                if self.stream and relay_protocol.relayed_by_supervisor(self.headers):
+                if self.stream and by_supervisor:  # relayed or handed off
                     return self.handle_relayed_stream(request, stop_words)
                 self.handle_completion_answered(request, stop_words)
             finally:
