@@ -14,7 +14,6 @@ import time
 from datetime import datetime
 
 import httpx
-import pytest
 
 from conftest import chat_body, poll
 from guardian.engine.restart import Backoff
@@ -75,6 +74,16 @@ def test_forgiven_failures_do_not_grow_the_wait():
     assert delays(backoff, [(1, 0), (0, 0), (1, 0), (2, 0)]) == [0.0, 0.0, 0.0, 0.25]
 
 
+def test_the_waits_of_a_row_that_would_end_the_process():
+    """What ``crash_loop_never_exits`` compares with the window: the defaults' row of
+    six (max_failures 5) waits 3.75 s before its sixth; with max_failures 13 the
+    fourteenth failure comes 63.75 s after the first, past a 60-s window."""
+    backoff = Backoff(after_failures=2, base_s=0.25, max_s=8.0)
+    assert backoff.waits_before(6) == 0.25 + 0.5 + 1 + 2
+    assert backoff.waits_before(14) == 63.75
+    assert Backoff(after_failures=2, base_s=0.0, max_s=8.0).waits_before(14) == 0.0
+
+
 def test_a_zero_base_never_waits():
     backoff = Backoff(after_failures=1, base_s=0.0, max_s=8.0)
     assert delays(backoff, [(n, 0) for n in range(1, 10)]) == [0.0] * 9
@@ -98,6 +107,10 @@ def test_a_burst_within_a_second_does_not_exit(start_server):
     assert at(errors[-1]) - at(errors[0]) > 1.0
     assert server.proc.poll() is None, "the burst ended the process"
     assert not server.events("engine_gave_up")
+    # Those waits (1.75 s before a fourth failure) outlast the window: no loop can end
+    # the process, and the start said so.
+    [warning] = server.events("crash_loop_never_exits")
+    assert (warning["waits_s"], warning["window_s"]) == (1.75, 1.0)
 
 
 def test_waits_grow_are_capped_and_queued_requests_are_served(start_server):
@@ -156,6 +169,29 @@ def test_a_sustained_crash_loop_still_exits_with_code_4_after_its_waits(start_se
     assert at(errors[3]) - at(errors[2]) >= 0.5 * 0.9
     [gave_up] = server.events("engine_gave_up")
     assert gave_up["exit_code"] == EXIT_ENGINE_FAILED
+    assert not server.events("crash_loop_never_exits")
+
+
+def test_a_crash_loop_whose_restarts_are_slow_still_exits_with_code_4(start_server):
+    """The window runs on the engine's clock: a restart's time (a large model's reload)
+    is not in it. Counted, 0.6-s restarts put every failure past the 1-s window of the
+    one two before, and an engine that failed every step restarted for ever."""
+    hold_s = 0.6
+    server = start_server(
+        crash_loop(max_failures=3, window_s=1.0, backoff_base_s=0.0)
+        + '[guardian]\nplugins = ["tests.plugins.slow_restart:SlowRestart"]\n'
+        + f"[slow_restart]\nhold_s = {hold_s}\n")
+    response = completion(server, timeout=30)
+
+    assert response.status_code == 503, response.text
+    assert response.json()["error"]["code"] == "engine_failed"
+    assert server.proc.wait(timeout=30) == EXIT_ENGINE_FAILED
+    errors = server.events("engine_error")
+    assert [e["failures_in_window"] for e in errors] == [1, 2, 3, 4]
+    # More than the window apart in wall time: every restart took its hold.
+    assert at(errors[-1]) - at(errors[0]) > 3 * hold_s > 1.0
+    restarts = server.events("engine_restarted")
+    assert len(restarts) == 3 and all(r["duration_ms"] >= hold_s * 1000 * 0.9 for r in restarts)
 
 
 def test_blamed_failures_do_not_back_off(start_server):

@@ -347,6 +347,31 @@ def test_giving_up_counts_failures_in_a_row_without_progress_and_progress_ends_t
     assert budget.count(now=at) == 6
 
 
+def test_the_crash_loops_window_leaves_out_restarts_not_waits():
+    """A dead engine of a large model: each failure, then 20 s reading the weights again.
+    On the wall clock its sixth failure came 100 s after its first, and the 60-s window
+    never held more than three; on the engine's clock they are seconds apart. A backoff
+    wait is time like any other: it spreads a burst at the rate the window allows."""
+    from guardian.engine.blame import FailureBudget
+
+    budget = FailureBudget(window_s=60.0)
+    at = 0.0
+    for _ in range(6):
+        assert budget.add(0, now=at) is not None
+        budget.lost(20.0)
+        at += 20.0
+    assert budget.count(now=at) == 6
+    assert budget.time_lost_s == 120.0
+
+    waited = FailureBudget(window_s=60.0)
+    at = 0.0
+    for _ in range(4):
+        waited.add(0, now=at)
+        waited.lost(30.0, waited_s=30.0)  # all of it a backoff wait
+        at += 30.0
+    assert waited.count(now=at) == 2
+
+
 def test_a_suspect_is_blamed_once_it_failed_alone_twice_with_the_engine_working_between():
     """Failing alone once blamed a request: an engine that fails every step blamed the
     first request it met (500, "will not be retried", quarantined), and one step in

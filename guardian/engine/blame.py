@@ -151,6 +151,13 @@ class FailureBudget:
     the engine is degraded, the time lost), and those that count toward the
     crash loop: the failures without progress.
 
+    The crash loop's window runs on the engine's clock, which stands still while
+    it restarts or reads its weights again (``lost``): with a large model, three
+    reloads of ~20 s each put a dead engine's sixth failure past 60 s of the
+    first, so it never counted more than five and never exited. The backoff's
+    waits do count, as every other second does: they spread a short burst at the
+    rate ``window_s`` allows.
+
     Read by the engine's loop as it fails and by every /metrics scrape and status
     request at once: each method holds ``_lock``, since pruning the window is a look
     and then a removal (two threads pruning one expired failure: a KeyError on the
@@ -159,7 +166,9 @@ class FailureBudget:
     def __init__(self, window_s: float):
         self.window_s = window_s
         self._lock = threading.Lock()
-        self._times: dict[int, float] = {}  # counted failure id -> monotonic time
+        self._times: dict[int, float] = {}  # counted failure id -> the engine's clock (``_clock``)
+        # Seconds the engine spent restarting after its failures, backoff waits left out.
+        self._restarting_s = 0.0
         self._ids = itertools.count(1)
         # Every failure within the window: [monotonic time, seconds the engine was down after it].
         self._recent: deque[list] = deque()
@@ -190,13 +199,19 @@ class FailureBudget:
                 self.after_progress += 1
                 return None
             failure_id = next(self._ids)
-            self._times[failure_id] = now
+            self._times[failure_id] = self._clock(now)
             return failure_id
 
-    def lost(self, seconds: float) -> None:
-        """The engine was down ``seconds`` after the last failure (its restart, backoff included)."""
+    def _clock(self, now: float) -> float:
+        """The crash loop's clock at monotonic ``now``: restarts' time taken out (under ``_lock``)."""
+        return now - self._restarting_s
+
+    def lost(self, seconds: float, waited_s: float = 0.0) -> None:
+        """The engine was down ``seconds`` after the last failure: its restart, and of
+        that ``waited_s`` in a backoff wait."""
         with self._lock:
             self.time_lost_s += seconds
+            self._restarting_s += max(0.0, seconds - waited_s)
             if self._recent:
                 self._recent[-1][1] += seconds
 
@@ -211,8 +226,9 @@ class FailureBudget:
         """The failures the crash-loop budget counts now."""
         now = time.monotonic() if now is None else now
         with self._lock:
+            since = self._clock(now) - self.window_s
             for failure_id, at in list(self._times.items()):
-                if at < now - self.window_s:
+                if at < since:
                     del self._times[failure_id]
             return len(self._times)
 

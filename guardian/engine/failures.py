@@ -354,10 +354,11 @@ class FailureHandler:
             if verdict is Verdict.BLAME:
                 self._blame(record, TimeoutError(reason), "stall")
 
-    def restarted(self, duration_s: float, classification: Optional[str]) -> None:
-        """A restart's time is lost to the failure that caused it (a stall's to the watchdog)."""
+    def restarted(self, duration_s: float, classification: Optional[str], waited_s: float = 0.0) -> None:
+        """A restart's time (``waited_s`` of it in a backoff wait) is lost to the failure
+        that caused it (a stall's to the watchdog)."""
         if classification != "stall":
-            self.budget.lost(duration_s)
+            self.budget.lost(duration_s, waited_s)
 
     def loop_polled(self, now: float) -> None:
         """At the loop's look at the queue: whether the engine stopped being degraded."""

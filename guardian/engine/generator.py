@@ -125,6 +125,13 @@ class GuardianEngine(stock.loop.GuardedResponseGenerator):
         # In place: a live configuration change keeps the failures in a row counted so far.
         backoff = self.backoff
         backoff.after_failures, backoff.base_s, backoff.max_s = backoff_after_failures, backoff_base_s, backoff_max_s
+        waits_s = backoff.waits_before(max_failures + 1)
+        if waits_s >= window_s:
+            # The failure that would end the loop always comes a window or more after
+            # the row's first: an engine that fails every step would restart for ever.
+            log.warning("crash_loop_never_exits", max_failures=max_failures, window_s=window_s,
+                        waits_s=waits_s, backoff_max_s=backoff_max_s,
+                        hint="raise [recovery] window_s, or lower max_failures or backoff_max_s")
 
     # -- health -------------------------------------------------------------
     @property
@@ -330,7 +337,7 @@ class GuardianEngine(stock.loop.GuardedResponseGenerator):
 
     def _restarted(self, duration_s: float, classification: Optional[str], restarts: int) -> None:
         """The lifecycle counted a restart (once, whoever saw it first): log it, tell the plugins."""
-        self.failures.restarted(duration_s, classification)
+        self.failures.restarted(duration_s, classification, waited_s=self.backoff.delay_s)
         log.info(
             "engine_restarted",
             duration_ms=round(duration_s * 1000, 1),

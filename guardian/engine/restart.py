@@ -77,12 +77,19 @@ class Backoff:
         if progress != self._progress_seen:
             self._progress_seen, self.in_a_row = progress, 0
         self.in_a_row += 1
-        counted = min(self.in_a_row, failures_in_window)
-        if not self.base_s or counted < self.after_failures:
-            self.delay_s = 0.0
-        else:
-            self.delay_s = min(self.max_s, self.base_s * 2 ** (counted - self.after_failures))
+        self.delay_s = self._delay(min(self.in_a_row, failures_in_window))
         return self.delay_s
+
+    def _delay(self, counted: int) -> float:
+        """The wait after the ``counted``-th failure in a row."""
+        if not self.base_s or counted < self.after_failures:
+            return 0.0
+        return min(self.max_s, self.base_s * 2 ** (counted - self.after_failures))
+
+    def waits_before(self, failures: int) -> float:
+        """The seconds a row of ``failures`` failures without progress waits in all
+        before its last one (the waits after each of the others)."""
+        return sum(self._delay(n) for n in range(1, failures))
 
     def wait(self, delay_s: float) -> None:
         """Wait out ``delay_s`` (the loop thread; requests stay queued meanwhile)."""

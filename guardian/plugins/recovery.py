@@ -22,7 +22,12 @@ class RecoverySettings(Table, name="recovery"):
         (/guardian/status, /metrics, engine_degraded in the log).""", live=True)
     window_s = Setting(Float(min=0), 60.0, """
         The window, in seconds, in which engine failures count toward max_failures
-        (the crash loop), reload_after_failures and "degraded".""", live=True)
+        (the crash loop), reload_after_failures and "degraded". For the first two
+        it leaves out the time the engine spent restarting or reading its weights
+        again (backoff waits count): a large model's slow reloads do not let an
+        engine that fails every step restart for ever. Where the backoff's waits
+        alone outlast it before the failure that would end the loop, the log says
+        crash_loop_never_exits.""", live=True)
     reload_after_failures = Setting(Int(min=0), 3, """
         From this many failures within the window on, read the weights again
         before restarting (0: never; restart on the loaded weights).""", live=True)
