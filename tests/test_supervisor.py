@@ -645,6 +645,26 @@ def test_quarantine_0_lets_the_poison_crash_loop_into_exit_6(start_supervisor, t
     assert not supervised.supervisor_events("request_quarantined")
 
 
+def test_a_crash_loop_of_children_slow_to_start_still_gives_up(start_supervisor, tmp_path):
+    """The window leaves out the children's starts: each child here holds its start
+    1.5 s (tests/plugins/slow_start.py), longer than the 1-s window, as a large model's
+    load is longer than 300 s over six children. On the supervisor's wall clock the
+    second crash came past the window of the first restart, and the loop went on."""
+    config = tmp_path / "segfault-slow.toml"
+    config.write_text(f'[guardian]\nplugins = ["tests.plugins.slow_start:SlowStart"]\n'
+                      f'[slow_start]\nhold_s = 1.5\n'
+                      f'[fault_injection]\nenabled = true\nsegfault_marker = "{SEGFAULT_MARKER}"\n')
+    supervised = start_supervisor("--guardian-config", str(config), "--supervisor-quarantine", "0",
+                                  "--supervisor-max-restarts", "1", "--supervisor-window", "1")
+    supervised.wait_ready()
+    poison = chat_body(f"{SEGFAULT_MARKER} now", max_tokens=4)
+    response = httpx.post(supervised.url + COMPLETIONS, json=poison, timeout=60)
+    assert response.status_code == 503
+    assert supervised.proc.wait(timeout=30) == EXIT_SUPERVISOR_GAVE_UP
+    ready = supervised.supervisor_events("child_ready")
+    assert len(ready) == 2 and all(e["startup_s"] > 1.5 for e in ready)
+
+
 def data_lines(response: httpx.Response):
     """The data of each SSE event as it arrives (stock's keepalive comments skipped)."""
     return (line[len("data: "):] for line in response.iter_lines() if line.startswith("data: "))

@@ -15,7 +15,7 @@ import pytest
 
 from conftest import hold_at_line, poll
 from guardian.engine.blame import FailureBudget
-from guardian.observability.counting import RecentEvents
+from guardian.observability.counting import RecentEvents, StoppedClock
 
 WINDOW_S = 60.0
 
@@ -70,11 +70,33 @@ def events_with_an_expired_one() -> RecentEvents:
     return events
 
 
+def events_on_a_stopped_clock_with_an_expired_one() -> RecentEvents:
+    """The supervisor's restarts: a clock stopped while children started."""
+    now = time.monotonic()
+    clock = StoppedClock()
+    clock.stopped(now - 10 * WINDOW_S, now - 9 * WINDOW_S)
+    events = RecentEvents(WINDOW_S, clock=clock)
+    events.add(now - 2 * WINDOW_S)
+    return events
+
+
+def test_a_window_on_a_stopped_clock_leaves_the_stopped_spans_out():
+    clock = StoppedClock()
+    events = RecentEvents(60.0, clock=clock)
+    events.add(0.0)
+    clock.stopped(10.0, 90.0)  # a child's start of 80 s
+    assert events.count(now=95.0) == 1  # 15 s of the clock's time since the event
+    assert events.count(now=135.0) == 1  # 55 s
+    assert events.count(now=141.0) == 0  # 61 s
+    assert clock.at(50.0) == 10.0 and clock.at(5.0) == 5.0
+
+
 @pytest.mark.skipif(sys.implementation.name != "cpython", reason="pauses a thread with sys.settrace")
 @pytest.mark.parametrize("make, method", [
     (budget_with_an_expired_failure, "count"),
     (budget_with_an_expired_failure, "recent"),
     (events_with_an_expired_one, "count"),
+    (events_on_a_stopped_clock_with_an_expired_one, "count"),
 ])
 def test_a_window_pruned_by_two_threads_at_once_never_fails(make, method):
     assert interleaved(make, method) >= 2

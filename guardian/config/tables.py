@@ -185,7 +185,10 @@ class SupervisorSettings(Table, name="supervisor"):
         crashes of a request quarantined by a child that had been ready do not count).""",
         flag="--supervisor-max-restarts", metavar="N")
     window_s = Setting(POSITIVE_SECONDS, 300.0, """
-        The crash-loop window in seconds.""", flag="--supervisor-window", metavar="S")
+        The crash-loop window in seconds, of the supervisor's time less the time
+        its children spent starting (a large model's minute-long loads would put
+        six restarts of children that crash at once past any window).""",
+        flag="--supervisor-window", metavar="S")
     quarantine_s = Setting(SECONDS, 300.0, """
         Refuse for this many seconds a request that was in flight at two child
         crashes within window_s; 0: off.""", flag="--supervisor-quarantine", metavar="S")

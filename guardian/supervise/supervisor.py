@@ -40,7 +40,7 @@ from guardian.config import in_force
 from guardian.config.registry import ConfigError
 from guardian.config.live import merge
 from guardian.config.loading import GuardianConfig
-from guardian.observability.counting import ActiveCount, RecentEvents
+from guardian.observability.counting import ActiveCount, RecentEvents, StoppedClock
 from guardian.quarantine.crashes import CrashQuarantine
 from guardian.supervise.metrics import SupervisorMetrics
 from guardian.distributed.launch import LauncherProcess, dying_with_parent, group_command, kill_leftovers
@@ -126,7 +126,11 @@ class Supervisor:
         self.state = State.STARTING
         self.child: Optional[Child] = None
         self.generation = 0
-        self.restart_times = RecentEvents(self.settings.window_s)
+        # The crash loop's window leaves out the time children spent starting: with a large
+        # model's minute-long loads, six children that crashed at once after each took longer
+        # than the window's 300 s, and a crash loop restarted them for ever.
+        self.children_starting = StoppedClock()
+        self.restart_times = RecentEvents(self.settings.window_s, clock=self.children_starting)
         self.restarts = 0
         self.boot_failures = 0  # children in a row that could not load the model
         self.pauses = 0
@@ -619,6 +623,7 @@ class Supervisor:
         """A check passed: the first makes the child ready, a later one ends an unhealthy spell."""
         if child.ready_at is None:
             child.ready_at = child.last_ok
+            self.children_starting.stopped(child.started_at, child.ready_at)
             log.info("child_ready", pid=child.pid, generation=child.generation,
                      startup_s=round(child.ready_at - child.started_at, 3),
                      downtime_s=round(child.ready_at - self.outage_started, 3))
