@@ -74,6 +74,8 @@ from collections import deque
 from enum import Enum
 from typing import Hashable, Iterable, Optional
 
+from guardian.observability.counting import StoppedClock
+
 # Proofs of the engine asked for one suspect at one point: past them the engine
 # failed its probes as well, and the suspect is answered 503 rather than held.
 MAX_PROOFS = 2
@@ -166,9 +168,10 @@ class FailureBudget:
     def __init__(self, window_s: float):
         self.window_s = window_s
         self._lock = threading.Lock()
-        self._times: dict[int, float] = {}  # counted failure id -> the engine's clock (``_clock``)
-        # Seconds the engine spent restarting after its failures, backoff waits left out.
-        self._restarting_s = 0.0
+        self._times: dict[int, float] = {}  # counted failure id -> monotonic time
+        # Stopped while the engine restarted after a failure (its backoff wait left running).
+        self._clock = StoppedClock()
+        self._failed_at: Optional[float] = None  # the last failure's monotonic time
         self._ids = itertools.count(1)
         # Every failure within the window: [monotonic time, seconds the engine was down after it].
         self._recent: deque[list] = deque()
@@ -187,6 +190,7 @@ class FailureBudget:
         now = time.monotonic() if now is None else now
         with self._lock:
             self.total += 1
+            self._failed_at = now
             self._recent.append([now, 0.0])
             progressed = self._progress_seen is not None and progress != self._progress_seen
             self._progress_seen = progress
@@ -199,19 +203,18 @@ class FailureBudget:
                 self.after_progress += 1
                 return None
             failure_id = next(self._ids)
-            self._times[failure_id] = self._clock(now)
+            self._times[failure_id] = now
             return failure_id
-
-    def _clock(self, now: float) -> float:
-        """The crash loop's clock at monotonic ``now``: restarts' time taken out (under ``_lock``)."""
-        return now - self._restarting_s
 
     def lost(self, seconds: float, waited_s: float = 0.0) -> None:
         """The engine was down ``seconds`` after the last failure: its restart, and of
         that ``waited_s`` in a backoff wait."""
         with self._lock:
             self.time_lost_s += seconds
-            self._restarting_s += max(0.0, seconds - waited_s)
+            if self._failed_at is not None:
+                # The wait comes last, just before the restarted loop polls. (Not the last of
+                # ``_recent``: a scrape during a restart longer than the window prunes it.)
+                self._clock.stopped(self._failed_at, self._failed_at + seconds - waited_s)
             if self._recent:
                 self._recent[-1][1] += seconds
 
@@ -226,9 +229,9 @@ class FailureBudget:
         """The failures the crash-loop budget counts now."""
         now = time.monotonic() if now is None else now
         with self._lock:
-            since = self._clock(now) - self.window_s
+            since = self._clock.at(now) - self.window_s
             for failure_id, at in list(self._times.items()):
-                if at < since:
+                if self._clock.at(at) < since:
                     del self._times[failure_id]
             return len(self._times)
 
