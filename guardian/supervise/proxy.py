@@ -498,8 +498,11 @@ class ProxyHandler(BaseHTTPRequestHandler):
         if "deep" in query:  # probes run now, each within the child's own probe deadline
             timeout = max(timeout, supervisor.deep_readiness_timeout_s)
         try:
-            response = child.client.request(self.command, self.target(), headers=self.upstream_headers(),
-                                            timeout=timeout)
+            # Who asks, not what else the client sent: the child's answer depends on none of it,
+            # and httpx refuses what the door lets in (a value's trailing space: a 503 for a
+            # healthy child; a byte past ASCII: no answer at all, and a traceback logged).
+            headers = forwarded_headers((), self.client_address[0], self.access)
+            response = child.client.request(self.command, self.target(), headers=headers, timeout=timeout)
         except httpx.HTTPError as e:
             reason = f"the child did not answer {path} within {timeout:g} s ({type(e).__name__})"
             return self.send_json(503, supervisor.unavailable_health(reason))
