@@ -60,6 +60,16 @@ TOKENS_COMMENT = b": guardian-tokens "
 NOT_CONTINUABLE = b"-"
 # A continuation longer than this is not one the supervisor made.
 MAX_CONTINUED_TOKENS = 1 << 20
+# A continuation's ids go in header lines of at most this many bytes: http.server reads
+# no longer line (64 KiB, guardian.serving.framing), and a stream of ~10,000 tokens of a
+# large vocabulary writes more than that.
+CONTINUE_LINE_BYTES = 60_000
+# What a supervised child's head may hold more than [http] max_header_bytes: the
+# headers the supervisor adds, a continuation's ids among them (in lines of
+# CONTINUE_LINE_BYTES, as many as http.server's count of lines leaves room for). The
+# public door counted none of it: a head near its limit got the child's 431, and a
+# stream of more tokens than the limit's bytes could not be continued.
+HEADER_BYTES_ADDED_FOR_CHILD = 8 << 20
 _DATA = b"data: "
 _LF = ord("\n")
 _TAG_AFTER_LINE = b"\n" + TOKENS_COMMENT
@@ -119,9 +129,10 @@ def continued_from(headers, vocab_size: Optional[int]) -> Optional[list[int]]:
     ids: even the supervisor's word is checked, since an id outside the
     vocabulary would crash the engine (see guardian.admission.validation).
     """
-    value = headers.get(CONTINUE_HEADER)
-    if value is None:
+    lines = headers.get_all(CONTINUE_HEADER)
+    if not lines:
         return None
+    value = ",".join(line for line in lines if line)
     try:
         tokens = [int(part) for part in value.split(",")] if value else []
     except ValueError:
@@ -331,7 +342,17 @@ def last_event_end(data: bytes) -> int:
 
 
 def continue_headers(key: str, tokens: list[int]) -> list[tuple[str, str]]:
-    return [(KEY_HEADER, key), (CONTINUE_HEADER, ",".join(map(str, tokens)))]
+    """The headers of a continuation after ``tokens``: the key, then the ids in lines of
+    at most CONTINUE_LINE_BYTES (``continued_from`` joins them)."""
+    headers, line, size = [(KEY_HEADER, key)], [], 0
+    for text in map(str, tokens):
+        if line and size + 1 + len(text) > CONTINUE_LINE_BYTES:
+            headers.append((CONTINUE_HEADER, ",".join(line)))
+            line, size = [], 0
+        size += len(text) + (1 if line else 0)
+        line.append(text)
+    headers.append((CONTINUE_HEADER, ",".join(line)))  # none at all: an empty value
+    return headers
 
 
 def age_header(age_s: float) -> tuple[str, str]:

@@ -390,17 +390,29 @@ def test_a_relayed_request_at_the_header_count_the_public_port_lets_in_is_read_b
     """[http] max_header_count below http.server's own, and every request relayed (as on
     macOS, or over TLS): the child, which reads the same file, reads as many header lines
     as the public port let in, with the supervisor's own added (it answered 431). The same
-    limit set live on a handed-off request: tests/test_connection.py."""
+    limit set live on a handed-off request: tests/test_connection.py. So with the bytes of
+    a head: one at the public port's max_header_bytes got the child's 431 (a review), once
+    the supervisor had added its own."""
     config = tmp_path / "headers.toml"
-    config.write_text("[http]\nmax_header_count = 40\n[supervisor]\nhand_off = false\n")
+    config.write_text("[http]\nmax_header_count = 40\nmax_header_bytes = 4096\n[supervisor]\nhand_off = false\n")
     supervised = start_supervisor("--guardian-config", str(config))
     body = b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}'
-    for count, status in ((40, b"200"), (41, b"431")):  # Host and Content-Length among them
-        others = b"".join(b"X-H%d: 1\r\n" % i for i in range(count - 2))
+
+    def answer_to(head: bytes) -> bytes:
         with socket.create_connection(("127.0.0.1", supervised.port), timeout=30) as sock:
-            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n" + others
-                         + b"Content-Length: %d\r\n\r\n" % len(body) + body)
+            sock.sendall(head + body)
             answer = b""
             while chunk := sock.recv(65536):
                 answer += chunk
+        return answer
+
+    for count, status in ((40, b"200"), (41, b"431")):  # Host and Content-Length among them
+        others = b"".join(b"X-H%d: 1\r\n" % i for i in range(count - 2))
+        answer = answer_to(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n" + others
+                           + b"Content-Length: %d\r\n\r\n" % len(body))
         assert answer.startswith(b"HTTP/1.0 " + status), (count, answer[:300])
+    start = b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: %d\r\n" % len(body)
+    padding = b"X-Padding: " + b"p" * (4096 - len(start) - len(b"X-Padding: \r\n\r\n")) + b"\r\n\r\n"
+    assert len(start + padding) == 4096
+    answer = answer_to(start + padding)
+    assert answer.startswith(b"HTTP/1.0 200"), answer[:300]

@@ -124,6 +124,52 @@ def test_a_stream_cut_by_the_childs_death_is_continued_on_the_next_child(start_s
           f"{signal.Signals(signum).name}; the stream went on from the next child, identical to an unfailed run")
 
 
+def test_a_stream_longer_than_the_head_limit_is_continued(start_supervisor, tmp_path):
+    """The ids a continuation goes on after travel in the child's head, which the public
+    door's max_header_bytes bounded: past it (here 1,024 bytes, ~250 of the demo model's
+    ids; at the default 64 KiB, ~10,000 of a large vocabulary's) the child refused the
+    continuation (431) and the stream ended with an error event."""
+    config = tmp_path / "small-heads.toml"
+    config.write_text(SLOW_STEPS + "[http]\nmax_header_bytes = 1024\n")
+    supervised = start_supervisor("--guardian-config", str(config))
+    first_pid = supervised.wait_ready()
+    body = greedy_stream("Go on across the crash, at length.", max_tokens=400)
+    reference = read_whole(supervised.url + COMPLETIONS, body)
+    assert reference.result["done"] and not reference.result["errors"]
+
+    cut = StreamReader(supervised.url + COMPLETIONS, body)
+    cut.start()
+    poll(lambda: len(cut.result["events"]) >= 300, 60, what="300 events relayed")
+    os.kill(first_pid, signal.SIGKILL)
+    cut.join(timeout=120)
+    assert not cut.is_alive()
+
+    assert cut.result["status"] == 200 and cut.result["done"] and not cut.result["errors"], cut.result
+    assert streamed(cut.result) == streamed(reference.result)
+    [continuing] = supervised.supervisor_events("stream_continuing")
+    assert continuing["tokens_relayed"] >= 300
+    assert not supervised.supervisor_events("stream_continuation_refused")
+
+
+def test_a_continuations_ids_are_written_in_lines_http_server_reads():
+    """A long stream's ids (7 bytes each for a vocabulary of 150,000) in one header line
+    passed 64 KiB, which http.server reads no more of; in lines, they come back whole."""
+    import http.client
+    import io
+
+    from guardian import relay_protocol
+    from guardian.serving import framing
+
+    for tokens in ([], [7], list(range(140_000, 160_000))):
+        headers = relay_protocol.continue_headers("key", tokens)
+        head = b"POST /v1/completions HTTP/1.1\r\nHost: h\r\nContent-Length: 0\r\n" + b"".join(
+            f"{name}: {value}\r\n".encode() for name, value in headers) + b"\r\n"
+        framing.judge_head(head, framing.STDLIB_MAX_HEADERS)  # no line past http.server's
+        parsed = http.client.parse_headers(io.BytesIO(head.partition(b"\r\n")[2]))
+        assert relay_protocol.continued_from(parsed, vocab_size=None) == tokens
+    assert len(headers) == 4  # the key, and 140,000 bytes of ids in three lines
+
+
 def test_a_client_cannot_claim_to_be_the_supervisor(start_supervisor):
     """The continuation headers from a client are dropped at the public port;
     a child answers them only with the supervisor's key."""

@@ -45,7 +45,7 @@ from guardian.health.stall_detection import StallDetector
 from guardian.engine_view import EngineView
 from guardian.plugin_manager import notify
 from guardian import handoff, long_lived
-from guardian.relay_protocol import HEADERS_ADDED_FOR_CHILD, started_by_supervisor
+from guardian.relay_protocol import HEADER_BYTES_ADDED_FOR_CHILD, HEADERS_ADDED_FOR_CHILD, started_by_supervisor
 
 log = structlog.get_logger("guardian.server")
 
@@ -335,7 +335,8 @@ def make_http_server(host: str, port: int, served: Optional[ServedModel], door=N
         httpd.limits = LiveLimits(served.live.view("http"), functools.partial(auto_max_handlers, served),
                                   lambda: served.config.core.retry_after_s,
                                   extra_handlers=HANDLER_HEADROOM if started_by_supervisor() else 0,
-                                  extra_headers=HEADERS_ADDED_FOR_CHILD if started_by_supervisor() else 0)
+                                  extra_headers=HEADERS_ADDED_FOR_CHILD if started_by_supervisor() else 0,
+                                  extra_header_bytes=HEADER_BYTES_ADDED_FOR_CHILD if started_by_supervisor() else 0)
     # Handler threads must not keep a failed process alive past its exit.
     httpd.daemon_threads = True
     # Completion requests HTTP threads are answering now, for drain().

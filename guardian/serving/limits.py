@@ -30,7 +30,7 @@ class LiveLimits:
     read at each use too (it follows the prompt guard's live queue)."""
 
     def __init__(self, http, auto_max_handlers: Callable[[], int], retry_after_s=lambda: 1.0,
-                 extra_handlers: int = 0, extra_headers: int = 0):
+                 extra_handlers: int = 0, extra_headers: int = 0, extra_header_bytes: int = 0):
         self._http = http
         self._auto_max_handlers = auto_max_handlers
         self._retry_after_s = retry_after_s
@@ -38,6 +38,7 @@ class LiveLimits:
         self._extra_handlers = extra_handlers
         # ... and reads the headers its supervisor adds to what the public port let in.
         self._extra_headers = extra_headers
+        self._extra_header_bytes = extra_header_bytes
 
     def __getattr__(self, name):
         return getattr(self._http, name)
@@ -49,6 +50,10 @@ class LiveLimits:
     @property
     def retry_after_s(self) -> float:
         return self._retry_after_s()
+
+    @property
+    def max_header_bytes(self) -> int:
+        return self._http.max_header_bytes + self._extra_header_bytes
 
     @property
     def max_header_count(self) -> int:
