@@ -16,6 +16,7 @@ import json
 import signal
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 
 import httpx
@@ -189,6 +190,22 @@ def test_deep_probe_runs_one_token_and_keeps_the_prompt_cache_clean(start_server
     assert sample["active_memory_bytes"] > 0
     # The probe never went through HTTP: only the test's own GETs were logged.
     assert all("probe" not in e.get("line", "") for e in server.events("http_access"))
+
+
+def test_deep_readiness_checks_at_once_share_their_probe_rounds(watched_server):
+    """/readyz?deep=1 is public (no key). Each ran a probe round of its own, one after the
+    other: a dozen at once made a dozen generations, the last answered after all of them.
+    A check that waited while a round ran takes the next round's answer (one begun after
+    it asked), so a flood runs a round or two."""
+    server = watched_server(dict(step_delay_s=0.2), dict(probe_interval_s=600.0))
+    before = httpx.get(server.url + "/guardian/status", timeout=10).json()["probes_run"]
+    with ThreadPoolExecutor(max_workers=12) as pool:
+        answers = list(pool.map(lambda _: httpx.get(server.url + "/readyz?deep=1", timeout=60), range(12)))
+    assert [a.status_code for a in answers] == [200] * 12, [a.text for a in answers]
+    after = httpx.get(server.url + "/guardian/status", timeout=10).json()["probes_run"]
+    assert 1 <= after - before <= 2, after - before
+    # Each answer's round began after its check asked: none older than the first round.
+    assert len({a.json()["last_probe"]["at"] for a in answers}) <= 2
 
 
 # The hang is this request's own (its third logits-processor call, after its

@@ -72,6 +72,7 @@ class StallDetector:
         self.paused_s = 0.0
         self._busy_logged_for: Optional[float] = None  # the beat whose busy step was logged
         self.last_probe: Optional[dict] = None
+        self._last_round_began = float("-inf")  # monotonic: when last_probe's round began
         self.probes_run = 0  # rounds, for /guardian/status
         self.last_sample: Optional[dict] = None
         self._failing_samplers: set[str] = set()  # plugins whose last sample failed (logged once)
@@ -313,10 +314,16 @@ class StallDetector:
         self._last_probe_at = now
         threading.Thread(target=self.run_probes, name="probe", daemon=True).start()
 
-    def run_probes(self, timeout_s: Optional[float] = None) -> dict:
-        """Run every plugin's probe now; one round at a time."""
+    def run_probes(self, timeout_s: Optional[float] = None, asked_at: Optional[float] = None) -> dict:
+        """Run every plugin's probe now; one round at a time. ``asked_at`` (monotonic): a
+        round that began since, and ended while this waited its turn, answers it too:
+        a flood of deep readiness checks (public, no key) ran a round each, one after the
+        other, and a round or two now serve them all."""
         timeout_s = timeout_s or self.settings.probe_timeout_s
         with self._probing:
+            if asked_at is not None and self.last_probe is not None and self._last_round_began >= asked_at:
+                return self.last_probe
+            self._last_round_began = time.monotonic()
             with probe_running():
                 results = self._probe_results(timeout_s)
             outcome = {

@@ -9,6 +9,7 @@ guardian.serving.assembly): its engine, its stall detection (``/health``,
 
 from __future__ import annotations
 
+import time
 import urllib.parse
 
 from guardian import stock
@@ -119,7 +120,7 @@ class Endpoints:
 
     def send_readiness(self, engine, stall_detector, deep: bool) -> None:
         if deep and engine.is_healthy and not stall_detector.progressing():
-            stall_detector.run_probes()
+            stall_detector.run_probes(asked_at=time.monotonic())
         ready, reason = stall_detector.readiness()
         body = {"status": "ready" if ready else "unavailable", "reason": reason,
                 "state": engine.state.value, "last_probe": stall_detector.status()["last_probe"]}
