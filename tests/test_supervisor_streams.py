@@ -66,6 +66,22 @@ def read_whole(url: str, body: dict) -> StreamReader:
     return reader
 
 
+def reference_and_cut(url: str, body: dict, pid: int, signum: int, after_events) -> tuple:
+    """The stream unfailed, then again with its child killed by ``signum`` once
+    ``after_events(reference)`` events were relayed: (reference, cut, that many), both
+    read whole."""
+    reference = read_whole(url, body)
+    assert reference.result["done"] and not reference.result["errors"]
+    cut = StreamReader(url, body)
+    cut.start()
+    events_before_kill = after_events(reference)
+    poll(lambda: len(cut.result["events"]) >= events_before_kill, 60, what=f"{events_before_kill} events relayed")
+    os.kill(pid, signum)
+    cut.join(timeout=120)
+    assert not cut.is_alive()
+    return reference, cut, events_before_kill
+
+
 @pytest.mark.parametrize("signum, path, hand_off", [
     (signal.SIGKILL, COMPLETIONS, True), (signal.SIGSEGV, TEXT_COMPLETIONS, True),
     # Relayed: the Mac's path, where nothing is handed off (conftest.RELAYED).
@@ -84,17 +100,9 @@ def test_a_stream_cut_by_the_childs_death_is_continued_on_the_next_child(start_s
         # A lone surrogate, valid JSON as "\\ud800": the crash's suspects are fingerprinted from
         # the bodies in flight, and this one's once ended the supervisor (UnicodeEncodeError).
         body["user"] = "\ud800"
-    reference = read_whole(supervised.url + path, body)
-    assert reference.result["done"] and not reference.result["errors"]
-
-    cut = StreamReader(supervised.url + path, body)
-    cut.start()
     # A third of the way (the demo model's text completions send fewer events than tokens).
-    events_before_kill = len(reference.result["events"]) // 3
-    poll(lambda: len(cut.result["events"]) >= events_before_kill, 60, what="a third of the events relayed")
-    os.kill(first_pid, signum)
-    cut.join(timeout=120)
-    assert not cut.is_alive()
+    reference, cut, events_before_kill = reference_and_cut(
+        supervised.url + path, body, first_pid, signum, lambda reference: len(reference.result["events"]) // 3)
 
     assert cut.result["status"] == 200 and cut.result["done"], cut.result
     assert not cut.result["errors"]
@@ -134,15 +142,8 @@ def test_a_stream_longer_than_the_head_limit_is_continued(start_supervisor, tmp_
     supervised = start_supervisor("--guardian-config", str(config))
     first_pid = supervised.wait_ready()
     body = greedy_stream("Go on across the crash, at length.", max_tokens=400)
-    reference = read_whole(supervised.url + COMPLETIONS, body)
-    assert reference.result["done"] and not reference.result["errors"]
-
-    cut = StreamReader(supervised.url + COMPLETIONS, body)
-    cut.start()
-    poll(lambda: len(cut.result["events"]) >= 300, 60, what="300 events relayed")
-    os.kill(first_pid, signal.SIGKILL)
-    cut.join(timeout=120)
-    assert not cut.is_alive()
+    reference, cut, _ = reference_and_cut(supervised.url + COMPLETIONS, body, first_pid, signal.SIGKILL,
+                                          lambda _: 300)
 
     assert cut.result["status"] == 200 and cut.result["done"] and not cut.result["errors"], cut.result
     assert streamed(cut.result) == streamed(reference.result)
