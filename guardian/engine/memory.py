@@ -36,7 +36,7 @@ class GuardianPromptCache(stock.contract.LRUPromptCache):
         kept = self.kept.take(model, tokens) if len(self.kept) else None
         if kept is not None:
             return kept
-        return super().fetch_nearest_cache(model, tokens)
+        return stock.continuation.with_a_token_to_prefill(super().fetch_nearest_cache(model, tokens), tokens)
 
     def insert_cache(self, model, tokens, prompt_cache, **kwargs):
         self._check_thread()

@@ -166,6 +166,24 @@ def reusable_length(prompt: list[int], kept_tokens: list[int], cache: list) -> i
     return max(usable, 0)
 
 
+def with_a_token_to_prefill(found: tuple, tokens: list[int]) -> tuple:
+    """Stock's prompt cache's answer (``found``: the cache, the tokens left to prefill) with
+    at least the prompt's last token left, as its answer for a longer entry leaves it. For
+    an entry of exactly the prompt it leaves none, and its loop inserts an empty sequence:
+    "Sequence N has an empty prompt" (0.32), IndexError (0.31.3), and stock's generation
+    thread dies. Such an entry is a cancelled stream's prompt less its last token (stock
+    caches each segment but the last, and only a finished request's insert drops it), or
+    a finished one's prompt and answer sent again as a prompt. The copy stock returned is
+    cut back one token where it can be; else it is not used."""
+    cache, rest = found
+    if cache is None or len(rest) or not len(tokens):
+        return found
+    if can_trim_prompt_cache(cache):
+        trim_prompt_cache(cache, 1)
+        return cache, list(tokens[-1:])
+    return None, tokens
+
+
 def cut_cache(cache: list, holds: int, keep: int) -> list:
     """A KV cache holding ``holds`` tokens, cut in place to its first ``keep``."""
     if holds > keep:
