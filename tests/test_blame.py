@@ -310,3 +310,26 @@ def test_after_a_lone_poisons_blame_the_streams_beside_it_run_together_with_new_
         for result in [f.result() for f in bystanders]:
             assert result["status"] == 200 and result["done"] and not result["errors"], result["errors"]
 
+
+
+def test_a_request_that_fails_only_on_what_came_before_it_is_served_not_blamed(start_server):
+    """A fault of the engine's state, not of the request: a prompt cache entry that fails
+    every row started from it (``tests/plugins/cache_faults.py``; stock's exact-match entry
+    did, until tests/test_prompt_cache_edges.py's fix). Every re-run took the same entry
+    (or the failed batch's KV, kept for it), failed the same way, and the request was
+    blamed: 500, quarantined. The run that would prove it the cause now takes nothing
+    from before it, and serves it."""
+    server = start_server('[guardian]\nplugins = ["tests.plugins.cache_faults:CacheFaults"]\n'
+                          '[cache_faults]\nmarker = "CACHEBAD"\n')
+    url = server.url + "/v1/completions"
+    with httpx.Client(timeout=60) as client:
+        first = client.post(url, json={"prompt": "CACHEBAD alpha beta", "max_tokens": 4})
+        assert first.status_code == 200, first.text  # its run began from nothing: no fault
+        second = client.post(url, json={"prompt": "CACHEBAD alpha beta gamma delta", "max_tokens": 8})
+    assert second.status_code == 200, second.text
+    assert second.json()["usage"]["completion_tokens"] == 8
+    faults = server.events("cache_fault")
+    assert len(faults) == len(server.events("engine_error")) == 2  # its first run, its re-run
+    assert not server.events("request_blamed")
+    [proof] = server.events("proof_probe_queued")
+    assert "failed alone" in proof["why"]

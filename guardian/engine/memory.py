@@ -32,6 +32,8 @@ class GuardianPromptCache(stock.contract.LRUPromptCache):
 
     def fetch_nearest_cache(self, model, tokens):
         self._check_thread()
+        if stock.continuation.prefill_from_nothing():
+            return None, tokens  # a suspect's proof: no state of the engine's in its run
         # Outside the LRU entries, so a batch's worth of rows never evicts users' caches.
         kept = self.kept.take(model, tokens) if len(self.kept) else None
         if kept is not None:

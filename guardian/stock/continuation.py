@@ -40,6 +40,28 @@ def continuation_args(args, generated: list[int]):
     return continued
 
 
+_FRESH_ATTRIBUTE = "_guardian_fresh"
+
+
+def fresh_args(args):
+    """A copy of a request's GenerationArguments whose run takes no KV from before it:
+    none from the prompt cache, none kept from a failed batch (``prefill_from_nothing``)."""
+    fresh = copy.copy(args)
+    setattr(fresh, _FRESH_ATTRIBUTE, True)
+    return fresh
+
+
+def note_fresh(args) -> None:
+    """On the loop thread, as stock tokenizes a request: whether its run is a fresh one.
+    Stock looks its prompt up in the prompt cache right after."""
+    loop_thread.fresh = getattr(args, _FRESH_ATTRIBUTE, False)
+
+
+def prefill_from_nothing() -> bool:
+    """Whether the request stock looks up now is to take no KV from before it."""
+    return getattr(loop_thread, "fresh", False)
+
+
 def continuable(request) -> bool:
     """Whether a request can be continued: not one with images, whose prompt
     cache key (0.32's vision key) is made from the prompt as it came."""

@@ -11,7 +11,7 @@ import mlx_lm.server as server
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from guardian.errors import EngineStepError
-from guardian.stock.continuation import (detokenizer_primed_for_continuation, continued_tokens,
+from guardian.stock.continuation import (detokenizer_primed_for_continuation, continued_tokens, note_fresh,
                                          primed_stop_matching)
 from guardian.stock.contract import (ResponseGenerator, STOCK_BATCH_GENERATOR, STOCK_STREAM_GENERATE,
                                      loop_thread)
@@ -86,6 +86,7 @@ class GuardedResponseGenerator(ResponseGenerator):
         # Read by the next _make_state_machine and detokenizer on this thread:
         # stock's loop builds both for this request right after its tokens.
         loop_thread.continued = generated
+        note_fresh(args)  # and looks its prompt up in the prompt cache
         tokenized = reused_tokens(request, self.model_provider.model_key)
         if tokenized is None:
             tokenized = super()._tokenize(tokenizer, request, args)
