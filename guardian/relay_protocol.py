@@ -66,10 +66,12 @@ MAX_CONTINUED_TOKENS = 1 << 20
 CONTINUE_LINE_BYTES = 60_000
 # What a supervised child's head may hold more than [http] max_header_bytes: the
 # headers the supervisor adds, a continuation's ids among them (in lines of
-# CONTINUE_LINE_BYTES, as many as http.server's count of lines leaves room for). The
-# public door counted none of it: a head near its limit got the child's 431, and a
-# stream of more tokens than the limit's bytes could not be continued.
-HEADER_BYTES_ADDED_FOR_CHILD = 8 << 20
+# CONTINUE_LINE_BYTES, as many as http.server's count of 99 lines leaves room for: a
+# client of 10 headers leaves ~80, some 700,000 ids of 7 bytes; one of the 87 the public
+# door lets in, ~3). The public door counted none of it: a head near its limit got the
+# child's 431, and a stream of more tokens than the limit's bytes could not be continued.
+# At most what http.server reads: 99 lines of 64 KiB.
+HEADER_BYTES_ADDED_FOR_CHILD = 99 * 65536
 _DATA = b"data: "
 _LF = ord("\n")
 _TAG_AFTER_LINE = b"\n" + TOKENS_COMMENT

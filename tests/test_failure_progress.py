@@ -358,17 +358,28 @@ def test_the_crash_loops_window_leaves_out_restarts_not_waits():
     at = 0.0
     for _ in range(6):
         assert budget.add(0, now=at) is not None
-        budget.lost(20.0)
+        # A scrape in the middle of the reload, past the window: it prunes nothing. (The
+        # restart's span was marked at its end, and a read before that pruned for good.)
+        assert budget.count(now=at + 19.0) >= 1
         at += 20.0
+        budget.lost(20.0)
+        budget.running_again(now=at)
     assert budget.count(now=at) == 6
     assert budget.time_lost_s == 120.0
+
+    # A restart that fails too (its reload raised): the engine never ran between.
+    failing = FailureBudget(window_s=60.0)
+    for at in (0.0, 40.0, 80.0, 120.0):
+        failing.add(0, now=at)
+    failing.running_again(now=130.0)
+    assert failing.count(now=131.0) == 4
 
     waited = FailureBudget(window_s=60.0)
     at = 0.0
     for _ in range(4):
         waited.add(0, now=at)
-        waited.lost(30.0, waited_s=30.0)  # all of it a backoff wait
         at += 30.0
+        waited.running_again(waited_s=30.0, now=at)  # all of it a backoff wait
     assert waited.count(now=at) == 2
 
 

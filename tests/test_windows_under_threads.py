@@ -61,6 +61,7 @@ def interleaved(make, method: str) -> int:
 def budget_with_an_expired_failure() -> FailureBudget:
     budget = FailureBudget(WINDOW_S)
     budget.add(progress=(0, 0), now=time.monotonic() - 2 * WINDOW_S)
+    budget.running_again(now=time.monotonic() - 2 * WINDOW_S)  # restarted at once
     return budget
 
 
@@ -74,7 +75,6 @@ def events_on_a_stopped_clock_with_an_expired_one() -> RecentEvents:
     """The supervisor's restarts: a clock stopped while children started."""
     now = time.monotonic()
     clock = StoppedClock()
-    clock.stopped(now - 10 * WINDOW_S, now - 9 * WINDOW_S)
     events = RecentEvents(WINDOW_S, clock=clock)
     events.add(now - 2 * WINDOW_S)
     return events
@@ -84,11 +84,18 @@ def test_a_window_on_a_stopped_clock_leaves_the_stopped_spans_out():
     clock = StoppedClock()
     events = RecentEvents(60.0, clock=clock)
     events.add(0.0)
-    clock.stopped(10.0, 90.0)  # a child's start of 80 s
-    assert events.count(now=95.0) == 1  # 15 s of the clock's time since the event
+    clock.stop(10.0)  # a child's start of 80 s
+    assert events.count(now=75.0) == 1  # read while it starts: 10 s of the clock since the event
+    clock.resume(90.0)
+    assert events.count(now=95.0) == 1  # 15 s
     assert events.count(now=135.0) == 1  # 55 s
     assert events.count(now=141.0) == 0  # 61 s
-    assert clock.at(50.0) == 10.0 and clock.at(5.0) == 5.0
+    assert clock.at(141.0) == 61.0
+    # A child that never became ready: stopped from its spawn through the next one's.
+    clock.stop(150.0)
+    clock.stop(200.0)
+    clock.resume(260.0)
+    assert clock.at(260.0) == 70.0
 
 
 @pytest.mark.skipif(sys.implementation.name != "cpython", reason="pauses a thread with sys.settrace")

@@ -316,8 +316,8 @@ class HttpSettings(Table, name="http"):
         The request line and headers together; past it, 431 (414 where the request
         line alone is). One line of more than 64 KiB is refused whatever this is
         (414 for the request line, else 431): http.server reads no longer line.
-        A supervised child reads 8 MiB more: what its supervisor adds, a continued
-        stream's token ids among it.""", live=True)
+        A supervised child reads up to 6 MiB more: what its supervisor adds, a
+        continued stream's token ids among it.""", live=True)
     max_header_count = Setting(Int(min=16), 99, """
         Header lines; past it, 431 (at least 16: a client's usual few, and a proxy's). At most 99 whatever this is: http.server reads
         no more (it counts the blank line among its 100); under --supervise at most

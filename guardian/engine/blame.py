@@ -153,12 +153,12 @@ class FailureBudget:
     the engine is degraded, the time lost), and those that count toward the
     crash loop: the failures without progress.
 
-    The crash loop's window runs on the engine's clock, which stands still while
-    it restarts or reads its weights again (``lost``): with a large model, three
-    reloads of ~20 s each put a dead engine's sixth failure past 60 s of the
-    first, so it never counted more than five and never exited. The backoff's
-    waits do count, as every other second does: they spread a short burst at the
-    rate ``window_s`` allows.
+    The crash loop's window runs on the engine's clock, which stands still from a
+    failure until the engine runs again (``running_again``), through restarts and
+    reloads that fail too: with a large model, three reloads of ~20 s each put a
+    dead engine's sixth failure past 60 s of the first, so it never counted more
+    than five and never exited. The backoff's waits do count, as every other
+    second does: they spread a short burst at the rate ``window_s`` allows.
 
     Read by the engine's loop as it fails and by every /metrics scrape and status
     request at once: each method holds ``_lock``, since pruning the window is a look
@@ -168,10 +168,9 @@ class FailureBudget:
     def __init__(self, window_s: float):
         self.window_s = window_s
         self._lock = threading.Lock()
-        self._times: dict[int, float] = {}  # counted failure id -> monotonic time
-        # Stopped while the engine restarted after a failure (its backoff wait left running).
+        self._times: dict[int, float] = {}  # counted failure id -> the engine's clock (``_clock``) then
+        # Stopped from a failure until the engine runs again (its backoff wait left running).
         self._clock = StoppedClock()
-        self._failed_at: Optional[float] = None  # the last failure's monotonic time
         self._ids = itertools.count(1)
         # Every failure within the window: [monotonic time, seconds the engine was down after it].
         self._recent: deque[list] = deque()
@@ -190,7 +189,7 @@ class FailureBudget:
         now = time.monotonic() if now is None else now
         with self._lock:
             self.total += 1
-            self._failed_at = now
+            self._clock.stop(now)
             self._recent.append([now, 0.0])
             progressed = self._progress_seen is not None and progress != self._progress_seen
             self._progress_seen = progress
@@ -203,18 +202,20 @@ class FailureBudget:
                 self.after_progress += 1
                 return None
             failure_id = next(self._ids)
-            self._times[failure_id] = now
+            self._times[failure_id] = self._clock.at(now)
             return failure_id
 
-    def lost(self, seconds: float, waited_s: float = 0.0) -> None:
-        """The engine was down ``seconds`` after the last failure: its restart, and of
-        that ``waited_s`` in a backoff wait."""
+    def running_again(self, waited_s: float = 0.0, now: Optional[float] = None) -> None:
+        """The engine runs again (after a failure's restart, or a stall's), ``waited_s``
+        of its time down in a backoff wait: the crash loop's clock runs on, the wait
+        counted as running, wherever in the restart it fell."""
+        now = time.monotonic() if now is None else now
+        self._clock.resume(now - waited_s)
+
+    def lost(self, seconds: float) -> None:
+        """The engine was down ``seconds`` after the last failure (its restart, backoff included)."""
         with self._lock:
             self.time_lost_s += seconds
-            if self._failed_at is not None:
-                # The wait comes last, just before the restarted loop polls. (Not the last of
-                # ``_recent``: a scrape during a restart longer than the window prunes it.)
-                self._clock.stopped(self._failed_at, self._failed_at + seconds - waited_s)
             if self._recent:
                 self._recent[-1][1] += seconds
 
@@ -231,7 +232,7 @@ class FailureBudget:
         with self._lock:
             since = self._clock.at(now) - self.window_s
             for failure_id, at in list(self._times.items()):
-                if self._clock.at(at) < since:
+                if at < since:
                     del self._times[failure_id]
             return len(self._times)
 

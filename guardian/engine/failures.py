@@ -358,7 +358,8 @@ class FailureHandler:
         """A restart's time (``waited_s`` of it in a backoff wait) is lost to the failure
         that caused it (a stall's to the watchdog)."""
         if classification != "stall":
-            self.budget.lost(duration_s, waited_s)
+            self.budget.lost(duration_s)
+        self.budget.running_again(waited_s)  # a restart that a stall ended began with a failure, perhaps
 
     def loop_polled(self, now: float) -> None:
         """At the loop's look at the queue: whether the engine stopped being degraded."""

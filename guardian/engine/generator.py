@@ -131,7 +131,7 @@ class GuardianEngine(stock.loop.GuardedResponseGenerator):
             # the row's first: an engine that fails every step would restart for ever.
             log.warning("crash_loop_never_exits", max_failures=max_failures, window_s=window_s,
                         waits_s=waits_s, backoff_max_s=backoff_max_s,
-                        hint="raise [recovery] window_s, or lower max_failures or backoff_max_s")
+                        hint="raise [recovery] window_s, or lower max_failures or the backoff's waits")
 
     # -- health -------------------------------------------------------------
     @property

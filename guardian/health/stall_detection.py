@@ -323,7 +323,7 @@ class StallDetector:
         with self._probing:
             if asked_at is not None and self.last_probe is not None and self._last_round_began >= asked_at:
                 return self.last_probe
-            self._last_round_began = time.monotonic()
+            began = time.monotonic()
             with probe_running():
                 results = self._probe_results(timeout_s)
             outcome = {
@@ -332,7 +332,7 @@ class StallDetector:
                 "monotonic": time.monotonic(),
                 "results": results,
             }
-            previous, self.last_probe = self.last_probe, outcome
+            previous, self.last_probe, self._last_round_began = self.last_probe, outcome, began
             self.probes_run += 1
         self._log_probe(outcome, previous)
         notify(self.pm.hook.on_probe_result, results=results, engine=self.engine.plugin_view)

@@ -14,52 +14,66 @@ from typing import Optional
 
 
 class StoppedClock:
-    """Monotonic time less the spans it was stopped for: ``at(t)`` stands still
-    within a span ``stopped(start, end)`` marked, and runs as the monotonic clock
-    does elsewhere. Spans are marked in order (each after the one before)."""
+    """Monotonic time less the spans it was stopped for: it stands still from ``stop(t)``
+    to ``resume(t)`` and runs as the monotonic clock does otherwise. Read for now, or
+    for a later moment (``at``): an open span counts as stopped up to the moment read,
+    so a reading during a restart (a scrape) sees the restart's time left out already."""
 
-    def __init__(self, spans_kept: int = 256):
-        # (start, end) of each span; a span older than every event still counted changes
-        # no difference between two readings, so the oldest may go.
-        self._spans: deque[tuple[float, float]] = deque(maxlen=spans_kept)
+    def __init__(self):
+        self._stopped_s = 0.0  # the closed spans'
+        self._since: Optional[float] = None  # the open span's start
         self._lock = threading.Lock()
 
-    def stopped(self, start: float, end: float) -> None:
-        if end > start:
-            with self._lock:
-                self._spans.append((start, end))
+    def stop(self, t: float) -> None:
+        """Stopped from ``t`` (monotonic), unless it is stopped already."""
+        with self._lock:
+            if self._since is None:
+                self._since = t
+
+    def resume(self, t: float) -> None:
+        """Running again from ``t``: the span stopped is left out for good."""
+        with self._lock:
+            if self._since is not None:
+                self._stopped_s += max(0.0, t - self._since)
+                self._since = None
 
     def at(self, t: float) -> float:
+        """The clock at monotonic ``t``, no earlier than the last stop or resume."""
         with self._lock:
-            return t - sum(min(end, t) - start for start, end in self._spans if start < t)
+            stopped = self._stopped_s + (max(0.0, t - self._since) if self._since is not None else 0.0)
+        return t - stopped
 
 
 class RecentEvents:
-    """Times of events within the last ``window_s`` seconds (monotonic clock; or a
-    ``StoppedClock``'s, which leaves some spans out of the window). Counted by
-    one thread as events come and read by others (a scrape) at once: pruning is a look,
-    then a removal, so it holds a lock."""
+    """Events within the last ``window_s`` seconds of the monotonic clock, or of a
+    ``StoppedClock``, which leaves some spans out of the window. Counted by one thread
+    as events come and read by others (a scrape) at once: pruning is a look, then a
+    removal, so it holds a lock."""
 
     def __init__(self, window_s: float, clock: Optional[StoppedClock] = None):
         self.window_s = window_s
-        self._times: deque[float] = deque()
+        # (monotonic time, the clock's time then) of each event, oldest first.
+        self._times: deque[tuple[float, float]] = deque()
         self._lock = threading.Lock()
         self._clock = clock
+
+    def _read(self, now: float) -> float:
+        return self._clock.at(now) if self._clock is not None else now
 
     def add(self, now: Optional[float] = None) -> int:
         """Record an event; return how many fall within the window, this one included."""
         now = time.monotonic() if now is None else now
         with self._lock:
-            self._times.append(now)
+            self._times.append((now, self._read(now)))
         return self.count(now)
 
     def forget_first_after(self, times) -> int:
-        """For each of ``times``, stop counting the first event at or after it (the one it
-        led to); return how many were forgotten."""
+        """For each of ``times`` (monotonic), stop counting the first event at or after it
+        (the one it led to); return how many were forgotten."""
         forgotten = 0
         with self._lock:
             for at in sorted(times):
-                later = next((t for t in self._times if t >= at), None)
+                later = next((event for event in self._times if event[0] >= at), None)
                 if later is not None:
                     self._times.remove(later)
                     forgotten += 1
@@ -67,10 +81,9 @@ class RecentEvents:
 
     def count(self, now: Optional[float] = None) -> int:
         now = time.monotonic() if now is None else now
-        at = self._clock.at if self._clock is not None else (lambda t: t)
         with self._lock:
-            since = at(now) - self.window_s
-            while self._times and at(self._times[0]) < since:
+            since = self._read(now) - self.window_s
+            while self._times and self._times[0][1] < since:
                 self._times.popleft()
             return len(self._times)
 

@@ -109,10 +109,12 @@ def judge_head(head: bytes, max_header_count: int) -> Head:
         else:
             bare_lf = True
     parts = lines[0].split(b" ")
+    if lines[0].decode("latin-1").split() != [part.decode("latin-1") for part in parts]:
+        # http.server splits a request line at any whitespace (str.split: \x0b, \x1c, \x85,
+        # \xa0 too): "GET /x\x0bHTTP/1.1" was a request of HTTP/1.1 to it, or its HTML 400.
+        raise refusal(400, "The request line is not METHOD TARGET HTTP-VERSION, each one space apart.")
     if len(parts) == 2 and parts[0] == b"GET" and len(lines) == 1:
         if _BAD_TARGET_BYTE.search(parts[1]):
-            # http.server splits a request line at any whitespace: "GET /x\x0bHTTP/1.1" would be
-            # a request of HTTP/1.1 to it, or its HTML 400, and never the door's.
             raise refusal(400, "The request target holds a control character.")
         return Head(0)  # HTTP/0.9's simple request: answered as stock answered it
     if len(parts) != 3 or not TOKEN.fullmatch(parts[0]) or not parts[1]:

@@ -687,7 +687,7 @@ class RequestReader:
             body_start = framing.find_head_end(incoming.buffer, incoming.scanned, limits.max_header_bytes + 4)
             if body_start is None:
                 if len(incoming.buffer) > limits.max_header_bytes:
-                    if incoming.buffer.find(b"\n") < 0:  # the request line alone is past it
+                    if incoming.buffer.find(b"\n", 0, limits.max_header_bytes) < 0:  # its request line alone
                         return self._refuse_framing(incoming, framing.refusal(
                             414, f"The request line is longer than {limits.max_header_bytes} bytes.",
                             "uri_too_long"))

@@ -126,9 +126,10 @@ class Supervisor:
         self.state = State.STARTING
         self.child: Optional[Child] = None
         self.generation = 0
-        # The crash loop's window leaves out the time children spent starting: with a large
-        # model's minute-long loads, six children that crashed at once after each took longer
-        # than the window's 300 s, and a crash loop restarted them for ever.
+        # The crash loop's window leaves out the time children spent starting (from a spawn
+        # to a child ready, children that never were included): with a large model's
+        # minute-long loads, six children that crashed at once after each took longer than
+        # the window's 300 s, and a crash loop restarted them for ever.
         self.children_starting = StoppedClock()
         self.restart_times = RecentEvents(self.settings.window_s, clock=self.children_starting)
         self.restarts = 0
@@ -411,6 +412,7 @@ class Supervisor:
     # -- the child's life ---------------------------------------------------
     def spawn_child(self) -> None:
         """Start a child on a free private port."""
+        self.children_starting.stop(time.monotonic())  # until a child is ready
         self.generation += 1
         stock_engine = self.settings.engine == "stock"
         # A guardian child of its own (not a group's launcher, nor stock) listens on a
@@ -623,7 +625,7 @@ class Supervisor:
         """A check passed: the first makes the child ready, a later one ends an unhealthy spell."""
         if child.ready_at is None:
             child.ready_at = child.last_ok
-            self.children_starting.stopped(child.started_at, child.ready_at)
+            self.children_starting.resume(child.ready_at)
             log.info("child_ready", pid=child.pid, generation=child.generation,
                      startup_s=round(child.ready_at - child.started_at, 3),
                      downtime_s=round(child.ready_at - self.outage_started, 3))
