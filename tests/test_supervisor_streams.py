@@ -152,6 +152,26 @@ def test_a_stream_longer_than_the_head_limit_is_continued(start_supervisor, tmp_
     assert not supervised.supervisor_events("stream_continuation_refused")
 
 
+def test_a_clamped_stream_continued_on_the_next_child_ends_where_it_would_have(start_supervisor, tmp_path):
+    """A prompt near the context, max_tokens past it: the door clamps max_tokens to what
+    fits. The next child counted the prompt without the tokens its continuation went on
+    after, and clamped again after them: 78 tokens where 58 fitted, past the context (a
+    review, 3 of 3)."""
+    config = tmp_path / "slow.toml"
+    config.write_text(SLOW_STEPS)
+    supervised = start_supervisor("--guardian-config", str(config))
+    first_pid = supervised.wait_ready()
+    body = {"prompt": "Once upon a time. " + "hello there " * 495, "max_tokens": 500, "stream": True,
+            "temperature": 0.0, "stream_options": {"include_usage": True}}
+    reference, cut, _ = reference_and_cut(supervised.url + TEXT_COMPLETIONS, body, first_pid, signal.SIGKILL,
+                                          lambda _: 20)
+    assert cut.result["status"] == 200 and cut.result["done"] and not cut.result["errors"], cut.result
+    usage = streamed(reference.result)["usage"]
+    assert usage["prompt_tokens"] + usage["completion_tokens"] == 2048  # the demo model's context, filled
+    assert streamed(cut.result) == streamed(reference.result)
+    assert supervised.supervisor_events("stream_continuing")
+
+
 def test_a_continuations_ids_are_written_in_lines_http_server_reads():
     """A long stream's ids (7 bytes each for a vocabulary of 150,000) in one header line
     passed 64 KiB, which http.server reads no more of; in lines, they come back whole."""

@@ -51,9 +51,13 @@ class Admission:
     """
 
     def __init__(self, request, args, *, limits, tokenize: Callable, request_id: str, stream: bool,
-                 client: str = "-"):
+                 client: str = "-", carried_tokens: int = 0):
         self.request = request
         self.args = args
+        # A supervisor's continuation of a stream a dead child began: the tokens it goes on
+        # after, in the engine's prompt after the client's (``args.max_tokens`` is what is
+        # left of the client's). The context holds them as it held them on the first run.
+        self.carried_tokens = carried_tokens
         self.limits: ModelLimits = limits
         self.request_id = request_id
         self.stream = stream

@@ -191,6 +191,7 @@ class AdmissionGate:
             request_id=info.request_id,
             stream=info.stream,
             client=info.client,
+            carried_tokens=len(stock.continuation.continued_tokens(args) or ()),
         )
         try:
             error = self._hooks_verdict(admission, engine)

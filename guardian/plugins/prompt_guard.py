@@ -249,7 +249,10 @@ class PromptGuard:
         max_tokens = admission.args.max_tokens
         admission.log_fields.update(n_prompt_tokens=n_prompt, n_ctx=n_ctx, max_tokens=max_tokens)
         error = self.check_length(admission, n_prompt, n_ctx)
-        if error is None and n_ctx is not None and n_prompt + max_tokens > n_ctx:
+        # A continuation's context holds the tokens it goes on after, as the first run's did:
+        # left out, a clamped stream continued on the next child got its clamp again after
+        # them, past the model's context (78 tokens where 58 fitted).
+        if error is None and n_ctx is not None and n_prompt + admission.carried_tokens + max_tokens > n_ctx:
             error = self.overflow(admission, n_prompt, n_ctx)
         if error is None:
             # The engine's loop waits a moment for requests being admitted,
@@ -283,7 +286,7 @@ class PromptGuard:
 
     def overflow(self, admission: Admission, n_prompt: int, n_ctx: int):
         requested = admission.args.max_tokens
-        fits = n_ctx - n_prompt
+        fits = n_ctx - n_prompt - admission.carried_tokens
         if self.settings.on_overflow == "reject":
             return context_error(
                 admission,
@@ -304,7 +307,7 @@ class PromptGuard:
     def reserve_kv_cache(self, admission: Admission, n_ctx: Optional[int]):
         if self.budget is None:
             return None
-        tokens = admission.n_prompt_tokens + admission.args.max_tokens
+        tokens = admission.n_prompt_tokens + admission.carried_tokens + admission.args.max_tokens
         if n_ctx is not None:
             tokens = min(tokens, n_ctx)
         nbytes = admission.limits.kv_bytes(tokens)
@@ -424,7 +427,9 @@ class PromptGuard:
         # Stock's tokenization rewrites messages in place: keep them as they came.
         messages = copy.deepcopy(admission.request.messages)
         n_prompt = admission.n_prompt_tokens
-        max_tokens = admission.args.max_tokens
+        # A continuation's, with the tokens it goes on after: the same sum as its first run's,
+        # so the same messages are dropped.
+        max_tokens = admission.carried_tokens + admission.args.max_tokens
 
         def fits_with_completion(n: int) -> bool:
             return n <= cap and (n_ctx is None or n + max_tokens <= n_ctx)
