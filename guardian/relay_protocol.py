@@ -150,10 +150,14 @@ class TokenTaggingOutput:
 
     ``consumed`` is told every token stock's handler takes from the engine.
     A ``data:`` event that writes exactly the text of the tokens consumed
-    since the last tag carries them; one that writes anything else (a tool
-    call, reasoning, text stock held back a moment) would leave a seam no
-    continuation can match, so from then on the stream is marked not
-    continuable (``: guardian-tokens -``).
+    since the last tag carries them. One that writes the beginning of that text
+    is held (``_lagging``): 0.32 holds back text that may begin a stop string,
+    mid-token ("atti" of "attic" for a stop of "cheese sandwich"), and writes it
+    with a later token's; the held events go out with the one that catches up,
+    under one tag, so a client never has text past the last tag. One that writes
+    anything else (a tool call, reasoning) would leave a seam no continuation
+    can match, so from then on the stream is marked not continuable
+    (``: guardian-tokens -``).
     """
 
     def __init__(self, wfile, tagged_writer=None):
@@ -167,6 +171,9 @@ class TokenTaggingOutput:
         # Stock flushes after every event: straight to the wrapped file, no call of ours between.
         self.flush = wfile.flush
         self._tail: Optional[_HeldTail] = None  # from the last token on (``hold_to_the_end``)
+        # Events held while the text they wrote lags behind their tokens' (``_lag``).
+        self._lagging: list[bytes] = []
+        self._lagging_text = ""
 
     def consumed(self, token: int, text: str) -> None:
         self._tokens.append(token)
@@ -189,11 +196,19 @@ class TokenTaggingOutput:
                 else:
                     escaped = json.dumps(text)[1:-1].encode()
                 # As stock's json.dumps writes the field: chat delta or text completion.
-                if b'"content": "' + escaped + b'"' in data or b'"text": "' + escaped + b'"' in data:
+                if not self._lagging and (b'"content": "' + escaped + b'"' in data
+                                          or b'"text": "' + escaped + b'"' in data):
                     texts.clear()
                 else:
-                    self.continuable = False
-                    tag = TOKENS_COMMENT + NOT_CONTINUABLE + b"\n"
+                    written, caught_up = self._lag(data, text)
+                    if written is None:
+                        return len(data)  # held, to go out with the event that catches up
+                    data = written
+                    if caught_up:
+                        texts.clear()
+                    else:
+                        self.continuable = False
+                        tag = TOKENS_COMMENT + NOT_CONTINUABLE + b"\n"
             if tag is None:
                 tokens = self._tokens
                 # One token an event, nearly always: its number alone, without join's list.
@@ -205,6 +220,21 @@ class TokenTaggingOutput:
                 return len(data)
             data = tag + data
         return self.wrapped.write(data)
+
+    def _lag(self, data: bytes, owed: str) -> tuple[Optional[bytes], bool]:
+        """An event that does not write all the text ``owed`` (its tokens' since the last
+        tag), or one after events held: (what to write now, None when it is held too;
+        whether the events written now catch up with ``owed``)."""
+        event = event_text(data)
+        written = self._lagging_text + event if event is not None else None
+        if written is not None and event and written != owed and owed.startswith(written) \
+                and len(self._lagging) < MAX_LAGGING_EVENTS:
+            self._lagging.append(bytes(data))
+            self._lagging_text = written
+            return None, False
+        out = b"".join(self._lagging) + data if self._lagging else data
+        self._lagging, self._lagging_text = [], ""
+        return out, written == owed
 
     def __getattr__(self, name):  # closed, ...
         return getattr(self.wrapped, name)
@@ -226,6 +256,10 @@ class TokenTaggingOutput:
 
     def release(self) -> None:
         """Write what ``hold_to_the_end`` held, in one write (at ``[DONE]``, or as the request ends)."""
+        if self._lagging:  # the request ended after events held, with no event after them
+            lagging, self._lagging, self._lagging_text = b"".join(self._lagging), [], ""
+            self.continuable = False
+            self._emit(TOKENS_COMMENT + NOT_CONTINUABLE + b"\n", lagging)
         tail = self._tail
         if tail is None:
             return
@@ -248,6 +282,29 @@ class TokenTaggingOutput:
             self._tagged_writer(tag, data)
         else:
             self.wrapped.write(tag + data)
+
+
+# Events held at most while their text lags behind their tokens': a stop string's
+# beginning is seldom long (past this, the stream is marked not continuable).
+MAX_LAGGING_EVENTS = 64
+
+
+def event_text(data: bytes) -> Optional[str]:
+    """The text a stock ``data:`` event writes (a chat delta's content, a text completion's
+    text; "" for none); None for anything else (a tool call, reasoning, an error, [DONE])."""
+    try:
+        event = json.loads(data[len(_DATA):])
+        [choice] = event["choices"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    delta = choice.get("delta")
+    if delta is None:
+        text = choice.get("text")
+        return text if isinstance(text, str) else None
+    if set(delta) - {"role", "content"}:
+        return None
+    content = delta.get("content") or ""
+    return content if isinstance(content, str) else None
 
 
 class _HeldTail:

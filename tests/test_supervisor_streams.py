@@ -172,6 +172,22 @@ def test_a_clamped_stream_continued_on_the_next_child_ends_where_it_would_have(s
     assert supervised.supervisor_events("stream_continuing")
 
 
+def test_a_stream_with_a_stop_string_is_continued(start_supervisor, tmp_path):
+    """On 0.32, text held back for a stop string made a stream not continuable: a child's
+    death cut it with an error event (a review, 4 of 4; fine on 0.31.3)."""
+    config = tmp_path / "slow.toml"
+    config.write_text(SLOW_STEPS)
+    supervised = start_supervisor("--guardian-config", str(config))
+    first_pid = supervised.wait_ready()
+    body = {"prompt": "The lighthouse keeper wrote", "max_tokens": 80, "temperature": 0.0, "stream": True,
+            "stop": ["cheese sandwich"], "stream_options": {"include_usage": True}}
+    reference, cut, _ = reference_and_cut(supervised.url + TEXT_COMPLETIONS, body, first_pid, signal.SIGKILL,
+                                          lambda reference: len(reference.result["events"]) // 2)
+    assert cut.result["status"] == 200 and cut.result["done"] and not cut.result["errors"], cut.result
+    assert streamed(cut.result) == streamed(reference.result)
+    assert supervised.supervisor_events("stream_continuing")
+
+
 def test_a_continuations_ids_are_written_in_lines_http_server_reads():
     """A long stream's ids (7 bytes each for a vocabulary of 150,000) in one header line
     passed 64 KiB, which http.server reads no more of; in lines, they come back whole."""
@@ -264,21 +280,60 @@ def test_a_stream_whose_text_stops_matching_its_tokens_is_marked_not_continuable
     assert b"guardian-tokens" not in relayed and relayed.count(b"data: ") == 3
 
 
+def test_text_held_back_for_a_stop_string_is_tagged_once_it_catches_up():
+    """0.32 holds back text that may begin a stop string, mid-token: "attic" wrote "atti",
+    and the "c" came with the next token's event. That marked the stream not continuable
+    (on 0.32, nearly any stop string: a review, 4 of 4). The event is held until the text
+    catches up, then both go out under one tag."""
+    import io
+
+    from guardian.relay_protocol import RelayedStream, TokenTaggingOutput
+
+    wire = io.BytesIO()
+    output = TokenTaggingOutput(wire)
+    event = b'data: {"id": "c1", "created": 7, "choices": [{"index": 0, "text": "%s"}]}\n\n'
+    output.consumed(11, "The")
+    output.write(event % b"The")
+    output.consumed(12, " attic")
+    output.write(event % b" atti")  # "c" held back: it may begin "cheese sandwich"
+    assert wire.getvalue().count(b"data: ") == 1  # held here too
+    output.consumed(13, " door")
+    output.write(event % b"c door")
+    assert output.continuable
+    stream = RelayedStream()
+    relayed = stream.relay(wire.getvalue())
+    assert stream.tokens == [11, 12, 13] and stream.continuable
+    assert relayed.count(b"data: ") == 3 and b"guardian-tokens" not in relayed
+
+    # Held, then the stop string matched: its text is never written. The held event goes
+    # out with the end (after the last token the end is written whole, or not at all).
+    wire = io.BytesIO()
+    output = TokenTaggingOutput(wire)
+    output.consumed(21, " attic")
+    output.write(event % b" atti")
+    output.consumed(22, "heese")
+    output.consumed(23, " sandwich")
+    output.write(b'data: {"id": "c1", "created": 7, "choices": [{"index": 0, "text": "", "finish_reason": "stop"}]}\n\n')
+    output.write(b"data: [DONE]\n\n")
+    output.release()
+    assert wire.getvalue().count(b"data: ") == 3
+
+
 GET_TIME = {"type": "function", "function": {"name": "get_time", "description": "The time now.",
                                              "parameters": {"type": "object", "properties": {}}}}
 TOOL_CALL_SCRIPT = 'Let me check. <tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
 
 
-def test_a_stream_cut_inside_a_tool_call_ends_with_an_error_not_a_second_call(start_supervisor, tmp_path,
-                                                                              model_cache):
+def test_a_stream_cut_inside_a_tool_call_is_continued_to_one_call(start_supervisor, tmp_path, model_cache):
     """Stock writes the text before a tool call with part of the call's first
     token's text (the detokenizer held a space back, and stock splits it from
-    the "<"), then holds the call back until it is complete. No token ids
-    match what the client has, so the child marks the stream not continuable:
-    a cut while the call is written ends the stream with an error event and
-    [DONE], the text before it sent once and no call at all, rather than a
-    continuation that could repeat or garble it. (The demo model's tool call
-    is scripted, tests/plugins/scripted_tokens.py.)"""
+    the "<"), then holds the call back until it is complete. That event is held
+    until its text catches up with its tokens' (guardian.relay_protocol), so the
+    client has nothing past the last tag: a cut while the call is written is
+    continued on the next child from there, and the client gets the text once
+    and the call once. (It was marked not continuable, and the cut ended the
+    stream with an error event. The demo model's tool call is scripted,
+    tests/plugins/scripted_tokens.py.)"""
     from mlx_lm.utils import load_tokenizer
 
     from guardian.demo_model import ensure_demo_model
@@ -311,12 +366,11 @@ def test_a_stream_cut_inside_a_tool_call_ends_with_an_error_not_a_second_call(st
     os.kill(first_pid, signal.SIGKILL)
     cut.join(timeout=120)
     assert not cut.is_alive()
-    assert cut.result["status"] == 200 and cut.result["done"], cut.result
-    [error] = cut.result["errors"]
-    assert error["code"] == "engine_restarting"
+    assert cut.result["status"] == 200 and cut.result["done"] and not cut.result["errors"], cut.result
     assert streamed(cut.result)["text"] == streamed(reference.result)["text"] == "Let me check. "
-    assert not any(c["delta"].get("tool_calls") for e in cut.result["events"] for c in e.get("choices", []))
-    assert not supervised.supervisor_events("stream_continuing")
+    calls = [tc for e in cut.result["events"] for c in e["choices"] for tc in c["delta"].get("tool_calls") or ()]
+    assert [c["function"] for c in calls] == [call["function"]]
+    assert supervised.supervisor_events("stream_continuing")
     [lost] = supervised.supervisor_events("proxy_child_lost")
     assert lost["child_pid"] == first_pid and lost["bytes_sent"]
     # The next child serves the same request whole.
