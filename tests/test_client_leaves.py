@@ -245,7 +245,9 @@ def test_the_openai_sdks_own_timeout_is_a_deadline(engine_server):
         client.chat.completions.create(model="default_model", messages=[{"role": "user", "content": "hi"}],
                                        max_tokens=3000)
     assert refused.value.status_code == 504 and refused.value.code == "deadline_exceeded"
-    assert time.monotonic() - started < 1.0  # no retry
+    # No retry: a second attempt would take its own second (the SDK's timeout) and be cut
+    # as well. (< 1.0 read 1.006 and 1.018 s under a loaded CI: the SDK's own set-up is in it.)
+    assert time.monotonic() - started < 1.9
     poll(engine_server.idle, 5, what="no orphaned generation")
     assert engine_server.cut_at_deadline() == cut + 1
     assert engine_server.cancelled("client_left") == left

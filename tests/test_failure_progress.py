@@ -378,9 +378,22 @@ def test_the_crash_loops_window_leaves_out_restarts_not_waits():
     at = 0.0
     for _ in range(4):
         waited.add(0, now=at)
+        waited.running_again(now=at + 1.0)  # a backoff wait of 28 s: the clock runs
+        waited.restarting(now=at + 29.0)
         at += 30.0
-        waited.running_again(waited_s=30.0, now=at)  # all of it a backoff wait
+        waited.running_again(now=at)
     assert waited.count(now=at) == 2
+
+    # Two restarts that fail in a row, each after its wait: both waits count.
+    twice = FailureBudget(window_s=60.0)
+    twice.add(0, now=0.0)
+    twice.running_again(now=1.0)
+    twice.restarting(now=41.0)
+    twice.add(0, now=42.0)
+    twice.running_again(now=43.0)
+    twice.restarting(now=83.0)
+    twice.running_again(now=84.0)
+    assert twice.count(now=84.0) == 1  # 80 s of waits since the first
 
 
 def test_a_suspect_is_blamed_once_it_failed_alone_twice_with_the_engine_working_between():

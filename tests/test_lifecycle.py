@@ -234,11 +234,10 @@ class RestartCounter:
 def engine_callbacks(pm):
     """The engine's own callbacks (GuardianEngine._ready and _restarted), bound to a stand-in."""
     from guardian.engine.generator import GuardianEngine
-    from guardian.engine.restart import Backoff, RestartClock
+    from guardian.engine.restart import RestartClock
 
-    stand_in = types.SimpleNamespace(pm=pm, steps=0, restart_clock=RestartClock(), backoff=Backoff(),
-                                     failures=types.SimpleNamespace(restarted=lambda duration_s, classification,
-                                                                    waited_s: None))
+    stand_in = types.SimpleNamespace(pm=pm, steps=0, restart_clock=RestartClock(),
+                                     failures=types.SimpleNamespace(restarted=lambda duration_s, classification: None))
     return {
         "on_ready": lambda: GuardianEngine._ready(stand_in),
         "on_restarted": lambda *a: GuardianEngine._restarted(stand_in, *a),

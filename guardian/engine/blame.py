@@ -157,8 +157,9 @@ class FailureBudget:
     failure until the engine runs again (``running_again``), through restarts and
     reloads that fail too: with a large model, three reloads of ~20 s each put a
     dead engine's sixth failure past 60 s of the first, so it never counted more
-    than five and never exited. The backoff's waits do count, as every other
-    second does: they spread a short burst at the rate ``window_s`` allows.
+    than five and never exited. The backoff's waits do count (the clock runs
+    through each, ``restarting`` after it), as every other second does: they
+    spread a short burst at the rate ``window_s`` allows.
 
     Read by the engine's loop as it fails and by every /metrics scrape and status
     request at once: each method holds ``_lock``, since pruning the window is a look
@@ -205,12 +206,18 @@ class FailureBudget:
             self._times[failure_id] = self._clock.at(now)
             return failure_id
 
-    def running_again(self, waited_s: float = 0.0, now: Optional[float] = None) -> None:
-        """The engine runs again (after a failure's restart, or a stall's), ``waited_s``
-        of its time down in a backoff wait: the crash loop's clock runs on, the wait
-        counted as running, wherever in the restart it fell."""
-        now = time.monotonic() if now is None else now
-        self._clock.resume(now - waited_s)
+    def running_again(self, now: Optional[float] = None) -> None:
+        """The engine runs again (after a failure's restart, or a stall's), or waits out
+        a backoff: the crash loop's clock runs on."""
+        self._clock.resume(time.monotonic() if now is None else now)
+
+    def restarting(self, now: Optional[float] = None) -> None:
+        """A backoff wait is over and the restart goes on: the clock stands still again."""
+        self._clock.stop(time.monotonic() if now is None else now)
+
+    @property
+    def clock_stopped(self) -> bool:
+        return self._clock.stopped
 
     def lost(self, seconds: float) -> None:
         """The engine was down ``seconds`` after the last failure (its restart, backoff included)."""

@@ -21,6 +21,7 @@ from guardian import stock
 from guardian.config.registry import ACTIONS, EXIT
 from guardian.engine.blame import MEMORY_CLASSIFICATIONS, FailureBudget, Verdict, verdicts
 from guardian.engine.ledger import RequestRecord
+from guardian.engine.lifecycle import EngineState
 from guardian.plugin_manager import first_answer
 from guardian.errors import EngineStepError, GuardianError
 from guardian.quarantine.blamed import Quarantine
@@ -354,15 +355,18 @@ class FailureHandler:
             if verdict is Verdict.BLAME:
                 self._blame(record, TimeoutError(reason), "stall")
 
-    def restarted(self, duration_s: float, classification: Optional[str], waited_s: float = 0.0) -> None:
-        """A restart's time (``waited_s`` of it in a backoff wait) is lost to the failure
-        that caused it (a stall's to the watchdog)."""
+    def restarted(self, duration_s: float, classification: Optional[str]) -> None:
+        """A restart's time is lost to the failure that caused it (a stall's to the watchdog)."""
         if classification != "stall":
             self.budget.lost(duration_s)
-        self.budget.running_again(waited_s)  # a restart that a stall ended began with a failure, perhaps
+        self.budget.running_again()  # a restart that a stall ended began with a failure, perhaps
 
     def loop_polled(self, now: float) -> None:
-        """At the loop's look at the queue: whether the engine stopped being degraded."""
+        """At the loop's look at the queue: whether the engine stopped being degraded; and
+        the crash loop's clock running, should a failure have stopped it after a probe had
+        proven the replacement loop (READY, and no restart to come that would run it)."""
+        if self.budget.clock_stopped and self.engine.lifecycle.state is EngineState.READY:
+            self.budget.running_again(now)
         if self._degraded_until is not None and now >= self._degraded_until:
             self._degraded_ended()
 

@@ -333,11 +333,15 @@ class GuardianEngine(stock.loop.GuardedResponseGenerator):
             **self.ledger.counts(),
         )
         self.lifecycle.backing_off(delay_s)
-        self.backoff.wait(delay_s)
+        self.failures.budget.running_again()  # a wait is time like any other (guardian.engine.blame)
+        try:
+            self.backoff.wait(delay_s)
+        finally:
+            self.failures.budget.restarting()
 
     def _restarted(self, duration_s: float, classification: Optional[str], restarts: int) -> None:
         """The lifecycle counted a restart (once, whoever saw it first): log it, tell the plugins."""
-        self.failures.restarted(duration_s, classification, waited_s=self.backoff.delay_s)
+        self.failures.restarted(duration_s, classification)
         log.info(
             "engine_restarted",
             duration_ms=round(duration_s * 1000, 1),

@@ -279,10 +279,11 @@ class RequestRecord:
                 self._held.clear()
                 self.generated.clear()
                 args = self.first_args
-            if self.proofs:
-                # Run to prove it the cause: with nothing of what came before it (a prompt
-                # cache entry, a failed batch's KV), which would fail it at every run just as
-                # well (a stale entry of stock's failed an innocent request until blamed).
+            if self.proofs or self.isolate:
+                # A run alone, which failing could blame it: with nothing of what came before
+                # it (a prompt cache entry, a failed batch's KV), which would fail it at every
+                # run just as well (a stale entry of stock's failed an innocent request until
+                # blamed). Others' re-runs keep their KV: it makes a continuation cheap.
                 args = stock.continuation.fresh_args(args)
             self.item = (self, self.request, args)
             if self._current_ctx is not None:

@@ -37,6 +37,10 @@ class StoppedClock:
                 self._stopped_s += max(0.0, t - self._since)
                 self._since = None
 
+    @property
+    def stopped(self) -> bool:
+        return self._since is not None
+
     def at(self, t: float) -> float:
         """The clock at monotonic ``t``, no earlier than the last stop or resume."""
         with self._lock:

@@ -287,7 +287,7 @@ class PromptGuard:
     def overflow(self, admission: Admission, n_prompt: int, n_ctx: int):
         requested = admission.args.max_tokens
         fits = n_ctx - n_prompt - admission.carried_tokens
-        if self.settings.on_overflow == "reject":
+        if self.settings.on_overflow == "reject" or fits < 1:  # < 1: a continuation past the context
             return context_error(
                 admission,
                 f"This model's maximum context length is {n_ctx} tokens; your request has "
