@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import structlog
 
 import guardian
+from tests.plugins.stock_rows import prompt_text, whole_prompts
 
 log = structlog.get_logger("tests.cache_faults")
 generate = importlib.import_module("mlx_lm.generate")
@@ -50,8 +51,7 @@ class CacheFaults:
 
     @guardian.hookimpl
     def admit_request(self, admission):
-        request = admission.request
-        text = str(getattr(request, "messages", None) or "") + str(getattr(request, "prompt", None) or "")
+        text = prompt_text(admission.request)
         if self.settings.marker and self.settings.marker in text:
             with self._lock:
                 self._noted.append(list(admission.prompt_tokens))
@@ -67,10 +67,9 @@ class CacheFaults:
         plugin = self
 
         def insert_segments(generator, segments, max_tokens=None, caches=None, all_tokens=None, *args, **kwargs):
-            cached = all_tokens or [[] for _ in segments]
-            fulls = [list(at) + [t for segment in seq for t in segment] for at, seq in zip(cached, segments)]
+            fulls = whole_prompts(segments, all_tokens)
             uids = stock_insert(generator, segments, max_tokens, caches, all_tokens, *args, **kwargs)
-            for uid, full, before in zip(uids, fulls, cached):
+            for uid, full, before in zip(uids, fulls, all_tokens or [[] for _ in segments]):
                 if len(before) and plugin._noted_prompt(full):
                     plugin._bad_rows.add(uid)
             return uids

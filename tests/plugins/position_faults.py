@@ -30,6 +30,7 @@ from typing import Optional
 import structlog
 
 import guardian
+from tests.plugins.stock_rows import prompt_text, whole_prompts
 
 log = structlog.get_logger("tests.position_faults")
 # The module (the package's ``mlx_lm.generate`` attribute is the function).
@@ -66,8 +67,7 @@ class PositionFaults:
 
     @guardian.hookimpl
     def admit_request(self, admission):
-        request = admission.request
-        text = str(getattr(request, "messages", None) or "") + str(getattr(request, "prompt", None) or "")
+        text = prompt_text(admission.request)
         if self.settings.marker in text:
             with self._lock:
                 self._poison = list(admission.prompt_tokens)
@@ -87,8 +87,7 @@ class PositionFaults:
         plugin = self
 
         def insert_segments(generator, segments, max_tokens=None, caches=None, all_tokens=None, *args, **kwargs):
-            cached = all_tokens or [[] for _ in segments]
-            fulls = [list(at) + [t for segment in seq for t in segment] for at, seq in zip(cached, segments)]
+            fulls = whole_prompts(segments, all_tokens)
             uids = stock_insert(generator, segments, max_tokens, caches, all_tokens, *args, **kwargs)
             for uid, full in zip(uids, fulls):
                 standing = plugin._standing(full)
