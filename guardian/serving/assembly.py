@@ -332,11 +332,13 @@ def make_http_server(host: str, port: int, served: Optional[ServedModel], door=N
     httpd = GuardianHTTPServer((host, port), handler)
     httpd.tls = tls
     if served is not None:
+        # A supervised child also answers its supervisor's checks, and reads what it adds to a head.
+        child = started_by_supervisor()
         httpd.limits = LiveLimits(served.live.view("http"), functools.partial(auto_max_handlers, served),
                                   lambda: served.config.core.retry_after_s,
-                                  extra_handlers=HANDLER_HEADROOM if started_by_supervisor() else 0,
-                                  extra_headers=HEADERS_ADDED_FOR_CHILD if started_by_supervisor() else 0,
-                                  extra_header_bytes=HEADER_BYTES_ADDED_FOR_CHILD if started_by_supervisor() else 0)
+                                  extra_handlers=HANDLER_HEADROOM if child else 0,
+                                  extra_headers=HEADERS_ADDED_FOR_CHILD if child else 0,
+                                  extra_header_bytes=HEADER_BYTES_ADDED_FOR_CHILD if child else 0)
     # Handler threads must not keep a failed process alive past its exit.
     httpd.daemon_threads = True
     # Completion requests HTTP threads are answering now, for drain().
