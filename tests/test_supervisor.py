@@ -395,6 +395,11 @@ def test_stock_engine_is_proxied_and_restarted(start_supervisor, model_cache, tm
         assert client.post(supervised.url + COMPLETIONS, json=chat_body(max_tokens=4)).status_code == 200
         result = read_stream(client, supervised.url + COMPLETIONS, chat_body(max_tokens=4, stream=True))
         assert result["status"] == 200 and result["done"]
+        # Stock writes each request line to the log as it came: its query's values are hidden first.
+        assert client.get(supervised.url + "/v1/models?api_key=sk-in-the-query&x").status_code == 200
+        poll(lambda: '"GET /v1/models?api_key=***&*** HTTP/1.1" 200' in supervised.log_path.read_text(), 10,
+             what="stock's line for the request")
+        assert "sk-in-the-query" not in supervised.log_path.read_text()
         os.kill(first_pid, signal.SIGKILL)
         supervised.wait_ready(not_pid=first_pid, timeout=30)
         assert client.post(supervised.url + COMPLETIONS, json=chat_body(max_tokens=4)).status_code == 200

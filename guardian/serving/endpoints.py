@@ -16,6 +16,7 @@ from guardian import stock
 from guardian.admission.facts import context_length_of
 from guardian.admission.model_access import listed_name
 from guardian.errors import GuardianError
+from guardian.serving.framing import asks_for_probes
 from guardian.observability import metrics
 
 # Polled by the supervisor, load balancers and Prometheus: their access
@@ -36,7 +37,7 @@ class Endpoints:
         elif path == "/livez":
             self.send_json(200, {"status": "ok"})
         elif path == "/readyz":
-            self.send_readiness(engine, stall_detector, deep="deep=1" in query.split("&"))
+            self.send_readiness(engine, stall_detector, deep=asks_for_probes(query))
         elif path == "/guardian/status":
             live = getattr(self.response_generator, "live", None)
             config = {"config": live.status()} if live is not None else {}

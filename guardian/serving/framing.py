@@ -208,6 +208,14 @@ def request_path(target: str) -> str:
     return handler_target(target).partition("?")[0]
 
 
+def asks_for_probes(query: str) -> bool:
+    """Whether a ``/readyz`` query asks for a deep check (``deep=1``: the probes run
+    now). Read alike by a server and by a supervisor in front of it, which waits that
+    much longer for the answer: ``?deep=0`` or ``?nodeep`` held a public handler thread
+    of the supervisor's for a probe's deadline while its child ran none."""
+    return "deep=1" in query.split("&")
+
+
 def read_head(head: bytes) -> tuple[str, str, http.client.HTTPMessage]:
     """A canonical head (one ``judge_head`` passed) as http.server reads it: the
     method, the path without its query, and the headers (an HTTPMessage, as a

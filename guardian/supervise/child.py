@@ -59,7 +59,9 @@ class Child:
     proc: subprocess.Popen
     port: int
     generation: int
-    has_readyz: bool
+    # Stock mlx_lm.server unchanged (--engine stock): no /readyz, no relay key, no
+    # tags, and it logs each request line as it came (http.server's log_message).
+    stock: bool
     client: httpx.Client
     started_at: float = field(default_factory=time.monotonic)
     ready_at: Optional[float] = None
@@ -73,6 +75,10 @@ class Child:
     hard_killed: bool = False
     sighup_held: bool = False  # a SIGHUP came while it started: sent once it is ready
     paused_s: float = 0.0  # how long the supervisor was paused since it started this child
+
+    @property
+    def has_readyz(self) -> bool:
+        return not self.stock
 
     @property
     def pid(self) -> int:

@@ -43,7 +43,7 @@ from guardian.access.tls import ServerCertificate
 from guardian.serving.connection import BufferedConnection, HeldConnections, raw_socket
 from guardian.serving.sockets import client_left_now, close_quietly
 from guardian.serving.deadlines import COMPLETION_PATHS, Deadline, deadlines_of, takes_body
-from guardian.serving.framing import request_path
+from guardian.serving.framing import asks_for_probes, request_path
 from guardian.request_context import REQUEST_ID_HEADER, sane_request_id
 from guardian.supervise import metrics as supervise_metrics
 from guardian.supervise.fast_handoff import (CHILD_HOST, FastHandOff, child_request, forwarded_headers,
@@ -52,7 +52,7 @@ from guardian.quarantine import isolation
 from guardian.quarantine.crashes import fingerprint
 from guardian.errors import CLIENT_GONE, GuardianError, body_too_large, method_not_allowed, write_error_as_client_gone
 from guardian.observability.counting import ActiveCount
-from guardian.observability.logs import loggable_line
+from guardian.observability.logs import loggable_line, without_query_values
 
 LOGGER_NAME = "guardian.supervisor"
 log = structlog.get_logger(LOGGER_NAME)
@@ -495,14 +495,14 @@ class ProxyHandler(BaseHTTPRequestHandler):
             return self.send_json(200, {"status": "ready", "state": supervisor.state})
         query = self.path.partition("?")[2]
         timeout = supervisor.settings.health_timeout_s
-        if "deep" in query:  # probes run now, each within the child's own probe deadline
+        if asks_for_probes(query):  # probes run now, each within the child's own probe deadline
             timeout = max(timeout, supervisor.deep_readiness_timeout_s)
         try:
             # Who asks, not what else the client sent: the child's answer depends on none of it,
             # and httpx refuses what the door lets in (a value's trailing space: a 503 for a
             # healthy child; a byte past ASCII: no answer at all, and a traceback logged).
             headers = forwarded_headers((), self.client_address[0], self.access)
-            response = child.client.request(self.command, self.target(), headers=headers, timeout=timeout)
+            response = child.client.request(self.command, self.target(child), headers=headers, timeout=timeout)
         except httpx.HTTPError as e:
             reason = f"the child did not answer {path} within {timeout:g} s ({type(e).__name__})"
             return self.send_json(503, supervisor.unavailable_health(reason))
@@ -532,14 +532,14 @@ class ProxyHandler(BaseHTTPRequestHandler):
         key = self.server.supervisor.relay_key
         if stream is not None:
             headers += relay_protocol.continue_headers(key, stream.continuation_tokens())
-        else:
+        elif not child.stock:  # stock checks no key: it need not see one
             headers.append((relay_protocol.KEY_HEADER, key))
         headers.append(relay_protocol.age_header(self.age_s()))
         if self.gone:  # left before its relay began (a FIN with the request): nobody to answer
             return ANSWERED
         self.server.supervisor.metrics.passed_relayed.inc()
         try:
-            upstream = Upstream(child.port, self.command, self.target(), headers, body, holder=self)
+            upstream = Upstream(child.port, self.command, self.target(child), headers, body, holder=self)
         except ChildUnreachable as e:
             # A dying child closes its port before it can be reaped (an
             # allocator's or a crash handler's teardown takes ~0.2 s on a GPU):
@@ -570,7 +570,7 @@ class ProxyHandler(BaseHTTPRequestHandler):
         sock = raw_socket(self.connection)
         if type(sock) is not socket.socket:  # TLS: only this process holds the session
             return RELAY_INSTEAD
-        request = child_request(self.server.supervisor, child, self.command, self.target(), self.headers.items(),
+        request = child_request(self.server.supervisor, child, self.command, self.target(child), self.headers.items(),
                                 self.client_address[0], self.access, body, age_s=self.age_s())
         if request is None:
             return RELAY_INSTEAD
@@ -638,11 +638,14 @@ class ProxyHandler(BaseHTTPRequestHandler):
             self.relay_record.stream = view.stream
         return self.after_cut(child, cut, view.is_sse, view.stream)
 
-    def target(self) -> str:
+    def target(self, child) -> str:
         """The target the child is asked for: the client's, as the child would have read it
         (framing made an absolute-form one its path), with any byte a request line may not
-        carry as it is (past ASCII, controls) percent-encoded, which http.client asks for."""
-        return quote(self.path, safe=TARGET_AS_IS, encoding="latin-1")
+        carry as it is (past ASCII, controls) percent-encoded, which http.client asks for.
+        A stock child gets its query values hidden: it writes each request line to the
+        log as it came (a key in ``?api_key=`` with it), and routes none by its query."""
+        target = quote(self.path, safe=TARGET_AS_IS, encoding="latin-1")
+        return without_query_values(target) if child.stock else target
 
     def upstream_headers(self) -> list[tuple[str, str]]:
         """The client's headers minus hop-by-hop ones, plus who the client is."""

@@ -465,7 +465,7 @@ class Supervisor:
             # A guardian child serves only its supervisor: health checks and metrics too.
             headers={KEY_HEADER: self.relay_key} if not stock_engine else None,
         )
-        child = Child(proc, port, self.generation, has_readyz=not stock_engine, client=client, handoff=channel)
+        child = Child(proc, port, self.generation, stock=stock_engine, client=client, handoff=channel)
         with self.lock:
             self.child = child
         log.info("child_started", pid=proc.pid, port=port, generation=self.generation,
