@@ -392,6 +392,29 @@ def test_bodies_still_arriving_are_bounded_in_memory(held):
     assert httpx.post(held.url + COMPLETIONS, json=padded, timeout=30).status_code == 200
 
 
+def test_heads_still_arriving_are_bounded_in_memory_too(held):
+    """A head is held until whole, up to max_header_bytes (64 KiB): nothing bounded how
+    many, so clients with no key held connections x 64 KiB (and a supervised child ~6 MiB
+    each, from any local process). Heads take room in max_buffered_bytes as bodies do:
+    of clients that each send most of a head, those past it get 503 at once, not 408."""
+    part = POST + b"X-Pad: " + b"p" * 60_000  # never ends
+    fit = MAX_BUFFERED // len(part)
+    clients = [held.connect() for _ in range(fit + 2)]
+    try:
+        for sock in clients:
+            sock.sendall(part)
+        answers = [answer_of(sock) for sock in clients]  # the held ones at their 1 s deadline
+    finally:
+        for sock in clients:
+            sock.close()
+    statuses = sorted(answer[len(b"HTTP/1.0 "):][:3].decode() for answer in answers)
+    assert statuses == ["408"] * fit + ["503"] * 2, statuses
+    busy = [json.loads(answer.partition(b"\r\n\r\n")[2])["error"] for answer in answers if b" 503 " in answer[:13]]
+    assert all(error["code"] == "server_busy" for error in busy), busy
+    poll(lambda: held.connections()["buffered_bytes"] == 0, 10, what="the heads' room given back")
+    assert httpx.post(held.url + COMPLETIONS, json=chat_body(max_tokens=2), timeout=30).status_code == 200
+
+
 def test_a_body_past_max_body_bytes_is_refused_at_once_in_both_modes(held):
     """The supervisor waited for such a body (its room was within max_buffered_bytes), for
     the child to refuse it whole: 408 at the body's deadline here. It answers the child's

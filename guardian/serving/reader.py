@@ -95,7 +95,9 @@ class Incoming:
         self.headers_end = -1  # offset past the blank line, once seen
         self.headers_at = 0.0
         self.needed = 0  # bytes the whole request has, once its headers are read
-        self.reserved = 0  # of the reader's max_buffered_bytes, for a body still arriving
+        # Of the reader's max_buffered_bytes: the head's bytes so far while it arrives,
+        # then its body's length while that arrives.
+        self.reserved = 0
         self.access = None  # the door's decision, when made on the head (``decide_at_head``)
         self.handshaking = tls
         self.tls_checked = not tls
@@ -196,7 +198,7 @@ class RequestReader:
         self._cancelled = 0
         self._timer_ids = itertools.count()
         self._next_expiry_pass = 0.0
-        # Bytes the bodies still arriving have reserved ([http] max_buffered_bytes).
+        # Bytes the heads and bodies still arriving have reserved ([http] max_buffered_bytes).
         self.buffered_reserved = 0
         # (deadline, seq, weak reference to an Incoming) of every connection
         # held, soonest first; an entry is checked when it comes due (the
@@ -684,8 +686,16 @@ class RequestReader:
         """Hand the request over once whole; refuse it once it cannot be."""
         limits = self.server.limits
         if incoming.headers_end < 0:
+            # A head is held until whole, up to max_header_bytes (64 KiB); a supervised child's
+            # up to ~6 MiB, from any local process (HEADER_BYTES_ADDED_FOR_CHILD). Counted
+            # with the bodies, or clients with no key held connections x 64 KiB.
+            grown = len(incoming.buffer) - incoming.reserved
+            incoming.reserved += grown
+            self.buffered_reserved += grown
             body_start = framing.find_head_end(incoming.buffer, incoming.scanned, limits.max_header_bytes + 4)
             if body_start is None:
+                if limits.max_buffered_bytes and self.buffered_reserved > limits.max_buffered_bytes:
+                    return self._refuse_busy(incoming, len(incoming.buffer), limits)
                 if len(incoming.buffer) > limits.max_header_bytes:
                     if incoming.buffer.find(b"\n", 0, limits.max_header_bytes) < 0:  # its request line alone
                         return self._refuse_framing(incoming, framing.refusal(
@@ -702,6 +712,8 @@ class RequestReader:
             if head.canonical is not None:  # the handlers read CRLF lines and an origin-form target
                 incoming.buffer[:body_start] = head.canonical
                 body_start = len(head.canonical)
+            self.buffered_reserved -= incoming.reserved  # the head is read: its body's room, if any, next
+            incoming.reserved = 0
             incoming.headers_end = body_start
             incoming.headers_at = time.monotonic()
             incoming.needed = body_start + head.body_length
@@ -737,29 +749,36 @@ class RequestReader:
         """Room for ``incoming``'s body among those still arriving; False: refused (503)."""
         cap = limits.max_buffered_bytes
         if cap and self.buffered_reserved + body_length > cap:
-            self.server.count_closed("buffers_full")
-            left_out = self.full_lines.due()
-            if left_out is not None:
-                log.warning("http_buffers_full", client=incoming.address[0], body_bytes=body_length,
-                            buffered_bytes=self.buffered_reserved, max_buffered_bytes=cap, left_out=left_out)
-            self._forget(incoming)
-            incoming.buffer = bytearray()  # what came of the body so far goes now
-            # Unread, the body may reset the answer away: a client that sends as it reads
-            # gets the 503, one that sends first an error on the connection (the openai
-            # SDK retries either). Lingering here would hold the reader.
-            if body_length > cap:  # it never fits: no point in sending it again
-                error = GuardianError(f"The request body is {body_length} bytes; this server holds at most {cap} "
-                                      "bytes of bodies at once.", status=413, type="invalid_request_error",
-                                      code="request_too_large", retry=False)
-            else:
-                error = GuardianError("The server holds as many request bodies as it may now; send the "
-                                      "request again.", status=503, code="server_busy",
-                                      retry_after_s=limits.retry_after_s)
-            send_refusal(incoming.sock, error)
+            self._refuse_busy(incoming, body_length, limits, body=True)
             return False
         incoming.reserved = body_length
         self.buffered_reserved += body_length
         return True
+
+    def _refuse_busy(self, incoming: Incoming, wanted: int, limits, body: bool = False) -> None:
+        """503 for a request whose head or body (``wanted`` bytes) finds no room among those
+        arriving (413 for a body that never fits)."""
+        cap = limits.max_buffered_bytes
+        self.server.count_closed("buffers_full")
+        left_out = self.full_lines.due()
+        self._forget(incoming)  # its room given back before the line below counts the rest
+        if left_out is not None:
+            log.warning("http_buffers_full", client=incoming.address[0], part="body" if body else "head",
+                        part_bytes=wanted, buffered_bytes=self.buffered_reserved, max_buffered_bytes=cap,
+                        left_out=left_out)
+        incoming.buffer = bytearray()  # what came of the request so far goes now
+        # Unread, the rest may reset the answer away: a client that sends as it reads
+        # gets the 503, one that sends first an error on the connection (the openai
+        # SDK retries either). Lingering here would hold the reader.
+        if body and wanted > cap:  # it never fits: no point in sending it again
+            error = GuardianError(f"The request body is {wanted} bytes; this server holds at most {cap} "
+                                  "bytes of requests at once.", status=413, type="invalid_request_error",
+                                  code="request_too_large", retry=False)
+        else:
+            error = GuardianError("The server holds as many requests on their way as it may now; send the "
+                                  "request again.", status=503, code="server_busy",
+                                  retry_after_s=limits.retry_after_s)
+        send_refusal(incoming.sock, error)
 
     def _expire(self) -> bool:
         """Let the connections whose deadline has passed go; whether more are due
