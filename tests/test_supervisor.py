@@ -400,6 +400,15 @@ def test_stock_engine_is_proxied_and_restarted(start_supervisor, model_cache, tm
         poll(lambda: '"GET /v1/models?api_key=***&*** HTTP/1.1" 200' in supervised.log_path.read_text(), 10,
              what="stock's line for the request")
         assert "sk-in-the-query" not in supervised.log_path.read_text()
+        # A body whose connection stock drops (not UTF-8: its handler raises), alive after it:
+        # answered at the client's deadline (each attempt waited 5 s for a crash to reap).
+        started = time.monotonic()
+        dropped = client.post(supervised.url + COMPLETIONS, content=b'{"messages": "\xff"}',
+                              headers={"Content-Type": "application/json", "x-stainless-read-timeout": "1.5"})
+        took = time.monotonic() - started
+        assert dropped.status_code == 504 and dropped.json()["error"]["code"] == "deadline_exceeded", dropped.text
+        assert took < 4, took
+        assert supervised.wait_ready() == first_pid  # alive all along
         os.kill(first_pid, signal.SIGKILL)
         supervised.wait_ready(not_pid=first_pid, timeout=30)
         assert client.post(supervised.url + COMPLETIONS, json=chat_body(max_tokens=4)).status_code == 200

@@ -371,8 +371,10 @@ class ProxyHandler(BaseHTTPRequestHandler):
                             dead_child_pid = None
                         outcome = self.to_child(child, path, body, request_fingerprint, stream)
             if outcome is CHILD_GONE:
-                if supervisor.wait_reaped(child):
+                if self.wait_reaped(child, path, stream):
                     continue
+                if self.gone:
+                    return
                 # Alive after all, though its port took nothing: bounded as resends are.
                 if resends >= supervisor.settings.max_resends:
                     return self.give_up(stream, supervisor.lost_child_error())
@@ -392,14 +394,25 @@ class ProxyHandler(BaseHTTPRequestHandler):
                     resends, relayed_at_last_cut = 0, relayed
             # Once the dead child is reaped, its crash has struck this
             # request: refused, or relayed alone.
-            reaped = supervisor.wait_reaped(child)
+            reaped = self.wait_reaped(child, path, stream)
+            if self.gone:
+                return
             refusal = supervisor.quarantine.refusal(self.command, request_fingerprint)
             if refusal is not None:
                 return self.refuse(refusal, stream)
+            due = self.next_deadline(path, stream)
+            if not reaped and due is not None and due[0] <= time.monotonic():
+                return self.deadline_passed(due[1], stream)  # it came while the child was reaped
             if not reaped or resends >= supervisor.settings.max_resends:
                 return self.give_up(stream, supervisor.lost_child_error())
             resends += 1
             dead_child_pid = child.pid
+
+    def wait_reaped(self, child, path: str, stream) -> bool:
+        """``Supervisor.wait_reaped``, ended by this request's deadline or its client leaving:
+        a child alive after dropping the connection held each attempt its 5 s whatever they said."""
+        due = self.next_deadline(path, stream)
+        return self.server.supervisor.wait_reaped(child, given_up=lambda: self.gone, until=due and due[0])
 
     def resending(self, path: str, stream, dead_child_pid: int, resends: int) -> None:
         """The request goes to the next child after its own died: counted and logged here, once

@@ -749,10 +749,17 @@ class Supervisor:
                         hold_requests=self.settings.hold_requests, hold_s=self.settings.hold_s)
         return child
 
-    def wait_reaped(self, child: Child) -> bool:
-        """Wait until ``child`` is reaped (its crash, if any, struck what it had); False if it lives on."""
+    def wait_reaped(self, child: Child, given_up: Callable[[], bool] = lambda: False,
+                    until: Optional[float] = None) -> bool:
+        """Wait until ``child`` is reaped (its crash, if any, struck what it had); False if it
+        lives on past REAP_WAIT_S, or the wait ended first: at ``until`` (monotonic, the
+        request's deadline) or as ``given_up()`` (its client left; ``changed`` is notified)."""
+        ends = time.monotonic() + REAP_WAIT_S
+        if until is not None:
+            ends = min(ends, until)
         with self.changed:
-            return self.changed.wait_for(lambda: self.child is not child, REAP_WAIT_S)
+            return self.changed.wait_for(lambda: self.child is not child or given_up(),
+                                         ends - time.monotonic()) and self.child is not child
 
     def unavailable_health(self, reason: Optional[str] = None) -> dict:
         """The 503 body of /health and /readyz when the child's own answer cannot be used."""
