@@ -513,3 +513,46 @@ def test_fault_injection_aims_at_one_rank():
 
     assert active() and active(rank=0)
     assert not active(rank=1)
+
+
+@pytest.mark.one_version
+def test_rank_0_lets_in_only_its_groups_ranks_while_they_join():
+    """Rank 0 listens on the network until every rank has joined. A first line that was no
+    hello (a scan, an HTTP request) failed the group's start (its JSON read raised), one
+    naming a rank was taken as that rank, and one that said nothing held up the join
+    for its 30 s. Now a hello needs the token the rendezvous gave the group's members,
+    and hellos are read side by side."""
+    from guardian.distributed.control import ControlLinks
+
+    def links(rank: int) -> ControlLinks:
+        return ControlLinks(rank, 3, beat_s=1.0, peer_timeout_s=10.0, on_lost=lambda *_: None,
+                            on_stopping=lambda _: None)
+
+    leader = links(0)
+    address = leader.listen("127.0.0.1")
+    joining = threading.Thread(target=leader.accept_all, daemon=True)
+    joining.start()
+    strangers = [socket.create_connection(address, timeout=10)]  # says nothing, holds on
+    for line in (b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", b'{"kind": "hello", "rank": 1}\n',
+                 b'{"kind": "hello", "rank": 2, "token": "%s"}\n' % (b"0" * 32), b"{" * 10_000):
+        stranger = socket.create_connection(address, timeout=10)
+        stranger.sendall(line)
+        strangers.append(stranger)
+    ranks = [links(1), links(2)]
+    started = time.monotonic()
+    try:
+        for rank in ranks:
+            rank.connect(address, leader.token)
+        joining.join(timeout=10)
+        assert not joining.is_alive() and time.monotonic() - started < 5
+        assert sorted(c.peer for c in leader.connections) == [1, 2]
+        for stranger in strangers:  # each refused, or let go as the join ended
+            try:
+                assert stranger.recv(100) == b""
+            except ConnectionResetError:
+                pass
+    finally:
+        for sock in strangers:
+            sock.close()
+        for member in (leader, *ranks):
+            member.close()

@@ -8,14 +8,20 @@ even after SIGKILL), a ``failing`` line, or silence for ``peer_timeout_s``
 (a stopped or wedged process) as the loss of that rank. What a collective
 cannot do, wait with a bound, this does.
 
-One JSON object a line: ``{"kind": "hello", "rank": 1}`` first from a
-joining rank, then ``beat``, ``failing`` (with ``reason``) or ``stopping``.
+One JSON object a line: ``{"kind": "hello", "rank": 1, "token": ...}``
+first from a joining rank, then ``beat``, ``failing`` (with ``reason``) or
+``stopping``. Rank 0 listens on the network until every rank has joined: a
+hello without the token the rendezvous gave the group's members, or that
+names no rank still to join, is refused and its connection closed.
 """
 
 from __future__ import annotations
 
+import hmac
 import json
 import os
+import secrets
+import selectors
 import socket
 import threading
 import time
@@ -28,6 +34,11 @@ log = structlog.get_logger("guardian.group")
 # How long rank 0 waits for every other rank to connect, and a rank for
 # rank 0 to accept: they passed the rendezvous together moments before.
 JOIN_TIMEOUT_S = 30.0
+# A hello is a line of a few dozen bytes: a longer one is no rank's.
+MAX_HELLO_BYTES = 4096
+# Connections whose hello is still to come, at most: past it the oldest goes (a rank
+# sends its hello as it connects; a flood of silent ones must not hold their descriptors).
+MAX_PENDING_HELLOS = 64
 
 # (rank, why) -> None: called once per lost rank, on a reader thread.
 OnLost = Callable[[int, str], None]
@@ -153,6 +164,8 @@ class ControlLinks:
         self._on_stopping = on_stopping
         self.connections: list[Connection] = []
         self._listener: Optional[socket.socket] = None
+        # Rank 0's, shared with the other ranks by the rendezvous; each says it in its hello.
+        self.token = secrets.token_hex(16) if rank == 0 else ""
         self._stopped = threading.Event()
 
     # -- rank 0 --------------------------------------------------------------
@@ -165,27 +178,93 @@ class ControlLinks:
         return host, self._listener.getsockname()[1]
 
     def accept_all(self) -> None:
-        """Rank 0: take every other rank's connection, each saying which rank it is."""
+        """Rank 0: take every other rank's connection, each saying which rank it is.
+
+        Whoever reaches the listener (it is on the network) may write anything, or
+        nothing and hold its connection: hellos are read side by side, each up to its
+        line's end and no further (what follows is the connection's), and one that is
+        none is refused without holding up the ranks that join."""
         deadline = time.monotonic() + JOIN_TIMEOUT_S
-        while len(self.connections) < self.size - 1:
-            self._listener.settimeout(max(0.01, deadline - time.monotonic()))
+        hellos: dict[socket.socket, bytes] = {}  # connected, their hello not yet whole
+        with selectors.DefaultSelector() as selector:
+            selector.register(self._listener, selectors.EVENT_READ)
             try:
-                sock, _ = self._listener.accept()
-            except socket.timeout:
-                joined = sorted(c.peer for c in self.connections)
-                raise TimeoutError(f"ranks other than {[0, *joined]} did not connect "
-                                   f"within {JOIN_TIMEOUT_S:g} s") from None
-            sock.settimeout(max(0.01, deadline - time.monotonic()))
-            reader = sock.makefile("rb")
-            hello = json.loads(reader.readline() or b"{}")
-            self._add(sock, int(hello["rank"]), reader, hello)
+                while len(self.connections) < self.size - 1:
+                    ready = selector.select(deadline - time.monotonic())
+                    if not ready and time.monotonic() >= deadline:
+                        joined = sorted(c.peer for c in self.connections)
+                        raise TimeoutError(f"ranks other than {[0, *joined]} did not connect "
+                                           f"within {JOIN_TIMEOUT_S:g} s")
+                    for key, _ in ready:
+                        if key.fileobj is self._listener:
+                            sock, _ = self._listener.accept()
+                            sock.setblocking(False)
+                            if len(hellos) >= MAX_PENDING_HELLOS:
+                                oldest = next(iter(hellos))
+                                selector.unregister(oldest)
+                                del hellos[oldest]
+                                oldest.close()
+                            hellos[sock] = b""
+                            selector.register(sock, selectors.EVENT_READ)
+                            continue
+                        sock = key.fileobj
+                        line = self._read_hello_line(sock, hellos)
+                        if line is None:
+                            continue  # not whole yet
+                        selector.unregister(sock)
+                        del hellos[sock]
+                        hello, why = self._judge_hello(line)
+                        if why is not None:
+                            log.warning("group_hello_refused", peer=peer_address(sock), reason=why)
+                            sock.close()
+                            continue
+                        self._add(sock, hello["rank"], None, hello)
+            finally:
+                for sock in hellos:
+                    sock.close()
         self._listener.close()
 
+    @staticmethod
+    def _read_hello_line(sock: socket.socket, hellos: dict) -> Optional[bytes]:
+        """More of ``sock``'s hello: the line once whole (or once it cannot be: too long,
+        closed, failed), else None. Never reads past the line's end."""
+        try:
+            peeked = sock.recv(MAX_HELLO_BYTES, socket.MSG_PEEK)
+            end = peeked.find(b"\n")
+            taken = sock.recv(end + 1 if end >= 0 else len(peeked)) if peeked else b""
+        except (BlockingIOError, InterruptedError):
+            return None
+        except OSError:
+            return b""
+        line = hellos[sock] + taken
+        hellos[sock] = line
+        if end >= 0 or not peeked or len(line) >= MAX_HELLO_BYTES:
+            return line
+        return None
+
+    def _judge_hello(self, line: bytes) -> tuple[dict, Optional[str]]:
+        """A joining rank's hello, or why ``line`` is none."""
+        try:
+            hello = json.loads(line)
+        except ValueError:
+            return {}, "not a hello (unreadable)"
+        if not isinstance(hello, dict) or hello.get("kind") != "hello":
+            return {}, "not a hello"
+        token = hello.get("token")
+        if not isinstance(token, str) or not hmac.compare_digest(token.encode(), self.token.encode()):
+            return {}, "not the group's token"
+        rank = hello.get("rank")
+        joined = {c.peer for c in self.connections}
+        if type(rank) is not int or not 0 < rank < self.size or rank in joined:
+            return {}, f"rank {rank!r} is none still to join"
+        return hello, None
+
     # -- other ranks -------------------------------------------------------------
-    def connect(self, address: tuple[str, int]) -> None:
-        """Any other rank: connect to rank 0 and say which rank this is."""
+    def connect(self, address: tuple[str, int], token: str) -> None:
+        """Any other rank: connect to rank 0 and say which rank this is, with the group's token."""
         sock = socket.create_connection(address, timeout=JOIN_TIMEOUT_S)
-        hello = {"kind": "hello", "rank": self.rank, "pid": os.getpid(), "host": socket.gethostname()}
+        hello = {"kind": "hello", "rank": self.rank, "token": token, "pid": os.getpid(),
+                 "host": socket.gethostname()}
         sock.sendall((json.dumps(hello) + "\n").encode())
         self._add(sock, 0)
 
@@ -230,3 +309,11 @@ class ControlLinks:
         self._stopped.set()
         for connection in self.connections:
             connection.close()
+
+
+def peer_address(sock: socket.socket) -> str:
+    """Who connected, as logged; "unknown" once it has gone."""
+    try:
+        return str(sock.getpeername()[0])
+    except OSError:
+        return "unknown"

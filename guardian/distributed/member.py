@@ -76,11 +76,11 @@ class GroupMember:
         if supervisor is not None and is_ancestor(supervisor):  # under --supervise, on its machine
             die_with_process(supervisor, lambda: self._lost(-1, "the supervisor is gone"))
         if self.group.leader:
-            address = share_address(0, self.links.listen(leader_host()))
+            address, _ = share_address(0, self.links.listen(leader_host()), self.links.token)
             self.links.accept_all()
         else:
-            address = share_address(self.group.rank, None)
-            self.links.connect(address)
+            address, token = share_address(self.group.rank, None)
+            self.links.connect(address, token)
         self.links.start_beats()
         log.info("group_joined", size=self.group.size, control_address=f"{address[0]}:{address[1]}",
                  peer_timeout_s=self.links.peer_timeout_s, pid=os.getpid())

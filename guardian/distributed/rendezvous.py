@@ -1,9 +1,10 @@
 """Tell every rank where rank 0's control connection listens, over ``mx.distributed``.
 
 One collective, made by every rank at the same point of its start (before
-the model loads, which makes its own): rank 0 contributes its address, the
-others zeros, and the sum is the address, as stock's ``_share_object`` sums
-a pickled request. After this, nothing of the guardian's own goes over the
+the model loads, which makes its own): rank 0 contributes its address and a
+token that only the group's members learn (its listener is on the network),
+the others zeros, and the sum is both, as stock's ``_share_object`` sums a
+pickled request. After this, nothing of the guardian's own goes over the
 group's collectives: they belong to stock's loop, in its order.
 """
 
@@ -14,7 +15,7 @@ import os
 import socket
 from typing import Optional
 
-# "host:port" fits with room to spare (an IPv6 address is at most 45 characters).
+# "host|port|token" fits with room to spare (an IPv6 address is at most 45 characters).
 ADDRESS_BYTES = 256
 
 
@@ -42,14 +43,16 @@ def leader_host() -> str:
         return "127.0.0.1"
 
 
-def share_address(rank: int, address: Optional[tuple[str, int]]) -> tuple[str, int]:
-    """Rank 0 passes its (host, port); every rank gets it back."""
+def share_address(rank: int, address: Optional[tuple[str, int]],
+                  token: Optional[str] = None) -> tuple[tuple[str, int], str]:
+    """Rank 0 passes its (host, port) and its group's token; every rank gets both back."""
     import mlx.core as mx
 
     data = bytearray(ADDRESS_BYTES)
     if rank == 0:
-        encoded = f"{address[0]}|{address[1]}".encode()
+        encoded = f"{address[0]}|{address[1]}|{token}".encode()
         data[: len(encoded)] = encoded
     summed = mx.distributed.all_sum(mx.array(list(data), dtype=mx.uint8), stream=mx.cpu)
-    host, _, port = bytes(summed.tolist()).rstrip(b"\0").decode().rpartition("|")
-    return host, int(port)
+    rest, _, token = bytes(summed.tolist()).rstrip(b"\0").decode().rpartition("|")
+    host, _, port = rest.rpartition("|")
+    return (host, int(port)), token
