@@ -468,6 +468,39 @@ def test_a_body_where_nothing_reads_one_is_never_held_nor_its_close_a_handler(he
     poll(lambda: held.connections()["lingering"] == 0, 5, what="the lingering closes ended by their clients")
 
 
+def lingered(held) -> float:
+    """How long the close of a request answered unread (405: /health reads no body) drops
+    what its client sends, the client never closing: until a byte sent meets a reset."""
+    sock = held.connect()
+    try:
+        sock.sendall(b"POST /health HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 100000\r\n\r\n")
+        assert sock.recv(65536).startswith(b"HTTP/1.0 405")
+        answered = time.monotonic()
+
+        def reset() -> bool:
+            try:
+                sock.send(b"x")
+            except OSError:
+                return True
+            return False
+
+        poll(reset, 15, interval=0.05, what="the lingering close to end")
+        return time.monotonic() - answered
+    finally:
+        sock.close()
+
+
+def test_a_lingering_close_ends_at_linger_s_though_its_client_never_closes(held):
+    took = lingered(held)
+    assert 1.5 < took < 4.5, took  # [http] linger_s: 2 s by default
+    try:
+        held.config.write_text(CONFIG.replace("[http]\n", "[http]\nlinger_s = 0.3\n"))
+        poll(lambda: lingered(held) < 1.0, 20, what="the live linger_s in force")
+    finally:
+        held.config.write_text(CONFIG)
+    assert held.connections()["lingering"] == 0
+
+
 def test_a_body_past_32_mib_is_refused_at_once(held):
     """A body past 32 MiB went to a handler unbuffered, which read it with no body deadline
     and outside max_buffered_bytes: one client sending it slowly held a thread, and the

@@ -17,7 +17,7 @@ a few bytes, never a thread:
   at once, unread;
 - a body that is refused (the door, past ``max_body_bytes``) or sent where
   nothing reads one (only a completion does): never read; a handler answers
-  from the head, and the close lingers on the reader thread (``LINGER_S``)
+  from the head, and the close lingers on the reader thread (``[http] linger_s``)
   so that the answer is not reset away;
 - a head two parsers could read two ways (two lengths, a transfer coding, a
   space before a colon, ...): 400, 411, 417 or 505 (``guardian.serving.framing``,
@@ -313,7 +313,7 @@ class HeldConnections:
             refuse_in_background(incoming.sock, GuardianError(
                 f"All {self.limits.max_handlers} request handlers are busy; send the request again.",
                 status=503, code="server_busy", retry_after_s=self.limits.retry_after_s),
-                linger=incoming.body_unread, handed_off=incoming.handed_off,
+                linger_s=self.limits.linger_s if incoming.body_unread else 0.0, handed_off=incoming.handed_off,
                 head_only=asks_head_only(incoming.buffer))
             return
         sock = incoming.sock

@@ -22,6 +22,7 @@ class ConnectionLimits:
     max_header_bytes: int = 64 << 10
     max_header_count: int = 100
     max_buffered_bytes: int = 256 << 20
+    linger_s: float = 2.0
     retry_after_s: float = 1.0
 
 

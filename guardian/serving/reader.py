@@ -27,7 +27,7 @@ from guardian.errors import GuardianError
 from guardian.observability.logs import AtMostEvery
 from guardian.serving import framing
 from guardian.serving.limits import ConnectionLimits, snapshot
-from guardian.serving.sockets import (LINGER_S, READ_BYTES, asks_head_only, bytes_waiting, client_left, close_quietly,
+from guardian.serving.sockets import (READ_BYTES, asks_head_only, bytes_waiting, client_left, close_quietly,
                                       drained, pending_bytes, peer_closed, refuse_in_background, send_quietly,
                                       send_refusal)
 
@@ -56,7 +56,7 @@ GONE_BEFORE_ACCEPTED = frozenset({errno.ECONNABORTED, errno.ECONNRESET, errno.EP
 
 
 # Closes lingering at once (``RequestReader.linger``): one descriptor each, for up to
-# LINGER_S. Past this many, a close lingers no more (its answer may be reset away).
+# [http] linger_s. Past this many, a close lingers no more (its answer may be reset away).
 MAX_LINGERING = 1024
 # Reads of a lingering close's client in one turn of the reader (64 KiB each).
 LINGER_READS_PER_TURN = 16
@@ -273,10 +273,10 @@ class RequestReader:
         """``linger_close`` on this reader's thread, so that no handler waits in it (any thread).
 
         A handler that answered a request whose body it never read (a refusal at the
-        door, a body over the limit) waited in the close up to LINGER_S: a client with
+        door, a body over the limit) waited in the close up to linger_s: a client with
         no key sending such heads kept every handler busy. Here: stop writing to
-        ``sock``, then drop what its client still sends, until it closes or LINGER_S
-        pass. ``sock`` stays its caller's to close; a duplicate keeps the connection
+        ``sock``, then drop what its client still sends, until it closes or ``[http]
+        linger_s`` pass. ``sock`` stays its caller's to close; a duplicate keeps the connection
         open meanwhile.
         """
         try:
@@ -287,7 +287,8 @@ class RequestReader:
         self.call_at(0.0, lambda: self._linger(kept))
 
     def _linger(self, kept: socket.socket) -> None:
-        if self.lingering >= MAX_LINGERING:
+        linger_s = self.server.limits.linger_s
+        if self.lingering >= MAX_LINGERING or linger_s <= 0:
             close_quietly(kept)
             return
         self.lingering += 1
@@ -310,7 +311,7 @@ class RequestReader:
                     break
             self.when_readable(kept, drain)
 
-        timer = self.call_at(time.monotonic() + LINGER_S, end)
+        timer = self.call_at(time.monotonic() + linger_s, end)
         try:
             kept.setblocking(False)
             self.when_readable(kept, drain)
@@ -655,7 +656,7 @@ class RequestReader:
         self.server.count_closed("tls_failed")
         if first.isalpha():
             log.debug("tls_handshake_failed", client=incoming.address[0], error_message="plain HTTP")
-            refuse_in_background(incoming.sock, PLAIN_HTTP_TO_TLS_PORT, linger=True)
+            refuse_in_background(incoming.sock, PLAIN_HTTP_TO_TLS_PORT, linger_s=self.server.limits.linger_s)
         else:
             close_quietly(incoming.sock)
         return False

@@ -26,7 +26,7 @@ log = structlog.get_logger("guardian.connection")
 READ_BYTES = 1 << 16
 
 
-# How long a refused client's unread body is drained before the close.
+# How long a refused client's unread body is drained before the close ([http] linger_s).
 LINGER_S = 2.0
 
 
@@ -165,12 +165,12 @@ def asks_head_only(buffer) -> bool:
     return buffer[:5] == b"HEAD "
 
 
-def send_refusal(sock: socket.socket, error: GuardianError, linger: bool = False,
+def send_refusal(sock: socket.socket, error: GuardianError, linger_s: float = 0.0,
                  handed_off: Optional[handoff.Received] = None, head_only: bool = False,
                  wait: bool = True) -> None:
     """``error`` in OpenAI's shape (its headers: Retry-After, x-should-retry), written
-    straight to the socket within a second, then the close; ``linger``: the
-    request is unread, drain it first so the answer is not reset away;
+    straight to the socket within a second, then the close; ``linger_s``: the
+    request is unread, drain it for up to this long first so the answer is not reset away;
     ``handed_off``: the supervisor is told once the answer is written;
     ``head_only``: the request is a HEAD: the headers alone; ``wait`` False: one
     send that does not wait (what the socket's buffer takes), no linger."""
@@ -183,13 +183,13 @@ def send_refusal(sock: socket.socket, error: GuardianError, linger: bool = False
         if not wait:
             sock.setblocking(False)
             sock.send(answer)
-            linger = False
+            linger_s = 0.0
         else:
             sock.setblocking(True)
             sock.settimeout(REFUSAL_SEND_TIMEOUT_S)
             sock.sendall(answer)
-        if linger:
-            linger_close(sock)
+        if linger_s > 0:
+            linger_close(sock, linger_s)
         elif handed_off is not None:
             sock.shutdown(socket.SHUT_WR)  # the supervisor's copy keeps it open
     except OSError:
@@ -199,7 +199,7 @@ def send_refusal(sock: socket.socket, error: GuardianError, linger: bool = False
         handed_off.finish()
 
 
-# Refusals written on threads of their own, each for up to a second (LINGER_S more when
+# Refusals written on threads of their own, each for up to a second (linger_s more when
 # it drains the client's unread request first): at most this many at once. Past it a
 # refusal is written without waiting and the connection closed, so that a flood of them
 # (plain HTTP to the TLS port, a busy server's) costs no thread.
@@ -207,14 +207,14 @@ MAX_REFUSAL_THREADS = 64
 _refusal_threads = threading.BoundedSemaphore(MAX_REFUSAL_THREADS)
 
 
-def refuse_in_background(sock: socket.socket, error: GuardianError, linger: bool = False,
+def refuse_in_background(sock: socket.socket, error: GuardianError, linger_s: float = 0.0,
                          handed_off: Optional[handoff.Received] = None, head_only: bool = False) -> None:
     """``send_refusal`` on a thread of its own, or at once without waiting when
     ``MAX_REFUSAL_THREADS`` are busy (the answer may then be reset away)."""
     if _refusal_threads.acquire(blocking=False):
         def refuse():
             try:
-                send_refusal(sock, error, linger, handed_off, head_only)
+                send_refusal(sock, error, linger_s, handed_off, head_only)
             finally:
                 _refusal_threads.release()
 
