@@ -319,6 +319,29 @@ def test_text_held_back_for_a_stop_string_is_tagged_once_it_catches_up():
     assert wire.getvalue().count(b"data: ") == 3
 
 
+def test_events_held_for_lagging_text_are_bounded():
+    """Text that never catches up with its tokens' (a stop string's start that grows for
+    ever) held every event until the end: past MAX_LAGGING_EVENTS they go out, marked not
+    continuable, so the client is never kept waiting on them."""
+    import io
+
+    from guardian.relay_protocol import MAX_LAGGING_EVENTS, RelayedStream, TokenTaggingOutput
+
+    wire = io.BytesIO()
+    output = TokenTaggingOutput(wire)
+    event = b'data: {"id": "c1", "created": 7, "choices": [{"index": 0, "text": "%s"}]}\n\n'
+    for token in range(MAX_LAGGING_EVENTS):
+        output.consumed(token, "ab")
+        output.write(event % (b"ba" if token else b"a"))  # "a", "aba", "ababa": a token behind
+    assert wire.getvalue() == b"" and output.continuable
+    output.consumed(MAX_LAGGING_EVENTS, "ab")
+    output.write(event % b"ba")
+    assert wire.getvalue().count(b"data: ") == MAX_LAGGING_EVENTS + 1 and not output.continuable
+    stream = RelayedStream()
+    stream.relay(wire.getvalue())
+    assert not stream.continuable
+
+
 GET_TIME = {"type": "function", "function": {"name": "get_time", "description": "The time now.",
                                              "parameters": {"type": "object", "properties": {}}}}
 TOOL_CALL_SCRIPT = 'Let me check. <tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
