@@ -118,12 +118,19 @@ def test_a_key_file_with_no_key_is_warned_of(tmp_path, capsys):
     ("x:sha256:abc", "64 hex digits"),
     ("alice:sk-0123456789\nalice:sk-9876543210", "used twice"),
     ("sk-with space-0123", "no spaces"),
+    ("sk-proj-0123456789:alice-laptop", "looks like a key"),  # written the wrong way round
+    ("a1b2c3d4e5f6a7b8c9d0e1f20123456789:build-server", "looks like a key"),
 ])
 def test_a_bad_line_is_named_without_its_key(tmp_path, line, complaint):
     with pytest.raises(KeyFileError, match=complaint) as raised:
         parse_key_file(line, "keys.txt")
     assert "line" in str(raised.value)
     assert "0123456789" not in str(raised.value) and "short" not in str(raised.value)
+
+
+def test_names_that_are_names_are_kept():
+    keys = parse_key_file("alice:sk-0123456789\nbuild-server-2024:0123456789abcdef\nkey.42@lab:abcdefgh12\n")
+    assert [key.name for key in keys] == ["alice", "build-server-2024", "key.42@lab"]
 
 
 def test_a_broken_file_adds_no_key_and_removes_what_it_no_longer_holds(tmp_path):

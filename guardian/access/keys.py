@@ -34,6 +34,8 @@ KEY_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@-]{0,63}")
 HEX_DIGEST = re.compile(r"[0-9a-fA-F]{64}")
 # A key shorter than this is a typo or a placeholder, not a secret.
 MIN_KEY_CHARS = 8
+# A name with a run this long of letters and digits mixed looks like a generated key.
+SECRET_RUN_CHARS = 24
 # The headers a key may come in: what the openai SDK sends, and the common alternative.
 AUTHORIZATION = "Authorization"
 API_KEY_HEADER = "X-Api-Key"
@@ -76,6 +78,9 @@ def parse_key_lines(text: str, source: str = "the key file") -> tuple[tuple[ApiK
         try:
             if not KEY_NAME.fullmatch(name):
                 raise KeyFileError(f"{where}: a key's name is letters, digits and ._@- (at most 64)")
+            if looks_like_a_secret(name):
+                raise KeyFileError(f"{where}: its name looks like a key, and names are logged: "
+                                   "NAME:KEY, the name first")
             if name in names:
                 raise KeyFileError(f"{where}: the name {name!r} is used twice")
             keys.append(ApiKey(name, key_digest(key, where), in_clear=not key.startswith(HASHED_PREFIX)))
@@ -115,6 +120,16 @@ def split_name(line: str, default: str) -> tuple[str, str]:
         return default, line
     name, key = line.split(":", 1)
     return name.strip(), key.strip()
+
+
+def looks_like_a_secret(name: str) -> bool:
+    """Whether a name looks like a key (``KEY:NAME``, written the wrong way round, would
+    put the key in every log line and metric that names it): an OpenAI-style ``sk-``
+    prefix, or a long run of letters and digits mixed, as generated keys are."""
+    if name.lower().startswith(("sk-", "sk_")):
+        return True
+    return any(len(run) >= SECRET_RUN_CHARS and not run.isalpha() and not run.isdigit()
+               for run in re.findall(r"[A-Za-z0-9]+", name))
 
 
 def key_digest(key: str, where: str) -> bytes:
