@@ -389,7 +389,8 @@ def test_stock_engine_is_proxied_and_restarted(start_supervisor, model_cache, tm
     model = str(ensure_demo_model(model_cache))
     config = tmp_path / "stock.toml"
     config.write_text("[http]\nidle_timeout_s = 5.0\n")
-    supervised = start_supervisor("--engine", "stock", "--model", model, "--guardian-config", str(config))
+    supervised = start_supervisor("--engine", "stock", "--model", model, "--guardian-config", str(config),
+                                  "--supervisor-reap-wait", "3")
     first_pid = supervised.wait_ready()
     with httpx.Client(timeout=30) as client:
         assert client.post(supervised.url + COMPLETIONS, json=chat_body(max_tokens=4)).status_code == 200
@@ -401,14 +402,23 @@ def test_stock_engine_is_proxied_and_restarted(start_supervisor, model_cache, tm
              what="stock's line for the request")
         assert "sk-in-the-query" not in supervised.log_path.read_text()
         # A body whose connection stock drops (not UTF-8: its handler raises), alive after it:
-        # answered at the client's deadline (each attempt waited 5 s for a crash to reap).
+        # answered at the client's deadline, else once the child is seen to live on past
+        # --supervisor-reap-wait: 502, not to be retried (503 engine_restarting, which the
+        # openai SDK retries, after 5 s whatever the deadline).
+        hostile, json_type = b'{"messages": "\xff"}', {"Content-Type": "application/json"}
         started = time.monotonic()
-        dropped = client.post(supervised.url + COMPLETIONS, content=b'{"messages": "\xff"}',
-                              headers={"Content-Type": "application/json", "x-stainless-read-timeout": "1.5"})
+        dropped = client.post(supervised.url + COMPLETIONS, content=hostile,
+                              headers={**json_type, "x-stainless-read-timeout": "1.5"})
         took = time.monotonic() - started
         assert dropped.status_code == 504 and dropped.json()["error"]["code"] == "deadline_exceeded", dropped.text
-        assert took < 4, took
+        assert took < 2.9, took
+        started = time.monotonic()
+        dropped = client.post(supervised.url + COMPLETIONS, content=hostile, headers=json_type)
+        took = time.monotonic() - started
+        assert dropped.status_code == 502 and dropped.json()["error"]["code"] == "engine_dropped_request", dropped.text
+        assert dropped.headers["x-should-retry"] == "false" and 2.9 < took < 6, took
         assert supervised.wait_ready() == first_pid  # alive all along
+        assert supervised.supervisor_events("request_dropped_by_child")
         os.kill(first_pid, signal.SIGKILL)
         supervised.wait_ready(not_pid=first_pid, timeout=30)
         assert client.post(supervised.url + COMPLETIONS, json=chat_body(max_tokens=4)).status_code == 200

@@ -206,6 +206,14 @@ class SupervisorSettings(Table, name="supervisor"):
         A stream cut by its child's death is continued on the next child this many
         times at one point: one that progressed since its last cut counts from 0.""",
         flag="--supervisor-max-resends", metavar="N")
+    reap_wait_s = Setting(POSITIVE_SECONDS, 5.0, """
+        How long a request whose child closed its connection without an answer
+        waits for that child's death to be seen: a crash is reaped within
+        milliseconds (a GPU's teardown can take a second), and the request is sent
+        again. A child alive after this long dropped it on its own (stock does
+        when its handler fails on a request): 502 engine_dropped_request, not to
+        be retried. The request's deadline and its client leaving end the wait.""",
+        flag="--supervisor-reap-wait", metavar="S")
     health_timeout_s = Setting(POSITIVE_SECONDS, 1.0, """
         A check of the child (the supervisor's own, each interval) fails if not
         answered within this many seconds (5 at most: it runs on the supervisor's

@@ -373,7 +373,7 @@ class ProxyHandler(BaseHTTPRequestHandler):
             if outcome is CHILD_GONE:
                 if self.wait_reaped(child, path, stream):
                     continue
-                if self.gone:
+                if self.gone or self.answered_past_deadline(path, stream):
                     return
                 # Alive after all, though its port took nothing: bounded as resends are.
                 if resends >= supervisor.settings.max_resends:
@@ -400,13 +400,24 @@ class ProxyHandler(BaseHTTPRequestHandler):
             refusal = supervisor.quarantine.refusal(self.command, request_fingerprint)
             if refusal is not None:
                 return self.refuse(refusal, stream)
-            due = self.next_deadline(path, stream)
-            if not reaped and due is not None and due[0] <= time.monotonic():
-                return self.deadline_passed(due[1], stream)  # it came while the child was reaped
-            if not reaped or resends >= supervisor.settings.max_resends:
+            if not reaped:
+                if self.answered_past_deadline(path, stream):
+                    return
+                log.warning("request_dropped_by_child", path=self.logged_path, child_pid=child.pid,
+                            reap_wait_s=supervisor.settings.reap_wait_s)
+                return self.give_up(stream, supervisor.dropped_request_error())
+            if resends >= supervisor.settings.max_resends:
                 return self.give_up(stream, supervisor.lost_child_error())
             resends += 1
             dead_child_pid = child.pid
+
+    def answered_past_deadline(self, path: str, stream) -> bool:
+        """Whether the request's deadline has passed; if so, it is answered (504)."""
+        due = self.next_deadline(path, stream)
+        if due is None or due[0] > time.monotonic():
+            return False
+        self.deadline_passed(due[1], stream)
+        return True
 
     def wait_reaped(self, child, path: str, stream) -> bool:
         """``Supervisor.wait_reaped``, ended by this request's deadline or its client leaving:

@@ -96,10 +96,6 @@ HEALTH_CHECK_MAX_S = 5.0
 PAUSE_NOTICED_S = 1.0
 
 
-# A relay cut with nothing sent: a child that crashed is reaped within
-# milliseconds. One still alive after this long dropped the connection on its
-# own (stock does when its generation thread dies): no crash to send again after.
-REAP_WAIT_S = 5.0
 # How long a reaped child's last words may take to be read before its requests are struck.
 REAP_READ_WORDS_TIMEOUT_S = 1.0
 
@@ -752,9 +748,9 @@ class Supervisor:
     def wait_reaped(self, child: Child, given_up: Callable[[], bool] = lambda: False,
                     until: Optional[float] = None) -> bool:
         """Wait until ``child`` is reaped (its crash, if any, struck what it had); False if it
-        lives on past REAP_WAIT_S, or the wait ended first: at ``until`` (monotonic, the
+        lives on past ``reap_wait_s``, or the wait ended first: at ``until`` (monotonic, the
         request's deadline) or as ``given_up()`` (its client left; ``changed`` is notified)."""
-        ends = time.monotonic() + REAP_WAIT_S
+        ends = time.monotonic() + self.settings.reap_wait_s
         if until is not None:
             ends = min(ends, until)
         with self.changed:
@@ -788,6 +784,13 @@ class Supervisor:
         return GuardianError("This request was in flight when the engine crashed, and runs alone until it is "
                              "cleared; another such request runs alone now. Retry the request.",
                              status=503, code="crash_check_busy", retry_after_s=self.core.retry_after_s)
+
+    @staticmethod
+    def dropped_request_error() -> GuardianError:
+        """What a request gets whose child closed its connection without an answer and lives on."""
+        return GuardianError("The engine closed the connection without an answer, and still runs: the "
+                             "request may be one it cannot serve.", status=502, type="server_error",
+                             code="engine_dropped_request", retry=False)
 
     def lost_child_error(self) -> GuardianError:
         """What a request gets when the child died under it."""
