@@ -107,6 +107,16 @@ def test_every_loaded_settings_table_is_in_the_example():
         ("[resources]\nrefuse_above = inf\n", r"resources.refuse_above: must be a finite number"),
         ("[prompt_guard]\nkv_budget_margin = 1.0\n", r"prompt_guard.kv_budget_margin: must be <= 0.95,"),
         ("[generation_probe]\nprompt = ''\n", r"generation_probe.prompt: must not be empty"),
+        # Found by a hunt: each raised something other than a ConfigError, which nothing
+        # caught. A live save logged a crash and kept nothing; under --supervise every
+        # later child exited 1 at start, and the supervisor gave up (exit 6).
+        ("[guardian]\nretry_after_s = " + "1" * 401 + "\n",
+         r"guardian.retry_after_s: must be <= 1e\+09, got an integer of about 401 digits"),
+        ("[guardian]\nretry_after_s = " + "9" * 5000 + "\n", r"not a usable TOML file: Exceeds the limit"),
+        ("[guardian]\nallowed_models = " + "[" * 2000 + "]" * 2000 + "\n", r"nested too deeply"),
+        ("[http]\nself = 1\n", r"\[http\] unknown key 'self'"),
+        ("[prompt_guard]\nself = 1\n", r"\[prompt_guard\] unknown key 'self'"),
+        ("[prompt_guard]\nmax_queue_wait_s = " + "1" * 401 + "\n", r"prompt_guard.max_queue_wait_s: must be <= "),
     ],
 )
 def test_bad_config_names_the_key(tmp_path, text, message):

@@ -76,6 +76,10 @@ def parse_config(raw: bytes, path) -> GuardianConfig:
         raise ConfigError(f"{path}: not valid TOML: not UTF-8 ({e})") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    except ValueError as e:  # an integer past Python's 4,300 digits
+        raise ConfigError(f"{path}: not a usable TOML file: {e}") from None
+    except RecursionError:  # arrays or inline tables nested past the parser's recursion
+        raise ConfigError(f"{path}: not a usable TOML file: nested too deeply") from None
     present = tuple(data)
     core = {table.table_name: table.from_toml(data.pop(table.table_name, {})) for table in CORE_TABLES}
     for name, table in data.items():
@@ -102,5 +106,5 @@ def parse_settings(settings_class, table: dict, section: str):
         return settings_class(**{k: v for k, v in vars(checked).items() if k in table})
     except ConfigError:
         raise
-    except ValueError as e:
+    except (ValueError, TypeError, ArithmeticError) as e:  # its __post_init__, given any value of the file
         raise ConfigError(f"[{section}]: {e}") from None

@@ -63,6 +63,9 @@ def shown(value: Any) -> str:
     and what holds text by their kind and size only. A message goes to the log and to
     /guardian/status, and a string in the wrong key may be a secret (a webhook's URL, a
     key pasted into the wrong line)."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10 ** 18:
+        # repr would be as long as the number (it raises past 4,300 digits).
+        return f"an integer of about {int(value.bit_length() * math.log10(2)) + 1} digits"
     if value is None or isinstance(value, (bool, int, float)):
         return repr(value)
     if isinstance(value, str):
@@ -150,7 +153,10 @@ class Float(Type):
 
     def check(self, value: Any) -> float:
         if isinstance(value, int) and not isinstance(value, bool):
-            value = float(value)
+            try:
+                value = float(value)
+            except OverflowError:  # a TOML integer of hundreds of digits
+                raise ValueError(f"must be <= {LARGEST_FLOAT:g}, got {shown(value)}") from None
         value = super().check(value)
         if not math.isfinite(value):
             raise ValueError(f"must be a finite number, got {value}")
@@ -259,7 +265,7 @@ class Setting:
         """The value, checked, or a ConfigError naming the key."""
         try:
             return self.type.check(value)
-        except ValueError as e:
+        except (ValueError, TypeError, ArithmeticError) as e:  # a file's value, whatever it is
             raise ConfigError(f"{self.key}{'' if str(e).startswith('[') else ': '}{e}") from None
 
     def add_flag(self, parser) -> None:
@@ -315,7 +321,7 @@ class Table:
         if register:
             TABLES[name] = cls
 
-    def __init__(self, **values: Any):
+    def __init__(self, /, **values: Any):  # positional-only: a key named "self" is unknown, no TypeError
         unknown = set(values) - set(self.settings)
         if unknown:
             known = ", ".join(self.settings) or "none"
