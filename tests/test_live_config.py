@@ -19,7 +19,7 @@ import httpx
 import mlx.core as mx
 import pytest
 
-from conftest import Server, chat_body, free_port, poll, spawn_guardian
+from conftest import BOTH_MODES, Server, SessionServer, chat_body, free_port, poll, spawn_guardian
 
 pytestmark = pytest.mark.one_version
 
@@ -405,5 +405,46 @@ def test_a_key_file_broken_while_the_model_loads_keeps_the_keys_read_at_start(tm
         assert "line 2" in failed["error_message"]
         models = httpx.get(server.url + "/v1/models", headers={"Authorization": f"Bearer {alice}"}, timeout=10)
         assert models.status_code == 200
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("mode", BOTH_MODES)
+def test_a_config_and_a_key_file_given_as_pipes_are_read_once(tmp_path, model_cache, mode):
+    """``--guardian-config <(...)`` and ``--api-key-file <(...)`` (secrets kept off disk):
+    the watch read each pipe again as it began, found it empty, and put an empty file in
+    force: every setting back to its default, and every key revoked (all requests 401).
+    Under --supervise the child, whose /dev/fd the pipe is not, exited 2 and the supervisor
+    with it. A pipe is read at start only (a child reads the supervisor's private copy),
+    and SIGHUP reads neither again."""
+    alice = "sk-alice-0123456789abcdef"
+    pipes = []
+    for text in ("[guardian]\nmax_stop_sequences = 2\n", f"alice:{alice}\n"):
+        read_end, write_end = os.pipe()
+        os.write(write_end, text.encode())
+        os.close(write_end)
+        pipes.append(read_end)
+    port = free_port()
+    args = ["--port", str(port), "--guardian-config", f"/dev/fd/{pipes[0]}", "--api-key-file", f"/dev/fd/{pipes[1]}"]
+    supervised = mode == "supervised"
+    server = (SessionServer if supervised else Server)(
+        spawn_guardian(["--supervise", *args] if supervised else args, tmp_path / "server.log", model_cache,
+                       pass_fds=pipes, start_new_session=supervised), port, tmp_path / "server.log")
+    for fd in pipes:
+        os.close(fd)
+    try:
+        server.wait_healthy()
+        assert len(server.wait_for_event("config_file_read_once", count=2)) == 2
+        server.proc.send_signal(signal.SIGHUP)
+        # Both files' reloads (the key file's alone under --supervise: the config's copy is a file).
+        poll(lambda: len(server.events("config_reload_skipped")) >= (1 if supervised else 2), 10,
+             what="SIGHUP's reloads skipped")
+        key = {"Authorization": f"Bearer {alice}"}
+        three_stops = chat_body(max_tokens=2, stop=["a", "b", "c"])
+        refused = httpx.post(server.url + CHAT, json=three_stops, headers=key, timeout=30)
+        assert refused.status_code == 400, refused.text  # max_stop_sequences = 2, still in force
+        assert httpx.post(server.url + CHAT, json=chat_body(max_tokens=2), headers=key, timeout=30).status_code == 200
+        assert not server.events("api_keys_reloaded")
+        assert supervised or not server.events("config_reloaded")
     finally:
         server.stop()

@@ -25,6 +25,7 @@ import datetime
 import hashlib
 import logging
 import os
+import stat
 import threading
 import time
 from pathlib import Path
@@ -353,6 +354,17 @@ def file_sha256(path) -> Optional[str]:
         return None
 
 
+def read_once(path) -> bool:
+    """Whether the file at ``path`` can be read only once: no regular file (symlinks
+    followed), as a pipe is (a shell's ``<(...)``, a FIFO), which read again is empty
+    or blocks. Followed, its second read replaced the settings or keys read at start
+    with none."""
+    try:
+        return not stat.S_ISREG(os.stat(path).st_mode)
+    except OSError:  # missing now: a regular file's watch waits for it
+        return False
+
+
 def file_stamp(path) -> Optional[tuple]:
     """What the file at ``path`` is now, symlinks followed: which file, its size, its
     times (the change time moves with chmod and chown too); None if it cannot be seen."""
@@ -392,6 +404,8 @@ class ConfigFileWatcher:
         self._reasons_lock = threading.Lock()
         self._handler = None
         self._stamp: Optional[tuple] = None  # the file's, when last read
+        # A pipe (``read_once``): read at start only; no watch, and no reload on SIGHUP.
+        self.read_once = False
         self.writing = False  # a writer has it open (its write seen, its close not yet)
         self.close_events = False  # whether the observer says when a writer closes the file
         self._thread = threading.Thread(target=self._run, name="config-reload", daemon=True)
@@ -410,6 +424,12 @@ class ConfigFileWatcher:
         the model loaded, which a large model takes minutes over) and is read now."""
         from watchdog.events import FileSystemEventHandler
 
+        if read_once(self.path):
+            self.read_once = True
+            log.warning("config_file_read_once", file=str(self.path),
+                        why="not a regular file (a pipe): read at start only, and again at a restart; "
+                            "no save or SIGHUP is read")
+            return
         watcher = self
 
         class Handler(FileSystemEventHandler):
@@ -449,6 +469,10 @@ class ConfigFileWatcher:
             os.path.realpath(os.path.dirname(path)) == os.path.realpath(self.path.parent))
 
     def kick(self, reason: str) -> None:
+        if self.read_once:
+            log.info("config_reload_skipped", file=str(self.path), reason=reason,
+                     why="not a regular file (a pipe): read at start only")
+            return
         with self._reasons_lock:
             self._reasons.append(reason)
         self._wake.set()

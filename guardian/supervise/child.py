@@ -199,3 +199,22 @@ def private_folder() -> tempfile.TemporaryDirectory:
         if ours and pid.isdigit() and not psutil.pid_exists(int(pid)):
             shutil.rmtree(path, ignore_errors=True)
     return tempfile.TemporaryDirectory(prefix=f"{PRIVATE_FOLDER_PREFIX}{os.getpid()}-")
+
+
+# What a child reads for --guardian-config given as a pipe (``copy_of_a_pipe``).
+CONFIG_FROM_PIPE = "config-from-pipe.toml"
+
+
+def copy_of_a_pipe(path: str) -> tuple[tempfile.TemporaryDirectory, str]:
+    """--guardian-config given as a pipe (a shell's ``<(...)``: settings kept off disk):
+    its bytes, read once, in a private file that the supervisor and each child read
+    instead. Each read of a pipe after the first is empty, and the supervisor reads the
+    file three times at start: [access] and [http] went back to their defaults, and the
+    child, whose /dev/fd the pipe is not, exited 2."""
+    folder = private_folder()
+    copy = os.path.join(folder.name, CONFIG_FROM_PIPE)
+    with open(path, "rb") as source:
+        data = source.read()
+    with open(copy, "wb") as kept:  # in a folder only this user reads
+        kept.write(data)
+    return folder, copy

@@ -20,6 +20,7 @@ kills an engine can take it down with it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import os
 import queue
@@ -38,7 +39,7 @@ import structlog
 from guardian.config.tables import CoreSettings, HttpSettings, SupervisorSettings
 from guardian.config import in_force
 from guardian.config.registry import ConfigError
-from guardian.config.live import merge
+from guardian.config.live import merge, read_once
 from guardian.config.loading import GuardianConfig
 from guardian.observability.counting import ActiveCount, RecentEvents, StoppedClock
 from guardian.quarantine.crashes import CrashQuarantine
@@ -56,7 +57,7 @@ from guardian.health.parent_watch import PARENT_PID_ENV
 from guardian.serving.sockets import LISTEN_FD_ENV, reserve_port
 from guardian.supervise.proxy import CHILD_CONNECT_TIMEOUT_S, CHILD_HOST, DEEP_READINESS_MARGIN_S, PublicServer
 from guardian.health.sd_notify import SystemdNotifier
-from guardian.supervise.child import (Child, child_command, close_quietly, exit_reason, free_port,
+from guardian.supervise.child import (Child, child_command, close_quietly, copy_of_a_pipe, exit_reason, free_port,
                                       loggable_command, private_folder, signal_quietly)
 from guardian.supervise.settings import (abbreviated_flag, acted_on_here, check_stock_tables, child_body_limit,
                                          make_parser, public_door, public_limits, read_file, read_settings)
@@ -868,7 +869,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     abbreviated = abbreviated_flag(parser, child_args)
     if abbreviated is not None:
         parser.error(abbreviated)  # exit 2, as for any flag it cannot take
+    piped, pipe_copy = options.guardian_config, None
     try:
+        if piped is not None and read_once(piped):
+            pipe_copy, options.guardian_config = copy_of_a_pipe(piped)
         settings, core = read_settings(options)
         door = public_door(options, child_args)  # a key file that does not parse stops here
     except ConfigError as e:
@@ -878,7 +882,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         return EXIT_USAGE
     # As a guardian's: [guardian] log_level, when set, wins over --log-level (read at start here).
     configure_logging(core.log_format, core.log_level or options.log_level or "INFO")
-    return Supervisor(options, child_args, settings, core, door=door).run()
+    if pipe_copy is not None:
+        log.warning("config_file_read_once", file=piped,
+                    why="not a regular file (a pipe): read once at start; every child reads its copy, "
+                        "and no save or SIGHUP is read")
+    with pipe_copy or contextlib.nullcontext():  # the copy goes as the supervisor ends
+        return Supervisor(options, child_args, settings, core, door=door).run()
 
 
 if __name__ == "__main__":
