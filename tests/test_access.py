@@ -128,6 +128,31 @@ def test_a_bad_line_is_named_without_its_key(tmp_path, line, complaint):
     assert "0123456789" not in str(raised.value) and "short" not in str(raised.value)
 
 
+def test_a_hash_is_a_hash_in_any_case():
+    """``SHA256:<hex>`` was read as a key in the clear, named "SHA256": the hex digest itself
+    let a client in, and the key it was the hash of did not."""
+    digest = hashlib.sha256(b"sk-ci-0123456789").hexdigest()
+    for text in (f"SHA256:{digest}\n", f"ci:Sha256:{digest}\n"):
+        ring_keys = parse_key_file(text)
+        assert [key.in_clear for key in ring_keys] == [False] and ring_keys[0].digest == bytes.fromhex(digest)
+
+
+def test_a_reload_lists_at_most_a_few_names(tmp_path, capsys):
+    from guardian.access.keys import NAMES_LOGGED
+    from guardian.observability.logs import configure_logging
+
+    configure_logging("json", "INFO")
+    keys = tmp_path / "keys.txt"
+    keys.write_text("".join(f"user{i}:sk-user-{i:010d}\n" for i in range(500)))
+    ring = KeyRing(str(keys))
+    keys.write_text("".join(f"user{i}:sk-user-{i:010d}\n" for i in range(500, 1000)))
+    assert ring.reload("test")
+    [line] = [line for line in capsys.readouterr().err.splitlines() if "api_keys_reloaded" in line]
+    logged = json.loads(line)
+    assert len(logged["added"]) == NAMES_LOGGED + 1 and logged["added"][-1] == "(and 480 more)"
+    assert len(logged["removed"]) == NAMES_LOGGED + 1 and logged["keys"] == 500
+
+
 def test_names_that_are_names_are_kept():
     keys = parse_key_file("alice:sk-0123456789\nbuild-server-2024:0123456789abcdef\nkey.42@lab:abcdefgh12\n")
     assert [key.name for key in keys] == ["alice", "build-server-2024", "key.42@lab"]

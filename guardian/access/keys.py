@@ -36,6 +36,8 @@ HEX_DIGEST = re.compile(r"[0-9a-fA-F]{64}")
 MIN_KEY_CHARS = 8
 # A name with a run this long of letters and digits mixed looks like a generated key.
 SECRET_RUN_CHARS = 24
+# Names one log line lists at most (a file of 200,000 keys wrote lines of 2 MB).
+NAMES_LOGGED = 20
 # The headers a key may come in: what the openai SDK sends, and the common alternative.
 AUTHORIZATION = "Authorization"
 API_KEY_HEADER = "X-Api-Key"
@@ -83,7 +85,7 @@ def parse_key_lines(text: str, source: str = "the key file") -> tuple[tuple[ApiK
                                    "NAME:KEY, the name first")
             if name in names:
                 raise KeyFileError(f"{where}: the name {name!r} is used twice")
-            keys.append(ApiKey(name, key_digest(key, where), in_clear=not key.startswith(HASHED_PREFIX)))
+            keys.append(ApiKey(name, key_digest(key, where), in_clear=not is_hashed(key)))
         except KeyFileError as e:
             errors.append(e)
         names.add(name)
@@ -116,10 +118,17 @@ def strip_comment(line: str) -> str:
 
 def split_name(line: str, default: str) -> tuple[str, str]:
     """(name, key) of ``NAME:KEY``, ``KEY`` or ``sha256:HEX`` (which names no one)."""
-    if line.startswith(HASHED_PREFIX) or ":" not in line:
+    if is_hashed(line) or ":" not in line:
         return default, line
     name, key = line.split(":", 1)
     return name.strip(), key.strip()
+
+
+def is_hashed(text: str) -> bool:
+    """Whether ``text`` is written as ``sha256:<hex>``, in any case: ``SHA256:<hex>`` was read
+    as a key in the clear (its digest itself the key), so a hash published as no secret
+    worked as one."""
+    return text[:len(HASHED_PREFIX)].lower() == HASHED_PREFIX
 
 
 def looks_like_a_secret(name: str) -> bool:
@@ -133,7 +142,7 @@ def looks_like_a_secret(name: str) -> bool:
 
 
 def key_digest(key: str, where: str) -> bytes:
-    if key.startswith(HASHED_PREFIX):
+    if is_hashed(key):
         hexdigest = key[len(HASHED_PREFIX):]
         if not HEX_DIGEST.fullmatch(hexdigest):
             raise KeyFileError(f"{where}: sha256: must be followed by 64 hex digits")
@@ -246,7 +255,7 @@ class KeyRing:
                 self._keys = tuple(key for key in self._keys if key.digest in still_there)
                 self.last_failure = str(errors[0])
                 log.error("api_keys_reload_failed", reason=reason, error_message=str(errors[0]),
-                          bad_lines=len(errors), keys_in_force=len(self._keys), revoked=revoked,
+                          bad_lines=len(errors), keys_in_force=len(self._keys), revoked=names_logged(revoked),
                           why="no key is added from a file with a bad line; a key no longer in it is revoked")
                 return False
             if reason == "file_changed" and self.read_sha256 == before and self.last_failure is None:
@@ -258,8 +267,8 @@ class KeyRing:
             self.loads += 1
             self.last_failure = None
         new = set(self.names)
-        log.info("api_keys_reloaded", reason=reason, keys=len(keys), added=sorted(new - old),
-                 removed=sorted(old - new))
+        log.info("api_keys_reloaded", reason=reason, keys=len(keys), added=names_logged(new - old),
+                 removed=names_logged(old - new))
         return True
 
     def request_reload(self, reason: str = "sighup") -> None:
@@ -289,3 +298,11 @@ class KeyRing:
     def status(self) -> dict:
         return {"key_file": str(self.path) if self.path else None, "keys": len(self._keys),
                 "names": self.names, "loads": self.loads, "last_failure": self.last_failure}
+
+
+def names_logged(names) -> list[str]:
+    """Key names as one log line lists them: sorted, at most NAMES_LOGGED, then how many more."""
+    names = sorted(names)
+    if len(names) <= NAMES_LOGGED:
+        return names
+    return [*names[:NAMES_LOGGED], f"(and {len(names) - NAMES_LOGGED} more)"]
