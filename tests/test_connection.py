@@ -378,8 +378,10 @@ def test_bodies_still_arriving_are_bounded_in_memory(held):
     half = MAX_BUFFERED // 2 + 1
     first = held.connect()
     try:
-        first.sendall(POST + b"Content-Length: %d\r\n\r\n" % half + b"{")  # and the rest, never
-        poll(lambda: held.connections()["buffered_bytes"] == half, 10, what="the first body's room")
+        head = POST + b"Content-Length: %d\r\n\r\n" % half
+        first.sendall(head + b"{")  # and the rest, never
+        poll(lambda: held.connections()["buffered_bytes"] >= half + len(head), 10,
+             what="the first request's room: its head and body")
         head, body = raw_answer(held, POST + b"Content-Length: %d\r\n\r\n" % half)
         assert head.startswith(b"HTTP/1.0 503") and b"\r\nRetry-After: 2\r\n" in head, head
         assert json.loads(body)["error"]["code"] == "server_busy"
@@ -412,6 +414,20 @@ def test_heads_still_arriving_are_bounded_in_memory_too(held):
     busy = [json.loads(answer.partition(b"\r\n\r\n")[2])["error"] for answer in answers if b" 503 " in answer[:13]]
     assert all(error["code"] == "server_busy" for error in busy), busy
     poll(lambda: held.connections()["buffered_bytes"] == 0, 10, what="the heads' room given back")
+    # A whole head still counts while its body is awaited (a review: it had given its room back).
+    with held.connect() as waiting:
+        waiting.sendall(POST + b"X-Pad: " + b"p" * 60_000 + b"\r\nContent-Length: 1\r\n\r\n")
+        poll(lambda: held.connections()["buffered_bytes"] > 60_000, 5, interval=0.02,
+             what="the head, waiting for its body")
+    # A head larger than the whole room never fits: 431, not a 503 to retry for ever.
+    try:
+        held.config.write_text(CONFIG.replace(f"max_buffered_bytes = {MAX_BUFFERED}", "max_buffered_bytes = 32768"))
+        poll(lambda: raw_answer(held, POST + b"X-Pad: " + b"p" * 40_000)[0][9:12] == b"431", 15,
+             what="a head past max_buffered_bytes refused for good")
+    finally:
+        held.config.write_text(CONFIG)
+    poll(lambda: raw_answer(held, POST + b"X-Pad: " + b"p" * 40_000)[0][9:12] == b"408", 15,
+         what="the room back (held to its header deadline)")
     assert httpx.post(held.url + COMPLETIONS, json=chat_body(max_tokens=2), timeout=30).status_code == 200
 
 

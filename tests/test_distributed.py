@@ -534,7 +534,9 @@ def test_rank_0_lets_in_only_its_groups_ranks_while_they_join():
     joining.start()
     strangers = [socket.create_connection(address, timeout=10)]  # says nothing, holds on
     for line in (b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", b'{"kind": "hello", "rank": 1}\n',
-                 b'{"kind": "hello", "rank": 2, "token": "%s"}\n' % (b"0" * 32), b"{" * 10_000):
+                 b'{"kind": "hello", "rank": 2, "token": "%s"}\n' % (b"0" * 32), b"{" * 10_000,
+                 b"[" * 4000 + b"\n",  # past the JSON parser's recursion (a review)
+                 b'{"kind": "hello", "rank": 1, "token": "\\ud800"}\n'):  # a token that does not encode
         stranger = socket.create_connection(address, timeout=10)
         stranger.sendall(line)
         strangers.append(stranger)

@@ -435,6 +435,15 @@ def test_stock_engine_is_proxied_and_restarted(start_supervisor, model_cache, tm
     assert not supervised.supervisor_events("supervisor_config_reloaded")
 
 
+def test_a_config_that_is_a_folder_is_refused_with_exit_2(tmp_path):
+    """Not a regular file (so read as a pipe is, once), it raised out of the copy: a
+    traceback and exit 1 (a review)."""
+    result = subprocess.run([sys.executable, "-m", "guardian", "--supervise", "--guardian-config", str(tmp_path)],
+                            capture_output=True, text=True, timeout=30)
+    assert result.returncode == EXIT_USAGE and "Traceback" not in result.stderr
+    assert f"mlx-guardian: {tmp_path}: cannot be read" in result.stderr
+
+
 def test_supervise_help_shows_the_supervisors_flags():
     result = subprocess.run([sys.executable, "-m", "guardian", "--supervise", "--help"],
                             capture_output=True, text=True, timeout=30)

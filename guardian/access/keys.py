@@ -80,9 +80,9 @@ def parse_key_lines(text: str, source: str = "the key file") -> tuple[tuple[ApiK
         try:
             if not KEY_NAME.fullmatch(name):
                 raise KeyFileError(f"{where}: a key's name is letters, digits and ._@- (at most 64)")
-            if looks_like_a_secret(name):
-                raise KeyFileError(f"{where}: its name looks like a key, and names are logged: "
-                                   "NAME:KEY, the name first")
+            if looks_like_a_secret(name) and not is_hashed(key) and not looks_like_a_secret(key):
+                raise KeyFileError(f"{where}: written KEY:NAME? Its name looks like a key and its key like "
+                                   "a name, and names are logged: NAME:KEY, the name first")
             if name in names:
                 raise KeyFileError(f"{where}: the name {name!r} is used twice")
             keys.append(ApiKey(name, key_digest(key, where), in_clear=not is_hashed(key)))
@@ -131,14 +131,15 @@ def is_hashed(text: str) -> bool:
     return text[:len(HASHED_PREFIX)].lower() == HASHED_PREFIX
 
 
-def looks_like_a_secret(name: str) -> bool:
-    """Whether a name looks like a key (``KEY:NAME``, written the wrong way round, would
-    put the key in every log line and metric that names it): an OpenAI-style ``sk-``
-    prefix, or a long run of letters and digits mixed, as generated keys are."""
-    if name.lower().startswith(("sk-", "sk_")):
+def looks_like_a_secret(text: str) -> bool:
+    """Whether ``text`` looks like a key: an OpenAI-style ``sk-`` prefix, or a long run of
+    letters and digits mixed, as generated keys are. A line whose name does and whose key
+    does not was written ``KEY:NAME``, the wrong way round, which would put the key in
+    every log line and metric that names it. (A name alone may look so: an ObjectId.)"""
+    if text.lower().startswith(("sk-", "sk_")):
         return True
     return any(len(run) >= SECRET_RUN_CHARS and not run.isalpha() and not run.isdigit()
-               for run in re.findall(r"[A-Za-z0-9]+", name))
+               for run in re.findall(r"[A-Za-z0-9]+", text))
 
 
 def key_digest(key: str, where: str) -> bytes:

@@ -308,12 +308,13 @@ class HttpSettings(Table, name="http"):
     send_timeout_s = Setting(SECONDS, 30.0, """
         A write to a client that makes no progress for this long ends its
         request: the client stopped reading (nginx's send_timeout). 0: none.""", live=True)
-    linger_s = Setting(SECONDS, 2.0, """
+    linger_s = Setting(Float(min=0, max=30), 2.0, """
         How long the close of a request answered without reading its body (a
         refusal at the door, a body over the limit, a route that reads none)
         drops what its client still sends, so that the answer is not reset away
         before the client reads it (a web server's lingering close). Past it, or
-        once the client closes, the connection is closed. 0: at once.""", live=True)
+        once the client closes, the connection is closed. 0: at once; at most 30
+        (each holds a descriptor, and a client with no key can ask for one).""", live=True)
     send_buffer_bytes = Setting(Int(min=0, max=1 << 30), 256 * 1024, """
         The kernel's send buffer for each client connection (SO_SNDBUF): what a
         client that stopped reading can leave unsent before send_timeout_s

@@ -133,7 +133,7 @@ class Connection:
             self.last_heard = time.monotonic()
             try:
                 message = json.loads(line)
-            except ValueError:
+            except (ValueError, RecursionError):
                 return "sent an unreadable line"
             if message.get("kind") == "failing":
                 return f"failed: {message.get('reason')}"
@@ -174,7 +174,9 @@ class ControlLinks:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._listener = socket.socket(family, socket.SOCK_STREAM)
         self._listener.bind((host, 0))
-        self._listener.listen(self.size)
+        # Room for the ranks beside whatever else connects while they join (a SYN dropped
+        # from a full backlog is sent again a second later).
+        self._listener.listen(max(self.size, MAX_PENDING_HELLOS))
         return host, self._listener.getsockname()[1]
 
     def accept_all(self) -> None:
@@ -186,43 +188,55 @@ class ControlLinks:
         none is refused without holding up the ranks that join."""
         deadline = time.monotonic() + JOIN_TIMEOUT_S
         hellos: dict[socket.socket, bytes] = {}  # connected, their hello not yet whole
-        with selectors.DefaultSelector() as selector:
-            selector.register(self._listener, selectors.EVENT_READ)
-            try:
+        self._listener.setblocking(False)
+        try:
+            with selectors.DefaultSelector() as selector:
+                selector.register(self._listener, selectors.EVENT_READ)
                 while len(self.connections) < self.size - 1:
-                    ready = selector.select(deadline - time.monotonic())
-                    if not ready and time.monotonic() >= deadline:
+                    if time.monotonic() >= deadline:  # checked each pass: a peer's trickle must not defer it
                         joined = sorted(c.peer for c in self.connections)
                         raise TimeoutError(f"ranks other than {[0, *joined]} did not connect "
                                            f"within {JOIN_TIMEOUT_S:g} s")
-                    for key, _ in ready:
+                    for key, _ in selector.select(deadline - time.monotonic()):
                         if key.fileobj is self._listener:
-                            sock, _ = self._listener.accept()
-                            sock.setblocking(False)
-                            if len(hellos) >= MAX_PENDING_HELLOS:
-                                oldest = next(iter(hellos))
-                                selector.unregister(oldest)
-                                del hellos[oldest]
-                                oldest.close()
-                            hellos[sock] = b""
-                            selector.register(sock, selectors.EVENT_READ)
-                            continue
-                        sock = key.fileobj
-                        line = self._read_hello_line(sock, hellos)
-                        if line is None:
-                            continue  # not whole yet
-                        selector.unregister(sock)
-                        del hellos[sock]
-                        hello, why = self._judge_hello(line)
-                        if why is not None:
-                            log.warning("group_hello_refused", peer=peer_address(sock), reason=why)
-                            sock.close()
-                            continue
-                        self._add(sock, hello["rank"], None, hello)
-            finally:
-                for sock in hellos:
-                    sock.close()
-        self._listener.close()
+                            self._accept_one(selector, hellos)
+                        elif key.fileobj in hellos:  # else let go earlier in this pass
+                            self._take_hello(selector, hellos, key.fileobj)
+        finally:
+            for sock in hellos:
+                sock.close()
+            self._listener.close()
+
+    def _accept_one(self, selector, hellos: dict) -> None:
+        try:
+            sock, _ = self._listener.accept()
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as e:  # reset while queued (BSD, macOS: ECONNABORTED), out of descriptors
+            log.warning("group_accept_failed", error_message=str(e))
+            return
+        sock.setblocking(False)
+        if len(hellos) >= MAX_PENDING_HELLOS:
+            oldest = next(iter(hellos))
+            selector.unregister(oldest)
+            del hellos[oldest]
+            oldest.close()
+        hellos[sock] = b""
+        selector.register(sock, selectors.EVENT_READ)
+
+    def _take_hello(self, selector, hellos: dict, sock: socket.socket) -> None:
+        """More of ``sock``'s hello; once it is whole, the rank it names joins, or it is refused."""
+        line = self._read_hello_line(sock, hellos)
+        if line is None:
+            return  # not whole yet
+        selector.unregister(sock)
+        del hellos[sock]
+        hello, why = self._judge_hello(line)
+        if why is not None:
+            log.warning("group_hello_refused", peer=peer_address(sock), reason=why)
+            sock.close()
+            return
+        self._add(sock, hello["rank"], None, hello)
 
     @staticmethod
     def _read_hello_line(sock: socket.socket, hellos: dict) -> Optional[bytes]:
@@ -246,12 +260,13 @@ class ControlLinks:
         """A joining rank's hello, or why ``line`` is none."""
         try:
             hello = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):  # nested past the parser's recursion: anyone may send it
             return {}, "not a hello (unreadable)"
         if not isinstance(hello, dict) or hello.get("kind") != "hello":
             return {}, "not a hello"
         token = hello.get("token")
-        if not isinstance(token, str) or not hmac.compare_digest(token.encode(), self.token.encode()):
+        if not isinstance(token, str) or not token.isascii() or not hmac.compare_digest(
+                token.encode(), self.token.encode()):  # (a lone surrogate does not encode)
             return {}, "not the group's token"
         rank = hello.get("rank")
         joined = {c.peer for c in self.connections}

@@ -109,8 +109,9 @@ class ConnectionCollector(Collector):
         yield GaugeMetricFamily(p + "http_connections_reading", "Connections whose request is still arriving "
                                 "(or that are idle between requests), held by the reader thread.",
                                 value=status["held"])
-        yield GaugeMetricFamily(p + "http_buffered_bytes", "Bytes of request bodies still arriving that "
-                                "the server has room reserved for ([http] max_buffered_bytes).",
+        yield GaugeMetricFamily(p + "http_buffered_bytes", "Bytes of requests still arriving (heads as "
+                                "they come, then head and body) that the server has room reserved for "
+                                "([http] max_buffered_bytes).",
                                 value=status["buffered_bytes"])
         yield GaugeMetricFamily(p + "http_handlers_active", "Handler threads answering a request now.",
                                 value=status["handlers_active"])

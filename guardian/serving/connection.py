@@ -12,9 +12,9 @@ a few bytes, never a thread:
 - headers not complete within ``header_timeout_s`` of the connection, or the
   body within ``body_timeout_s`` of the headers: 408;
 - headers over ``max_header_bytes`` or ``max_header_count``: 431;
-- a body that would take the bodies still arriving past ``max_buffered_bytes``
-  (each reserves its Content-Length once its headers are read): 503 + Retry-After
-  at once, unread;
+- a head or request that would take those still arriving past ``max_buffered_bytes``
+  (a head counts as it comes; once whole, it and its Content-Length are reserved):
+  503 + Retry-After at once, unread (431 or 413 for one that never fits);
 - a body that is refused (the door, past ``max_body_bytes``) or sent where
   nothing reads one (only a completion does): never read; a handler answers
   from the head, and the close lingers on the reader thread (``[http] linger_s``)

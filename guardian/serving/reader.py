@@ -696,7 +696,7 @@ class RequestReader:
             body_start = framing.find_head_end(incoming.buffer, incoming.scanned, limits.max_header_bytes + 4)
             if body_start is None:
                 if limits.max_buffered_bytes and self.buffered_reserved > limits.max_buffered_bytes:
-                    return self._refuse_busy(incoming, len(incoming.buffer), limits)
+                    return self._refuse_busy(incoming, len(incoming.buffer), limits, "head")
                 if len(incoming.buffer) > limits.max_header_bytes:
                     if incoming.buffer.find(b"\n", 0, limits.max_header_bytes) < 0:  # its request line alone
                         return self._refuse_framing(incoming, framing.refusal(
@@ -732,7 +732,7 @@ class RequestReader:
                     # answers as the route does, which is not by its body.
                     self._answer_unread(incoming)
                 else:
-                    if not self._reserve(incoming, head.body_length, limits):
+                    if not self._reserve(incoming, body_start + head.body_length, limits):
                         return
                     if head.expects_continue:
                         send_quietly(incoming.sock, framing.CONTINUE)
@@ -746,40 +746,43 @@ class RequestReader:
         incoming.needed = 0
         incoming.body_unread = True
 
-    def _reserve(self, incoming: Incoming, body_length: int, limits) -> bool:
-        """Room for ``incoming``'s body among those still arriving; False: refused (503)."""
+    def _reserve(self, incoming: Incoming, request_bytes: int, limits) -> bool:
+        """Room for ``incoming``'s whole request (its head, which stays in its buffer, and its
+        body) among those still arriving; False: refused (503)."""
         cap = limits.max_buffered_bytes
-        if cap and self.buffered_reserved + body_length > cap:
-            self._refuse_busy(incoming, body_length, limits, body=True)
+        if cap and self.buffered_reserved + request_bytes > cap:
+            self._refuse_busy(incoming, request_bytes, limits, "request")
             return False
-        incoming.reserved = body_length
-        self.buffered_reserved += body_length
+        incoming.reserved = request_bytes
+        self.buffered_reserved += request_bytes
         return True
 
-    def _refuse_busy(self, incoming: Incoming, wanted: int, limits, body: bool = False) -> None:
-        """503 for a request whose head or body (``wanted`` bytes) finds no room among those
-        arriving (413 for a body that never fits)."""
+    def _refuse_busy(self, incoming: Incoming, wanted: int, limits, part: str) -> None:
+        """503 for a request whose ``part`` (its head so far, or the whole ``request``:
+        ``wanted`` bytes) finds no room among those arriving; 431 or 413 for one that
+        never fits."""
         cap = limits.max_buffered_bytes
         self.server.count_closed("buffers_full")
         left_out = self.full_lines.due()
         self._forget(incoming)  # its room given back before the line below counts the rest
         if left_out is not None:
-            log.warning("http_buffers_full", client=incoming.address[0], part="body" if body else "head",
-                        part_bytes=wanted, buffered_bytes=self.buffered_reserved, max_buffered_bytes=cap,
-                        left_out=left_out)
+            log.warning("http_buffers_full", client=incoming.address[0], part=part, part_bytes=wanted,
+                        buffered_bytes=self.buffered_reserved, max_buffered_bytes=cap, left_out=left_out)
         incoming.buffer = bytearray()  # what came of the request so far goes now
-        # Unread, the rest may reset the answer away: a client that sends as it reads
-        # gets the 503, one that sends first an error on the connection (the openai
-        # SDK retries either). Lingering here would hold the reader.
-        if body and wanted > cap:  # it never fits: no point in sending it again
-            error = GuardianError(f"The request body is {wanted} bytes; this server holds at most {cap} "
-                                  "bytes of requests at once.", status=413, type="invalid_request_error",
-                                  code="request_too_large", retry=False)
-        else:
+        if wanted <= cap:
             error = GuardianError("The server holds as many requests on their way as it may now; send the "
                                   "request again.", status=503, code="server_busy",
                                   retry_after_s=limits.retry_after_s)
-        send_refusal(incoming.sock, error)
+        elif part == "head":  # it never fits: no point in sending it again
+            error = framing.refusal(431, f"The request's headers exceed the {cap} bytes of requests this server "
+                                         "holds at once ([http] max_buffered_bytes).", "headers_too_large")
+        else:
+            error = GuardianError(f"The request is {wanted} bytes; this server holds at most {cap} bytes of "
+                                  "requests at once.", status=413, type="invalid_request_error",
+                                  code="request_too_large", retry=False)
+        # Its unread rest would reset the answer away: drained for linger_s on a thread of
+        # the refusals' (the reader goes on), as a refusal at the door is.
+        refuse_in_background(incoming.sock, error, linger_s=limits.linger_s)
 
     def _expire(self) -> bool:
         """Let the connections whose deadline has passed go; whether more are due

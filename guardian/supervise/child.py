@@ -27,6 +27,7 @@ import psutil
 import structlog
 
 from guardian import exit_codes
+from guardian.config.registry import ConfigError
 from guardian.distributed.launch import LauncherProcess
 from guardian.handoff import Channel
 from guardian.supervise.proxy import CHILD_HOST
@@ -211,10 +212,13 @@ def copy_of_a_pipe(path: str) -> tuple[tempfile.TemporaryDirectory, str]:
     instead. Each read of a pipe after the first is empty, and the supervisor reads the
     file three times at start: [access] and [http] went back to their defaults, and the
     child, whose /dev/fd the pipe is not, exited 2."""
-    folder = private_folder()
-    copy = os.path.join(folder.name, CONFIG_FROM_PIPE)
-    with open(path, "rb") as source:
-        data = source.read()
-    with open(copy, "wb") as kept:  # in a folder only this user reads
-        kept.write(data)
+    try:
+        with open(path, "rb") as source:
+            data = source.read()
+        folder = private_folder()
+        copy = os.path.join(folder.name, CONFIG_FROM_PIPE)
+        with open(copy, "wb") as kept:  # in a folder only this user reads
+            kept.write(data)
+    except OSError as e:  # a folder, a device, no permission: said as any unreadable file is
+        raise ConfigError(f"{path}: cannot be read: {e}") from None
     return folder, copy
