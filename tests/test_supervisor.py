@@ -834,7 +834,7 @@ def test_a_request_behind_a_crash_suspect_gets_its_504_at_its_deadline(start_sup
 
     def long_request():
         with httpx.Client(timeout=120) as client:
-            suspect["response"] = client.post(supervised.url + COMPLETIONS, json=chat_body(max_tokens=300))
+            suspect["response"] = client.post(supervised.url + COMPLETIONS, json=chat_body(max_tokens=160))
 
     waiter = threading.Thread(target=long_request, daemon=True)
     waiter.start()
@@ -842,7 +842,7 @@ def test_a_request_behind_a_crash_suspect_gets_its_504_at_its_deadline(start_sup
          what="the long request generating")
     os.kill(first_pid, signal.SIGKILL)
     supervised.wait_ready(not_pid=first_pid, timeout=30)
-    # The long request, in flight at the crash, is sent again alone (15 s): this one waits its turn.
+    # The long request, in flight at the crash, is sent again alone (8 s): this one waits its turn.
     poll(lambda: supervised.supervisor()["quarantine"]["isolation"]["suspect_running_alone"], 20,
          what="the suspect running alone")
     started = time.monotonic()
