@@ -293,6 +293,11 @@ def test_public_paths_are_a_setting(tmp_path):
     # way in. A web UI in a container is let in by allowed_hosts (the test's own list, below).
     ("host.docker.internal:8080", "127.0.0.1", False),
     ("evil.internal", "127.0.0.1", False),
+    # A tutorial's base URL, http://0.0.0.0:8080: a connect() there reaches this machine, and
+    # no page is same-origin with it (stock served it; a parity hunt).
+    ("0.0.0.0:8080", "127.0.0.1", True),
+    ("[::]:8080", "127.0.0.1", True),
+    ("0.0.0.1", "127.0.0.1", False),
 ])
 def test_host_header(host_header, bound, allowed):
     policy = door(host=bound, protected_mode=False, allowed_hosts=[".llm.example.com"])
@@ -356,6 +361,11 @@ def test_no_host_header_is_no_browser():
     ("app://", None, False, None),
     ("app://obsidian.md/x", None, False, None),
     ("chrome-extension://abcdef", None, False, None),  # an extension: --allowed-origins names it
+    # An Electron app's page from a file, a Capacitor app, a page served from 0.0.0.0 (a parity hunt).
+    ("file://", None, True, "file://"),
+    ("file://evil.example", None, False, None),
+    ("capacitor://localhost", None, True, "capacitor://localhost"),
+    ("http://0.0.0.0:3000", None, True, "http://0.0.0.0:3000"),
     ("app://obsidian.md", ["https://ui.example"], False, None),
     ("http://evil.example", ["*"], True, "*"),
     ("https://ui.example", ["https://ui.example"], True, "https://ui.example"),

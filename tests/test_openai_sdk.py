@@ -263,10 +263,14 @@ def test_any_model_id_in_the_path_gets_the_model_or_openais_404(sdk_server):
         response = httpx.get(f"{server.url}/v1/models/{quoted_id}", timeout=10)
         assert response.status_code in (200, 404), (quoted_id, response.status_code, response.text)
         body = response.json()
-        if response.status_code == 200:
+        if not quoted_id:  # /v1/models/: the listing, as stock answers it
+            assert response.status_code == 200 and body["object"] == "list", body
+        elif response.status_code == 200:
             assert body["object"] == "model" and body["id"] == listed
         else:
             assert body["error"]["code"] in ("model_not_found", "unknown_url"), body  # ".." leaves the path
 
     answered()
     assert httpx.get(server.url + "/v1/models/default_model", timeout=10).status_code == 200
+    # A trailing slash lists them, as stock does (it was a 404 for the model ''; a parity hunt).
+    assert httpx.get(server.url + "/v1/models/", timeout=10).json()["object"] == "list"

@@ -417,8 +417,12 @@ def test_stock_engine_is_proxied_and_restarted(start_supervisor, model_cache, tm
         took = time.monotonic() - started
         assert dropped.status_code == 502 and dropped.json()["error"]["code"] == "engine_dropped_request", dropped.text
         assert dropped.headers["x-should-retry"] == "false" and 2.9 < took < 6, took
+        # A stream stock cuts on its own (stream_options without include_usage: a KeyError in its
+        # handler), alive after it: the error event said "the engine process stopped", to retry.
+        cut = read_stream(client, supervised.url + COMPLETIONS, chat_body(max_tokens=4, stream=True, stream_options={}))
+        assert cut["done"] and [e["code"] for e in cut["errors"]] == ["engine_dropped_request"], cut
         assert supervised.wait_ready() == first_pid  # alive all along
-        assert supervised.supervisor_events("request_dropped_by_child")
+        assert len(supervised.supervisor_events("request_dropped_by_child")) == 2
         os.kill(first_pid, signal.SIGKILL)
         supervised.wait_ready(not_pid=first_pid, timeout=30)
         assert client.post(supervised.url + COMPLETIONS, json=chat_body(max_tokens=4)).status_code == 200

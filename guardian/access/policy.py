@@ -44,7 +44,8 @@ LOOPBACK_NAMES = ("localhost", "localhost.localdomain")
 # Origins of apps on this machine that are no web page (Ollama's defaults): an Electron
 # app (``app://obsidian.md``), a Tauri app, a VS Code webview. No web page can send them;
 # granting them trusts what is installed here, as a local process is trusted already.
-APP_ORIGIN_SCHEMES = ("app", "tauri", "vscode-webview", "vscode-file")
+APP_ORIGIN_SCHEMES = ("app", "tauri", "vscode-webview", "vscode-file", "capacitor")
+# An Electron app's page loaded from a file says ``file://`` (a browser's says "null").
 # An authority as a Host header or an Origin carries one (lower-cased): a name or an IPv4
 # address, or an IPv6 address in brackets; then perhaps a port. urlsplit alone reads
 # ``[::1]evil.example`` as ::1 and ``localhost:3000?x`` as localhost.
@@ -130,7 +131,20 @@ def host_name_of(host_header: str) -> Optional[str]:
 
 
 def is_loopback_name(name: str) -> bool:
-    return name in LOOPBACK_NAMES or name.endswith(".localhost") or is_loopback_address(name)
+    """A Host's or an Origin's name for this machine. The unspecified address too
+    (``0.0.0.0``, ``[::]``): a client's connect() takes it for this machine (a tutorial's
+    ``http://0.0.0.0:8080``), and no page of another origin is same-origin with it, so it
+    rebinds nothing. (Binding to it is no loopback: ``bound_to_loopback``.)"""
+    return (name in LOOPBACK_NAMES or name.endswith(".localhost") or is_loopback_address(name)
+            or is_unspecified_address(name))
+
+
+@functools.lru_cache(maxsize=1024)
+def is_unspecified_address(address: str) -> bool:
+    try:
+        return ipaddress.ip_address(address).is_unspecified
+    except ValueError:
+        return False
 
 
 def bound_to_loopback(host: str) -> bool:
@@ -182,6 +196,8 @@ class Origins:
         scheme, separator, authority = value.partition("://")
         if not separator:
             return False  # an Origin is scheme://host[:port], no more (RFC 6454)
+        if scheme == "file":
+            return not authority
         name = host_name_of(authority)
         if scheme in APP_ORIGIN_SCHEMES:
             return name is not None

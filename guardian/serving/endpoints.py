@@ -46,7 +46,7 @@ class Endpoints:
                                  "connections": self.server.connection_status()})
         elif path == "/metrics":
             self.send_metrics(metrics.registry_of(self.response_generator.pm))
-        elif path == "/v1/models":
+        elif path in ("/v1/models", "/v1/models/"):  # stock lists them for both
             self.send_json(200, self.models_listing(engine.cli_args, self.response_generator.gate))
         elif path.startswith("/v1/models/"):
             self.send_model(path.removeprefix("/v1/models/"), engine.cli_args, self.response_generator.gate)

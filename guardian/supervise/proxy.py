@@ -709,19 +709,33 @@ class ProxyHandler(BaseHTTPRequestHandler):
         """The child died with part of the answer sent: ANSWERED (ended for the
         client), or the stream to continue on the next child."""
         try:
-            self.child_lost(child, cut, sent=True, stream=is_sse, answer=stream is None)
+            self.child_lost(child, cut, sent=True)
             if stream is None:
+                if is_sse:  # a stream no child can continue (stock's, an untagged one)
+                    self.wfile.write(self.cut_stream_error(child).sse_bytes())
                 return ANSWERED
             if stream.finished:  # cut just before its [DONE]
                 self.give_up(stream, None)
                 return ANSWERED
             if not stream.continuable:
-                self.give_up(stream, self.server.supervisor.lost_child_error())
+                self.give_up(stream, self.cut_stream_error(child))
                 return ANSWERED
             return stream
         except CLIENT_GONE:
             self.say_client_gone(child_pid=child.pid)
             return ANSWERED
+
+    def cut_stream_error(self, child) -> GuardianError:
+        """The error event that ends a stream its child cut and no child continues: a crash's
+        (engine_restarting, to retry) once the child is reaped; a drop's (engine_dropped_request,
+        not to retry) if it lives on past reap_wait_s (stock, whose handler failed on this
+        request: the same request fails again). Its head went out: only request_timeout_s
+        bounds the wait, as a continued stream's."""
+        if self.wait_reaped(child, request_path(self.path), stream=True) or self.gone:
+            return self.server.supervisor.lost_child_error()
+        log.warning("request_dropped_by_child", path=self.logged_path, child_pid=child.pid,
+                    reap_wait_s=self.server.supervisor.settings.reap_wait_s)
+        return self.server.supervisor.dropped_request_error()
 
     def relay_head(self, response):
         """The child's status and headers; whether it is a stream, and the
@@ -779,13 +793,10 @@ class ProxyHandler(BaseHTTPRequestHandler):
             return e
         return None if events.done else EOFError("the stream ended without [DONE]")
 
-    def child_lost(self, child, cause: BaseException, sent: bool, stream: bool = False,
-                   answer: bool = True) -> None:
-        """The child failed under this request: answer what can still be answered.
-
-        Nothing sent yet, or a stream to continue (not ``answer``): the caller
-        sends the request again or answers it.
-        """
+    def child_lost(self, child, cause: BaseException, sent: bool) -> None:
+        """The child failed under this request: counted and logged. The caller answers:
+        sends the request again, continues or ends a stream (``after_cut``); a body of
+        known length stops short, and its client sees the cut."""
         supervisor = self.server.supervisor
         if self.relay_record is not None:
             # Answered, but a suspect of the child's death until it is reaped.
@@ -793,10 +804,6 @@ class ProxyHandler(BaseHTTPRequestHandler):
         supervisor.metrics.relay_errors.labels("during_response" if sent else "before_response").inc()
         log.warning("proxy_child_lost", path=self.logged_path, child_pid=child.pid, bytes_sent=sent,
                     error_type=type(cause).__name__, error_message=str(cause))
-        if sent and stream and answer:
-            self.wfile.write(supervisor.lost_child_error().sse_bytes())
-        # Otherwise a body of known length stops short: the client sees the
-        # cut; with nothing sent yet it would have had a 503.
 
     # -- answering ourselves ----------------------------------------------
     def send_json(self, status: int, payload: dict, headers: dict | None = None) -> None:
