@@ -120,6 +120,7 @@ def test_a_key_file_with_no_key_is_warned_of(tmp_path, capsys):
     ("sk-with space-0123", "no spaces"),
     ("sk-proj-0123456789:alice-laptop", "written KEY:NAME"),  # the wrong way round
     ("a1b2c3d4e5f6a7b8c9d0e1f20123456789:build-server", "written KEY:NAME"),
+    ("sk-live-0123:Zx9aB8cD7eF6gH5iJ4kL3mN2oP", "written KEY:NAME"),  # a key with a ":", alone
 ])
 def test_a_bad_line_is_named_without_its_key(tmp_path, line, complaint):
     with pytest.raises(KeyFileError, match=complaint) as raised:
@@ -156,7 +157,7 @@ def test_a_reload_lists_at_most_a_few_names(tmp_path, capsys):
 def test_names_that_are_names_are_kept():
     lines = ["alice:sk-0123456789", "build-server-2024:0123456789abcdef", "key.42@lab:abcdefgh12",
              # Names that look like keys, with keys that do too: not written the wrong way round.
-             "507f1f77bcf86cd799439011:sk-mongo-0123456789", "sk-team:f3a9c1e07b2d4c6e8a1b3d5f7092e4c6",
+             "507f1f77bcf86cd799439011:sk-mongo-0123456789", "team-a1b2c3d4e5f6a7b8c9d0e1f2:f3a9c1e07b2d4c6e8a1b3d5f70",
              "ci:sha256:" + "ab" * 32]
     keys = parse_key_file("\n".join(lines) + "\n")
     assert [key.name for key in keys] == [line.split(":")[0] for line in lines]

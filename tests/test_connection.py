@@ -399,26 +399,27 @@ def test_heads_still_arriving_are_bounded_in_memory_too(held):
     many, so clients with no key held connections x 64 KiB (and a supervised child ~6 MiB
     each, from any local process). Heads take room in max_buffered_bytes as bodies do:
     of clients that each send most of a head, those past it get 503 at once, not 408."""
+    def answers_to(request: bytes) -> list[str]:
+        """The statuses of as many clients as fit, and two more, each sending ``request``."""
+        clients = [held.connect() for _ in range(MAX_BUFFERED // len(request) + 2)]
+        try:
+            for sock in clients:
+                sock.sendall(request)
+            answers = [answer_of(sock) for sock in clients]  # the held ones at their 1 s deadline
+        finally:
+            for sock in clients:
+                sock.close()
+        busy = [json.loads(answer.partition(b"\r\n\r\n")[2])["error"] for answer in answers if b" 503 " in answer[:13]]
+        assert all(error["code"] == "server_busy" for error in busy), busy
+        poll(lambda: held.connections()["buffered_bytes"] == 0, 10, what="the room given back")
+        return sorted(answer[len(b"HTTP/1.0 "):][:3].decode() for answer in answers)
+
     part = POST + b"X-Pad: " + b"p" * 60_000  # never ends
     fit = MAX_BUFFERED // len(part)
-    clients = [held.connect() for _ in range(fit + 2)]
-    try:
-        for sock in clients:
-            sock.sendall(part)
-        answers = [answer_of(sock) for sock in clients]  # the held ones at their 1 s deadline
-    finally:
-        for sock in clients:
-            sock.close()
-    statuses = sorted(answer[len(b"HTTP/1.0 "):][:3].decode() for answer in answers)
-    assert statuses == ["408"] * fit + ["503"] * 2, statuses
-    busy = [json.loads(answer.partition(b"\r\n\r\n")[2])["error"] for answer in answers if b" 503 " in answer[:13]]
-    assert all(error["code"] == "server_busy" for error in busy), busy
-    poll(lambda: held.connections()["buffered_bytes"] == 0, 10, what="the heads' room given back")
+    assert answers_to(part) == ["408"] * fit + ["503"] * 2
     # A whole head still counts while its body is awaited (a review: it had given its room back).
-    with held.connect() as waiting:
-        waiting.sendall(POST + b"X-Pad: " + b"p" * 60_000 + b"\r\nContent-Length: 1\r\n\r\n")
-        poll(lambda: held.connections()["buffered_bytes"] > 60_000, 5, interval=0.02,
-             what="the head, waiting for its body")
+    whole = part + b"\r\nContent-Length: 1\r\n\r\n"
+    assert answers_to(whole) == ["408"] * (MAX_BUFFERED // len(whole)) + ["503"] * 2
     # A head larger than the whole room never fits: 431, not a 503 to retry for ever.
     try:
         held.config.write_text(CONFIG.replace(f"max_buffered_bytes = {MAX_BUFFERED}", "max_buffered_bytes = 32768"))

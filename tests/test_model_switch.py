@@ -100,6 +100,20 @@ def test_the_models_listed_are_the_models_a_request_may_name(start_server, tmp_p
     assert server.events("unloaded_model_read") == []
 
 
+def test_a_trailing_slash_lists_the_same_models(start_server, tmp_path):
+    """/v1/models/ was a 404 for the model '' (stock lists them there); then, run as stock
+    runs it, an empty list of the hub's models: stock filters by what follows the slash."""
+    hub = fake_hub_cache(tmp_path / "hub")
+    server = start_server("[guardian]\nallow_any_model = true\n",
+                          env={"HF_HUB_CACHE": str(hub), "HF_HUB_OFFLINE": "1"})
+    def models(path: str) -> list:
+        return [model["id"] for model in httpx.get(server.url + path, timeout=30).json()["data"]]
+
+    listed = models("/v1/models")
+    assert "mlx-community/Elsewhere-4bit" in listed
+    assert models("/v1/models/") == listed
+
+
 def test_a_model_config_read_before_it_exists_is_read_again_once_it_does(tmp_path):
     """An allowed model not on disk yet had its unknown vocabulary size and context length
     cached for the life of the process: once stock had downloaded it, its logit_bias bounds

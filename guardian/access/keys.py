@@ -80,9 +80,9 @@ def parse_key_lines(text: str, source: str = "the key file") -> tuple[tuple[ApiK
         try:
             if not KEY_NAME.fullmatch(name):
                 raise KeyFileError(f"{where}: a key's name is letters, digits and ._@- (at most 64)")
-            if looks_like_a_secret(name) and not is_hashed(key) and not looks_like_a_secret(key):
-                raise KeyFileError(f"{where}: written KEY:NAME? Its name looks like a key and its key like "
-                                   "a name, and names are logged: NAME:KEY, the name first")
+            if written_backwards(name, key):
+                raise KeyFileError(f"{where}: its name looks like a key (written KEY:NAME, or a key holding "
+                                   "a ':' written alone?), and names are logged: NAME:KEY, the name first")
             if name in names:
                 raise KeyFileError(f"{where}: the name {name!r} is used twice")
             keys.append(ApiKey(name, key_digest(key, where), in_clear=not is_hashed(key)))
@@ -131,13 +131,20 @@ def is_hashed(text: str) -> bool:
     return text[:len(HASHED_PREFIX)].lower() == HASHED_PREFIX
 
 
-def looks_like_a_secret(text: str) -> bool:
-    """Whether ``text`` looks like a key: an OpenAI-style ``sk-`` prefix, or a long run of
-    letters and digits mixed, as generated keys are. A line whose name does and whose key
-    does not was written ``KEY:NAME``, the wrong way round, which would put the key in
-    every log line and metric that names it. (A name alone may look so: an ObjectId.)"""
-    if text.lower().startswith(("sk-", "sk_")):
+def written_backwards(name: str, key: str) -> bool:
+    """Whether a line's name is likely a key, which would reach every log line and metric
+    that names it: written ``KEY:NAME``, or a key holding a ``:`` written alone (the part
+    before it taken for a name). A name with a key's ``sk-`` prefix always; one with a
+    long run of letters and digits mixed (an ObjectId is a name) only where its key does
+    not look like a key itself."""
+    if name.lower().startswith(("sk-", "sk_")):
         return True
+    return has_a_generated_run(name) and not is_hashed(key) and not (
+        key.lower().startswith(("sk-", "sk_")) or has_a_generated_run(key))
+
+
+def has_a_generated_run(text: str) -> bool:
+    """A run of SECRET_RUN_CHARS letters and digits, mixed, as generated keys hold."""
     return any(len(run) >= SECRET_RUN_CHARS and not run.isalpha() and not run.isdigit()
                for run in re.findall(r"[A-Za-z0-9]+", text))
 

@@ -178,8 +178,8 @@ class Origins:
 
     # Without --allowed-origins: pages served from this machine, on any port, by http or
     # https (``allows``), said as the http ones; and the apps of ``APP_ORIGIN_SCHEMES``.
-    DEFAULT = ("http://localhost:*, http://127.0.0.1:*, http://[::1]:*, "
-               + ", ".join(f"{scheme}://*" for scheme in APP_ORIGIN_SCHEMES))
+    DEFAULT = ("http://localhost:*, http://127.0.0.1:*, http://[::1]:*, http://0.0.0.0:*, "
+               + ", ".join(f"{scheme}://*" for scheme in APP_ORIGIN_SCHEMES) + ", file://")
 
     def __init__(self, explicit: Optional[list[str]]):
         # Stock's --allowed-origins, when given; None: pages on this machine only.

@@ -339,12 +339,12 @@ class HttpSettings(Table, name="http"):
         87 at the public port, which leaves room for the headers the supervisor adds.""", live=True)
     max_buffered_bytes = Setting(Int(min=0), 256 * 1024 * 1024, """
         Requests still arriving, in bytes, that the door holds in memory at once:
-        each head as it comes (up to max_header_bytes), then each body, which
-        reserves its Content-Length when its head is read. A request whose head or
-        body would take it past this gets 503 + Retry-After at once, the rest
-        unread (413 if the body alone is larger): a thousand clients each sending
-        30 MB slowly held 30 GB, and a head of 64 KiB never finished was held with
-        no bound on their number. 0: no limit.""", live=True)
+        each head as it comes (up to max_header_bytes), then, once it is whole,
+        the head and its Content-Length together. A request whose head or whole
+        would take it past this gets 503 + Retry-After at once, the rest unread
+        (431 for a head, 413 for a request, larger than this alone): a thousand
+        clients each sending 30 MB slowly held 30 GB, and heads of 64 KiB never
+        finished were held with no bound on their number. 0: no limit.""", live=True)
 
 
 # Tables the core reads; every other table is a plugin's.

@@ -36,6 +36,8 @@ log = structlog.get_logger("guardian.group")
 JOIN_TIMEOUT_S = 30.0
 # A hello is a line of a few dozen bytes: a longer one is no rank's.
 MAX_HELLO_BYTES = 4096
+# After an accept that failed, before the next (the listener stays readable).
+ACCEPT_RETRY_S = 0.1
 # Connections whose hello is still to come, at most: past it the oldest goes (a rank
 # sends its hello as it connects; a flood of silent ones must not hold their descriptors).
 MAX_PENDING_HELLOS = 64
@@ -214,6 +216,8 @@ class ControlLinks:
             return
         except OSError as e:  # reset while queued (BSD, macOS: ECONNABORTED), out of descriptors
             log.warning("group_accept_failed", error_message=str(e))
+            # One that lasts (EMFILE) leaves the listener readable: not a spin of warnings.
+            time.sleep(ACCEPT_RETRY_S)
             return
         sock.setblocking(False)
         if len(hellos) >= MAX_PENDING_HELLOS:
@@ -236,7 +240,11 @@ class ControlLinks:
             log.warning("group_hello_refused", peer=peer_address(sock), reason=why)
             sock.close()
             return
-        self._add(sock, hello["rank"], None, hello)
+        try:
+            self._add(sock, hello["rank"], None, hello)
+        except OSError as e:  # reset since its hello (macOS: EINVAL from setsockopt): it joins again or not at all
+            log.warning("group_hello_refused", peer=peer_address(sock), reason=f"gone since its hello: {e}")
+            sock.close()
 
     @staticmethod
     def _read_hello_line(sock: socket.socket, hellos: dict) -> Optional[bytes]:

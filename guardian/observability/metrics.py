@@ -101,7 +101,8 @@ class ConnectionCollector(Collector):
             p + "http_connections_closed", "Connections the server ended before any handler had their "
             "request, by reason: timeout_idle (no byte came; closed), timeout_headers and timeout_body "
             "(408), refused_head (its head refused: 400, 411, 414, 417, 431, 505), buffers_full (no room "
-            "for its body: 503, or 413), handlers_busy (no handler free: 503), tls_failed (a TLS port's "
+            "for its head or its request among those arriving: 503; 431 or 413 for one larger than all "
+            "the room), handlers_busy (no handler free: 503), tls_failed (a TLS port's "
             "connection whose handshake failed, or plain HTTP: 400).", labels=["reason"])
         for reason, count in sorted(status["closed"].items()):
             closed.add_metric([reason], count)

@@ -96,7 +96,7 @@ class Incoming:
         self.headers_at = 0.0
         self.needed = 0  # bytes the whole request has, once its headers are read
         # Of the reader's max_buffered_bytes: the head's bytes so far while it arrives,
-        # then its body's length while that arrives.
+        # then the whole request's (head and Content-Length) while its body arrives.
         self.reserved = 0
         self.access = None  # the door's decision, when made on the head (``decide_at_head``)
         self.handshaking = tls

@@ -66,10 +66,12 @@ def models_listing(handler) -> dict:
 
     Stock writes its 200 status line before it scans the hub cache, then
     raises when there is none: run it against a buffer, with the scan made
-    safe, and let the caller send the result.
+    safe, and let the caller send the result. Run as for ``/v1/models``: stock
+    filters by what follows it in the path, and ``/v1/models/`` listed none.
     """
     server.scan_cache_dir = _scan_cache_dir_or_empty
     wfile, handler.wfile = handler.wfile, io.BytesIO()
+    path, handler.path = handler.path, "/v1/models"
     log_request = handler.log_request
     handler.log_request = lambda *args: None  # the caller's response is logged
     try:
@@ -77,6 +79,7 @@ def models_listing(handler) -> dict:
         written = handler.wfile.getvalue()
     finally:
         handler.wfile = wfile
+        handler.path = path
         handler.log_request = log_request
     return json.loads(written.partition(b"\r\n\r\n")[2])
 

@@ -215,10 +215,13 @@ def copy_of_a_pipe(path: str) -> tuple[tempfile.TemporaryDirectory, str]:
     try:
         with open(path, "rb") as source:
             data = source.read()
+    except OSError as e:  # a folder, a device, no permission: said as any unreadable file is
+        raise ConfigError(f"{path}: cannot be read: {e}") from None
+    try:
         folder = private_folder()
         copy = os.path.join(folder.name, CONFIG_FROM_PIPE)
         with open(copy, "wb") as kept:  # in a folder only this user reads
             kept.write(data)
-    except OSError as e:  # a folder, a device, no permission: said as any unreadable file is
-        raise ConfigError(f"{path}: cannot be read: {e}") from None
+    except OSError as e:  # no room, or no writable temporary folder
+        raise ConfigError(f"{path} is a pipe, and its copy for the children cannot be written: {e}") from None
     return folder, copy

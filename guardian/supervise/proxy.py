@@ -456,10 +456,14 @@ class ProxyHandler(BaseHTTPRequestHandler):
     def deadline_passed(self, deadline: Deadline, stream) -> None:
         """Its deadline passed while no child had it (held for one that was starting, or
         between a child that died under it and the next): a 504, or a stream's error event."""
+        self.give_up(stream, self.deadline_error(deadline, continued=stream is not None))
+
+    def deadline_error(self, deadline: Deadline, continued: bool) -> GuardianError:
+        """``deadline``'s 504, counted and logged."""
         self.server.supervisor.metrics.requests_deadline_exceeded.inc()
-        log.warning("request_deadline_exceeded", path=self.logged_path, continued=stream is not None,
+        log.warning("request_deadline_exceeded", path=self.logged_path, continued=continued,
                     age_s=round(self.age_s(), 3), deadline_s=deadline.seconds, deadline=deadline.source)
-        self.give_up(stream, deadline.error())
+        return deadline.error()
 
     def age_s(self) -> float:
         """Since the request reached the public port: the child's deadlines count it too."""
@@ -730,9 +734,13 @@ class ProxyHandler(BaseHTTPRequestHandler):
         (engine_restarting, to retry) once the child is reaped; a drop's (engine_dropped_request,
         not to retry) if it lives on past reap_wait_s (stock, whose handler failed on this
         request: the same request fails again). Its head went out: only request_timeout_s
-        bounds the wait, as a continued stream's."""
-        if self.wait_reaped(child, request_path(self.path), stream=True) or self.gone:
+        bounds the wait, as a continued stream's; past it, its 504's event."""
+        path = request_path(self.path)
+        if self.wait_reaped(child, path, stream=True) or self.gone:
             return self.server.supervisor.lost_child_error()
+        due = self.next_deadline(path, stream=True)
+        if due is not None and due[0] <= time.monotonic():
+            return self.deadline_error(due[1], continued=True)
         log.warning("request_dropped_by_child", path=self.logged_path, child_pid=child.pid,
                     reap_wait_s=self.server.supervisor.settings.reap_wait_s)
         return self.server.supervisor.dropped_request_error()
