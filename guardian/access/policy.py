@@ -130,6 +130,17 @@ def host_name_of(host_header: str) -> Optional[str]:
     return name[:-1] if name and name.endswith(".") and len(name) > 1 else name
 
 
+# An Origin as a refusal's message quotes it: a scheme and an authority, or "null".
+PLAIN_ORIGIN = re.compile(r"null|[a-z][a-z0-9+.-]{0,30}://(?:" + AUTHORITY.pattern + ")?")
+
+
+def shown_origin(origin: str) -> str:
+    """``origin`` as a logged message quotes it: whole where it is one, else by its size only
+    (a value with a user and password in it, ``http://user:pw@x``, is no origin)."""
+    value = origin.strip().lower()
+    return repr(value[:100]) if PLAIN_ORIGIN.fullmatch(value) else f"of {len(origin)} characters"
+
+
 def is_loopback_name(name: str) -> bool:
     """A Host's or an Origin's name for this machine. The unspecified address too
     (``0.0.0.0``, ``[::]``): a client's connect() takes it for this machine (a tutorial's
@@ -293,8 +304,11 @@ class AccessPolicy:
         name = host_name_of(host_header)
         if name is not None and self.host_allowed(name, client_address):
             return None
+        # Quoted only where it is a name (and a port): the message is logged, and what is
+        # not a name may be anything, a user and password included (Host: user:pw@x).
+        shown = repr(host_header[:100]) if name is not None else f"of {len(host_header)} characters"
         return GuardianError(
-            f"The Host header {host_header[:100]!r} is not a name this server answers to. "
+            f"The Host header {shown} is not a name this server answers to. "
             "Add it to [access] allowed_hosts in --guardian-config.",
             status=403, type="invalid_request_error", code=HOST_NOT_ALLOWED, retry=False)
 
@@ -327,7 +341,7 @@ class AccessPolicy:
         if origin is None or self.origins.allows(origin):
             return None
         return GuardianError(
-            f"Requests from web pages of origin {origin[:100]!r} are not allowed. Start the server "
+            f"Requests from web pages of origin {shown_origin(origin)} are not allowed. Start the server "
             "with --allowed-origins listing it to let that page in.",
             status=403, type="invalid_request_error", code=ORIGIN_NOT_ALLOWED, retry=False)
 
