@@ -115,6 +115,10 @@ def test_every_loaded_settings_table_is_in_the_example():
         ("[guardian]\nretry_after_s = " + "9" * 5000 + "\n", r"not a usable TOML file: Exceeds the limit"),
         ("[guardian]\nallowed_models = " + "[" * 2000 + "]" * 2000 + "\n", r"nested too deeply"),
         ("[http]\nself = 1\n", r"\[http\] unknown key 'self'"),
+        # This stop's settings, at their bounds.
+        ("[http]\nlinger_s = 31\n", r"http.linger_s: must be <= 30"),
+        ("[http]\nlinger_s = -1\n", r"http.linger_s: must be >= 0"),
+        ("[supervisor]\nreap_wait_s = 0\n", r"supervisor.reap_wait_s: must be > 0"),
         ("[prompt_guard]\nself = 1\n", r"\[prompt_guard\] unknown key 'self'"),
         ("[prompt_guard]\nmax_queue_wait_s = " + "1" * 401 + "\n", r"prompt_guard.max_queue_wait_s: must be <= "),
     ],

@@ -26,15 +26,11 @@ log = structlog.get_logger("guardian.connection")
 READ_BYTES = 1 << 16
 
 
-# How long a refused client's unread body is drained before the close ([http] linger_s).
-LINGER_S = 2.0
-
-
 # Answers the reader writes itself go out within this, or are dropped.
 REFUSAL_SEND_TIMEOUT_S = 1.0
 
 
-def linger_close(connection: socket.socket, linger_s: float = LINGER_S) -> None:
+def linger_close(connection: socket.socket, linger_s: float) -> None:
     """Let a client that sent a body we will not read get our answer first.
 
     Closing a socket with unread data sends a reset, which can destroy the

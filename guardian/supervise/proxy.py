@@ -403,21 +403,23 @@ class ProxyHandler(BaseHTTPRequestHandler):
             if not reaped:
                 if self.answered_past_deadline(path, stream):
                     return
-                log.warning("request_dropped_by_child", path=self.logged_path, child_pid=child.pid,
-                            reap_wait_s=supervisor.settings.reap_wait_s)
-                return self.give_up(stream, supervisor.dropped_request_error())
+                return self.give_up(stream, self.dropped_by(child))
             if resends >= supervisor.settings.max_resends:
                 return self.give_up(stream, supervisor.lost_child_error())
             resends += 1
             dead_child_pid = child.pid
 
+    def past_deadline(self, path: str, stream) -> Optional[Deadline]:
+        """The request's deadline that has passed, if one has."""
+        due = self.next_deadline(path, stream)
+        return due[1] if due is not None and due[0] <= time.monotonic() else None
+
     def answered_past_deadline(self, path: str, stream) -> bool:
         """Whether the request's deadline has passed; if so, it is answered (504)."""
-        due = self.next_deadline(path, stream)
-        if due is None or due[0] > time.monotonic():
-            return False
-        self.deadline_passed(due[1], stream)
-        return True
+        passed = self.past_deadline(path, stream)
+        if passed is not None:
+            self.deadline_passed(passed, stream)
+        return passed is not None
 
     def wait_reaped(self, child, path: str, stream) -> bool:
         """``Supervisor.wait_reaped``, ended by this request's deadline or its client leaving:
@@ -738,12 +740,17 @@ class ProxyHandler(BaseHTTPRequestHandler):
         path = request_path(self.path)
         if self.wait_reaped(child, path, stream=True) or self.gone:
             return self.server.supervisor.lost_child_error()
-        due = self.next_deadline(path, stream=True)
-        if due is not None and due[0] <= time.monotonic():
-            return self.deadline_error(due[1], continued=True)
+        passed = self.past_deadline(path, stream=True)
+        if passed is not None:
+            return self.deadline_error(passed, continued=True)
+        return self.dropped_by(child)
+
+    def dropped_by(self, child) -> GuardianError:
+        """What a request gets whose ``child`` dropped it and lives on past reap_wait_s, logged."""
+        supervisor = self.server.supervisor
         log.warning("request_dropped_by_child", path=self.logged_path, child_pid=child.pid,
-                    reap_wait_s=self.server.supervisor.settings.reap_wait_s)
-        return self.server.supervisor.dropped_request_error()
+                    reap_wait_s=supervisor.settings.reap_wait_s)
+        return supervisor.dropped_request_error()
 
     def relay_head(self, response):
         """The child's status and headers; whether it is a stream, and the
