@@ -288,6 +288,8 @@ def test_pages_from_other_origins_and_foreign_hosts_are_refused(door_server):
     refused = httpx.post(door_server.url + COMPLETIONS, json=chat_body(max_tokens=2), headers=evil, timeout=30)
     assert refused.status_code == 403 and refused.json()["error"]["code"] == "origin_not_allowed"
     assert "access-control-allow-origin" not in refused.headers
+    # The same headers as every answer of stock's, whoever writes it (the supervisor too).
+    assert refused.headers["access-control-allow-methods"] == "*"
     preflight = httpx.options(door_server.url + COMPLETIONS, headers={
         "Origin": "http://evil.example", "Access-Control-Request-Method": "POST"}, timeout=30)
     assert "access-control-allow-origin" not in preflight.headers
@@ -303,6 +305,14 @@ def test_pages_from_other_origins_and_foreign_hosts_are_refused(door_server):
                           headers={**local, "Authorization": f"Bearer {ALICE}"}, timeout=60)
     assert answered.status_code == 200
     assert answered.headers["access-control-allow-origin"] == "http://localhost:3000"
+    # A page let in reads the server's own answers too: a refusal of its key (so it can
+    # say "wrong key", not "network error"), and a health check; under --supervise
+    # the supervisor writes both.
+    unkeyed = httpx.post(door_server.url + COMPLETIONS, json=chat_body(max_tokens=2), headers=local, timeout=30)
+    assert unkeyed.status_code == 401 and unkeyed.headers["access-control-allow-origin"] == "http://localhost:3000"
+    assert unkeyed.headers["vary"] == "Origin"
+    health = door_server.get("/health", headers=local)
+    assert health.status_code == 200 and health.headers["access-control-allow-origin"] == "http://localhost:3000"
     # DNS rebinding: a name the attacker controls now points at 127.0.0.1.
     rebound = door_server.get("/v1/models", ALICE, headers={"Host": "evil.example:8080"})
     assert rebound.status_code == 403 and rebound.json()["error"]["code"] == "host_not_allowed"

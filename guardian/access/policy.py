@@ -353,6 +353,21 @@ class AccessPolicy:
             return origin
         return None
 
+    def cors_headers(self, origin: Optional[str]) -> dict:
+        """Every answer's CORS headers, whoever writes it (stock's handler, or the
+        supervisor): the grant for ``origin``, and stock's other two, plus Authorization,
+        which a browser never covers by "*". A page let in reads the answer, a refusal or
+        an error of the server's too."""
+        headers = {}
+        granted = self.cors_origin(origin)
+        if granted is not None:
+            headers["Access-Control-Allow-Origin"] = granted
+            if granted != "*":
+                headers["Vary"] = "Origin"
+        headers["Access-Control-Allow-Methods"] = "*"
+        headers["Access-Control-Allow-Headers"] = "*, Authorization"
+        return headers
+
     def status(self) -> dict:
         return {"mode": self.mode, "bound_host": self.bound_host, "allowed_origins": self.origins.describe(),
                 "public_paths": list(self.settings.public_paths), **self.keys.status(),

@@ -77,9 +77,9 @@ class GuardianHandler(Endpoints, stock.handler.DoorCorsHandler):
         self.send_error_json(self.access.error)  # an unread body: the connection layer lingers at the close
         return False
 
-    def cors_origin(self) -> Optional[str]:
-        """What stock's CORS headers grant this request's Origin (guardian.access)."""
-        return self.server.door.cors_origin(self.headers.get("Origin"))
+    def cors_headers(self) -> dict:
+        """Stock's CORS headers, granting what the door lets in (guardian.access)."""
+        return self.server.door.cors_headers(self.headers.get("Origin"))
 
     @property
     def client_name(self) -> str:

@@ -13,25 +13,20 @@ from guardian.stock.contract import APIHandler
 
 
 class DoorCorsHandler(APIHandler):
-    """Stock's handler, its CORS grant decided by the subclass's ``cors_origin()``.
+    """Stock's handler, its CORS headers the door's (the subclass's ``cors_headers()``).
 
     Stock grants ``Access-Control-Allow-Origin: *`` unless ``--allowed-origins``
     says otherwise; the guardian grants only what the door allows (by default
-    pages on this machine). The other two headers are stock's, plus
-    Authorization, which a browser never covers by "*".
+    pages on this machine), with stock's other two headers
+    (guardian.access.policy.AccessPolicy.cors_headers).
     """
 
-    def cors_origin(self):  # pragma: no cover - the subclass's
+    def cors_headers(self) -> dict:  # pragma: no cover - the subclass's
         raise NotImplementedError
 
     def _set_cors_headers(self):
-        origin = self.cors_origin()
-        if origin is not None:
-            self.send_header("Access-Control-Allow-Origin", origin)
-            if origin != "*":
-                self.send_header("Vary", "Origin")
-        self.send_header("Access-Control-Allow-Methods", "*")
-        self.send_header("Access-Control-Allow-Headers", "*, Authorization")
+        for name, value in self.cors_headers().items():
+            self.send_header(name, value)
 
 
 def set_completion_headers(handler, status_code: int) -> None:

@@ -72,6 +72,9 @@ STREAM_KEEPALIVE = b": keepalive\n\n"
 MAX_ERROR_BODY_BYTES = 1 << 16
 BODY_METHODS = relay_protocol.BODY_METHODS
 HOP_BY_HOP = relay_protocol.HOP_BY_HOP
+# What the supervisor writes itself on the answers it writes (send_cors_headers).
+CORS_HEADERS = frozenset({"access-control-allow-origin", "access-control-allow-methods",
+                          "access-control-allow-headers", "vary"})
 # A child's word that it tagged a stream's tokens; not for the client.
 CONTINUABLE = relay_protocol.CONTINUABLE_HEADER.lower()
 # What relaying a request to one child came to (besides a stream cut, to continue).
@@ -833,11 +836,20 @@ class ProxyHandler(BaseHTTPRequestHandler):
             # As the child does: an X-Request-ID comes back, whoever answers (the client's
             # own when sane, else one made for it, which the access line names too).
             self.send_header(REQUEST_ID_HEADER, self.answer_id())
+            self.send_cors_headers()
             self.end_headers()
             if self.command != "HEAD":
                 self.wfile.write(body)
         except CLIENT_GONE:
             pass
+
+    def send_cors_headers(self) -> None:
+        """The CORS headers the child's answers carry: a page let in reads the supervisor's
+        answers too (its 503 while a child starts, its 504, its refusals at the door)."""
+        headers = getattr(self, "headers", None)
+        origin = headers.get("Origin") if headers is not None else None
+        for name, value in self.server.supervisor.door.cors_headers(origin).items():
+            self.send_header(name, value)
 
     def send_metrics(self) -> None:
         """The supervisor's metrics and its child's (guardian.supervise.metrics)."""
@@ -847,6 +859,7 @@ class ProxyHandler(BaseHTTPRequestHandler):
             self.send_header("Content-Type", supervise_metrics.CONTENT_TYPE)
             self.send_header("Content-Length", str(len(body)))
             self.send_header(REQUEST_ID_HEADER, self.answer_id())
+            self.send_cors_headers()
             self.end_headers()
             if self.command != "HEAD":
                 self.wfile.write(body)
@@ -854,13 +867,15 @@ class ProxyHandler(BaseHTTPRequestHandler):
             pass
 
     def send_whole(self, response: httpx.Response) -> None:
-        """A response read whole from the child, with its status and headers."""
+        """A response read whole from the child (its health check), with its status and
+        headers; its CORS headers the supervisor's, as the child was sent no Origin."""
         try:
             self.send_response_only(response.status_code, response.reason_phrase)
             for raw_name, raw_value in response.headers.raw:
                 name = raw_name.decode("latin-1")
-                if name.lower() not in HOP_BY_HOP:
+                if name.lower() not in HOP_BY_HOP and name.lower() not in CORS_HEADERS:
                     self.send_header(name, raw_value.decode("latin-1"))
+            self.send_cors_headers()
             self.send_header("Connection", "close")
             self.end_headers()
             if self.command != "HEAD":
