@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 
 from conftest import BOTH_MODES, ModeServer, Server, chat_body, free_port, pace, poll, scraped, spawn_guardian
 from guardian.errors import GuardianError
-from guardian.serving import framing
+from guardian.serving import framing, sockets
 from guardian.serving.limits import ConnectionLimits
 from guardian.serving.reader import RequestReader
 from guardian.relay_protocol import HEADERS_ADDED_FOR_CHILD
@@ -516,6 +516,68 @@ def test_a_lingering_close_ends_at_linger_s_though_its_client_never_closes(held)
     finally:
         held.config.write_text(CONFIG)
     assert held.connections()["lingering"] == 0
+
+
+def test_past_max_lingering_a_close_lingers_no_more(held):
+    """[http] max_lingering bounds the descriptors that lingering closes hold (a client
+    with no key can ask for one each): past it, a close is at once."""
+    kept = []
+
+    def answered_unread() -> socket.socket:
+        sock = held.connect()
+        kept.append(sock)
+        sock.sendall(b"POST /health HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 100000\r\n\r\n")
+        assert sock.recv(65536).startswith(b"HTTP/1.0 405")
+        return sock
+
+    def lingers() -> bool:
+        answered_unread()
+        try:
+            poll(lambda: held.connections()["lingering"] == 1, 1.0)
+            return True
+        except AssertionError:
+            return False
+
+    try:
+        held.config.write_text(CONFIG.replace("[http]\n", "[http]\nmax_lingering = 0\n"))
+        poll(lambda: lingered(held) < 1.0, 30, what="max_lingering = 0 in force: no close lingers")
+        held.config.write_text(CONFIG.replace("[http]\n", "[http]\nmax_lingering = 1\nlinger_s = 12\n"))
+        poll(lingers, 30, what="max_lingering = 1 in force: a close lingers")
+        assert lingered(held) < 1.0  # the one allowed is taken: this close is at once
+        assert held.connections()["lingering"] == 1
+    finally:
+        for sock in kept:
+            sock.close()  # its client's end ends a lingering close
+        held.config.write_text(CONFIG)
+    poll(lambda: held.connections()["lingering"] == 0, 10, what="no close lingering")
+
+
+def test_a_refusal_the_door_writes_waits_on_a_client_that_reads_nothing_only_so_long():
+    """A refusal is written by the reader or one of a few threads: a client that reads
+    nothing holds it 1 s at most, or [http] send_timeout_s where that is shorter."""
+    assert sockets.refusal_send_timeout_s(ConnectionLimits(send_timeout_s=30.0)) == 1.0
+    assert sockets.refusal_send_timeout_s(ConnectionLimits(send_timeout_s=0.0)) == 1.0  # 0: no timeout, so the cap
+    assert sockets.refusal_send_timeout_s(ConnectionLimits(send_timeout_s=0.25)) == 0.25
+    listener = socket.create_server(("127.0.0.1", 0))
+    client = socket.create_connection(listener.getsockname())
+    client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    ours, _ = listener.accept()
+    try:
+        ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        ours.setblocking(False)
+        try:  # both buffers full: the client reads nothing
+            while True:
+                ours.send(b"x" * 65536)
+        except BlockingIOError:
+            pass
+        started = time.monotonic()
+        sockets.send_refusal(ours, GuardianError("busy", status=503, code="server_busy"), wait_s=0.3)
+        took = time.monotonic() - started
+        assert 0.25 < took < 2.0, took
+        assert ours.fileno() == -1  # closed, its answer dropped
+    finally:
+        for sock in (ours, client, listener):
+            sock.close()
 
 
 def test_a_body_past_32_mib_is_refused_at_once(held):

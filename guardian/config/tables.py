@@ -307,7 +307,9 @@ class HttpSettings(Table, name="http"):
         without a word (as an idle keep-alive connection is).""", live=True)
     send_timeout_s = Setting(SECONDS, 30.0, """
         A write to a client that makes no progress for this long ends its
-        request: the client stopped reading (nginx's send_timeout). 0: none.""", live=True)
+        request: the client stopped reading (nginx's send_timeout). 0: none.
+        An answer the door writes itself (a refusal, a 408) waits at most 1 s,
+        or this if less: a thread or the reader waits on it.""", live=True)
     linger_s = Setting(Float(min=0, max=30), 2.0, """
         How long the close of a request answered without reading its body (a
         refusal at the door, a body over the limit, a route that reads none)
@@ -315,6 +317,10 @@ class HttpSettings(Table, name="http"):
         before the client reads it (a web server's lingering close). Past it, or
         once the client closes, the connection is closed. 0: at once; at most 30
         (each holds a descriptor, and a client with no key can ask for one).""", live=True)
+    max_lingering = Setting(Int(min=0), 1024, """
+        Lingering closes (linger_s) at once, a descriptor each: past it, a close
+        lingers no more and its answer may be reset away before its client reads
+        it. 0: none lingers.""", live=True)
     send_buffer_bytes = Setting(Int(min=0, max=1 << 30), 256 * 1024, """
         The kernel's send buffer for each client connection (SO_SNDBUF): what a
         client that stopped reading can leave unsent before send_timeout_s

@@ -62,7 +62,8 @@ from guardian.serving.deadlines import takes_body
 from guardian.serving.limits import ConnectionLimits
 from guardian.serving.reader import CLOSE_REASONS, Incoming, RequestReader
 from guardian.serving.sockets import (asks_head_only, bytes_waiting_now, close_quietly, inherited_listener, listen_backlog,
-                                      refuse_in_background, send_close_notify, send_refusal)
+                                      refuse_in_background, refusal_send_timeout_s, send_close_notify,
+                                      send_refusal)
 
 log = structlog.get_logger("guardian.connection")
 
@@ -314,7 +315,7 @@ class HeldConnections:
                 f"All {self.limits.max_handlers} request handlers are busy; send the request again.",
                 status=503, code="server_busy", retry_after_s=self.limits.retry_after_s),
                 linger_s=self.limits.linger_s if incoming.body_unread else 0.0, handed_off=incoming.handed_off,
-                head_only=asks_head_only(incoming.buffer))
+                head_only=asks_head_only(incoming.buffer), wait_s=refusal_send_timeout_s(self.limits))
             return
         sock = incoming.sock
         try:
@@ -339,7 +340,7 @@ class HeldConnections:
             self.count_closed("handlers_busy")
             send_refusal(sock, GuardianError("The server cannot start a handler now.", status=503,
                                              code="server_busy", retry_after_s=self.limits.retry_after_s),
-                         handed_off=incoming.handed_off)
+                         handed_off=incoming.handed_off, wait_s=refusal_send_timeout_s(self.limits))
 
     _send_buffer_refused: Optional[int] = None
 

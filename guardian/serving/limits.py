@@ -23,6 +23,7 @@ class ConnectionLimits:
     max_header_count: int = 100
     max_buffered_bytes: int = 256 << 20
     linger_s: float = 2.0
+    max_lingering: int = 1024
     retry_after_s: float = 1.0
 
 

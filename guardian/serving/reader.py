@@ -28,8 +28,8 @@ from guardian.observability.logs import AtMostEvery
 from guardian.serving import framing
 from guardian.serving.limits import ConnectionLimits, snapshot
 from guardian.serving.sockets import (READ_BYTES, asks_head_only, bytes_waiting, client_left, close_quietly,
-                                      drained, pending_bytes, peer_closed, refuse_in_background, send_quietly,
-                                      send_refusal)
+                                      drained, pending_bytes, peer_closed, refuse_in_background, refusal_send_timeout_s,
+                                      send_quietly, send_refusal)
 
 log = structlog.get_logger("guardian.connection")
 
@@ -55,9 +55,6 @@ ACCEPT_BATCH = 64
 GONE_BEFORE_ACCEPTED = frozenset({errno.ECONNABORTED, errno.ECONNRESET, errno.EPROTO})
 
 
-# Closes lingering at once (``RequestReader.linger``): one descriptor each, for up to
-# [http] linger_s. Past this many, a close lingers no more (its answer may be reset away).
-MAX_LINGERING = 1024
 # Reads of a lingering close's client in one turn of the reader (64 KiB each).
 LINGER_READS_PER_TURN = 16
 
@@ -287,8 +284,10 @@ class RequestReader:
         self.call_at(0.0, lambda: self._linger(kept))
 
     def _linger(self, kept: socket.socket) -> None:
-        linger_s = self.server.limits.linger_s
-        if self.lingering >= MAX_LINGERING or linger_s <= 0:
+        # One descriptor each, for up to [http] linger_s: at most [http] max_lingering at once.
+        limits = self.server.limits
+        linger_s = limits.linger_s
+        if self.lingering >= limits.max_lingering or linger_s <= 0:
             close_quietly(kept)
             return
         self.lingering += 1
@@ -656,7 +655,9 @@ class RequestReader:
         self.server.count_closed("tls_failed")
         if first.isalpha():
             log.debug("tls_handshake_failed", client=incoming.address[0], error_message="plain HTTP")
-            refuse_in_background(incoming.sock, PLAIN_HTTP_TO_TLS_PORT, linger_s=self.server.limits.linger_s)
+            limits = self.server.limits
+            refuse_in_background(incoming.sock, PLAIN_HTTP_TO_TLS_PORT, linger_s=limits.linger_s,
+                                 wait_s=refusal_send_timeout_s(limits))
         else:
             close_quietly(incoming.sock)
         return False
@@ -782,7 +783,7 @@ class RequestReader:
                                   code="request_too_large", retry=False)
         # Its unread rest would reset the answer away: drained for linger_s on a thread of
         # the refusals' (the reader goes on), as a refusal at the door is.
-        refuse_in_background(incoming.sock, error, linger_s=limits.linger_s)
+        refuse_in_background(incoming.sock, error, linger_s=limits.linger_s, wait_s=refusal_send_timeout_s(limits))
 
     def _expire(self) -> bool:
         """Let the connections whose deadline has passed go; whether more are due
@@ -839,7 +840,8 @@ class RequestReader:
 
     def _refuse_error(self, incoming: Incoming, error: GuardianError) -> None:
         self._forget(incoming)
-        send_refusal(incoming.sock, error, head_only=asks_head_only(incoming.buffer))
+        send_refusal(incoming.sock, error, head_only=asks_head_only(incoming.buffer),
+                     wait_s=refusal_send_timeout_s(self.server.limits))
 
     def _refuse_framing(self, incoming: Incoming, error: GuardianError) -> None:
         """A head the door will not pass on (guardian.serving.framing): refused, counted, logged."""

@@ -26,8 +26,16 @@ log = structlog.get_logger("guardian.connection")
 READ_BYTES = 1 << 16
 
 
-# Answers the reader writes itself go out within this, or are dropped.
+# Answers the door writes itself go out within this ([http] send_timeout_s if less), or
+# are dropped: the reader, or one of the refusals' few threads, waits on each.
 REFUSAL_SEND_TIMEOUT_S = 1.0
+
+
+def refusal_send_timeout_s(limits) -> float:
+    """How long a refusal's send may wait: ``REFUSAL_SEND_TIMEOUT_S``, or [http]
+    send_timeout_s where that is shorter (0 there: no timeout, so the cap)."""
+    send_timeout_s = limits.send_timeout_s
+    return min(send_timeout_s, REFUSAL_SEND_TIMEOUT_S) if send_timeout_s else REFUSAL_SEND_TIMEOUT_S
 
 
 def linger_close(connection: socket.socket, linger_s: float) -> None:
@@ -163,26 +171,26 @@ def asks_head_only(buffer) -> bool:
 
 def send_refusal(sock: socket.socket, error: GuardianError, linger_s: float = 0.0,
                  handed_off: Optional[handoff.Received] = None, head_only: bool = False,
-                 wait: bool = True) -> None:
+                 wait_s: Optional[float] = REFUSAL_SEND_TIMEOUT_S) -> None:
     """``error`` in OpenAI's shape (its headers: Retry-After, x-should-retry), written
-    straight to the socket within a second, then the close; ``linger_s``: the
-    request is unread, drain it for up to this long first so the answer is not reset away;
-    ``handed_off``: the supervisor is told once the answer is written;
-    ``head_only``: the request is a HEAD: the headers alone; ``wait`` False: one
-    send that does not wait (what the socket's buffer takes), no linger."""
+    straight to the socket within ``wait_s`` (``refusal_send_timeout_s``), then the
+    close; ``linger_s``: the request is unread, drain it for up to this long first so
+    the answer is not reset away; ``handed_off``: the supervisor is told once the
+    answer is written; ``head_only``: the request is a HEAD: the headers alone;
+    ``wait_s`` None: one send that does not wait (what the socket's buffer takes), no linger."""
     body = json.dumps(error.body()).encode()
     head = [f"HTTP/1.0 {error.status} {HTTPStatus(error.status).phrase}", "Content-Type: application/json",
             f"Content-Length: {len(body)}", "Connection: close",
             *(f"{name}: {value}" for name, value in error.response_headers().items())]
     answer = ("\r\n".join(head) + "\r\n\r\n").encode() + (b"" if head_only else body)
     try:
-        if not wait:
+        if wait_s is None:
             sock.setblocking(False)
             sock.send(answer)
             linger_s = 0.0
         else:
             sock.setblocking(True)
-            sock.settimeout(REFUSAL_SEND_TIMEOUT_S)
+            sock.settimeout(wait_s)
             sock.sendall(answer)
         if linger_s > 0:
             linger_close(sock, linger_s)
@@ -195,7 +203,7 @@ def send_refusal(sock: socket.socket, error: GuardianError, linger_s: float = 0.
         handed_off.finish()
 
 
-# Refusals written on threads of their own, each for up to a second (linger_s more when
+# Refusals written on threads of their own, each for up to their wait_s (linger_s more when
 # it drains the client's unread request first): at most this many at once. Past it a
 # refusal is written without waiting and the connection closed, so that a flood of them
 # (plain HTTP to the TLS port, a busy server's) costs no thread.
@@ -204,13 +212,14 @@ _refusal_threads = threading.BoundedSemaphore(MAX_REFUSAL_THREADS)
 
 
 def refuse_in_background(sock: socket.socket, error: GuardianError, linger_s: float = 0.0,
-                         handed_off: Optional[handoff.Received] = None, head_only: bool = False) -> None:
+                         handed_off: Optional[handoff.Received] = None, head_only: bool = False,
+                         wait_s: float = REFUSAL_SEND_TIMEOUT_S) -> None:
     """``send_refusal`` on a thread of its own, or at once without waiting when
     ``MAX_REFUSAL_THREADS`` are busy (the answer may then be reset away)."""
     if _refusal_threads.acquire(blocking=False):
         def refuse():
             try:
-                send_refusal(sock, error, linger_s, handed_off, head_only)
+                send_refusal(sock, error, linger_s, handed_off, head_only, wait_s)
             finally:
                 _refusal_threads.release()
 
@@ -219,7 +228,7 @@ def refuse_in_background(sock: socket.socket, error: GuardianError, linger_s: fl
             return
         except RuntimeError:  # can't start a new thread
             _refusal_threads.release()
-    send_refusal(sock, error, handed_off=handed_off, head_only=head_only, wait=False)
+    send_refusal(sock, error, handed_off=handed_off, head_only=head_only, wait_s=None)
 
 
 def send_close_notify(tls: ssl.SSLSocket) -> None:
