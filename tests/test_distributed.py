@@ -516,6 +516,50 @@ def test_fault_injection_aims_at_one_rank():
 
 
 @pytest.mark.one_version
+def test_rank_0_waits_join_timeout_s_for_its_ranks_and_holds_only_so_many_silent_connections():
+    """A rank that never reaches rank 0 (a firewall) ends the join at [watchdog]
+    join_timeout_s, naming who joined; a flood of silent connections meanwhile holds
+    at most MAX_PENDING_HELLOS descriptors, the oldest let go."""
+    from guardian.distributed.control import MAX_PENDING_HELLOS, ControlLinks
+
+    def links(rank: int) -> ControlLinks:
+        return ControlLinks(rank, 3, beat_s=1.0, peer_timeout_s=10.0, on_lost=lambda *_: None,
+                            on_stopping=lambda _: None, join_timeout_s=2.0)
+
+    leader = links(0)
+    address = leader.listen("127.0.0.1")
+    failed = []
+
+    def accept_all():
+        try:
+            leader.accept_all()
+        except TimeoutError as e:
+            failed.append(str(e))
+
+    started = time.monotonic()
+    joining = threading.Thread(target=accept_all, daemon=True)
+    joining.start()
+    silent = []
+    rank_1 = links(1)
+    try:
+        for _ in range(MAX_PENDING_HELLOS + 6):
+            silent.append(socket.create_connection(address, timeout=10))
+        silent[0].settimeout(5)
+        assert silent[0].recv(1) == b""  # the oldest let go while the join goes on
+        rank_1.connect(address, leader.token)  # rank 2 never comes
+        joining.join(timeout=15)
+        took = time.monotonic() - started
+        assert not joining.is_alive() and 2.0 <= took < 6, took
+        assert failed and "join_timeout_s" in failed[0] and "[0, 1]" in failed[0], failed
+        silent[-1].settimeout(5)
+        assert silent[-1].recv(1) == b""  # every connection let go as the join ended
+    finally:
+        for sock in silent:
+            sock.close()
+        for member in (leader, rank_1):
+            member.close()
+
+
 def test_rank_0_lets_in_only_its_groups_ranks_while_they_join():
     """Rank 0 listens on the network until every rank has joined. A first line that was no
     hello (a scan, an HTTP request) failed the group's start (its JSON read raised), one

@@ -159,6 +159,12 @@ class WatchdogSettings(Table, name="watchdog"):
         process is gone (seen at once); every rank then exits with code 7, rank 0
         after answering its clients 503 + Retry-After. Each rank sends a beat ten
         times within it.""")
+    join_timeout_s = Setting(Float(min=0.1), 30.0, """
+        Under mlx.launch: how long rank 0 waits for every other rank to open its
+        control connection, and a rank to reach rank 0, once they met in the
+        group's first collective. Past it the rank logs group_join_failed and
+        exits with code 7: a rank that cannot reach the address rank 0 listens
+        on (a firewall; an address of another network).""")
 
 
 class SupervisorSettings(Table, name="supervisor"):

@@ -31,8 +31,9 @@ import structlog
 
 log = structlog.get_logger("guardian.group")
 
-# How long rank 0 waits for every other rank to connect, and a rank for
-# rank 0 to accept: they passed the rendezvous together moments before.
+# How long rank 0 waits for every other rank to connect, and a rank for rank 0 to
+# accept, by default ([watchdog] join_timeout_s): they passed the rendezvous together
+# moments before.
 JOIN_TIMEOUT_S = 30.0
 # A hello is a line of a few dozen bytes: a longer one is no rank's.
 MAX_HELLO_BYTES = 4096
@@ -157,11 +158,12 @@ class ControlLinks:
     """This rank's control connections: rank 0 holds one per other rank, the others one to rank 0."""
 
     def __init__(self, rank: int, size: int, *, beat_s: float, peer_timeout_s: float,
-                 on_lost: OnLost, on_stopping: Callable[[int], None]):
+                 on_lost: OnLost, on_stopping: Callable[[int], None], join_timeout_s: float = JOIN_TIMEOUT_S):
         self.rank = rank
         self.size = size
         self.beat_s = beat_s
         self.peer_timeout_s = peer_timeout_s
+        self.join_timeout_s = join_timeout_s
         self._on_lost = on_lost
         self._on_stopping = on_stopping
         self.connections: list[Connection] = []
@@ -188,7 +190,7 @@ class ControlLinks:
         nothing and hold its connection: hellos are read side by side, each up to its
         line's end and no further (what follows is the connection's), and one that is
         none is refused without holding up the ranks that join."""
-        deadline = time.monotonic() + JOIN_TIMEOUT_S
+        deadline = time.monotonic() + self.join_timeout_s
         hellos: dict[socket.socket, bytes] = {}  # connected, their hello not yet whole
         self._listener.setblocking(False)
         try:
@@ -198,7 +200,7 @@ class ControlLinks:
                     if time.monotonic() >= deadline:  # checked each pass: a peer's trickle must not defer it
                         joined = sorted(c.peer for c in self.connections)
                         raise TimeoutError(f"ranks other than {[0, *joined]} did not connect "
-                                           f"within {JOIN_TIMEOUT_S:g} s")
+                                           f"within {self.join_timeout_s:g} s (join_timeout_s)")
                     for key, _ in selector.select(deadline - time.monotonic()):
                         if key.fileobj is self._listener:
                             self._accept_one(selector, hellos)
@@ -285,7 +287,7 @@ class ControlLinks:
     # -- other ranks -------------------------------------------------------------
     def connect(self, address: tuple[str, int], token: str) -> None:
         """Any other rank: connect to rank 0 and say which rank this is, with the group's token."""
-        sock = socket.create_connection(address, timeout=JOIN_TIMEOUT_S)
+        sock = socket.create_connection(address, timeout=self.join_timeout_s)
         hello = {"kind": "hello", "rank": self.rank, "token": token, "pid": os.getpid(),
                  "host": socket.gethostname()}
         sock.sendall((json.dumps(hello) + "\n").encode())

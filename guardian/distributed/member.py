@@ -12,6 +12,7 @@ other than 0 runs instead of the HTTP server.
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import threading
@@ -19,7 +20,7 @@ from typing import Optional
 
 import structlog
 
-from guardian.distributed.control import ControlLinks
+from guardian.distributed.control import JOIN_TIMEOUT_S, ControlLinks
 from guardian.distributed.engine import GroupEngine, GroupPolicy
 from guardian.distributed.group import Group
 from guardian.health.parent_watch import (die_with_parent, die_with_process, is_ancestor, launcher_pid,
@@ -46,7 +47,7 @@ class GroupMember:
     # The engine every rank of a group runs.
     engine_class = GroupEngine
 
-    def __init__(self, group: Group, peer_timeout_s: float, on_exit):
+    def __init__(self, group: Group, peer_timeout_s: float, on_exit, join_timeout_s: float = JOIN_TIMEOUT_S):
         self.group = group
         # The process's guardian.serving.exit_request.ExitRequest.
         self.on_exit = on_exit
@@ -65,7 +66,7 @@ class GroupMember:
         self.engine: Optional[GroupEngine] = None
         self.links = ControlLinks(group.rank, group.size, beat_s=peer_timeout_s / BEATS_PER_TIMEOUT,
                                   peer_timeout_s=peer_timeout_s, on_lost=self._lost,
-                                  on_stopping=self._stopping)
+                                  on_stopping=self._stopping, join_timeout_s=join_timeout_s)
 
     def join(self, pm) -> None:
         """Every rank, before the model loads: policy, launcher watch, control links."""
@@ -77,10 +78,19 @@ class GroupMember:
             die_with_process(supervisor, lambda: self._lost(-1, "the supervisor is gone"))
         if self.group.leader:
             address, _ = share_address(0, self.links.listen(leader_host()), self.links.token)
-            self.links.accept_all()
+            joined = self.links.accept_all
         else:
             address, token = share_address(self.group.rank, None)
-            self.links.connect(address, token)
+            joined = functools.partial(self.links.connect, address, token)
+        try:
+            joined()
+        except OSError as e:  # TimeoutError among them: a rank that cannot reach rank 0's address
+            # The ranks that joined see this one's end close, and leave too.
+            log.critical("group_join_failed", reason=str(e) or type(e).__name__,
+                         control_address=f"{address[0]}:{address[1]}",
+                         join_timeout_s=self.links.join_timeout_s, exit_code=EXIT_GROUP_FAILED)
+            self.links.close()
+            exit_now(EXIT_GROUP_FAILED)
         self.links.start_beats()
         log.info("group_joined", size=self.group.size, control_address=f"{address[0]}:{address[1]}",
                  peer_timeout_s=self.links.peer_timeout_s, pid=os.getpid())

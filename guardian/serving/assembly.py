@@ -96,7 +96,8 @@ def serve(host: str, port: int, model_provider, config: Union[GuardianConfig, Li
         # Under mlx.launch: every rank joins before the model loads (together).
         from guardian.distributed.member import GroupMember
 
-        member = GroupMember(group, live.config.watchdog.peer_timeout_s, exit_request)
+        member = GroupMember(group, live.config.watchdog.peer_timeout_s, exit_request,
+                             live.config.watchdog.join_timeout_s)
         member.join(pm)
     try:  # before the model loads: a certificate that does not load is a usage error
         # A supervised child serves only its supervisor, in plain HTTP on loopback:

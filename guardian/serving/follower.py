@@ -24,7 +24,7 @@ def serve_follower(model_provider, config, pm, group: Group) -> int:
     exit_request = ExitRequest()
     # A LiveConfig (the file followed while serving), or a GuardianConfig.
     settings = getattr(config, "config", config)
-    member = GroupMember(group, settings.watchdog.peer_timeout_s, exit_request)
+    member = GroupMember(group, settings.watchdog.peer_timeout_s, exit_request, settings.watchdog.join_timeout_s)
     member.join(pm)
     try:
         model_provider.load_default()
