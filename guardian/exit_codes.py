@@ -66,7 +66,8 @@ EXIT_CODES = (
              "subprocess mode: more than `--supervisor-max-restarts` restarts within `--supervisor-window`"),
     ExitCode(EXIT_GROUP_FAILED, "a rank of the group failed, stalled or was lost",
              "under `mlx.launch`: a rank failed, stalled or was lost (died, stopped answering on the "
-             "group's control connection); every rank of the group exits with it"),
+             "group's control connection), or did not join within `[watchdog] join_timeout_s` "
+             "(`group_join_failed`); every rank of the group exits with it"),
 )
 
 
