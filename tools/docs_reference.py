@@ -374,7 +374,32 @@ def log_events() -> dict[str, dict]:
                 event["levels"].update("error" if level == "exception" else level for level in levels)
                 event["modules"].add(module.removeprefix("guardian."))
                 event["fields"].update(fields - COMMON_LOG_FIELDS)
+        _add_plain_records(tree, module.removeprefix("guardian."), events)
     return events
+
+
+def _add_plain_records(tree: ast.AST, module: str, events: dict[str, dict]) -> None:
+    """Events written as a plain ``logging.LogRecord`` (the log's own handler, which cannot log
+    through structlog): ``record = logging.LogRecord(name, logging.LEVEL, path, line, "event",
+    ...)``, its fields the attributes the same function sets on ``record``."""
+    for function in ast.walk(tree):
+        if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        for node in ast.walk(function):
+            call = node.value if isinstance(node, ast.Assign) else None
+            if not (isinstance(call, ast.Call) and getattr(call.func, "attr", None) == "LogRecord"
+                    and len(call.args) >= 5 and isinstance(call.args[1], ast.Attribute)):
+                continue
+            names, level = _strings(call.args[4]), call.args[1].attr.lower()
+            variables = {target.id for target in node.targets if isinstance(target, ast.Name)}
+            fields = {target.attr for assign in ast.walk(function) if isinstance(assign, ast.Assign)
+                      for target in assign.targets if isinstance(target, ast.Attribute)
+                      and isinstance(target.value, ast.Name) and target.value.id in variables}
+            for name in names:
+                event = events.setdefault(name, {"levels": set(), "modules": set(), "fields": set()})
+                event["levels"].add(level)
+                event["modules"].add(module)
+                event["fields"].update(fields)
 
 
 def _log_levels(node: ast.AST, chosen: dict[str, set]) -> set[str]:

@@ -31,7 +31,8 @@ EXAMPLE_HEADER = """\
 # (config_reload_failed); /guardian/status shows which version is live.
 #
 # Written from the settings each table declares (guardian/config/tables.py and
-# guardian/plugins/*.py); tests/test_example_config.py checks it. After
+# each built-in plugin's beside its code, [prompt_guard] in
+# guardian/admission/guard_settings.py); tests/test_example_config.py checks it. After
 # changing a setting, regenerate it:
 #   python -m guardian.config.reference > config/guardian.example.toml
 """
