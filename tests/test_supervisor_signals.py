@@ -63,6 +63,35 @@ def test_a_second_sigterm_kills_the_child_at_once(start_supervisor, tmp_path):
     assert hung["response"].json()["error"]["code"] == "server_stopping"
 
 
+def test_a_child_stopped_by_a_signal_of_its_own_is_no_crash_and_its_request_is_served(start_supervisor, tmp_path):
+    """A SIGTERM to the child alone (an operator restarting its engine, a script) ends it
+    with exit 0 after its drain. The supervisor took that for a crash: what was in flight
+    became a crash suspect, run alone, and at a second such stop was quarantined, a 500
+    for an innocent request and for every copy of it for 300 s."""
+    config = tmp_path / "short-drain.toml"
+    config.write_text("[guardian]\nexit_grace_s = 0.2\n[fault_injection]\nenabled = true\nstep_delay_s = 0.02\n")
+    supervised = start_supervisor("--guardian-config", str(config))
+    first_pid = supervised.wait_ready()
+    answered = {}
+
+    def post():
+        with httpx.Client(timeout=90) as client:
+            answered["response"] = client.post(supervised.url + COMPLETIONS, json=chat_body(max_tokens=120))
+
+    waiter = threading.Thread(target=post, daemon=True)
+    waiter.start()
+    poll(lambda: supervised.supervisor()["in_flight"] == 1, 10, what="the request in flight")
+    supervised.signal_child(first_pid, signal.SIGTERM)  # its 120 steps take 2.4 s; its drain 0.2 s
+    supervised.wait_for_event("request_resent", timeout=30)
+    waiter.join(timeout=60)
+    response = answered["response"]
+    assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 120
+    [exited] = supervised.supervisor_events("child_exited")
+    assert exited["returncode"] == EXIT_OK and exited["pid"] == first_pid and exited["level"] == "info"
+    assert not supervised.supervisor_events("crash_suspects")
+    assert supervised.supervisor()["quarantine"]["suspects"] == []
+
+
 def test_a_child_never_ready_is_replaced_after_the_start_timeout(start_supervisor, tmp_path):
     # The model's config.json is a FIFO nobody writes: the child blocks
     # reading it, before it ever binds its port, as a load that never ends.

@@ -93,6 +93,19 @@ class Child:
         return (self.last_check_at or self.started_at) + interval
 
 
+# How a child ends that stopped as it was asked by a signal sent to it, not by the
+# supervisor (an operator's kill, a script's): 0 after its drain; a stock child, or one
+# still starting, ends by the signal itself.
+STOPPED_AS_ASKED = frozenset({exit_codes.EXIT_OK, -signal.SIGTERM, -signal.SIGINT, -signal.SIGHUP})
+
+
+def crashed(child: Child) -> bool:
+    """Whether a child's end may be its requests' doing, so that those in flight are crash
+    suspects: not when the supervisor stopped it, nor when it stopped as it was asked (a
+    request in flight at two such stops was quarantined as a poison)."""
+    return child.kill_reason is None and child.proc.returncode not in STOPPED_AS_ASKED
+
+
 def exit_reason(child: Child) -> str:
     """Why a child is gone, in words an operator can act on."""
     code = child.proc.returncode

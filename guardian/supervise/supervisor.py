@@ -57,8 +57,8 @@ from guardian.health.parent_watch import PARENT_PID_ENV
 from guardian.serving.sockets import LISTEN_FD_ENV, reserve_port
 from guardian.supervise.proxy import CHILD_CONNECT_TIMEOUT_S, CHILD_HOST, DEEP_READINESS_MARGIN_S, PublicServer
 from guardian.health.sd_notify import SystemdNotifier
-from guardian.supervise.child import (Child, child_command, close_quietly, copy_of_a_pipe, exit_reason, free_port,
-                                      loggable_command, private_folder, signal_quietly)
+from guardian.supervise.child import (Child, child_command, close_quietly, copy_of_a_pipe, crashed, exit_reason,
+                                      free_port, loggable_command, private_folder, signal_quietly)
 from guardian.supervise.settings import (abbreviated_flag, acted_on_here, check_stock_tables, child_body_limit,
                                          make_parser, public_door, public_limits, read_file, read_settings)
 from guardian.supervise.state import HOLDING, SERVING, State
@@ -479,7 +479,7 @@ class Supervisor:
                           "returncode": child.proc.returncode, "reason": reason,
                           "uptime_s": round(time.monotonic() - child.started_at, 3),
                           "at": time.time()}
-        level = log.info if child.kill_reason else log.error
+        level = log.error if crashed(child) else log.info
         level("child_exited", **self.last_exit)
         if self.httpd is not None:
             # The child's last words on requests handed off (guardian.supervise.fast_handoff)
@@ -487,7 +487,7 @@ class Supervisor:
             self.httpd.handle_readable_now(timeout=REAP_READ_WORDS_TIMEOUT_S)
         suspects = []
         try:
-            suspects = self.quarantine.child_exited(child.generation, crashed=child.kill_reason is None,
+            suspects = self.quarantine.child_exited(child.generation, crashed=crashed(child),
                                                     pid=child.pid, reason=reason)
         except Exception as e:  # noqa: BLE001 - what one request carried must not end the supervisor
             log.exception("crash_suspects_failed", generation=child.generation, error_type=type(e).__name__)
