@@ -69,10 +69,15 @@ def test_requests_still_in_flight_when_the_drain_ends_are_answered_not_cut(start
     """They got a connection closed by the exit: a stream ended with no error event, no
     finish_reason and no [DONE] (an answer cut short that reads as whole), a non-streaming
     request no status at all. Under --supervise the supervisor answered them."""
-    server = start_server(SLOW_STEPS.replace("[guardian]\n", "[guardian]\nexit_grace_s = 1.0\n"))
+    server = start_server(SLOW_STEPS.replace("[guardian]\n", "[guardian]\nexit_grace_s = 2.0\n"))
     in_flight = InFlight(server, max_tokens=800)
     poll(lambda: both_generating(server), 20, what="both requests generating")
     server.proc.send_signal(signal.SIGTERM)
+    # Taken out of a load balancer's rotation by either health path, as under --supervise;
+    # alive all the same.
+    poll(lambda: server.status("/health") == 503, 5, interval=0.05, what="/health 503 in the drain")
+    assert httpx.get(server.url + "/health", timeout=5).json()["reason"] == "the server is stopping"
+    assert server.status("/readyz") == 503 and server.status("/livez") == 200
     assert server.proc.wait(timeout=20) == EXIT_OK
     results = in_flight.join()
     stream, answer = results["stream"], results["answer"]

@@ -114,7 +114,13 @@ class Endpoints:
         ))
 
     def send_health(self, engine, stall_detector) -> None:
-        """Stock's path, truthful: 200 only while the engine can generate."""
+        """Stock's path, truthful: 200 only while the engine can generate for a new request.
+        From SIGTERM on it cannot (a new one gets 503 server_stopping): stock's only health
+        path is the one a drop-in's load balancer checks, and it must take this replica out
+        for the drain, as the supervisor's /health does."""
+        if stall_detector.stopped:
+            body = {"status": "unavailable", "state": engine.state.value, "reason": "the server is stopping"}
+            return self.send_json(503, body)
         healthy = engine.is_healthy and stall_detector.heartbeat_fresh()
         body = {"status": "ok" if healthy else "unavailable", "state": engine.state.value}
         self.send_json(200 if healthy else 503, body)
