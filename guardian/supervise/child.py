@@ -72,8 +72,11 @@ class Child:
     # Its hand-off socket (guardian.handoff); None: every request is relayed.
     handoff: Optional[Channel] = None
     kill_reason: Optional[str] = None
+    soft_killed_at: Optional[float] = None  # when it was sent SIGTERM (monotonic)
     hard_kill_at: Optional[float] = None
     hard_killed: bool = False
+    # Why the supervisor sent SIGKILL: its grace passed, or a stop was asked for again.
+    hard_kill_why: str = "after the grace"
     sighup_held: bool = False  # a SIGHUP came while it started: sent once it is ready
     paused_s: float = 0.0  # how long the supervisor was paused since it started this child
 
@@ -111,7 +114,7 @@ def exit_reason(child: Child) -> str:
     code = child.proc.returncode
     if code < 0:
         if child.hard_killed and -code == signal.SIGKILL:
-            return f"hard-killed (SIGKILL) by the supervisor after the grace ({child.kill_reason})"
+            return f"hard-killed (SIGKILL) by the supervisor {child.hard_kill_why} ({child.kill_reason})"
         described = f"killed by {signal_name(-code)}: {SIGNAL_HINTS.get(-code, 'a signal')}"
     elif isinstance(child.proc, LauncherProcess) and child.proc.ranks_code is not None:
         rank = child.proc.ranks_code[0]

@@ -54,6 +54,7 @@ from guardian.access.tls import ServerCertificate, load_certificate
 from guardian import handoff, long_lived
 from guardian.relay_protocol import KEY_HEADER, RELAY_KEY_ENV, new_relay_key
 from guardian.health.parent_watch import PARENT_PID_ENV
+from guardian.serving.exit_request import SAME_STOP_S
 from guardian.serving.sockets import LISTEN_FD_ENV, reserve_port
 from guardian.supervise.proxy import CHILD_CONNECT_TIMEOUT_S, CHILD_HOST, DEEP_READINESS_MARGIN_S, PublicServer
 from guardian.health.sd_notify import SystemdNotifier
@@ -401,8 +402,12 @@ class Supervisor:
             self.set_state(State.STOPPING)
             if self.child is not None:
                 self.soft_kill(f"supervisor received {name}")
+        elif time.monotonic() - self.stopping_since < SAME_STOP_S:
+            # The same stop: a terminal's Ctrl-C reaches the whole process group, a
+            # container's stop hook and its runtime each send one, as the one-process server takes them.
+            return
         elif self.child is not None and not self.child.hard_killed:
-            self.hard_kill()
+            self.hard_kill(f"when {name} asked again for the stop")
         else:  # the child is gone: what its clients are still owed is given up too (``finish``)
             self.asked_again = True
 
@@ -658,18 +663,20 @@ class Supervisor:
             grace_s = max(grace_s, self.core.exit_grace_s + LAST_ANSWERS_S)
         log.warning("child_stopping", pid=child.pid, reason=reason, grace_s=grace_s)
         child.kill_reason = reason
-        child.hard_kill_at = time.monotonic() + grace_s
+        child.soft_killed_at = time.monotonic()
+        child.hard_kill_at = child.soft_killed_at + grace_s
         if self.exit_code is None:
             self.set_state(State.RESTARTING)
         # Like systemd: a SIGSTOPped process only sees SIGTERM once continued.
         for signum in (signal.SIGTERM, signal.SIGCONT):
             signal_quietly(child.proc, signum)
 
-    def hard_kill(self) -> None:
-        """SIGKILL: the child did not stop within the grace."""
+    def hard_kill(self, why: str = "after the grace") -> None:
+        """SIGKILL: the child did not stop within the grace (``soft_kill``'s), or a stop was asked for again."""
         child = self.child
-        log.error("child_hard_killed", pid=child.pid, reason=child.kill_reason,
-                  grace_s=self.settings.kill_grace_s)
+        grace_s = None if child.hard_kill_at is None else round(child.hard_kill_at - child.soft_killed_at, 3)
+        log.error("child_hard_killed", pid=child.pid, reason=child.kill_reason, why=why, grace_s=grace_s)
+        child.hard_kill_why = why
         child.hard_killed = True
         signal_quietly(child.proc, signal.SIGKILL)
 
@@ -690,7 +697,7 @@ class Supervisor:
         deadline = max(since + self.core.exit_grace_s, time.monotonic() + LAST_ANSWERS_S)
         while self.in_flight.active and time.monotonic() < deadline and not self.asked_again:
             for signum in self.wait_for_signals(0.02):  # a bounded pause that still drains the queue
-                if signum in (signal.SIGTERM, signal.SIGINT):
+                if signum in (signal.SIGTERM, signal.SIGINT) and time.monotonic() - since >= SAME_STOP_S:
                     self.asked_again = True
         self.httpd.shutdown()
         self.httpd.server_close()
