@@ -12,6 +12,7 @@ import signal
 import socket
 import threading
 import time
+from datetime import datetime
 
 import httpx
 import psutil
@@ -71,6 +72,11 @@ def test_a_second_sigterm_kills_the_child_at_once(start_supervisor, tmp_path):
     assert hung["response"].json()["error"]["code"] == "server_stopping"
 
 
+def at(event: dict) -> float:
+    """When a log line was written (its timestamp), in seconds."""
+    return datetime.fromisoformat(event["timestamp"].replace("Z", "+00:00")).timestamp()
+
+
 def test_a_child_stopped_by_a_signal_of_its_own_is_no_crash_and_its_request_is_served(start_supervisor, tmp_path):
     """A SIGTERM to the child alone (an operator restarting its engine, a script) ends it
     with exit 0 after its drain. The supervisor took that for a crash: what was in flight
@@ -96,6 +102,10 @@ def test_a_child_stopped_by_a_signal_of_its_own_is_no_crash_and_its_request_is_s
     assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 120
     [exited] = supervised.supervisor_events("child_exited")
     assert exited["returncode"] == EXIT_OK and exited["pid"] == first_pid and exited["level"] == "info"
+    # Its drain was exit_grace_s: what it left is the supervisor's at its exit, not a second later.
+    [stopping], [stopped] = supervised.events("server_stopping"), supervised.events("server_stopped")
+    drained_s = at(stopped) - at(stopping)
+    assert drained_s < 0.2 + 0.6, drained_s
     assert not supervised.supervisor_events("crash_suspects")
     assert supervised.supervisor()["quarantine"]["suspects"] == []
 

@@ -198,8 +198,10 @@ def serve(host: str, port: int, model_provider, config: Union[GuardianConfig, Li
     drain(httpd, engine, live.config.core.exit_grace_s, cut_short=lambda: exit_request.asked_again)
     # What is left is answered here, in one process; a supervisor's child leaves it to its
     # supervisor, which sends it again to the next child (or answers it, when stopping too).
-    served.end_drain(answer=not started_by_supervisor())
-    answer_the_rest(httpd)
+    answer = not started_by_supervisor()
+    served.end_drain(answer=answer)
+    if answer:  # a child's exit gives them to its supervisor at once: a second more generated for nothing
+        answer_the_rest(httpd)
     httpd.shutdown()
     httpd.server_close()
     stock.loop.stop_generation_thread(engine)
