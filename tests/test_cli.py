@@ -253,7 +253,13 @@ def test_stock_engine_reads_only_the_supervisor_table(tmp_path):
     path.write_text("[supervisor]\nengine = 'stock'\n")
     assert read_settings(supervisor_options("--guardian-config", str(path))[0])[0].engine == "stock"
     path.write_text("[supervisor]\nengine = 'stock'\n[recovery]\nmax_failures = 2\n")
-    with pytest.raises(ConfigError, match=r"--engine stock reads only \[supervisor\], \[access\] and \[http\]; nothing reads \[recovery\]"):
+    with pytest.raises(ConfigError, match=r"--engine stock reads only .*; nothing reads \[recovery\]"):
+        read_settings(supervisor_options("--guardian-config", str(path))[0])
+    # Of [guardian], what the supervisor acts on itself: its deadlines, Retry-After, the drain.
+    path.write_text("[supervisor]\nengine = 'stock'\n[guardian]\nexit_grace_s = 20\nrequest_timeout_s = 60\n")
+    assert read_settings(supervisor_options("--guardian-config", str(path))[0])[1].exit_grace_s == 20
+    path.write_text("[supervisor]\nengine = 'stock'\n[guardian]\nexit_grace_s = 20\nmax_stop_sequences = 4\n")
+    with pytest.raises(ConfigError, match=r"nothing reads \[guardian\] max_stop_sequences"):
         read_settings(supervisor_options("--guardian-config", str(path))[0])
 
 

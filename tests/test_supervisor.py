@@ -431,12 +431,37 @@ def test_stock_engine_is_proxied_and_restarted(start_supervisor, model_cache, tm
     assert started["command"][1:4] == ["-m", "guardian.distributed.launch", "--"]
     assert started["command"][5:8] == ["-m", "mlx_lm", "server"]
     assert supervised.supervisor()["last_exit"]["reason"].startswith("killed by SIGKILL")
-    # A save a restart would refuse (a table nothing reads with a stock child) is refused live.
-    config.write_text("[http]\nidle_timeout_s = 6.0\n[guardian]\nrequest_timeout_s = 3.0\n")
+    # A save a restart would refuse (a setting nothing reads with a stock child) is refused live.
+    config.write_text("[http]\nidle_timeout_s = 6.0\n[guardian]\nmax_stop_sequences = 4\n")
     refused = poll(lambda: supervised.supervisor_events("supervisor_config_reload_failed"), 15,
                    what="the save refused")  # once, or twice if the watch saw the write in two parts
     assert all("--engine stock reads only" in e["error_message"] for e in refused)
     assert not supervised.supervisor_events("supervisor_config_reloaded")
+    # Stock has no drain (SIGTERM ends it at once): the supervisor holds the child's SIGTERM
+    # while its requests in flight finish, up to [guardian] exit_grace_s, as one process drains.
+    config.write_text("[http]\nidle_timeout_s = 5.0\n[guardian]\nexit_grace_s = 20\n")
+    poll(lambda: supervised.supervisor_events("supervisor_config_reloaded"), 15, what="exit_grace_s = 20 in force")
+    answered = {}
+
+    def post_long():
+        with httpx.Client(timeout=60) as client:
+            answered["response"] = client.post(supervised.url + COMPLETIONS, json=chat_body(max_tokens=1500))
+
+    waiter = threading.Thread(target=post_long, daemon=True)
+    waiter.start()
+    poll(lambda: supervised.supervisor()["in_flight"] == 1, 10, interval=0.01, what="the long request in flight")
+    supervised.proc.send_signal(signal.SIGTERM)
+    supervised.wait_for_event("stock_child_draining")
+    refused = httpx.post(supervised.url + COMPLETIONS, json=chat_body(max_tokens=4), timeout=10)
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "server_stopping"
+    waiter.join(timeout=60)
+    response = answered["response"]
+    assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 1500
+    assert supervised.proc.wait(timeout=30) == EXIT_OK
+    [draining] = supervised.supervisor_events("stock_child_draining")
+    assert draining["in_flight"] == 1 and draining["exit_grace_s"] == 20
+    exited = supervised.supervisor_events("child_exited")[-1]
+    assert exited["returncode"] == -signal.SIGTERM and "supervisor received SIGTERM" in exited["reason"]
 
 
 def test_a_config_that_is_a_folder_is_refused_with_exit_2(tmp_path):

@@ -31,8 +31,9 @@ class GuardianConfig:
     # Each loaded plugin's settings, parsed from its table (filled as plugins load).
     plugin_settings: dict = field(default_factory=dict)
     source: Optional[Path] = None
-    # The tables the file has, in its order.
+    # The tables the file has, in its order; the keys it sets in each of the core's.
     tables: tuple = ()
+    core_keys: dict = field(default_factory=dict)
     # Which version of the file this is: the sha256 of its bytes, and its mtime.
     sha256: Optional[str] = None
     mtime: Optional[float] = None
@@ -81,13 +82,15 @@ def parse_config(raw: bytes, path) -> GuardianConfig:
     except RecursionError:  # arrays or inline tables nested past the parser's recursion
         raise ConfigError(f"{path}: not a usable TOML file: nested too deeply") from None
     present = tuple(data)
+    core_keys = {table.table_name: tuple(data[table.table_name]) for table in CORE_TABLES
+                 if isinstance(data.get(table.table_name), dict)}
     core = {table.table_name: table.from_toml(data.pop(table.table_name, {})) for table in CORE_TABLES}
     for name, table in data.items():
         if not isinstance(table, dict):
             raise ConfigError(f"{path}: top-level key {name!r} must be a [table]")
     return GuardianConfig(core=core["guardian"], watchdog=core["watchdog"], supervisor=core["supervisor"],
                           access=core["access"], http=core["http"],
-                          plugin_tables=data, source=Path(path), tables=present)
+                          plugin_tables=data, source=Path(path), tables=present, core_keys=core_keys)
 
 
 def parse_settings(settings_class, table: dict, section: str):

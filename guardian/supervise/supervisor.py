@@ -100,6 +100,8 @@ PAUSE_NOTICED_S = 1.0
 
 # How long a reaped child's last words may take to be read before its requests are struck.
 REAP_READ_WORDS_TIMEOUT_S = 1.0
+# While a stock child drains, how often the main loop looks whether its requests ended.
+STOCK_DRAIN_LOOK_S = 0.05
 
 
 class Supervisor:
@@ -142,6 +144,10 @@ class Supervisor:
         # When a SIGTERM or SIGINT asked for the stop; a later one gives up the drain.
         self.stopping_since: Optional[float] = None
         self.asked_again = False
+        # A stock child has no drain (SIGTERM ends it at once): the supervisor holds its
+        # SIGTERM while its requests in flight finish, until then (monotonic), and why.
+        self.stock_drain_until: Optional[float] = None
+        self.stock_drain_reason = ""
         # Requests the public side is relaying now.
         self.in_flight = ActiveCount()
         # Requests in flight at crashes; the twice-struck are refused at the door.
@@ -351,6 +357,8 @@ class Supervisor:
             due = child.next_check_at(self.settings.interval_s)
             if child.hard_kill_at is not None:
                 due = min(due, child.hard_kill_at)
+            elif self.stock_drain_until is not None:  # its requests' ends are looked at often
+                due = min(due, self.stock_drain_until, time.monotonic() + STOCK_DRAIN_LOOK_S)
         if self.watchdog_interval is not None:
             due = min(due, self.next_watchdog_ping)
         return due - time.monotonic()
@@ -400,12 +408,19 @@ class Supervisor:
             self.exit_code = EXIT_OK
             self.stopping_since = time.monotonic()
             self.set_state(State.STOPPING)
-            if self.child is not None:
+            if self.child is not None and self.settings.engine == "stock" and self.in_flight.active:
+                self.stock_drain_until = self.stopping_since + self.core.exit_grace_s
+                self.stock_drain_reason = f"supervisor received {name}"
+                log.info("stock_child_draining", pid=self.child.pid, in_flight=self.in_flight.active,
+                         exit_grace_s=self.core.exit_grace_s)
+            elif self.child is not None:
                 self.soft_kill(f"supervisor received {name}")
         elif time.monotonic() - self.stopping_since < SAME_STOP_S:
             # The same stop: a terminal's Ctrl-C reaches the whole process group, a
             # container's stop hook and its runtime each send one, as the one-process server takes them.
             return
+        elif self.child is not None and self.child.kill_reason is None:  # a stock child's drain, ended
+            self.soft_kill(f"{self.stock_drain_reason}, then {name} again")
         elif self.child is not None and not self.child.hard_killed:
             self.hard_kill(f"when {name} asked again for the stop")
         else:  # the child is gone: what its clients are still owed is given up too (``finish``)
@@ -549,6 +564,10 @@ class Supervisor:
         if child is None:
             return
         now = time.monotonic()
+        if child.kill_reason is None and self.stock_drain_until is not None:
+            if not self.in_flight.active or now >= self.stock_drain_until:
+                self.soft_kill(self.stock_drain_reason)
+            return
         if child.kill_reason is not None:
             if not child.hard_killed and now >= child.hard_kill_at:
                 self.hard_kill()
