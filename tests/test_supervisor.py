@@ -454,6 +454,8 @@ def test_stock_engine_is_proxied_and_restarted(start_supervisor, model_cache, tm
     supervised.wait_for_event("stock_child_draining")
     refused = httpx.post(supervised.url + COMPLETIONS, json=chat_body(max_tokens=4), timeout=10)
     assert refused.status_code == 503 and refused.json()["error"]["code"] == "server_stopping"
+    health = httpx.get(supervised.url + "/health", timeout=10)
+    assert health.status_code == 503 and health.json()["reason"] == "the server is stopping"
     waiter.join(timeout=60)
     response = answered["response"]
     assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 1500

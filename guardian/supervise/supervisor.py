@@ -100,6 +100,12 @@ PAUSE_NOTICED_S = 1.0
 
 # How long a reaped child's last words may take to be read before its requests are struck.
 REAP_READ_WORDS_TIMEOUT_S = 1.0
+# /health's and /readyz's 503 from the supervisor itself, in words (``unavailable_health``).
+STATE_REASONS = {State.STARTING: "the engine process is starting",
+                 State.RESTARTING: "the engine process is restarting",
+                 State.UNHEALTHY: "the engine process does not answer its health checks",
+                 State.STOPPING: "the server is stopping",
+                 State.FAILED: "the engine is not running and will not be restarted"}
 # While a stock child drains, how often the main loop looks whether its requests ended.
 STOCK_DRAIN_LOOK_S = 0.05
 
@@ -785,13 +791,12 @@ class Supervisor:
                                          ends - time.monotonic()) and self.child is not child
 
     def unavailable_health(self, reason: Optional[str] = None) -> dict:
-        """The 503 body of /health and /readyz when the child's own answer cannot be used."""
+        """The 503 body of /health and /readyz when the child's own answer cannot be used;
+        ``reason`` by default the supervisor's state in words, as a child's /readyz says it."""
         child = self.child
-        body = {"status": "unavailable", "state": self.state,
+        state = self.state
+        return {"status": "unavailable", "state": state, "reason": reason or STATE_REASONS.get(state, state),
                 "last_check": None if child is None else child.last_check}
-        if reason is not None:
-            body["reason"] = reason
-        return body
 
     def unavailable_error(self) -> GuardianError:
         """What a request gets while no child can serve it."""
