@@ -106,7 +106,11 @@ def crashed(child: Child) -> bool:
     """Whether a child's end may be its requests' doing, so that those in flight are crash
     suspects: not when the supervisor stopped it, nor when it stopped as it was asked (a
     request in flight at two such stops was quarantined as a poison)."""
-    return child.kill_reason is None and child.proc.returncode not in STOPPED_AS_ASKED
+    if child.kill_reason is not None:
+        return False
+    if isinstance(child.proc, LauncherProcess) and child.proc.ranks_code is None:
+        return True  # mlx.launch's own code, 0 whatever its ranks did: no rank left its code
+    return child.proc.returncode not in STOPPED_AS_ASKED
 
 
 def exit_reason(child: Child) -> str:

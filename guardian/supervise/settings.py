@@ -165,14 +165,15 @@ def check_stock_tables(config, engine: str) -> None:
     if engine != "stock":
         return
     # [access] and [http] are the public port's, which the supervisor serves whatever the child;
-    # of [guardian], what the supervisor acts on itself (deadlines, Retry-After, the drain).
+    # of [guardian], what the supervisor acts on itself (deadlines, Retry-After, the drain, its log).
+    core_read = (*SUPERVISOR_CORE_SETTINGS, "log_format", "log_level")
     others = [name for name in config.tables
               if name not in (SupervisorSettings.table_name, AccessSettings.table_name, HttpSettings.table_name,
                               CoreSettings.table_name)]
     if others:
         raise ConfigError(f"{config.source}: --engine stock reads only [supervisor], [access], [http] and, of "
-                          f"[guardian], {', '.join(SUPERVISOR_CORE_SETTINGS)}; nothing reads [{others[0]}]")
-    unread = [key for key in config.core_keys.get(CoreSettings.table_name, ()) if key not in SUPERVISOR_CORE_SETTINGS]
+                          f"[guardian], {', '.join(core_read)}; nothing reads [{others[0]}]")
+    unread = [key for key in config.core_keys.get(CoreSettings.table_name, ()) if key not in core_read]
     if unread:
         raise ConfigError(f"{config.source}: --engine stock reads only [supervisor], [access], [http] and, of "
-                          f"[guardian], {', '.join(SUPERVISOR_CORE_SETTINGS)}; nothing reads [guardian] {unread[0]}")
+                          f"[guardian], {', '.join(core_read)}; nothing reads [guardian] {unread[0]}")

@@ -101,7 +101,8 @@ PAUSE_NOTICED_S = 1.0
 # How long a reaped child's last words may take to be read before its requests are struck.
 REAP_READ_WORDS_TIMEOUT_S = 1.0
 # /health's and /readyz's 503 from the supervisor itself, in words (``unavailable_health``).
-STATE_REASONS = {State.STARTING: "the engine process is starting",
+STATE_REASONS = {State.READY: "the engine process changed while it answered",
+                 State.STARTING: "the engine process is starting",
                  State.RESTARTING: "the engine process is restarting",
                  State.UNHEALTHY: "the engine process does not answer its health checks",
                  State.STOPPING: "the server is stopping",
@@ -358,13 +359,17 @@ class Supervisor:
     def seconds_to_next_duty(self) -> float:
         """Until the next health check, hard kill or systemd watchdog ping."""
         child = self.child
-        due = time.monotonic() + self.settings.interval_s
-        if child is not None:
-            due = child.next_check_at(self.settings.interval_s)
-            if child.hard_kill_at is not None:
+        now = time.monotonic()
+        due = now + self.settings.interval_s
+        # No health checks while a child is being stopped: a check that came due meanwhile
+        # (its time never moves on) made every wait 0, a loop spinning through the grace.
+        if child is not None and child.hard_kill_at is not None:
+            if not child.hard_killed:  # once it is, its SIGCHLD wakes the loop
                 due = min(due, child.hard_kill_at)
-            elif self.stock_drain_until is not None:  # its requests' ends are looked at often
-                due = min(due, self.stock_drain_until, time.monotonic() + STOCK_DRAIN_LOOK_S)
+        elif child is not None and self.stock_drain_until is not None:  # its requests' ends are looked at often
+            due = min(due, self.stock_drain_until, now + STOCK_DRAIN_LOOK_S)
+        elif child is not None:
+            due = child.next_check_at(self.settings.interval_s)
         if self.watchdog_interval is not None:
             due = min(due, self.next_watchdog_ping)
         return due - time.monotonic()
@@ -414,12 +419,14 @@ class Supervisor:
             self.exit_code = EXIT_OK
             self.stopping_since = time.monotonic()
             self.set_state(State.STOPPING)
-            if self.child is not None and self.settings.engine == "stock" and self.in_flight.active:
+            child = self.child
+            if child is not None and child.kill_reason is None and self.settings.engine == "stock" \
+                    and self.in_flight.active:
                 self.stock_drain_until = self.stopping_since + self.core.exit_grace_s
                 self.stock_drain_reason = f"supervisor received {name}"
-                log.info("stock_child_draining", pid=self.child.pid, in_flight=self.in_flight.active,
+                log.info("stock_child_draining", pid=child.pid, in_flight=self.in_flight.active,
                          exit_grace_s=self.core.exit_grace_s)
-            elif self.child is not None:
+            elif child is not None and child.kill_reason is None:
                 self.soft_kill(f"supervisor received {name}")
         elif time.monotonic() - self.stopping_since < SAME_STOP_S:
             # The same stop: a terminal's Ctrl-C reaches the whole process group, a
@@ -571,8 +578,11 @@ class Supervisor:
             return
         now = time.monotonic()
         if child.kill_reason is None and self.stock_drain_until is not None:
-            if not self.in_flight.active or now >= self.stock_drain_until:
-                self.soft_kill(self.stock_drain_reason)
+            if not self.in_flight.active:
+                self.soft_kill(f"{self.stock_drain_reason}, once its requests had finished")
+            elif now >= self.stock_drain_until:
+                self.soft_kill(f"{self.stock_drain_reason}; its drain of {self.core.exit_grace_s:g} s "
+                               f"ended with {self.in_flight.active} requests in flight")
             return
         if child.kill_reason is not None:
             if not child.hard_killed and now >= child.hard_kill_at:
