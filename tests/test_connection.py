@@ -565,11 +565,12 @@ def test_a_refusal_the_door_writes_waits_on_a_client_that_reads_nothing_only_so_
     try:
         ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
         ours.setblocking(False)
-        try:  # both buffers full: the client reads nothing
-            while True:
-                ours.send(b"x" * 65536)
-        except BlockingIOError:
-            pass
+        for size in (65536, 1024, 1):  # both buffers full to the byte: the client reads nothing
+            try:
+                while True:
+                    ours.send(b"x" * size)
+            except BlockingIOError:
+                pass
         started = time.monotonic()
         sockets.send_refusal(ours, GuardianError("busy", status=503, code="server_busy"), wait_s=0.3)
         took = time.monotonic() - started
