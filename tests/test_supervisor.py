@@ -90,6 +90,23 @@ def start_supervisor(tmp_path, model_cache):
         supervised.stop()
 
 
+def post_in_thread(url: str, body: dict, results: list, timeout: float = 120) -> threading.Thread:
+    """POST in a daemon thread; appends (response or exception, seconds taken) to ``results``."""
+
+    def post():
+        started = time.monotonic()
+        try:
+            with httpx.Client(timeout=timeout) as client:
+                outcome = client.post(url + COMPLETIONS, json=body)
+        except httpx.HTTPError as e:
+            outcome = e
+        results.append((outcome, time.monotonic() - started))
+
+    thread = threading.Thread(target=post, daemon=True)
+    thread.start()
+    return thread
+
+
 def slow_steps_config(tmp_path: Path) -> str:
     path = tmp_path / "slow.toml"
     path.write_text(SLOW_STEPS)
@@ -441,14 +458,8 @@ def test_stock_engine_is_proxied_and_restarted(start_supervisor, model_cache, tm
     # while its requests in flight finish, up to [guardian] exit_grace_s, as one process drains.
     config.write_text("[http]\nidle_timeout_s = 5.0\n[guardian]\nexit_grace_s = 20\n")
     poll(lambda: supervised.supervisor_events("supervisor_config_reloaded"), 15, what="exit_grace_s = 20 in force")
-    answered = {}
-
-    def post_long():
-        with httpx.Client(timeout=60) as client:
-            answered["response"] = client.post(supervised.url + COMPLETIONS, json=chat_body(max_tokens=1500))
-
-    waiter = threading.Thread(target=post_long, daemon=True)
-    waiter.start()
+    answered = []
+    waiter = post_in_thread(supervised.url, chat_body(max_tokens=1500), answered, timeout=60)
     poll(lambda: supervised.supervisor()["in_flight"] == 1, 10, interval=0.01, what="the long request in flight")
     supervised.proc.send_signal(signal.SIGTERM)
     supervised.wait_for_event("stock_child_draining")
@@ -457,7 +468,7 @@ def test_stock_engine_is_proxied_and_restarted(start_supervisor, model_cache, tm
     health = httpx.get(supervised.url + "/health", timeout=10)
     assert health.status_code == 503 and health.json()["reason"] == "the server is stopping"
     waiter.join(timeout=60)
-    response = answered["response"]
+    [(response, _)] = answered
     assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 1500
     assert supervised.proc.wait(timeout=30) == EXIT_OK
     [draining] = supervised.supervisor_events("stock_child_draining")

@@ -17,27 +17,10 @@ import httpx
 
 from conftest import chat_body, poll, scraped
 from guardian.exit_codes import EXIT_ENGINE_FAILED
-from test_supervisor import COMPLETIONS, SEGFAULT_MARKER, SLOW_STEPS, start_supervisor  # noqa: F401 - a fixture
+from test_supervisor import COMPLETIONS, SEGFAULT_MARKER, SLOW_STEPS, post_in_thread, start_supervisor  # noqa: F401 - a fixture
 
 
 RESENT = "mlx_guardian_supervisor_requests_resent_total"
-
-
-def post_in_thread(url: str, body: dict, results: list, timeout: float = 120) -> threading.Thread:
-    """POST in a daemon thread; appends (response or exception, seconds taken) to ``results``."""
-
-    def post():
-        started = time.monotonic()
-        try:
-            with httpx.Client(timeout=timeout) as client:
-                outcome = client.post(url + COMPLETIONS, json=body)
-        except httpx.HTTPError as e:
-            outcome = e
-        results.append((outcome, time.monotonic() - started))
-
-    thread = threading.Thread(target=post, daemon=True)
-    thread.start()
-    return thread
 
 
 def test_requests_in_flight_at_a_sigkill_and_sent_meanwhile_are_served(start_supervisor, tmp_path):

@@ -21,7 +21,7 @@ import pytest
 from conftest import chat_body, poll
 from guardian.exit_codes import EXIT_OK
 from guardian.serving.exit_request import SAME_STOP_S
-from test_supervisor import COMPLETIONS, pid_alive, start_supervisor  # noqa: F401 - a fixture
+from test_supervisor import COMPLETIONS, pid_alive, post_in_thread, start_supervisor  # noqa: F401 - a fixture
 
 # The engine hangs under a request, and the child would drain it for 60 s
 # after a SIGTERM; the supervisor's grace before SIGKILL is 60 s too.
@@ -94,19 +94,13 @@ def test_a_child_stopped_by_a_signal_of_its_own_is_no_crash_and_its_request_is_s
     config.write_text("[guardian]\nexit_grace_s = 0.2\n[fault_injection]\nenabled = true\nstep_delay_s = 0.02\n")
     supervised = start_supervisor("--guardian-config", str(config))
     first_pid = supervised.wait_ready()
-    answered = {}
-
-    def post():
-        with httpx.Client(timeout=90) as client:
-            answered["response"] = client.post(supervised.url + COMPLETIONS, json=chat_body(max_tokens=120))
-
-    waiter = threading.Thread(target=post, daemon=True)
-    waiter.start()
+    answered = []
+    waiter = post_in_thread(supervised.url, chat_body(max_tokens=120), answered, timeout=90)
     poll(lambda: supervised.supervisor()["in_flight"] == 1, 10, what="the request in flight")
     supervised.signal_child(first_pid, signal.SIGTERM)  # its 120 steps take 2.4 s; its drain 0.2 s
     supervised.wait_for_event("request_resent", timeout=30)
     waiter.join(timeout=60)
-    response = answered["response"]
+    [(response, _)] = answered
     assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 120
     [exited] = supervised.supervisor_events("child_exited")
     assert exited["returncode"] == EXIT_OK and exited["pid"] == first_pid and exited["level"] == "info"
