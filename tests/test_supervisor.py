@@ -870,7 +870,7 @@ def test_a_wait_for_a_turn_ends_at_the_requests_deadline_or_when_its_client_left
 def test_a_request_behind_a_crash_suspect_gets_its_504_at_its_deadline(start_supervisor, tmp_path):
     config = tmp_path / "slow.toml"
     config.write_text("[fault_injection]\nenabled = true\nstep_delay_s = 0.05\n")
-    supervised = start_supervisor("--guardian-config", str(config))
+    supervised = start_supervisor("--guardian-config", str(config), "--supervisor-isolation-wait", "3")
     first_pid = supervised.wait_ready()
     suspect = {}
 
@@ -894,6 +894,13 @@ def test_a_request_behind_a_crash_suspect_gets_its_504_at_its_deadline(start_sup
     print(f"\nmeasured: 504 after {elapsed:.2f} s (deadline 1.8 s)")
     assert answer.status_code == 504 and answer.json()["error"]["code"] == "deadline_exceeded"
     assert elapsed < 4
+    # One with no deadline waits behind the suspect for --supervisor-isolation-wait, then
+    # goes in beside it, while the suspect still runs (its 160 steps of 50 ms take 8 s).
+    started = time.monotonic()
+    answer = httpx.post(supervised.url + COMPLETIONS, json=chat_body(max_tokens=2), timeout=30)
+    elapsed = time.monotonic() - started
+    assert answer.status_code == 200 and 3 <= elapsed < 6, elapsed
+    assert "response" not in suspect
     waiter.join(timeout=60)
     assert suspect["response"].status_code == 200
 

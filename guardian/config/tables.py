@@ -198,6 +198,14 @@ class SupervisorSettings(Table, name="supervisor"):
     quarantine_s = Setting(SECONDS, 300.0, """
         Refuse for this many seconds a request that was in flight at two child
         crashes within window_s; 0: off.""", flag="--supervisor-quarantine", metavar="S")
+    isolation_wait_s = Setting(SECONDS, 30.0, """
+        A request in flight at a crash (a suspect) runs alone the next time, so that
+        a second crash names it alone: requests that come meanwhile wait behind it
+        this long at most, then go in beside it. A suspect waits as long for the
+        requests before it to end, then goes in beside them, unless another suspect
+        runs alone (503 crash_check_busy + Retry-After). Each wait ends sooner at its
+        request's deadline.""",
+        flag="--supervisor-isolation-wait", metavar="S")
     hold_requests = Setting(Int(min=0), 64, """
         Requests that may wait for a ready child while none is (starting,
         restarting); past this many, 503 + Retry-After at once. 0: no waiting.""",

@@ -68,7 +68,8 @@ MAX_SUSPECTS = 1024
 # At most this many in-flight records of one child: relays cut while the
 # child lived on (a reset connection) wait there for its death.
 MAX_RELAYS_PER_CHILD = 4096
-# How long a suspect waits to run alone, and others wait behind it.
+# How long a suspect waits to run alone, and others wait behind it, by default
+# ([supervisor] isolation_wait_s).
 ISOLATION_MAX_WAIT_S = 30.0
 
 
@@ -155,7 +156,7 @@ class Suspect:
 class CrashQuarantine:
     """Tracks relays per child; strikes their fingerprints at crashes; refuses the twice-struck."""
 
-    def __init__(self, quarantine_s: float, strike_window_s: float):
+    def __init__(self, quarantine_s: float, strike_window_s: float, isolation_wait_s: float = ISOLATION_MAX_WAIT_S):
         self.strike_window_s = strike_window_s
         self.lock = threading.Lock()
         # generation -> {relay id: Relay}; a child's entry goes when it is reaped.
@@ -165,7 +166,7 @@ class CrashQuarantine:
         self.suspects: OrderedDict[str, Suspect] = OrderedDict()
         self.quarantined = ExpiringTable(quarantine_s, log)
         self.cleared = 0
-        self.isolation = IsolationGate(ISOLATION_MAX_WAIT_S)
+        self.isolation = IsolationGate(isolation_wait_s)
 
     @property
     def quarantine_s(self) -> float:

@@ -158,7 +158,8 @@ class Supervisor:
         # Requests the public side is relaying now.
         self.in_flight = ActiveCount()
         # Requests in flight at crashes; the twice-struck are refused at the door.
-        self.quarantine = CrashQuarantine(self.settings.quarantine_s, self.settings.window_s)
+        self.quarantine = CrashQuarantine(self.settings.quarantine_s, self.settings.window_s,
+                                          self.settings.isolation_wait_s)
         self.httpd: Optional[PublicServer] = None
         self.tls: Optional[ServerCertificate] = None  # HTTPS on the public port (run() loads it)
         self.metrics = SupervisorMetrics(self)  # GET /metrics on the public port
