@@ -10,6 +10,8 @@ from typing import Optional
 
 # The code of a 503 from a server that is stopping (its requests drain meanwhile).
 SERVER_STOPPING = "server_stopping"
+# /health's and /readyz's reason from the stop on: a supervisor reads it in its child's answer.
+STOPPING_REASON = "the server is stopping"
 
 
 @dataclass

@@ -85,29 +85,45 @@ def at(event: dict) -> float:
     return datetime.fromisoformat(event["timestamp"].replace("Z", "+00:00")).timestamp()
 
 
-def test_a_child_stopped_by_a_signal_of_its_own_is_no_crash_and_its_request_is_served(start_supervisor, tmp_path):
+def test_a_child_stopped_by_a_signal_of_its_own_is_no_crash_and_requests_wait_for_the_next(start_supervisor,
+                                                                                          tmp_path):
     """A SIGTERM to the child alone (an operator restarting its engine, a script) ends it
     with exit 0 after its drain. The supervisor took that for a crash: what was in flight
     became a crash suspect, run alone, and at a second such stop was quarantined, a 500
-    for an innocent request and for every copy of it for 300 s."""
+    for an innocent request and for every copy of it for 300 s. And a request that came
+    during the drain got the child's 503 "the server is stopping", though the service was
+    not: it now waits for the next child, as during any restart."""
     config = tmp_path / "short-drain.toml"
-    config.write_text("[guardian]\nexit_grace_s = 0.2\n[fault_injection]\nenabled = true\nstep_delay_s = 0.02\n")
+    config.write_text("[guardian]\nexit_grace_s = 1\n[fault_injection]\nenabled = true\nstep_delay_s = 0.02\n")
     supervised = start_supervisor("--guardian-config", str(config))
     first_pid = supervised.wait_ready()
+    child_port = supervised.supervisor()["child"]["port"]
     answered = []
-    waiter = post_in_thread(supervised.url, chat_body(max_tokens=120), answered, timeout=90)
+    waiter = post_in_thread(supervised.url, chat_body(max_tokens=150), answered, timeout=90)
     poll(lambda: supervised.supervisor()["in_flight"] == 1, 10, what="the request in flight")
-    supervised.signal_child(first_pid, signal.SIGTERM)  # its 120 steps take 2.4 s; its drain 0.2 s
+    supervised.signal_child(first_pid, signal.SIGTERM)  # its 150 steps take 3 s; its drain 1 s
+
+    def child_draining() -> bool:
+        try:
+            return httpx.get(f"http://127.0.0.1:{child_port}/readyz", timeout=1).status_code == 503
+        except httpx.TransportError:
+            return False
+
+    poll(child_draining, 5, interval=0.02, what="the child draining")
+    during = httpx.post(supervised.url + COMPLETIONS, json=chat_body(max_tokens=4), timeout=60)
+    assert during.status_code == 200, during.text  # held for the next child
     supervised.wait_for_event("request_resent", timeout=30)
     waiter.join(timeout=60)
     [(response, _)] = answered
-    assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 120
+    assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 150
     [exited] = supervised.supervisor_events("child_exited")
     assert exited["returncode"] == EXIT_OK and exited["pid"] == first_pid and exited["level"] == "info"
+    [stopping] = supervised.supervisor_events("child_stopping")
+    assert stopping["reason"].startswith("it is stopping on its own")
     # Its drain was exit_grace_s: what it left is the supervisor's at its exit, not a second later.
-    [stopping], [stopped] = supervised.events("server_stopping"), supervised.events("server_stopped")
-    drained_s = at(stopped) - at(stopping)
-    assert drained_s < 0.2 + 0.6, drained_s
+    [server_stopping], [stopped] = supervised.events("server_stopping"), supervised.events("server_stopped")
+    drained_s = at(stopped) - at(server_stopping)
+    assert drained_s < 1 + 0.6, drained_s
     assert not supervised.supervisor_events("crash_suspects")
     assert supervised.supervisor()["quarantine"]["suspects"] == []
 

@@ -37,6 +37,7 @@ from typing import Optional, Sequence
 import structlog
 
 from guardian.config.tables import WatchdogSettings
+from guardian.errors import STOPPING_REASON
 from guardian.observability.counting import RecentEvents
 from guardian.engine.lifecycle import EngineState
 from guardian.health.pace import Pace
@@ -396,7 +397,7 @@ class StallDetector:
         """Can this process generate now? (and why not)"""
         engine = self.engine
         if self._stopped.is_set():
-            return False, "the server is stopping"  # draining: take no new work
+            return False, STOPPING_REASON  # draining: take no new work
         if engine.state is not EngineState.READY:
             return False, f"engine {engine.state.value}"
         age = self.heartbeat_age(time.monotonic())

@@ -15,7 +15,7 @@ import urllib.parse
 from guardian import stock
 from guardian.admission.facts import context_length_of
 from guardian.admission.model_access import listed_name
-from guardian.errors import GuardianError
+from guardian.errors import STOPPING_REASON, GuardianError
 from guardian.serving.framing import asks_for_probes
 from guardian.observability import metrics
 
@@ -119,7 +119,7 @@ class Endpoints:
         path is the one a drop-in's load balancer checks, and it must take this replica out
         for the drain, as the supervisor's /health does."""
         if stall_detector.stopped:
-            body = {"status": "unavailable", "state": engine.state.value, "reason": "the server is stopping"}
+            body = {"status": "unavailable", "state": engine.state.value, "reason": STOPPING_REASON}
             return self.send_json(503, body)
         healthy = engine.is_healthy and stall_detector.heartbeat_fresh()
         body = {"status": "ok" if healthy else "unavailable", "state": engine.state.value}

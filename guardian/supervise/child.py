@@ -69,10 +69,14 @@ class Child:
     last_ok: Optional[float] = None
     last_check_at: Optional[float] = None
     last_check: str = "not checked yet"
+    says_stopping: bool = False  # its last check said it is stopping (a signal sent to it)
+    # Stopping by its own doing (a signal sent to it, its engine given up), not the
+    # supervisor's, which takes it as one being replaced (Supervisor.child_stops_on_its_own).
+    stopped_on_its_own: bool = False
     # Its hand-off socket (guardian.handoff); None: every request is relayed.
     handoff: Optional[Channel] = None
     kill_reason: Optional[str] = None
-    soft_killed_at: Optional[float] = None  # when it was sent SIGTERM (monotonic)
+    soft_killed_at: Optional[float] = None  # when it was sent SIGTERM, or seen stopping on its own (monotonic)
     hard_kill_at: Optional[float] = None
     hard_killed: bool = False
     # Why the supervisor sent SIGKILL: its grace passed, or a stop was asked for again.
@@ -106,8 +110,8 @@ def crashed(child: Child) -> bool:
     """Whether a child's end may be its requests' doing, so that those in flight are crash
     suspects: not when the supervisor stopped it, nor when it stopped as it was asked (a
     request in flight at two such stops was quarantined as a poison)."""
-    if child.kill_reason is not None:
-        return False
+    if child.kill_reason is not None and not child.stopped_on_its_own:
+        return False  # the supervisor stopped it
     if isinstance(child.proc, LauncherProcess) and child.proc.ranks_code is None:
         return True  # mlx.launch's own code, 0 whatever its ranks did: no rank left its code
     return child.proc.returncode not in STOPPED_AS_ASKED
@@ -132,6 +136,8 @@ def exit_reason(child: Child) -> str:
                      "code: rank_stopped, server_stopped)")
     else:
         described = f"exit code {code}: {exit_codes.reason(code)}"
+    if child.stopped_on_its_own:
+        return f"{described}; {child.kill_reason}"
     if child.kill_reason:
         return f"{described}; the supervisor had sent SIGTERM: {child.kill_reason}"
     return described

@@ -481,6 +481,8 @@ class ProxyHandler(BaseHTTPRequestHandler):
         try:
             if passed.word == handoff.GIVEN_BACK:
                 log.info("request_refused_by_stopping_child", path=self.logged_path, child_pid=passed.child.pid)
+                # One stopping on its own is taken as one being replaced: held for the next.
+                self.server.supervisor.child_stops_on_its_own(passed.child, "it gave a request back")
                 return REFUSED_BY_STOPPING_CHILD  # the next attempt takes the handler path
             return self.after_handed_off_cut(passed.child, passed.handed)
         finally:
@@ -631,9 +633,9 @@ class ProxyHandler(BaseHTTPRequestHandler):
                 return ANSWERED
             if word == handoff.GIVEN_BACK:
                 log.info("request_refused_by_stopping_child", path=self.logged_path, child_pid=child.pid)
-                # One the supervisor is replacing: the next child takes it; one
-                # stopping on its own answers it, relayed.
-                return REFUSED_BY_STOPPING_CHILD if child.kill_reason is not None else RELAY_INSTEAD
+                # The next child takes it: one stopping on its own is taken as one being replaced.
+                self.server.supervisor.child_stops_on_its_own(child, "it gave a request back")
+                return REFUSED_BY_STOPPING_CHILD
             return self.after_handed_off_cut(child, handed)
 
     def after_handed_off_cut(self, child, handed: "handoff.HandedOff"):

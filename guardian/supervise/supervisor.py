@@ -45,7 +45,7 @@ from guardian.observability.counting import ActiveCount, RecentEvents, StoppedCl
 from guardian.quarantine.crashes import CrashQuarantine
 from guardian.supervise.metrics import SupervisorMetrics
 from guardian.distributed.launch import LauncherProcess, dying_with_parent, group_command, kill_leftovers
-from guardian.errors import SERVER_STOPPING, GuardianError
+from guardian.errors import SERVER_STOPPING, STOPPING_REASON, GuardianError
 from guardian.exit_codes import (EXIT_BOOT_ERROR, EXIT_OK, EXIT_SUPERVISOR_GAVE_UP, EXIT_UNCAUGHT, EXIT_USAGE,
                                  GROUP_EXIT_CODE_ENV)
 from guardian.observability.logs import configure_logging
@@ -105,7 +105,7 @@ STATE_REASONS = {State.READY: "the engine process changed while it answered",
                  State.STARTING: "the engine process is starting",
                  State.RESTARTING: "the engine process is restarting",
                  State.UNHEALTHY: "the engine process does not answer its health checks",
-                 State.STOPPING: "the server is stopping",
+                 State.STOPPING: STOPPING_REASON,
                  State.FAILED: "the engine is not running and will not be restarted"}
 # While a stock child drains, how often the main loop looks whether its requests ended.
 STOCK_DRAIN_LOOK_S = 0.05
@@ -631,6 +631,8 @@ class Supervisor:
         if ok:
             child.last_ok = child.last_check_at
             return self.child_healthy(child)
+        if child.says_stopping:
+            return self.child_stops_on_its_own(child, "its /readyz says it is stopping")
         if child.ready_at is None:
             waited = child.last_check_at - child.started_at - child.paused_s
             if waited > self.settings.start_timeout_s:
@@ -657,6 +659,7 @@ class Supervisor:
             child.last_check = f"{path}: {type(e).__name__}"
             return False
         child.last_check = f"{path}: HTTP {response.status_code}"
+        child.says_stopping = response.status_code == 503 and says_stopping(response)
         return response.status_code == 200
 
     def child_healthy(self, child: Child) -> None:
@@ -706,6 +709,28 @@ class Supervisor:
         # Like systemd: a SIGSTOPped process only sees SIGTERM once continued.
         for signum in (signal.SIGTERM, signal.SIGCONT):
             signal_quietly(child.proc, signum)
+
+    def child_stops_on_its_own(self, child: Child, seen: str) -> None:
+        """A child that stops by its own doing, not the supervisor's (a signal sent to it,
+        its engine given up; ``seen``: how that was seen), is taken as one being replaced:
+        requests wait for the next child rather than get its 503 server_stopping, and no
+        health check sends it a second SIGTERM, which would end its drain. SIGKILL if its
+        drain outlasts the grace. Whether its end was a crash is judged by its exit code
+        (``crashed``). Called by the main loop and by HTTP threads."""
+        now = time.monotonic()
+        grace_s = max(self.settings.kill_grace_s, self.core.exit_grace_s + LAST_ANSWERS_S)
+        with self.changed:
+            if self.child is not child or child.kill_reason is not None or self.exit_code is not None:
+                return
+            child.soft_killed_at, child.hard_kill_at = now, now + grace_s
+            child.stopped_on_its_own = True
+            child.kill_reason = f"it is stopping on its own ({seen})"
+            if self.state in SERVING:
+                self.outage_started = now
+            self.state = State.RESTARTING
+            self.changed.notify_all()
+        log.warning("child_stopping", pid=child.pid, reason=child.kill_reason, grace_s=grace_s)
+        self.signals.put(signal.SIGCHLD)  # the main loop's wait: its grace, not a health check
 
     def hard_kill(self, why: str = "after the grace") -> None:
         """SIGKILL: the child did not stop within the grace (``soft_kill``'s), or a stop was asked for again."""
@@ -873,6 +898,14 @@ class Supervisor:
             # The file's settings changed since the supervisor started that it reads at start only.
             "config_pending_restart": list(self.pending_restart),
         }
+
+
+def says_stopping(response: httpx.Response) -> bool:
+    """Whether a child's 503 to a health check says it is stopping (a signal sent to it)."""
+    try:
+        return response.json().get("reason") == STOPPING_REASON
+    except (ValueError, AttributeError):
+        return False
 
 
 class PauseWatch:
