@@ -7,6 +7,7 @@ import sys
 import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Optional
 
 import pytest
@@ -155,6 +156,29 @@ def test_server_refuses_to_start_with_bad_config(tmp_path):
     )
     assert result.returncode == EXIT_USAGE
     assert "unknown key 'bogus'" in result.stderr
+
+
+def test_file_paths_in_the_file_are_the_files_folders(tmp_path, monkeypatch):
+    """A relative api_key_file was read from the working directory, / under systemd:
+    "keys.txt" beside the configuration was another folder's file, or none."""
+    folder = tmp_path / "etc"
+    folder.mkdir()
+    path = folder / "guardian.toml"
+    path.write_text('[access]\napi_key_file = "keys.txt"\nssl_certfile = "~/tls/cert.pem"\n'
+                    'ssl_keyfile = "/srv/tls/key.pem"\n')
+    monkeypatch.chdir(tmp_path)
+    access = load_config(path).access
+    assert access.api_key_file == str(folder / "keys.txt")
+    assert access.ssl_certfile == str(Path.home() / "tls" / "cert.pem")
+    assert access.ssl_keyfile == "/srv/tls/key.pem"
+    # A flag's stays the working directory's, as any command's.
+    flags = SimpleNamespace(api_key_file="mine.txt", ssl_certfile=None, ssl_keyfile=None)
+    assert load_config(path).access.with_flags(flags).api_key_file == "mine.txt"
+    # The server reads that file at start, and names it whole in what it says.
+    (folder / "keys.txt").write_text("short\n")
+    result = subprocess.run([sys.executable, "-m", "guardian", "--guardian-config", str(path), "--port", "1"],
+                            capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert result.returncode == EXIT_USAGE and f"{folder / 'keys.txt'}, line 1" in result.stderr, result.stderr
 
 
 def test_third_party_plugin_from_config(tmp_path, monkeypatch):

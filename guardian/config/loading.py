@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from guardian.config.registry import ConfigError, Table, table_of_dataclass
+from guardian.config.registry import ConfigError, FilePath, Table, table_of_dataclass
 from guardian.config.tables import (AccessSettings, CORE_TABLES, CoreSettings, HttpSettings,
                                     SupervisorSettings, WatchdogSettings)
 
@@ -82,6 +82,7 @@ def parse_config(raw: bytes, path) -> GuardianConfig:
     except RecursionError:  # arrays or inline tables nested past the parser's recursion
         raise ConfigError(f"{path}: not a usable TOML file: nested too deeply") from None
     present = tuple(data)
+    resolve_file_paths(data, Path(path).parent if os.path.isfile(path) else None)
     core_keys = {table.table_name: tuple(data[table.table_name]) for table in CORE_TABLES
                  if isinstance(data.get(table.table_name), dict)}
     core = {table.table_name: table.from_toml(data.pop(table.table_name, {})) for table in CORE_TABLES}
@@ -91,6 +92,23 @@ def parse_config(raw: bytes, path) -> GuardianConfig:
     return GuardianConfig(core=core["guardian"], watchdog=core["watchdog"], supervisor=core["supervisor"],
                           access=core["access"], http=core["http"],
                           plugin_tables=data, source=Path(path), tables=present, core_keys=core_keys)
+
+
+def resolve_file_paths(data: dict, folder: Optional[Path]) -> None:
+    """The core's file paths as the file means them (registry.FilePath): ``~`` expanded,
+    a relative one its folder's (``folder``: None for a file that is no regular file, a
+    pipe, whose relative paths stay the working directory's). Under systemd the working
+    directory is /, and a key file beside the configuration was looked for there."""
+    for table in CORE_TABLES:
+        values = data.get(table.table_name)
+        if not isinstance(values, dict):
+            continue  # from_toml says what is wrong with it
+        for key, setting in table.settings.items():
+            value = values.get(key)
+            if isinstance(setting.type, FilePath) and isinstance(value, str) and value:
+                expanded = os.path.expanduser(value)
+                values[key] = str(folder / expanded) if folder is not None and not os.path.isabs(expanded) \
+                    else expanded
 
 
 def parse_settings(settings_class, table: dict, section: str):

@@ -189,6 +189,12 @@ class Str(Type):
         return value
 
 
+class FilePath(Str):
+    """A file's path. Written in the TOML file, a relative one is the file's folder's
+    (``~`` expanded), as a service's working directory is seldom the file's
+    (guardian.config.loading); given as a flag, it is the working directory's."""
+
+
 class OneOf(Str):
     """A string from a fixed set."""
 

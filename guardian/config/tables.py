@@ -10,7 +10,7 @@ these declarations (``python -m guardian.config.reference``).
 
 from __future__ import annotations
 
-from guardian.config.registry import ACTIONS, Bool, Float, Int, ListOf, OneOf, Setting, Str, Table
+from guardian.config.registry import ACTIONS, Bool, FilePath, Float, Int, ListOf, OneOf, Setting, Str, Table
 
 
 SECONDS = Float(min=0)
@@ -259,14 +259,14 @@ class AccessSettings(Table, name="access"):
     server applies it; with --supervise the supervisor's public port does, and
     the child, on loopback, serves only the supervisor."""
 
-    api_key_file = Setting(Str(), "", """
+    api_key_file = Setting(FilePath(), "", """
         A file of API keys, one a line: "KEY" or "NAME:KEY", where KEY may be
         "sha256:<hex>" (the key's SHA-256, so the file need hold no secret); "#"
         starts a comment. Once it holds a key, every path but public_paths needs
         one (Authorization: Bearer KEY, or X-Api-Key: KEY). Followed live: a save
         or SIGHUP reads it again; a file with a bad line adds no key but revokes
-        those it no longer holds, and a file gone revokes every key.
-        "": no keys.""", flag="--api-key-file", metavar="PATH")
+        those it no longer holds, and a file gone revokes every key. Relative,
+        in this file: to this file's folder. "": no keys.""", flag="--api-key-file", metavar="PATH")
     public_paths = Setting(ListOf(Str()), ["/livez", "/readyz", "/health"], """
         Paths served without a key (and to any address in protected mode):
         health checks for load balancers and supervisors. Exact paths; the
@@ -298,10 +298,11 @@ class AccessSettings(Table, name="access"):
         When requests wait for the engine, take them round-robin across clients
         (API keys; addresses when there are no keys) instead of first come, first
         served, so that one client's burst cannot delay everyone else's.""", live=True)
-    ssl_certfile = Setting(Str(), "", """
+    ssl_certfile = Setting(FilePath(), "", """
         Serve HTTPS with this certificate (PEM, the chain after it); read
-        again on SIGHUP. "": plain HTTP.""", flag="--ssl-certfile", metavar="PATH")
-    ssl_keyfile = Setting(Str(), "", """
+        again on SIGHUP. Relative, in this file: to this file's folder. "": plain
+        HTTP.""", flag="--ssl-certfile", metavar="PATH")
+    ssl_keyfile = Setting(FilePath(), "", """
         The certificate's private key (PEM). "": in ssl_certfile.""",
         flag="--ssl-keyfile", metavar="PATH")
 
