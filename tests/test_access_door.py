@@ -311,6 +311,12 @@ def test_pages_from_other_origins_and_foreign_hosts_are_refused(door_server):
     unkeyed = httpx.post(door_server.url + COMPLETIONS, json=chat_body(max_tokens=2), headers=local, timeout=30)
     assert unkeyed.status_code == 401 and unkeyed.headers["access-control-allow-origin"] == "http://localhost:3000"
     assert unkeyed.headers["vary"] == "Origin"
+    # ... and the headers that say whether and when to retry, and the answer's id, which a
+    # browser hides from a page unless exposed (openai-node retries by x-should-retry).
+    exposed = {name.strip().lower() for name in unkeyed.headers["access-control-expose-headers"].split(",")}
+    assert {"retry-after", "x-should-retry", "x-request-id"} <= exposed and "x-request-id" in unkeyed.headers
+    assert "access-control-expose-headers" in answered.headers  # the child's own answer, relayed
+    assert "access-control-expose-headers" not in refused.headers
     health = door_server.get("/health", headers=local)
     assert health.status_code == 200 and health.headers["access-control-allow-origin"] == "http://localhost:3000"
     # DNS rebinding: a name the attacker controls now points at 127.0.0.1.

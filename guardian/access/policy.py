@@ -220,6 +220,15 @@ class Origins:
         return ", ".join(self.explicit) or "none"
 
 
+# What a page let in may read of an answer's headers beyond the few a browser shows it
+# (Content-Type...): a 429's or 503's Retry-After, x-should-retry (the openai SDK retries by
+# it), X-Request-ID (to report an answer by), the prompt guard's. "*" for every other,
+# where the request carries no credentials a browser adds itself (a page's Authorization
+# header is none of those); the names where it does.
+EXPOSED_HEADERS = ("*, Retry-After, x-should-retry, X-Request-ID, X-Guardian-Clamped-Max-Tokens, "
+                   "X-Guardian-Truncated-Messages")
+
+
 class AccessPolicy:
     """The door's decision for each request. ``settings``: the live [access] table."""
 
@@ -364,6 +373,7 @@ class AccessPolicy:
             headers["Access-Control-Allow-Origin"] = granted
             if granted != "*":
                 headers["Vary"] = "Origin"
+            headers["Access-Control-Expose-Headers"] = EXPOSED_HEADERS
         headers["Access-Control-Allow-Methods"] = "*"
         headers["Access-Control-Allow-Headers"] = "*, Authorization"
         return headers

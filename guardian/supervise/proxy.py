@@ -74,7 +74,7 @@ BODY_METHODS = relay_protocol.BODY_METHODS
 HOP_BY_HOP = relay_protocol.HOP_BY_HOP
 # What the supervisor writes itself on the answers it writes (send_cors_headers).
 CORS_HEADERS = frozenset({"access-control-allow-origin", "access-control-allow-methods",
-                          "access-control-allow-headers", "vary"})
+                          "access-control-allow-headers", "access-control-expose-headers", "vary"})
 # A child's word that it tagged a stream's tokens; not for the client.
 CONTINUABLE = relay_protocol.CONTINUABLE_HEADER.lower()
 # What relaying a request to one child came to (besides a stream cut, to continue).
