@@ -209,6 +209,12 @@ SERVED = [
     (CHAT, chat(unknown_field={"anything": [1, 2]}, n=1, user="u-1")),
     (CHAT, chat(model="default_model")),
     (CHAT, chat(draft_model=None, adapters=None)),  # stock's "none", sent by clients that send every field
+    # A null is the field left out, as OpenAI takes it: the openai SDK sends temperature=None
+    # as null (stock refused it: "temperature must be a number").
+    (CHAT, chat(temperature=None, top_p=None, max_tokens=None, presence_penalty=None, frequency_penalty=None,
+                seed=None, logit_bias=None, logprobs=None, top_logprobs=None, stream_options=None,
+                response_format=None, tools=None, tool_choice=None, n=None, user=None, stream=None)),
+    (TEXT, {"prompt": "null", "max_tokens": 4, "temperature": None, "top_k": None, "min_p": None}),
     # The tokenizer's own arguments at values that leave the prompt a list of tokens.
     (CHAT, chat(chat_template_kwargs={"truncation": False, "padding": "longest", "return_dict": False,
                                       "return_assistant_tokens_mask": False, "max_length": 4096})),

@@ -317,6 +317,7 @@ class GuardianHandler(Endpoints, stock.handler.DoorCorsHandler):
         # so a refusal can be answered again in OpenAI's shape.
         self._client_wfile, self.wfile = self.wfile, io.BytesIO()
         self.log_request = lambda *args: None  # the answer sent is logged, not stock's
+        self.leave_out_nulls(length)
         error = None
         try:
             super().do_POST()
@@ -337,6 +338,23 @@ class GuardianHandler(Endpoints, stock.handler.DoorCorsHandler):
             error = stock_refusal(refusal)
         if error is not None:
             self.send_error_json(error)
+
+    def leave_out_nulls(self, length: int) -> None:
+        """A field sent as null is a field left out, as OpenAI takes it: the openai SDK sends
+        ``temperature=None`` (a setting read with ``.get()``) as null, which stock read as
+        the value and refused (400 "temperature must be a number"). Stock reads the body
+        from here, with what it would have had without those fields. Only the body's own
+        fields; parsed twice only where "null" is written at all."""
+        raw = self.rfile.read(length)
+        if b"null" in raw:
+            try:
+                body = json.loads(raw)
+            except (ValueError, RecursionError):  # stock refuses it, as it is
+                body = None
+            if isinstance(body, dict) and None in body.values():
+                raw = json.dumps({key: value for key, value in body.items() if value is not None}).encode()
+                self.headers.replace_header("Content-Length", str(len(raw)))
+        self.rfile = io.BytesIO(raw)
 
     def content_length(self) -> int:
         """The Content-Length header; 0 when absent or not a number (stock answers those)."""
