@@ -75,6 +75,7 @@ REFUSED = [
     (CHAT, chat(top_p=1.5), "top_p", "invalid_value"),
     (CHAT, chat(temperature=10**400), "temperature", "invalid_value"),  # std::bad_cast in the step
     (CHAT, chat(top_logprobs=99, logprobs=True), "top_logprobs", "invalid_value"),
+    (CHAT, chat(top_logprobs=12, logprobs=True), "top_logprobs", "invalid_value"),  # past stock's 11
     (CHAT, chat(stream="yes"), "stream", "invalid_type"),
     (CHAT, chat(stream=True, stream_options="x"), "stream_options", "invalid_type"),
     (CHAT, chat(chat_template_kwargs={"tokenize": False}), "chat_template_kwargs.tokenize", "invalid_value"),

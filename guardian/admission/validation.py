@@ -36,8 +36,9 @@ MAX_SEED = 2**64 - 1
 # OpenAI's range for a logit bias. Larger values overflow the logits to inf,
 # and sampling from inf or NaN logits can return ids outside the vocabulary.
 MAX_LOGIT_BIAS = 100.0
-# OpenAI's most top_logprobs (stock allows 11 and checks that itself).
-MAX_TOP_LOGPROBS = 20
+# Stock's most top_logprobs (0.31.3 and 0.32 alike; OpenAI's is 20): past it, the door's
+# 400 names the field, where stock's own refusal named none.
+MAX_TOP_LOGPROBS = 11
 # Keys of chat_template_kwargs that stock passes itself (a second value is a TypeError).
 RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "messages", "tools", "add_generation_prompt", "tokenize"})
 # Keys that take the template's answer away from a list of tokens unless they hold the value
