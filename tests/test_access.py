@@ -112,6 +112,27 @@ def test_a_key_file_with_no_key_is_warned_of(tmp_path, capsys):
     assert "api_key_file_empty" not in capsys.readouterr().err
 
 
+def test_a_door_opened_to_generation_or_to_any_page_is_said_so(tmp_path, capsys):
+    """A public path that generates (with keys), or --allowed-origins '*' without keys,
+    lets anyone use the model: the start's log said nothing of either."""
+    from guardian.access import announce
+    from guardian.observability.logs import configure_logging
+
+    configure_logging("json", "INFO")
+
+    def warnings(door_) -> list[str]:
+        announce(door_)
+        events = [json.loads(line)["event"] for line in capsys.readouterr().err.splitlines()]
+        return [event for event in events if event in ("access_public_completions", "access_any_origin")]
+
+    assert warnings(door(tmp_path, keys=KEY_FILE)) == []
+    assert warnings(door(tmp_path, keys=KEY_FILE, public_paths=["/health", "/v1/chat/completions"])) == [
+        "access_public_completions"]
+    assert warnings(door(origins=["*"])) == ["access_any_origin"]
+    assert warnings(door(tmp_path, keys=KEY_FILE, origins=["*"])) == []  # a page needs a key too
+    assert warnings(door()) == []
+
+
 @pytest.mark.parametrize("line, complaint", [
     ("alice:short", "at least 8"),
     ("al ice:sk-0123456789", "a key's name"),

@@ -122,6 +122,9 @@ def test_every_loaded_settings_table_is_in_the_example():
         ("[supervisor]\nreap_wait_s = 0\n", r"supervisor.reap_wait_s: must be > 0"),
         ("[prompt_guard]\nself = 1\n", r"\[prompt_guard\] unknown key 'self'"),
         ("[prompt_guard]\nmax_queue_wait_s = " + "1" * 401 + "\n", r"prompt_guard.max_queue_wait_s: must be <= "),
+        # A path no request names: /metrics stayed closed without a word.
+        ('[access]\npublic_paths = ["/health", "metrics"]\n', r"access.public_paths\[1\]: must be a path that starts with / and has no query, got 'metrics'"),
+        ('[access]\npublic_paths = ["/metrics?x=1"]\n', r"access.public_paths\[0\]: must be a path that starts"),
     ],
 )
 def test_bad_config_names_the_key(tmp_path, text, message):

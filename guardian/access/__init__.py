@@ -32,8 +32,17 @@ def make_door(settings, *, bound_host: str, allowed_origins: Optional[list[str]]
 
 def announce(door: AccessPolicy, log=None) -> None:
     """Say how the door stands when that needs a person's attention: at start, and when
-    a save changes [access] protected_mode."""
+    a save changes [access] protected_mode or public_paths."""
     log = log or structlog.get_logger("guardian.access")
+    generating = [path for path in door.settings.public_paths if path.rstrip("/").endswith("completions")]
+    if generating and door.mode == "api_keys":
+        log.warning("access_public_completions", paths=generating,
+                    why="[access] public_paths lists a path that generates: anyone who can reach this "
+                        "port may use the model on it without a key")
+    if door.origins.any and door.mode not in ("api_keys", "supervised_child"):
+        log.warning("access_any_origin", bound_host=door.bound_host,
+                    why="--allowed-origins '*' with no API key: any web page the user's browser opens "
+                        "may use the model here and read its answers")
     if door.mode == "open":
         log.warning("access_open", bound_host=door.bound_host,
                     why="bound beyond loopback with no API key and [access] protected_mode = false: "

@@ -195,6 +195,17 @@ class FilePath(Str):
     (guardian.config.loading); given as a flag, it is the working directory's."""
 
 
+class UrlPath(Str):
+    """An HTTP path as a request's target names it: "/" first, no query (a path written
+    "metrics" matched no request, and /metrics stayed closed without a word)."""
+
+    def check(self, value: Any) -> str:
+        value = super().check(value)
+        if not value.startswith("/") or "?" in value or "#" in value:
+            raise ValueError(f"must be a path that starts with / and has no query, got {value[:100]!r}")
+        return value
+
+
 class OneOf(Str):
     """A string from a fixed set."""
 

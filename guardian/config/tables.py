@@ -10,7 +10,7 @@ these declarations (``python -m guardian.config.reference``).
 
 from __future__ import annotations
 
-from guardian.config.registry import ACTIONS, Bool, FilePath, Float, Int, ListOf, OneOf, Setting, Str, Table
+from guardian.config.registry import ACTIONS, Bool, FilePath, Float, Int, ListOf, OneOf, Setting, Str, Table, UrlPath
 
 
 SECONDS = Float(min=0)
@@ -267,7 +267,7 @@ class AccessSettings(Table, name="access"):
         or SIGHUP reads it again; a file with a bad line adds no key but revokes
         those it no longer holds, and a file gone revokes every key. Relative,
         in this file: to this file's folder. "": no keys.""", flag="--api-key-file", metavar="PATH")
-    public_paths = Setting(ListOf(Str()), ["/livez", "/readyz", "/health"], """
+    public_paths = Setting(ListOf(UrlPath()), ["/livez", "/readyz", "/health"], """
         Paths served without a key (and to any address in protected mode):
         health checks for load balancers and supervisors. Exact paths; the
         query string is not part of it.""", live=True)

@@ -165,7 +165,8 @@ def serve(host: str, port: int, model_provider, config: Union[GuardianConfig, Li
         die_with_parent(lambda: exit_request(EXIT_OK), parent=supervisor_pid())
     # Said again when a save opens or closes the door (protected_mode is live); before any
     # reload, so that no save goes unsaid.
-    live.on_change(lambda change: announce(door) if "access.protected_mode" in change.applied else None)
+    live.on_change(lambda change: announce(door) if {"access.protected_mode", "access.public_paths"}
+                   & set(change.applied) else None)
     # SIGHUP re-reads --guardian-config, the key file and the certificate (its default would end
     # the process), on the main thread: the reload starts threads, which a handler may not.
     reload = functools.partial(reload_on_sighup, live, door, tls)

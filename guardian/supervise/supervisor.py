@@ -319,8 +319,8 @@ class Supervisor:
         self.config = merged
         self.child_body_limit = body_limit
         self.door.use_settings(merged.access)
-        if "access.protected_mode" in changed:  # a save opened or closed the door: said as at start
-            announce(self.door)
+        if {"access.protected_mode", "access.public_paths"} & set(changed):
+            announce(self.door)  # the door opened or closed: said as at start
         self.core = merged.core
         if self.httpd is not None:  # the public port's connection layer reads its limits at each use
             self.httpd.limits = public_limits(self.options, self.child_args, self.settings, self.core, self.http)
