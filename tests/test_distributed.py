@@ -490,7 +490,7 @@ def test_a_group_that_ends_unasked_with_no_ranks_code_is_a_failure(tmp_path):
     code_file = str(tmp_path / "group-1-exit-code")
     unasked = LauncherProcess([sys.executable, "-c", "pass"], exit_code_file=code_file)
     assert unasked.wait(timeout=30) == EXIT_GROUP_FAILED and unasked.codes_missing
-    reason = exit_reason(SimpleNamespace(proc=unasked, hard_killed=False, kill_reason=None))
+    reason = exit_reason(SimpleNamespace(proc=unasked, hard_killed=False, kill_reason=None, stopped_on_its_own=False))
     assert "no rank left its exit code" in reason and f"exit code {EXIT_GROUP_FAILED}" in reason
     # Asked to stop, a group that leaves no code ended as asked: the launcher's 0 stands.
     # A stand-in launcher that waits for its signal (SIGALRM ends it after 30 s if none comes).

@@ -486,14 +486,12 @@ def test_stocks_other_refusals_get_openai_shaped_errors_and_the_engine_keeps_ser
         response = client.post(url, content=b"\xff\xfe{", headers={"Content-Type": "application/json"})
         assert response.status_code == 400
         assert response.json()["error"]["code"] == "invalid_json"
-        # A parameter only stock's validation refuses (0.31 raises without
-        # answering): stock takes at most 11 here, where the door takes OpenAI's 20.
-        response = client.post(url, json={**chat_body(), "logprobs": True, "top_logprobs": 15})
+        # A body only stock refuses (JSON, but no object): its {"error": "text"}, reshaped.
+        response = client.post(url, content=b"[1, 2]", headers={"Content-Type": "application/json"})
         assert response.status_code == 400
         error = response.json()["error"]
         assert error["type"] == "invalid_request_error"
-        assert error["code"] == "invalid_request"
-        assert "top_logprobs" in error["message"]
+        assert error["code"] == "invalid_json" and error["message"] == "Request should be a JSON dictionary"
         # One the door refuses first names the field (guardian.admission.validation).
         response = client.post(url, json={**chat_body(), "temperature": "hot"})
         assert response.status_code == 400
