@@ -17,8 +17,8 @@ import httpx
 
 from conftest import chat_body, poll, scraped
 from guardian.exit_codes import EXIT_ENGINE_FAILED
-from test_supervisor import (COMPLETIONS, SEGFAULT_MARKER, SLOW_STEPS, post_in_thread,  # noqa: F401 - a fixture
-                             start_supervisor)
+from test_supervisor import (COMPLETIONS, SEGFAULT_MARKER, SLOW_STEPS, post_in_thread,
+                             start_supervisor)  # noqa: F401 - a fixture
 
 
 RESENT = "mlx_guardian_supervisor_requests_resent_total"
