@@ -21,7 +21,8 @@ import pytest
 
 from conftest import BOTH_MODES, Server, SessionServer, chat_body, free_port, poll, spawn_guardian
 
-pytestmark = pytest.mark.one_version
+# Run once, in the 0.31.3 lane of `make test` (tools/test_lanes.sh balances its lanes).
+pytestmark = [pytest.mark.one_version, pytest.mark.lane_0313]
 
 CHAT = "/v1/chat/completions"
 # Probes stay out of the way (the start-up one makes the server ready);

@@ -25,7 +25,8 @@ from conftest import REPO, chat_body, free_port, poll, read_stream
 
 # What it checks does not depend on mlx-lm's version (the plugin works through the guardian's hooks, above stock):
 # `make test` runs it against the newest mlx-lm only.
-pytestmark = pytest.mark.one_version
+# Run once, in the 0.31.3 lane of `make test` (tools/test_lanes.sh balances its lanes).
+pytestmark = [pytest.mark.one_version, pytest.mark.lane_0313]
 
 
 @pytest.fixture(scope="module", autouse=True)
