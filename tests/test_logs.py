@@ -147,3 +147,23 @@ def test_a_log_reader_that_stops_reading_never_stops_the_server(model_cache, tmp
         proc.kill()
         proc.wait(timeout=10)
         proc.stdout.close()
+
+
+def test_a_logger_used_before_logging_is_configured_again_follows_the_new_configuration():
+    """Each module's ``log`` is cached on its first use. configure_logging made a new list of
+    processors each time: a logger used between the command line's configuration and the
+    file's kept the first, and structlog's capture_logs (which edits the list in place)
+    missed it, so a test that captured a module's lines failed after another test had
+    configured logging twice around a use of it."""
+    import structlog
+    from structlog.testing import capture_logs
+
+    from guardian.observability.logs import configure_logging
+
+    log = structlog.get_logger("guardian.test_logs")
+    configure_logging("json", "INFO")
+    log.info("cached_on_first_use")
+    configure_logging("console", "INFO")
+    with capture_logs() as captured:
+        log.warning("seen_after_the_second_configuration")
+    assert [entry["event"] for entry in captured] == ["seen_after_the_second_configuration"]

@@ -283,6 +283,10 @@ class NeverBlockingStreamHandler(logging.StreamHandler):
         return record
 
 
+# structlog's processors, as configure_logging sets them.
+STRUCTLOG_PROCESSORS: list = []
+
+
 def configure_logging(log_format: str = "json", level: str = "INFO") -> None:
     renderer = (
         structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
@@ -313,15 +317,20 @@ def configure_logging(log_format: str = "json", level: str = "INFO") -> None:
     # warnings.warn(...) becomes a WARNING record of "py.warnings", not raw text.
     logging.captureWarnings(True)
     route_library_output_to_root()
+    # One list, its items replaced: a logger cached on its first use (every module's
+    # ``log``) keeps the list it was made with, so a second configuration (the command
+    # line's, then the file's) or structlog.testing.capture_logs, which edits the list in
+    # place, reaches it too.
+    STRUCTLOG_PROCESSORS[:] = [
+        # Drop events below the level before any work is done on them
+        # (a debug line per request costs nothing at INFO).
+        structlog.stdlib.filter_by_level,
+        *SHARED_PROCESSORS,
+        structlog.processors.StackInfoRenderer(),
+        structlog.stdlib.ProcessorFormatter.wrap_for_formatter,
+    ]
     structlog.configure(
-        processors=[
-            # Drop events below the level before any work is done on them
-            # (a debug line per request costs nothing at INFO).
-            structlog.stdlib.filter_by_level,
-            *SHARED_PROCESSORS,
-            structlog.processors.StackInfoRenderer(),
-            structlog.stdlib.ProcessorFormatter.wrap_for_formatter,
-        ],
+        processors=STRUCTLOG_PROCESSORS,
         logger_factory=structlog.stdlib.LoggerFactory(),
         wrapper_class=structlog.stdlib.BoundLogger,
         cache_logger_on_first_use=True,
