@@ -268,6 +268,7 @@ def test_a_model_the_server_does_not_serve_is_404(server, field, tmp_path):
     assert response.status_code == 404, response.text
     error = response.json()["error"]
     assert (error["param"], error["code"]) == (field, "model_not_found")
+    assert f"this server serves `{served_model_id(server)}`" in error["message"]  # the id to send instead
     assert response.headers["x-should-retry"] == "false"
     assert server.events("model_switch_failed") == []  # nothing was loaded
 

@@ -156,6 +156,7 @@ class AdmissionGate:
         return RequestBounds(vocab_size_of(requested_key[0]) if isinstance(requested_key[0], str) else None,
                              accepts_images=False,
                              disallowed_model_field=access.disallowed_field(requested_key) if access else None,
+                             served_model=(access.listed_name or access.served_key[0]) if access else None,
                              **field_limits)
 
     def field_limits(self) -> dict:

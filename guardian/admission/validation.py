@@ -70,6 +70,8 @@ class RequestBounds:
     # Which of model / draft_model / adapters names something this server
     # does not serve (that field's name), or None when all are allowed.
     disallowed_model_field: Optional[str] = None
+    # The served model's id as /v1/models lists it, for the refusal of another.
+    served_model: Optional[str] = None
     # How many "stop" strings, of how many characters each ([guardian]
     # max_stop_sequences, max_stop_chars); None: no limit.
     max_stop_sequences: Optional[int] = None
@@ -119,8 +121,10 @@ def check_models(body: dict, bounds: RequestBounds) -> None:
     check_type(body, "adapters", str, nullable=True)
     field = bounds.disallowed_model_field
     if field is not None:
-        raise Invalid(field, f"The model `{body.get(field)}` is not served here; this server "
-                      "serves the model it was started with.", code="model_not_found", status=404)
+        served = f" `{bounds.served_model}` (listed by /v1/models)" if bounds.served_model else \
+            " the model it was started with"
+        raise Invalid(field, f"The model `{body.get(field)}` is not served here; this server serves{served}. "
+                      "Name that, or leave `model` out.", code="model_not_found", status=404)
 
 
 # -- sampling and generation -----------------------------------------------------------
