@@ -69,8 +69,8 @@ test-newest: $(VENV)/.installed system-packages
 	$(VENV)/bin/python -m pytest
 
 # The supervisor imports no mlx_lm, and tests marked one_version check nothing
-# that depends on mlx-lm's version: they run against the newest mlx-lm only,
-# which keeps `make test` within CI's time.
+# that depends on mlx-lm's version: they run against one mlx-lm only (`make test`
+# runs a few in its 0.31.3 lane, tools/test_lanes.sh), which keeps it within CI's time.
 test-0313: $(VENV_0313)/.installed
 	$(VENV_0313)/bin/python -m pytest -m "not subprocess_mode and not one_version"
 

@@ -35,10 +35,10 @@ def announce(door: AccessPolicy, log=None) -> None:
     a save changes [access] protected_mode or public_paths."""
     log = log or structlog.get_logger("guardian.access")
     generating = [path for path in door.settings.public_paths if path.rstrip("/").endswith("completions")]
-    if generating and door.mode == "api_keys":
+    if generating and door.mode in ("api_keys", "protected"):  # open and loopback serve it all anyway
         log.warning("access_public_completions", paths=generating,
                     why="[access] public_paths lists a path that generates: anyone who can reach this "
-                        "port may use the model on it without a key")
+                        "port may use the model on it without a key, from any address")
     if door.origins.any and door.mode not in ("api_keys", "supervised_child"):
         log.warning("access_any_origin", bound_host=door.bound_host,
                     why="--allowed-origins '*' with no API key: any web page the user's browser opens "

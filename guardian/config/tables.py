@@ -303,7 +303,8 @@ class AccessSettings(Table, name="access"):
         again on SIGHUP. Relative, in this file: to this file's folder. "": plain
         HTTP.""", flag="--ssl-certfile", metavar="PATH")
     ssl_keyfile = Setting(FilePath(), "", """
-        The certificate's private key (PEM). "": in ssl_certfile.""",
+        The certificate's private key (PEM). Relative, in this file: to this
+        file's folder. "": in ssl_certfile.""",
         flag="--ssl-keyfile", metavar="PATH")
 
 

@@ -35,6 +35,10 @@ from guardian.errors import (CLIENT_GONE, SERVER_STOPPING, AbortRequest, ClientG
 from guardian.observability.logs import loggable_line
 from guardian.plugin_manager import call_each, notify
 
+# Fields whose null stock reads as "none", not as the default: a null draft model is no
+# draft model where left out it is the server's --draft-model (leave_out_nulls).
+NULL_MEANS_NONE = frozenset({"draft_model", "adapters"})
+
 log = structlog.get_logger("guardian.http")
 
 # Sampling fields stock's handler reads from the body and checks as floats alone.
@@ -348,11 +352,13 @@ class GuardianHandler(Endpoints, stock.handler.DoorCorsHandler):
         raw = self.rfile.read(length)
         if b"null" in raw:
             try:
-                body = json.loads(raw)
+                body = json.loads(raw.decode())  # as stock reads it (a byte order mark is refused)
             except (ValueError, RecursionError):  # stock refuses it, as it is
                 body = None
-            if isinstance(body, dict) and None in body.values():
-                raw = json.dumps({key: value for key, value in body.items() if value is not None}).encode()
+            if isinstance(body, dict) and any(value is None and key not in NULL_MEANS_NONE
+                                              for key, value in body.items()):
+                raw = json.dumps({key: value for key, value in body.items()
+                                  if value is not None or key in NULL_MEANS_NONE}).encode()
                 self.headers.replace_header("Content-Length", str(len(raw)))
         self.rfile = io.BytesIO(raw)
 

@@ -106,12 +106,17 @@ class Child:
 STOPPED_AS_ASKED = frozenset({exit_codes.EXIT_OK, -signal.SIGTERM, -signal.SIGINT, -signal.SIGHUP})
 
 
+def stopped_by_supervisor(child: Child) -> bool:
+    """Whether the supervisor stopped this child (SIGTERM of its own), not the child itself."""
+    return child.kill_reason is not None and not child.stopped_on_its_own
+
+
 def crashed(child: Child) -> bool:
     """Whether a child's end may be its requests' doing, so that those in flight are crash
     suspects: not when the supervisor stopped it, nor when it stopped as it was asked (a
     request in flight at two such stops was quarantined as a poison)."""
-    if child.kill_reason is not None and not child.stopped_on_its_own:
-        return False  # the supervisor stopped it
+    if child.hard_killed or stopped_by_supervisor(child):
+        return False  # the supervisor stopped it (one stopping on its own, SIGKILLed past its grace, too)
     if isinstance(child.proc, LauncherProcess) and child.proc.ranks_code is None:
         return True  # mlx.launch's own code, 0 whatever its ranks did: no rank left its code
     return child.proc.returncode not in STOPPED_AS_ASKED

@@ -590,8 +590,9 @@ class ProxyHandler(BaseHTTPRequestHandler):
             return NOTHING_SENT
         try:
             if upstream.response.status == 503 and child.kill_reason is not None:
-                # Being replaced (a frozen child gets SIGTERM and drains), it
-                # refused a request it never ran: the next child takes it.
+                # Being replaced (a frozen child gets SIGTERM and drains), or seen stopping on its
+                # own (relayed, by its /readyz: within a health check's interval), it refused a
+                # request it never ran: the next child takes it.
                 log.info("request_refused_by_stopping_child", path=self.logged_path, child_pid=child.pid)
                 return REFUSED_BY_STOPPING_CHILD
             return self.relay(child, upstream, stream)

@@ -59,7 +59,8 @@ from guardian.serving.sockets import LISTEN_FD_ENV, reserve_port
 from guardian.supervise.proxy import CHILD_CONNECT_TIMEOUT_S, CHILD_HOST, DEEP_READINESS_MARGIN_S, PublicServer
 from guardian.health.sd_notify import SystemdNotifier
 from guardian.supervise.child import (Child, child_command, close_quietly, copy_of_a_pipe, crashed, exit_reason,
-                                      free_port, loggable_command, private_folder, signal_quietly)
+                                      free_port, loggable_command, private_folder, signal_quietly,
+                                      stopped_by_supervisor)
 from guardian.supervise.settings import (abbreviated_flag, acted_on_here, check_stock_tables, child_body_limit,
                                          make_parser, public_door, public_limits, read_file, read_settings)
 from guardian.supervise.state import HOLDING, SERVING, State
@@ -539,10 +540,10 @@ class Supervisor:
     def replace_child(self, dead: Child, quarantined: list = ()) -> None:
         """Start the next child, or give up on a crash loop or refused flags. ``quarantined``:
         the requests this crash quarantined (guardian.quarantine.crashes)."""
-        if dead.kill_reason is None and dead.proc.returncode in NOT_RESTARTABLE:
+        if not stopped_by_supervisor(dead) and dead.proc.returncode in NOT_RESTARTABLE:
             return self.give_up(f"the child refused its flags (exit code {dead.proc.returncode})",
                                 dead.proc.returncode)
-        booted = dead.kill_reason is not None or dead.proc.returncode != EXIT_BOOT_ERROR or dead.ready_at is not None
+        booted = stopped_by_supervisor(dead) or dead.proc.returncode != EXIT_BOOT_ERROR or dead.ready_at is not None
         self.boot_failures = 0 if booted else self.boot_failures + 1
         if self.boot_failures >= BOOT_FAILURES_IN_A_ROW:
             return self.give_up(f"the model could not be loaded, {self.boot_failures} children in a row "
@@ -677,8 +678,12 @@ class Supervisor:
                 self.forward_sighup(child)
         elif self.state == State.UNHEALTHY:
             log.info("child_healthy_again", pid=child.pid)
-        if self.state in (State.STARTING, State.RESTARTING, State.UNHEALTHY):
-            self.set_state(State.READY)
+        with self.changed:
+            # Not a child being stopped: an HTTP thread may have seen it stopping on its own
+            # (child_stops_on_its_own) while this check, answered just before, was on its way.
+            if self.state in (State.STARTING, State.RESTARTING, State.UNHEALTHY) and child.kill_reason is None:
+                self.state = State.READY
+                self.changed.notify_all()
 
     def forward_sighup(self, child: Child) -> None:
         """SIGHUP to a guardian child once it serves. A child still starting is not sent
@@ -697,6 +702,8 @@ class Supervisor:
         ``kill_grace_s``, or when stopping for good, the child's drain (``exit_grace_s``) and
         a moment for its last answers, if that is longer."""
         child = self.child
+        if child.stopped_on_its_own:  # seen meanwhile by an HTTP thread: a SIGTERM now would end its drain
+            return
         grace_s = self.settings.kill_grace_s
         if self.exit_code is not None:
             grace_s = max(grace_s, self.core.exit_grace_s + LAST_ANSWERS_S)
