@@ -72,6 +72,16 @@ def poll(condition: Callable[[], object], timeout: float, interval: float = 0.02
         time.sleep(interval)  # the poll loop: bounded by the deadline above
 
 
+def arm(path: Path, uses: int = 1) -> None:
+    """Arm a fault plugin's file (``armed_by``) for ``uses`` faults, all at once: written
+    in place, a step in another process could read it between its creation and its
+    number, take the empty file for one use and remove it (a CI run's flake: two
+    failures armed, one came)."""
+    staged = path.with_name(path.name + ".staged")
+    staged.write_text(str(uses))
+    os.replace(staged, path)
+
+
 def scraped(server, name: str, via: Optional[httpx.Client] = None, **labels) -> float:
     """The sum of a metric's samples in a scrape of ``server``'s /metrics, of those with
     ``labels`` if given (0 if none has them yet); the metric must be in the scrape.

@@ -18,7 +18,7 @@ import httpx
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-from conftest import chat_body, poll, read_stream
+from conftest import arm, chat_body, poll, read_stream
 from test_continuation import CHAT, continued_events, greedy, streamed, token_faults, unfailed
 
 from guardian.engine.kept_kv import KeptKV
@@ -100,9 +100,9 @@ def test_a_failure_inside_stocks_step_keeps_nothing_and_the_stream_still_goes_on
     # (tests/plugins/stock_step_faults.py), while a stream decodes beside it:
     # the step may have written the stream's KV half way, so the continuation
     # prefills its generated tokens again, and its text is still the unfailed one.
-    arm = tmp_path / "arm"
+    arm_file = tmp_path / "arm"
     server = start_server(STEP_FAULTS + f'[stock_step_faults]\nraise_message = "planted in the step"\n'
-                          f'armed_by = "{arm}"\n[fault_injection]\nenabled = true\nstep_delay_s = 0.02\n')
+                          f'armed_by = "{arm_file}"\n[fault_injection]\nenabled = true\nstep_delay_s = 0.02\n')
     body = greedy(max_tokens=60, stream=True, stream_options={"include_usage": True})
     result = {}
 
@@ -114,7 +114,7 @@ def test_a_failure_inside_stocks_step_keeps_nothing_and_the_stream_still_goes_on
     thread.start()
     steps = poll(lambda: status(server)["in_flight"] and status(server)["steps"], 10, what="the stream taken")
     poll(lambda: status(server)["steps"] >= steps + 10, 10, what="the stream decoding")
-    arm.write_text("1")
+    arm(arm_file, 1)
     with httpx.Client(timeout=60) as client:
         other = client.post(server.url + CHAT, json=chat_body("Another request.", max_tokens=8))
     thread.join(timeout=60)

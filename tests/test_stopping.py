@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from conftest import chat_body, pace, poll, read_stream, scraped
+from conftest import arm, chat_body, pace, poll, read_stream, scraped
 from guardian.exit_codes import EXIT_ENGINE_FAILED, EXIT_OK
 from guardian.serving.exit_request import SAME_STOP_S
 
@@ -124,7 +124,7 @@ def test_an_engine_that_gives_up_during_the_drain_exits_with_its_code_not_0(star
         max_reruns = 100
         reload_after_failures = 0
     """)
-    armed.write_text("1000")  # once serving: its first probe has passed
+    arm(armed, 1000)  # once serving: its first probe has passed
     in_flight = InFlight(server, max_tokens=50)
     server.wait_for_event("engine_backoff")
     server.proc.send_signal(signal.SIGTERM)

@@ -15,7 +15,7 @@ import time
 
 import httpx
 
-from conftest import chat_body, poll, scraped
+from conftest import arm, chat_body, poll, scraped
 from guardian.exit_codes import EXIT_ENGINE_FAILED
 from test_supervisor import (COMPLETIONS, SEGFAULT_MARKER, SLOW_STEPS, post_in_thread,
                              start_supervisor)  # noqa: F401 - a fixture
@@ -203,6 +203,10 @@ def test_health_on_the_public_port_never_hangs_on_a_stopped_child(start_supervis
     assert supervised.supervisor()["restarts"] == 0
 
 
+# Whose lines tell what the engine did with a planted fault.
+ENGINE_LOGGERS = {"guardian.engine", "tests.stock_step_faults", "guardian.supervisor"}
+
+
 def test_a_child_that_gives_up_leaves_its_requests_to_the_supervisor(start_supervisor, tmp_path):
     """A child whose engine gives up (exit 4, more failures in the window than
     recovery.max_failures) used to answer what it held 503 engine_failed before
@@ -229,14 +233,16 @@ def test_a_child_that_gives_up_leaves_its_requests_to_the_supervisor(start_super
     poll(lambda: supervised.supervisor()["in_flight"] >= 2 and len(stream_lines) >= 3, 20,
          what="both generating")
     # The next two prefill steps fail: the third request's, then the re-runs' (2 > max_failures).
-    armed.write_text("2")
+    arm(armed, 2)
     trigger = post_in_thread(supervised.url, chat_body("The third.", max_tokens=8), done)
     for thread in (streamer, long_one, trigger):
         thread.join(timeout=120)
     assert sorted(response.status_code for response, _ in done) == [200, 200], [r for r, _ in done]
     assert {response.json()["usage"]["completion_tokens"] for response, _ in done} == {300, 8}
     assert stream_lines[-1] == "data: [DONE]" and not any('"error"' in line for line in stream_lines)
-    [gave_up] = [e for e in supervised.events("engine_gave_up") if e.get("left_to")]
+    gave_up = [e for e in supervised.events("engine_gave_up") if e.get("left_to")]
+    assert len(gave_up) == 1, [e for e in supervised.logs() if e.get("logger") in ENGINE_LOGGERS]
+    [gave_up] = gave_up
     assert gave_up["exit_code"] == EXIT_ENGINE_FAILED and gave_up["in_flight"] == 3
     [exited] = supervised.supervisor_events("child_exited")
     assert exited["pid"] == first_pid and exited["returncode"] == EXIT_ENGINE_FAILED
