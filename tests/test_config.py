@@ -120,6 +120,10 @@ def test_every_loaded_settings_table_is_in_the_example():
         ("[http]\nlinger_s = 31\n", r"http.linger_s: must be <= 30"),
         ("[http]\nlinger_s = -1\n", r"http.linger_s: must be >= 0"),
         ("[supervisor]\nreap_wait_s = 0\n", r"supervisor.reap_wait_s: must be > 0"),
+        ("[http]\nmax_lingering = -1\n", r"http.max_lingering: must be >= 0"),
+        ("[watchdog]\njoin_timeout_s = 0.05\n", r"watchdog.join_timeout_s: must be >= 0.1"),
+        ("[watchdog]\njoin_timeout_s = inf\n", r"watchdog.join_timeout_s: must be a finite number"),
+        ("[supervisor]\nisolation_wait_s = -1\n", r"supervisor.isolation_wait_s: must be >= 0"),
         ("[prompt_guard]\nself = 1\n", r"\[prompt_guard\] unknown key 'self'"),
         ("[prompt_guard]\nmax_queue_wait_s = " + "1" * 401 + "\n", r"prompt_guard.max_queue_wait_s: must be <= "),
         # A path no request names: /metrics stayed closed without a word.
