@@ -56,6 +56,10 @@ MAX_AGE_MS = 86_400_000
 HEADERS_ADDED_FOR_CHILD = 12
 # The child's answer: this stream is tagged, and can be continued.
 CONTINUABLE_HEADER = "X-Guardian-Continuable"
+# The child's 503 to a request its supervisor relayed (not handed off: TLS, macOS, a
+# group) while it stops on its own: it never ran the request, which its supervisor sends
+# to the next child, as it does one a child gives back when handed off.
+STOPPING_HEADER = "X-Guardian-Stopping"
 TOKENS_COMMENT = b": guardian-tokens "
 NOT_CONTINUABLE = b"-"
 # A continuation longer than this is not one the supervisor made.

@@ -85,16 +85,20 @@ def at(event: dict) -> float:
     return datetime.fromisoformat(event["timestamp"].replace("Z", "+00:00")).timestamp()
 
 
+@pytest.mark.parametrize("hand_off", [True, False], ids=["handed off", "relayed"])
 def test_a_child_stopped_by_a_signal_of_its_own_is_no_crash_and_requests_wait_for_the_next(start_supervisor,
-                                                                                          tmp_path):
+                                                                                          tmp_path, hand_off):
     """A SIGTERM to the child alone (an operator restarting its engine, a script) ends it
     with exit 0 after its drain. The supervisor took that for a crash: what was in flight
     became a crash suspect, run alone, and at a second such stop was quarantined, a 500
     for an innocent request and for every copy of it for 300 s. And a request that came
     during the drain got the child's 503 "the server is stopping", though the service was
-    not: it now waits for the next child, as during any restart."""
+    not: it now waits for the next child, as during any restart. Relayed (TLS, macOS, a
+    group), it got that 503 until a health check saw the drain; the checks here are 30 s
+    apart, so only the child's own word can tell the supervisor."""
     config = tmp_path / "short-drain.toml"
-    config.write_text("[guardian]\nexit_grace_s = 1\n[fault_injection]\nenabled = true\nstep_delay_s = 0.02\n")
+    config.write_text("[guardian]\nexit_grace_s = 1\n[fault_injection]\nenabled = true\nstep_delay_s = 0.02\n"
+                      + ("" if hand_off else "[supervisor]\nhand_off = false\ninterval_s = 30\n"))
     supervised = start_supervisor("--guardian-config", str(config))
     first_pid = supervised.wait_ready()
     child_port = supervised.supervisor()["child"]["port"]
@@ -120,6 +124,8 @@ def test_a_child_stopped_by_a_signal_of_its_own_is_no_crash_and_requests_wait_fo
     assert exited["returncode"] == EXIT_OK and exited["pid"] == first_pid and exited["level"] == "info"
     [stopping] = supervised.supervisor_events("child_stopping")
     assert stopping["reason"].startswith("it is stopping on its own")
+    if not hand_off:
+        assert "it refused a request as stopping" in stopping["reason"]
     # Its drain was exit_grace_s: what it left is the supervisor's at its exit, not a second later.
     [server_stopping], [stopped] = supervised.events("server_stopping"), supervised.events("server_stopped")
     drained_s = at(stopped) - at(server_stopping)

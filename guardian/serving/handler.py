@@ -183,7 +183,7 @@ class GuardianHandler(Endpoints, stock.handler.DoorCorsHandler):
         except AbortRequest as abort:
             if abort.error.code == SERVER_STOPPING and self.give_back():
                 return
-            self.send_error_json(abort.error)
+            self.send_error_json(abort.error, stopping=abort.error.code == SERVER_STOPPING)
         except (ClientGoneAbort, *CLIENT_GONE):
             log.info("client_disconnected")
         except GuardianError as error:
@@ -231,9 +231,14 @@ class GuardianHandler(Endpoints, stock.handler.DoorCorsHandler):
             return
         log.warning("stream_ended_with_error", status=error.status, code=error.code)
 
-    def send_error_json(self, error: GuardianError) -> None:
+    def send_error_json(self, error: GuardianError, stopping: bool = False) -> None:
+        """``error`` in OpenAI's shape; ``stopping``: a refusal because this server stops,
+        marked for a supervisor that relayed the request (``relay_protocol.STOPPING_HEADER``)."""
+        headers = error.response_headers()
+        if stopping and relay_protocol.relayed_by_supervisor(self.headers):
+            headers = {**headers, relay_protocol.STOPPING_HEADER: "1"}
         try:
-            self.send_json(error.status, error.body(), error.response_headers())
+            self.send_json(error.status, error.body(), headers)
         except CLIENT_GONE:
             return
         log.warning("request_rejected" if error.status < 500 else "request_errored",

@@ -589,11 +589,15 @@ class ProxyHandler(BaseHTTPRequestHandler):
             self.child_lost(child, e, sent=False)
             return NOTHING_SENT
         try:
-            if upstream.response.status == 503 and child.kill_reason is not None:
-                # Being replaced (a frozen child gets SIGTERM and drains), or seen stopping on its
-                # own (relayed, by its /readyz: within a health check's interval), it refused a
-                # request it never ran: the next child takes it.
+            response = upstream.response
+            stopping = response.status == 503 and response.getheader(relay_protocol.STOPPING_HEADER) is not None
+            if response.status == 503 and (stopping or child.kill_reason is not None):
+                # Being replaced (a frozen child gets SIGTERM and drains), or stopping on its
+                # own (a guardian child says so), it refused a request it never ran: the next
+                # child takes it.
                 log.info("request_refused_by_stopping_child", path=self.logged_path, child_pid=child.pid)
+                if stopping:
+                    self.server.supervisor.child_stops_on_its_own(child, "it refused a request as stopping")
                 return REFUSED_BY_STOPPING_CHILD
             return self.relay(child, upstream, stream)
         finally:
