@@ -152,7 +152,7 @@ def continued_from(headers, vocab_size: Optional[int]) -> Optional[list[int]]:
 class TokenTaggingOutput:
     """The handler's output for a relayed stream: each text event tagged with its tokens.
 
-    ``consumed`` is told every token stock's handler takes from the engine.
+    ``tap_tokens`` gives it every token stock's handler takes from the engine.
     A ``data:`` event that writes exactly the text of the tokens consumed
     since the last tag carries them. One that writes the beginning of that text
     is held (``_lagging``): 0.32 holds back text that may begin a stop string,
@@ -180,6 +180,7 @@ class TokenTaggingOutput:
         self._lagging_text = ""
 
     def consumed(self, token: int, text: str) -> None:
+        """One token taken, as ``tap_tokens`` adds each inline (tests and benches tell it so)."""
         self._tokens.append(token)
         if text:
             self._text.append(text)

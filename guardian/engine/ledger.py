@@ -2,9 +2,10 @@
 
 The stock loop keeps the requests it has taken in local variables, which die
 with it. The ledger is the engine's request queue (``ResponseGenerator
-.requests``) and wraps each request's response queue in a ``RequestRecord``,
-so after a failure the supervisor knows which requests were never taken,
-which were taken but not started, and what each client has received.
+.requests``) and wraps each request's response queue in a ``RequestRecord``, so
+after a failure the failure handler (guardian.engine.failures) knows which
+requests were never taken, which were taken but not started, and what each
+client has received.
 """
 
 from __future__ import annotations
@@ -750,7 +751,7 @@ class RequestLedger:
         if tell:
             self.on_finished(record, outcome)
 
-    # -- the supervisor's side --------------------------------------------
+    # -- the failure handler's side (guardian.engine.failures) -------------
     def take_in_flight(self) -> list[RequestRecord]:
         """Every request the dead loop had taken and not finished, oldest first."""
         with self._cond:

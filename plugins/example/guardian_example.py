@@ -18,7 +18,6 @@ import re
 from dataclasses import dataclass, field
 
 import guardian
-from guardian.errors import GuardianError
 
 
 @dataclass
@@ -37,7 +36,7 @@ class BlockedWords:
         self.settings = settings
 
     @guardian.hookimpl
-    def admit_request(self, admission) -> GuardianError | None:
+    def admit_request(self, admission) -> guardian.GuardianError | None:
         """HTTP thread, before the request is queued: None lets it in."""
         words = self.settings.words
         if not words:
@@ -48,7 +47,7 @@ class BlockedWords:
             return None
         # Returned, not raised: firstresult, so no later hook runs, and the
         # client gets this status and OpenAI-shaped body.
-        return GuardianError(
+        return guardian.GuardianError(
             f"This server does not accept requests that mention {found!r}.",
             status=400,
             type="invalid_request_error",

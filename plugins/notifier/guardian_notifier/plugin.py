@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import structlog
 
 import guardian
-from guardian.config.registry import ConfigError, shown
+from guardian.config.registry import shown
 from guardian.exit_codes import reason as exit_reason
 from guardian_notifier.notice import DEFAULT, HIGH, URGENT, Notice
 from guardian_notifier.outbox import Outbox, destinations
@@ -175,12 +175,13 @@ def check(settings: NotifierSettings) -> None:
     for url in [*settings.webhook_urls, *([settings.ntfy_url] if settings.ntfy_url else [])]:
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
             # Not echoed: a URL may hold a secret, and this message is logged.
-            raise ConfigError("[notifier]: every webhook_urls entry and ntfy_url must start with http:// or https://")
+            raise guardian.ConfigError(
+                "[notifier]: every webhook_urls entry and ntfy_url must start with http:// or https://")
     unknown = [event for event in settings.events if event not in EVENTS]
     if unknown:
         # An event's name is shown; anything else (a URL in the wrong key) only by its size.
         named = [e if isinstance(e, str) and re.fullmatch(r"[a-z_]{1,32}", e) else shown(e) for e in unknown]
-        raise ConfigError(f"[notifier] events: unknown {named}; known: {list(EVENTS)}")
+        raise guardian.ConfigError(f"[notifier] events: unknown {named}; known: {list(EVENTS)}")
 
 
 def mib(n) -> str:
