@@ -484,7 +484,7 @@ class StampedWrites:
     """The client's connection, each write stamped as it starts, then written as the relay writes."""
 
     def __init__(self, sock: socket.socket, stamps: list):
-        from guardian.supervise.proxy import client_writer
+        from guardian.supervise.client_writes import client_writer
 
         self.write, self.stamps = client_writer(sock), stamps
 
@@ -548,7 +548,7 @@ CHILD_LOOPS = (child_plain_writes, child_handoff_writes)
 
 def per_event(events: int, gap_s: float, repeats: int) -> dict:
     """The relaying thread's CPU per event, for each loop, ``repeats`` times alternately."""
-    from guardian.supervise.proxy import Upstream
+    from guardian.supervise.upstream import Upstream
 
     child = subprocess.Popen([sys.executable, "-c", PACED_CHILD, str(events), str(gap_s)],
                              stdout=subprocess.PIPE, text=True)

@@ -20,7 +20,7 @@ import structlog
 from conftest import poll
 from guardian.errors import CLIENT_GONE, write_error_as_client_gone
 from guardian.observability import metrics as observability_metrics
-from guardian.supervise.proxy import client_writer
+from guardian.supervise.client_writes import client_writer
 from guardian.serving import connection, open_files, sockets
 from guardian.health import parent_watch
 from guardian.health.sd_notify import SystemdNotifier

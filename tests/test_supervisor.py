@@ -938,7 +938,7 @@ def test_a_continuation_the_child_refused_for_its_deadline_ends_with_the_deadlin
     look and the child's. The child's 504 is the client's error event; it read as a lost child."""
     import io
 
-    from guardian.supervise.proxy import child_deadline_error
+    from guardian.supervise.upstream import child_deadline_error
 
     body = {"error": {"message": "The request was not answered within its deadline of 8 s "
                                  "(request_timeout_s).", "type": "server_error", "param": None,

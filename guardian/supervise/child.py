@@ -30,7 +30,7 @@ from guardian import exit_codes
 from guardian.config.registry import ConfigError
 from guardian.distributed.launch import LauncherProcess
 from guardian.handoff import Channel
-from guardian.supervise.proxy import CHILD_HOST
+from guardian.supervise.fast_handoff import CHILD_HOST
 
 log = structlog.get_logger("guardian.supervisor")
 

@@ -1,10 +1,7 @@
 """The supervisor's public port: every request relayed to the child.
 
 Imports neither mlx nor mlx_lm: the supervisor stays small. Requests go to
-the child with the standard library's http.client, one connection each (the
-child answers HTTP/1.0 and closes it, so a pool would keep nothing): per
-request and per chunk it costs the relay a fraction of httpx's CPU, which
-a pinned supervisor takes from generation (bench/relay_cost.py). Responses pass
+the child on a connection each (``guardian.supervise.upstream``). Responses pass
 through as they arrive (SSE events one by one), with the child's status and
 headers. When the child dies under a request, the request is sent again to
 the next child; a stream the client had begun to receive is continued there
@@ -21,10 +18,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import http.client
 import json
 import logging
-import os
 import socket
 import subprocess
 import threading
@@ -46,30 +41,19 @@ from guardian.serving.deadlines import COMPLETION_PATHS, Deadline, deadlines_of,
 from guardian.serving.framing import asks_for_probes, request_path
 from guardian.request_context import REQUEST_ID_HEADER, sane_request_id
 from guardian.supervise import metrics as supervise_metrics
-from guardian.supervise.fast_handoff import (CHILD_HOST, FastHandOff, child_request, forwarded_headers,
+from guardian.supervise.client_writes import StreamKeepAlive, client_writer
+from guardian.supervise.fast_handoff import (FastHandOff, child_request, forwarded_headers,
                                              try_fast_hand_off)
+from guardian.supervise.upstream import ChildUnreachable, Upstream, child_deadline_error
 from guardian.quarantine import isolation
 from guardian.quarantine.crashes import fingerprint
-from guardian.errors import CLIENT_GONE, GuardianError, body_too_large, method_not_allowed, write_error_as_client_gone
+from guardian.errors import CLIENT_GONE, GuardianError, body_too_large, method_not_allowed
 from guardian.observability.counting import ActiveCount
 from guardian.observability.logs import loggable_line, without_query_values
 
 LOGGER_NAME = "guardian.supervisor"
 log = structlog.get_logger(LOGGER_NAME)
 
-# Reaching a local child is immediate or refused. Reads have no timeout: a
-# long generation is not a fault, and a dead child closes its sockets.
-CHILD_CONNECT_TIMEOUT_S = 5.0
-# One read from the child: whatever has arrived, up to this much.
-RELAY_READ_BYTES = 1 << 16
-# A stream whose child died is sent an SSE comment this often while it waits for the
-# next child (reaped, started, its turn to run alone): its client's read timeout (httpx's,
-# the openai SDK's timeout=) counts each wait for bytes, and a child's start takes a
-# model's load.
-STREAM_KEEPALIVE_S = 1.0
-STREAM_KEEPALIVE = b": keepalive\n\n"
-# An error's body from the child is read up to this much.
-MAX_ERROR_BODY_BYTES = 1 << 16
 BODY_METHODS = relay_protocol.BODY_METHODS
 HOP_BY_HOP = relay_protocol.HOP_BY_HOP
 # What the supervisor writes itself on the answers it writes (send_cors_headers).
@@ -920,80 +904,6 @@ def access_lines_wanted() -> bool:
     return logging.getLogger(LOGGER_NAME).isEnabledFor(logging.DEBUG)
 
 
-class Upstream:
-    """One request to the child on a connection of its own, its response headers read."""
-
-    def __init__(self, port: int, method: str, target: str, headers: list[tuple[str, str]], body: bytes,
-                 holder=None):
-        self.connection = http.client.HTTPConnection(CHILD_HOST, port, timeout=CHILD_CONNECT_TIMEOUT_S)
-        try:
-            self.connection.connect()
-        except OSError as e:
-            self.connection.close()
-            raise ChildUnreachable(f"the child's port {port} took no connection") from e
-        # Connected: from now on the handler may abort() it, while the child answers too.
-        self.sock = self.connection.sock
-        if holder is not None:
-            holder.upstream = self
-        try:
-            if holder is not None and holder.gone:
-                # Its client left after the handler looked and before the line above, so
-                # client_left found no relay to cut: this one is cut here instead.
-                self.abort()
-            self.connection.sock.settimeout(None)  # the connect is bounded, reads are not
-            # Host is the child's; Accept-Encoding is the client's, if it sent one.
-            self.connection.putrequest(method, target, skip_accept_encoding=True)
-            for name, value in headers:
-                self.connection.putheader(name, value)
-            if body or method in BODY_METHODS:
-                self.connection.putheader("Content-Length", str(len(body)))
-            self.connection.endheaders(body or None)
-            # Kept: an HTTP/1.0 answer makes the connection let go of its socket.
-            self.sock = self.connection.sock
-            self.response = self.connection.getresponse()
-        except BaseException:
-            self.connection.close()
-            raise
-
-    def chunks(self):
-        """The body as it arrives; raises if it ends short of its Content-Length."""
-        response = self.response
-        if response.length is None and not response.chunked and response.fp is not None:
-            # Read until the child closes: what http.client buffered with the
-            # headers, then straight from the socket (a stream's every event
-            # passes here; its Python layers cost more than the recv itself).
-            chunk = response.fp.read1(RELAY_READ_BYTES)
-            recv = self.sock.recv
-            while chunk:
-                yield chunk
-                chunk = recv(RELAY_READ_BYTES)
-            return
-        read1 = response.read1
-        while True:
-            chunk = read1(RELAY_READ_BYTES)
-            if not chunk:
-                if self.response.length:
-                    raise http.client.IncompleteRead(b"", self.response.length)
-                return
-            yield chunk
-
-    def abort(self) -> None:
-        """From another thread: end the exchange now (a read in progress returns)."""
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except (OSError, AttributeError):
-            pass
-
-    def close(self) -> None:
-        """Close the connection: a child still writing sees its client leave."""
-        self.response.close()
-        self.connection.close()
-
-
-class ChildUnreachable(ConnectionError):
-    """The child's port took no connection: nothing of the request reached it."""
-
-
 def child_died(child, alone: bool) -> bool:
     """Whether the child has exited; a suspect about to run alone waits a moment to be sure."""
     try:
@@ -1001,80 +911,3 @@ def child_died(child, alone: bool) -> bool:
     except subprocess.TimeoutExpired:
         return False
     return True
-
-
-class StreamKeepAlive:
-    """SSE comments to a stream's client on a thread of their own, between ``start`` and
-    ``stop`` (while the handler's thread writes nothing to it: it waits)."""
-
-    def __init__(self, connection):
-        self.connection = connection
-        self._stop: Optional[threading.Event] = None
-        self._thread: Optional[threading.Thread] = None
-
-    def start(self) -> None:
-        if self._thread is not None:
-            return
-        self._stop = stop = threading.Event()
-        self._thread = threading.Thread(target=self._beat, args=(stop,), name="stream-keepalive", daemon=True)
-        self._thread.start()
-
-    def _beat(self, stop: threading.Event) -> None:
-        # The first at once: the child may have sent nothing for a second before it died (its
-        # own keepalives come a second into a silence), and a client's 2 s read timeout ran out.
-        wait_s = 0.0
-        while not stop.wait(wait_s):
-            try:
-                self.connection.sendall(STREAM_KEEPALIVE)
-            except (OSError, ValueError):  # the client left: the handler finds out at its next write
-                return
-            wait_s = STREAM_KEEPALIVE_S
-
-    def stop(self) -> None:
-        """Stop, once the comment being written (if one is) is out."""
-        if self._thread is None:
-            return
-        self._stop.set()
-        self._thread.join()
-        self._thread = None
-
-
-def child_deadline_error(response) -> Optional[GuardianError]:
-    """The child's 504 deadline_exceeded (a continuation it refused), as the client's error."""
-    try:
-        error = json.loads(response.read(MAX_ERROR_BODY_BYTES))["error"]
-    except (OSError, ValueError, TypeError, KeyError, http.client.HTTPException):
-        return None
-    if not isinstance(error, dict) or error.get("code") != "deadline_exceeded":
-        return None
-    return GuardianError(str(error.get("message", "The request's deadline passed.")), status=504,
-                         type="server_error", code="deadline_exceeded", retry=False)
-
-
-def client_writer(connection):
-    """A function that writes all of its bytes to the client, as ``sendall`` does,
-    in one system call where it can.
-
-    The connection layer gives a handler's socket a send timeout, and on such
-    a socket ``sendall`` polls before it sends: two system calls per relayed
-    event. One ``write(2)`` takes the whole event while the kernel has room
-    for it (always, unless the client stopped reading); ``sendall`` sends the
-    rest, under the timeout. A TLS socket writes through the connection's
-    ``sendall``. Either names a client that left as such (``handoff.send_all``).
-    """
-    sock = raw_socket(connection)
-    if type(sock) is not socket.socket:
-        return connection.sendall
-    fd, write = sock.fileno(), os.write
-
-    def send(data: bytes) -> None:
-        try:
-            sent = write(fd, data)
-        except BlockingIOError:  # the socket's buffer is full: send_all waits
-            sent = 0
-        except OSError as e:  # the client's (relay_events tells it from the child's)
-            raise write_error_as_client_gone(e) from None
-        if sent < len(data):
-            handoff.send_all(sock, memoryview(data)[sent:])
-
-    return send

@@ -56,7 +56,9 @@ from guardian.relay_protocol import KEY_HEADER, RELAY_KEY_ENV, new_relay_key
 from guardian.health.parent_watch import PARENT_PID_ENV
 from guardian.serving.exit_request import SAME_STOP_S
 from guardian.serving.sockets import LISTEN_FD_ENV, reserve_port
-from guardian.supervise.proxy import CHILD_CONNECT_TIMEOUT_S, CHILD_HOST, DEEP_READINESS_MARGIN_S, PublicServer
+from guardian.supervise.fast_handoff import CHILD_HOST
+from guardian.supervise.proxy import DEEP_READINESS_MARGIN_S, PublicServer
+from guardian.supervise.upstream import CHILD_CONNECT_TIMEOUT_S
 from guardian.health.sd_notify import SystemdNotifier
 from guardian.supervise.child import (Child, child_command, close_quietly, copy_of_a_pipe, crashed, exit_reason,
                                       free_port, loggable_command, private_folder, signal_quietly,
