@@ -20,7 +20,7 @@ import structlog
 from guardian import stock
 from guardian.config.registry import ACTIONS, EXIT
 from guardian.engine.blame import MEMORY_CLASSIFICATIONS, FailureBudget, Verdict, verdicts
-from guardian.engine.ledger import RequestRecord
+from guardian.engine.record import RequestRecord
 from guardian.engine.lifecycle import EngineState
 from guardian.plugin_manager import first_answer
 from guardian.errors import EngineStepError, GuardianError

@@ -25,7 +25,8 @@ import structlog
 from guardian import long_lived, stock
 from guardian.config.registry import EXIT, RELOAD, RESTART
 from guardian.engine.failures import FailureHandler
-from guardian.engine.ledger import RequestLedger, RequestRecord, Stage
+from guardian.engine.ledger import RequestLedger
+from guardian.engine.record import RequestRecord, Stage
 from guardian.engine.lifecycle import EngineAbandoned, EngineState, Lifecycle
 from guardian.engine.memory import EngineMemory, GuardianPromptCache
 from guardian.engine.probes import Probes

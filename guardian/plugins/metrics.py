@@ -29,7 +29,7 @@ from guardian.observability.metrics import gauge
 from guardian.access.policy import REFUSALS as ACCESS_REFUSALS
 from guardian.admission.facts import device_info, device_memory
 from guardian.engine.lifecycle import EngineState
-from guardian.engine.ledger import CANCELLED, COMPLETED, FAILED
+from guardian.engine.record import CANCELLED, COMPLETED, FAILED
 from guardian.engine.failures import CLASSIFICATIONS
 from guardian.config.registry import ACTIONS
 
