@@ -149,6 +149,11 @@ def test_waits_grow_are_capped_and_queued_requests_are_served(start_server):
     [*_, last] = server.wait_for_event("engine_restarted", count=7)
     assert last["phases_ms"]["backoff"] >= 800 * 0.9
     assert server.proc.poll() is None
+    # The engine completed requests since: its failures count no more, and the status says
+    # so (it said 7 and 7 until the next failure, as the metric did).
+    status = httpx.get(server.url + "/guardian/status", timeout=5).json()
+    assert status["failures_in_window"] == 0 and status["backoff"]["failures_in_a_row"] == 0, status
+    assert status["failures_total"] == 7
 
 
 def test_a_sustained_crash_loop_still_exits_with_code_4_after_its_waits(start_server):

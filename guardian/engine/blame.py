@@ -233,10 +233,14 @@ class FailureBudget:
             self.forgiven += forgiven
             return forgiven
 
-    def count(self, now: Optional[float] = None) -> int:
-        """The failures the crash-loop budget counts now."""
+    def count(self, now: Optional[float] = None, progress: Optional[Hashable] = None) -> int:
+        """The failures the crash-loop budget counts now. ``progress``: the engine's now;
+        if it moved since the last failure, none counts any more (the next failure would
+        start again), though a report said the last failures' count until then."""
         now = time.monotonic() if now is None else now
         with self._lock:
+            if progress is not None and self._progress_seen is not None and progress != self._progress_seen:
+                return 0
             since = self._clock.at(now) - self.window_s
             for failure_id, at in list(self._times.items()):
                 if at < since:

@@ -373,7 +373,7 @@ class FailureHandler:
     def status(self) -> dict:
         """The failures' part of ``GET /guardian/status``'s engine."""
         return {
-            "failures_in_window": self.budget.count(),
+            "failures_in_window": self.budget.count(progress=self.progress()),
             "failures_forgiven": self.budget.forgiven,
             # Serving while it fails: more than max_failures failures within the
             # window, with progress between them (guardian.engine.blame).

@@ -471,7 +471,7 @@ class GuardianEngine(stock.loop.GuardedResponseGenerator):
             "abandoned_loop_threads": self.abandoned_loop_threads,
             "heartbeat_age_s": round(time.monotonic() - self.last_beat, 3),
             "mlx_lm_version": stock.contract.STOCK_VERSION,
-            "backoff": self.backoff.status(),
+            "backoff": self.backoff.status(self.failures.progress()),
             "requests_cancelled": dict(self.ledger.cancelled),
             "tokens_after_cancel": self.ledger.tokens_after_cancel,
             "rerun_prompt_tokens": self.ledger.rerun_prompt_tokens,

@@ -99,11 +99,14 @@ class Backoff:
         finally:
             self._until = None
 
-    def status(self) -> dict:
-        """For /guardian/status: the failures in a row, and the wait in progress (None if none)."""
+    def status(self, progress: Hashable = None) -> dict:
+        """For /guardian/status: the failures in a row (none once the engine's ``progress``
+        moved since the last: the next failure starts a new row), and the wait in progress
+        (None if none)."""
         until = self._until
+        moved = progress is not None and self._progress_seen is not None and progress != self._progress_seen
         return {
-            "failures_in_a_row": self.in_a_row,
+            "failures_in_a_row": 0 if moved else self.in_a_row,
             "waiting_s": None if until is None else round(max(0.0, until - time.monotonic()), 3),
             "last_delay_s": self.delay_s,
         }
