@@ -57,13 +57,13 @@ def in_flight(server) -> bool:
         return False
 
 
-def pause(proc, seconds: float) -> None:
+def pause(proc, seconds: float, interval: float = 0.1) -> None:
     """SIGSTOP the whole process for ``seconds``, then SIGCONT it."""
     proc.send_signal(signal.SIGSTOP)
     try:
         stopped_at = time.monotonic()
         # Nothing to poll for but time itself: the process cannot answer meanwhile.
-        poll(lambda: time.monotonic() - stopped_at >= seconds, seconds + 5, interval=0.1, what="the pause")
+        poll(lambda: time.monotonic() - stopped_at >= seconds, seconds + 5, interval=interval, what="the pause")
     finally:
         proc.send_signal(signal.SIGCONT)
 
@@ -103,6 +103,31 @@ def test_three_pauses_of_the_whole_process_with_requests_in_flight_are_not_stall
     assert metric(metrics, "mlx_guardian_process_paused_seconds_total") >= 3 * (PAUSE_S - 0.5)
     assert metric(metrics, "mlx_guardian_engine_restarts_total") == 0
     assert metric(metrics, "mlx_guardian_engine_stalls_total") == 0
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGSTOP"), reason="SIGSTOP/SIGCONT are POSIX signals")
+def test_pauses_shorter_than_the_stall_limit_are_not_stalls_either(start_server):
+    """A pause just under the limit went unnoticed, and with the step it fell in went
+    past it: three 2.8 s SIGSTOPs of a server of 0.5 s steps (limit 3 s) were three
+    stalls, restart, reload and exit 5, the stream cut. Here the limit is 1 s (floor and
+    ceiling; steps of 0.2 s), each pause 0.93 s, landing anywhere in a step: on the code
+    before, most pauses went past the limit with their step."""
+    watchdog = {**WATCHDOG, "stall_timeout_s": 1.0}
+    config = STEP_FAULTS + table("stock_step_faults", delay_s=0.2) + table("watchdog", **watchdog)
+    server = start_server(config)
+    sender, result = post_in_background(server.url + COMPLETIONS, chat_body(max_tokens=60))
+    poll(lambda: in_flight(server), 30, interval=0.05, what="the request in flight")
+    for _ in range(3):
+        steps = httpx.get(server.url + "/guardian/status", timeout=5).json()["steps"]
+        poll(lambda: httpx.get(server.url + "/guardian/status", timeout=5).json()["steps"] >= steps + 2, 10,
+             what="two steps between the pauses")
+        pause(server.proc, 0.93, interval=0.01)
+    sender.join(timeout=120)
+    assert result["response"].status_code == 200, result["response"].text
+    assert result["response"].json()["usage"]["completion_tokens"] == 60
+    assert server.events("engine_stalled") == []
+    status = httpx.get(server.url + "/guardian/status").json()
+    assert status["stalls"] == 0 and status["restarts"] == 0, status
 
 
 @pytest.mark.skipif(not hasattr(signal, "SIGSTOP"), reason="SIGSTOP/SIGCONT are POSIX signals")

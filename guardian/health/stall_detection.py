@@ -69,6 +69,10 @@ class StallDetector:
         self.step_cpu = StepCpu()
         # The heartbeat's clock restarts here after a pause of the whole process.
         self.resumed_at = float("-inf")
+        # Shorter pauses (``_notice_pause``) since the heartbeat's clock last started
+        # (``_credited_from``): taken off its age.
+        self._credited_s = 0.0
+        self._credited_from = float("-inf")
         self.pauses = 0
         self.paused_s = 0.0
         self._busy_logged_for: Optional[float] = None  # the beat whose busy step was logged
@@ -168,8 +172,14 @@ class StallDetector:
     # -- pauses of the whole process ------------------------------------------
     def _notice_pause(self, now: float, late_s: float) -> None:
         """A look late by more than the shortest stall limit: the process was paused
-        or starved, the engine with it; its heartbeat's clock restarts now."""
+        or starved, the engine with it; its heartbeat's clock restarts now. A look late
+        by less, but by more than an interval, is a shorter pause: its time is taken off
+        the heartbeat's age, and the gap it fell in is no step's. (Without that, a pause
+        just under the limit, plus the step it fell in, was a stall: three 2.8 s SIGSTOPs
+        of a server of 0.5 s steps climbed the ladder to exit 5.)"""
         if late_s <= min(self.stall_limit_s, self.settings.stall_min_s):
+            if late_s > self.settings.interval_s:
+                self._credit_pause(now, late_s)
             return
         self.resumed_at = now
         self.pauses += 1
@@ -182,9 +192,20 @@ class StallDetector:
                          "cgroup or VM); no engine is blamed for that time")
         notify(self.pm.hook.on_process_paused, engine=self.engine.plugin_view, paused_s=late_s)
 
+    def _credit_pause(self, now: float, late_s: float) -> None:
+        started = max(self.engine.last_beat, self.resumed_at)
+        if started != self._credited_from:  # a new beat since the last one: its own count
+            self._credited_from, self._credited_s = started, 0.0
+        self._credited_s = min(self._credited_s + late_s, now - started)
+        self.pace.paused()
+        self.step_cpu.forget()
+        log.debug("process_paused_briefly", paused_s=round(late_s, 3), credited_s=round(self._credited_s, 3))
+
     def heartbeat_age(self, now: float) -> float:
-        """Since the engine's last heartbeat, or since the process resumed from a pause."""
-        return now - max(self.engine.last_beat, self.resumed_at)
+        """Since the engine's last heartbeat, or since the process resumed from a pause,
+        less the shorter pauses since (``_notice_pause``)."""
+        started = max(self.engine.last_beat, self.resumed_at)
+        return now - started - (self._credited_s if started == self._credited_from else 0.0)
 
     # -- stalls -------------------------------------------------------------
     def _check_progress(self, now: float) -> None:
