@@ -168,7 +168,11 @@ def test_a_second_stop_signal_ends_the_drain_and_one_at_the_same_moment_does_not
     print(f"\nmeasured: exit {time.monotonic() - second_at:.2f} s after the second SIGINT")
     [cut] = server.events("drain_cut_short")
     assert cut["requests_in_flight"] == 2 and cut["seconds_left"] > 30
-    # What was left is answered, as at the drain's end.
+    # What was left is answered, as at the drain's end: the one the engine hung under, and
+    # the one queued behind it (whichever came first: a stream still queued has sent no
+    # headers, and gets its 503 as the other does; a CI run had the stream queued).
     results = in_flight.join()
-    assert results["stream"]["errors"][-1]["code"] == "server_stopping"
+    stream = results["stream"]
+    code = stream["errors"][-1]["code"] if stream["status"] == 200 else stream["body"]["error"]["code"]
+    assert code == "server_stopping", stream
     assert results["answer"].status_code == 503
