@@ -331,6 +331,27 @@ def test_faults_are_armed_and_disarmed_by_saving_the_file(served):
     save_and_wait(served, BASE)
 
 
+def test_faults_enabled_by_a_save_on_a_server_started_without_them_say_they_are_not_planted():
+    """Started neither enabled nor armable, the plugin is off the engine's step: a save
+    that enables it plants nothing, and nothing said so."""
+    from structlog.testing import capture_logs
+
+    from guardian.plugins.fault_injection import FaultInjection, FaultInjectionSettings
+
+    settings = FaultInjectionSettings()
+    plugin = FaultInjection(settings)
+    settings.enabled = True  # as the live view reads it after the save
+    with capture_logs() as logs:
+        plugin.on_config_reloaded(changed=["fault_injection.enabled"])
+    [said] = [line for line in logs if line["event"] == "fault_injection_not_armable"]
+    assert "armable = true" in said["hint"]
+    armable = FaultInjection(FaultInjectionSettings(armable=True))
+    armable.settings.enabled = True
+    with capture_logs() as logs:
+        armable.on_config_reloaded(changed=["fault_injection.enabled"])
+    assert not [line for line in logs if line["event"] == "fault_injection_not_armable"]
+
+
 def test_a_sighup_while_the_model_loads_is_held_then_applied(tmp_path, model_cache):
     """SIGHUP's default ends a process: one that came before the server installed its
     reload (systemctl reload, a supervisor passing one on to a child still starting) ended

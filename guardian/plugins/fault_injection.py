@@ -119,6 +119,11 @@ class FaultInjection:
     def on_config_reloaded(self, changed):
         if any(key.startswith(f"{self.name}.") for key in changed):
             self.resaved = True
+            if self.settings.enabled and not self.active and on_this_rank(self.settings.rank):
+                # Off the engine's step since start: the save arms nothing, and said nothing.
+                log.warning("fault_injection_not_armable",
+                            why="enabled by a save, but neither enabled nor armable at start: "
+                                "no fault is planted", hint="set armable = true and restart")
 
     @guardian.hookimpl
     def on_engine_step(self, step, engine):
