@@ -165,7 +165,9 @@ def test_a_context_of_one_token_refuses_every_prompt(served):
 def test_a_setting_bound_at_start_is_logged_as_needing_a_restart(served):
     save_and_wait(served, BASE)
     # seed = 2: a key of BASE's last table, [fault_injection].
-    live = save_and_wait(served, BASE + "seed = 2\n[guardian]\nallow_any_model = true\nretry_after_s = 3\n")["config"]
+    # [supervisor] is a supervisor's, read at its start: no restart of this process applies it.
+    live = save_and_wait(served, BASE + "seed = 2\n[guardian]\nallow_any_model = true\nretry_after_s = 3\n"
+                         "[supervisor]\ninterval_s = 5\n")["config"]
     [*_, needs] = served.wait_for_event("config_change_needs_restart")
     assert set(needs["settings"]) == {"guardian.allow_any_model", "fault_injection.seed"}
     assert set(live["pending_restart"]) == {"guardian.allow_any_model", "fault_injection.seed"}

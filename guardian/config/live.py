@@ -34,7 +34,7 @@ from typing import Any, Callable, Iterator, Optional
 import structlog
 
 from guardian.config import folder_watch
-from guardian.config.tables import CORE_TABLES
+from guardian.config.tables import CORE_TABLES, SupervisorSettings
 from guardian.config.registry import TABLES, ConfigError, Table, table_of_dataclass, unread_tables
 from guardian.config.loading import GuardianConfig, load_config, parse_settings
 from guardian.observability.logs import keep_stock_request_lines, set_log_level
@@ -189,7 +189,9 @@ class LiveConfig:
             except ConfigError as e:
                 return self._failed(reason, str(e), new)
             try:
-                merged, change = merge(current, new, self.started_with)
+                # [supervisor] is its supervisor's, read at the supervisor's start: no
+                # restart of this process applies it, so none is said to be waited for.
+                merged, change = merge(current, new, self.started_with, read_elsewhere=(SupervisorSettings.table_name,))
             except ValueError as e:  # a plugin's __post_init__ on its live keys beside those bound at start
                 return self._failed(reason, f"this version's live settings do not go with those in force "
                                             f"until a restart: {e}", new)
@@ -290,11 +292,13 @@ class LiveConfig:
             self.watcher.stop()
 
 
-def merge(current: GuardianConfig, new: GuardianConfig, started: GuardianConfig) -> tuple[GuardianConfig, Change]:
+def merge(current: GuardianConfig, new: GuardianConfig, started: GuardianConfig,
+          read_elsewhere: tuple[str, ...] = ()) -> tuple[GuardianConfig, Change]:
     """The version to put in force: ``new``'s live settings, the start's for the rest.
 
     Non-live settings keep the values the server started with (what it is
-    bound to); ``needs_restart`` lists those that differ in the file now.
+    bound to); ``needs_restart`` lists those that differ in the file now, but
+    for the tables ``read_elsewhere`` (another process acts on them).
     """
     applied, waiting = [], []
     tables = {}
@@ -309,7 +313,7 @@ def merge(current: GuardianConfig, new: GuardianConfig, started: GuardianConfig)
                     applied.append(f"{name}.{key}")
                 values[key] = value
             else:
-                if value != getattr(first, key):
+                if value != getattr(first, key) and name not in read_elsewhere:
                     waiting.append(f"{name}.{key}")
                 values[key] = getattr(first, key)
         tables[name] = rebuild(old, values)
