@@ -97,15 +97,17 @@ def test_a_child_stopped_by_a_signal_of_its_own_is_no_crash_and_requests_wait_fo
     group), it got that 503 until a health check saw the drain; the checks here are 30 s
     apart, so only the child's own word can tell the supervisor."""
     config = tmp_path / "short-drain.toml"
-    config.write_text("[guardian]\nexit_grace_s = 1\n[fault_injection]\nenabled = true\nstep_delay_s = 0.02\n"
+    # A drain of 2 s: time enough for a request sent during it to reach the child on a
+    # loaded machine; the one in flight takes 6 s of steps, so the drain ends under it.
+    config.write_text("[guardian]\nexit_grace_s = 2\n[fault_injection]\nenabled = true\nstep_delay_s = 0.02\n"
                       + ("" if hand_off else "[supervisor]\nhand_off = false\ninterval_s = 30\n"))
     supervised = start_supervisor("--guardian-config", str(config))
     first_pid = supervised.wait_ready()
     child_port = supervised.supervisor()["child"]["port"]
     answered = []
-    waiter = post_in_thread(supervised.url, chat_body(max_tokens=150), answered, timeout=90)
+    waiter = post_in_thread(supervised.url, chat_body(max_tokens=300), answered, timeout=90)
     poll(lambda: supervised.supervisor()["in_flight"] == 1, 10, what="the request in flight")
-    supervised.signal_child(first_pid, signal.SIGTERM)  # its 150 steps take 3 s; its drain 1 s
+    supervised.signal_child(first_pid, signal.SIGTERM)  # its 300 steps take 6 s; its drain 2 s
 
     def child_draining() -> bool:
         try:
@@ -119,7 +121,7 @@ def test_a_child_stopped_by_a_signal_of_its_own_is_no_crash_and_requests_wait_fo
     supervised.wait_for_event("request_resent", timeout=30)
     waiter.join(timeout=60)
     [(response, _)] = answered
-    assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 150
+    assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 300
     [exited] = supervised.supervisor_events("child_exited")
     assert exited["returncode"] == EXIT_OK and exited["pid"] == first_pid and exited["level"] == "info"
     [stopping] = supervised.supervisor_events("child_stopping")
@@ -129,7 +131,7 @@ def test_a_child_stopped_by_a_signal_of_its_own_is_no_crash_and_requests_wait_fo
     # Its drain was exit_grace_s: what it left is the supervisor's at its exit, not a second later.
     [server_stopping], [stopped] = supervised.events("server_stopping"), supervised.events("server_stopped")
     drained_s = at(stopped) - at(server_stopping)
-    assert drained_s < 1 + 0.6, drained_s
+    assert drained_s < 2 + 0.6, drained_s
     assert not supervised.supervisor_events("crash_suspects")
     assert supervised.supervisor()["quarantine"]["suspects"] == []
 

@@ -10,7 +10,7 @@ does not. So a request is judged by its failures *at one point*: in
 flight at failures with no new token between them (``stuck_failures``,
 see ``RequestRecord.note_failure``). A request that generated a token
 since its previous failure starts again at one: it is continued (its
-client keeps what it was sent; see guardian.engine.ledger), however often
+client keeps what it was sent; see guardian.engine.record), however often
 the engine failed under it, so its budget is its own progress, bounded by
 its ``max_tokens``. In flight at more than ``max_reruns`` failures at one
 point it is the suspect: if it failed alone it is blamed once that

@@ -69,10 +69,10 @@ class StallDetector:
         self.step_cpu = StepCpu()
         # The heartbeat's clock restarts here after a pause of the whole process.
         self.resumed_at = float("-inf")
-        # Shorter pauses (``_notice_pause``) since the heartbeat's clock last started
-        # (``_credited_from``): taken off its age.
-        self._credited_s = 0.0
-        self._credited_from = float("-inf")
+        # Shorter pauses (``_notice_pause``): (when the heartbeat's clock last started, the
+        # seconds of pauses since, taken off its age). One tuple, replaced whole: HTTP
+        # threads read it (readiness).
+        self._credit: tuple[float, float] = (float("-inf"), 0.0)
         self.pauses = 0
         self.paused_s = 0.0
         self._busy_logged_for: Optional[float] = None  # the beat whose busy step was logged
@@ -128,9 +128,12 @@ class StallDetector:
 
     def _run(self) -> None:
         due = time.monotonic() + self.settings.interval_s
+        process_cpu = time.process_time()
         while not self._ended.wait(self.settings.interval_s):
             now, cpu = time.monotonic(), time.thread_time()
-            self.tick(now, late_s=now - due)
+            # The process's CPU time since the last look ended: lateness while it ran (a
+            # thread holding the GIL, an engine computing) is no pause of the process.
+            self.tick(now, late_s=now - due, ran_s=time.process_time() - process_cpu)
             # The next look is due an interval after this one ends, plus the time
             # this look spent not running: a pause that lands inside a look
             # (SIGSTOP mid-sample) is lateness too, not the look's own work. Its
@@ -138,15 +141,17 @@ class StallDetector:
             ended = time.monotonic()
             off_cpu_s = max(0.0, (ended - now) - (time.thread_time() - cpu))
             due = ended + self.settings.interval_s - off_cpu_s
+            process_cpu = time.process_time()
 
-    def tick(self, now: float, late_s: float = 0.0) -> None:
+    def tick(self, now: float, late_s: float = 0.0, ran_s: float = 0.0) -> None:
         """One look at the engine: progress, probes, resources, systemd.
-        ``late_s``: how much later than due this look comes."""
+        ``late_s``: how much later than due this look comes; ``ran_s``: the process's CPU
+        time since the last look."""
         if self._settings_changed:
             self._contained(self._follow_settings)
         # Each part on its own: a plugin's failing sample must not stop the
         # stall checks or the systemd pings (systemd would kill for a gauge).
-        self._contained(self._notice_pause, now, late_s)
+        self._contained(self._notice_pause, now, late_s, ran_s)
         # Switched off ([watchdog] enabled = false: a debugger's breakpoint, say), it neither
         # judges progress nor probes; the rest goes on.
         # Keepalives first: a stall's exit rung ends the process from the progress check.
@@ -170,16 +175,21 @@ class StallDetector:
             log.exception("watchdog_tick_failed", part=part.__name__)
 
     # -- pauses of the whole process ------------------------------------------
-    def _notice_pause(self, now: float, late_s: float) -> None:
+    def _notice_pause(self, now: float, late_s: float, ran_s: float = 0.0) -> None:
         """A look late by more than the shortest stall limit: the process was paused
-        or starved, the engine with it; its heartbeat's clock restarts now. A look late
-        by less, but by more than an interval, is a shorter pause: its time is taken off
-        the heartbeat's age, and the gap it fell in is no step's. (Without that, a pause
-        just under the limit, plus the step it fell in, was a stall: three 2.8 s SIGSTOPs
-        of a server of 0.5 s steps climbed the ladder to exit 5.)"""
+        or starved, the engine with it; its heartbeat's clock restarts now.
+
+        A look late by less is a shorter pause for as much of it as the process did not
+        run (``ran_s``, its CPU time meanwhile: a look late behind a thread that holds the
+        GIL, or beside an engine that computes, is none). Past an interval, that is taken
+        off the heartbeat's age, at most a stall limit's worth for one heartbeat, and the
+        gap it fell in is no step's. (Without it, a pause just under the limit, plus the
+        step it fell in, was a stall: three 2.8 s SIGSTOPs of a server of 0.5 s steps
+        climbed the ladder to exit 5.)"""
         if late_s <= min(self.stall_limit_s, self.settings.stall_min_s):
-            if late_s > self.settings.interval_s:
-                self._credit_pause(now, late_s)
+            paused_s = late_s - ran_s
+            if paused_s > self.settings.interval_s:
+                self._credit_pause(now, paused_s)
             return
         self.resumed_at = now
         self.pauses += 1
@@ -192,20 +202,22 @@ class StallDetector:
                          "cgroup or VM); no engine is blamed for that time")
         notify(self.pm.hook.on_process_paused, engine=self.engine.plugin_view, paused_s=late_s)
 
-    def _credit_pause(self, now: float, late_s: float) -> None:
+    def _credit_pause(self, now: float, paused_s: float) -> None:
         started = max(self.engine.last_beat, self.resumed_at)
-        if started != self._credited_from:  # a new beat since the last one: its own count
-            self._credited_from, self._credited_s = started, 0.0
-        self._credited_s = min(self._credited_s + late_s, now - started)
+        credited_from, credited_s = self._credit
+        if started != credited_from:  # a new beat since the last pause: its own count
+            credited_s = 0.0
+        credited_s = min(credited_s + paused_s, now - started, self.stall_limit_s)
+        self._credit = (started, credited_s)
         self.pace.paused()
-        self.step_cpu.forget()
-        log.debug("process_paused_briefly", paused_s=round(late_s, 3), credited_s=round(self._credited_s, 3))
+        log.debug("process_paused_briefly", paused_s=round(paused_s, 3), credited_s=round(credited_s, 3))
 
     def heartbeat_age(self, now: float) -> float:
         """Since the engine's last heartbeat, or since the process resumed from a pause,
         less the shorter pauses since (``_notice_pause``)."""
         started = max(self.engine.last_beat, self.resumed_at)
-        return now - started - (self._credited_s if started == self._credited_from else 0.0)
+        credited_from, credited_s = self._credit
+        return now - started - (credited_s if started == credited_from else 0.0)
 
     # -- stalls -------------------------------------------------------------
     def _check_progress(self, now: float) -> None:

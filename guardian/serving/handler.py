@@ -233,9 +233,11 @@ class GuardianHandler(Endpoints, stock.handler.DoorCorsHandler):
 
     def send_error_json(self, error: GuardianError, stopping: bool = False) -> None:
         """``error`` in OpenAI's shape; ``stopping``: a refusal because this server stops,
-        marked for a supervisor that relayed the request (``relay_protocol.STOPPING_HEADER``)."""
+        marked for a supervisor that relayed the request (``relay_protocol.STOPPING_HEADER``);
+        not on a connection handed off, whose answer goes to the client itself."""
         headers = error.response_headers()
-        if stopping and relay_protocol.relayed_by_supervisor(self.headers):
+        if (stopping and relay_protocol.relayed_by_supervisor(self.headers)
+                and getattr(self.connection, "give_back", None) is None):
             headers = {**headers, relay_protocol.STOPPING_HEADER: "1"}
         try:
             self.send_json(error.status, error.body(), headers)

@@ -430,7 +430,7 @@ class ProxyHandler(BaseHTTPRequestHandler):
 
     @functools.cached_property
     def keepalive(self) -> "StreamKeepAlive":
-        """A cut stream's comments while it waits for the next child (``STREAM_KEEPALIVE_S``)."""
+        """A cut stream's comments while it waits for the next child (``client_writes.STREAM_KEEPALIVE_S``)."""
         return StreamKeepAlive(self.connection)
 
     def next_deadline(self, path: str, stream) -> Optional[tuple[float, Deadline]]:
