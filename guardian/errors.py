@@ -12,6 +12,9 @@ from typing import Optional
 SERVER_STOPPING = "server_stopping"
 # /health's and /readyz's reason from the stop on: a supervisor reads it in its child's answer.
 STOPPING_REASON = "the server is stopping"
+# /readyz's reason, at its start, while a step that computes runs past the stall limit, as
+# the watchdog allows (stall_busy_extra_s): a supervisor waits for its child's own verdict.
+BUSY_STEP_REASON = "a step computes past the stall limit"
 
 
 @dataclass

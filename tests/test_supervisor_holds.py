@@ -14,9 +14,12 @@ import threading
 import time
 
 import httpx
+import pytest
 
 from conftest import arm, chat_body, poll, scraped
 from guardian.exit_codes import EXIT_ENGINE_FAILED
+from guardian.health.step_cpu import StepCpu
+from test_stall_detection import STEP_FAULTS, table
 from test_supervisor import (COMPLETIONS, SEGFAULT_MARKER, SLOW_STEPS, post_in_thread,
                              start_supervisor)  # noqa: F401 - a fixture
 
@@ -201,6 +204,35 @@ def test_health_on_the_public_port_never_hangs_on_a_stopped_child(start_supervis
     poll(lambda: supervised.supervisor()["state"] == "ready", 15, what="ready again")
     assert httpx.get(supervised.url + "/readyz", timeout=10).status_code == 200
     assert supervised.supervisor()["restarts"] == 0
+
+
+@pytest.mark.skipif(not StepCpu().available, reason="per-thread CPU times are not readable here (macOS): "
+                    "every step is judged by the stall limit alone, and no step is let run past it")
+def test_a_step_the_childs_watchdog_lets_compute_is_not_cut_short_by_the_supervisor(start_supervisor, tmp_path):
+    """The child's watchdog lets a step that computes run stall_busy_extra_s past the stall
+    limit (a kernel compile); its /readyz says 503 meanwhile, and the supervisor took that
+    for an unhealthy child and replaced it at --supervisor-unhealthy-after, whatever the
+    allowance. Here a step computes 6 s; the limit is 1 s, the allowance 20 s, the
+    supervisor's patience 2 s."""
+    config = tmp_path / "busy.toml"
+    config.write_text(STEP_FAULTS + table("stock_step_faults", busy_at_call=20, busy_s=6.0)
+                      + table("watchdog", interval_s=0.05, stall_min_s=1.0, stall_timeout_s=1.0,
+                              stall_busy_extra_s=20.0))
+    supervised = start_supervisor("--guardian-config", str(config), "--supervisor-unhealthy-after", "2")
+    pid = supervised.wait_ready()
+    results: list = []
+    sender = post_in_thread(supervised.url, chat_body(max_tokens=40), results)
+    supervised.wait_for_event("stock_step_busy", timeout=30)
+    poll(lambda: "computes past the stall limit" in httpx.get(supervised.url + "/readyz", timeout=5).text, 10,
+         what="the child's /readyz saying its step computes, as allowed")
+    sender.join(timeout=60)
+    [(response, _)] = results
+    assert response.status_code == 200, response
+    assert response.json()["usage"]["completion_tokens"] == 40
+    assert supervised.events("engine_step_busy") and not supervised.events("engine_stalled")
+    assert not supervised.supervisor_events("child_stopping"), supervised.supervisor_events("child_stopping")
+    status = supervised.supervisor()
+    assert status["restarts"] == 0 and status["child"]["pid"] == pid, status
 
 
 # Whose lines tell what the engine did with a planted fault.

@@ -117,7 +117,9 @@ class WatchdogSettings(Table, name="watchdog"):
         before it is a stall; a step that waits (a deadlock: no CPU) is a stall
         at the limit. Judged by per-thread CPU time (Linux; elsewhere, and on the
         ranks of an mlx.launch group, whose waits in a collective use CPU, every
-        step is judged by the limit alone). 0: no extra time.""", live=True)
+        step is judged by the limit alone). 0: no extra time. Meanwhile /readyz
+        says 503, "a step computes past the stall limit", and a supervisor waits
+        for this verdict.""", live=True)
     pace_samples = Setting(Int(min=1), 32, """
         How many of the watchdog's looks at a moving heartbeat the pace
         remembers: about 8 s of fast steps (one look every interval_s), or the

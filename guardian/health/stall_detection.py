@@ -37,7 +37,7 @@ from typing import Optional, Sequence
 import structlog
 
 from guardian.config.tables import WatchdogSettings
-from guardian.errors import STOPPING_REASON
+from guardian.errors import BUSY_STEP_REASON, STOPPING_REASON
 from guardian.observability.counting import RecentEvents
 from guardian.engine.lifecycle import EngineState
 from guardian.health.pace import Pace
@@ -435,6 +435,9 @@ class StallDetector:
             return False, f"engine {engine.state.value}"
         age = self.heartbeat_age(time.monotonic())
         if age > self.stall_limit_s:
+            allowed_s = self.stall_limit_s + self.settings.stall_busy_extra_s
+            if self._busy_logged_for == engine.last_beat and age <= allowed_s:
+                return False, f"{BUSY_STEP_REASON}: {age:.1f} s, allowed up to {allowed_s:g} s"
             return False, f"no heartbeat for {age:.1f} s"
         if self.progressing():
             return True, "generating"

@@ -70,6 +70,7 @@ class Child:
     last_check_at: Optional[float] = None
     last_check: str = "not checked yet"
     says_stopping: bool = False  # its last check said it is stopping (a signal sent to it)
+    says_busy: bool = False  # its last check said a step computes past the stall limit, as allowed
     # Stopping by its own doing (a signal sent to it, its engine given up), not the
     # supervisor's, which takes it as one being replaced (Supervisor.child_stops_on_its_own).
     stopped_on_its_own: bool = False

@@ -45,7 +45,7 @@ from guardian.observability.counting import ActiveCount, RecentEvents, StoppedCl
 from guardian.quarantine.crashes import CrashQuarantine
 from guardian.supervise.metrics import SupervisorMetrics
 from guardian.distributed.launch import LauncherProcess, dying_with_parent, group_command, kill_leftovers
-from guardian.errors import SERVER_STOPPING, STOPPING_REASON, GuardianError
+from guardian.errors import BUSY_STEP_REASON, SERVER_STOPPING, STOPPING_REASON, GuardianError
 from guardian.exit_codes import (EXIT_BOOT_ERROR, EXIT_OK, EXIT_SUPERVISOR_GAVE_UP, EXIT_UNCAUGHT, EXIT_USAGE,
                                  GROUP_EXIT_CODE_ENV)
 from guardian.observability.logs import configure_logging
@@ -641,6 +641,12 @@ class Supervisor:
             if waited > self.settings.start_timeout_s:
                 self.soft_kill(f"not ready after {waited:.1f} s (last check: {child.last_check})")
             return
+        if child.says_busy:
+            # Its watchdog lets a step that computes run past the stall limit, and will call
+            # it a stall past its allowance (stall_busy_extra_s): the child's verdict, not a
+            # second one here, which came at --supervisor-unhealthy-after whatever that was.
+            child.last_ok = child.last_check_at
+            return
         if self.state == State.READY:
             log.warning("child_unhealthy", pid=child.pid, check=child.last_check)
             self.set_state(State.UNHEALTHY)
@@ -662,7 +668,9 @@ class Supervisor:
             child.last_check = f"{path}: {type(e).__name__}"
             return False
         child.last_check = f"{path}: HTTP {response.status_code}"
-        child.says_stopping = response.status_code == 503 and says_stopping(response)
+        reason = response_reason(response) if response.status_code == 503 else None
+        child.says_stopping = reason == STOPPING_REASON
+        child.says_busy = reason is not None and reason.startswith(BUSY_STEP_REASON)
         return response.status_code == 200
 
     def child_healthy(self, child: Child) -> None:
@@ -909,12 +917,13 @@ class Supervisor:
         }
 
 
-def says_stopping(response: httpx.Response) -> bool:
-    """Whether a child's 503 to a health check says it is stopping (a signal sent to it)."""
+def response_reason(response: httpx.Response) -> Optional[str]:
+    """The ``reason`` of a child's answer to a health check (its /readyz says why not ready)."""
     try:
-        return response.json().get("reason") == STOPPING_REASON
+        reason = response.json().get("reason")
     except (ValueError, AttributeError):
-        return False
+        return None
+    return reason if isinstance(reason, str) else None
 
 
 class PauseWatch:
