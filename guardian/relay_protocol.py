@@ -30,6 +30,7 @@ from __future__ import annotations
 import hmac
 import json
 import os
+import re
 import secrets
 from typing import Iterable, Optional
 
@@ -323,13 +324,13 @@ class _HeldTail:
     def write(self, data) -> int:
         data = bytes(data)
         self.items.append((None, data))
-        if SSE_DONE in data:
+        if ends_stream(data):
             self.output.release()
         return len(data)
 
     def tagged(self, tag: bytes, data: bytes) -> None:
         self.items.append((tag, bytes(data)))
-        if SSE_DONE in data:
+        if ends_stream(data):
             self.output.release()
 
     @staticmethod
@@ -363,6 +364,14 @@ HOP_BY_HOP = frozenset({
 })
 SSE_CONTENT_TYPE = "text/event-stream"
 SSE_DONE = b"data: [DONE]"
+# ``[DONE]`` as an event of its own: a line of its own (a token's text that says
+# "data: [DONE]" is inside an event's JSON, escaped, and ends no stream).
+_DONE_EVENT = re.compile(rb"(?:^|\n)data: \[DONE\]\r?(?:\n|$)")
+
+
+def ends_stream(data: bytes) -> bool:
+    """Whether ``data`` (whole SSE events) holds the stream's ``[DONE]`` event."""
+    return SSE_DONE in data and _DONE_EVENT.search(data) is not None
 # An "event" this long with no blank line is not SSE framing: pass it on.
 MAX_HELD_EVENT_BYTES = 1 << 20
 
@@ -394,7 +403,7 @@ class EventRelay:
             chunk, self.held = chunk[:end], chunk[end:]
             if not chunk:
                 return b""
-        self.done = self.done or SSE_DONE in chunk
+        self.done = self.done or ends_stream(chunk)
         return self.stream.relay(chunk) if self.stream is not None else chunk
 
 

@@ -319,6 +319,27 @@ def test_text_held_back_for_a_stop_string_is_tagged_once_it_catches_up():
     assert wire.getvalue().count(b"data: ") == 3
 
 
+def test_a_tokens_text_that_says_data_done_ends_no_stream():
+    """A model that wrote "data: [DONE]" as text (an example of SSE, held back by a stop
+    string and written as one event) ended the stream for the supervisor: a raw search of
+    the bytes found it, and when the child died next the client's stream was cut without
+    an error event, never continued (a hunt; both modes). Only an event of its own ends it."""
+    from guardian.handoff import ClientView
+    from guardian.relay_protocol import EventRelay, RelayedStream
+
+    text_event = b'data: {"choices": [{"delta": {"content": "Example: data: [DONE] then"}}]}\n\n'
+    relay = EventRelay(RelayedStream())
+    relay.pass_on(text_event)
+    assert not relay.done
+    relay.pass_on(b"data: [DONE]\n\n")
+    assert relay.done
+    view = ClientView()
+    view.visible(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n\r\n" + text_event)
+    assert not view.complete
+    from guardian.relay_protocol import ends_stream
+    assert ends_stream(b"data: [DONE]\r\n\r\n") and not ends_stream(b'data: {"text": "x\\ndata: [DONE]\\n"}\n\n')
+
+
 def test_events_held_for_lagging_text_are_bounded():
     """Text that never catches up with its tokens' (a stop string's start that grows for
     ever) held every event until the end: past MAX_LAGGING_EVENTS they go out, marked not
