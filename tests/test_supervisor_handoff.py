@@ -277,10 +277,13 @@ def test_the_journal_holds_whole_records_only_and_grows_past_its_first_mapping()
                 pass
 
 
-def answer_to(port: int, request: bytes) -> bytes:
-    """What the public port sends back for raw ``request`` before it closes (bounded)."""
+def answer_to(port: int, request: bytes, half_close: bool = False) -> bytes:
+    """What the public port sends back for raw ``request`` before it closes (bounded);
+    ``half_close``: the client shuts its writing side once sent, as ``nc -N`` does."""
     with socket.create_connection(("127.0.0.1", port), timeout=15) as sock:
         sock.sendall(request)
+        if half_close:
+            sock.shutdown(socket.SHUT_WR)
         received = b""
         try:
             while chunk := sock.recv(65536):
@@ -370,6 +373,11 @@ def test_a_handed_off_answer_is_the_relayed_one(start_supervisor, tmp_path):
             answer = answer_to(supervised.port, b"GET " + target + b" HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
             assert answer.startswith(b"HTTP/1.0 %d " % status), (target, answer[:200])
             assert time.monotonic() - started < 3, target
+        # A client that half-closes once its request is sent still reads: relayed, every
+        # request the child answers was cut as a client gone, 0 bytes (a hunt).
+        answer = answer_to(supervised.port, b"GET /v1/models HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n",
+                           half_close=True)
+        assert answer.startswith(b"HTTP/1.0 200 "), answer[:200]
         assert not supervised.supervisor_events("proxy_child_lost")
         assert not supervised.supervisor_events("fast_handoff_failed")
     # A client that leaves a relayed stream is logged by its path, a query's values hidden

@@ -248,15 +248,20 @@ class ProxyHandler(BaseHTTPRequestHandler):
         refusal = supervisor.quarantine.refusal(self.command, request_fingerprint)
         if refusal is not None and self.passed is None:  # a resumed one may have been answered in part
             return self.refuse(refusal)
-        # A client that closes its connection: the relay to the child is cut at
-        # once, and the child, seeing its own client leave, ends the request.
-        self.server.watch_client(self.connection, self.client_left)
+        # A client that closes its connection while it waits for a completion: the relay
+        # to the child is cut at once, and the child, seeing its own client leave, ends the
+        # request. Only a completion, as in one process: a client that half-closes once its
+        # request is sent still reads, and every other answer is quick (relayed, each was
+        # cut as a client gone, 0 bytes).
+        watched = self.command == "POST" and path in COMPLETION_PATHS
+        if watched:
+            self.server.watch_client(self.connection, self.client_left)
         try:
             # A request the reader handed off is in flight since then (until ``resumed``).
             with supervisor.in_flight if self.passed is None else contextlib.nullcontext():
                 self.serve(path, body, request_fingerprint)
         finally:
-            self.server.unwatch_client(self.connection)
+            self.server.unwatch_client(self.connection)  # (a continuation's relay may watch it too)
 
     def answer_own(self, path: str) -> None:
         """A path the supervisor answers itself, whoever the child is: GET or HEAD only,
