@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -145,3 +146,50 @@ def test_a_stream_past_the_clients_read_timeout_is_continued_when_its_child_dies
     assert not [line for line in lines if line.startswith("HTTP/")], "a second response in the body"
     assert events[-1] == "data: [DONE]" and '"error"' not in events[-2], events[-2]
     assert json.loads(events[-2].removeprefix("data: "))["choices"][0]["finish_reason"] == "length"
+
+
+def test_a_relayed_request_whose_child_froze_gets_its_504_at_its_deadline(start_supervisor, tmp_path):
+    """The child keeps a request's deadline; a frozen one (SIGSTOP, a stopped VM) keeps
+    none, and relayed (TLS, macOS, a group) the client waited for its replacement,
+    --supervisor-unhealthy-after (30 s), for its 504: its own timeout ran out first (a
+    hunt). The supervisor now cuts the relay 2 s past the deadline and answers it: a 504,
+    or a stream's error event."""
+    config = tmp_path / "frozen.toml"
+    config.write_text("[guardian]\nrequest_timeout_s = 3\n[supervisor]\nhand_off = false\n"
+                      "[fault_injection]\nenabled = true\nstep_delay_s = 0.02\n")
+    supervised = start_supervisor("--guardian-config", str(config))
+    pid = supervised.wait_ready()
+    with httpx.Client(timeout=20) as client:
+        for stream in (False, True):
+            answered, lines = {}, []
+
+            def send():
+                started = time.monotonic()
+                body = chat_body("Frozen under me.", max_tokens=1000, stream=stream)
+                if stream:
+                    with client.stream("POST", supervised.url + COMPLETIONS, json=body) as response:
+                        lines.extend(line for line in response.iter_lines() if line.startswith("data: "))
+                    answered["result"] = (response.status_code, lines)
+                else:
+                    answer = client.post(supervised.url + COMPLETIONS, json=body)
+                    answered["result"] = (answer.status_code, answer.json())
+                answered["took"] = time.monotonic() - started
+
+            sender = threading.Thread(target=send, daemon=True)
+            sender.start()
+            poll(lambda: supervised.supervisor()["in_flight"] == 1 and (lines or not stream), 10,
+                 what="the request relayed (a stream's first event out)")
+            supervised.signal_child(pid, signal.SIGSTOP)
+            try:
+                sender.join(timeout=25)
+            finally:
+                supervised.signal_child(pid, signal.SIGCONT)
+            status, answer = answered["result"]
+            assert answered["took"] < 3 + 2 + 3, answered["took"]
+            if stream:
+                assert status == 200 and answer[-1] == "data: [DONE]", answer[-3:]
+                assert json.loads(answer[-2][len("data: "):])["error"]["code"] == "deadline_exceeded"
+            else:
+                assert status == 504 and answer["error"]["code"] == "deadline_exceeded", answer
+    assert len(supervised.supervisor_events("relay_cut_past_deadline")) == 2
+    assert supervised.supervisor()["restarts"] == 0  # continued, the child serves on

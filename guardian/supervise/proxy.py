@@ -81,6 +81,9 @@ HEALTH_PATHS = ("/health", READINESS_PATH)
 # What a target passed on to the child keeps as it is: printable ASCII ("%" too: the
 # client's own escapes stay as the child would read them).
 TARGET_AS_IS = "".join(map(chr, range(0x21, 0x7F)))
+# A relayed request's deadline is the child's to keep; past it by this much, the child
+# kept none (frozen: SIGSTOP, a stopped VM), and the supervisor answers it itself.
+DEADLINE_BACKSTOP_S = 2.0
 # /readyz?deep=1 runs the child's probes now, each within [watchdog] probe_timeout_s:
 # the supervisor waits that long and this much more (Supervisor.deep_readiness_timeout_s).
 DEEP_READINESS_MARGIN_S = 5.0
@@ -562,6 +565,15 @@ class ProxyHandler(BaseHTTPRequestHandler):
         if self.gone:  # left before its relay began (a FIN with the request): nobody to answer
             return ANSWERED
         self.server.supervisor.metrics.passed_relayed.inc()
+        self.backstop, self.head_sent = None, stream is not None
+        self.arm_backstop()
+        try:
+            return self.relay_to(child, headers, body, stream)
+        finally:
+            self.disarm_backstop()
+
+    def relay_to(self, child, headers: list, body: bytes, stream):
+        """``proxy``'s relay, its deadline's backstop armed."""
         try:
             upstream = Upstream(child.port, self.command, self.target(child), headers, body, holder=self)
         except ChildUnreachable as e:
@@ -575,6 +587,8 @@ class ProxyHandler(BaseHTTPRequestHandler):
         except Exception as e:  # noqa: BLE001 - reset, or closed by a dying child
             if self.gone:  # we cut it: the client left
                 return ANSWERED
+            if self.backstop is not None:  # we cut it: its deadline passed, and the child kept none
+                return self.backstop_answer(stream)
             self.child_lost(child, e, sent=False)
             return NOTHING_SENT
         try:
@@ -591,6 +605,61 @@ class ProxyHandler(BaseHTTPRequestHandler):
             return self.relay(child, upstream, stream)
         finally:
             upstream.close()
+
+    # The relay's deadline backstop (``arm_backstop``): the deadline it answered, and
+    # whether the response's head went out (a stream's read timeout is then over).
+    backstop: Optional[Deadline] = None
+    head_sent = False
+    _backstop_call = None
+
+    def arm_backstop(self) -> None:
+        """A relayed completion's deadline is the child's to keep: it answers 504 at it, or
+        ends a stream with its error event. A frozen child (SIGSTOP, a stopped VM) keeps
+        none, and the client waited for its replacement, --supervisor-unhealthy-after (30 s),
+        then got its 504. So the relay is cut ``DEADLINE_BACKSTOP_S`` past it, and the
+        supervisor answers (``backstop_answer``). Not where the connection is handed off:
+        the child answers on it, and the supervisor cannot take it back."""
+        due = self.next_deadline(request_path(self.path), True if self.head_sent else None)
+        if due is None:
+            self._backstop_call = None
+            return
+        self._backstop_call = self.server.call_at(due[0] + DEADLINE_BACKSTOP_S, self.backstop_due)
+
+    def backstop_due(self) -> None:
+        """The reader's thread: past the deadline (as it stands now: a stream whose head went
+        out has no read timeout left), cut the relay; else look again at the new one."""
+        if self._backstop_call is None:  # disarmed meanwhile
+            return
+        due = self.next_deadline(request_path(self.path), True if self.head_sent else None)
+        if due is None:
+            return
+        if time.monotonic() < due[0] + DEADLINE_BACKSTOP_S:
+            self._backstop_call = self.server.call_at(due[0] + DEADLINE_BACKSTOP_S, self.backstop_due)
+            return
+        self.backstop = due[1]
+        log.warning("relay_cut_past_deadline", path=self.logged_path, deadline=due[1].source,
+                    late_s=round(time.monotonic() - due[0], 3),
+                    why="the child kept no deadline of the request's (frozen?)")
+        upstream = self.upstream
+        if upstream is not None:
+            upstream.abort()
+
+    def disarm_backstop(self) -> None:
+        call, self._backstop_call = self._backstop_call, None
+        if call is not None:
+            self.server.cancel_call(call)
+
+    def backstop_answer(self, stream, is_sse: bool = False):
+        """The relay cut at its deadline's backstop: its 504, or a stream's error event."""
+        error = self.deadline_error(self.backstop, continued=stream is not None)
+        if not self.head_sent:
+            self.give_up(None, error)
+        elif stream is not None or is_sse:
+            try:
+                self.connection.sendall(error.sse_bytes())
+            except CLIENT_GONE:
+                pass
+        return ANSWERED
 
     def hand_off(self, child, body: bytes):
         """Pass the client's connection and request to the child, which answers on it
@@ -701,6 +770,8 @@ class ProxyHandler(BaseHTTPRequestHandler):
             cut = self.relay_events(upstream, stream) if is_sse else self.relay_bytes(upstream)
             if cut is not None and self.gone:  # we cut it: the client left
                 return ANSWERED
+            if cut is not None and self.backstop is not None:  # we cut it: past its deadline
+                return self.backstop_answer(stream, is_sse)
             if cut is not None:
                 return self.after_cut(child, cut, is_sse, stream)
             if self.relay_record is not None:
@@ -755,6 +826,7 @@ class ProxyHandler(BaseHTTPRequestHandler):
         """The child's status and headers; whether it is a stream, and the
         RelayedStream to keep if the child tags it for continuation."""
         # send_response_only: the child's own Server and Date headers follow.
+        self.head_sent = True
         self.send_response_only(response.status, response.reason)
         is_sse = continuable = False
         for name, value in response.getheaders():  # names as the child spelled them

@@ -39,9 +39,9 @@ class Upstream:
         if holder is not None:
             holder.upstream = self
         try:
-            if holder is not None and holder.gone:
-                # Its client left after the handler looked and before the line above, so
-                # client_left found no relay to cut: this one is cut here instead.
+            if holder is not None and (holder.gone or holder.backstop is not None):
+                # Its client left (or its deadline's backstop came) after the handler looked
+                # and before the line above, so nothing found a relay to cut: cut here instead.
                 self.abort()
             self.connection.sock.settimeout(None)  # the connect is bounded, reads are not
             # Host is the child's; Accept-Encoding is the client's, if it sent one.
