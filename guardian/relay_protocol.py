@@ -372,6 +372,8 @@ _DONE_EVENT = re.compile(rb"(?:^|\n)data: \[DONE\]\r?(?:\n|$)")
 def ends_stream(data: bytes) -> bool:
     """Whether ``data`` (whole SSE events) holds the stream's ``[DONE]`` event."""
     return SSE_DONE in data and _DONE_EVENT.search(data) is not None
+
+
 # An "event" this long with no blank line is not SSE framing: pass it on.
 MAX_HELD_EVENT_BYTES = 1 << 20
 

@@ -53,8 +53,9 @@ class SupervisorMetrics:
         for reason in ("hold_queue_full", "hold_timed_out"):
             self.requests_not_held.labels(reason)
         self.requests_deadline_exceeded = Counter(
-            P + "requests_deadline_exceeded", "Requests whose deadline passed while no child had them "
-            "(held for one that was starting, or between a child that died under them and the next): "
+            P + "requests_deadline_exceeded", "Requests whose deadline the supervisor answered: passed "
+            "while no child had them (held for one that was starting, or between a child that died under "
+            "them and the next), or kept by no child (relayed, a frozen child's: relay_cut_past_deadline): "
             "answered 504 deadline_exceeded, or a stream's error event.", registry=r)
         self.relay_errors = Counter(
             P + "relay_errors", "Relays to a child that failed, by when: before_response (nothing was "

@@ -251,14 +251,13 @@ class ProxyHandler(BaseHTTPRequestHandler):
         refusal = supervisor.quarantine.refusal(self.command, request_fingerprint)
         if refusal is not None and self.passed is None:  # a resumed one may have been answered in part
             return self.refuse(refusal)
-        # A client that closes its connection while it waits for a completion: the relay
-        # to the child is cut at once, and the child, seeing its own client leave, ends the
-        # request. Only a completion, as in one process: a client that half-closes once its
-        # request is sent still reads, and every other answer is quick (relayed, each was
-        # cut as a client gone, 0 bytes).
-        watched = self.command == "POST" and path in COMPLETION_PATHS
-        if watched:
-            self.server.watch_client(self.connection, self.client_left)
+        # A client that closes its connection: a request held for a child gives its place
+        # up, and the relay of a completion to the child is cut at once (the child, seeing
+        # its own client leave, ends the request). Any other request is watched only while
+        # held: a client that half-closes once its request is sent still reads, and those
+        # answers are quick (relayed, each was cut as a client gone, 0 bytes).
+        self.watched_while_relayed = self.command == "POST" and path in COMPLETION_PATHS
+        self.server.watch_client(self.connection, self.client_left)
         try:
             # A request the reader handed off is in flight since then (until ``resumed``).
             with supervisor.in_flight if self.passed is None else contextlib.nullcontext():
@@ -281,6 +280,8 @@ class ProxyHandler(BaseHTTPRequestHandler):
 
     # Set when the client closed its connection; the relay in progress then.
     gone = False
+    # Whether the client's leaving is watched while the request is relayed (a completion).
+    watched_while_relayed = True
     upstream: Optional["Upstream"] = None
 
     def client_left(self) -> None:
@@ -488,6 +489,8 @@ class ProxyHandler(BaseHTTPRequestHandler):
         with supervisor.quarantine.relaying(child.generation, self.command, path,
                                             request_fingerprint) as self.relay_record:
             self.relay_record.stream = stream  # a continuation: where it stands (no strike for progress)
+            if not self.watched_while_relayed:
+                self.server.unwatch_client(self.connection)
             return self.proxy(child, body, stream)
 
     def refuse(self, error: GuardianError, stream=None) -> None:
@@ -565,15 +568,16 @@ class ProxyHandler(BaseHTTPRequestHandler):
         if self.gone:  # left before its relay began (a FIN with the request): nobody to answer
             return ANSWERED
         self.server.supervisor.metrics.passed_relayed.inc()
-        self.backstop, self.head_sent = None, stream is not None
-        self.arm_backstop()
+        self.arm_backstop(stream)
         try:
             return self.relay_to(child, headers, body, stream)
         finally:
             self.disarm_backstop()
+            self.upstream = None
 
     def relay_to(self, child, headers: list, body: bytes, stream):
         """``proxy``'s relay, its deadline's backstop armed."""
+        self.reading_child = True  # until its head comes
         try:
             upstream = Upstream(child.port, self.command, self.target(child), headers, body, holder=self)
         except ChildUnreachable as e:
@@ -588,9 +592,11 @@ class ProxyHandler(BaseHTTPRequestHandler):
             if self.gone:  # we cut it: the client left
                 return ANSWERED
             if self.backstop is not None:  # we cut it: its deadline passed, and the child kept none
-                return self.backstop_answer(stream)
+                return self.backstop_answer(stream, is_sse=False, continued=stream is not None)
             self.child_lost(child, e, sent=False)
             return NOTHING_SENT
+        finally:
+            self.reading_child = False
         try:
             response = upstream.response
             stopping = response.status == 503 and response.getheader(relay_protocol.STOPPING_HEADER) is not None
@@ -606,55 +612,85 @@ class ProxyHandler(BaseHTTPRequestHandler):
         finally:
             upstream.close()
 
-    # The relay's deadline backstop (``arm_backstop``): the deadline it answered, and
-    # whether the response's head went out (a stream's read timeout is then over).
+    # The relay's deadline backstop (``arm_backstop``): the deadline it answered; whether
+    # the response's head went out (a stream's read timeout is then over); whether the
+    # handler waits on the child now (not on its client); the attempt the timer is for.
     backstop: Optional[Deadline] = None
     head_sent = False
+    reading_child = False
+    _backstop_attempt: Optional[object] = None
     _backstop_call = None
 
-    def arm_backstop(self) -> None:
+    @functools.cached_property
+    def _backstop_lock(self) -> threading.Lock:
+        return threading.Lock()
+
+    def arm_backstop(self, stream) -> None:
         """A relayed completion's deadline is the child's to keep: it answers 504 at it, or
         ends a stream with its error event. A frozen child (SIGSTOP, a stopped VM) keeps
         none, and the client waited for its replacement, --supervisor-unhealthy-after (30 s),
-        then got its 504. So the relay is cut ``DEADLINE_BACKSTOP_S`` past it, and the
-        supervisor answers (``backstop_answer``). Not where the connection is handed off:
-        the child answers on it, and the supervisor cannot take it back."""
+        then got its 504. So the relay is cut ``DEADLINE_BACKSTOP_S`` past it while the
+        handler waits on the child, and the supervisor answers (``backstop_answer``). Not
+        where the connection is handed off: the child answers on it, and the supervisor
+        cannot take it back."""
+        self.backstop, self.head_sent, self.reading_child = None, stream is not None, False
         due = self.next_deadline(request_path(self.path), True if self.head_sent else None)
-        if due is None:
-            self._backstop_call = None
-            return
-        self._backstop_call = self.server.call_at(due[0] + DEADLINE_BACKSTOP_S, self.backstop_due)
+        with self._backstop_lock:
+            self._backstop_attempt = attempt = object()
+            if due is not None:
+                self._backstop_call = self.server.call_at(due[0] + DEADLINE_BACKSTOP_S,
+                                                          functools.partial(self.backstop_due, attempt))
 
-    def backstop_due(self) -> None:
+    def backstop_due(self, attempt: object) -> None:
         """The reader's thread: past the deadline (as it stands now: a stream whose head went
-        out has no read timeout left), cut the relay; else look again at the new one."""
-        if self._backstop_call is None:  # disarmed meanwhile
-            return
+        out has no read timeout left) while the handler waits on the child, cut the relay;
+        else look again (at the new deadline, or a second on: a handler held by a slow
+        client has its send timeout)."""
         due = self.next_deadline(request_path(self.path), True if self.head_sent else None)
-        if due is None:
-            return
-        if time.monotonic() < due[0] + DEADLINE_BACKSTOP_S:
-            self._backstop_call = self.server.call_at(due[0] + DEADLINE_BACKSTOP_S, self.backstop_due)
-            return
-        self.backstop = due[1]
+        with self._backstop_lock:
+            if attempt is not self._backstop_attempt or due is None:  # this attempt is over
+                return
+            now = time.monotonic()
+            if now < due[0] + DEADLINE_BACKSTOP_S or not self.reading_child:
+                self._backstop_call = self.server.call_at(max(due[0] + DEADLINE_BACKSTOP_S, now + 1.0),
+                                                          functools.partial(self.backstop_due, attempt))
+                return
+            self.backstop, upstream = due[1], self.upstream
         log.warning("relay_cut_past_deadline", path=self.logged_path, deadline=due[1].source,
                     late_s=round(time.monotonic() - due[0], 3),
-                    why="the child kept no deadline of the request's (frozen?)")
-        upstream = self.upstream
+                    why="the child kept none of the request's deadlines: frozen, or --engine stock, "
+                        "which keeps none")
         if upstream is not None:
             upstream.abort()
 
     def disarm_backstop(self) -> None:
-        call, self._backstop_call = self._backstop_call, None
+        with self._backstop_lock:
+            self._backstop_attempt = None
+            call, self._backstop_call = self._backstop_call, None
         if call is not None:
             self.server.cancel_call(call)
 
-    def backstop_answer(self, stream, is_sse: bool = False):
+    def from_child(self, chunks):
+        """``chunks``, said to be waited for from the child (``reading_child``) while read."""
+        chunks = iter(chunks)
+        while True:
+            self.reading_child = True
+            try:
+                chunk = next(chunks)
+            except StopIteration:
+                return
+            finally:
+                self.reading_child = False
+            yield chunk
+
+    def backstop_answer(self, stream, is_sse: bool, continued: bool):
         """The relay cut at its deadline's backstop: its 504, or a stream's error event."""
-        error = self.deadline_error(self.backstop, continued=stream is not None)
+        error = self.deadline_error(self.backstop, continued=continued)
         if not self.head_sent:
             self.give_up(None, error)
-        elif stream is not None or is_sse:
+        elif stream is not None:
+            self.give_up(stream, error)  # one that had its finish_reason gets its [DONE] only
+        elif is_sse:
             try:
                 self.connection.sendall(error.sse_bytes())
             except CLIENT_GONE:
@@ -723,7 +759,8 @@ class ProxyHandler(BaseHTTPRequestHandler):
         if client_left_now(raw_socket(self.connection)):
             return ANSWERED
         # Relayed from here on (a continuation): the client's leaving cuts it.
-        self.server.watch_client(self.connection, self.client_left)
+        if self.watched_while_relayed:
+            self.server.watch_client(self.connection, self.client_left)
         cut = ConnectionResetError("the child died while answering on the client's connection")
         if written == 0:
             self.child_lost(child, cut, sent=False)
@@ -752,6 +789,7 @@ class ProxyHandler(BaseHTTPRequestHandler):
     def relay(self, child, upstream: "Upstream", stream):
         """Status, headers, then the body as it arrives; a continuation's events only."""
         response = upstream.response
+        continued = stream is not None
         try:
             if stream is None:
                 is_sse, stream = self.relay_head(response)
@@ -771,7 +809,7 @@ class ProxyHandler(BaseHTTPRequestHandler):
             if cut is not None and self.gone:  # we cut it: the client left
                 return ANSWERED
             if cut is not None and self.backstop is not None:  # we cut it: past its deadline
-                return self.backstop_answer(stream, is_sse)
+                return self.backstop_answer(stream, is_sse, continued=continued)
             if cut is not None:
                 return self.after_cut(child, cut, is_sse, stream)
             if self.relay_record is not None:
@@ -851,7 +889,7 @@ class ProxyHandler(BaseHTTPRequestHandler):
         """Pass the body through chunk by chunk; the upstream error if it was cut."""
         write = client_writer(self.connection)
         try:
-            for chunk in upstream.chunks():
+            for chunk in self.from_child(upstream.chunks()):
                 write(chunk)
         except CLIENT_GONE:
             raise
@@ -869,7 +907,7 @@ class ProxyHandler(BaseHTTPRequestHandler):
             # One read takes every event the child has written since the last
             # (one write to the client for all of them); a child writes whole
             # events, so a read rarely ends inside one.
-            for chunk in upstream.chunks():
+            for chunk in self.from_child(upstream.chunks()):
                 shown = pass_on(chunk)
                 if shown:
                     write(shown)

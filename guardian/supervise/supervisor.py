@@ -646,6 +646,10 @@ class Supervisor:
             # it a stall past its allowance (stall_busy_extra_s): the child's verdict, not a
             # second one here, which came at --supervisor-unhealthy-after whatever that was.
             child.last_ok = child.last_check_at
+            with self.changed:  # a check just before said "no heartbeat": serving again
+                if self.state == State.UNHEALTHY and child.kill_reason is None:
+                    self.state = State.READY
+                    self.changed.notify_all()
             return
         if self.state == State.READY:
             log.warning("child_unhealthy", pid=child.pid, check=child.last_check)
@@ -662,6 +666,7 @@ class Supervisor:
         the process is alive and answers HTTP.
         """
         path = "/readyz" if child.has_readyz else "/health"
+        child.says_stopping = child.says_busy = False  # what this check's answer says, or nothing
         try:
             response = child.client.get(path, timeout=self.health_timeout)
         except httpx.HTTPError as e:
