@@ -436,8 +436,10 @@ class StallDetector:
         age = self.heartbeat_age(time.monotonic())
         if age > self.stall_limit_s:
             allowed_s = self.stall_limit_s + self.settings.stall_busy_extra_s
-            # As the watchdog judges it (``_busy_step_allowed``), whether or not it has looked yet.
-            if age <= allowed_s and self.step_cpu.busy() and not engine.steps_wait_busily:
+            # As the watchdog judges it (``_busy_step_allowed``), whether or not it has looked
+            # yet; its CPU readings are this heartbeat's while work waits (``_check_progress``).
+            if (age <= allowed_s and engine.ledger.has_work() and self.step_cpu.busy()
+                    and not engine.steps_wait_busily):
                 return False, f"{BUSY_STEP_REASON}: {age:.1f} s, allowed up to {allowed_s:g} s"
             return False, f"no heartbeat for {age:.1f} s"
         if self.progressing():

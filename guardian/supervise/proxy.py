@@ -251,13 +251,15 @@ class ProxyHandler(BaseHTTPRequestHandler):
         refusal = supervisor.quarantine.refusal(self.command, request_fingerprint)
         if refusal is not None and self.passed is None:  # a resumed one may have been answered in part
             return self.refuse(refusal)
-        # A client that closes its connection: a request held for a child gives its place
-        # up, and the relay of a completion to the child is cut at once (the child, seeing
-        # its own client leave, ends the request). Any other request is watched only while
-        # held: a client that half-closes once its request is sent still reads, and those
-        # answers are quick (relayed, each was cut as a client gone, 0 bytes).
-        self.watched_while_relayed = self.command == "POST" and path in COMPLETION_PATHS
-        self.server.watch_client(self.connection, self.client_left)
+        # A client that closes its connection while it waits for a completion: held for a
+        # child, it gives its place up; relayed, the relay to the child is cut at once (the
+        # child, seeing its own client leave, ends the request). Only a completion, as in
+        # one process: a client that half-closes once its request is sent (nc -N) still
+        # reads, and its close cannot be told from one that left (relayed, every other
+        # answer was cut as a client gone, 0 bytes).
+        self.watched = self.command == "POST" and path in COMPLETION_PATHS
+        if self.watched:
+            self.server.watch_client(self.connection, self.client_left)
         try:
             # A request the reader handed off is in flight since then (until ``resumed``).
             with supervisor.in_flight if self.passed is None else contextlib.nullcontext():
@@ -280,8 +282,8 @@ class ProxyHandler(BaseHTTPRequestHandler):
 
     # Set when the client closed its connection; the relay in progress then.
     gone = False
-    # Whether the client's leaving is watched while the request is relayed (a completion).
-    watched_while_relayed = True
+    # Whether the client's leaving is watched (a completion's).
+    watched = True
     upstream: Optional["Upstream"] = None
 
     def client_left(self) -> None:
@@ -340,6 +342,8 @@ class ProxyHandler(BaseHTTPRequestHandler):
                 due = self.next_deadline(path, stream)
                 if due is not None and due[0] <= time.monotonic():
                     return self.deadline_passed(due[1], stream)
+                if self.watched:  # again: a child that had the connection gave it back, or died
+                    self.server.watch_client(self.connection, self.client_left)
                 child = supervisor.wait_for_child(given_up=lambda: self.gone, until=due and due[0])
                 if self.gone:
                     return  # left while held: nobody to answer, nothing to send
@@ -489,8 +493,6 @@ class ProxyHandler(BaseHTTPRequestHandler):
         with supervisor.quarantine.relaying(child.generation, self.command, path,
                                             request_fingerprint) as self.relay_record:
             self.relay_record.stream = stream  # a continuation: where it stands (no strike for progress)
-            if not self.watched_while_relayed:
-                self.server.unwatch_client(self.connection)
             return self.proxy(child, body, stream)
 
     def refuse(self, error: GuardianError, stream=None) -> None:
@@ -685,11 +687,14 @@ class ProxyHandler(BaseHTTPRequestHandler):
 
     def backstop_answer(self, stream, is_sse: bool, continued: bool):
         """The relay cut at its deadline's backstop: its 504, or a stream's error event."""
+        if stream is not None and stream.finished:  # it had its end, short of its [DONE]
+            self.give_up(stream, None)
+            return ANSWERED
         error = self.deadline_error(self.backstop, continued=continued)
         if not self.head_sent:
             self.give_up(None, error)
         elif stream is not None:
-            self.give_up(stream, error)  # one that had its finish_reason gets its [DONE] only
+            self.give_up(stream, error)
         elif is_sse:
             try:
                 self.connection.sendall(error.sse_bytes())
@@ -759,7 +764,7 @@ class ProxyHandler(BaseHTTPRequestHandler):
         if client_left_now(raw_socket(self.connection)):
             return ANSWERED
         # Relayed from here on (a continuation): the client's leaving cuts it.
-        if self.watched_while_relayed:
+        if self.watched:
             self.server.watch_client(self.connection, self.client_left)
         cut = ConnectionResetError("the child died while answering on the client's connection")
         if written == 0:
