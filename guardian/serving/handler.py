@@ -183,7 +183,7 @@ class GuardianHandler(Endpoints, stock.handler.DoorCorsHandler):
         except AbortRequest as abort:
             if abort.error.code == SERVER_STOPPING and self.give_back():
                 return
-            self.send_error_json(abort.error, stopping=abort.error.code == SERVER_STOPPING)
+            self.send_error_json(abort.error)
         except (ClientGoneAbort, *CLIENT_GONE):
             log.info("client_disconnected")
         except GuardianError as error:
@@ -231,12 +231,12 @@ class GuardianHandler(Endpoints, stock.handler.DoorCorsHandler):
             return
         log.warning("stream_ended_with_error", status=error.status, code=error.code)
 
-    def send_error_json(self, error: GuardianError, stopping: bool = False) -> None:
-        """``error`` in OpenAI's shape; ``stopping``: a refusal because this server stops,
-        marked for a supervisor that relayed the request (``relay_protocol.STOPPING_HEADER``);
-        not on a connection handed off, whose answer goes to the client itself."""
+    def send_error_json(self, error: GuardianError) -> None:
+        """``error`` in OpenAI's shape. A refusal because this server stops is marked for a
+        supervisor that relayed the request (``relay_protocol.STOPPING_HEADER``); not on a
+        connection handed off, whose answer goes to the client itself."""
         headers = error.response_headers()
-        if (stopping and relay_protocol.relayed_by_supervisor(self.headers)
+        if (error.code == SERVER_STOPPING and relay_protocol.relayed_by_supervisor(self.headers)
                 and getattr(self.connection, "give_back", None) is None):
             headers = {**headers, relay_protocol.STOPPING_HEADER: "1"}
         try:

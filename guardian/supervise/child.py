@@ -100,6 +100,11 @@ class Child:
             interval = min(interval, STARTUP_CHECK_INTERVAL_S)
         return (self.last_check_at or self.started_at) + interval
 
+    @property
+    def stopped_by_supervisor(self) -> bool:
+        """Whether the supervisor stopped this child (SIGTERM of its own), not the child itself."""
+        return self.kill_reason is not None and not self.stopped_on_its_own
+
 
 # How a child ends that stopped as it was asked by a signal sent to it, not by the
 # supervisor (an operator's kill, a script's): 0 after its drain; a stock child, or one
@@ -107,16 +112,11 @@ class Child:
 STOPPED_AS_ASKED = frozenset({exit_codes.EXIT_OK, -signal.SIGTERM, -signal.SIGINT, -signal.SIGHUP})
 
 
-def stopped_by_supervisor(child: Child) -> bool:
-    """Whether the supervisor stopped this child (SIGTERM of its own), not the child itself."""
-    return child.kill_reason is not None and not child.stopped_on_its_own
-
-
 def crashed(child: Child) -> bool:
     """Whether a child's end may be its requests' doing, so that those in flight are crash
     suspects: not when the supervisor stopped it, nor when it stopped as it was asked (a
     request in flight at two such stops was quarantined as a poison)."""
-    if child.hard_killed or stopped_by_supervisor(child):
+    if child.hard_killed or child.stopped_by_supervisor:
         return False  # the supervisor stopped it (one stopping on its own, SIGKILLed past its grace, too)
     if isinstance(child.proc, LauncherProcess) and child.proc.ranks_code is None:
         return True  # mlx.launch's own code, 0 whatever its ranks did: no rank left its code

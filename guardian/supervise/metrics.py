@@ -160,7 +160,7 @@ class SupervisorCollector:
 def restart_reason(dead) -> str:
     """A label with few values for how a child went: a signal's name, exit_N,
     or the supervisor's own kill (start_timeout, unhealthy)."""
-    if dead.hard_killed or (dead.kill_reason is not None and not dead.stopped_on_its_own):
+    if dead.hard_killed or dead.stopped_by_supervisor:
         return "start_timeout" if dead.ready_at is None else "unhealthy"
     code = dead.proc.returncode
     if code is not None and code < 0:

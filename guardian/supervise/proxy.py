@@ -636,7 +636,7 @@ class ProxyHandler(BaseHTTPRequestHandler):
         where the connection is handed off: the child answers on it, and the supervisor
         cannot take it back."""
         self.backstop, self.head_sent, self.reading_child = None, stream is not None, False
-        due = self.next_deadline(request_path(self.path), True if self.head_sent else None)
+        due = self.backstop_deadline()
         with self._backstop_lock:
             self._backstop_attempt = attempt = object()
             if due is not None:
@@ -648,7 +648,7 @@ class ProxyHandler(BaseHTTPRequestHandler):
         out has no read timeout left) while the handler waits on the child, cut the relay;
         else look again (at the new deadline, or a second on: a handler held by a slow
         client has its send timeout)."""
-        due = self.next_deadline(request_path(self.path), True if self.head_sent else None)
+        due = self.backstop_deadline()
         with self._backstop_lock:
             if attempt is not self._backstop_attempt or due is None:  # this attempt is over
                 return
@@ -664,6 +664,10 @@ class ProxyHandler(BaseHTTPRequestHandler):
                         "which keeps none")
         if upstream is not None:
             upstream.abort()
+
+    def backstop_deadline(self) -> Optional[tuple[float, Deadline]]:
+        """``next_deadline`` as it stands now: once the head went out, no read timeout is left."""
+        return self.next_deadline(request_path(self.path), True if self.head_sent else None)
 
     def disarm_backstop(self) -> None:
         with self._backstop_lock:

@@ -61,8 +61,7 @@ from guardian.supervise.proxy import DEEP_READINESS_MARGIN_S, PublicServer
 from guardian.supervise.upstream import CHILD_CONNECT_TIMEOUT_S
 from guardian.health.sd_notify import SystemdNotifier
 from guardian.supervise.child import (Child, child_command, close_quietly, copy_of_a_pipe, crashed, exit_reason,
-                                      free_port, loggable_command, private_folder, signal_quietly,
-                                      stopped_by_supervisor)
+                                      free_port, loggable_command, private_folder, signal_quietly)
 from guardian.supervise.settings import (abbreviated_flag, acted_on_here, check_stock_tables, child_body_limit,
                                          make_parser, public_door, public_limits, read_file, read_settings)
 from guardian.supervise.state import HOLDING, SERVING, State
@@ -542,10 +541,10 @@ class Supervisor:
     def replace_child(self, dead: Child, quarantined: list = ()) -> None:
         """Start the next child, or give up on a crash loop or refused flags. ``quarantined``:
         the requests this crash quarantined (guardian.quarantine.crashes)."""
-        if not stopped_by_supervisor(dead) and dead.proc.returncode in NOT_RESTARTABLE:
+        if not dead.stopped_by_supervisor and dead.proc.returncode in NOT_RESTARTABLE:
             return self.give_up(f"the child refused its flags (exit code {dead.proc.returncode})",
                                 dead.proc.returncode)
-        booted = stopped_by_supervisor(dead) or dead.proc.returncode != EXIT_BOOT_ERROR or dead.ready_at is not None
+        booted = dead.stopped_by_supervisor or dead.proc.returncode != EXIT_BOOT_ERROR or dead.ready_at is not None
         self.boot_failures = 0 if booted else self.boot_failures + 1
         if self.boot_failures >= BOOT_FAILURES_IN_A_ROW:
             return self.give_up(f"the model could not be loaded, {self.boot_failures} children in a row "
@@ -646,10 +645,7 @@ class Supervisor:
             # it a stall past its allowance (stall_busy_extra_s): the child's verdict, not a
             # second one here, which came at --supervisor-unhealthy-after whatever that was.
             child.last_ok = child.last_check_at
-            with self.changed:  # a check just before said "no heartbeat": serving again
-                if self.state == State.UNHEALTHY and child.kill_reason is None:
-                    self.state = State.READY
-                    self.changed.notify_all()
+            self.serving_again(child)  # a check just before said "no heartbeat"
             return
         if self.state == State.READY:
             log.warning("child_unhealthy", pid=child.pid, check=child.last_check)
@@ -693,9 +689,13 @@ class Supervisor:
                 self.forward_sighup(child)
         elif self.state == State.UNHEALTHY:
             log.info("child_healthy_again", pid=child.pid)
+        self.serving_again(child)
+
+    def serving_again(self, child: Child) -> None:
+        """Ready, after a check that passed (or said busy). Not a child being stopped: an HTTP
+        thread may have seen it stopping on its own (child_stops_on_its_own) while this check,
+        answered just before, was on its way."""
         with self.changed:
-            # Not a child being stopped: an HTTP thread may have seen it stopping on its own
-            # (child_stops_on_its_own) while this check, answered just before, was on its way.
             if self.state in (State.STARTING, State.RESTARTING, State.UNHEALTHY) and child.kill_reason is None:
                 self.state = State.READY
                 self.changed.notify_all()
