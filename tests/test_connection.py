@@ -160,6 +160,20 @@ def test_headers_past_the_limit_get_431(held):
     assert held.closed("refused_head") == before + 2  # the first was not counted, nor logged
 
 
+def test_a_431_to_a_client_still_sending_its_head_is_not_reset_away(held):
+    """The refusal came while the client was still sending a head past the limit, and the
+    close that followed, with its rest unread, sent a reset: read after the answer here, on
+    a network able to destroy the answer before the client reads it. Now the close lingers."""
+    padding = b"".join(b"X-Pad-%d: %s\r\n" % (i, b"p" * 1000) for i in range(300))  # ~300 KiB
+    with held.connect() as sock:
+        sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n" + padding)
+        sock.settimeout(10)
+        received = b""
+        while chunk := sock.recv(65536):  # a reset raises here: the test fails
+            received += chunk
+    assert received.startswith(b"HTTP/1.0 431") and b'"headers_too_large"' in received, received[:200]
+
+
 def test_a_flood_past_the_handler_cap_gets_503_at_once(held):
     before = held.closed("handlers_busy")
     lines_before = len(held.events("http_handlers_busy"))

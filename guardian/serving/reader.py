@@ -838,14 +838,18 @@ class RequestReader:
         self._refuse_error(incoming, GuardianError(message, status=status, type="invalid_request_error",
                                                    code=code, retry=status == 408))
 
-    def _refuse_error(self, incoming: Incoming, error: GuardianError) -> None:
+    def _refuse_error(self, incoming: Incoming, error: GuardianError, linger: bool = False) -> None:
         self._forget(incoming)
         send_refusal(incoming.sock, error, head_only=asks_head_only(incoming.buffer),
-                     wait_s=refusal_send_timeout_s(self.server.limits))
+                     wait_s=refusal_send_timeout_s(self.server.limits),
+                     linger_elsewhere=self.linger if linger else None)
 
     def _refuse_framing(self, incoming: Incoming, error: GuardianError) -> None:
-        """A head the door will not pass on (guardian.serving.framing): refused, counted, logged."""
+        """A head the door will not pass on (guardian.serving.framing): refused, counted, logged.
+        Its client may still be sending it (a head past the limit, a body after it): the close
+        lingers, or what it sends meets a reset, which can destroy the answer before the
+        client reads it (a 431 was sent, then reset away)."""
         self.server.count_closed("refused_head")
         log.info("request_head_refused", client=incoming.address[0], status=error.status, code=error.code,
                  reason=error.message)
-        self._refuse_error(incoming, error)
+        self._refuse_error(incoming, error, linger=True)

@@ -13,7 +13,7 @@ import ssl
 import threading
 import time
 from http import HTTPStatus
-from typing import Optional
+from typing import Callable, Optional
 
 import structlog
 
@@ -171,13 +171,16 @@ def asks_head_only(buffer) -> bool:
 
 def send_refusal(sock: socket.socket, error: GuardianError, linger_s: float = 0.0,
                  handed_off: Optional[handoff.Received] = None, head_only: bool = False,
-                 wait_s: Optional[float] = REFUSAL_SEND_TIMEOUT_S) -> None:
+                 wait_s: Optional[float] = REFUSAL_SEND_TIMEOUT_S,
+                 linger_elsewhere: Optional[Callable[[socket.socket], None]] = None) -> None:
     """``error`` in OpenAI's shape (its headers: Retry-After, x-should-retry), written
     straight to the socket within ``wait_s`` (``refusal_send_timeout_s``), then the
     close; ``linger_s``: the request is unread, drain it for up to this long first so
-    the answer is not reset away; ``handed_off``: the supervisor is told once the
-    answer is written; ``head_only``: the request is a HEAD: the headers alone;
-    ``wait_s`` None: one send that does not wait (what the socket's buffer takes), no linger."""
+    the answer is not reset away; ``linger_elsewhere``: the same, by a reader that drains
+    a duplicate of the socket on its own thread (``Reader.linger``: this one waits for
+    nothing); ``handed_off``: the supervisor is told once the answer is written;
+    ``head_only``: the request is a HEAD: the headers alone; ``wait_s`` None: one send
+    that does not wait (what the socket's buffer takes), no linger."""
     body = json.dumps(error.body()).encode()
     head = [f"HTTP/1.0 {error.status} {HTTPStatus(error.status).phrase}", "Content-Type: application/json",
             f"Content-Length: {len(body)}", "Connection: close",
@@ -192,7 +195,9 @@ def send_refusal(sock: socket.socket, error: GuardianError, linger_s: float = 0.
             sock.setblocking(True)
             sock.settimeout(wait_s)
             sock.sendall(answer)
-        if linger_s > 0:
+        if linger_elsewhere is not None and wait_s is not None:
+            linger_elsewhere(sock)
+        elif linger_s > 0:
             linger_close(sock, linger_s)
         elif handed_off is not None:
             sock.shutdown(socket.SHUT_WR)  # the supervisor's copy keeps it open
