@@ -210,10 +210,12 @@ def test_sigsegv_is_logged_as_a_native_crash_and_restarted(start_supervisor):
     assert httpx.post(supervised.url + COMPLETIONS, json=chat_body(max_tokens=4), timeout=30).status_code == 200
 
 
-def test_sigstopped_child_is_detected_and_replaced(start_supervisor):
+@pytest.mark.parametrize("limit", ["--supervisor-unhealthy-after", "--supervisor-unanswered-after"])
+def test_sigstopped_child_is_detected_and_replaced(start_supervisor, limit):
+    # A child whose checks fail for --supervisor-unhealthy-after is replaced; one whose
+    # checks get no answer at all (a stopped child's) for --supervisor-unanswered-after, sooner.
     interval, unhealthy_after = 0.25, 2.0
-    supervised = start_supervisor("--supervisor-interval", str(interval),
-                                  "--supervisor-unhealthy-after", str(unhealthy_after),
+    supervised = start_supervisor("--supervisor-interval", str(interval), limit, str(unhealthy_after),
                                   "--supervisor-kill-grace", "2")
     stopped_pid = supervised.wait_ready()
     stopped_request = {}
@@ -253,7 +255,8 @@ def test_sigstopped_child_is_detected_and_replaced(start_supervisor):
     finally:
         supervised.signal_child(stopped_pid, signal.SIGKILL)
     [stopping] = supervised.supervisor_events("child_stopping")
-    assert stopping["reason"].startswith("unhealthy for") and "/readyz" in stopping["reason"]
+    why = "unhealthy for" if limit == "--supervisor-unhealthy-after" else "answered no check for"
+    assert stopping["reason"].startswith(why) and "/readyz" in stopping["reason"], stopping
     assert httpx.post(supervised.url + COMPLETIONS, json=chat_body(max_tokens=4), timeout=30).status_code == 200
 
 

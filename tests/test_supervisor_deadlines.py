@@ -193,3 +193,45 @@ def test_a_relayed_request_whose_child_froze_gets_its_504_at_its_deadline(start_
                 assert status == 504 and answer["error"]["code"] == "deadline_exceeded", answer
     assert len(supervised.supervisor_events("relay_cut_past_deadline")) == 2
     assert supervised.supervisor()["restarts"] == 0  # continued, the child serves on
+
+
+def test_a_child_that_answers_no_check_is_sent_no_new_request(start_supervisor, tmp_path):
+    """A frozen child (SIGSTOP, its VM's or cgroup's) was held unhealthy and still sent
+    every new request, handed off or relayed, each of which then waited for its
+    replacement, --supervisor-unhealthy-after (30 s), past its deadline; the openai SDK's
+    retries went there too (a hunt). Now a new request waits as while a child starts: its
+    504 at its deadline, or the child, once it answers again."""
+    config = tmp_path / "frozen.toml"
+    config.write_text("[fault_injection]\nenabled = true\nstep_delay_s = 0.02\n")
+    supervised = start_supervisor("--guardian-config", str(config), "--supervisor-interval", "0.2",
+                                  "--supervisor-health-timeout", "0.5")
+    pid = supervised.wait_ready()
+    passed = lambda: scraped(supervised, "mlx_guardian_supervisor_requests_passed_total")
+    with httpx.Client(timeout=30) as client:
+        assert client.post(supervised.url + COMPLETIONS, json=chat_body(max_tokens=2)).status_code == 200
+        passed_before = passed()
+        supervised.signal_child(pid, signal.SIGSTOP)
+        try:
+            poll(lambda: supervised.supervisor()["child"]["answers_checks"] is False, 10,
+                 what="the supervisor seeing that the child answers no check")
+            assert supervised.supervisor()["state"] == "unhealthy"
+            started = time.monotonic()
+            late = client.post(supervised.url + COMPLETIONS, json=chat_body(max_tokens=2),
+                               headers={"x-stainless-read-timeout": "2.0"})
+            took = time.monotonic() - started
+            assert late.status_code == 504 and late.json()["error"]["code"] == "deadline_exceeded", late.text
+            assert took < 2.0 + 1.0, took  # at its deadline, not 2 s past it (the relay's backstop)
+            answered = {}
+            waiting = threading.Thread(target=lambda: answered.update(
+                response=client.post(supervised.url + COMPLETIONS, json=chat_body(max_tokens=2))), daemon=True)
+            waiting.start()
+            poll(lambda: supervised.supervisor()["holding"] == 1, 10, what="the next request held")
+            assert passed() == passed_before  # neither was sent to the frozen child
+        finally:
+            supervised.signal_child(pid, signal.SIGCONT)
+        waiting.join(timeout=20)
+    assert answered["response"].status_code == 200, answered["response"].text
+    poll(lambda: supervised.supervisor_events("child_answers_again"), 10, what="child_answers_again")
+    [silent] = supervised.supervisor_events("child_not_answering")
+    assert silent["pid"] == pid and "Timeout" in silent["check"], silent
+    assert supervised.supervisor()["restarts"] == 0 and supervised.ready_child() == pid

@@ -180,6 +180,13 @@ class SupervisorSettings(Table, name="supervisor"):
     unhealthy_after_s = Setting(POSITIVE_SECONDS, 30.0, """
         Replace a child whose checks fail for this many seconds.""",
         flag="--supervisor-unhealthy-after", metavar="S")
+    unanswered_after_s = Setting(POSITIVE_SECONDS, 10.0, """
+        Replace sooner a child whose checks get no answer at all for this many
+        seconds (frozen: SIGSTOP, a stopped cgroup; starved). A guardian child
+        answers its checks while its engine recovers, with 503; one that answers
+        none takes no new request meanwhile: they wait for it to answer again,
+        or for its replacement (hold_requests, hold_s).""",
+        flag="--supervisor-unanswered-after", metavar="S")
     start_timeout_s = Setting(POSITIVE_SECONDS, 600.0, """
         Replace a child not ready after this many seconds; raise it for a model
         downloaded at first start.""", flag="--supervisor-start-timeout", metavar="S")

@@ -71,6 +71,11 @@ class Child:
     last_check: str = "not checked yet"
     says_stopping: bool = False  # its last check said it is stopping (a signal sent to it)
     says_busy: bool = False  # its last check said a step computes past the stall limit, as allowed
+    # Its last check got an HTTP answer (any status). One that gets none (frozen: SIGSTOP, a
+    # process starved of its GIL or its CPU) takes no new requests (``Supervisor.holds``).
+    answered: bool = True
+    last_check_answered: bool = True  # the last check's, before a pause of the supervisor's is ruled out
+    last_answered_at: Optional[float] = None  # its last check that got an answer (monotonic)
     # Stopping by its own doing (a signal sent to it, its engine given up), not the
     # supervisor's, which takes it as one being replaced (Supervisor.child_stops_on_its_own).
     stopped_on_its_own: bool = False

@@ -15,7 +15,9 @@ class State:
 
 
 # Requests go to the child in these states; a briefly unhealthy child still
-# knows best (a guardian child answers 503 itself while it recovers).
+# knows best (a guardian child answers 503 itself while it recovers), unless its
+# checks get no answer at all: then requests wait as while one starts
+# (``Supervisor.holds``).
 SERVING = (State.READY, State.UNHEALTHY)
 # No child can take requests now, but one is coming: requests wait for it (bounded).
 HOLDING = (State.STARTING, State.RESTARTING)

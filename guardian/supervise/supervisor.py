@@ -612,6 +612,8 @@ class Supervisor:
             child.paused_s += late_s
             if child.last_ok is not None:
                 child.last_ok += late_s
+            if child.last_answered_at is not None:
+                child.last_answered_at += late_s
         log.warning("supervisor_paused", paused_s=round(late_s, 3), pauses=self.pauses,
                     hint="the supervisor did not run (SIGSTOP of its group, Ctrl-Z, a frozen cgroup "
                          "or VM); no child is blamed for that time")
@@ -630,6 +632,10 @@ class Supervisor:
             self.notice_pause(paused_s, ended_at)
             if not ok:
                 return
+        if child.last_check_answered:
+            child.last_answered_at = child.last_check_at
+        if child.ready_at is not None:  # one starting answers nothing yet, as expected
+            self.answered(child, child.last_check_answered)
         if ok:
             child.last_ok = child.last_check_at
             return self.child_healthy(child)
@@ -651,8 +657,11 @@ class Supervisor:
             log.warning("child_unhealthy", pid=child.pid, check=child.last_check)
             self.set_state(State.UNHEALTHY)
         failing_for = child.last_check_at - child.last_ok
+        silent_for = child.last_check_at - child.last_answered_at
         if failing_for >= self.settings.unhealthy_after_s:
             self.soft_kill(f"unhealthy for {failing_for:.1f} s (last check: {child.last_check})")
+        elif silent_for >= self.settings.unanswered_after_s:
+            self.soft_kill(f"answered no check for {silent_for:.1f} s (last check: {child.last_check})")
 
     def probe(self, child: Child) -> bool:
         """GET /readyz (guardian) or /health (stock) with a short timeout.
@@ -667,12 +676,33 @@ class Supervisor:
             response = child.client.get(path, timeout=self.health_timeout)
         except httpx.HTTPError as e:
             child.last_check = f"{path}: {type(e).__name__}"
+            child.last_check_answered = False
             return False
         child.last_check = f"{path}: HTTP {response.status_code}"
+        child.last_check_answered = True
         reason = response_reason(response) if response.status_code == 503 else None
         child.says_stopping = reason == STOPPING_REASON
         child.says_busy = reason is not None and reason.startswith(BUSY_STEP_REASON)
         return response.status_code == 200
+
+    def answered(self, child: Child, answered: bool) -> None:
+        """Whether ``child``'s checks get an answer, as its last did. One that gets none
+        while it is held unhealthy is sent no new request: a frozen child (SIGSTOP, its
+        VM's or cgroup's) took every request sent to it, handed off or relayed, until its
+        replacement, --supervisor-unhealthy-after (30 s) later, past every deadline. Its
+        requests wait instead, as while a child starts (``holds``), and it is replaced
+        sooner: --supervisor-unanswered-after (``check_health``)."""
+        if child.answered == answered:
+            return
+        with self.changed:
+            child.answered = answered
+            self.changed.notify_all()
+        if answered:
+            log.info("child_answers_again", pid=child.pid, check=child.last_check)
+        else:
+            log.warning("child_not_answering", pid=child.pid, check=child.last_check,
+                        hint="new requests wait for it to answer again, or for its replacement "
+                             "(--supervisor-hold, --supervisor-unanswered-after)")
 
     def child_healthy(self, child: Child) -> None:
         """A check passed: the first makes the child ready, a later one ends an unhealthy spell."""
@@ -796,8 +826,17 @@ class Supervisor:
         them would leave the caller's check hanging instead of failing.
         """
         with self.lock:
-            serving = (State.READY,) if health_check else SERVING
-            return self.child if self.state in serving else None
+            if health_check:
+                return self.child if self.state == State.READY else None
+            return None if self.holds() else self.serving()
+
+    def serving(self) -> Optional[Child]:
+        """The child, if requests go to it (under ``lock``)."""
+        return self.child if self.state in SERVING and self.child.answered else None
+
+    def holds(self) -> bool:
+        """Whether requests wait now for a child that is coming or answers again (under ``lock``)."""
+        return self.state in HOLDING or (self.state == State.UNHEALTHY and not self.child.answered)
 
     def wait_for_child(self, given_up: Callable[[], bool] = lambda: False,
                        until: Optional[float] = None) -> Optional[Child]:
@@ -811,7 +850,7 @@ class Supervisor:
         """
         refused = None
         with self.changed:
-            if self.state in HOLDING:
+            if self.holds():
                 if self.holding >= self.settings.hold_requests:
                     refused = "hold_queue_full"
                 else:
@@ -819,7 +858,7 @@ class Supervisor:
                     try:
                         hold_ends = time.monotonic() + self.settings.hold_s
                         ends = hold_ends if until is None else min(hold_ends, until)
-                        if not self.changed.wait_for(lambda: self.state not in HOLDING or given_up(),
+                        if not self.changed.wait_for(lambda: not self.holds() or given_up(),
                                                      ends - time.monotonic()):
                             if ends < hold_ends:
                                 return None  # its deadline came first
@@ -828,7 +867,7 @@ class Supervisor:
                         self.holding -= 1
                     if given_up():
                         return None
-            child = self.child if self.state in SERVING else None
+            child = self.serving()
             holding = self.holding
         if refused:
             self.metrics.requests_not_held.labels(refused).inc()
@@ -904,6 +943,7 @@ class Supervisor:
                 "uptime_s": round(now - child.started_at, 3),
                 "ready": child.ready_at is not None,
                 "last_check": child.last_check,
+                "answers_checks": child.answered,
                 "stopping_because": child.kill_reason,
             },
             "restarts": self.restarts,
