@@ -836,7 +836,7 @@ class Supervisor:
 
     def holds(self) -> bool:
         """Whether requests wait now for a child that is coming or answers again (under ``lock``)."""
-        return self.state in HOLDING or (self.state == State.UNHEALTHY and not self.child.answered)
+        return self.state in HOLDING or (self.state in SERVING and not self.child.answered)
 
     def wait_for_child(self, given_up: Callable[[], bool] = lambda: False,
                        until: Optional[float] = None) -> Optional[Child]:
