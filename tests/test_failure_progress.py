@@ -11,6 +11,7 @@ blamed (500), and the process exited 4 while it was still serving.
 from __future__ import annotations
 
 import json
+import time
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -523,3 +524,36 @@ def test_a_request_past_metals_largest_buffer_is_blamed_not_told_to_come_back(st
         again = http.post(server.url + COMPLETIONS, json=chat_body("HUGE-ALLOC, then a story.", max_tokens=8))
         assert again.json()["error"]["code"] == "request_quarantined"
         assert http.post(server.url + COMPLETIONS, json=chat_body("hello", max_tokens=4)).status_code == 200
+
+
+def test_readiness_after_a_failed_probe_comes_back_with_the_next_completion_or_a_probe_soon(start_server, tmp_path):
+    """One idle probe failed (two planted faults, then the engine was fine), and /readyz said
+    503 "the last probe failed" until the next probe, probe_interval_s (30 s) later, while
+    every request got 200; a supervisor, whose limit is 30 s too, replaced that healthy
+    child (a hunt). Now a user's completion since makes it ready, and without one the next
+    probe comes probe_retry_s after the failure."""
+    # Not a memory shortage's message, whose proof comes at once; each round's its own, which
+    # arms the faults anew.
+    armed = ('[fault_injection]\narmable = true\nenabled = {}\nprobability = 1.0\nmax_faults = 2\n'
+             'message = "planted engine fault ({})"\n')
+    config = armed + table("watchdog", probe_retry_s=1.0) + table("recovery", backoff_base_s=0.0)
+    server = start_server(config.format("false", 0))
+    path = tmp_path / f"guardian-{server.port}.toml"
+    readyz = lambda: httpx.get(server.url + "/readyz", timeout=10)
+    with httpx.Client(timeout=60) as http:
+        for then in ("a completion", "a probe"):
+            path.write_text(config.format("true", then))
+            poll(lambda: http.get(server.url + "/readyz?deep=1").status_code == 503, 30, interval=0.2,
+                 what="a probe that fails")
+            assert readyz().json()["reason"] == "the last probe failed"
+            if then == "a completion":
+                assert http.post(server.url + COMPLETIONS, json=chat_body(max_tokens=4)).status_code == 200
+                ready = readyz()
+                assert ready.status_code == 200, ready.text
+                assert ready.json()["reason"] == "a request completed since the last probe failed"
+            else:
+                failed_at = time.monotonic()
+                poll(lambda: readyz().status_code == 200, 10, interval=0.1, what="ready again by a probe")
+                assert time.monotonic() - failed_at < 1.0 + 4, "not probe_interval_s (30 s) later"
+                assert readyz().json()["reason"] == "probe passed"
+    assert server.proc.poll() is None

@@ -82,6 +82,7 @@ class StallDetector:
         self.last_sample: Optional[dict] = None
         self._failing_samplers: set[str] = set()  # plugins whose last sample failed (logged once)
         self._last_probe_at = float("-inf")
+        self._completed_at_probe = 0  # users' requests completed when the last probe ended
         self._last_sample_at = float("-inf")
         self._last_ping_at = float("-inf")
         self._probing = threading.Lock()
@@ -340,7 +341,10 @@ class StallDetector:
         if self.engine.state is not EngineState.READY or self.stopped:
             return
         proof_wanted = self.engine.failures.proof_wanted  # after a memory shortage (guardian.engine.failures)
-        if now - self._last_probe_at < self.settings.probe_interval_s and not proof_wanted:
+        interval = self.settings.probe_interval_s
+        if self.last_probe is not None and not self.last_probe["ok"]:
+            interval = min(interval, self.settings.probe_retry_s)  # not ready until one passes
+        if now - self._last_probe_at < interval and not proof_wanted:
             return
         if self.engine.ledger.has_work():
             return  # busy: progress is the proof; never queue behind users
@@ -367,6 +371,7 @@ class StallDetector:
                 "results": results,
             }
             previous, self.last_probe, self._last_round_began = self.last_probe, outcome, began
+            self._completed_at_probe = self.engine.ledger.completed_for_users
             self.probes_run += 1
         self._log_probe(outcome, previous)
         notify(self.pm.hook.on_probe_result, results=results, engine=self.engine.plugin_view)
@@ -450,6 +455,11 @@ class StallDetector:
         if probe is None:
             return False, "no probe has run yet"
         if not probe["ok"]:
+            # A user's completion since proves what the built-in probe checks (one token
+            # through the engine), not what another plugin's probe may.
+            generation_only = all(r["ok"] or r.get("name") == "generation" for r in probe["results"])
+            if generation_only and self.engine.ledger.completed_for_users > self._completed_at_probe:
+                return True, "a request completed since the last probe failed"
             return False, "the last probe failed"
         if time.monotonic() - probe["monotonic"] > self.settings.probe_max_age_s:
             return False, "the last passed probe is too old"
