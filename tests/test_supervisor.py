@@ -197,6 +197,28 @@ def test_sigkill_mid_stream_continues_the_stream_and_resends_the_request(start_s
     assert supervised.supervisor()["restarts"] == 1
 
 
+def test_children_that_each_served_before_they_were_killed_are_no_crash_loop(start_supervisor):
+    """Judged by progress, as the engine's failures are: with --supervisor-max-restarts 2,
+    three children that each completed requests, each SIGKILLed from outside, ended the
+    supervisor (exit 6) though every request was served (a hunt). A child that completed
+    users' requests before it died forgives the restarts before it."""
+    supervised = start_supervisor("--supervisor-max-restarts", "2", "--supervisor-interval", "0.2")
+    pid = supervised.wait_ready()
+    with httpx.Client(timeout=60) as client:
+        for _ in range(4):
+            for _ in range(2):
+                assert client.post(supervised.url + COMPLETIONS, json=chat_body(max_tokens=2)).status_code == 200
+            poll(lambda: supervised.supervisor()["child"]["requests_completed"] == 2, 10,
+                 what="the child's completions seen by a check")
+            os.kill(pid, signal.SIGKILL)
+            pid = supervised.wait_ready(not_pid=pid, timeout=30)
+        assert client.post(supervised.url + COMPLETIONS, json=chat_body(max_tokens=2)).status_code == 200
+    status = supervised.supervisor()
+    assert supervised.proc.poll() is None and status["restarts"] == 4, status
+    assert status["restarts_in_window"] == 1, status  # the last; each earlier one forgiven
+    assert [e["restarts"] for e in supervised.supervisor_events("restarts_forgiven")] == [1, 1, 1]
+
+
 def test_sigsegv_is_logged_as_a_native_crash_and_restarted(start_supervisor):
     supervised = start_supervisor()
     first_pid = supervised.wait_ready()

@@ -202,7 +202,8 @@ class SupervisorSettings(Table, name="supervisor"):
         flag="--supervisor-kill-grace", metavar="S")
     max_restarts = Setting(Int(min=0), 5, """
         Give up (exit 6) at the first restart past this many within window_s (the
-        crashes of a request quarantined by a child that had been ready do not count).""",
+        crashes of a request quarantined by a child that had been ready do not count,
+        and a child that completed users' requests forgives the restarts before it).""",
         flag="--supervisor-max-restarts", metavar="N")
     window_s = Setting(POSITIVE_SECONDS, 300.0, """
         The crash-loop window in seconds, of the supervisor's time less the time

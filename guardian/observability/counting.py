@@ -83,6 +83,13 @@ class RecentEvents:
                     forgotten += 1
         return forgotten
 
+    def forget_all(self) -> int:
+        """Stop counting every event so far; return how many were forgotten."""
+        with self._lock:
+            forgotten = len(self._times)
+            self._times.clear()
+        return forgotten
+
     def count(self, now: Optional[float] = None) -> int:
         now = time.monotonic() if now is None else now
         with self._lock:

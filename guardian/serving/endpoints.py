@@ -129,8 +129,10 @@ class Endpoints:
         if deep and engine.is_healthy and not stall_detector.progressing():
             stall_detector.run_probes(asked_at=time.monotonic())
         ready, reason = stall_detector.readiness()
+        # Users' requests completed: a supervisor judges its restarts by them (progress).
         body = {"status": "ready" if ready else "unavailable", "reason": reason,
-                "state": engine.state.value, "last_probe": stall_detector.status()["last_probe"]}
+                "state": engine.state.value, "last_probe": stall_detector.status()["last_probe"],
+                "requests_completed": engine.ledger.completed_for_users}
         self.send_json(200 if ready else 503, body)
 
 

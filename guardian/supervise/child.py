@@ -76,6 +76,8 @@ class Child:
     answered: bool = True
     last_check_answered: bool = True  # the last check's, before a pause of the supervisor's is ruled out
     last_answered_at: Optional[float] = None  # its last check that got an answer (monotonic)
+    # Users' requests it completed, as its last /readyz said (a stock child's /health does not).
+    requests_completed: int = 0
     # Stopping by its own doing (a signal sent to it, its engine given up), not the
     # supervisor's, which takes it as one being replaced (Supervisor.child_stops_on_its_own).
     stopped_on_its_own: bool = False

@@ -550,6 +550,15 @@ class Supervisor:
             return self.give_up(f"the model could not be loaded, {self.boot_failures} children in a row "
                                 f"(exit code {EXIT_BOOT_ERROR})", EXIT_BOOT_ERROR)
         explained = bool(quarantined) and dead.ready_at is not None
+        served = dead.ready_at is not None and dead.requests_completed > 0
+        if served and not explained:
+            # Judged by progress, as the engine's failures are: a child that completed users'
+            # requests before it died is no crash loop, however many came before it. Children
+            # that each served, killed by an outside hand, ended the supervisor (exit 6).
+            forgiven = self.restart_times.forget_all()
+            if forgiven:
+                log.info("restarts_forgiven", restarts=forgiven, why="the child completed users' requests",
+                         requests_completed=dead.requests_completed)
         if explained:
             # A request crashed a child that had served (its engine works), and is quarantined
             # now: its crashes are no crash loop. Distinct poisons sent back to back, each
@@ -680,7 +689,10 @@ class Supervisor:
             return False
         child.last_check = f"{path}: HTTP {response.status_code}"
         child.last_check_answered = True
-        reason = response_reason(response) if response.status_code == 503 else None
+        completed = response_field(response, "requests_completed", int)
+        if completed is not None:
+            child.requests_completed = completed
+        reason = response_field(response, "reason", str) if response.status_code == 503 else None
         child.says_stopping = reason == STOPPING_REASON
         child.says_busy = reason is not None and reason.startswith(BUSY_STEP_REASON)
         return response.status_code == 200
@@ -944,6 +956,7 @@ class Supervisor:
                 "ready": child.ready_at is not None,
                 "last_check": child.last_check,
                 "answers_checks": child.answered,
+                "requests_completed": child.requests_completed,
                 "stopping_because": child.kill_reason,
             },
             "restarts": self.restarts,
@@ -962,13 +975,14 @@ class Supervisor:
         }
 
 
-def response_reason(response: httpx.Response) -> Optional[str]:
-    """The ``reason`` of a child's answer to a health check (its /readyz says why not ready)."""
+def response_field(response: httpx.Response, name: str, kind: type):
+    """A field of a child's answer to a health check (its /readyz says why not ready, and
+    how many users' requests it completed), if it is of ``kind``; else None."""
     try:
-        reason = response.json().get("reason")
+        value = response.json().get(name)
     except (ValueError, AttributeError):
         return None
-    return reason if isinstance(reason, str) else None
+    return value if isinstance(value, kind) and not isinstance(value, bool) else None
 
 
 class PauseWatch:
