@@ -28,6 +28,18 @@ class EngineView:
         """What ``GET /guardian/status`` reports under ``engine``: state, restarts, counts."""
         return self._engine.status()
 
+    @property
+    def failure_hit_a_probe(self) -> bool:
+        """Whether the engine failure being handled (``on_engine_error``) had one of the
+        engine's own probes in flight: one token of a short prompt, which needs almost no
+        memory. Short of memory, that is a shortage everyone meets, not one request's."""
+        return self._engine.failures.hit_a_probe
+
+    @property
+    def completed_requests(self) -> int:
+        """Requests the engine completed since the process started, its probes' included."""
+        return self._engine.ledger.completed
+
     def requests_in_flight(self) -> int:
         """Requests taken or waiting on the engine's queue, probes included."""
         return len(self._engine.ledger.in_flight())

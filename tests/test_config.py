@@ -254,7 +254,7 @@ def test_the_ladder_and_recovery_decide_among_one_set_of_actions():
 
     assert WatchdogSettings().ladder == list(ACTIONS)
     recovery = Recovery(RecoverySettings())
-    decisions = {recovery.on_engine_error(failures_in_window=n) for n in range(1, 8)}
+    decisions = {recovery.on_engine_error(classification="unknown", failures_in_window=n, engine=None) for n in range(1, 8)}
     assert decisions == set(ACTIONS)
 
 

@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 
 from conftest import chat_body, pace, poll, read_stream, scraped
+from guardian.exit_codes import EXIT_ENGINE_FAILED
 from test_blame import stream_signalling_start
 from test_memory_admission import device_reports_free_memory
 
@@ -557,3 +558,48 @@ def test_readiness_after_a_failed_probe_comes_back_with_the_next_completion_or_a
                 assert time.monotonic() - failed_at < 1.0 + 4, "not probe_interval_s (30 s) later"
                 assert readyz().json()["reason"] == "probe passed"
     assert server.proc.poll() is None
+
+
+def test_a_shortage_that_fails_everything_is_waited_out_for_its_grace_then_ends_the_process(start_server, tmp_path):
+    """Memory another process held for a few seconds failed every step, probes too: with
+    clients retrying as Retry-After says, a 4 s shortage ended the process (exit 4), whose
+    restart reads the weights again into the same shortage (a hunt). Now it is waited out
+    for [recovery] shortage_grace_s, restarting on the loaded weights; a shortage that
+    outlasts it still ends the process."""
+    grace_s = 5.0
+    # Metal's resource limit at every step; a save that changes a key arms the faults anew.
+    armed = "[fault_injection]\narmable = true\nenabled = {}\nprobability = 1.0\nevery_n_steps = {}\n"
+    config = armed + table("recovery", max_failures=2, backoff_base_s=0.1, backoff_max_s=0.4,
+                           shortage_grace_s=grace_s)
+    server = start_server(config.format("false", 0))
+    path = tmp_path / f"guardian-{server.port}.toml"
+    answers = []
+
+    def retry_while(condition, http) -> None:
+        while condition():
+            try:
+                answer = http.post(server.url + COMPLETIONS, json=chat_body(max_tokens=4))
+            except httpx.TransportError:  # the process ended
+                return
+            answers.append(answer)
+            if answer.status_code != 200:
+                pace(min(float(answer.headers.get("retry-after", 0.2)), 0.3))
+
+    with httpx.Client(timeout=60) as http:
+        path.write_text(config.format("true", 0))
+        server.wait_for_event("config_reloaded", timeout=10)  # armed at the next step
+        short_from = time.monotonic()
+        retry_while(lambda: time.monotonic() - short_from < grace_s / 2, http)  # a passing shortage
+        assert answers and {a.status_code for a in answers} == {503}, [a.text for a in answers]
+        path.write_text(config.format("false", 0))
+        server.wait_for_event("config_reloaded", timeout=15, count=2)
+        retry_while(lambda: answers[-1].status_code != 200 and time.monotonic() - short_from < 30, http)
+        assert answers[-1].status_code == 200, answers[-1].text
+        assert server.proc.poll() is None and server.events("engine_gave_up") == []
+        assert server.events("memory_shortage_waited_out"), "the shortage went past max_failures (2)"
+        path.write_text(config.format("true", 1))  # one that does not pass
+        server.wait_for_event("config_reloaded", timeout=10, count=3)
+        short_from = time.monotonic()
+        retry_while(lambda: server.proc.poll() is None and time.monotonic() - short_from < grace_s + 20, http)
+    assert server.proc.wait(timeout=30) == EXIT_ENGINE_FAILED
+    assert time.monotonic() - short_from >= grace_s - 0.5

@@ -86,6 +86,7 @@ class FailureHandler:
         # Why a proof is to be queued once this failure is settled; None: none is.
         self._proof_due: Optional[str] = None
         self.last_error: Optional[dict] = None
+        self.hit_a_probe = False  # the failure being handled had a probe in flight
 
     def configure(self, *, window_s: float, max_failures: int, max_reruns: int, max_continuations: int,
                   quarantine_s: float) -> None:
@@ -108,6 +109,7 @@ class FailureHandler:
         failed_at = self.engine.lifecycle.trouble_at
         counts = self.engine.ledger.counts()
         records = self.engine.ledger.take_in_flight()
+        self.hit_a_probe = any(record.synthetic for record in records)
         proven_since = self._forgive_proven_blames()
         progress = self.progress()
         failure_id = self.budget.add(progress, failed_at)

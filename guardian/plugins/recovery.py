@@ -3,11 +3,19 @@ refuse requests blamed for a failure at the door for a while."""
 
 from __future__ import annotations
 
+import time
+from typing import Optional
+
+import structlog
+
 import guardian
 from guardian import stock
 from guardian.quarantine.blamed import request_fingerprint
 from guardian.config.registry import EXIT, RELOAD, RESTART, Float, Int, Setting, Table
+from guardian.engine.blame import MEMORY_CLASSIFICATIONS
 from guardian.engine.failures import classify
+
+log = structlog.get_logger("guardian.recovery")
 
 
 class RecoverySettings(Table, name="recovery"):
@@ -64,6 +72,16 @@ class RecoverySettings(Table, name="recovery"):
         continued as long as it progresses (at most max_tokens times). Past this
         bound (0: never) a stream that sent tokens ends with an error event, and a
         non-streaming request is re-run from nothing.""", live=True)
+    shortage_grace_s = Setting(Float(min=0), 60.0, """
+        A memory shortage that fails everything, probes too (memory another
+        process holds, for a while), in an engine that had served, is waited
+        out this long from the first failure that hit a probe before its
+        failures can end the process: the engine restarts on
+        its weights (never reloads them) after the backoff's waits, and answers
+        503 "memory_shortage" with Retry-After meanwhile. A 4 s shortage with
+        clients retrying ended the process (exit 4), whose restart would only
+        have read the weights again into the same shortage. Past it, and for
+        failures of any other kind, max_failures decides. 0: not waited out.""", live=True)
     quarantine_s = Setting(Float(min=0), 600.0, """
         A request blamed that way is quarantined: it and every identical request
         (same prompt tokens and generation parameters) get a 500
@@ -80,6 +98,10 @@ class Recovery:
 
     def __init__(self, settings: RecoverySettings):
         self.settings = settings
+        # When the shortage now being waited out began (monotonic): the first memory
+        # failure of a row without progress; None: no shortage.
+        self.shortage_began: Optional[float] = None
+        self.shortage_said = False  # memory_shortage_waited_out logged for it
 
     @guardian.hookimpl
     def guardian_startup(self, engine):
@@ -102,6 +124,22 @@ class Recovery:
             backoff_max_s=self.settings.backoff_max_s,
         )
 
+    def waits_out_shortage(self, classification: str, failures_in_window: int, engine) -> bool:
+        """Whether this failure is part of a memory shortage everyone meets, still within
+        shortage_grace_s. It begins at the row's first memory failure that hit one of the
+        engine's probes (one token: a request too large for the memory fails alone, and is
+        answered 503 memory_shortage, while probes pass), in an engine that had completed
+        requests (one that never did is not known to work). A row of failures without progress
+        counts from 1 (a failure after progress counts at most 1); any other failure ends it."""
+        if classification not in MEMORY_CLASSIFICATIONS or failures_in_window <= 1:
+            self.shortage_began = None
+        if classification not in MEMORY_CLASSIFICATIONS:
+            return False
+        now = time.monotonic()
+        if self.shortage_began is None and engine.failure_hit_a_probe and engine.completed_requests:
+            self.shortage_began, self.shortage_said = now, False
+        return self.shortage_began is not None and now - self.shortage_began < self.settings.shortage_grace_s
+
     @guardian.hookimpl(tryfirst=True)
     def admit_request(self, admission, engine):
         """Refuse a request identical to one blamed for an engine failure.
@@ -122,7 +160,21 @@ class Recovery:
         return classify(error)
 
     @guardian.hookimpl(trylast=True)
-    def on_engine_error(self, failures_in_window):
+    def on_engine_error(self, classification, failures_in_window, engine):
+        action = self.action(failures_in_window)
+        in_shortage = self.waits_out_shortage(classification, failures_in_window, engine)  # tracked at each failure
+        if action != RESTART and in_shortage:
+            if not self.shortage_said:
+                self.shortage_said = True
+                log.warning("memory_shortage_waited_out", instead_of=action, failures_in_window=failures_in_window,
+                            grace_s=self.settings.shortage_grace_s,
+                            why="memory another process holds comes back; a new process, or the "
+                                "weights read again, would meet the same shortage")
+            return RESTART
+        return action
+
+    def action(self, failures_in_window: int) -> str:
+        """What failures_in_window calls for: max_failures, then reload_after_failures."""
         if failures_in_window > self.settings.max_failures:
             return EXIT
         reload_after = self.settings.reload_after_failures
