@@ -40,6 +40,12 @@ class EngineView:
         """Requests the engine completed since the process started, its probes' included."""
         return self._engine.ledger.completed
 
+    @property
+    def progress(self) -> tuple[int, int]:
+        """The engine's progress: requests completed (probes' too) and tokens generated; it
+        moves whenever the engine works (guardian.engine.blame)."""
+        return self._engine.failures.progress()
+
     def requests_in_flight(self) -> int:
         """Requests taken or waiting on the engine's queue, probes included."""
         return len(self._engine.ledger.in_flight())

@@ -149,10 +149,12 @@ class WatchdogSettings(Table, name="watchdog"):
         Synthetic probes run this often while the engine is idle (never while it
         visibly progresses: progress is the proof then).""", live=True)
     probe_retry_s = Setting(Float(min=0.05), 5.0, """
-        After a failed probe, the next runs this soon (at most probe_interval_s)
-        once the engine is idle and ready: /readyz said 503 until the next
-        probe_interval_s, and a supervisor replaced the child meanwhile. A
-        user's request that completes since the failure makes it ready at once.""", live=True)
+        After a failed probe, the next runs this long after it ended, once the
+        engine is idle and ready, and twice as long after each further failure
+        (at most probe_interval_s): /readyz said 503 until the next
+        probe_interval_s, and a supervisor replaced the child meanwhile. Where
+        only the built-in generation probe failed, a user's request that
+        completes since makes the engine ready at once.""", live=True)
     probe_timeout_s = Setting(Float(min=0.05), 10.0, """
         A probe's deadline: the built-in probe's token must come within it, and a
         plugin's probe still running a second past it is a failed result.""", live=True)

@@ -83,6 +83,7 @@ class StallDetector:
         self._failing_samplers: set[str] = set()  # plugins whose last sample failed (logged once)
         self._last_probe_at = float("-inf")
         self._completed_at_probe = 0  # users' requests completed when the last probe ended
+        self._failed_in_a_row = 0  # probe rounds that failed since the last that passed
         self._last_sample_at = float("-inf")
         self._last_ping_at = float("-inf")
         self._probing = threading.Lock()
@@ -341,10 +342,13 @@ class StallDetector:
         if self.engine.state is not EngineState.READY or self.stopped:
             return
         proof_wanted = self.engine.failures.proof_wanted  # after a memory shortage (guardian.engine.failures)
-        interval = self.settings.probe_interval_s
-        if self.last_probe is not None and not self.last_probe["ok"]:
-            interval = min(interval, self.settings.probe_retry_s)  # not ready until one passes
-        if now - self._last_probe_at < interval and not proof_wanted:
+        due_at = self._last_probe_at + self.settings.probe_interval_s
+        if self.last_probe is not None and not self.last_probe["ok"] and self._failed_in_a_row:
+            # Not ready until one passes: the next soon after the failure ended (a probe that
+            # timed out took probe_timeout_s), then less often, a failure after another.
+            retry_s = self.settings.probe_retry_s * 2 ** (self._failed_in_a_row - 1)
+            due_at = min(due_at, self.last_probe["monotonic"] + retry_s)
+        if now < due_at and not proof_wanted:
             return
         if self.engine.ledger.has_work():
             return  # busy: progress is the proof; never queue behind users
@@ -370,8 +374,11 @@ class StallDetector:
                 "monotonic": time.monotonic(),
                 "results": results,
             }
-            previous, self.last_probe, self._last_round_began = self.last_probe, outcome, began
+            # Before the outcome: a reader between the two may count as since a failure the
+            # completions of the round that follows it, never those before it.
             self._completed_at_probe = self.engine.ledger.completed_for_users
+            previous, self.last_probe, self._last_round_began = self.last_probe, outcome, began
+            self._failed_in_a_row = 0 if outcome["ok"] else self._failed_in_a_row + 1
             self.probes_run += 1
         self._log_probe(outcome, previous)
         notify(self.pm.hook.on_probe_result, results=results, engine=self.engine.plugin_view)

@@ -74,8 +74,8 @@ class RecoverySettings(Table, name="recovery"):
         non-streaming request is re-run from nothing.""", live=True)
     shortage_grace_s = Setting(Float(min=0), 60.0, """
         A memory shortage that fails everything, probes too (memory another
-        process holds, for a while), in an engine that had served, is waited
-        out this long from the first failure that hit a probe before its
+        process holds, for a while), in an engine that had completed a request
+        (its start-up probe's), is waited out this long from the first failure that hit a probe before its
         failures can end the process: the engine restarts on
         its weights (never reloads them) after the backoff's waits, and answers
         503 "memory_shortage" with Retry-After meanwhile. A 4 s shortage with
@@ -102,6 +102,7 @@ class Recovery:
         # failure of a row without progress; None: no shortage.
         self.shortage_began: Optional[float] = None
         self.shortage_said = False  # memory_shortage_waited_out logged for it
+        self.shortage_progress = None  # the engine's progress when it began
 
     @guardian.hookimpl
     def guardian_startup(self, engine):
@@ -128,16 +129,18 @@ class Recovery:
         """Whether this failure is part of a memory shortage everyone meets, still within
         shortage_grace_s. It begins at the row's first memory failure that hit one of the
         engine's probes (one token: a request too large for the memory fails alone, and is
-        answered 503 memory_shortage, while probes pass), in an engine that had completed
-        requests (one that never did is not known to work). A row of failures without progress
-        counts from 1 (a failure after progress counts at most 1); any other failure ends it."""
-        if classification not in MEMORY_CLASSIFICATIONS or failures_in_window <= 1:
+        answered 503 memory_shortage, while probes pass), in an engine that had completed a
+        request, a probe's or a user's (one that never did is not known to work). The engine's progress
+        since, or any other failure, ends it."""
+        # Ended by any other failure, or by progress since it began (not by the failures the
+        # shortage's own verdicts forgive, which lower failures_in_window meanwhile).
+        if classification not in MEMORY_CLASSIFICATIONS or engine.progress != self.shortage_progress:
             self.shortage_began = None
         if classification not in MEMORY_CLASSIFICATIONS:
             return False
         now = time.monotonic()
         if self.shortage_began is None and engine.failure_hit_a_probe and engine.completed_requests:
-            self.shortage_began, self.shortage_said = now, False
+            self.shortage_began, self.shortage_progress, self.shortage_said = now, engine.progress, False
         return self.shortage_began is not None and now - self.shortage_began < self.settings.shortage_grace_s
 
     @guardian.hookimpl(tryfirst=True)

@@ -71,11 +71,12 @@ class Child:
     last_check: str = "not checked yet"
     says_stopping: bool = False  # its last check said it is stopping (a signal sent to it)
     says_busy: bool = False  # its last check said a step computes past the stall limit, as allowed
-    # Its last check got an HTTP answer (any status). One that gets none (frozen: SIGSTOP, a
-    # process starved of its GIL or its CPU) takes no new requests (``Supervisor.holds``).
+    # Its checks get an HTTP answer (any status). One whose checks get none (frozen: SIGSTOP,
+    # a process starved of its GIL or its CPU) takes no new requests (``Supervisor.holds``).
     answered: bool = True
     last_check_answered: bool = True  # the last check's, before a pause of the supervisor's is ruled out
-    last_answered_at: Optional[float] = None  # its last check that got an answer (monotonic)
+    missed_checks: int = 0  # its checks in a row that got no answer
+    unanswered_since: Optional[float] = None  # the first of them (monotonic)
     # Users' requests it completed, as its last /readyz said (a stock child's /health does not).
     requests_completed: int = 0
     # Stopping by its own doing (a signal sent to it, its engine given up), not the

@@ -100,6 +100,8 @@ HEALTH_CHECK_MAX_S = 5.0
 PAUSE_NOTICED_S = 1.0
 
 
+# Checks in a row that get no answer before a child takes no new request (``Supervisor.answered``).
+MISSED_CHECKS_NOT_ANSWERING = 2
 # How long a reaped child's last words may take to be read before its requests are struck.
 REAP_READ_WORDS_TIMEOUT_S = 1.0
 # /health's and /readyz's 503 from the supervisor itself, in words (``unavailable_health``).
@@ -621,8 +623,8 @@ class Supervisor:
             child.paused_s += late_s
             if child.last_ok is not None:
                 child.last_ok += late_s
-            if child.last_answered_at is not None:
-                child.last_answered_at += late_s
+            if child.unanswered_since is not None:
+                child.unanswered_since += late_s
         log.warning("supervisor_paused", paused_s=round(late_s, 3), pauses=self.pauses,
                     hint="the supervisor did not run (SIGSTOP of its group, Ctrl-Z, a frozen cgroup "
                          "or VM); no child is blamed for that time")
@@ -641,8 +643,6 @@ class Supervisor:
             self.notice_pause(paused_s, ended_at)
             if not ok:
                 return
-        if child.last_check_answered:
-            child.last_answered_at = child.last_check_at
         if child.ready_at is not None:  # one starting answers nothing yet, as expected
             self.answered(child, child.last_check_answered)
         if ok:
@@ -666,7 +666,9 @@ class Supervisor:
             log.warning("child_unhealthy", pid=child.pid, check=child.last_check)
             self.set_state(State.UNHEALTHY)
         failing_for = child.last_check_at - child.last_ok
-        silent_for = child.last_check_at - child.last_answered_at
+        # From its first check that got no answer: from the last that got one, a long
+        # --supervisor-interval made a child that missed one check silent long enough.
+        silent_for = 0.0 if child.unanswered_since is None else child.last_check_at - child.unanswered_since
         if failing_for >= self.settings.unhealthy_after_s:
             self.soft_kill(f"unhealthy for {failing_for:.1f} s (last check: {child.last_check})")
         elif silent_for >= self.settings.unanswered_after_s:
@@ -704,12 +706,20 @@ class Supervisor:
         replacement, --supervisor-unhealthy-after (30 s) later, past every deadline. Its
         requests wait instead, as while a child starts (``holds``), and it is replaced
         sooner: --supervisor-unanswered-after (``check_health``)."""
-        if child.answered == answered:
+        if not answered:
+            child.missed_checks += 1
+            if child.unanswered_since is None:
+                child.unanswered_since = child.last_check_at
+        else:
+            child.missed_checks, child.unanswered_since = 0, None
+        # Two in a row: one check late under load (its 1 s timeout) held every new request.
+        answering = child.missed_checks < MISSED_CHECKS_NOT_ANSWERING
+        if child.answered == answering:
             return
         with self.changed:
-            child.answered = answered
+            child.answered = answering
             self.changed.notify_all()
-        if answered:
+        if answering:
             log.info("child_answers_again", pid=child.pid, check=child.last_check)
         else:
             log.warning("child_not_answering", pid=child.pid, check=child.last_check,
@@ -843,12 +853,15 @@ class Supervisor:
             return None if self.holds() else self.serving()
 
     def serving(self) -> Optional[Child]:
-        """The child, if requests go to it (under ``lock``)."""
-        return self.child if self.state in SERVING and self.child.answered else None
+        """The child, if requests go to it (under ``lock``). None too for a child just reaped,
+        whose state changes next (``reap_child``)."""
+        child = self.child
+        return child if self.state in SERVING and child is not None and child.answered else None
 
     def holds(self) -> bool:
         """Whether requests wait now for a child that is coming or answers again (under ``lock``)."""
-        return self.state in HOLDING or (self.state in SERVING and not self.child.answered)
+        child = self.child
+        return self.state in HOLDING or (self.state in SERVING and child is not None and not child.answered)
 
     def wait_for_child(self, given_up: Callable[[], bool] = lambda: False,
                        until: Optional[float] = None) -> Optional[Child]:
