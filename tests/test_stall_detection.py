@@ -301,6 +301,31 @@ def test_a_replacement_loop_is_judged_by_its_own_silence(start_server):
     assert second["heartbeat_age_s"] < probe_s + 2.0, second
 
 
+def test_failed_probes_in_a_row_past_a_thousand_still_leave_the_watchdog_looking():
+    """After a failed probe the next waits probe_retry_s, doubled for each failure in a row:
+    at the 1,025th (a plugin's probe failing every 30 s for 8.5 hours, sooner under deep
+    /readyz checks) the doubling overflowed a float, and every look of the watchdog raised."""
+    from types import SimpleNamespace
+
+    import pluggy
+
+    from guardian import hookspecs
+    from guardian.config.tables import WatchdogSettings
+    from guardian.engine.lifecycle import EngineState
+    from guardian.health.stall_detection import StallDetector
+
+    pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
+    pm.add_hookspecs(hookspecs)
+    engine = SimpleNamespace(lifecycle=SimpleNamespace(on_trial=False), state=EngineState.READY,
+                             failures=SimpleNamespace(proof_wanted=False), ledger=SimpleNamespace(has_work=lambda: False))
+    detector = StallDetector(engine, pm, WatchdogSettings())
+    now = time.monotonic()
+    detector.last_probe = {"ok": False, "monotonic": now, "results": []}
+    detector._last_probe_at, detector._failed_in_a_row = now, 5000
+    detector._maybe_probe(now + 1)  # raised OverflowError
+    assert detector._last_probe_at == now  # not due: probe_interval_s (30 s) caps the wait
+
+
 def test_one_verification_of_a_replacement_loop_at_a_time_however_late_its_thread_starts():
     """The watchdog verifies a loop that replaced a stuck one with a probe, on a thread of its
     own. It checked the probes' lock before starting one, so a thread not yet scheduled by

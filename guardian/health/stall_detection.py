@@ -343,11 +343,12 @@ class StallDetector:
             return
         proof_wanted = self.engine.failures.proof_wanted  # after a memory shortage (guardian.engine.failures)
         due_at = self._last_probe_at + self.settings.probe_interval_s
-        if self.last_probe is not None and not self.last_probe["ok"] and self._failed_in_a_row:
+        probe = self.last_probe  # once: a deep /readyz round may end meanwhile
+        if probe is not None and not probe["ok"] and self._failed_in_a_row:
             # Not ready until one passes: the next soon after the failure ended (a probe that
             # timed out took probe_timeout_s), then less often, a failure after another.
-            retry_s = self.settings.probe_retry_s * 2 ** (self._failed_in_a_row - 1)
-            due_at = min(due_at, self.last_probe["monotonic"] + retry_s)
+            retry_s = self.settings.probe_retry_s * 2 ** min(self._failed_in_a_row - 1, 30)
+            due_at = min(due_at, probe["monotonic"] + retry_s)
         if now < due_at and not proof_wanted:
             return
         if self.engine.ledger.has_work():

@@ -859,9 +859,10 @@ class Supervisor:
         return child if self.state in SERVING and child is not None and child.answered else None
 
     def holds(self) -> bool:
-        """Whether requests wait now for a child that is coming or answers again (under ``lock``)."""
+        """Whether requests wait now for a child that is coming or answers again (under ``lock``):
+        a child just reaped too, whose state changes next (``reap_child``)."""
         child = self.child
-        return self.state in HOLDING or (self.state in SERVING and child is not None and not child.answered)
+        return self.state in HOLDING or (self.state in SERVING and (child is None or not child.answered))
 
     def wait_for_child(self, given_up: Callable[[], bool] = lambda: False,
                        until: Optional[float] = None) -> Optional[Child]:
