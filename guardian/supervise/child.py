@@ -103,9 +103,13 @@ class Child:
         return self.proc.pid
 
     def next_check_at(self, interval: float) -> float:
-        """When the next health check is due; often while starting, to serve sooner."""
+        """When the next health check is due; often while starting, to serve sooner; at once
+        after a first check that got no answer, whose timeout was the wait (a frozen child
+        takes new requests until a second one gets none too)."""
         if self.ready_at is None:
             interval = min(interval, STARTUP_CHECK_INTERVAL_S)
+        elif self.missed_checks == 1:
+            interval = 0.0
         return (self.last_check_at or self.started_at) + interval
 
     @property
