@@ -700,8 +700,8 @@ class Supervisor:
         return response.status_code == 200
 
     def answered(self, child: Child, answered: bool) -> None:
-        """Whether ``child``'s checks get an answer, as its last did. One that gets none
-        while it is held unhealthy is sent no new request: a frozen child (SIGSTOP, its
+        """Whether ``child``'s checks get an answer, as its last did. One whose checks got
+        none twice in a row is sent no new request: a frozen child (SIGSTOP, its
         VM's or cgroup's) took every request sent to it, handed off or relayed, until its
         replacement, --supervisor-unhealthy-after (30 s) later, past every deadline. Its
         requests wait instead, as while a child starts (``holds``), and it is replaced
