@@ -75,13 +75,14 @@ class RecoverySettings(Table, name="recovery"):
     shortage_grace_s = Setting(Float(min=0), 60.0, """
         A memory shortage that fails everything, probes too (memory another
         process holds, for a while), in an engine that had completed a request
-        (its start-up probe's), is waited out this long from the first failure that hit a probe before its
-        failures can end the process: the engine restarts on
-        its weights (never reloads them) after the backoff's waits, and answers
-        503 "memory_shortage" with Retry-After meanwhile. A 4 s shortage with
-        clients retrying ended the process (exit 4), whose restart would only
-        have read the weights again into the same shortage. Past it, and for
-        failures of any other kind, max_failures decides. 0: not waited out.""", live=True)
+        (its start-up probe), is waited out this long from the first failure
+        that hit a probe before its failures can end the process: the engine
+        restarts on its weights (never reloads them) after the backoff's waits,
+        and answers 503 "memory_shortage" with Retry-After meanwhile. A 4 s
+        shortage with clients retrying ended the process (exit 4), whose restart
+        would only have read the weights again into the same shortage. Past it,
+        and for failures of any other kind, max_failures decides. 0: not waited
+        out.""", live=True)
     quarantine_s = Setting(Float(min=0), 600.0, """
         A request blamed that way is quarantined: it and every identical request
         (same prompt tokens and generation parameters) get a 500
@@ -98,8 +99,8 @@ class Recovery:
 
     def __init__(self, settings: RecoverySettings):
         self.settings = settings
-        # When the shortage now being waited out began (monotonic): the first memory
-        # failure of a row without progress; None: no shortage.
+        # When the shortage now being waited out began (monotonic): its first memory
+        # failure that hit a probe; None: no shortage.
         self.shortage_began: Optional[float] = None
         self.shortage_said = False  # memory_shortage_waited_out logged for it
         self.shortage_progress = None  # the engine's progress when it began
@@ -125,15 +126,14 @@ class Recovery:
             backoff_max_s=self.settings.backoff_max_s,
         )
 
-    def waits_out_shortage(self, classification: str, failures_in_window: int, engine) -> bool:
+    def waits_out_shortage(self, classification: str, engine) -> bool:
         """Whether this failure is part of a memory shortage everyone meets, still within
-        shortage_grace_s. It begins at the row's first memory failure that hit one of the
+        shortage_grace_s. It begins at the first memory failure that hits one of the
         engine's probes (one token: a request too large for the memory fails alone, and is
-        answered 503 memory_shortage, while probes pass), in an engine that had completed a
-        request, a probe's or a user's (one that never did is not known to work). The engine's progress
-        since, or any other failure, ends it."""
-        # Ended by any other failure, or by progress since it began (not by the failures the
-        # shortage's own verdicts forgive, which lower failures_in_window meanwhile).
+        answered 503 memory_shortage, while probes pass), in an engine that had completed
+        a request, a probe's or a user's (one that never did is not known to work). The
+        engine's progress since, or a failure of another kind, ends it: not the failures
+        its own verdicts forgive, which lower failures_in_window meanwhile."""
         if classification not in MEMORY_CLASSIFICATIONS or engine.progress != self.shortage_progress:
             self.shortage_began = None
         if classification not in MEMORY_CLASSIFICATIONS:
@@ -165,7 +165,7 @@ class Recovery:
     @guardian.hookimpl(trylast=True)
     def on_engine_error(self, classification, failures_in_window, engine):
         action = self.action(failures_in_window)
-        in_shortage = self.waits_out_shortage(classification, failures_in_window, engine)  # tracked at each failure
+        in_shortage = self.waits_out_shortage(classification, engine)  # tracked at each failure
         if action != RESTART and in_shortage:
             if not self.shortage_said:
                 self.shortage_said = True
