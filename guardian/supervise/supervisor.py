@@ -691,10 +691,12 @@ class Supervisor:
             return False
         child.last_check = f"{path}: HTTP {response.status_code}"
         child.last_check_answered = True
-        completed = response_field(response, "requests_completed", int)
-        if completed is not None:
+        said = response_json(response)
+        completed = said.get("requests_completed")
+        if type(completed) is int:
             child.requests_completed = completed
-        reason = response_field(response, "reason", str) if response.status_code == 503 else None
+        reason = said.get("reason") if response.status_code == 503 else None
+        reason = reason if isinstance(reason, str) else None
         child.says_stopping = reason == STOPPING_REASON
         child.says_busy = reason is not None and reason.startswith(BUSY_STEP_REASON)
         return response.status_code == 200
@@ -989,14 +991,14 @@ class Supervisor:
         }
 
 
-def response_field(response: httpx.Response, name: str, kind: type):
-    """A field of a child's answer to a health check (its /readyz says why not ready, and
-    how many users' requests it completed), if it is of ``kind``; else None."""
+def response_json(response: httpx.Response) -> dict:
+    """A child's answer to a health check, read once (its /readyz says why not ready, and how
+    many users' requests it completed); {} if it is no JSON object."""
     try:
-        value = response.json().get(name)
-    except (ValueError, AttributeError):
-        return None
-    return value if isinstance(value, kind) and not isinstance(value, bool) else None
+        said = response.json()
+    except ValueError:
+        return {}
+    return said if isinstance(said, dict) else {}
 
 
 class PauseWatch:
