@@ -98,6 +98,31 @@ def test_a_fault_every_25_steps_under_8_clients_completes_every_request(start_se
     assert server.health() == 200
 
 
+def test_a_fault_every_few_steps_fails_the_proof_as_well_and_no_long_prompt_is_blamed(start_server):
+    # A hunt: a fault every 6 steps, prefill in chunks of 16 tokens. A long prompt, whose
+    # prefill always reached the 6th step, was blamed: 500
+    # request_failed_repeatedly, then quarantined. Its proofs, one token each, always
+    # passed. Now a proof runs as many steps as the engine ran in a row up to the failure,
+    # and it fails too: the engine's fault, answered to retry, nobody blamed.
+    # Not the incident's message (a memory failure alone is a shortage, never blamed).
+    server = start_server(table("fault_injection", enabled=True, every_n_steps=6, message="a native fault")
+                          + table("watchdog", probe_interval_s=3600.0), "--prefill-step-size", "16")
+    url = server.url + COMPLETIONS
+    long_prompt = "Summarize: " + " ".join(f"item {i}," for i in range(200))
+    with httpx.Client(timeout=60) as http:
+        first = http.post(url, json=chat_body(long_prompt, max_tokens=4))
+        again = http.post(url, json=chat_body(long_prompt, max_tokens=4))
+        short = http.post(url, json=chat_body("Hi.", max_tokens=2))
+    for response in (first, again):
+        assert response.status_code == 503, response.text
+        assert response.json()["error"]["code"] == "engine_restarting"
+    assert short.status_code == 200, short.text
+    assert server.events("request_blamed") == [] and server.events("request_quarantined") == []
+    proofs = server.events("proof_probe_queued")
+    assert proofs and all(1 < proof["steps"] <= 6 for proof in proofs), proofs
+    assert server.proc.poll() is None and server.events("engine_gave_up") == []
+
+
 def test_a_poison_that_fails_at_the_same_token_is_blamed_once_it_reproduces_alone(start_server):
     server = start_server(POSITION_FAULTS + table("position_faults", marker=POISON, fail_at=5))
     url = server.url + COMPLETIONS
@@ -415,7 +440,7 @@ def test_a_suspect_is_blamed_once_it_failed_alone_twice_with_the_engine_working_
     def suspect(before=(3, 40, 0), **overrides):
         fields = dict(client_has_output=False, stuck_failures=2, synthetic=False, isolate=False,
                       progress_at_previous_alone_failure=before, alone_failures=2, tokens_made=0, proofs=0,
-                      failed_alone_at_point=True,
+                      failed_alone_at_point=True, steps_proven=6, steps_to_prove_before=6,
                       may_continue=lambda _: False)
         return SimpleNamespace(**{**fields, **overrides})
 
@@ -430,6 +455,9 @@ def test_a_suspect_is_blamed_once_it_failed_alone_twice_with_the_engine_working_
     assert verdict(suspect((3, 40, 6), tokens_made=20), progress=(3, 54)) is Verdict.PROVE
     assert verdict(suspect((3, 40, 6), tokens_made=20), progress=(3, 55)) is Verdict.BLAME
     assert verdict(suspect(alone_failures=1), progress=(4, 40)) is Verdict.PROVE  # alone once
+    # The engine ran 5 steps in a row before its last run, 6 up to the failure before: an
+    # engine failing every 6 steps would do that too (its proof was cut short, or failed).
+    assert verdict(suspect(steps_proven=5), progress=(4, 40)) is Verdict.PROVE
     # Alone twice at its point, a proof between, then alone at an earlier token (run again
     # from nothing): no reproduction of the first two.
     assert verdict(suspect(failed_alone_at_point=False), progress=(4, 40)) is Verdict.PROVE

@@ -29,7 +29,12 @@ generated a token that is not the suspect's own. Until then
 suspect runs alone again: the probe completing and the suspect failing
 again is a reproduction, and the suspect is blamed; the probe failing as
 well is the engine's fault, whose failures count toward the crash loop,
-and nobody is blamed. The suspect's failures are not counted while it
+and nobody is blamed. The probe runs as many steps as the engine ran in a
+row up to the suspect's failure (``recovery.proof_max_steps`` at most), and
+the reproduction needs the engine to have run that many without failing
+before the suspect's next run: with one token a proof, an engine that
+failed every 6 steps blamed a long prompt whose prefill always reached the
+6th, while each one-step proof passed. The suspect's failures are not counted while it
 waits for the proof (with ``max_failures = 1`` the wait itself would end
 the process). After ``MAX_PROOFS`` proofs that failed the suspect is
 answered 503 (``engine_restarting``, to retry), not held for good on an
@@ -144,6 +149,10 @@ def reproduced_alone(record, progress: tuple) -> bool:
         return False
     completed, tokens = progress
     completed_before, tokens_before, own_before = previous
+    # The engine ran, without failing, as many steps in a row before the request's last
+    # run as it had run up to the failure before (capped): the proof's length.
+    if record.steps_proven < record.steps_to_prove_before:
+        return False
     # Its own tokens, made again from nothing, prove nothing of the engine's.
     return completed != completed_before or tokens - tokens_before > record.tokens_made - own_before
 

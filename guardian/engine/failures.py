@@ -83,15 +83,22 @@ class FailureHandler:
         # next request, ``Probes.queue_proof``, is one). Poisons sent back to back left no
         # completion between them, and the fourth ended the process.
         self._unproven: list[int] = []
-        # Why a proof is to be queued once this failure is settled; None: none is.
+        # Why a proof is to be queued once this failure is settled (None: none is), and
+        # the steps it is to run.
         self._proof_due: Optional[str] = None
+        self._proof_steps = 1
+        # The engine's step count at its last failure (or stall); and at most how many steps
+        # a proof of the engine runs (guardian.engine.blame), set by the recovery plugin.
+        self.failed_at_step = 0
+        self.proof_max_steps = 64
         self.last_error: Optional[dict] = None
         self.hit_a_probe = False  # the failure being handled had a probe in flight
 
     def configure(self, *, window_s: float, max_failures: int, max_reruns: int, max_continuations: int,
-                  quarantine_s: float) -> None:
+                  quarantine_s: float, proof_max_steps: int = 64) -> None:
         """The recovery plugin's settings (EngineView.configure_recovery)."""
         self.budget.window_s = window_s
+        self.proof_max_steps = proof_max_steps
         self.max_failures = max_failures
         self.max_reruns = max_reruns
         self.max_continuations = max_continuations
@@ -114,7 +121,8 @@ class FailureHandler:
         progress = self.progress()
         failure_id = self.budget.add(progress, failed_at)
         decided = self._judge(records, failure_id, memory=classification in MEMORY_CLASSIFICATIONS,
-                              progress=progress if self.engine.probes.proof_prompt is not None else None)
+                              progress=progress if self.engine.probes.proof_prompt is not None else None,
+                              steps=self._run_of_steps_ended())
         # Answered for what they did alone (poison), or needed (memory): their failures are explained.
         explained = [r for r, verdict in decided if verdict in (Verdict.BLAME, Verdict.SHORTAGE)]
         forgiven = proven_since + self._forgive(explained) + self._await_proof(decided)
@@ -171,20 +179,30 @@ class FailureHandler:
             self._settle(decided, cause, classification)
             why, self._proof_due = self._proof_due, None
             if why is not None:
-                self.engine.probes.queue_proof(why)
+                self.engine.probes.queue_proof(why, steps=self._proof_steps)
         self.engine.restart_clock.mark("settle")
         return action
 
+    def _run_of_steps_ended(self) -> tuple[int, int]:
+        """A failure or a stall ends the engine's run of steps: the step count at the end
+        of the run before, and this run's length, the failing step included, capped at
+        ``proof_max_steps`` (what a proof of the engine must run, if a suspect failed
+        alone here: guardian.engine.blame)."""
+        ended_before, self.failed_at_step = self.failed_at_step, self.engine.steps
+        return ended_before, min(self.engine.steps - ended_before, self.proof_max_steps)
+
     def _judge(self, records: list[RequestRecord], failure_id: Optional[int], *,
-               memory: bool = False, progress: Optional[tuple] = None) -> list[tuple]:
+               memory: bool = False, progress: Optional[tuple] = None,
+               steps: tuple[int, int] = (0, 0)) -> list[tuple]:
         """Count the failure for every request the dead loop had taken,
         whatever its stage, and decide what becomes of each. ``failure_id``:
         the failure as the crash-loop budget counts it (None: not counted).
         ``progress``: the engine's, if a blame needs two failures alone with the
-        engine working between them (guardian.engine.blame)."""
+        engine working between them (guardian.engine.blame). ``steps``: the
+        engine's step count at its previous failure, and the steps a proof is to run."""
         alone = len(records) == 1
         for record in records:
-            record.note_failure(progress, alone=alone)
+            record.note_failure(progress, alone=alone, steps=steps)
             if failure_id is not None:
                 record.failure_ids.append(failure_id)
         return verdicts(records, self.max_reruns, self.max_continuations, memory=memory, progress=progress)
@@ -199,6 +217,9 @@ class FailureHandler:
         for record in proving:
             record.proofs += 1
         self._proof_due = "a request failed alone: a proof of the engine before it runs alone again"
+        # As many steps as the engine ran in a row up to the failure: an engine that fails
+        # every N steps fails its proof too, instead of the request that met the Nth.
+        self._proof_steps = max(1, *(record.steps_to_prove for record in proving))
         # The probe's own failures count: an engine that fails every step still ends in exit 4.
         return self.budget.forgive(i for record in proving for i in record.failure_ids)
 
@@ -344,7 +365,7 @@ class FailureHandler:
     def settle_stall(self, reason: str) -> None:
         """Settle the requests of a loop thread a stall abandoned, as after a failure.
         A stall is the watchdog's to count (its ladder), not the budget's."""
-        decided = self._judge(self.engine.ledger.take_in_flight(), None)
+        decided = self._judge(self.engine.ledger.take_in_flight(), None, steps=self._run_of_steps_ended())
         self._forgive([r for r, verdict in decided if verdict is Verdict.BLAME])
         self._settle(decided, TimeoutError(reason), "stall")
 

@@ -78,7 +78,7 @@ class GuardianEngine(stock.loop.GuardedResponseGenerator):
         self.ledger = RequestLedger(
             beat=self._loop_polled, on_finished=self._request_finished, on_failed=self._request_failed,
             fair=(lambda: access.fair_admission) if access is not None else (lambda: False),
-            capacity=batch_places(model_provider.cli_args))
+            capacity=batch_places(model_provider.cli_args), steps=lambda: self.steps)
         self.steps = 0
         self.last_beat = time.monotonic()
         self.failures = FailureHandler(self)
@@ -120,9 +120,11 @@ class GuardianEngine(stock.loop.GuardedResponseGenerator):
     def configure_recovery(self, *, window_s: float, max_reruns: int, quarantine_s: float = 0.0,
                            max_failures: int = 5,
                            max_continuations: int = 0, backoff_after_failures: int = 2,
-                           backoff_base_s: float = 0.0, backoff_max_s: float = 0.0) -> None:
+                           backoff_base_s: float = 0.0, backoff_max_s: float = 0.0,
+                           proof_max_steps: int = 64) -> None:
         self.failures.configure(window_s=window_s, max_failures=max_failures, max_reruns=max_reruns,
-                                max_continuations=max_continuations, quarantine_s=quarantine_s)
+                                max_continuations=max_continuations, quarantine_s=quarantine_s,
+                                proof_max_steps=proof_max_steps)
         # In place: a live configuration change keeps the failures in a row counted so far.
         backoff = self.backoff
         backoff.after_failures, backoff.base_s, backoff.max_s = backoff_after_failures, backoff_base_s, backoff_max_s

@@ -86,8 +86,11 @@ class RequestLedger:
                  gather_arriving_s: float = GATHER_ARRIVING_S,
                  on_finished: Callable[[RequestRecord, str], None] = lambda record, outcome: None,
                  on_failed: Callable[[RequestRecord, GuardianError], None] = lambda record, error: None,
-                 fair: Callable[[], bool] = lambda: False, capacity: int = 0):
+                 fair: Callable[[], bool] = lambda: False, capacity: int = 0,
+                 steps: Callable[[], int] = lambda: 0):
         self.beat = beat
+        # The engine's step count, noted on each record the loop takes (guardian.engine.blame).
+        self.steps = steps
         # Told of every request that ends, and how (COMPLETED, FAILED, CANCELLED).
         self.on_finished = on_finished
         # Told of every request that ends with an error (a deadline's, a refusal's too), before on_finished.
@@ -345,6 +348,7 @@ class RequestLedger:
     def _take(self, item):
         record = item[0]
         record.stage = Stage.TAKEN
+        record.taken_at_step = self.steps()
         self._in_flight[record.seq] = record
         self._client_in_flight[record.client] = self._client_in_flight.get(record.client, 0) + 1
         return item

@@ -24,6 +24,8 @@ log = structlog.get_logger("guardian.engine")
 
 # How many probe prompts are kept out of the prompt cache: the latest of each plugin's.
 SKIPPED_PROMPTS = 8
+# Added to an end-of-sequence token's logit in a proof of several steps: never the greedy pick.
+END_OF_SEQUENCE_BIAS = -1e9
 
 
 class Probes:
@@ -64,18 +66,27 @@ class Probes:
         result["duration_ms"] = round((time.monotonic() - started) * 1000, 1)
         return result
 
-    def queue_proof(self, why: str) -> bool:
+    def queue_proof(self, why: str, steps: int = 1) -> bool:
         """Queue a probe to run alone ahead of every waiting request, waited for by nobody
         (the loop thread, after a failure): its completion proves the engine generates,
         before a suspect is blamed or between two blames (guardian.engine.blame,
-        guardian.engine.failures). False: no probe plugin gave a prompt."""
+        guardian.engine.failures). ``steps``: it generates that many tokens, one a step,
+        its end of sequence barred so that it runs them all. False: no probe plugin gave
+        a prompt."""
         if self.proof_prompt is None:
             return False
-        request, args = stock.requests.make_request(self.proof_prompt, max_tokens=1, cli_args=self.engine.cli_args)
+        request, args = stock.requests.make_request(self.proof_prompt, max_tokens=steps, cli_args=self.engine.cli_args,
+                                                    logit_bias=self._no_end_of_sequence() if steps > 1 else None)
         with request_scope(f"proof-{next(self._ids)}", stream=True):
             self.engine.ledger.put((Queue(), request, args), synthetic=True, first=True)
-        log.info("proof_probe_queued", why=why)
+        log.info("proof_probe_queued", why=why, steps=steps)
         return True
+
+    def _no_end_of_sequence(self) -> Optional[dict]:
+        """A logit bias that keeps a greedy probe from ending its sequence early."""
+        tokenizer = self.engine.model_provider.tokenizer
+        ends = getattr(tokenizer, "eos_token_ids", None) if tokenizer is not None else None
+        return {int(token): END_OF_SEQUENCE_BIAS for token in ends} if ends else None
 
     def keep_out_of_prompt_cache(self, prompt: str, *, deferred: bool = False) -> None:
         """Keep probe prompts out of the prompt cache."""

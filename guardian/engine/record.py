@@ -80,6 +80,15 @@ class RequestRecord:
         self.proofs = 0
         self.progress_at_previous_alone_failure: Optional[tuple] = None
         self._progress_at_last_alone_failure: Optional[tuple] = None
+        # Engine steps: the step count when the loop last took it (``RequestLedger._take``);
+        # at its last failure alone, the steps the engine had run in a row without failing
+        # before taking it (none of them its own: what proved the engine), and the steps it
+        # had run in a row up to that failure, capped (what a proof must run: see
+        # guardian.engine.blame); that of the failure alone before.
+        self.taken_at_step = 0
+        self.steps_proven = 0
+        self.steps_to_prove = 0
+        self.steps_to_prove_before = 0
         self.isolate = False
         self.first_args = item[2]  # as the handler made them (continuations copy them)
         # Its samplers and logits processors (stock.sampling.sampling_kind), read once.
@@ -315,12 +324,15 @@ class RequestRecord:
         """Whether the request generated tokens a re-run would throw away."""
         return bool(self.generated)
 
-    def note_failure(self, engine_progress: Optional[tuple] = None, alone: bool = False) -> bool:
+    def note_failure(self, engine_progress: Optional[tuple] = None, alone: bool = False,
+                     steps: tuple[int, int] = (0, 0)) -> bool:
         """The engine failed with this request in flight, ``alone`` or not, the
         engine's progress at ``engine_progress``: count it; whether the request
         had progressed, a token past where it stood at its previous failure
         (always, at its first). Without progress the failure is at the same
-        point (or, re-run from nothing, an earlier one) as the previous one."""
+        point (or, re-run from nothing, an earlier one) as the previous one.
+        ``steps``: the engine's step count at its previous failure, and the steps a
+        proof must run for this one (its run of steps up to it, capped)."""
         position = len(self.generated)
         progressed = self.failed_at_position is None or position > self.failed_at_position
         self.failures += 1
@@ -342,6 +354,9 @@ class RequestRecord:
             self.progress_at_previous_alone_failure, self._progress_at_last_alone_failure = (
                 self._progress_at_last_alone_failure,
                 None if engine_progress is None else (*engine_progress, self.tokens_made))
+            previous_failure_at, to_prove = steps
+            self.steps_proven = max(0, self.taken_at_step - previous_failure_at)
+            self.steps_to_prove_before, self.steps_to_prove = self.steps_to_prove, to_prove
         return progressed
 
     @property

@@ -72,6 +72,16 @@ class RecoverySettings(Table, name="recovery"):
         continued as long as it progresses (at most max_tokens times). Past this
         bound (0: never) a stream that sent tokens ends with an error event, and a
         non-streaming request is re-run from nothing.""", live=True)
+    proof_max_steps = Setting(Int(min=1), 64, """
+        Before a request that failed alone is blamed, a probe proves the engine:
+        it runs, alone, as many engine steps as the engine had run in a row up
+        to that failure (at most this many), and the request is blamed only if
+        the probe completes and the request then fails alone at the same point
+        again. An engine that fails every N steps, N up to this, then fails its
+        probe: a long prompt whose prefill always reached the Nth step was
+        blamed (500, quarantined) for it. Each step of the probe is a token of a
+        greedy completion of [generation_probe] prompt; the requests waiting
+        meanwhile wait that much longer.""", live=True)
     shortage_grace_s = Setting(Float(min=0), 60.0, """
         A memory shortage that fails everything, probes too (memory another
         process holds, for a while), in an engine that had completed a request
@@ -124,6 +134,7 @@ class Recovery:
             backoff_after_failures=self.settings.backoff_after_failures,
             backoff_base_s=self.settings.backoff_base_s,
             backoff_max_s=self.settings.backoff_max_s,
+            proof_max_steps=self.settings.proof_max_steps,
         )
 
     def waits_out_shortage(self, classification: str, engine) -> bool:

@@ -5,6 +5,7 @@ a probe's request.
 from __future__ import annotations
 
 import types
+from typing import Optional
 
 import mlx_lm.server as server
 
@@ -65,8 +66,9 @@ def attached_fingerprint(args):
     return getattr(args, _FINGERPRINT_ATTRIBUTE, None)
 
 
-def make_request(prompt: str, *, max_tokens: int, cli_args) -> tuple:
-    """A text-completion request and its arguments, built as stock's handler does."""
+def make_request(prompt: str, *, max_tokens: int, cli_args, logit_bias: Optional[dict] = None) -> tuple:
+    """A text-completion request and its arguments, built as stock's handler does
+    (``logit_bias``: token id -> bias, as in OpenAI's field)."""
     request = server.CompletionRequest("text", prompt, [], None, None)
     args = server.GenerationArguments(
         model=server.ModelDescription(model="default_model", draft="default_model", adapter=None),
@@ -74,7 +76,7 @@ def make_request(prompt: str, *, max_tokens: int, cli_args) -> tuple:
             temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, xtc_probability=0.0, xtc_threshold=0.1
         ),
         logits=server.LogitsProcessorArguments(
-            logit_bias=None,
+            logit_bias=logit_bias,
             repetition_penalty=0.0,
             repetition_context_size=20,
             presence_penalty=0.0,
