@@ -112,12 +112,15 @@ class EngineView:
     # -- the recovery policy ----------------------------------------------------------
     def configure_recovery(self, *, window_s: float, max_failures: int, max_reruns: int, quarantine_s: float,
                            max_continuations: int, backoff_after_failures: int,
-                           backoff_base_s: float, backoff_max_s: float, proof_max_steps: int) -> None:
+                           backoff_base_s: float, backoff_max_s: float,
+                           proof_max_steps: Optional[int] = None) -> None:
         """The crash-loop window (and the failures in it past which an engine
         that still serves is degraded), re-runs and continuations per request,
-        quarantine time, a crash loop's backoff, and the longest proof of the
-        engine before a blame, which the core applies. Every value is required:
-        defaults here would shadow the [recovery] table's."""
+        quarantine time and a crash loop's backoff the core applies. Every
+        value is required: defaults here would shadow the [recovery] table's.
+        ``proof_max_steps``, the longest proof of the engine before a blame, came
+        later: None leaves it as it is (64 at start), so a plugin written before
+        it still works."""
         self._engine.configure_recovery(window_s=window_s, max_failures=max_failures, max_reruns=max_reruns,
                                         quarantine_s=quarantine_s, max_continuations=max_continuations,
                                         backoff_after_failures=backoff_after_failures,

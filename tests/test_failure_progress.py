@@ -119,7 +119,7 @@ def test_a_fault_every_few_steps_fails_the_proof_as_well_and_no_long_prompt_is_b
     assert short.status_code == 200, short.text
     assert server.events("request_blamed") == [] and server.events("request_quarantined") == []
     proofs = server.events("proof_probe_queued")
-    assert proofs and all(1 < proof["steps"] <= 6 for proof in proofs), proofs
+    assert proofs and all(1 < proof["tokens"] <= 6 for proof in proofs), proofs
     assert server.proc.poll() is None and server.events("engine_gave_up") == []
 
 
@@ -478,6 +478,56 @@ def test_a_suspect_is_blamed_once_it_failed_alone_twice_with_the_engine_working_
     # Beside others it is run alone first.
     [(_, first), (_, second)] = verdicts([suspect(), suspect()], 1, 2, progress=(4, 40))
     assert first is second is Verdict.ISOLATE
+
+
+def test_a_proof_is_as_long_as_the_run_of_steps_that_ended_in_the_failure():
+    """The steps a proof must run: the engine's run of steps up to the failure, the failing
+    step included, capped at proof_max_steps; a suspect's next failure alone counts as a
+    reproduction only after that many steps without a failure before its run (a review)."""
+    from queue import Queue
+    from types import SimpleNamespace
+
+    from guardian import stock
+    from guardian.engine.blame import reproduced_alone
+    from guardian.engine.failures import FailureHandler
+    from guardian.engine.ledger import RequestLedger
+    from guardian.engine.probes import END_OF_SEQUENCE_BIAS, no_end_of_sequence
+    from guardian.engine.record import RequestRecord
+
+    engine = SimpleNamespace(steps=0)
+    handler = FailureHandler(engine)
+    settings = dict(window_s=60.0, max_failures=5, max_reruns=1, max_continuations=2, quarantine_s=0.0)
+    handler.configure(**settings, proof_max_steps=8)
+    engine.steps = 6
+    assert handler._run_of_steps_ended() == (0, 6)  # failed at the 6th step since the start
+    engine.steps = 30
+    assert handler._run_of_steps_ended() == (6, 8)  # 24 steps, capped
+    handler.configure(**settings)  # a recovery plugin written before the setting: as it was
+    assert handler.proof_max_steps == 8
+
+    request, args = stock.requests.make_request("hi", max_tokens=4, cli_args=SimpleNamespace(num_draft_tokens=3))
+    record = RequestRecord(Queue(), (None, request, args), request_id="suspect", stream=True, ledger=RequestLedger())
+    # Taken at step 30 (right after a failure there), failed alone at its 6th step.
+    record.taken_at_step = 30
+    record.note_failure((1, 10), alone=True, steps=(30, 6))
+    assert (record.steps_proven, record.steps_to_prove) == (0, 6)
+    # A proof of 5 steps passed (steps 37-41), then it ran alone and failed at the same point.
+    record.taken_at_step = 41
+    record.note_failure((2, 15), alone=True, steps=(36, 6))
+    assert (record.steps_proven, record.steps_to_prove_before) == (5, 6)
+    assert not reproduced_alone(record, (2, 15))  # 5 steps proven, 6 needed: a fault every 6 steps
+    # Its next proof ran 6 (steps 43-48): now its failure alone again is a reproduction.
+    record.taken_at_step = 48
+    record.note_failure((3, 21), alone=True, steps=(42, 6))
+    assert record.steps_proven == 6 and reproduced_alone(record, (3, 21))
+
+    assert no_end_of_sequence(None) is None  # weights being read
+    assert no_end_of_sequence(SimpleNamespace(eos_token_ids=set())) is None
+    bias = no_end_of_sequence(SimpleNamespace(eos_token_ids={2, 7}))
+    assert bias == {2: END_OF_SEQUENCE_BIAS, 7: END_OF_SEQUENCE_BIAS}
+    _, barred = stock.requests.make_request("hi", max_tokens=6, cli_args=SimpleNamespace(num_draft_tokens=3),
+                                            logit_bias=bias)
+    assert barred.logits.logit_bias == bias and barred.max_tokens == 6
 
 
 def test_a_stream_whose_client_left_while_it_waited_to_run_again_holds_no_new_request():

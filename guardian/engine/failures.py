@@ -83,10 +83,9 @@ class FailureHandler:
         # next request, ``Probes.queue_proof``, is one). Poisons sent back to back left no
         # completion between them, and the fourth ended the process.
         self._unproven: list[int] = []
-        # Why a proof is to be queued once this failure is settled (None: none is), and
-        # the steps it is to run.
-        self._proof_due: Optional[str] = None
-        self._proof_steps = 1
+        # Why a proof is to be queued once this failure is settled, and the steps it is to
+        # run; None: none is.
+        self._proof_due: Optional[tuple[str, int]] = None
         # The engine's step count at its last failure (or stall); and at most how many steps
         # a proof of the engine runs (guardian.engine.blame), set by the recovery plugin.
         self.failed_at_step = 0
@@ -95,10 +94,11 @@ class FailureHandler:
         self.hit_a_probe = False  # the failure being handled had a probe in flight
 
     def configure(self, *, window_s: float, max_failures: int, max_reruns: int, max_continuations: int,
-                  quarantine_s: float, proof_max_steps: int = 64) -> None:
-        """The recovery plugin's settings (EngineView.configure_recovery)."""
+                  quarantine_s: float, proof_max_steps: Optional[int] = None) -> None:
+        """The recovery plugin's settings (EngineView.configure_recovery); None: as it is."""
         self.budget.window_s = window_s
-        self.proof_max_steps = proof_max_steps
+        if proof_max_steps is not None:
+            self.proof_max_steps = proof_max_steps
         self.max_failures = max_failures
         self.max_reruns = max_reruns
         self.max_continuations = max_continuations
@@ -120,12 +120,13 @@ class FailureHandler:
         proven_since = self._forgive_proven_blames()
         progress = self.progress()
         failure_id = self.budget.add(progress, failed_at)
+        run_of_steps = self._run_of_steps_ended()
         decided = self._judge(records, failure_id, memory=classification in MEMORY_CLASSIFICATIONS,
                               progress=progress if self.engine.probes.proof_prompt is not None else None,
-                              steps=self._run_of_steps_ended())
+                              steps=run_of_steps)
         # Answered for what they did alone (poison), or needed (memory): their failures are explained.
         explained = [r for r, verdict in decided if verdict in (Verdict.BLAME, Verdict.SHORTAGE)]
-        forgiven = proven_since + self._forgive(explained) + self._await_proof(decided)
+        forgiven = proven_since + self._forgive(explained) + self._await_proof(decided, run_of_steps[1])
         if any(verdict is Verdict.SHORTAGE for _, verdict in decided):
             self.proof_wanted = True  # its client will send it again: see __init__
         failures_in_window = self.budget.count(failed_at)
@@ -177,9 +178,10 @@ class FailureHandler:
             )
         else:
             self._settle(decided, cause, classification)
-            why, self._proof_due = self._proof_due, None
-            if why is not None:
-                self.engine.probes.queue_proof(why, steps=self._proof_steps)
+            due, self._proof_due = self._proof_due, None
+            if due is not None:
+                why, steps = due
+                self.engine.probes.queue_proof(why, steps=steps)
         self.engine.restart_clock.mark("settle")
         return action
 
@@ -207,7 +209,13 @@ class FailureHandler:
                 record.failure_ids.append(failure_id)
         return verdicts(records, self.max_reruns, self.max_continuations, memory=memory, progress=progress)
 
-    def _await_proof(self, decided: list[tuple]) -> int:
+    def _want_proof(self, why: str, steps: int) -> None:
+        """Queue a proof of ``steps`` once this failure is settled (one proof a failure,
+        the longest asked for)."""
+        if self._proof_due is None or steps > self._proof_due[1]:
+            self._proof_due = (why, steps)
+
+    def _await_proof(self, decided: list[tuple], run_of_steps: int) -> int:
         """Queue a probe ahead of the suspects that failed alone, not yet twice with the
         engine working between (``Verdict.PROVE``), so that failing alone again is a
         reproduction; their failures wait for it uncounted. Return how many were forgiven."""
@@ -216,10 +224,12 @@ class FailureHandler:
             return 0
         for record in proving:
             record.proofs += 1
-        self._proof_due = "a request failed alone: a proof of the engine before it runs alone again"
-        # As many steps as the engine ran in a row up to the failure: an engine that fails
-        # every N steps fails its proof too, instead of the request that met the Nth.
-        self._proof_steps = max(1, *(record.steps_to_prove for record in proving))
+        # As many steps as the engine ran in a row up to the failure (``run_of_steps``,
+        # capped), and at least what each suspect's next failure alone is judged by: an
+        # engine that fails every N steps fails its proof too, instead of the request that
+        # met the Nth.
+        self._want_proof("a request failed alone: a proof of the engine before it runs alone again",
+                         max(1, run_of_steps, *(record.steps_to_prove for record in proving)))
         # The probe's own failures count: an engine that fails every step still ends in exit 4.
         return self.budget.forgive(i for record in proving for i in record.failure_ids)
 
@@ -266,7 +276,8 @@ class FailureHandler:
             # next one (if a probe plugin gave its prompt) or a user's: until then they count.
             self._unproven += ids
             # Queued once the failure is settled (a blame ends isolation).
-            self._proof_due = "a request was blamed (or short of memory) with no completion since the last"
+            # One token: a completion is all it is to show.
+            self._want_proof("a request was blamed (or short of memory) with no completion since the last", 1)
             return 0
         return self.budget.forgive(ids)
 
@@ -374,7 +385,7 @@ class FailureHandler:
         shows to be the cause (stuck alone at one point again) is answered as blamed, 500
         and not to be retried, before everyone else gets the exit's 503: retried, it would
         hang the next process as well."""
-        for record, verdict in self._judge(self.engine.ledger.in_flight(), None):
+        for record, verdict in self._judge(self.engine.ledger.in_flight(), None, steps=self._run_of_steps_ended()):
             if verdict is Verdict.BLAME:
                 self._blame(record, TimeoutError(reason), "stall")
 

@@ -121,7 +121,7 @@ class GuardianEngine(stock.loop.GuardedResponseGenerator):
                            max_failures: int = 5,
                            max_continuations: int = 0, backoff_after_failures: int = 2,
                            backoff_base_s: float = 0.0, backoff_max_s: float = 0.0,
-                           proof_max_steps: int = 64) -> None:
+                           proof_max_steps: Optional[int] = None) -> None:
         self.failures.configure(window_s=window_s, max_failures=max_failures, max_reruns=max_reruns,
                                 max_continuations=max_continuations, quarantine_s=quarantine_s,
                                 proof_max_steps=proof_max_steps)

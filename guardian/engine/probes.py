@@ -28,6 +28,13 @@ SKIPPED_PROMPTS = 8
 END_OF_SEQUENCE_BIAS = -1e9
 
 
+def no_end_of_sequence(tokenizer) -> Optional[dict]:
+    """A logit bias that keeps a greedy completion from ending its sequence early; None
+    where no end-of-sequence token is known (no tokenizer: weights being read)."""
+    ends = getattr(tokenizer, "eos_token_ids", None) if tokenizer is not None else None
+    return {int(token): END_OF_SEQUENCE_BIAS for token in ends} if ends else None
+
+
 class Probes:
     """One engine's probes."""
 
@@ -70,23 +77,23 @@ class Probes:
         """Queue a probe to run alone ahead of every waiting request, waited for by nobody
         (the loop thread, after a failure): its completion proves the engine generates,
         before a suspect is blamed or between two blames (guardian.engine.blame,
-        guardian.engine.failures). ``steps``: it generates that many tokens, one a step,
-        its end of sequence barred so that it runs them all. False: no probe plugin gave
-        a prompt."""
+        guardian.engine.failures). ``steps``: it generates that many tokens, one a step
+        after its prefill, its end of sequence barred so that it runs them all. False: no
+        probe plugin gave a prompt."""
         if self.proof_prompt is None:
             return False
+        bias = no_end_of_sequence(self.engine.model_provider.tokenizer) if steps > 1 else None
+        if steps > 1 and bias is None:
+            log.warning("proof_probe_may_end_early", steps=steps,
+                        reason="no tokenizer, or no end-of-sequence token known: it cannot be barred")
         request, args = stock.requests.make_request(self.proof_prompt, max_tokens=steps, cli_args=self.engine.cli_args,
-                                                    logit_bias=self._no_end_of_sequence() if steps > 1 else None)
-        with request_scope(f"proof-{next(self._ids)}", stream=True):
+                                                    logit_bias=bias)
+        # Not a stream: a proof that failed after tokens is run again from nothing, not
+        # continued (a continuation's steps alone would be what it proved).
+        with request_scope(f"proof-{next(self._ids)}", stream=False):
             self.engine.ledger.put((Queue(), request, args), synthetic=True, first=True)
-        log.info("proof_probe_queued", why=why, steps=steps)
+        log.info("proof_probe_queued", why=why, tokens=steps)
         return True
-
-    def _no_end_of_sequence(self) -> Optional[dict]:
-        """A logit bias that keeps a greedy probe from ending its sequence early."""
-        tokenizer = self.engine.model_provider.tokenizer
-        ends = getattr(tokenizer, "eos_token_ids", None) if tokenizer is not None else None
-        return {int(token): END_OF_SEQUENCE_BIAS for token in ends} if ends else None
 
     def keep_out_of_prompt_cache(self, prompt: str, *, deferred: bool = False) -> None:
         """Keep probe prompts out of the prompt cache."""

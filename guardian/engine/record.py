@@ -372,5 +372,9 @@ class RequestRecord:
         unfailed run's; run again from nothing, it gets exactly that run's tokens."""
         if not self.stream and getattr(self.first_args, "seed", None) is not None:
             return False
+        if self.synthetic:
+            # A probe proves the engine by running whole: a continued proof would prove only
+            # the steps of its continuation (guardian.engine.blame).
+            return False
         return (self.has_output and self.stuck_failures <= max_continuations
                 and stock.continuation.continuable(self.request))

@@ -74,14 +74,15 @@ class RecoverySettings(Table, name="recovery"):
         non-streaming request is re-run from nothing.""", live=True)
     proof_max_steps = Setting(Int(min=1), 64, """
         Before a request that failed alone is blamed, a probe proves the engine:
-        it runs, alone, as many engine steps as the engine had run in a row up
-        to that failure (at most this many), and the request is blamed only if
-        the probe completes and the request then fails alone at the same point
-        again. An engine that fails every N steps, N up to this, then fails its
-        probe: a long prompt whose prefill always reached the Nth step was
-        blamed (500, quarantined) for it. Each step of the probe is a token of a
-        greedy completion of [generation_probe] prompt; the requests waiting
-        meanwhile wait that much longer.""", live=True)
+        a greedy completion of [generation_probe] prompt, its end of sequence
+        barred, of as many tokens (an engine step each, after its prefill) as
+        the engine had run steps in a row up to that failure, at most this
+        many. The request is blamed only if the engine then ran that many steps
+        without failing before the request failed alone at the same point
+        again. An engine that fails every N steps, N up to this, fails its
+        probe too: with a one-token probe, a long prompt whose prefill always
+        reached the Nth step was blamed (500, quarantined). The requests waiting
+        meanwhile wait for the probe.""", live=True)
     shortage_grace_s = Setting(Float(min=0), 60.0, """
         A memory shortage that fails everything, probes too (memory another
         process holds, for a while), in an engine that had completed a request
