@@ -27,6 +27,8 @@ from typing import Callable, Optional
 import httpx
 import pytest
 
+import forkserver
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -235,8 +237,12 @@ def model_cache(tmp_path_factory) -> Path:
 
 def spawn_guardian(args: list[str], log_path: Path, model_cache: Path, env: Optional[dict] = None,
                    **popen_kwargs) -> subprocess.Popen:
-    """``python -m guardian ARGS`` with its output in ``log_path`` and the session's demo model."""
+    """``python -m guardian ARGS`` with its output in ``log_path`` and the session's demo model:
+    forked from the session's fork server where it can be (tests/forkserver.py), else a
+    ``subprocess``."""
     child_env = {**os.environ, "MLX_GUARDIAN_CACHE": str(model_cache), **(env or {})}
+    if env is None and not popen_kwargs and forkserver.enabled():
+        return forkserver.forkserver().spawn(args, log_path, child_env, REPO)
     with open(log_path, "w") as log_file:
         return subprocess.Popen([sys.executable, "-m", "guardian", *args], stdout=log_file,
                                 stderr=subprocess.STDOUT, env=child_env, cwd=REPO, **popen_kwargs)
@@ -448,3 +454,7 @@ def needs_tool(name: str, install: str):
     """Skip unless ``name`` is on PATH."""
     path, reason = system_tool(name, install)
     return pytest.mark.skipif(path is None, reason=reason)
+
+
+def pytest_unconfigure(config):
+    forkserver.close()
