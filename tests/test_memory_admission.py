@@ -24,7 +24,7 @@ import pytest
 
 from conftest import chat_body, poll, scraped
 
-pytestmark = pytest.mark.one_version
+pytestmark = [pytest.mark.one_version, pytest.mark.lane_0313]
 
 
 def device_reports_free_memory() -> bool:

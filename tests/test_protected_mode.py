@@ -31,6 +31,7 @@ from conftest import Server, SessionServer, chat_body, free_port, poll, spawn_gu
 pytestmark = [
     # The door imports no mlx_lm: what it decides does not depend on mlx-lm's version.
     pytest.mark.one_version,
+    pytest.mark.lane_0313,
     pytest.mark.linux("network namespaces (ip netns) are Linux's"),
 ]
 
