@@ -236,13 +236,15 @@ def model_cache(tmp_path_factory) -> Path:
 
 
 def spawn_guardian(args: list[str], log_path: Path, model_cache: Path, env: Optional[dict] = None,
-                   **popen_kwargs) -> subprocess.Popen:
+                   fork: bool = True, **popen_kwargs) -> subprocess.Popen:
     """``python -m guardian ARGS`` with its output in ``log_path`` and the session's demo model:
-    forked from the session's fork server where it can be (tests/forkserver.py), else a
-    ``subprocess``."""
+    forked from the session's fork server where it can be (tests/forkserver.py; ``fork``
+    False: never), else a ``subprocess``."""
     child_env = {**os.environ, "MLX_GUARDIAN_CACHE": str(model_cache), **(env or {})}
-    if env is None and not popen_kwargs and forkserver.enabled():
-        return forkserver.forkserver().spawn(args, log_path, child_env, REPO)
+    # A supervisor carries no mlx (it would, forked from the fork server), and starts in ~0.1 s.
+    forking = fork and not popen_kwargs and "--supervise" not in args and forkserver.serving(child_env)
+    if forking:
+        return forking.spawn(args, log_path, child_env, REPO)
     with open(log_path, "w") as log_file:
         return subprocess.Popen([sys.executable, "-m", "guardian", *args], stdout=log_file,
                                 stderr=subprocess.STDOUT, env=child_env, cwd=REPO, **popen_kwargs)
@@ -454,6 +456,11 @@ def needs_tool(name: str, install: str):
     """Skip unless ``name`` is on PATH."""
     path, reason = system_tool(name, install)
     return pytest.mark.skipif(path is None, reason=reason)
+
+
+def pytest_configure(config):
+    # Before any test can change the environment the fork server imports under.
+    forkserver.start(Path(tempfile.gettempdir()) / f"guardian-forkserver-{os.getpid()}.log")
 
 
 def pytest_unconfigure(config):

@@ -11,13 +11,16 @@ exiting with its own status, as a server started with ``subprocess`` is.
 
 Linux only: on macOS a fork after the system's frameworks are loaded is unsafe, and
 the tests start every server with ``subprocess`` there (``enabled``). So they do
-here for a server with an environment of its own (read at import, it would not
-apply) or any Popen argument, and everywhere with ``GUARDIAN_TEST_FORKSERVER=0``.
+here for a supervisor (it carries no mlx), for a server whose environment is not
+the fork server's (what is read at import would not apply) or that has Popen
+arguments of its own, and everywhere with ``GUARDIAN_TEST_FORKSERVER=0``.
 
 The protocol, one JSON object a line: the test side writes ``{"id", "args", "env",
 "cwd", "log"}``; the fork server answers ``{"id", "pid"}`` once it forked, and
-``{"exited": pid, "code"}`` once it reaped that child (the code as
-``Popen.returncode`` gives it: negative for a signal).
+``{"exited": pid, "code"}`` once that child ended (the code as ``Popen.returncode``
+gives it: negative for a signal). The child stays a zombie, its pid its own, until
+the test side has taken that in and writes ``{"reap": pid}``: a signal the tests send
+a child not known to have ended never reaches another process that took its pid.
 """
 
 from __future__ import annotations
@@ -29,12 +32,22 @@ import select
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Optional
 
 REPO = Path(__file__).resolve().parent.parent
 # How often the fork server looks for children that exited while it has some.
 REAP_INTERVAL_S = 0.02
+# How long a spawn waits for the fork server's imports, at most once a session.
+IMPORT_TIMEOUT_S = 60.0
+# How long ``poll`` waits for the word of a child seen ended (a zombie).
+ZOMBIE_WORD_S = 2.0
+# Environment variables that may differ between the fork server and a server it forks:
+# the session's model cache, which the tests set for each server, pytest's name of the
+# test running, and the terminal's size that the session sets once running; all read at
+# run time, none at import.
+PER_SERVER_ENV = ("MLX_GUARDIAN_CACHE", "PYTEST_CURRENT_TEST", "LINES", "COLUMNS")
 
 
 def enabled() -> bool:
@@ -42,11 +55,17 @@ def enabled() -> bool:
 
 
 class Exit:
-    """A forked child's end, once the fork server reaped it."""
+    """A forked child's end, once the fork server saw it."""
 
     def __init__(self):
         self.event = threading.Event()
         self.code: Optional[int] = None
+        self.lost = False  # the fork server ended first: this end is unknown
+
+    def result(self) -> int:
+        if self.lost:
+            raise RuntimeError("the fork server ended before this server: its exit status is unknown")
+        return self.code
 
 
 class ForkedProcess:
@@ -60,20 +79,35 @@ class ForkedProcess:
 
     @property
     def returncode(self) -> Optional[int]:
-        return self._end.code if self._exited.is_set() else None
+        return self._end.result() if self._exited.is_set() else None
 
     def poll(self) -> Optional[int]:
+        """As Popen's: the exit status once the process has ended. A zombie (ended, its end
+        not yet told) waits for the word, so that ``poll() is None`` means alive, as it
+        does when the test's own process reaps."""
+        if not self._exited.is_set() and self._is_zombie():
+            self._exited.wait(ZOMBIE_WORD_S)
         return self.returncode
+
+    def _is_zombie(self) -> bool:
+        try:
+            with open(f"/proc/{self.pid}/stat") as stat:
+                return stat.read().rsplit(")", 1)[1].split()[0] == "Z"
+        except (OSError, IndexError):
+            return False
 
     def wait(self, timeout: Optional[float] = None) -> int:
         if not self._exited.wait(timeout):
             raise subprocess.TimeoutExpired(self.args, timeout)
-        return self._end.code
+        return self._end.result()
 
     def send_signal(self, signum: int) -> None:
-        # Once reaped its pid may be another process's: as Popen, signal only the living.
+        # Not reaped before the tests know of its end: its pid is still its own.
         if not self._exited.is_set():
-            os.kill(self.pid, signum)
+            try:
+                os.kill(self.pid, signum)
+            except ProcessLookupError:  # as Popen: a process that has ended takes no signal
+                pass
 
     def terminate(self) -> None:
         import signal
@@ -87,16 +121,31 @@ class ForkedProcess:
 
 
 class Forkserver:
-    """The test side: one fork server for this pytest session, started at its first use."""
+    """The test side: one fork server for this pytest session."""
 
-    def __init__(self):
-        self.proc = subprocess.Popen([sys.executable, "-m", "tests.forkserver"], cwd=REPO,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    def __init__(self, log_path: Path):
+        self.log_path = log_path  # what it says itself (its imports' warnings, a crash)
+        # Its environment once it imported (what guardian sets as it imports included):
+        # every server it forks was imported under it. Told in its first line.
+        self.env: Optional[dict] = None
+        self._ready = threading.Event()
+        with open(log_path, "wb") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", "tests.forkserver"], cwd=REPO,
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log)
         self._lock = threading.Lock()
+        self._write_lock = threading.Lock()  # apart: the reader must never wait on a full pipe
         self._ids = itertools.count(1)
         self._forked: dict[int, list] = {}  # request id -> [event, pid, Exit]
         self._living: dict[int, Exit] = {}  # pid -> its end, until it comes
         threading.Thread(target=self._read, name="forkserver-replies", daemon=True).start()
+
+    def serves(self, env: dict) -> bool:
+        """Whether a server with environment ``env`` can be forked here: the fork server
+        lives, and imported under the same environment."""
+        if not self._ready.wait(IMPORT_TIMEOUT_S) or self.proc.poll() is not None:
+            return False
+        same = {k: v for k, v in env.items() if k not in PER_SERVER_ENV}
+        return same == {k: v for k, v in self.env.items() if k not in PER_SERVER_ENV}
 
     def spawn(self, args: list[str], log_path: Path, env: dict, cwd: Path, timeout: float = 30) -> ForkedProcess:
         log_path.write_bytes(b"")  # there at once, as a log a subprocess writes to is
@@ -104,25 +153,47 @@ class Forkserver:
         forked = [threading.Event(), None, None]
         with self._lock:
             self._forked[request_id] = forked
-            line = json.dumps({"id": request_id, "args": args, "env": env, "cwd": str(cwd), "log": str(log_path)})
-            self.proc.stdin.write(line.encode() + b"\n")
-            self.proc.stdin.flush()
-        if not forked[0].wait(timeout):
-            raise RuntimeError(f"the fork server did not fork within {timeout} s (exit code {self.proc.poll()})")
+        self._send({"id": request_id, "args": args, "env": env, "cwd": str(cwd), "log": str(log_path)})
+        deadline = time.monotonic() + timeout
+        while not forked[0].wait(0.1):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the fork server did not fork (its exit code {self.proc.poll()}); "
+                                   f"it said: {self.log_path.read_text()[-2000:]}")
         return ForkedProcess(forked[1], [sys.executable, "-m", "guardian", *args], forked[2])
 
+    def _send(self, message: dict) -> None:
+        with self._write_lock:
+            self.proc.stdin.write(json.dumps(message).encode() + b"\n")
+            self.proc.stdin.flush()
+
     def _read(self) -> None:
-        for line in self.proc.stdout:
-            reply = json.loads(line)
-            with self._lock:
-                if "exited" in reply:
-                    end = self._living.pop(reply["exited"])
+        try:
+            for line in self.proc.stdout:
+                reply = json.loads(line)
+                if "imported_under" in reply:
+                    self.env = reply["imported_under"]
+                    self._ready.set()
+                elif "exited" in reply:
+                    with self._lock:
+                        end = self._living.pop(reply["exited"])
                     end.code = reply["code"]
                     end.event.set()
+                    self._send({"reap": reply["exited"]})  # known now: its pid may go
                 else:
-                    forked = self._forked.pop(reply["id"])
-                    forked[1], forked[2] = reply["pid"], self._living.setdefault(reply["pid"], Exit())
+                    with self._lock:
+                        forked = self._forked.pop(reply["id"])
+                        forked[1], forked[2] = reply["pid"], self._living.setdefault(reply["pid"], Exit())
                     forked[0].set()
+        except (OSError, ValueError):
+            pass  # its pipes closed under us: the session is ending, or it died
+        finally:
+            self._ready.set()  # never ready, if it never said so: nothing waits for it
+            # Whatever lives on is no longer watched: waiting on it must not hang.
+            with self._lock:
+                lost, self._living = list(self._living.values()), {}
+            for end in lost:
+                end.lost = True
+                end.event.set()
 
     def close(self) -> None:
         self.proc.stdin.close()  # the fork server's end of input: it exits
@@ -133,21 +204,23 @@ class Forkserver:
 
 
 _forkserver: Optional[Forkserver] = None
-_forkserver_lock = threading.Lock()
 
 
-def forkserver() -> Forkserver:
+def start(log_path: Path) -> None:
+    """The session's fork server, started before any test changes the environment."""
     global _forkserver
-    with _forkserver_lock:
-        if _forkserver is None or _forkserver.proc.poll() is not None:
-            _forkserver = Forkserver()
-        return _forkserver
+    if enabled():
+        _forkserver = Forkserver(log_path)
+
+
+def serving(env: dict) -> Optional[Forkserver]:
+    """The fork server, if it can fork a server with environment ``env``."""
+    return _forkserver if _forkserver is not None and _forkserver.serves(env) else None
 
 
 def close() -> None:
-    with _forkserver_lock:
-        if _forkserver is not None:
-            _forkserver.close()
+    if _forkserver is not None:
+        _forkserver.close()
 
 
 # -- the fork server's side -------------------------------------------------
@@ -159,11 +232,13 @@ def serve() -> None:
     import guardian.cli  # noqa: F401 (the imports every server makes)
     import guardian.stock  # noqa: F401 (mlx_lm.server, and with it transformers)
 
-    children: set[int] = set()
+    _reply({"imported_under": dict(os.environ)})
+
+    running: set[int] = set()  # forked, not yet seen to end
     pending = b""
     while True:
-        ready, _, _ = select.select([0], [], [], REAP_INTERVAL_S if children else None)
-        _reap(children)
+        ready, _, _ = select.select([0], [], [], REAP_INTERVAL_S if running else None)
+        _tell_ends(running)
         if not ready:
             continue
         chunk = os.read(0, 1 << 16)
@@ -173,19 +248,24 @@ def serve() -> None:
         while b"\n" in pending:
             line, pending = pending.split(b"\n", 1)
             request = json.loads(line)
+            if "reap" in request:
+                os.waitpid(request["reap"], 0)  # a zombie: at once
+                continue
             pid = os.fork()
             if pid == 0:
                 _run_server(request)  # never returns
-            children.add(pid)
+            running.add(pid)
             _reply({"id": request["id"], "pid": pid})
 
 
-def _reap(children: set[int]) -> None:
-    for pid in list(children):
-        reaped, status = os.waitpid(pid, os.WNOHANG)
-        if reaped:
-            children.discard(pid)
-            _reply({"exited": pid, "code": os.waitstatus_to_exitcode(status)})
+def _tell_ends(running: set[int]) -> None:
+    """Tell of each child that ended, leaving it a zombie until the tests know (WNOWAIT)."""
+    for pid in list(running):
+        ended = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        if ended is not None:
+            running.discard(pid)
+            code = ended.si_status if ended.si_code == os.CLD_EXITED else -ended.si_status
+            _reply({"exited": pid, "code": code})
 
 
 def _reply(message: dict) -> None:

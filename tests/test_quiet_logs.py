@@ -30,7 +30,9 @@ def server(tmp_path_factory, model_cache):
     config.write_text("[watchdog]\nprobe_interval_s = 0.2\n")
     port = free_port()
     log_path = folder / "server.log"
-    proc = spawn_guardian(["--port", str(port), "--guardian-config", str(config)], log_path, model_cache)
+    # Started whole (not forked): what a library prints as it is imported must reach this log too.
+    proc = spawn_guardian(["--port", str(port), "--guardian-config", str(config)], log_path, model_cache,
+                          fork=False)
     server = Server(proc, port, log_path)
     try:
         server.wait_healthy()
