@@ -43,11 +43,13 @@ REAP_INTERVAL_S = 0.02
 IMPORT_TIMEOUT_S = 60.0
 # How long ``poll`` waits for the word of a child seen ended (a zombie).
 ZOMBIE_WORD_S = 2.0
-# Environment variables that may differ between the fork server and a server it forks:
-# the session's model cache, which the tests set for each server, pytest's name of the
-# test running, and the terminal's size that the session sets once running; all read at
-# run time, none at import.
-PER_SERVER_ENV = ("MLX_GUARDIAN_CACHE", "PYTEST_CURRENT_TEST", "LINES", "COLUMNS")
+# Environment variables that may differ between the fork server and a server it forks,
+# each read at run time, none at import: the session's model cache, which the tests set
+# for each server; pytest's name of the test running; the terminal's size, which the
+# session sets once running; and the MPI library mlx is told not to load, which guardian
+# sets in its own process before mlx's distributed init (a test that runs that code set it
+# in the session's, and every server after it started whole: a CI run).
+PER_SERVER_ENV = ("MLX_GUARDIAN_CACHE", "PYTEST_CURRENT_TEST", "LINES", "COLUMNS", "MLX_MPI_LIBNAME")
 
 
 def enabled() -> bool:
@@ -129,6 +131,7 @@ class Forkserver:
         # every server it forks was imported under it. Told in its first line.
         self.env: Optional[dict] = None
         self._ready = threading.Event()
+        self.told: set[str] = set()  # the names whose difference was told
         with open(log_path, "wb") as log:
             self.proc = subprocess.Popen([sys.executable, "-m", "tests.forkserver"], cwd=REPO,
                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log)
@@ -144,8 +147,12 @@ class Forkserver:
         lives, and imported under the same environment."""
         if not self._ready.wait(IMPORT_TIMEOUT_S) or self.proc.poll() is not None:
             return False
-        same = {k: v for k, v in env.items() if k not in PER_SERVER_ENV}
-        return same == {k: v for k, v in self.env.items() if k not in PER_SERVER_ENV}
+        differ = {k for k in env.keys() | self.env.keys()
+                  if k not in PER_SERVER_ENV and env.get(k) != self.env.get(k)}
+        if differ - self.told:
+            self.told |= differ  # once a name: which servers start whole, and why
+            sys.stderr.write(f"forkserver: a server started whole, its environment differs in {sorted(differ)}\n")
+        return not differ
 
     def spawn(self, args: list[str], log_path: Path, env: dict, cwd: Path, timeout: float = 30) -> ForkedProcess:
         log_path.write_bytes(b"")  # there at once, as a log a subprocess writes to is
