@@ -84,7 +84,7 @@ class Probes:
             return False
         bias = no_end_of_sequence(self.engine.model_provider.tokenizer) if steps > 1 else None
         if steps > 1 and bias is None:
-            log.warning("proof_probe_may_end_early", steps=steps,
+            log.warning("proof_probe_may_end_early", tokens=steps,
                         reason="no tokenizer, or no end-of-sequence token known: it cannot be barred")
         request, args = stock.requests.make_request(self.proof_prompt, max_tokens=steps, cli_args=self.engine.cli_args,
                                                     logit_bias=bias)
