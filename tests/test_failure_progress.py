@@ -169,6 +169,40 @@ def test_a_poison_that_fails_at_the_same_token_is_blamed_once_it_reproduces_alon
     assert server.proc.poll() is None
 
 
+def test_a_streamed_poison_beside_streams_is_blamed_not_cut_at_its_first_failure_alone(start_server):
+    # A hunt: beside others at token 5, continued; beside them there again; then alone
+    # there, its first failure alone but its third at that point, past max_continuations
+    # (2): cut with engine_restarting, "retry", never blamed, and sent again it was the
+    # same. Now it gets its proof, is continued once more, and is blamed at its next
+    # failure alone there.
+    server = start_server(POSITION_FAULTS + table("position_faults", marker=POISON, fail_at=5))
+    url = server.url + COMPLETIONS
+    started = [threading.Event() for _ in range(3)]
+    with ThreadPoolExecutor(3) as pool:
+        bystanders = [pool.submit(stream_signalling_start, url, chat_body(f"Bystander {i}.", max_tokens=3000,
+                                                                            stream=True), event)
+                      for i, event in enumerate(started)]
+        poll(lambda: all(event.is_set() for event in started), 30, what="the bystanders streaming")
+        with httpx.Client(timeout=60) as http:
+            poisoned = read_stream(http, url, chat_body(f"{POISON} streamed beside others.", max_tokens=16,
+                                                        stream=True))
+        bystanders = [f.result() for f in bystanders]
+
+    assert poisoned["status"] == 200 and poisoned["done"], poisoned
+    [error] = poisoned["errors"]
+    assert error["code"] == "request_failed_repeatedly", error
+    assert len(poisoned["events"]) == 5 + 1  # its 5 tokens, each once, then the error
+    for result in bystanders:
+        assert result["status"] == 200 and result["done"] and not result["errors"], result
+    errors = server.events("engine_error")
+    [blamed] = server.events("request_blamed")
+    assert [e["blamed"] for e in errors] == [[], [], [], [blamed["request_id"]]]
+    assert [bool(e["awaiting_proof"]) for e in errors] == [False, False, True, False]
+    with httpx.Client(timeout=30) as http:
+        again = http.post(url, json=chat_body(f"{POISON} streamed beside others.", max_tokens=16, stream=True))
+        assert again.status_code == 500 and again.json()["error"]["code"] == "request_quarantined"
+
+
 def test_a_lone_stream_failing_at_one_token_is_blamed_after_its_proof_not_cut(start_server):
     # Alone at token 5, continued; alone at token 5 again: a probe proves the engine;
     # a third time, past max_continuations (2): blamed, not cut with a "retry" its
@@ -441,7 +475,7 @@ def test_a_suspect_is_blamed_once_it_failed_alone_twice_with_the_engine_working_
         fields = dict(client_has_output=False, stuck_failures=2, synthetic=False, isolate=False,
                       progress_at_previous_alone_failure=before, alone_failures=2, tokens_made=0, proofs=0,
                       failed_alone_at_point=True, steps_proven=6, steps_to_prove_before=6,
-                      may_continue=lambda _: False)
+                      may_continue=lambda _: False, continuable_for_proof=lambda: True)
         return SimpleNamespace(**{**fields, **overrides})
 
     def verdict(record, **kwargs):
@@ -471,10 +505,14 @@ def test_a_suspect_is_blamed_once_it_failed_alone_twice_with_the_engine_working_
     assert verdict(suspect(proofs=MAX_PROOFS, client_has_output=True, may_continue=lambda _: True),
                    progress=(3, 40)) is Verdict.CUT
     # A stream that sent tokens, past max_continuations at its point: blamed once it
-    # reproduced (a cut would be sent again), else cut (it cannot run again).
+    # reproduced (a cut would be sent again); else its proof, and continued once more
+    # (cut there, a poison beside others was never blamed: a hunt), unless its proofs
+    # failed or it cannot be continued.
     streamed = dict(client_has_output=True, stuck_failures=3)
     assert verdict(suspect(**streamed), progress=(4, 40)) is Verdict.BLAME
-    assert verdict(suspect(**streamed), progress=(3, 40)) is Verdict.CUT
+    assert verdict(suspect(**streamed), progress=(3, 40)) is Verdict.PROVE
+    assert verdict(suspect(**streamed, proofs=MAX_PROOFS), progress=(3, 40)) is Verdict.CUT
+    assert verdict(suspect(**streamed, continuable_for_proof=lambda: False), progress=(3, 40)) is Verdict.CUT
     # Beside others it is run alone first.
     [(_, first), (_, second)] = verdicts([suspect(), suspect()], 1, 2, progress=(4, 40))
     assert first is second is Verdict.ISOLATE

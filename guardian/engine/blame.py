@@ -121,6 +121,13 @@ def verdicts(records: list, max_reruns: int, max_continuations: int = 0, *,
             verdict = Verdict.SHORTAGE
         elif suspect and (progress is None or reproduced_alone(record, progress)):
             verdict = Verdict.BLAME
+        elif (suspect and record.client_has_output and record.proofs < MAX_PROOFS
+              and record.continuable_for_proof()):
+            # A stream that failed beside others first reaches its first failure alone past
+            # max_continuations: cut there, a poison was told to retry, never blamed (a
+            # hunt). Its proof, then it is continued once more: a failure alone again there
+            # is the reproduction. MAX_PROOFS bounds these continuations.
+            verdict = Verdict.PROVE
         elif record.client_has_output and (max_reruns == 0 or not may_continue):
             verdict = Verdict.CUT
         elif max_reruns == 0:

@@ -308,7 +308,10 @@ class FailureHandler:
                 alone = verdict in (Verdict.ISOLATE, Verdict.PROVE)
                 record.isolate = record.isolate or alone
                 reruns.append(record)
-                if verdict is Verdict.CONTINUE or (alone and record.may_continue(self.max_continuations)):
+                # A stream awaiting its proof goes on from its tokens, even past
+                # max_continuations: it cannot run again from nothing (blame.verdicts).
+                if (verdict is Verdict.CONTINUE or (alone and record.may_continue(self.max_continuations))
+                        or (verdict is Verdict.PROVE and record.client_has_output)):
                     continued.append(record)
         awaiting_proof = {id(record) for record, verdict in decided if verdict is Verdict.PROVE}
         for record in reruns:

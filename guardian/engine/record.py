@@ -364,6 +364,12 @@ class RequestRecord:
         """Every token it generated, its re-runs' included."""
         return len(self.token_times)
 
+    def continuable_for_proof(self) -> bool:
+        """Whether it can go on from its tokens after a proof of the engine, past
+        ``max_continuations`` (guardian.engine.blame): a user's request whose tokens stock
+        can continue."""
+        return self.has_output and not self.synthetic and stock.continuation.continuable(self.request)
+
     def may_continue(self, max_continuations: int) -> bool:
         """Whether, after a failure, it may go on from the tokens it generated: at
         most ``max_continuations`` times at one point (guardian.engine.blame). Not a
