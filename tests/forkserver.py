@@ -145,8 +145,8 @@ class Forkserver:
     def serves(self, env: dict) -> bool:
         """Whether a server with environment ``env`` can be forked here: the fork server
         lives, and imported under the same environment."""
-        if not self._ready.wait(IMPORT_TIMEOUT_S) or self.proc.poll() is not None:
-            return False
+        if not self._ready.wait(IMPORT_TIMEOUT_S) or self.env is None or self.proc.poll() is not None:
+            return False  # still importing, or it ended before it said it had
         differ = {k for k in env.keys() | self.env.keys()
                   if k not in PER_SERVER_ENV and env.get(k) != self.env.get(k)}
         if differ - self.told:
