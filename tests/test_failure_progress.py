@@ -57,6 +57,17 @@ def eight_clients(server, requests_each: int, max_tokens: int) -> list[tuple[boo
         return [result for results in pool.map(client, range(8)) for result in results]
 
 
+def streaming_bystanders(pool: ThreadPoolExecutor, url: str, count: int = 3) -> list:
+    """``count`` long streams beside a test's request (futures of their results), each
+    already streaming when this returns."""
+    started = [threading.Event() for _ in range(count)]
+    bystanders = [pool.submit(stream_signalling_start, url, chat_body(f"Bystander {i}.", max_tokens=3000,
+                                                                        stream=True), event)
+                  for i, event in enumerate(started)]
+    poll(lambda: all(event.is_set() for event in started), 30, what="the bystanders streaming")
+    return bystanders
+
+
 def test_a_fault_every_25_steps_under_8_clients_completes_every_request(start_server):
     # Recovery at its defaults: on main the sixth failure within 60 s exited
     # the process (code 4), and requests in flight at two failures were blamed.
@@ -127,12 +138,8 @@ def test_a_poison_that_fails_at_the_same_token_is_blamed_once_it_reproduces_alon
     server = start_server(POSITION_FAULTS + table("position_faults", marker=POISON, fail_at=5))
     url = server.url + COMPLETIONS
     poison = chat_body(f"{POISON} in a story.", max_tokens=16)
-    started = [threading.Event() for _ in range(3)]
     with ThreadPoolExecutor(3) as pool:
-        bystanders = [pool.submit(stream_signalling_start, url, chat_body(f"Bystander {i}.", max_tokens=3000,
-                                                                            stream=True), event)
-                      for i, event in enumerate(started)]
-        poll(lambda: all(event.is_set() for event in started), 30, what="the bystanders streaming")
+        bystanders = streaming_bystanders(pool, url)
         with httpx.Client(timeout=60) as http:
             blamed = http.post(url, json=poison)
         # Its verdict did not wait for the bystanders: the suspect with the fewest tokens left
@@ -177,12 +184,8 @@ def test_a_streamed_poison_beside_streams_is_blamed_not_cut_at_its_first_failure
     # failure alone there.
     server = start_server(POSITION_FAULTS + table("position_faults", marker=POISON, fail_at=5))
     url = server.url + COMPLETIONS
-    started = [threading.Event() for _ in range(3)]
     with ThreadPoolExecutor(3) as pool:
-        bystanders = [pool.submit(stream_signalling_start, url, chat_body(f"Bystander {i}.", max_tokens=3000,
-                                                                            stream=True), event)
-                      for i, event in enumerate(started)]
-        poll(lambda: all(event.is_set() for event in started), 30, what="the bystanders streaming")
+        bystanders = streaming_bystanders(pool, url)
         with httpx.Client(timeout=60) as http:
             poisoned = read_stream(http, url, chat_body(f"{POISON} streamed beside others.", max_tokens=16,
                                                         stream=True))
