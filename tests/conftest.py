@@ -129,16 +129,19 @@ def pace(seconds: float) -> None:
 
 
 def parse_log(text: str) -> list[dict]:
-    """A server's log lines, parsed; a line not JSON is ``non_json_line``. A last line
+    """A server's log lines, parsed; a line not a JSON object is ``non_json_line`` (two
+    processes writing one file, as an mlx.launch group's ranks do, can leave a fragment
+    such as ``123`` on a line of its own, which is JSON but no log line). A last line
     without its newline is one the server is writing now: left for the next read."""
     if not text.endswith("\n"):
         text = text[:text.rfind("\n") + 1]
     lines = []
     for line in text.splitlines():
         try:
-            lines.append(json.loads(line))
+            parsed = json.loads(line)
         except json.JSONDecodeError:
-            lines.append({"event": "non_json_line", "line": line})
+            parsed = None
+        lines.append(parsed if isinstance(parsed, dict) else {"event": "non_json_line", "line": line})
     return lines
 
 
