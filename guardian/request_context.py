@@ -14,6 +14,7 @@ import contextlib
 import contextvars
 import re
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -58,6 +59,31 @@ SANE_REQUEST_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/+=@-]{0,127}")
 def sane_request_id(given: Optional[str]) -> Optional[str]:
     """The client's X-Request-ID if it is safe to log and echo, else None."""
     return given if given and SANE_REQUEST_ID.fullmatch(given) else None
+
+
+def made_request_id() -> str:
+    """An id for a response whose client sent no sane X-Request-ID (OpenAI's look alike)."""
+    return f"req-{uuid.uuid4().hex}"
+
+
+# Only the first bytes of a head are searched for a client's id in a refusal: a head refused
+# for its size (431) may be 64 KiB, and a refusal is written on the reader's thread.
+REQUEST_ID_SEARCHED_BYTES = 8192
+
+
+def request_id_in_head(head) -> Optional[str]:
+    """The client's sane X-Request-ID among the whole header lines at the start of a raw
+    ``head`` (bytes, perhaps cut short, perhaps not framed right: the connection layer
+    refuses such heads before any handler parses them), else None."""
+    lines = bytes(head[:REQUEST_ID_SEARCHED_BYTES]).split(b"\n")[1:-1]  # past the request line; whole lines
+    for line in lines:
+        line = line.rstrip(b"\r")
+        if not line:
+            break
+        name, colon, value = line.partition(b":")
+        if colon and name.lower() == b"x-request-id":
+            return sane_request_id(value.strip(b" \t").decode("latin-1"))
+    return None
 
 
 _current: contextvars.ContextVar[RequestInfo] = contextvars.ContextVar(

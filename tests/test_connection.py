@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import http.client
 import json
+import re
 import resource
 import shutil
 import socket
@@ -32,6 +33,7 @@ from guardian.serving import framing, sockets
 from guardian.serving.limits import ConnectionLimits
 from guardian.serving.reader import RequestReader
 from guardian.relay_protocol import HEADERS_ADDED_FOR_CHILD
+from guardian.request_context import REQUEST_ID_SEARCHED_BYTES, request_id_in_head
 
 COMPLETIONS = "/v1/chat/completions"
 MAX_HANDLERS = 4
@@ -371,6 +373,50 @@ def test_a_head_read_two_ways_is_refused_alike_in_both_modes(held, name):
     assert b"\r\nConnection: close" in head and head.count(b"HTTP/1.") == 1  # nothing smuggled after it
     assert json.loads(body)["error"]["code"] == code
     assert httpx.get(held.url + "/v1/models", timeout=10).status_code == 200
+
+
+def answer_header(head: bytes, name: bytes) -> bytes:
+    """The value of header ``name`` in a raw answer's ``head`` (b"" if absent)."""
+    for line in head.split(b"\r\n")[1:]:
+        found, _, value = line.partition(b": ")
+        if found.lower() == name.lower():
+            return value
+    return b""
+
+
+def test_every_refusal_the_door_writes_names_a_request_id_the_client_can_report(held):
+    """Refusals written by the connection layer itself (a head refused, a 408) carry an
+    X-Request-ID as every other answer does: the client's own when sane, found among its
+    whole header lines though the head was refused or cut short, else one made for it; the
+    log line of a refused head names the same."""
+    head, _ = raw_answer(held, POST + b"X-Request-ID: my-id.2\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n")
+    assert head.startswith(b"HTTP/1.0 411") and answer_header(head, b"X-Request-ID") == b"my-id.2", head
+    poll(lambda: [e for e in held.events("request_head_refused") if e.get("request_id") == "my-id.2"], 5,
+         what="the refusal's log line naming the client's id")
+    made = []
+    for request in (b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n",  # no id
+                    POST + b"X-Request-ID: two words\r\nContent-Length: 1, 2\r\n\r\n"):  # not a sane one
+        head, _ = raw_answer(held, request)
+        made.append(answer_header(head, b"X-Request-ID").decode())
+        assert re.fullmatch(r"req-[0-9a-f]{32}", made[-1]), head
+    assert made[0] != made[1]
+    poll(lambda: {made[0], made[1]} <= {e.get("request_id") for e in held.events("request_head_refused")}, 5,
+         what="the refusals' log lines naming the ids made for them")
+    with held.connect() as sock:  # its head cut short after the id: 408 at header_timeout_s
+        sock.sendall(POST + b"X-Request-ID: late-1\r\nContent-Le")
+        late, _, _ = answer_of(sock).partition(b"\r\n\r\n")
+    assert late.startswith(b"HTTP/1.0 408") and answer_header(late, b"X-Request-ID") == b"late-1", late
+
+
+def test_a_client_s_request_id_is_read_from_whole_header_lines_of_a_raw_head_only():
+    find = request_id_in_head
+    assert find(b"GET / HTTP/1.1\r\nHost: a\r\nx-REQUEST-id:\t r.1 \r\n\r\n") == "r.1"
+    assert find(b"GET / HTTP/1.1\nX-Request-ID: r.2\n\n") == "r.2"  # bare line feeds, as the door reads
+    assert find(b"GET / HTTP/1.1\r\nX-Request-ID: r.3") is None  # a line still arriving
+    assert find(b"GET / HTTP/1.1\r\n\r\nX-Request-ID: r.4\r\n") is None  # in the body, not the head
+    assert find(b"GET / HTTP/1.1\r\nX-Request-ID: \xff\r\n\r\n") is None  # not sane: one is made
+    padding = b"X-Pad: " + b"p" * REQUEST_ID_SEARCHED_BYTES + b"\r\n"
+    assert find(b"GET / HTTP/1.1\r\n" + padding + b"X-Request-ID: r.5\r\n\r\n") is None  # searched so far
 
 
 def test_lenient_where_stock_was_and_the_rfc_allows(held):

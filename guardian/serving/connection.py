@@ -58,6 +58,7 @@ from guardian.serving import framing
 from guardian.observability.counting import ActiveCount
 from guardian.observability.logs import AtMostEvery
 from guardian.errors import CLIENT_GONE, GuardianError
+from guardian.request_context import request_id_in_head
 from guardian.serving.deadlines import takes_body
 from guardian.serving.limits import ConnectionLimits
 from guardian.serving.reader import CLOSE_REASONS, Incoming, RequestReader
@@ -315,7 +316,8 @@ class HeldConnections:
                 f"All {self.limits.max_handlers} request handlers are busy; send the request again.",
                 status=503, code="server_busy", retry_after_s=self.limits.retry_after_s),
                 linger_s=self.limits.linger_s if incoming.body_unread else 0.0, handed_off=incoming.handed_off,
-                head_only=asks_head_only(incoming.buffer), wait_s=refusal_send_timeout_s(self.limits))
+                head_only=asks_head_only(incoming.buffer), wait_s=refusal_send_timeout_s(self.limits),
+                request_id=request_id_in_head(incoming.buffer))
             return
         sock = incoming.sock
         try:
@@ -340,7 +342,8 @@ class HeldConnections:
             self.count_closed("handlers_busy")
             send_refusal(sock, GuardianError("The server cannot start a handler now.", status=503,
                                              code="server_busy", retry_after_s=self.limits.retry_after_s),
-                         handed_off=incoming.handed_off, wait_s=refusal_send_timeout_s(self.limits))
+                         handed_off=incoming.handed_off, wait_s=refusal_send_timeout_s(self.limits),
+                         request_id=request_id_in_head(incoming.buffer))
 
     _send_buffer_refused: Optional[int] = None
 

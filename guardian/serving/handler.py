@@ -19,7 +19,6 @@ import functools
 import io
 import json
 import time
-import uuid
 from typing import Optional
 
 import structlog
@@ -29,7 +28,8 @@ from guardian.access.policy import AccessDecision, AccessRequest
 from guardian.serving.deadlines import COMPLETION_PATHS, SDK_RETRY_COUNT_HEADER, TEXT_COMPLETION_PATH, deadlines_of
 from guardian.serving.endpoints import GET_PATHS, MONITORING_PATHS, Endpoints
 from guardian.request_context import (REQUEST_ID_HEADER, add_response_headers, bind_log_fields, client_gone,
-                                      current_request, deadline_passed, request_scope, sane_request_id)
+                                      current_request, deadline_passed, made_request_id, request_scope,
+                                      sane_request_id)
 from guardian.errors import (CLIENT_GONE, SERVER_STOPPING, AbortRequest, ClientGoneAbort, GuardianError,
                              body_too_large, from_stock_exception, method_not_allowed)
 from guardian.observability.logs import loggable_line
@@ -391,7 +391,7 @@ class GuardianHandler(Endpoints, stock.handler.DoorCorsHandler):
         if self.client_request_id:
             return self.client_request_id
         if self._made_request_id is None:
-            self._made_request_id = f"req-{uuid.uuid4().hex}"
+            self._made_request_id = made_request_id()
         return self._made_request_id
 
     def end_headers(self):

@@ -25,6 +25,7 @@ import structlog
 from guardian import handoff
 from guardian.errors import GuardianError
 from guardian.observability.logs import AtMostEvery
+from guardian.request_context import made_request_id, request_id_in_head
 from guardian.serving import framing
 from guardian.serving.limits import ConnectionLimits, snapshot
 from guardian.serving.sockets import (READ_BYTES, asks_head_only, bytes_waiting, client_left, close_quietly,
@@ -783,7 +784,8 @@ class RequestReader:
                                   code="request_too_large", retry=False)
         # Its unread rest would reset the answer away: drained for linger_s on a thread of
         # the refusals' (the reader goes on), as a refusal at the door is.
-        refuse_in_background(incoming.sock, error, linger_s=limits.linger_s, wait_s=refusal_send_timeout_s(limits))
+        refuse_in_background(incoming.sock, error, linger_s=limits.linger_s, wait_s=refusal_send_timeout_s(limits),
+                             request_id=request_id_in_head(incoming.buffer))
 
     def _expire(self) -> bool:
         """Let the connections whose deadline has passed go; whether more are due
@@ -838,11 +840,13 @@ class RequestReader:
         self._refuse_error(incoming, GuardianError(message, status=status, type="invalid_request_error",
                                                    code=code, retry=status == 408))
 
-    def _refuse_error(self, incoming: Incoming, error: GuardianError, linger: bool = False) -> None:
+    def _refuse_error(self, incoming: Incoming, error: GuardianError, linger: bool = False,
+                      request_id: Optional[str] = None) -> None:
         self._forget(incoming)
         send_refusal(incoming.sock, error, head_only=asks_head_only(incoming.buffer),
                      wait_s=refusal_send_timeout_s(self.server.limits),
-                     linger_elsewhere=self.linger if linger else None)
+                     linger_elsewhere=self.linger if linger else None,
+                     request_id=request_id or request_id_in_head(incoming.buffer))
 
     def _refuse_framing(self, incoming: Incoming, error: GuardianError) -> None:
         """A head the door will not pass on (guardian.serving.framing): refused, counted, logged.
@@ -850,6 +854,7 @@ class RequestReader:
         lingers, or what it sends meets a reset, which can destroy the answer before the
         client reads it (a 431 was sent, then reset away)."""
         self.server.count_closed("refused_head")
+        request_id = request_id_in_head(incoming.buffer) or made_request_id()
         log.info("request_head_refused", client=incoming.address[0], status=error.status, code=error.code,
-                 reason=error.message)
-        self._refuse_error(incoming, error, linger=True)
+                 reason=error.message, request_id=request_id)
+        self._refuse_error(incoming, error, linger=True, request_id=request_id)

@@ -19,6 +19,7 @@ import structlog
 
 from guardian import handoff
 from guardian.errors import GuardianError
+from guardian.request_context import REQUEST_ID_HEADER, made_request_id
 
 log = structlog.get_logger("guardian.connection")
 
@@ -172,8 +173,10 @@ def asks_head_only(buffer) -> bool:
 def send_refusal(sock: socket.socket, error: GuardianError, linger_s: float = 0.0,
                  handed_off: Optional[handoff.Received] = None, head_only: bool = False,
                  wait_s: Optional[float] = REFUSAL_SEND_TIMEOUT_S,
-                 linger_elsewhere: Optional[Callable[[socket.socket], None]] = None) -> None:
-    """``error`` in OpenAI's shape (its headers: Retry-After, x-should-retry), written
+                 linger_elsewhere: Optional[Callable[[socket.socket], None]] = None,
+                 request_id: Optional[str] = None) -> None:
+    """``error`` in OpenAI's shape (its headers: Retry-After, x-should-retry, and the
+    X-Request-ID every answer carries: ``request_id``, the client's, or one made), written
     straight to the socket within ``wait_s`` (``refusal_send_timeout_s``), then the
     close; ``linger_s``: the request is unread, drain it for up to this long first so
     the answer is not reset away; ``linger_elsewhere``: the same, by a reader that drains
@@ -184,6 +187,7 @@ def send_refusal(sock: socket.socket, error: GuardianError, linger_s: float = 0.
     body = json.dumps(error.body()).encode()
     head = [f"HTTP/1.0 {error.status} {HTTPStatus(error.status).phrase}", "Content-Type: application/json",
             f"Content-Length: {len(body)}", "Connection: close",
+            f"{REQUEST_ID_HEADER}: {request_id or made_request_id()}",
             *(f"{name}: {value}" for name, value in error.response_headers().items())]
     answer = ("\r\n".join(head) + "\r\n\r\n").encode() + (b"" if head_only else body)
     try:
@@ -218,13 +222,13 @@ _refusal_threads = threading.BoundedSemaphore(MAX_REFUSAL_THREADS)
 
 def refuse_in_background(sock: socket.socket, error: GuardianError, linger_s: float = 0.0,
                          handed_off: Optional[handoff.Received] = None, head_only: bool = False,
-                         wait_s: float = REFUSAL_SEND_TIMEOUT_S) -> None:
+                         wait_s: float = REFUSAL_SEND_TIMEOUT_S, request_id: Optional[str] = None) -> None:
     """``send_refusal`` on a thread of its own, or at once without waiting when
     ``MAX_REFUSAL_THREADS`` are busy (the answer may then be reset away)."""
     if _refusal_threads.acquire(blocking=False):
         def refuse():
             try:
-                send_refusal(sock, error, linger_s, handed_off, head_only, wait_s)
+                send_refusal(sock, error, linger_s, handed_off, head_only, wait_s, request_id=request_id)
             finally:
                 _refusal_threads.release()
 
@@ -233,7 +237,7 @@ def refuse_in_background(sock: socket.socket, error: GuardianError, linger_s: fl
             return
         except RuntimeError:  # can't start a new thread
             _refusal_threads.release()
-    send_refusal(sock, error, handed_off=handed_off, head_only=head_only, wait_s=None)
+    send_refusal(sock, error, handed_off=handed_off, head_only=head_only, wait_s=None, request_id=request_id)
 
 
 def send_close_notify(tls: ssl.SSLSocket) -> None:

@@ -24,7 +24,6 @@ import socket
 import subprocess
 import threading
 import time
-import uuid
 from typing import Optional
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import quote
@@ -39,7 +38,7 @@ from guardian.serving.connection import BufferedConnection, HeldConnections, raw
 from guardian.serving.sockets import client_left_now, close_quietly
 from guardian.serving.deadlines import COMPLETION_PATHS, Deadline, deadlines_of, takes_body
 from guardian.serving.framing import asks_for_probes, request_path
-from guardian.request_context import REQUEST_ID_HEADER, sane_request_id
+from guardian.request_context import REQUEST_ID_HEADER, made_request_id, sane_request_id
 from guardian.supervise import metrics as supervise_metrics
 from guardian.supervise.client_writes import StreamKeepAlive, client_writer
 from guardian.supervise.fast_handoff import (FastHandOff, child_request, forwarded_headers,
@@ -1009,7 +1008,7 @@ class ProxyHandler(BaseHTTPRequestHandler):
         if given:
             return given
         if getattr(self, "_made_request_id", None) is None:
-            self._made_request_id = f"req-{uuid.uuid4().hex}"
+            self._made_request_id = made_request_id()
         return self._made_request_id
 
     def log_message(self, format, *args):
