@@ -7,6 +7,7 @@ forwarded to the child, which re-reads the file, and nobody restarts.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import signal
 import socket
@@ -75,15 +76,19 @@ def test_a_version_the_child_refuses_changes_the_public_ports_door_no_more(start
     supervised = start_supervisor("--guardian-config", str(config), "--api-key-file", str(keys),
                                   "--supervisor-hold-requests", "0")  # no child: 503 at once
     assert httpx.get(supervised.url + "/v1/models", timeout=5).status_code == 401
+    first = hashlib.sha256(config.read_bytes()).hexdigest()
+    assert supervised.supervisor()["config_sha256"] == first
     opened = f'[access]\npublic_paths = [{public}, "/v1/models"]\n'
     config.write_text(opened + '[prompt_guard]\nmax_prompt_tokens = "lots"\n')
     [failed] = poll(lambda: supervised.supervisor_events("supervisor_config_reload_failed"), 15,
                     what="the supervisor's refusal")
     assert "the child refused" in failed["error_message"] and "max_prompt_tokens" in failed["error_message"]
     assert httpx.get(supervised.url + "/v1/models", timeout=5).status_code == 401
+    assert supervised.supervisor()["config_sha256"] == first  # the version it still acts on
     config.write_text(opened + "[guardian]\nretry_after_s = 7\n[prompt_guard]\nmax_prompt_tokens = 0\n")  # mended
     poll(lambda: httpx.get(supervised.url + "/v1/models", timeout=5).status_code == 200, 15,
          what="the mended version's [access] at the public port")
+    assert supervised.supervisor()["config_sha256"] == hashlib.sha256(config.read_bytes()).hexdigest()
     [reloaded] = supervised.supervisor_events("supervisor_config_reloaded")
     assert reloaded["changed"] == ["access.public_paths", "guardian.retry_after_s"]
     # retry_after_s is live at the supervisor too: its own 503s say 7 (no child for a moment).

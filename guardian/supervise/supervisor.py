@@ -187,6 +187,7 @@ class Supervisor:
         except ConfigError:  # the file broke since it was read: the child will say so
             self.config = self.started_config = GuardianConfig()
         self.child_body_limit = child_body_limit(self.config, self.settings.engine)
+        self.config_sha256: Optional[str] = self.config.sha256  # the version in force (status)
         # Settings the file changed that the supervisor reads at start only.
         self.pending_restart: tuple = ()
 
@@ -307,6 +308,7 @@ class Supervisor:
         newly_waiting = sorted(set(waiting) - set(self.pending_restart))
         if not changed and not newly_waiting:
             self.pending_restart = tuple(sorted(waiting))
+            self.config_sha256 = fresh.sha256  # nothing it acts on changed: in force as it stands
             return
         refused = self.child_refused(fresh.sha256)
         if refused is not None:
@@ -318,6 +320,7 @@ class Supervisor:
             log.warning("supervisor_config_change_needs_restart", settings=newly_waiting,
                         pending_restart=list(self.pending_restart),
                         hint="the supervisor reads these at start; restart it (its child restarts with it)")
+        self.config_sha256 = fresh.sha256
         if not changed:
             return
         self.config = merged
@@ -988,6 +991,9 @@ class Supervisor:
             "access": self.door.status(),
             # The file's settings changed since the supervisor started that it reads at start only.
             "config_pending_restart": list(self.pending_restart),
+            # The version of the file (its bytes' sha256) whose settings the supervisor acts on
+            # now, as the child's /guardian/status "config" says of its own; None: no file.
+            "config_sha256": self.config_sha256,
         }
 
 
