@@ -49,7 +49,7 @@ $(VENV)/.serving: pyproject.toml
 serve: $(VENV)/.serving
 	$(VENV)/bin/mlx-guardian --port $(PORT) $(ARGS)
 
-# Both venvs installed at once, then the suite in three lanes at once
+# Both venvs installed at once, then the suite in two lanes at once, each over workers
 # (tools/test_lanes.sh says which); test-newest and test-0313 run one venv alone.
 test: system-packages
 	$(MAKE) -j2 $(VENV)/.installed $(VENV_0313)/.installed

@@ -35,14 +35,30 @@ REPO = Path(__file__).resolve().parent.parent
 # Test servers listen below every system's range of ephemeral ports (Linux
 # 32768-60999, macOS 49152-65535): a port the kernel handed out (to a client's
 # connection, a supervisor's child) is never one a test is about to bind, and
-# each lane of `make test` (GUARDIAN_TEST_LANE) has its own range, so a server
-# of one lane cannot take the port another lane's server is still loading to
-# bind. Ports go in steps of PORT_STEP: mlx.launch's ring takes the ports
-# after the one it is given.
-PORTS_PER_LANE = 3000
+# each pytest process of `make test` (a lane, GUARDIAN_TEST_LANE, and its
+# pytest-xdist worker, PYTEST_XDIST_WORKER gwN) has its own range, so a server
+# of one cannot take the port another's server is still loading to bind. Ports
+# go in steps of PORT_STEP: mlx.launch's ring takes the ports after the one it
+# is given. A run outside `make test` takes the last range.
+PORTS_PER_LANE = 1500
 FIRST_PORT = 20000
 PORT_STEP = 8
-_lane = int(os.environ.get("GUARDIAN_TEST_LANE", "3"))
+WORKERS_PER_LANE = 4  # tools/test_lanes.sh's -n, at most
+OUTSIDE_LANES = 7  # the last of ranges 0-7 (20000-32000)
+
+
+def _port_range_index() -> int:
+    lane = os.environ.get("GUARDIAN_TEST_LANE")
+    if lane is None:
+        return OUTSIDE_LANES
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    index = int(lane) * WORKERS_PER_LANE + int(worker.removeprefix("gw"))
+    if index >= OUTSIDE_LANES:
+        raise RuntimeError(f"lane {lane}, worker {worker}: past the port ranges (tools/test_lanes.sh)")
+    return index
+
+
+_lane = _port_range_index()
 _lane_ports = range(FIRST_PORT + _lane * PORTS_PER_LANE, FIRST_PORT + (_lane + 1) * PORTS_PER_LANE, PORT_STEP)
 _next_port = random.randrange(len(_lane_ports))  # two runs outside the lanes seldom meet
 
@@ -462,7 +478,10 @@ def needs_tool(name: str, install: str):
 
 
 def pytest_configure(config):
-    # Before any test can change the environment the fork server imports under.
+    # Before any test can change the environment the fork server imports under. Not in
+    # pytest-xdist's controller (-n), which runs no test: each worker starts its own.
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        return
     forkserver.start(Path(tempfile.gettempdir()) / f"guardian-forkserver-{os.getpid()}.log")
 
 

@@ -16,7 +16,7 @@ import pytest
 from conftest import Server, chat_body, free_port, poll, spawn_guardian
 from guardian.access.limits import CONCURRENCY_RETRY_AFTER_S, RATE_LIMITED, STATUS_CLIENTS, WINDOW_S, ClientLimits
 
-pytestmark = [pytest.mark.one_version, pytest.mark.lane_newest]
+pytestmark = [pytest.mark.one_version]
 
 
 class Clock:

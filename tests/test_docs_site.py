@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.one_version, pytest.mark.lane_newest]
+pytestmark = [pytest.mark.one_version]
 
 REPO = Path(__file__).resolve().parent.parent
 README = REPO / "README.md"

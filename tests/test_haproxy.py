@@ -40,7 +40,7 @@ from conftest import REPO, Server, chat_body, free_port, poll, spawn_guardian, s
 RECIPE = REPO / "config" / "haproxy" / "haproxy.cfg"
 HAPROXY, WITHOUT_HAPROXY = system_tool("haproxy", "make system-packages: apt-get or brew install haproxy")
 
-pytestmark = [pytest.mark.one_version, pytest.mark.lane_newest, pytest.mark.skipif(HAPROXY is None, reason=WITHOUT_HAPROXY)]
+pytestmark = [pytest.mark.one_version, pytest.mark.skipif(HAPROXY is None, reason=WITHOUT_HAPROXY)]
 
 COMPLETIONS = "/v1/chat/completions"
 # replica1's engine hangs in a step under load, for good (a native deadlock).

@@ -23,7 +23,7 @@ from conftest import Server, free_port, poll, spawn_guardian, system_tool
 from guardian.demo_model import ensure_demo_model
 from guardian.distributed.group import NO_MPI_LIBRARY, keep_mpi_out
 
-pytestmark = [pytest.mark.one_version, pytest.mark.lane_newest]
+pytestmark = [pytest.mark.one_version]
 
 LIBMPI = ctypes.util.find_library("mpi")
 MPIRUN, WITHOUT_MPIRUN = system_tool("mpirun", "make system-packages: apt-get install openmpi-bin, or brew install open-mpi")

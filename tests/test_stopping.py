@@ -19,7 +19,7 @@ from conftest import arm, chat_body, pace, poll, read_stream, scraped
 from guardian.exit_codes import EXIT_ENGINE_FAILED, EXIT_OK
 from guardian.serving.exit_request import SAME_STOP_S
 
-pytestmark = [pytest.mark.one_version, pytest.mark.lane_newest]  # signals and the drain: nothing of mlx-lm's version
+pytestmark = [pytest.mark.one_version]  # signals and the drain: nothing of mlx-lm's version
 
 COMPLETIONS = "/v1/chat/completions"
 STEP_FAULTS = '[guardian]\nplugins = ["tests.plugins.stock_step_faults:StockStepFaults"]\n'
