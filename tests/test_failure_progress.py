@@ -658,23 +658,25 @@ def test_readiness_after_a_failed_probe_comes_back_with_the_next_completion_or_a
     # arms the faults anew.
     armed = ('[fault_injection]\narmable = true\nenabled = {}\nprobability = 1.0\nmax_faults = 2\n'
              'message = "planted engine fault ({})"\n')
-    config = armed + table("watchdog", probe_retry_s=1.0) + table("recovery", backoff_base_s=0.0)
-    server = start_server(config.format("false", 0))
+    # The completion's round retries no probe meanwhile: on a loaded machine the next look at
+    # /readyz once came more than probe_retry_s (1 s) after the failed probe, which had passed.
+    config = armed + "[watchdog]\nprobe_retry_s = {}\n" + table("recovery", backoff_base_s=0.0)
+    server = start_server(config.format("false", 0, 1.0))
     path = tmp_path / f"guardian-{server.port}.toml"
     readyz = lambda: httpx.get(server.url + "/readyz", timeout=10)
     with httpx.Client(timeout=60) as http:
-        for then in ("a completion", "a probe"):
-            path.write_text(config.format("true", then))
+        for then, retry_s in (("a completion", 300.0), ("a probe", 1.0)):
+            path.write_text(config.format("true", then, retry_s))
             poll(lambda: http.get(server.url + "/readyz?deep=1").status_code == 503, 30, interval=0.2,
                  what="a probe that fails")
-            assert readyz().json()["reason"] == "the last probe failed"
+            failed_at = time.monotonic()
             if then == "a completion":
+                assert readyz().json()["reason"] == "the last probe failed"
                 assert http.post(server.url + COMPLETIONS, json=chat_body(max_tokens=4)).status_code == 200
                 ready = readyz()
                 assert ready.status_code == 200, ready.text
                 assert ready.json()["reason"] == "a request completed since the last probe failed"
             else:
-                failed_at = time.monotonic()
                 poll(lambda: readyz().status_code == 200, 10, interval=0.1, what="ready again by a probe")
                 assert time.monotonic() - failed_at < 1.0 + 4, "not probe_interval_s (30 s) later"
                 assert readyz().json()["reason"] == "probe passed"
