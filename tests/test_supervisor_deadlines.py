@@ -16,8 +16,10 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from conftest import chat_body, poll, scraped
+from guardian import handoff
 from test_supervisor import COMPLETIONS, start_supervisor  # noqa: F401 - a fixture
 
 DEADLINES = "mlx_guardian_supervisor_requests_deadline_exceeded_total"
@@ -148,6 +150,47 @@ def test_a_stream_past_the_clients_read_timeout_is_continued_when_its_child_dies
     assert json.loads(events[-2].removeprefix("data: "))["choices"][0]["finish_reason"] == "length"
 
 
+FROZEN_CONFIG = "[guardian]\nrequest_timeout_s = 6\n[fault_injection]\nenabled = true\nstep_delay_s = 0.02\n"
+
+
+def answer_from_frozen_child(supervised, pid: int, client: httpx.Client, stream: bool) -> tuple[int, object, float]:
+    """A long completion sent, its child frozen (SIGSTOP) once it is under way (a stream's
+    first event out), continued after the answer (or 25 s): (status, the answer's JSON
+    or the stream's data lines, seconds from sending to the answer's end)."""
+    answered, lines = {}, []
+
+    def send():
+        started = time.monotonic()
+        body = chat_body("Frozen under me.", max_tokens=2000, stream=stream)
+        if stream:
+            with client.stream("POST", supervised.url + COMPLETIONS, json=body) as response:
+                lines.extend(line for line in response.iter_lines() if line.startswith("data: "))
+            answered["result"] = (response.status_code, lines)
+        else:
+            answer = client.post(supervised.url + COMPLETIONS, json=body)
+            answered["result"] = (answer.status_code, answer.json())
+        answered["took"] = time.monotonic() - started
+
+    sender = threading.Thread(target=send, daemon=True)
+    sender.start()
+    poll(lambda: supervised.supervisor()["in_flight"] == 1 and (lines or not stream), 10,
+         what="the request under way (a stream's first event out)")
+    supervised.signal_child(pid, signal.SIGSTOP)
+    try:
+        sender.join(timeout=25)
+    finally:
+        supervised.signal_child(pid, signal.SIGCONT)
+    return (*answered["result"], answered["took"])
+
+
+def assert_deadline_exceeded(status: int, answer, stream: bool) -> None:
+    if stream:
+        assert status == 200 and answer[-1] == "data: [DONE]", answer[-3:]
+        assert json.loads(answer[-2][len("data: "):])["error"]["code"] == "deadline_exceeded"
+    else:
+        assert status == 504 and answer["error"]["code"] == "deadline_exceeded", answer
+
+
 def test_a_relayed_request_whose_child_froze_gets_its_504_at_its_deadline(start_supervisor, tmp_path):
     """The child keeps a request's deadline; a frozen one (SIGSTOP, a stopped VM) keeps
     none, and relayed (TLS, macOS, a group) the client waited for its replacement,
@@ -155,44 +198,41 @@ def test_a_relayed_request_whose_child_froze_gets_its_504_at_its_deadline(start_
     hunt). The supervisor now cuts the relay 2 s past the deadline and answers it: a 504,
     or a stream's error event."""
     config = tmp_path / "frozen.toml"
-    config.write_text("[guardian]\nrequest_timeout_s = 6\n[supervisor]\nhand_off = false\n"
-                      "[fault_injection]\nenabled = true\nstep_delay_s = 0.02\n")
+    config.write_text(FROZEN_CONFIG + "[supervisor]\nhand_off = false\n")
     supervised = start_supervisor("--guardian-config", str(config))
     pid = supervised.wait_ready()
     with httpx.Client(timeout=20) as client:
         for stream in (False, True):
-            answered, lines = {}, []
-
-            def send():
-                started = time.monotonic()
-                body = chat_body("Frozen under me.", max_tokens=2000, stream=stream)
-                if stream:
-                    with client.stream("POST", supervised.url + COMPLETIONS, json=body) as response:
-                        lines.extend(line for line in response.iter_lines() if line.startswith("data: "))
-                    answered["result"] = (response.status_code, lines)
-                else:
-                    answer = client.post(supervised.url + COMPLETIONS, json=body)
-                    answered["result"] = (answer.status_code, answer.json())
-                answered["took"] = time.monotonic() - started
-
-            sender = threading.Thread(target=send, daemon=True)
-            sender.start()
-            poll(lambda: supervised.supervisor()["in_flight"] == 1 and (lines or not stream), 10,
-                 what="the request relayed (a stream's first event out)")
-            supervised.signal_child(pid, signal.SIGSTOP)
-            try:
-                sender.join(timeout=25)
-            finally:
-                supervised.signal_child(pid, signal.SIGCONT)
-            status, answer = answered["result"]
-            assert answered["took"] < 6 + 2 + 4, answered["took"]
-            if stream:
-                assert status == 200 and answer[-1] == "data: [DONE]", answer[-3:]
-                assert json.loads(answer[-2][len("data: "):])["error"]["code"] == "deadline_exceeded"
-            else:
-                assert status == 504 and answer["error"]["code"] == "deadline_exceeded", answer
+            status, answer, took = answer_from_frozen_child(supervised, pid, client, stream)
+            assert took < 6 + 2 + 4, took
+            assert_deadline_exceeded(status, answer, stream)
     assert len(supervised.supervisor_events("relay_cut_past_deadline")) == 2
     assert supervised.supervisor()["restarts"] == 0  # continued, the child serves on
+
+
+@pytest.mark.skipif(not handoff.supported(), reason="no hand-off on this system (guardian.handoff.supported): "
+                    "requests are relayed, as the test above covers")
+def test_a_handed_off_request_whose_child_froze_gets_its_504_soon_after_its_deadline(start_supervisor, tmp_path):
+    """Handed off, the connection is the child's and the supervisor cannot answer on it: a
+    frozen child's client waited for its replacement at --supervisor-unanswered-after, 11 s
+    after the freeze, ~9 s past a 4 s deadline (a measurement). Now a child that answers no
+    check while a request handed to it is 2 s past its deadline is replaced then, and
+    continued, it answers that request at once: a 504, or a stream's error event."""
+    config = tmp_path / "frozen.toml"
+    config.write_text(FROZEN_CONFIG)
+    supervised = start_supervisor("--guardian-config", str(config))
+    pid = supervised.wait_ready()
+    assert scraped(supervised, "mlx_guardian_supervisor_requests_passed_total", how="handed_off") == 0
+    with httpx.Client(timeout=20) as client:
+        for stream in (False, True):
+            status, answer, took = answer_from_frozen_child(supervised, pid, client, stream)
+            print(f"\nmeasured: {'a stream' if stream else 'non-streaming'}, answered {took:.2f} s after it was sent")
+            assert took < 6 + 2 + 4, took
+            assert_deadline_exceeded(status, answer, stream)
+            [stopping] = [e for e in supervised.supervisor_events("child_stopping") if e["pid"] == pid]
+            assert "past its deadline (request_timeout_s)" in stopping["reason"], stopping
+            pid = supervised.wait_ready(not_pid=pid)
+    assert scraped(supervised, "mlx_guardian_supervisor_requests_passed_total", how="handed_off") == 2
 
 
 def test_a_child_that_answers_no_check_is_sent_no_new_request(start_supervisor, tmp_path):

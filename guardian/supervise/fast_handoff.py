@@ -31,6 +31,7 @@ from guardian import handoff, relay_protocol
 from guardian.access.keys import API_KEY_HEADER, AUTHORIZATION
 from guardian.access.policy import CLIENT_HEADER, KEY_NAME_HEADER, AccessDecision, AccessRequest
 from guardian.serving import framing
+from guardian.serving.deadlines import Deadline, deadlines_of
 from guardian.serving.sockets import close_quietly
 from guardian.observability.logs import loggable_line
 
@@ -120,10 +121,13 @@ class FastHandOff:
     word: bytes = b""  # the child's, once it has spoken
     # When the child had it: a request resumed on the handler path keeps its deadlines from here.
     handed_at: float = field(default_factory=time.monotonic)
+    # Its first deadline, as a moment (time.monotonic()), with what set it; None: none.
+    due: Optional[tuple[float, Deadline]] = None
 
     def on_word(self) -> None:
         """The child's word (the reader's thread): done, or the handler path takes over."""
         word = self.word = self.handed.wait()
+        self.server.handoff_over(self)
         supervisor = self.server.supervisor
         supervisor.quarantine.end_fast_relay(self.child.generation, self.relay,
                                              answered=word == handoff.DONE)
@@ -144,6 +148,19 @@ class FastHandOff:
         self.handed.close()
         self.handed = None
         self.server.supervisor.in_flight.__exit__(None, None, None)
+
+
+def first_deadline(headers, request_timeout_s: float, since: float) -> Optional[tuple[float, Deadline]]:
+    """A handed-off request's first deadline, as a moment. The child keeps its deadlines;
+    this one only tells when a child that answers no check (frozen) holds it too long
+    (``PublicServer.overdue_handoff``). Whether the request streams is not read here (its
+    body is not parsed for it): the client's read timeout counts as if it bounded the
+    whole request, which at worst replaces a frozen child sooner."""
+    deadlines = deadlines_of(headers, request_timeout_s, stream=False, continued=False)
+    if not deadlines:
+        return None
+    first = min(deadlines, key=lambda deadline: deadline.seconds)
+    return since + first.seconds, first
 
 
 def try_fast_hand_off(server, incoming) -> bool:
@@ -182,12 +199,15 @@ def try_fast_hand_off(server, incoming) -> bool:
     server.handoffs_in_flight.__enter__()
     supervisor.metrics.passed_handed_off.inc()
     passed = FastHandOff(server, child, handed, buffer, incoming.address, access, relay, incoming.sock)
+    passed.due = first_deadline(head.headers, supervisor.core.request_timeout_s, passed.handed_at)
+    server.handoff_begun(passed)
     try:
         relay.stream = handed.progress()  # where it stands, should the child be reaped first
         server.when_readable(handed.control, passed.on_word)
     except (OSError, ValueError, KeyError) as e:  # out of descriptors: the child answers untracked
         log.error("handoff_untracked", path=loggable_line(head.path), error_type=type(e).__name__, error_message=str(e))
         supervisor.quarantine.end_fast_relay(child.generation, relay, answered=False, sent=False)
+        server.handoff_over(passed)
         server.handoffs_in_flight.__exit__(None, None, None)
         supervisor.in_flight.__exit__(None, None, None)
         handed.close()

@@ -108,7 +108,33 @@ class PublicServer(HeldConnections, ThreadingHTTPServer):
             self.limits = limits
         # Requests the reader handed to the child, not yet done (guardian.supervise.fast_handoff).
         self.handoffs_in_flight = ActiveCount()
+        # Those of them with a deadline: the child's to keep, unless it is frozen (``overdue_handoff``).
+        self._handoffs_due: dict[int, FastHandOff] = {}
+        self._handoffs_due_lock = threading.Lock()
         super().__init__(address, ProxyHandler)
+
+    def handoff_begun(self, passed: FastHandOff) -> None:
+        if passed.due is not None:
+            with self._handoffs_due_lock:
+                self._handoffs_due[id(passed)] = passed
+
+    def handoff_over(self, passed: FastHandOff) -> None:
+        """The child's word came (or the hand-off was never tracked): no longer the child's to keep."""
+        if passed.due is not None:
+            with self._handoffs_due_lock:
+                self._handoffs_due.pop(id(passed), None)
+
+    def overdue_handoff(self, child, now: float) -> Optional[tuple[float, Deadline]]:
+        """How late the request handed to ``child`` that is latest past its deadline is, by
+        more than ``DEADLINE_BACKSTOP_S``, and that deadline; None: none is. A child keeps
+        the deadlines of the requests handed to it (a 504, a stream's error event); one
+        that is frozen keeps none, and the supervisor, which cannot answer on a connection
+        the child holds, replaces it (``Supervisor.check_health``): on SIGCONT and SIGTERM
+        the child answers each overdue request at once."""
+        with self._handoffs_due_lock:
+            due = [passed.due for passed in self._handoffs_due.values() if passed.child is child]
+        late = [(now - at, deadline) for at, deadline in due if now - at > DEADLINE_BACKSTOP_S]
+        return max(late, key=lambda item: item[0], default=None)
 
     def decide_at_head(self, incoming):
         """The door on the head of a request whose body is still to come: a refused

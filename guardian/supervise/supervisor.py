@@ -672,10 +672,17 @@ class Supervisor:
         # From its first check that got no answer: from the last that got one, a long
         # --supervisor-interval made a child that missed one check silent long enough.
         silent_for = 0.0 if child.unanswered_since is None else child.last_check_at - child.unanswered_since
+        # A frozen child keeps none of the deadlines of the requests handed to it, whose
+        # clients waited for --supervisor-unanswered-after (~11 s) past them (a measurement).
+        overdue = None if child.answered or self.httpd is None else self.httpd.overdue_handoff(child, time.monotonic())
         if failing_for >= self.settings.unhealthy_after_s:
             self.soft_kill(f"unhealthy for {failing_for:.1f} s (last check: {child.last_check})")
         elif silent_for >= self.settings.unanswered_after_s:
             self.soft_kill(f"answered no check for {silent_for:.1f} s (last check: {child.last_check})")
+        elif overdue is not None:
+            late_s, deadline = overdue
+            self.soft_kill(f"answered no check for {silent_for:.1f} s, and a request handed to it is "
+                           f"{late_s:.1f} s past its deadline ({deadline.source})")
 
     def probe(self, child: Child) -> bool:
         """GET /readyz (guardian) or /health (stock) with a short timeout.
