@@ -371,6 +371,12 @@ class JournalProgress:
         return view.stream.tokens if view.stream is not None else []
 
     @property
+    def head_sent(self) -> bool:
+        """Whether the child had written the answer's head to the client (a stream's
+        read timeout is then over)."""
+        return self._view().head_done
+
+    @property
     def complete(self) -> bool:
         """Whether the child had written its whole answer (ClientView.complete): its
         work for the request was over, whether or not it lived to say so."""

@@ -39,27 +39,33 @@ REPO = Path(__file__).resolve().parent.parent
 # pytest-xdist worker, PYTEST_XDIST_WORKER gwN) has its own range, so a server
 # of one cannot take the port another's server is still loading to bind. Ports
 # go in steps of PORT_STEP: mlx.launch's ring takes the ports after the one it
-# is given. A run outside `make test` takes the last range.
+# is given. A run outside `make test` takes the last range, split among its
+# own workers where it has some (-n).
 PORTS_PER_LANE = 1500
 FIRST_PORT = 20000
 PORT_STEP = 8
 WORKERS_PER_LANE = 4  # tools/test_lanes.sh's -n, at most
-OUTSIDE_LANES = 7  # the last of ranges 0-7 (20000-32000)
+OUTSIDE_LANES = 7  # the last of ranges 0-7 (20000-32000): runs outside `make test`
+OUTSIDE_WORKERS = 8  # among which its -n's workers share that range (past 8, two share a part)
 
 
-def _port_range_index() -> int:
+def _port_range() -> range:
+    xdist_worker = os.environ.get("PYTEST_XDIST_WORKER")
+    worker = int(xdist_worker.removeprefix("gw")) if xdist_worker else 0
     lane = os.environ.get("GUARDIAN_TEST_LANE")
     if lane is None:
-        return OUTSIDE_LANES
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
-    index = int(lane) * WORKERS_PER_LANE + int(worker.removeprefix("gw"))
-    if index >= OUTSIDE_LANES:
-        raise RuntimeError(f"lane {lane}, worker {worker}: past the port ranges (tools/test_lanes.sh)")
-    return index
+        part = PORTS_PER_LANE // (OUTSIDE_WORKERS if xdist_worker else 1) // PORT_STEP * PORT_STEP
+        start = FIRST_PORT + OUTSIDE_LANES * PORTS_PER_LANE + worker % OUTSIDE_WORKERS * part
+        return range(start, start + part, PORT_STEP)
+    index = int(lane) * WORKERS_PER_LANE + worker
+    if worker >= WORKERS_PER_LANE or index >= OUTSIDE_LANES:
+        raise RuntimeError(f"lane {lane}, worker gw{worker}: past the port ranges: at most {WORKERS_PER_LANE} "
+                           "workers a lane, and 7 in all (tools/test_lanes.sh)")
+    start = FIRST_PORT + index * PORTS_PER_LANE
+    return range(start, start + PORTS_PER_LANE, PORT_STEP)
 
 
-_lane = _port_range_index()
-_lane_ports = range(FIRST_PORT + _lane * PORTS_PER_LANE, FIRST_PORT + (_lane + 1) * PORTS_PER_LANE, PORT_STEP)
+_lane_ports = _port_range()
 _next_port = random.randrange(len(_lane_ports))  # two runs outside the lanes seldom meet
 
 

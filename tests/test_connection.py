@@ -455,9 +455,10 @@ def test_bodies_still_arriving_are_bounded_in_memory(held):
         first.sendall(head + b"{")  # and the rest, never
         poll(lambda: held.connections()["buffered_bytes"] >= half + len(head), 10,
              what="the first request's room: its head and body")
-        head, body = raw_answer(held, POST + b"Content-Length: %d\r\n\r\n" % half)
+        head, body = raw_answer(held, POST + b"X-Request-ID: busy-1\r\nContent-Length: %d\r\n\r\n" % half)
         assert head.startswith(b"HTTP/1.0 503") and b"\r\nRetry-After: 2\r\n" in head, head
         assert json.loads(body)["error"]["code"] == "server_busy"
+        assert answer_header(head, b"X-Request-ID") == b"busy-1"  # the client's, though its head went unheld
     finally:
         first.close()
     poll(lambda: held.connections()["buffered_bytes"] == 0, 10, what="the room given back as the client left")

@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import chat_body, poll, scraped
+from conftest import chat_body, pace, poll, scraped
 from guardian import handoff
 from test_supervisor import COMPLETIONS, start_supervisor  # noqa: F401 - a fixture
 
@@ -233,6 +233,45 @@ def test_a_handed_off_request_whose_child_froze_gets_its_504_soon_after_its_dead
             assert "past its deadline (request_timeout_s)" in stopping["reason"], stopping
             pid = supervised.wait_ready(not_pid=pid)
     assert scraped(supervised, "mlx_guardian_supervisor_requests_passed_total", how="handed_off") == 2
+
+
+@pytest.mark.skipif(not handoff.supported(), reason="no hand-off on this system (guardian.handoff.supported)")
+def test_a_stream_under_way_is_no_deadline_s_reason_to_replace_a_child_that_misses_checks(start_supervisor, tmp_path):
+    """The client's read timeout (x-stainless-read-timeout) ends once a stream's head went
+    out, for the child as for the relay's backstop. A review found the hand-off's early
+    replacement took it as the whole request's: a long stream past it, at a child that
+    missed two checks (a pause, a loaded machine), had the child replaced at the read
+    timeout plus 2 s, not at --supervisor-unanswered-after. Here the child misses checks
+    for ~7 s past the stream's 3 s read timeout, then goes on: it was not replaced."""
+    config = tmp_path / "slow.toml"
+    config.write_text("[fault_injection]\nenabled = true\nstep_delay_s = 0.02\n")
+    supervised = start_supervisor("--guardian-config", str(config))
+    pid = supervised.wait_ready()
+    lines, done = [], threading.Event()
+
+    def send():
+        body = chat_body("A long one.", max_tokens=250, stream=True)
+        with httpx.Client(timeout=30) as client:
+            with client.stream("POST", supervised.url + COMPLETIONS, json=body,
+                               headers={"x-stainless-read-timeout": "3"}) as response:
+                lines.extend(line for line in response.iter_lines() if line.startswith("data: "))
+        done.set()
+
+    threading.Thread(target=send, daemon=True).start()
+    poll(lambda: lines, 10, what="the stream's first event")
+    supervised.signal_child(pid, signal.SIGSTOP)
+    try:
+        poll(lambda: supervised.supervisor()["child"]["answers_checks"] is False, 10, what="two checks missed")
+        frozen_at = time.monotonic()
+        pace(5.0)  # past the read timeout and the 2 s after it, within --supervisor-unanswered-after
+        assert time.monotonic() - frozen_at < 8, "past the 10 s of --supervisor-unanswered-after"
+    finally:
+        supervised.signal_child(pid, signal.SIGCONT)
+    assert done.wait(60), "the stream never ended"
+    assert lines[-1] == "data: [DONE]", lines[-3:]
+    assert json.loads(lines[-2][len("data: "):])["choices"][0]["finish_reason"] == "length"
+    assert supervised.supervisor_events("child_stopping") == []
+    assert supervised.ready_child() == pid
 
 
 def test_a_child_that_answers_no_check_is_sent_no_new_request(start_supervisor, tmp_path):

@@ -770,6 +770,7 @@ class RequestReader:
         if left_out is not None:
             log.warning("http_buffers_full", client=incoming.address[0], part=part, part_bytes=wanted,
                         buffered_bytes=self.buffered_reserved, max_buffered_bytes=cap, left_out=left_out)
+        request_id = request_id_in_head(incoming.buffer)
         incoming.buffer = bytearray()  # what came of the request so far goes now
         if wanted <= cap:
             error = GuardianError("The server holds as many requests on their way as it may now; send the "
@@ -785,7 +786,7 @@ class RequestReader:
         # Its unread rest would reset the answer away: drained for linger_s on a thread of
         # the refusals' (the reader goes on), as a refusal at the door is.
         refuse_in_background(incoming.sock, error, linger_s=limits.linger_s, wait_s=refusal_send_timeout_s(limits),
-                             request_id=request_id_in_head(incoming.buffer))
+                             request_id=request_id)
 
     def _expire(self) -> bool:
         """Let the connections whose deadline has passed go; whether more are due

@@ -31,7 +31,7 @@ from guardian import handoff, relay_protocol
 from guardian.access.keys import API_KEY_HEADER, AUTHORIZATION
 from guardian.access.policy import CLIENT_HEADER, KEY_NAME_HEADER, AccessDecision, AccessRequest
 from guardian.serving import framing
-from guardian.serving.deadlines import Deadline, deadlines_of
+from guardian.serving.deadlines import COMPLETION_PATHS, Deadline, deadlines_of
 from guardian.serving.sockets import close_quietly
 from guardian.observability.logs import loggable_line
 
@@ -150,13 +150,15 @@ class FastHandOff:
         self.server.supervisor.in_flight.__exit__(None, None, None)
 
 
-def first_deadline(headers, request_timeout_s: float, since: float) -> Optional[tuple[float, Deadline]]:
-    """A handed-off request's first deadline, as a moment. The child keeps its deadlines;
+def first_deadline(head: RequestHead, request_timeout_s: float, since: float) -> Optional[tuple[float, Deadline]]:
+    """A handed-off completion's first deadline, as a moment. The child keeps its deadlines;
     this one only tells when a child that answers no check (frozen) holds it too long
     (``PublicServer.overdue_handoff``). Whether the request streams is not read here (its
-    body is not parsed for it): the client's read timeout counts as if it bounded the
-    whole request, which at worst replaces a frozen child sooner."""
-    deadlines = deadlines_of(headers, request_timeout_s, stream=False, continued=False)
+    body is not parsed for it): the client's read timeout is taken as a stream's, which
+    ends once the answer's head went out, as it does for a request that does not stream."""
+    if head.method != "POST" or head.path not in COMPLETION_PATHS:
+        return None
+    deadlines = deadlines_of(head.headers, request_timeout_s, stream=True, continued=False)
     if not deadlines:
         return None
     first = min(deadlines, key=lambda deadline: deadline.seconds)
@@ -199,7 +201,7 @@ def try_fast_hand_off(server, incoming) -> bool:
     server.handoffs_in_flight.__enter__()
     supervisor.metrics.passed_handed_off.inc()
     passed = FastHandOff(server, child, handed, buffer, incoming.address, access, relay, incoming.sock)
-    passed.due = first_deadline(head.headers, supervisor.core.request_timeout_s, passed.handed_at)
+    passed.due = first_deadline(head, supervisor.core.request_timeout_s, passed.handed_at)
     server.handoff_begun(passed)
     try:
         relay.stream = handed.progress()  # where it stands, should the child be reaped first

@@ -132,8 +132,16 @@ class PublicServer(HeldConnections, ThreadingHTTPServer):
         the child holds, replaces it (``Supervisor.check_health``): on SIGCONT and SIGTERM
         the child answers each overdue request at once."""
         with self._handoffs_due_lock:
-            due = [passed.due for passed in self._handoffs_due.values() if passed.child is child]
-        late = [(now - at, deadline) for at, deadline in due if now - at > DEADLINE_BACKSTOP_S]
+            handed = [passed for passed in self._handoffs_due.values() if passed.child is child]
+        late = []
+        for passed in handed:
+            at, deadline = passed.due
+            if now - at <= DEADLINE_BACKSTOP_S:
+                continue
+            progress = getattr(passed.relay, "stream", None)  # its journal, read only now
+            if deadline.until_head and progress is not None and progress.head_sent:
+                continue  # a stream under way: its client's read timeout is over
+            late.append((now - at, deadline))
         return max(late, key=lambda item: item[0], default=None)
 
     def decide_at_head(self, incoming):

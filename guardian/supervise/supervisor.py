@@ -320,8 +320,8 @@ class Supervisor:
             log.warning("supervisor_config_change_needs_restart", settings=newly_waiting,
                         pending_restart=list(self.pending_restart),
                         hint="the supervisor reads these at start; restart it (its child restarts with it)")
-        self.config_sha256 = fresh.sha256
         if not changed:
+            self.config_sha256 = fresh.sha256
             return
         self.config = merged
         self.child_body_limit = body_limit
@@ -331,6 +331,7 @@ class Supervisor:
         self.core = merged.core
         if self.httpd is not None:  # the public port's connection layer reads its limits at each use
             self.httpd.limits = public_limits(self.options, self.child_args, self.settings, self.core, self.http)
+        self.config_sha256 = fresh.sha256  # last: a script that waits for it finds the version in force
         log.info("supervisor_config_reloaded", reason=reason, changed=sorted(changed))
 
     def child_refused(self, sha256: Optional[str]) -> Optional[str]:
