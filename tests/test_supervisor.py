@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Optional
 
 import httpx
@@ -851,6 +852,29 @@ def test_a_pause_seen_by_the_main_loop_and_the_pause_watch_is_counted_once():
     assert (supervisor.pauses, round(supervisor.paused_s, 1)) == (1, 9.0)
     supervisor.notice_pause(2.0, ended_at=now + 10)  # another, after it
     assert (supervisor.pauses, round(supervisor.paused_s, 1)) == (2, 11.0)
+
+
+def test_a_pause_that_came_just_before_a_check_is_no_time_the_starting_child_took():
+    """A SIGSTOP of the group that landed after the main loop's wait, just before a health
+    check, was taken from the pause watch and dropped by that check: a child starting across
+    a 9 s pause was "not ready after 9.1 s" of an 8 s start timeout, and killed (CI, under
+    load). The check counts it as the pause it is."""
+    from guardian.supervise.child import Child
+    from guardian.supervise.settings import make_parser
+    from guardian.supervise.supervisor import Supervisor
+
+    options, child_args = make_parser().parse_known_args(["--supervisor-start-timeout", "8"])
+    supervisor = Supervisor(options, child_args)
+    now = time.monotonic()
+    child = Child(proc=None, port=0, generation=1, stock=False, client=None, started_at=now - 9.1)
+    supervisor.child = child
+    takes = iter([(9.0, now), (0.0, 0.0)])  # the pause, then none during the check itself
+    supervisor.pause_watch = SimpleNamespace(take=lambda: next(takes))
+    supervisor.probe = lambda checked: False  # its port not open yet
+    killed = []
+    supervisor.soft_kill = killed.append
+    supervisor.check_health(child)
+    assert killed == [] and supervisor.pauses == 1 and round(child.paused_s, 1) == 9.0
 
 
 def test_a_suspect_is_never_let_in_beside_another_running_alone():
