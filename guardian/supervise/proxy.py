@@ -125,8 +125,8 @@ class PublicServer(HeldConnections, ThreadingHTTPServer):
                 self._handoffs_due.pop(id(passed), None)
 
     def overdue_handoff(self, child, now: float) -> Optional[tuple[float, Deadline]]:
-        """How late the request handed to ``child`` that is latest past its deadline is, by
-        more than ``DEADLINE_BACKSTOP_S``, and that deadline; None: none is. A child keeps
+        """The most overdue of the requests handed to ``child``: how far past its deadline
+        it is (more than ``DEADLINE_BACKSTOP_S``), and that deadline; None: none is. A child keeps
         the deadlines of the requests handed to it (a 504, a stream's error event); one
         that is frozen keeps none, and the supervisor, which cannot answer on a connection
         the child holds, replaces it (``Supervisor.check_health``): on SIGCONT and SIGTERM
