@@ -145,6 +145,20 @@ def test_half_sent_headers_hold_no_thread_and_get_408(held):
     poll(lambda: held.closed("timeout_headers") == before + SLOW_CLIENTS, 5, what="each counted")
 
 
+def test_a_408_reaches_a_client_still_trickling_its_request(held):
+    """A client still sending its head, a byte at a time, past its header deadline: the
+    close after the 408 met each later byte with a reset, which destroyed the 408 before the
+    client read it (a send raised, then nothing was left to read). The close lingers now,
+    as a refused head's does ([http] linger_s, 2 s)."""
+    with held.connect() as sock:
+        sock.sendall(POST + b"Content-Le")
+        for _ in range(15):  # 1.5 s: past header_timeout_s (1 s), within the linger after it
+            sock.sendall(b"n")
+            pace(0.1)
+        answer = answer_of(sock)
+    assert answer.startswith(b"HTTP/1.0 408") and b'"request_timeout"' in answer, answer[:200]
+
+
 def test_a_slow_body_gets_408(held):
     before = held.closed("timeout_body")
     with held.connect() as sock:

@@ -345,8 +345,8 @@ class HttpSettings(Table, name="http"):
         or this if less: a thread or the reader waits on it.""", live=True)
     linger_s = Setting(Float(min=0, max=30), 2.0, """
         How long the close of a request answered without reading its body (a
-        refusal at the door, a body over the limit, a route that reads none)
-        drops what its client still sends, so that the answer is not reset away
+        refusal at the door, a body over the limit, a route that reads none, a
+        408 to a client still sending) drops what its client still sends, so that the answer is not reset away
         before the client reads it (a web server's lingering close). Past it, or
         once the client closes, the connection is closed. 0: at once; at most 30
         (each holds a descriptor, and a client with no key can ask for one).""", live=True)

@@ -838,8 +838,10 @@ class RequestReader:
 
     def _refuse(self, incoming: Incoming, status: int, code: str, message: str) -> None:
         # A late request may come in time on a new connection; oversized headers never will.
+        # The close lingers: a client still trickling its request had each later byte met by
+        # a reset, which destroyed the 408 before it read it.
         self._refuse_error(incoming, GuardianError(message, status=status, type="invalid_request_error",
-                                                   code=code, retry=status == 408))
+                                                   code=code, retry=status == 408), linger=True)
 
     def _refuse_error(self, incoming: Incoming, error: GuardianError, linger: bool = False,
                       request_id: Optional[str] = None) -> None:
