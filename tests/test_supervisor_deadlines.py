@@ -180,6 +180,7 @@ def answer_from_frozen_child(supervised, pid: int, client: httpx.Client, stream:
         sender.join(timeout=25)
     finally:
         supervised.signal_child(pid, signal.SIGCONT)
+    assert "took" in answered, "no answer within 25 s of the freeze"
     return (*answered["result"], answered["took"])
 
 
