@@ -76,13 +76,14 @@ def request_id_in_head(head) -> Optional[str]:
     ``head`` (bytes, perhaps cut short, perhaps not framed right: the connection layer
     refuses such heads before any handler parses them), else None."""
     lines = bytes(head[:REQUEST_ID_SEARCHED_BYTES]).split(b"\n")[1:-1]  # past the request line; whole lines
-    for line in lines:
+    for at, line in enumerate(lines):
         line = line.rstrip(b"\r")
         if not line:
             break
         name, colon, value = line.partition(b":")
         if colon and name.lower() == b"x-request-id":
-            return sane_request_id(value.strip(b" \t").decode("latin-1"))
+            folded = at + 1 < len(lines) and lines[at + 1][:1] in (b" ", b"\t")  # obs-fold: its value goes on
+            return None if folded else sane_request_id(value.strip(b" \t").decode("latin-1"))
     return None
 
 

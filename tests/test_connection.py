@@ -442,6 +442,7 @@ def test_a_client_s_request_id_is_read_from_whole_header_lines_of_a_raw_head_onl
     assert find(b"GET / HTTP/1.1\r\nX-Request-ID: r.3") is None  # a line still arriving
     assert find(b"GET / HTTP/1.1\r\n\r\nX-Request-ID: r.4\r\n") is None  # in the body, not the head
     assert find(b"GET / HTTP/1.1\r\nX-Request-ID: \xff\r\n\r\n") is None  # not sane: one is made
+    assert find(b"GET / HTTP/1.1\r\nX-Request-ID: r.6\r\n Injected: x\r\n\r\n") is None  # folded: "r.6 Injected: x"
     padding = b"X-Pad: " + b"p" * REQUEST_ID_SEARCHED_BYTES + b"\r\n"
     assert find(b"GET / HTTP/1.1\r\n" + padding + b"X-Request-ID: r.5\r\n\r\n") is None  # searched so far
 
