@@ -338,6 +338,7 @@ class ModeServer(SessionServer):
                  headers: Optional[dict] = None):
         self.kind = kind
         self.supervised = kind in ("supervised", "relayed")
+        self.status_headers = headers or {}
         self.config = folder / "guardian.toml"
         self.config.write_text(config + ("\n[supervisor]\nhand_off = false\n" if kind == "relayed" else ""))
         port = free_port()
@@ -350,6 +351,22 @@ class ModeServer(SessionServer):
         if self.supervised:  # its /readyz is the child's: ready once a child is
             poll(lambda: httpx.get(self.url + "/guardian/supervisor", headers=headers or {},
                                    timeout=5).json()["state"] == "ready", 60, what="a ready child")
+
+    def config_in_force(self) -> Optional[str]:
+        """The sha256 of the version of its file the server acts on now: under --supervise
+        the supervisor's (which takes a version once its child runs it)."""
+        if self.supervised:
+            return httpx.get(self.url + "/guardian/supervisor", headers=self.status_headers,
+                             timeout=10).json()["config_sha256"]
+        return httpx.get(self.url + "/guardian/status", timeout=10).json()["config"]["sha256"]
+
+    def save_config(self, text: str, timeout: float = 30) -> None:
+        """Save ``text`` as the server's file; return once that version is in force. A
+        behaviour seen before then may still be the last version's (a linger_s left by a
+        test before, under load, once passed for max_lingering = 0 at the supervisor)."""
+        self.config.write_text(text)
+        wanted = hashlib.sha256(text.encode()).hexdigest()
+        poll(lambda: self.config_in_force() == wanted, timeout, what="the server to load its new configuration")
 
     def check_passed_as_its_mode_says(self) -> None:
         """Under --supervise, the requests so far went to the child as this mode says:
@@ -388,10 +405,7 @@ class SharedServer(ModeServer):
         start here, unless ``mid_test`` (a test that changes the settings as it goes)."""
         if not mid_test:
             self.log_start = self.log_path.stat().st_size
-        self.config.write_text(text)
-        wanted = hashlib.sha256(text.encode()).hexdigest()
-        poll(lambda: httpx.get(self.url + "/guardian/status", timeout=10).json()["config"]["sha256"] == wanted,
-             10, what="the server to load its new configuration")
+        self.save_config(text, timeout=10)
         if then:
             self.wait_for_event(then)
         return self
