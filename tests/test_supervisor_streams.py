@@ -176,7 +176,9 @@ def test_a_stream_with_a_stop_string_is_continued(start_supervisor, tmp_path):
     """On 0.32, text held back for a stop string made a stream not continuable: a child's
     death cut it with an error event (a review, 4 of 4; fine on 0.31.3)."""
     config = tmp_path / "slow.toml"
-    config.write_text(SLOW_STEPS)
+    # 50 ms steps: the kill lands mid-stream. At 10 ms the 80 tokens' second half took
+    # ~0.4 s, and under a loaded run's six workers the kill came after the stream's end.
+    config.write_text(SLOW_STEPS.replace("step_delay_s = 0.01", "step_delay_s = 0.05"))
     supervised = start_supervisor("--guardian-config", str(config))
     first_pid = supervised.wait_ready()
     body = {"prompt": "The lighthouse keeper wrote", "max_tokens": 80, "temperature": 0.0, "stream": True,
