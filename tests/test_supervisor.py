@@ -893,6 +893,45 @@ def test_a_suspect_is_never_let_in_beside_another_running_alone():
     assert gate.running == 0 and not gate.alone
 
 
+def test_suspects_of_one_crash_each_get_their_turn_alone_while_the_line_moves():
+    """Four suspects of one crash run alone one after another: the last waited three turns,
+    and was refused (503 crash_check_busy) once its whole wait passed max_wait_s, though
+    each turn was shorter (a group's crash in CI, 30 s behind three turns). Its wait now
+    starts again as each turn ends; with nothing moving it is still refused."""
+    from guardian.quarantine.isolation import REFUSED, IsolationGate
+
+    gate = IsolationGate(max_wait_s=1.0)
+    turns: list[tuple[int, object]] = []
+    first_in = threading.Event()
+
+    def suspect(number: int, hold_s: float) -> None:
+        with gate.admit(suspect=True) as alone:
+            turns.append((number, alone))
+            first_in.set()
+            if alone is True:  # its work takes hold_s
+                done = threading.Event()
+                threading.Timer(hold_s, done.set).start()
+                assert done.wait(10)
+
+    first = threading.Thread(target=suspect, args=(0, 0.7))
+    first.start()
+    assert first_in.wait(5)
+    others = [threading.Thread(target=suspect, args=(number, 0.7)) for number in (1, 2, 3)]
+    started = time.monotonic()
+    for thread in others:
+        thread.start()
+    for thread in [first, *others]:
+        thread.join(20)
+    assert sorted(turns) == [(0, True), (1, True), (2, True), (3, True)], turns
+    assert time.monotonic() - started > 1.5  # the last waited past max_wait_s in all, not in vain
+    # A turn alone longer than max_wait_s, with nothing moving: the suspect behind it is refused.
+    with gate.admit(suspect=True) as running:
+        assert running is True
+        with gate.admit(suspect=True) as behind:
+            assert behind is REFUSED
+    assert gate.running == 0 and not gate.alone
+
+
 def test_a_wait_for_a_turn_ends_at_the_requests_deadline_or_when_its_client_left():
     """A request behind a suspect running alone waited up to max_wait_s (30 s) whatever its
     own deadline: a 2 s one got its 504 at 15.6 s, once the suspect had finished."""

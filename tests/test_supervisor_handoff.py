@@ -28,7 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from conftest import chat_body, poll, read_stream
 from guardian import handoff, relay_protocol
 from guardian.supervise.fast_handoff import RequestHead
-from test_supervisor import COMPLETIONS, start_supervisor  # noqa: F401 - a fixture
+from test_supervisor import COMPLETIONS, SLOW_STEPS, start_supervisor  # noqa: F401 - a fixture
 
 HEAD = (b"HTTP/1.0 200 OK\r\nServer: BaseHTTP/0.6\r\nContent-Type: text/event-stream\r\n"
         b"Connection: keep-alive\r\nX-Guardian-Continuable: 1\r\nX-Request-ID: abc\r\n\r\n")
@@ -343,7 +343,10 @@ def comparable(response: httpx.Response) -> tuple:
 @pytest.mark.linux("the hand-off needs the kernel's count of a socket's bytes")
 def test_a_handed_off_answer_is_the_relayed_one(start_supervisor, tmp_path):
     relaying_config = tmp_path / "relay.toml"
-    relaying_config.write_text("[supervisor]\nhand_off = false\n")
+    # Slow steps at the relaying one: its 500-token stream below outlasts its client (at ~2,000
+    # tokens/s it was written whole into the socket's buffer before a loaded client closed it,
+    # and nobody left: CI).
+    relaying_config.write_text("[supervisor]\nhand_off = false\n" + SLOW_STEPS)
     handing, relaying = start_supervisor(), start_supervisor("--guardian-config", str(relaying_config))
     body = chat_body("Say it the same way.", max_tokens=12, temperature=0.0)
     answers = {}

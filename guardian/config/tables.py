@@ -220,8 +220,9 @@ class SupervisorSettings(Table, name="supervisor"):
         a second crash names it alone: requests that come meanwhile wait behind it
         this long at most, then go in beside it. A suspect waits as long for the
         requests before it to end, then goes in beside them, unless another suspect
-        runs alone (503 crash_check_busy + Retry-After). Each wait ends sooner at its
-        request's deadline.""",
+        runs alone (503 crash_check_busy + Retry-After); its wait starts again each
+        time a suspect's turn alone ends. Each wait ends sooner at its request's
+        deadline.""",
         flag="--supervisor-isolation-wait", metavar="S")
     hold_requests = Setting(Int(min=0), 64, """
         Requests that may wait for a ready child while none is (starting,

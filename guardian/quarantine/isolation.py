@@ -8,7 +8,11 @@ if it comes, has one suspect. Waits are bounded; a request that waited
 ``max_wait_s`` goes in regardless (a long stream must not hold the door),
 except a suspect while another suspect runs alone: beside it, a crash of
 either would strike both, and the innocent one's second strike quarantined
-it. That one is refused (``REFUSED``: 503, to be sent again).
+it. That one is refused (``REFUSED``: 503, to be sent again), but only when
+nothing moved: a suspect's wait starts again each time a suspect's turn alone
+ends. Four suspects of a crash run one after another, and the fourth waits for
+three turns; a bound on the whole wait refused it while the line moved (a
+group's crash in CI: 503 crash_check_busy after 30 s behind three turns).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ class IsolationGate:
         self.running = 0  # requests admitted and not yet done, suspects included
         self.suspects_waiting = 0
         self.alone = False  # a suspect runs alone now
+        self.turns_ended = 0  # suspects' turns alone that ended: the line of suspects moved
 
     @contextmanager
     def admit(self, suspect: bool, until: Optional[float] = None,
@@ -66,6 +71,7 @@ class IsolationGate:
             with self.condition:
                 self.running -= 1
                 self.alone = self.alone and not alone
+                self.turns_ended += alone is True
                 self.condition.notify_all()
 
     def try_admit(self) -> bool:
@@ -82,11 +88,12 @@ class IsolationGate:
             self.condition.notify_all()
 
     def _wait_until_alone(self, until: Optional[float], given_up: Callable[[], bool]) -> object:
-        """Until nothing else runs (the condition is held); False if the wait ran out,
-        ``GAVE_UP`` if the request's deadline passed or its client left first."""
+        """Until nothing else runs (the condition is held); False if the wait ran out (for
+        ``max_wait_s`` no suspect's turn ended), ``GAVE_UP`` if the request's deadline
+        passed or its client left first."""
         self.suspects_waiting += 1
         try:
-            return self._wait(lambda: self.running == 0, until, given_up)
+            return self._wait(lambda: self.running == 0, until, given_up, moved=lambda: self.turns_ended)
         finally:
             self.suspects_waiting -= 1
 
@@ -96,12 +103,16 @@ class IsolationGate:
         waited = self._wait(lambda: not self.suspects_waiting and not self.alone, until, given_up)
         return GAVE_UP if waited is GAVE_UP else False
 
-    def _wait(self, turn: Callable[[], bool], until: Optional[float], given_up: Callable[[], bool]) -> object:
-        """Wait (the condition held) for ``turn()``: True; False at ``max_wait_s``; ``GAVE_UP``
-        at ``until`` or once ``given_up()``."""
+    def _wait(self, turn: Callable[[], bool], until: Optional[float], given_up: Callable[[], bool],
+              moved: Callable[[], int] = lambda: 0) -> object:
+        """Wait (the condition held) for ``turn()``: True; False at ``max_wait_s`` (counted
+        again whenever ``moved()`` changes); ``GAVE_UP`` at ``until`` or once ``given_up()``."""
         ends = time.monotonic() + self.max_wait_s
+        seen = moved()
         while not turn():
             now = time.monotonic()
+            if moved() != seen:
+                seen, ends = moved(), now + self.max_wait_s
             if given_up() or (until is not None and now >= until):
                 return GAVE_UP
             if now >= ends:
