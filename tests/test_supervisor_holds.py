@@ -262,8 +262,15 @@ def test_a_child_that_gives_up_leaves_its_requests_to_the_supervisor(start_super
     streamer = threading.Thread(target=stream, daemon=True)
     streamer.start()
     long_one = post_in_thread(supervised.url, chat_body("In flight as it gives up.", max_tokens=300), done)
-    poll(lambda: supervised.supervisor()["in_flight"] >= 2 and len(stream_lines) >= 3, 20,
-         what="both generating")
+    def child_status() -> dict:
+        return httpx.get(supervised.url + "/guardian/status", timeout=5).json()
+
+    poll(lambda: child_status()["in_flight"] >= 2 and len(stream_lines) >= 3, 20, what="both taken by the loop")
+    # Both past their prefill (one chunk each), so that the armed faults meet the third's:
+    # under load the long one was still in its prefill, took the first fault, and the child
+    # gave up with 2 in flight (CI).
+    steps = child_status()["steps"]
+    poll(lambda: child_status()["steps"] > steps + 3, 20, what="both generating")
     # The next two prefill steps fail: the third request's, then the re-runs' (2 > max_failures).
     arm(armed, 2)
     trigger = post_in_thread(supervised.url, chat_body("The third.", max_tokens=8), done)
