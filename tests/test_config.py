@@ -124,6 +124,8 @@ def test_every_loaded_settings_table_is_in_the_example():
         ("[watchdog]\njoin_timeout_s = 0.05\n", r"watchdog.join_timeout_s: must be >= 0.1"),
         ("[watchdog]\njoin_timeout_s = inf\n", r"watchdog.join_timeout_s: must be a finite number"),
         ("[supervisor]\nisolation_wait_s = -1\n", r"supervisor.isolation_wait_s: must be >= 0"),
+        # Past 5 it was taken, and cut to 5 without a word (the checks run on the main loop).
+        ("[supervisor]\nhealth_timeout_s = 10\n", r"supervisor.health_timeout_s: must be <= 5"),
         ("[prompt_guard]\nself = 1\n", r"\[prompt_guard\] unknown key 'self'"),
         ("[prompt_guard]\nmax_queue_wait_s = " + "1" * 401 + "\n", r"prompt_guard.max_queue_wait_s: must be <= "),
         # A path no request names: /metrics stayed closed without a word.

@@ -667,6 +667,34 @@ def test_a_refusal_the_door_writes_waits_on_a_client_that_reads_nothing_only_so_
             sock.close()
 
 
+def test_refusals_that_linger_hold_at_most_max_refusal_threads_and_the_rest_are_still_answered():
+    """A flood of refusals (plain HTTP at the TLS port, a busy server's 503s) each waiting on
+    a client that never closes: MAX_REFUSAL_THREADS threads at most (no test held it); past
+    it each is written at once, without lingering, and closed."""
+    cap = sockets.MAX_REFUSAL_THREADS
+    listener = socket.create_server(("127.0.0.1", 0))
+    pairs = []
+    try:
+        for _ in range(cap + 6):
+            client = socket.create_connection(listener.getsockname())
+            ours, _ = listener.accept()
+            pairs.append((client, ours))
+            sockets.refuse_in_background(ours, GuardianError("busy", status=503, code="server_busy"), linger_s=30)
+        refusing = lambda: [t for t in threading.enumerate() if t.name == "http-refusal"]
+        poll(lambda: len(refusing()) == cap and all(ours.fileno() == -1 for _, ours in pairs[cap:]), 10,
+             what="the cap's threads lingering, the rest closed")
+        for client, _ in pairs:  # every client has its answer, lingered or not
+            client.settimeout(10)
+            assert client.recv(65536).startswith(b"HTTP/1.0 503 "), client
+        assert all(ours.fileno() != -1 for _, ours in pairs[:cap])  # still lingering: their clients never closed
+    finally:
+        for client, _ in pairs:
+            client.close()  # a client's end ends its lingering close
+        listener.close()
+    poll(lambda: not [t for t in threading.enumerate() if t.name == "http-refusal"], 10,
+         what="the refusal threads gone")
+
+
 def test_a_body_past_32_mib_is_refused_at_once(held):
     """A body past 32 MiB went to a handler unbuffered, which read it with no body deadline
     and outside max_buffered_bytes: one client sending it slowly held a thread, and the

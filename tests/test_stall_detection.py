@@ -326,6 +326,27 @@ def test_failed_probes_in_a_row_past_a_thousand_still_leave_the_watchdog_looking
     assert detector._last_probe_at == now  # not due: probe_interval_s (30 s) caps the wait
 
 
+def test_the_stall_limit_is_stall_pace_factor_times_the_pace_and_follows_its_change():
+    """[watchdog] stall_pace_factor, at start and changed live (no test set it: the slow
+    model's test above checks the default, 4 x 1.5 s, so the setting went unread unseen)."""
+    import pluggy
+
+    from guardian import hookspecs
+    from guardian.config.tables import WatchdogSettings
+    from guardian.health.stall_detection import StallDetector
+
+    pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
+    pm.add_hookspecs(hookspecs)
+    detector = StallDetector(None, pm, WatchdogSettings(stall_pace_factor=6.0, stall_min_s=0.5))
+    for step in range(5):  # a step a second
+        detector.pace.observe(beat=float(step), steps=step, loop=("loop", 0), waiting=())
+    assert detector.pace.limit(120.0) == 6.0
+    detector.settings = WatchdogSettings(stall_pace_factor=2.5, stall_min_s=0.5)  # the live view, saved anew
+    detector.settings_changed()
+    detector._follow_settings()
+    assert detector.pace.limit(120.0) == 2.5
+
+
 def test_one_verification_of_a_replacement_loop_at_a_time_however_late_its_thread_starts():
     """The watchdog verifies a loop that replaced a stuck one with a probe, on a thread of its
     own. It checked the probes' lock before starting one, so a thread not yet scheduled by

@@ -216,6 +216,19 @@ HANG_THIS_REQUEST = ('[guardian]\nplugins = ["tests.plugins.loop_faults:LoopFaul
                      "[loop_faults]\nhang_repetition_penalty = 1.25\nhang_at_call = 3\n")
 
 
+def test_readiness_wants_a_passed_probe_no_older_than_probe_max_age_s(watched_server):
+    """/readyz's evidence on an idle engine is its last passed probe, as young as
+    [watchdog] probe_max_age_s says (no test set it: read or not, nothing failed)."""
+    server = watched_server({}, dict(probe_max_age_s=0.5))  # and probe_interval_s 30: no probe comes
+    readyz = lambda: httpx.get(server.url + "/readyz", timeout=10)
+    poll(lambda: readyz().json()["reason"] == "the last passed probe is too old", 10, interval=0.1,
+         what="the last passed probe too old")
+    assert readyz().status_code == 503
+    # A deep check runs a probe now: fresh evidence.
+    deep = httpx.get(server.url + "/readyz?deep=1", timeout=30)
+    assert deep.status_code == 200, deep.text
+
+
 def test_deep_probe_keeps_its_deadline_on_a_stuck_engine(start_server):
     config = HANG_THIS_REQUEST + watchdog(stall_timeout_s=60, stall_min_s=60, probe_timeout_s=0.5,
                                           probe_interval_s=1.0)

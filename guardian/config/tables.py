@@ -246,7 +246,9 @@ class SupervisorSettings(Table, name="supervisor"):
         when its handler fails on a request): 502 engine_dropped_request, not to
         be retried. The request's deadline and its client leaving end the wait.""",
         flag="--supervisor-reap-wait", metavar="S")
-    health_timeout_s = Setting(POSITIVE_SECONDS, 1.0, """
+    # At most 5: the supervisor's checks run on its main loop (signals, reaping, kills). A
+    # longer one was taken and cut to 5 without a word.
+    health_timeout_s = Setting(Float(above=0, max=5.0), 1.0, """
         A check of the child (the supervisor's own, each interval) fails if not
         answered within this many seconds (5 at most: it runs on the supervisor's
         main loop). The public /health and /readyz relay
@@ -307,7 +309,8 @@ class AccessSettings(Table, name="access"):
     client_max_concurrent = Setting(Int(min=0), 0, """
         Requests for completions each client (API key; client address when
         there are no keys) may have in flight at once; past it, 429
-        rate_limit_exceeded. 0: no limit.""", live=True)
+        rate_limit_exceeded with Retry-After: 1 (a place frees as soon as one
+        of its requests ends). 0: no limit.""", live=True)
     client_tokens_per_minute = Setting(Int(min=0), 0, """
         Tokens (prompt and generated) each client may use within any minute;
         past it, 429 rate_limit_exceeded with Retry-After until enough of the

@@ -8,23 +8,34 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from guardian.config.tables import CoreSettings, HttpSettings
+
+# The settings' own defaults: written here again, they had drifted (a header count of 100
+# where [http] says 99).
+_HTTP, _CORE = HttpSettings(), CoreSettings()
+# Handler threads beyond the engine's own concurrency and queue: health
+# checks, metrics scrapes, refusals, streams finishing their last writes.
+HANDLER_HEADROOM = 32
+
 
 @dataclass
 class ConnectionLimits:
-    """The layer's deadlines and caps (the [http] settings, read at each use)."""
+    """The layer's deadlines and caps (the [http] settings, read at each use); by default
+    the settings' defaults."""
 
-    header_timeout_s: float = 10.0
-    body_timeout_s: float = 30.0
-    idle_timeout_s: float = 5.0
-    send_timeout_s: float = 30.0
-    send_buffer_bytes: int = 256 * 1024
-    max_handlers: int = 64
-    max_header_bytes: int = 64 << 10
-    max_header_count: int = 100
-    max_buffered_bytes: int = 256 << 20
-    linger_s: float = 2.0
-    max_lingering: int = 1024
-    retry_after_s: float = 1.0
+    header_timeout_s: float = _HTTP.header_timeout_s
+    body_timeout_s: float = _HTTP.body_timeout_s
+    idle_timeout_s: float = _HTTP.idle_timeout_s
+    send_timeout_s: float = _HTTP.send_timeout_s
+    send_buffer_bytes: int = _HTTP.send_buffer_bytes
+    # [http] max_handlers 0 is worked out from an engine's concurrency: with none, twice the headroom.
+    max_handlers: int = _HTTP.max_handlers or 2 * HANDLER_HEADROOM
+    max_header_bytes: int = _HTTP.max_header_bytes
+    max_header_count: int = _HTTP.max_header_count
+    max_buffered_bytes: int = _HTTP.max_buffered_bytes
+    linger_s: float = _HTTP.linger_s
+    max_lingering: int = _HTTP.max_lingering
+    retry_after_s: float = _CORE.retry_after_s
 
 
 class LiveLimits:
@@ -60,11 +71,6 @@ class LiveLimits:
     @property
     def max_header_count(self) -> int:
         return self._http.max_header_count + self._extra_headers  # judge_head caps it at http.server's
-
-
-# Handler threads beyond the engine's own concurrency and queue: health
-# checks, metrics scrapes, refusals, streams finishing their last writes.
-HANDLER_HEADROOM = 32
 
 
 def snapshot(limits) -> ConnectionLimits:

@@ -91,8 +91,6 @@ BOOT_FAILURES_IN_A_ROW = 2
 CHILD_VERDICT_WAIT_S = 3.0
 CHILD_VERDICT_POLL_S = 0.05
 CHILD_VERDICT_POLL_TIMEOUT_S = 1.0
-# A health check runs on the main loop: at most this long, whatever --supervisor-health-timeout says.
-HEALTH_CHECK_MAX_S = 5.0
 # The main loop woke this much later than due: the supervisor did not run, nor, most
 # likely, its child (SIGSTOP of the process group, Ctrl-Z, a frozen cgroup or VM). That
 # time is no child's fault. (A pause inside a health check is not seen: a check's own
@@ -177,9 +175,9 @@ class Supervisor:
         self.door = door or public_door(options, child_args)
         self.config_watcher = None  # the file's watch (``follow_config``)
         # A check answers fast or not at all (a SIGSTOPped child accepts the connection
-        # in the kernel and never replies): it fails past --supervisor-health-timeout, and
-        # past HEALTH_CHECK_MAX_S whatever: it runs on the main loop (signals, reaping, kills).
-        self.health_timeout = min(self.settings.health_timeout_s, HEALTH_CHECK_MAX_S)
+        # in the kernel and never replies): it fails past --supervisor-health-timeout (5 s
+        # at most, the setting's bound: it runs on the main loop, which signals, reaps and kills).
+        self.health_timeout = self.settings.health_timeout_s
         # The file as in force here, flags winning (live settings follow its saves), and as
         # it was at start (what the others stay bound to).
         try:
