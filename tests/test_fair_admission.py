@@ -113,6 +113,29 @@ def test_the_last_place_is_kept_only_while_the_other_client_has_nothing_in_fligh
     assert not ledger.has_waiting()
 
 
+def test_a_client_quiet_for_other_clients_recent_s_is_kept_no_place(monkeypatch):
+    """A client is about for OTHER_CLIENTS_RECENT_S (60 s) after its last request; quiet
+    longer, it is kept no place (no test held the expiry). It was forgotten only at the
+    next request: a deep queue that sent nothing more ran one place short for good."""
+    from types import SimpleNamespace
+
+    from guardian.engine import ledger as ledger_module
+
+    now = [1000.0]
+    monkeypatch.setattr(ledger_module, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    ledger = RequestLedger(fair=Switch(True), capacity=3)
+    earlier = put(ledger, "bob")
+    assert take(ledger) is earlier
+    earlier.put(None)
+    now[0] += ledger_module.OTHER_CLIENTS_RECENT_S - 1  # bob is still about
+    alice = [put(ledger, "alice") for _ in range(4)]
+    assert [take(ledger), take(ledger)] == alice[:2]
+    assert take(ledger) is None  # the last place, kept for bob
+    now[0] += 2  # bob quiet for longer: the place is alice's, though she sent nothing since
+    assert ledger.has_waiting()
+    assert take(ledger) is alice[2]
+
+
 def test_a_lone_client_takes_every_place():
     ledger = RequestLedger(fair=Switch(True), capacity=2)
     alice = [put(ledger, "alice") for _ in range(3)]

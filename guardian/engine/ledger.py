@@ -283,11 +283,15 @@ class RequestLedger:
         return not self._client_in_flight.get(client) or not self._idle_client_about(but=client)
 
     def _idle_client_about(self, but: Optional[str] = None) -> bool:
-        """Whether a client (not ``but``) sent a request lately and has none in flight
-        now: the one the last place is kept for (no lock needed)."""
+        """Whether a client (not ``but``) sent a request within ``OTHER_CLIENTS_RECENT_S`` and
+        has none in flight now: the one the last place is kept for (no lock needed). Judged
+        by the time here too: forgotten only at the next request, a client gone for good
+        kept the place from a deep queue that sent nothing more."""
         in_flight = self._client_in_flight
+        horizon = time.monotonic() - OTHER_CLIENTS_RECENT_S
         # list(): one atomic copy, which the loop's reads need while HTTP threads add to it.
-        return any(client != but and not in_flight.get(client) for client in list(self._recent_clients))
+        return any(client != but and seen >= horizon and not in_flight.get(client)
+                   for client, seen in list(self._recent_clients.items()))
 
     def _saw(self, client: str) -> None:
         """Note a request of ``client``; forget clients quiet for OTHER_CLIENTS_RECENT_S."""
