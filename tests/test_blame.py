@@ -119,9 +119,12 @@ def test_a_failing_logits_processor_or_sampler_ends_its_request_alone(start_serv
     # (one of 3.3 s under twelve servers) must not restart the engine.
     server = start_server(request_faults(poison_repetition_penalty=POISON_PENALTY, processor_fails_at=8,
                                          poison_temperature=POISON_TEMPERATURE)
-                          + "[watchdog]\nstall_min_s = 30.0\n")
+                          + "[watchdog]\nstall_min_s = 30.0\n"
+                          # Steps of 10 ms at least: the bystanders' 400 tokens (~0.2-0.8 s
+                          # unslowed) last past the poisoned requests' 8th step on a loaded machine.
+                          + "[fault_injection]\nenabled = true\nstep_delay_s = 0.01\n")
     url = server.url + "/v1/chat/completions"
-    bystander_tokens = 400  # still decoding when the poisoned requests fail, even on a fast machine
+    bystander_tokens = 400  # still decoding when the poisoned requests fail
 
     def poisoned(stream, **poison):
         body = chat_body(content="Poisoned sampling.", max_tokens=24, stream=stream, **poison)

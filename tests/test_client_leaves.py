@@ -32,7 +32,8 @@ send_buffer_bytes = 16384
 enabled = true
 step_delay_s = {STEP_S}
 """
-# A long prompt, so that its prefill takes several chunks of 32 tokens.
+# A long prompt, so that its prefill takes many chunks of 16 tokens (~88 of 20 ms: ~1.8 s
+# to leave in; at 32 tokens ~0.9 s was too short for a loaded machine's polls).
 # " he" in the demo model's vocabulary.
 HE_TOKEN = 453
 LONG_PROMPT = " ".join(f"word{i}" for i in range(300))  # ~1,400 tokens of 2,048
@@ -44,7 +45,7 @@ FAILED_TOTAL, FINISHED_TOTAL = "mlx_guardian_requests_failed_total", "mlx_guardi
 class EngineServer(ModeServer):
     def __init__(self, kind: str, folder, model_cache):
         super().__init__(kind, folder, model_cache, CONFIG, "--decode-concurrency", "1",
-                         "--prefill-step-size", "32")
+                         "--prefill-step-size", "16")
 
     def engine_status(self) -> dict:
         """The engine's /guardian/status (under --supervise, the child's, relayed)."""
@@ -141,7 +142,7 @@ def test_a_client_that_sent_bytes_past_its_request_is_still_watched(engine_serve
 
 def test_a_client_that_leaves_during_prefill(engine_server):
     sock = engine_server.send_raw(chat_body(LONG_PROMPT, max_tokens=5))
-    # Taken and started, and no token yet: in prefill (chunks of 32 tokens, 20 ms each).
+    # Taken and started, and no token yet: in prefill (chunks of 16 tokens, 20 ms each).
     leave_and_check(engine_server, sock, lambda: engine_server.engine_status()["in_flight"] == 1)
     # It never produced a token, whatever it had begun.
 
@@ -246,8 +247,9 @@ def test_the_openai_sdks_own_timeout_is_a_deadline(engine_server):
                                        max_tokens=3000)
     assert refused.value.status_code == 504 and refused.value.code == "deadline_exceeded"
     # No retry: a second attempt would take its own second (the SDK's timeout) and be cut
-    # as well. (< 1.0 read 1.006 and 1.018 s under a loaded CI: the SDK's own set-up is in it.)
-    assert time.monotonic() - started < 1.9
+    # as well. (< 1.0 read 1.006 and 1.018 s under a loaded CI: the SDK's own set-up is in it;
+    # the one cut at its deadline, counted below, says there was one attempt.)
+    assert time.monotonic() - started < 3
     poll(engine_server.idle, 5, what="no orphaned generation")
     assert engine_server.cut_at_deadline() == cut + 1
     assert engine_server.cancelled("client_left") == left

@@ -160,6 +160,11 @@ probe_interval_s = 600
 [access]
 client_max_concurrent = 1
 client_tokens_per_minute = {TOKENS_PER_MINUTE}
+# Steps of 5 ms at least: alice's 2,000-token stream (~1 s unslowed) is still in flight when
+# her second request comes, on a loaded machine too.
+[fault_injection]
+enabled = true
+step_delay_s = 0.005
 """
 
 

@@ -207,8 +207,9 @@ def test_a_flood_past_the_handler_cap_gets_503_at_once(held):
             streams.append(sock)
         # Every handler holds a stream now (each sent its status line): the next requests are refused.
         started = time.monotonic()
-        refused = [httpx.get(held.url + "/v1/models", timeout=10) for _ in range(5)]
-        assert time.monotonic() - started < 2.5  # at once: no thread was started for them
+        with httpx.Client(timeout=10) as client:
+            refused = [client.get(held.url + "/v1/models") for _ in range(5)]
+        assert time.monotonic() - started < 8  # at once: not once a stream ends (40 s and more)
         busy = [r for r in refused if r.status_code == 503]
         assert busy, [r.status_code for r in refused]
         assert busy[0].json()["error"]["code"] == "server_busy"
@@ -527,7 +528,7 @@ def test_a_body_past_max_body_bytes_is_refused_at_once_in_both_modes(held):
     assert head.startswith(b"HTTP/1.0 413"), head
     error = json.loads(body)["error"]
     assert error["code"] == "request_too_large" and f"at most {MAX_BODY} bytes" in error["message"]
-    assert time.monotonic() - started < 0.9  # before the body's deadline (1 s here)
+    assert time.monotonic() - started < 5  # from the head (at the body's deadline, 1 s here, it was a 408)
     assert held.connections()["buffered_bytes"] == 0
 
 
@@ -598,7 +599,7 @@ def test_a_lingering_close_ends_at_linger_s_though_its_client_never_closes(held)
     assert 1.5 < took < 4.5, took  # [http] linger_s: 2 s by default
     try:
         held.save_config(CONFIG.replace("[http]\n", "[http]\nlinger_s = 0.3\n"))
-        assert lingered(held) < 1.0
+        assert lingered(held) < 1.4
     finally:
         held.save_config(CONFIG)
     assert held.connections()["lingering"] == 0
@@ -625,11 +626,11 @@ def test_past_max_lingering_a_close_lingers_no_more(held):
             return False
 
     try:
-        held.save_config(CONFIG.replace("[http]\n", "[http]\nmax_lingering = 0\n"))
-        assert lingered(held) < 1.0  # no close lingers
+        held.save_config(CONFIG.replace("[http]\n", "[http]\nmax_lingering = 0\nlinger_s = 12\n"))
+        assert lingered(held) < 6  # no close lingers (one would for 12 s)
         held.save_config(CONFIG.replace("[http]\n", "[http]\nmax_lingering = 1\nlinger_s = 12\n"))
         assert lingers()
-        assert lingered(held) < 1.0  # the one allowed is taken: this close is at once
+        assert lingered(held) < 6  # the one allowed is taken: this close is at once (not 12 s)
         assert held.connections()["lingering"] == 1
     finally:
         for sock in kept:

@@ -103,7 +103,9 @@ def test_a_failure_inside_stocks_step_keeps_nothing_and_the_stream_still_goes_on
     arm_file = tmp_path / "arm"
     server = start_server(STEP_FAULTS + f'[stock_step_faults]\nraise_message = "planted in the step"\n'
                           f'armed_by = "{arm_file}"\n[fault_injection]\nenabled = true\nstep_delay_s = 0.02\n')
-    body = greedy(max_tokens=60, stream=True, stream_options={"include_usage": True})
+    # 200 tokens: the stream still decodes (~3.5 s left) when the other request's prefill
+    # fails, after the polls and a loaded machine's delays (60 left ~1 s).
+    body = greedy(max_tokens=200, stream=True, stream_options={"include_usage": True})
     result = {}
 
     def stream() -> None:

@@ -193,6 +193,11 @@ CONFIG = """\
 probe_interval_s = 600
 [access]
 fair_admission = {fair}
+# Steps of 5 ms at least: alice's requests (300 tokens, ~0.15 s unslowed) last longer than
+# a loaded machine's delay in sending bob's.
+[fault_injection]
+enabled = true
+step_delay_s = 0.005
 """
 # Alice's burst: each request long enough that bob's short one, sent once they
 # are all queued, would end well before the first of them on a fair server.

@@ -126,7 +126,9 @@ def test_requests_arriving_while_stock_drains_its_batch_are_served(start_server)
     """A seed sends a request down stock's sequential path: stock stops
     taking requests until its batch has drained. The batch must still make
     progress while a later request waits in the queue."""
-    server = start_server()
+    # Steps of 10 ms at least: the long request (400 tokens, ~0.2 s unslowed) is still in
+    # flight when the seeded one is taken, on a loaded machine too.
+    server = start_server("[fault_injection]\nenabled = true\nstep_delay_s = 0.01\n")
     url = server.url + "/v1/chat/completions"
 
     def status():

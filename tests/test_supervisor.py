@@ -482,20 +482,31 @@ def test_stock_engine_is_proxied_and_restarted(start_supervisor, model_cache, tm
     assert not supervised.supervisor_events("supervisor_config_reloaded")
     # Stock has no drain (SIGTERM ends it at once): the supervisor holds the child's SIGTERM
     # while its requests in flight finish, up to [guardian] exit_grace_s, as one process drains.
-    config.write_text("[http]\nidle_timeout_s = 5.0\n[guardian]\nexit_grace_s = 20\n")
+    # A small send buffer: the long stream below (~500 KB), read by nobody yet, is in flight
+    # until it is read.
+    config.write_text("[http]\nidle_timeout_s = 5.0\nsend_buffer_bytes = 16384\n[guardian]\nexit_grace_s = 20\n")
     poll(lambda: supervised.supervisor_events("supervisor_config_reloaded"), 15, what="exit_grace_s = 20 in force")
-    answered = []
-    waiter = post_in_thread(supervised.url, chat_body(max_tokens=1500), answered, timeout=60)
-    poll(lambda: supervised.supervisor()["in_flight"] == 1, 10, interval=0.01, what="the long request in flight")
-    supervised.proc.send_signal(signal.SIGTERM)
-    supervised.wait_for_event("stock_child_draining")
-    refused = httpx.post(supervised.url + COMPLETIONS, json=chat_body(max_tokens=4), timeout=10)
-    assert refused.status_code == 503 and refused.json()["error"]["code"] == "server_stopping"
-    health = httpx.get(supervised.url + "/health", timeout=10)
-    assert health.status_code == 503 and health.json()["reason"] == "the server is stopping"
-    waiter.join(timeout=60)
-    [(response, _)] = answered
-    assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 1500
+    # A stream its client reads only after the checks below: a request read at once (1,500
+    # tokens, ~1 s) could end before them on a loaded machine, and the supervisor with it.
+    body = json.dumps(chat_body(max_tokens=1500, stream=True, stream_options={"include_usage": True})).encode()
+    reader = socket.socket()
+    reader.connect(("127.0.0.1", supervised.port))
+    reader.sendall(b"POST " + COMPLETIONS.encode() + b" HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
+                   b"application/json\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    with reader:
+        poll(lambda: supervised.supervisor()["in_flight"] == 1, 10, interval=0.01, what="the long request in flight")
+        supervised.proc.send_signal(signal.SIGTERM)
+        supervised.wait_for_event("stock_child_draining")
+        refused = httpx.post(supervised.url + COMPLETIONS, json=chat_body(max_tokens=4), timeout=10)
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "server_stopping"
+        health = httpx.get(supervised.url + "/health", timeout=10)
+        assert health.status_code == 503 and health.json()["reason"] == "the server is stopping"
+        reader.settimeout(60)
+        streamed = b""
+        while chunk := reader.recv(65536):
+            streamed += chunk
+    assert streamed.startswith(b"HTTP/1.0 200 ") and streamed.rstrip().endswith(b"data: [DONE]"), streamed[-300:]
+    assert re.search(rb'"completion_tokens": 1500\b', streamed), streamed[-300:]
     assert supervised.proc.wait(timeout=30) == EXIT_OK
     [draining] = supervised.supervisor_events("stock_child_draining")
     assert draining["in_flight"] == 1 and draining["exit_grace_s"] == 20

@@ -300,7 +300,7 @@ def test_a_child_that_answers_no_check_is_sent_no_new_request(start_supervisor, 
                                headers={"x-stainless-read-timeout": "2.0"})
             took = time.monotonic() - started
             assert late.status_code == 504 and late.json()["error"]["code"] == "deadline_exceeded", late.text
-            assert took < 2.0 + 1.0, took  # at its deadline, not 2 s past it (the relay's backstop)
+            assert took < 2.0 + 1.6, took  # at its deadline, not 2 s past it (the relay's backstop)
             answered = {}
             waiting = threading.Thread(target=lambda: answered.update(
                 response=client.post(supervised.url + COMPLETIONS, json=chat_body(max_tokens=2))), daemon=True)

@@ -98,7 +98,8 @@ def test_the_hold_is_bounded_in_requests_and_time(start_supervisor, tmp_path):
     model = tmp_path / "never-loads"
     model.mkdir()
     os.mkfifo(model / "config.json")
-    hold_s = 1.5
+    # 5 s: the second request comes while the first is still held, on a loaded machine too.
+    hold_s = 5.0
     supervised = start_supervisor("--model", str(model), "--supervisor-hold-requests", "1",
                                   "--supervisor-hold", str(hold_s), wait=False, env={"HF_HUB_OFFLINE": "1"})
     poll(supervised.supervisor, 30, what="the supervisor's port")
@@ -111,7 +112,7 @@ def test_the_hold_is_bounded_in_requests_and_time(start_supervisor, tmp_path):
     refused_s = time.monotonic() - started
     assert refused.status_code == 503 and refused.headers["Retry-After"] == "1"
     assert refused.json()["error"]["code"] == "engine_restarting"
-    assert refused_s < hold_s
+    assert refused_s < 3  # at once, not at the hold's end
     waiter.join(timeout=30)
     [(response, waited_s)] = held
     assert response.status_code == 503 and "Retry-After" in response.headers
@@ -123,7 +124,7 @@ def test_the_hold_is_bounded_in_requests_and_time(start_supervisor, tmp_path):
     # Health checks are never held.
     started = time.monotonic()
     assert httpx.get(supervised.url + "/readyz", timeout=10).status_code == 503
-    assert time.monotonic() - started < hold_s
+    assert time.monotonic() - started < 3
 
 
 def test_a_segfaulting_body_is_sent_again_once_then_quarantined(start_supervisor, tmp_path):
@@ -310,7 +311,7 @@ def test_a_held_request_counts_once_and_one_whose_client_left_is_dropped(start_s
         leaver.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Request-ID: held-and-left\r\n"
                        b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
         poll(lambda: supervised.supervisor()["holding"] == 2, 10, what="the second request held")
-    poll(lambda: supervised.supervisor()["holding"] == 1, 2, what="the place of the client that left given up")
+    poll(lambda: supervised.supervisor()["holding"] == 1, 10, what="the place of the client that left given up")
     supervised.wait_ready(not_pid=first_pid, timeout=60)
     thread.join(timeout=60)
     assert results and results[0][0].status_code == 200

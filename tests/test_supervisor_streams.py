@@ -89,11 +89,12 @@ def reference_and_cut(url: str, body: dict, pid: int, signum: int, after_events)
 def test_a_stream_cut_by_the_childs_death_is_continued_on_the_next_child(start_supervisor, tmp_path, signum, path,
                                                                           hand_off):
     config = tmp_path / "slow.toml"
-    # Steps of at least 10 ms: the kill lands mid-stream.
+    # Steps of at least 10 ms: the kill lands mid-stream (240 tokens: ~1.6 s left after the
+    # first third, for a loaded client reading behind what was sent).
     config.write_text(SLOW_STEPS + ("" if hand_off else "[supervisor]\nhand_off = false\n"))
     supervised = start_supervisor("--guardian-config", str(config))
     first_pid = supervised.wait_ready()
-    body = greedy_stream("Go on across the crash.", max_tokens=120)
+    body = greedy_stream("Go on across the crash.", max_tokens=240)
     if path == TEXT_COMPLETIONS:
         body = {**{k: v for k, v in body.items() if k != "messages"}, "prompt": "Go on across the crash."}
     else:
@@ -141,7 +142,7 @@ def test_a_stream_longer_than_the_head_limit_is_continued(start_supervisor, tmp_
     config.write_text(SLOW_STEPS + "[http]\nmax_header_bytes = 1024\n")
     supervised = start_supervisor("--guardian-config", str(config))
     first_pid = supervised.wait_ready()
-    body = greedy_stream("Go on across the crash, at length.", max_tokens=400)
+    body = greedy_stream("Go on across the crash, at length.", max_tokens=600)  # ~3 s left after 300
     reference, cut, _ = reference_and_cut(supervised.url + COMPLETIONS, body, first_pid, signal.SIGKILL,
                                           lambda _: 300)
 
@@ -158,7 +159,8 @@ def test_a_clamped_stream_continued_on_the_next_child_ends_where_it_would_have(s
     after, and clamped again after them: 78 tokens where 58 fitted, past the context (a
     review, 3 of 3)."""
     config = tmp_path / "slow.toml"
-    config.write_text(SLOW_STEPS)
+    # 50 ms steps: ~58 tokens fit, and the kill after 20 leaves ~1.9 s (0.4 s at 10 ms).
+    config.write_text(SLOW_STEPS.replace("step_delay_s = 0.01", "step_delay_s = 0.05"))
     supervised = start_supervisor("--guardian-config", str(config))
     first_pid = supervised.wait_ready()
     body = {"prompt": "Once upon a time. " + "hello there " * 495, "max_tokens": 500, "stream": True,
@@ -479,7 +481,7 @@ def test_streams_waiting_for_the_next_child_are_kept_alive(start_supervisor, tmp
 
     def read(lines: list) -> None:
         with httpx.Client(timeout=httpx.Timeout(2.5)) as client, client.stream(
-                "POST", supervised.url + COMPLETIONS, json=greedy_stream("Go on, slowly.", max_tokens=120)) \
+                "POST", supervised.url + COMPLETIONS, json=greedy_stream("Go on, slowly.", max_tokens=240)) \
                 as response:
             lines.extend(response.iter_lines())
 
@@ -508,6 +510,9 @@ def test_a_stream_through_a_stall_that_ends_its_child_keeps_a_2_s_read_timeout(s
     config = tmp_path / "stall-exit.toml"
     config.write_text('[guardian]\nplugins = ["tests.plugins.stock_step_faults:StockStepFaults"]\n'
                       f'[stock_step_faults]\ntoken_delay_s = 6.0\ntoken_delay_armed_by = "{armed}"\n'
+                      # Steps of 10 ms at least: the stream is still under way when its first
+                      # token arms the slow one (its 200 tokens take ~0.1 s unslowed).
+                      'delay_s = 0.01\n'
                       '[watchdog]\nladder = ["exit"]\n')
     supervised = start_supervisor("--guardian-config", str(config))
     first_pid = supervised.wait_ready()
