@@ -673,6 +673,9 @@ def test_refusals_that_linger_hold_at_most_max_refusal_threads_and_the_rest_are_
     a client that never closes: MAX_REFUSAL_THREADS threads at most (no test held it); past
     it each is written at once, without lingering, and closed."""
     cap = sockets.MAX_REFUSAL_THREADS
+    refusing = lambda: [t for t in threading.enumerate() if t.name == "http-refusal"]
+    # The cap is the process's: a refusal an earlier test left lingering would take a place.
+    poll(lambda: not refusing(), 10, what="no refusal of an earlier test's lingering")
     listener = socket.create_server(("127.0.0.1", 0))
     pairs = []
     try:
@@ -681,7 +684,6 @@ def test_refusals_that_linger_hold_at_most_max_refusal_threads_and_the_rest_are_
             ours, _ = listener.accept()
             pairs.append((client, ours))
             sockets.refuse_in_background(ours, GuardianError("busy", status=503, code="server_busy"), linger_s=30)
-        refusing = lambda: [t for t in threading.enumerate() if t.name == "http-refusal"]
         poll(lambda: len(refusing()) == cap and all(ours.fileno() == -1 for _, ours in pairs[cap:]), 10,
              what="the cap's threads lingering, the rest closed")
         for client, _ in pairs:  # every client has its answer, lingered or not
@@ -692,8 +694,7 @@ def test_refusals_that_linger_hold_at_most_max_refusal_threads_and_the_rest_are_
         for client, _ in pairs:
             client.close()  # a client's end ends its lingering close
         listener.close()
-    poll(lambda: not [t for t in threading.enumerate() if t.name == "http-refusal"], 10,
-         what="the refusal threads gone")
+    poll(lambda: not refusing(), 10, what="the refusal threads gone")
 
 
 def test_a_body_past_32_mib_is_refused_at_once(held):

@@ -501,6 +501,9 @@ def test_stock_engine_is_proxied_and_restarted(start_supervisor, model_cache, tm
         assert refused.status_code == 503 and refused.json()["error"]["code"] == "server_stopping"
         health = httpx.get(supervised.url + "/health", timeout=10)
         assert health.status_code == 503 and health.json()["reason"] == "the server is stopping"
+        # Its client read the refusal whole, then closed: nobody left (the close, seen before
+        # the handler let go of the connection, was logged proxy_client_gone).
+        assert not supervised.supervisor_events("proxy_client_gone")
         reader.settimeout(60)
         streamed = b""
         while chunk := reader.recv(65536):
@@ -888,6 +891,28 @@ def test_a_pause_that_came_just_before_a_check_is_no_time_the_starting_child_too
     assert killed == [] and supervisor.pauses == 1 and round(child.paused_s, 1) == 9.0
 
 
+def test_a_client_that_closes_once_its_answer_went_out_whole_is_not_logged_gone():
+    """The reader's watch saw a client close: one that had read its whole answer (a 503 the
+    supervisor wrote) and closed before the handler let go of the connection was logged
+    proxy_client_gone, as if it had left. Now the handler says so, once it knows."""
+    from structlog.testing import capture_logs
+
+    from guardian.supervise.proxy import ProxyHandler
+
+    def left(answered: bool) -> None:
+        handler = object.__new__(ProxyHandler)  # the parts client_left and stop_watching use
+        handler.server = SimpleNamespace(supervisor=SimpleNamespace(changed=threading.Condition()),
+                                         unwatch_client=lambda connection: None)
+        handler.connection, handler.path, handler.answered = None, f"/v1/completions?answered={answered}", answered
+        handler.client_left()  # the reader's thread, as the client closes
+        handler.stop_watching()  # the handler's, as the request ends
+
+    with capture_logs() as logs:
+        left(answered=True)
+        left(answered=False)
+    assert [(e["event"], e["path"]) for e in logs] == [("proxy_client_gone", "/v1/completions?answered=***")]
+
+
 def test_a_suspect_is_never_let_in_beside_another_running_alone():
     """Two crash suspects: one runs alone; the other's wait runs out. Let in beside it (as
     it was), a crash of either struck both, and the innocent one was quarantined."""
@@ -905,42 +930,42 @@ def test_a_suspect_is_never_let_in_beside_another_running_alone():
 
 
 def test_suspects_of_one_crash_each_get_their_turn_alone_while_the_line_moves():
-    """Four suspects of one crash run alone one after another: the last waited three turns,
-    and was refused (503 crash_check_busy) once its whole wait passed max_wait_s, though
-    each turn was shorter (a group's crash in CI, 30 s behind three turns). Its wait now
-    starts again as each turn ends; with nothing moving it is still refused."""
+    """Four suspects of one crash run alone one after another, in the order they came: the
+    last waited three turns, and was refused (503 crash_check_busy) once its whole wait
+    passed max_wait_s, though each turn was shorter (a group's crash in CI, 30 s behind
+    three turns). Its wait now starts again as each turn ends; with nothing moving it is
+    still refused."""
     from guardian.quarantine.isolation import REFUSED, IsolationGate
 
-    gate = IsolationGate(max_wait_s=1.0)
-    turns: list[tuple[int, object]] = []
-    first_in = threading.Event()
+    gate = IsolationGate(max_wait_s=2.0)
+    turns: list[tuple[int, object, float]] = []  # (suspect, what admit said, when)
 
-    def suspect(number: int, hold_s: float) -> None:
+    def suspect(number: int, hold_s: float = 1.2) -> None:
         with gate.admit(suspect=True) as alone:
-            turns.append((number, alone))
-            first_in.set()
+            turns.append((number, alone, time.monotonic()))
             if alone is True:  # its work takes hold_s
                 done = threading.Event()
                 threading.Timer(hold_s, done.set).start()
                 assert done.wait(10)
 
-    first = threading.Thread(target=suspect, args=(0, 0.7))
-    first.start()
-    assert first_in.wait(5)
-    others = [threading.Thread(target=suspect, args=(number, 0.7)) for number in (1, 2, 3)]
+    threads = [threading.Thread(target=suspect, args=(0,))]
+    threads[0].start()
+    poll(lambda: turns, 5, what="the first suspect's turn")
     started = time.monotonic()
-    for thread in others:
-        thread.start()
-    for thread in [first, *others]:
+    for number in (1, 2, 3):  # one after another, each in line before the next
+        threads.append(threading.Thread(target=suspect, args=(number,)))
+        threads[-1].start()
+        poll(lambda: gate.status()["suspects_waiting"] == number, 5, what=f"suspect {number} in line")
+    for thread in threads:
         thread.join(20)
-    assert sorted(turns) == [(0, True), (1, True), (2, True), (3, True)], turns
-    assert time.monotonic() - started > 1.5  # the last waited past max_wait_s in all, not in vain
+    assert [(number, alone) for number, alone, _ in turns] == [(0, True), (1, True), (2, True), (3, True)], turns
+    assert turns[-1][2] - started > gate.max_wait_s  # the last waited past max_wait_s in all, not in vain
     # A turn alone longer than max_wait_s, with nothing moving: the suspect behind it is refused.
     with gate.admit(suspect=True) as running:
         assert running is True
         with gate.admit(suspect=True) as behind:
             assert behind is REFUSED
-    assert gate.running == 0 and not gate.alone
+    assert gate.running == 0 and not gate.alone and gate.status()["suspects_waiting"] == 0
 
 
 def test_a_wait_for_a_turn_ends_at_the_requests_deadline_or_when_its_client_left():

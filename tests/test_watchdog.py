@@ -219,7 +219,7 @@ HANG_THIS_REQUEST = ('[guardian]\nplugins = ["tests.plugins.loop_faults:LoopFaul
 def test_readiness_wants_a_passed_probe_no_older_than_probe_max_age_s(watched_server):
     """/readyz's evidence on an idle engine is its last passed probe, as young as
     [watchdog] probe_max_age_s says (no test set it: read or not, nothing failed)."""
-    server = watched_server({}, dict(probe_max_age_s=0.5))  # and probe_interval_s 30: no probe comes
+    server = watched_server({}, dict(probe_max_age_s=2.0))  # and probe_interval_s 30: no probe comes
     readyz = lambda: httpx.get(server.url + "/readyz", timeout=10)
     poll(lambda: readyz().json()["reason"] == "the last passed probe is too old", 10, interval=0.1,
          what="the last passed probe too old")
@@ -236,6 +236,9 @@ def test_deep_probe_keeps_its_deadline_on_a_stuck_engine(start_server):
     body = chat_body(max_tokens=64, stream=True, repetition_penalty=1.25)
     with httpx.Client(timeout=30) as client:
         with client.stream("POST", server.url + "/v1/chat/completions", json=body):
+            # Stuck in the planted hang, and past the probe's deadline (a heartbeat 0.6 s old
+            # alone was a loaded machine's slow step once, before the hang: the probe passed).
+            server.wait_for_event("loop_fault_hang", timeout=10)
             poll(lambda: client.get(server.url + "/guardian/status").json()["heartbeat_age_s"] > 0.6, 10,
                  what="the engine stuck")
             started = time.monotonic()

@@ -221,8 +221,9 @@ class SupervisorSettings(Table, name="supervisor"):
         this long at most, then go in beside it. A suspect waits as long for the
         requests before it to end, then goes in beside them, unless another suspect
         runs alone (503 crash_check_busy + Retry-After); its wait starts again each
-        time a suspect's turn alone ends. Each wait ends sooner at its request's
-        deadline.""",
+        time a suspect's turn alone ends (suspects take their turns in the order
+        they came, so the whole wait grows with those ahead). Each wait ends sooner
+        at its request's deadline.""",
         flag="--supervisor-isolation-wait", metavar="S")
     hold_requests = Setting(Int(min=0), 64, """
         Requests that may wait for a ready child while none is (starting,

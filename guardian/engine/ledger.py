@@ -289,9 +289,10 @@ class RequestLedger:
         kept the place from a deep queue that sent nothing more."""
         in_flight = self._client_in_flight
         horizon = time.monotonic() - OTHER_CLIENTS_RECENT_S
-        # list(): one atomic copy, which the loop's reads need while HTTP threads add to it.
+        # copy(): one atomic copy (no Python code runs in it, as may in list(items())' tuples),
+        # which the loop's reads need while HTTP threads add to it.
         return any(client != but and seen >= horizon and not in_flight.get(client)
-                   for client, seen in list(self._recent_clients.items()))
+                   for client, seen in self._recent_clients.copy().items())
 
     def _saw(self, client: str) -> None:
         """Note a request of ``client``; forget clients quiet for OTHER_CLIENTS_RECENT_S."""

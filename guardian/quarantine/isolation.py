@@ -10,15 +10,17 @@ except a suspect while another suspect runs alone: beside it, a crash of
 either would strike both, and the innocent one's second strike quarantined
 it. That one is refused (``REFUSED``: 503, to be sent again), but only when
 nothing moved: a suspect's wait starts again each time a suspect's turn alone
-ends. Four suspects of a crash run one after another, and the fourth waits for
-three turns; a bound on the whole wait refused it while the line moved (a
-group's crash in CI: 503 crash_check_busy after 30 s behind three turns).
+ends. Suspects take their turns in the order they came: four suspects of a
+crash run one after another, and the fourth waits for three turns; a bound on
+the whole wait refused it while the line moved (a group's crash in CI: 503
+crash_check_busy after 30 s behind three turns).
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from contextlib import contextmanager
 from typing import Callable, Iterator, Optional
 
@@ -38,7 +40,7 @@ class IsolationGate:
         self.max_wait_s = max_wait_s
         self.condition = threading.Condition()
         self.running = 0  # requests admitted and not yet done, suspects included
-        self.suspects_waiting = 0
+        self.line: deque = deque()  # the suspects waiting to run alone, first come first
         self.alone = False  # a suspect runs alone now
         self.turns_ended = 0  # suspects' turns alone that ended: the line of suspects moved
 
@@ -77,7 +79,7 @@ class IsolationGate:
     def try_admit(self) -> bool:
         """Admit a request that is no suspect if it need not wait; ``release`` it when done."""
         with self.condition:
-            if self.suspects_waiting or self.alone:
+            if self.line or self.alone:
                 return False
             self.running += 1
             return True
@@ -90,17 +92,20 @@ class IsolationGate:
     def _wait_until_alone(self, until: Optional[float], given_up: Callable[[], bool]) -> object:
         """Until nothing else runs (the condition is held); False if the wait ran out (for
         ``max_wait_s`` no suspect's turn ended), ``GAVE_UP`` if the request's deadline
-        passed or its client left first."""
-        self.suspects_waiting += 1
+        passed or its client left first. Its turn comes once the suspects before it had theirs."""
+        place = object()
+        self.line.append(place)
         try:
-            return self._wait(lambda: self.running == 0, until, given_up, moved=lambda: self.turns_ended)
+            return self._wait(lambda: self.running == 0 and self.line[0] is place, until, given_up,
+                              moved=lambda: self.turns_ended)
         finally:
-            self.suspects_waiting -= 1
+            self.line.remove(place)
+            self.condition.notify_all()  # the next in line, if this one leaves without its turn
 
     def _wait_behind_suspects(self, until: Optional[float], given_up: Callable[[], bool]) -> object:
         """Until no suspect waits or runs alone (the condition is held), or the wait ran out
         (False: a request that is no suspect never runs "alone"), or ``GAVE_UP``."""
-        waited = self._wait(lambda: not self.suspects_waiting and not self.alone, until, given_up)
+        waited = self._wait(lambda: not self.line and not self.alone, until, given_up)
         return GAVE_UP if waited is GAVE_UP else False
 
     def _wait(self, turn: Callable[[], bool], until: Optional[float], given_up: Callable[[], bool],
@@ -123,4 +128,4 @@ class IsolationGate:
     def status(self) -> dict:
         """For /guardian/supervisor."""
         with self.condition:
-            return {"suspects_waiting": self.suspects_waiting, "suspect_running_alone": self.alone}
+            return {"suspects_waiting": len(self.line), "suspect_running_alone": self.alone}

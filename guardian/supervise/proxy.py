@@ -298,7 +298,7 @@ class ProxyHandler(BaseHTTPRequestHandler):
             with supervisor.in_flight if self.passed is None else contextlib.nullcontext():
                 self.serve(path, body, request_fingerprint)
         finally:
-            self.server.unwatch_client(self.connection)  # (a continuation's relay may watch it too)
+            self.stop_watching()
 
     def answer_own(self, path: str) -> None:
         """A path the supervisor answers itself, whoever the child is: GET or HEAD only,
@@ -315,6 +315,9 @@ class ProxyHandler(BaseHTTPRequestHandler):
 
     # Set when the client closed its connection; the relay in progress then.
     gone = False
+    # Set once the whole answer went out: a client that closes then has left nothing (a
+    # fast one read its 503 and closed before this thread's unwatch, and was logged gone).
+    answered = False
     # Whether the client's leaving is watched (a completion's).
     watched = True
     upstream: Optional["Upstream"] = None
@@ -329,7 +332,14 @@ class ProxyHandler(BaseHTTPRequestHandler):
         supervisor = self.server.supervisor
         with supervisor.changed:
             supervisor.changed.notify_all()
-        self.say_client_gone()
+        # Logged by this request's thread once it knows the answer was not whole (``stop_watching``).
+
+    def stop_watching(self) -> None:
+        """The request is over: its client's leaving is no news now. One that left before
+        its whole answer went out is logged (after it, it left nothing)."""
+        self.server.unwatch_client(self.connection)  # (a continuation's relay may watch it too)
+        if self.gone and not self.answered:
+            self.say_client_gone()
 
     # Whether proxy_client_gone was logged for this connection: the reader's watch and a
     # relay's failed write may both see the client leave, on two threads, at once.
@@ -541,6 +551,7 @@ class ProxyHandler(BaseHTTPRequestHandler):
         try:
             # A stream that had its finish_reason lacks only its [DONE].
             self.connection.sendall(b"data: [DONE]\n\n" if stream.finished else error.sse_bytes())
+            self.answered = True
         except CLIENT_GONE:
             pass
 
@@ -854,6 +865,7 @@ class ProxyHandler(BaseHTTPRequestHandler):
                 return self.backstop_answer(stream, is_sse, continued=continued)
             if cut is not None:
                 return self.after_cut(child, cut, is_sse, stream)
+            self.answered = True
             if self.relay_record is not None:
                 self.relay_record.answered = True
         except CLIENT_GONE:
@@ -988,6 +1000,7 @@ class ProxyHandler(BaseHTTPRequestHandler):
             self.end_headers()
             if self.command != "HEAD":
                 self.wfile.write(body)
+            self.answered = True
         except CLIENT_GONE:
             pass
 
