@@ -25,7 +25,9 @@ from guardian.engine.ledger import RequestLedger
 STOCK_RUN_S = 0.5
 # A request sent mid-stream gets its first token within this many of the
 # stream's tokens: the step under way, its prefill, its first decode, and
-# room for a busy machine (stock: a few hundred here).
+# room for a busy machine (stock: a few hundred here), or a quarter of what
+# stock's run makes at the stream's pace, whichever is more: a loaded CI's
+# client counted 43 (tokens sent before, read after its count), of ~386.
 MAX_TOKENS_MEANWHILE = 32
 
 
@@ -113,7 +115,7 @@ def test_request_arriving_mid_decode_starts_at_the_next_steps(start_server):
                     # A machine this busy makes too few tokens in one of stock's
                     # runs for the two behaviours to differ: nothing to prove here.
                     pytest.skip(f"too slow to tell apart: {per_run:.0f} tokens per stock run")
-                assert tokens_meanwhile <= MAX_TOKENS_MEANWHILE, (
+                assert tokens_meanwhile <= max(MAX_TOKENS_MEANWHILE, per_run / 4), (
                     f"attempt {attempt}: the long stream made {tokens_meanwhile} tokens before the new "
                     f"request's first (a stock run is ~{per_run:.0f}); sent {time.monotonic() - sent:.3f} s ago"
                 )
