@@ -341,8 +341,8 @@ class ProxyHandler(BaseHTTPRequestHandler):
         if self.gone and not self.answered:
             self.say_client_gone()
 
-    # Whether proxy_client_gone was logged for this connection: the reader's watch and a
-    # relay's failed write may both see the client leave, on two threads, at once.
+    # Whether proxy_client_gone was logged for this connection: ``stop_watching`` and a
+    # relay's failed write may both say the client left.
     _gone_said = False
     _gone_saying = threading.Lock()  # one for all: taken only as a client leaves
 
