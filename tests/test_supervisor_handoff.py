@@ -13,6 +13,7 @@ in tests/test_supervisor_streams.py.
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import sys
@@ -27,7 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import chat_body, poll, read_stream
 from guardian import handoff, relay_protocol
-from guardian.supervise.fast_handoff import RequestHead
+from guardian.supervise.fast_handoff import RequestHead, first_deadline
 from test_supervisor import COMPLETIONS, SLOW_STEPS, start_supervisor  # noqa: F401 - a fixture
 
 HEAD = (b"HTTP/1.0 200 OK\r\nServer: BaseHTTP/0.6\r\nContent-Type: text/event-stream\r\n"
@@ -137,6 +138,30 @@ def test_the_readers_parse_of_any_head_answers_or_declines(request):
         assert head.path.startswith("/") and request.endswith(head.body)
         assert int(head.headers.get("Content-Length", "0")) == len(head.body)
         assert all(len(head.headers.get_all(name, [])) <= 1 for name in ("Host", "Content-Length", "Origin"))
+
+
+READ_TIMEOUTS = st.one_of(st.binary(max_size=40).filter(lambda v: b"\r" not in v and b"\n" not in v),
+                          st.sampled_from([b"nan", b"inf", b"-inf", b"-1", b"0", b"1e-320", b"1e309", b"9" * 400,
+                                           b"\xd9\xa1", b"1_0", b" 2.5 ", b"0x10"]))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from([b"POST /v1/chat/completions", b"POST /v1/completions", b"GET /v1/models"]),
+       READ_TIMEOUTS, st.floats(min_value=0, max_value=1e9))
+def test_any_read_timeout_header_gives_a_handed_off_request_a_sane_first_deadline_or_none(line, value,
+                                                                                          request_timeout_s):
+    """The reader's thread works out a handed-off completion's first deadline from the
+    client's x-stainless-read-timeout (``first_deadline``): a raise there ends the reader,
+    and a deadline not finite, or before the request came, would replace a child at once."""
+    request = line + b" HTTP/1.1\r\nHost: h\r\nx-stainless-read-timeout: " + value + b"\r\nContent-Length: 0\r\n\r\n"
+    head = RequestHead.parse(request, request.find(b"\r\n\r\n") + 4)
+    if head is None:
+        return  # the handler path reads it
+    due = first_deadline(head, request_timeout_s, since=100.0)
+    if due is not None:
+        at, deadline = due
+        assert math.isfinite(at) and at >= 100.0 and deadline.seconds >= 0, (value, due)
+        assert head.method == "POST"
 
 
 @pytest.mark.linux("TCP_INFO and SIOCOUTQ count a socket's bytes")

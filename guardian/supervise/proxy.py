@@ -138,7 +138,7 @@ class PublicServer(HeldConnections, ThreadingHTTPServer):
             at, deadline = passed.due
             if now - at <= DEADLINE_BACKSTOP_S:
                 continue
-            progress = getattr(passed.relay, "stream", None)  # its journal, read only now
+            progress = passed.relay.stream  # its journal (set as it was handed off), read only now
             if deadline.until_head and progress is not None and progress.head_sent:
                 continue  # a stream under way: its client's read timeout is over
             late.append((now - at, deadline))
