@@ -434,6 +434,21 @@ TOOLS = [
 ]
 
 
+def send_raw(port: int, body: dict, rcvbuf: int = 0, path: str = "/v1/chat/completions") -> socket.socket:
+    """POST ``body`` on a socket of its own, its answer left unread: the caller reads it, or
+    closes the socket to leave. ``rcvbuf``: a small receive buffer, for a client that reads
+    nothing (its answer then waits in the server's buffers)."""
+    sock = socket.socket()
+    if rcvbuf:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    sock.settimeout(30)
+    sock.connect(("127.0.0.1", port))
+    data = json.dumps(body).encode()
+    sock.sendall(b"POST " + path.encode() + b" HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json"
+                 b"\r\nContent-Length: " + str(len(data)).encode() + b"\r\n\r\n" + data)
+    return sock
+
+
 def chat_body(content: str = "Tell me a story.", max_tokens: int = 16, stream: bool = False, **extra) -> dict:
     return {
         "messages": [{"role": "user", "content": content}],

@@ -11,7 +11,6 @@ x-stainless-read-timeout) is stopped and answered 504.
 
 from __future__ import annotations
 
-import json
 import re
 import socket
 import time
@@ -20,7 +19,7 @@ import httpx
 import openai
 import pytest
 
-from conftest import BOTH_MODES, RELAYED, ModeServer, chat_body, pace, poll, scraped
+from conftest import BOTH_MODES, RELAYED, ModeServer, chat_body, pace, poll, scraped, send_raw
 
 COMPLETIONS = "/v1/chat/completions"
 STEP_S = 0.02
@@ -68,15 +67,7 @@ class EngineServer(ModeServer):
         return status["in_flight"] == 0 and status["queued"] == 0
 
     def send_raw(self, body: dict, rcvbuf: int = 0) -> socket.socket:
-        sock = socket.socket()
-        if rcvbuf:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
-        sock.settimeout(30)
-        sock.connect(("127.0.0.1", self.port))
-        data = json.dumps(body).encode()
-        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json"
-                     b"\r\nContent-Length: " + str(len(data)).encode() + b"\r\n\r\n" + data)
-        return sock
+        return send_raw(self.port, body, rcvbuf)
 
 
 # Relayed too: the supervised path of macOS, where nothing is handed off.

@@ -14,15 +14,13 @@ waiting its turn for KV memory still ends at its deadline, or when its client le
 
 from __future__ import annotations
 
-import json
-import socket
 import threading
 import time
 
 import httpx
 import pytest
 
-from conftest import chat_body, poll, scraped
+from conftest import chat_body, poll, scraped, send_raw
 
 pytestmark = [pytest.mark.one_version, pytest.mark.lane_0313]
 
@@ -166,14 +164,6 @@ client_max_concurrent = 2
 """
 
 
-def send_raw(server, body: dict) -> socket.socket:
-    sock = socket.create_connection(("127.0.0.1", server.port), timeout=30)
-    data = json.dumps(body).encode()
-    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: %d\r\n\r\n" % len(data) + data)
-    return sock
-
-
 def test_a_request_waiting_for_kv_memory_keeps_its_deadline_and_its_clients_leaving(start_server):
     """It waited out max_queue_wait_s (20 s) whatever its deadline, then got a 429; and
     one whose client left kept its place in the queue, so the next client got 429 at once."""
@@ -182,14 +172,14 @@ def test_a_request_waiting_for_kv_memory_keeps_its_deadline_and_its_clients_leav
     def waiting_for_memory() -> int:
         return httpx.get(server.url + "/guardian/status", timeout=5).json()["waiting_for_memory"]
 
-    with send_raw(server, chat_body(max_tokens=1800, stream=True)) as hog:
+    with send_raw(server.port, chat_body(max_tokens=1800, stream=True)) as hog:
         assert hog.recv(64).startswith(b"HTTP/1.0 200")  # the budget is its
         started = time.monotonic()
         late = httpx.post(server.url + "/v1/chat/completions", json=chat_body(max_tokens=1800), timeout=30,
                           headers={"x-stainless-read-timeout": "1.5"})
         assert late.status_code == 504 and late.json()["error"]["code"] == "deadline_exceeded", late.text
         assert time.monotonic() - started < 5
-        with send_raw(server, chat_body(max_tokens=1800)):
+        with send_raw(server.port, chat_body(max_tokens=1800)):
             poll(lambda: waiting_for_memory() == 1, 10, what="a request waiting for KV memory")
         poll(lambda: waiting_for_memory() == 0, 10, what="the place of the request whose client left")
         # Its place is free, and its place among its client's two: the next one waits in it

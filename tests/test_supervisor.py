@@ -26,7 +26,7 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import SessionServer, chat_body, free_port, poll, read_stream, scraped, spawn_guardian
+from conftest import SessionServer, chat_body, free_port, poll, read_stream, scraped, send_raw, spawn_guardian
 from guardian import handoff
 from guardian.exit_codes import EXIT_BOOT_ERROR, EXIT_OK, EXIT_SUPERVISOR_GAVE_UP, EXIT_USAGE
 
@@ -488,11 +488,8 @@ def test_stock_engine_is_proxied_and_restarted(start_supervisor, model_cache, tm
     poll(lambda: supervised.supervisor_events("supervisor_config_reloaded"), 15, what="exit_grace_s = 20 in force")
     # A stream its client reads only after the checks below: a request read at once (1,500
     # tokens, ~1 s) could end before them on a loaded machine, and the supervisor with it.
-    body = json.dumps(chat_body(max_tokens=1500, stream=True, stream_options={"include_usage": True})).encode()
-    reader = socket.socket()
-    reader.connect(("127.0.0.1", supervised.port))
-    reader.sendall(b"POST " + COMPLETIONS.encode() + b" HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
-                   b"application/json\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    reader = send_raw(supervised.port, chat_body(max_tokens=1500, stream=True, stream_options={"include_usage": True}),
+                      path=COMPLETIONS)
     with reader:
         poll(lambda: supervised.supervisor()["in_flight"] == 1, 10, interval=0.01, what="the long request in flight")
         supervised.proc.send_signal(signal.SIGTERM)

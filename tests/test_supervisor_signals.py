@@ -6,10 +6,8 @@ and cleanup kills its whole process group.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import socket
 import threading
 import time
 from datetime import datetime
@@ -18,7 +16,7 @@ import httpx
 import psutil
 import pytest
 
-from conftest import chat_body, poll
+from conftest import chat_body, poll, send_raw
 from guardian.exit_codes import EXIT_OK
 from guardian.serving.exit_request import SAME_STOP_S
 from test_supervisor import COMPLETIONS, pid_alive, post_in_thread, start_supervisor  # noqa: F401 - a fixture
@@ -248,16 +246,8 @@ def test_a_signal_after_the_child_exited_ends_the_supervisors_own_wait(start_sup
                       "[fault_injection]\nenabled = true\nstep_delay_s = 0.005\n")
     supervised = start_supervisor("--guardian-config", str(config))
     supervised.wait_ready()
-    body = json.dumps(chat_body(max_tokens=2000, stream=True)).encode()
-    readers = []
-    for _ in range(2):  # each never reads: its stream fills the buffers, and waits
-        sock = socket.socket()
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
-        sock.connect(("127.0.0.1", supervised.port))
-        sock.sendall(b"POST " + COMPLETIONS.encode() + b" HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-                     b"Content-Type: application/json\r\nContent-Length: " + str(len(body)).encode()
-                     + b"\r\n\r\n" + body)
-        readers.append(sock)
+    # Each never reads: its stream fills the buffers, and waits.
+    readers = [send_raw(supervised.port, chat_body(max_tokens=2000, stream=True), rcvbuf=1024) for _ in range(2)]
     try:
         poll(lambda: httpx.get(supervised.url + "/guardian/status", timeout=5).json()["in_flight"] >= 2,
              20, what="both streams generating in the child")
