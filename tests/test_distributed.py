@@ -324,6 +324,12 @@ def test_supervised_group_is_replaced_after_sigkill_of_rank_1_and_its_clients_se
     assert len(ready) == 2
     print(f"group replaced: downtime {ready[1]['downtime_s']} s")
 
+    # A SIGHUP (read the files again) is the supervisor's alone: mlx.launch would die of it.
+    group.proc.send_signal(signal.SIGHUP)
+    poll(lambda: group.events("signal_not_forwarded"), 10, what="the SIGHUP kept from the group")
+    assert not group.events("signal_forwarded")
+    assert group.ranks() == second
+
     # A stop drains and ends every rank cleanly.
     group.proc.send_signal(signal.SIGTERM)
     assert group.proc.wait(timeout=30) == EXIT_OK

@@ -59,7 +59,8 @@ class PromptGuardSettings(Table, name="prompt_guard"):
     max_queue_wait_s = Setting(Float(min=0.0), 30.0, """
         How long a request may wait for KV cache budget before its 429.""", live=True)
     retry_after_s = Setting(Float(min=0.0), 2.0, """
-        The Retry-After of this guard's 429 kv_cache_budget_busy.""", live=True)
+        The Retry-After of this guard's 429 kv_cache_budget_busy, and of its 503
+        memory_shortage while the device is short of memory.""", live=True)
     max_body_bytes = Setting(Int(min=0), 32 * MiB, """
         Request bodies over this many bytes get 413 request_too_large, answered
         from the Content-Length header without reading the body. 0: no limit.""", live=True)

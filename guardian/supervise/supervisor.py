@@ -778,6 +778,9 @@ class Supervisor:
             log.info("signal_held", signal="SIGHUP", pid=child.pid, until="the child is ready")
             return
         child.sighup_held = False
+        if isinstance(child.proc, LauncherProcess):  # mlx.launch would die of it (LauncherProcess.send_signal)
+            log.info("signal_not_forwarded", signal="SIGHUP", pid=child.pid, why="mlx.launch would die of it")
+            return
         log.info("signal_forwarded", signal="SIGHUP", pid=child.pid)
         signal_quietly(child.proc, signal.SIGHUP)
 
