@@ -41,6 +41,10 @@ def table(name: str, **settings) -> str:
     return f"[{name}]\n" + "".join(f"{k} = {toml(v)}\n" for k, v in settings.items())
 
 
+def abandoned_loops(server) -> int:
+    return httpx.get(server.url + "/guardian/status").json()["abandoned_loop_threads"]
+
+
 def post_all(server, bodies: list[dict], timeout: float = 120) -> list[httpx.Response]:
     """Send every body at once, each on its own connection; the responses in order."""
     responses: list = [None] * len(bodies)
@@ -247,6 +251,7 @@ def test_a_new_kind_of_requests_first_token_may_compile_kernels_and_is_not_a_sta
         return (httpx.get(server.url + "/guardian/status").json()["longest_recent_gap_s"] or 9) < 0.5
 
     poll(fast_pace, 30, interval=0.2, what="a fast pace")
+    abandoned_before = abandoned_loops(server)
     sampled = {"temperature": 0.7, "top_p": 0.9}
     with httpx.Client(timeout=120) as client:
         armed.touch()
@@ -270,10 +275,71 @@ def test_a_new_kind_of_requests_first_token_may_compile_kernels_and_is_not_a_sta
     [left] = server.wait_for_event("abandoned_loop_exited", timeout=30)
     assert left["parked"] and left["steps"] == let_go["steps"], (let_go, left)
     assert stamp(let_go) <= stamp(left)
-    assert httpx.get(server.url + "/guardian/status").json()["abandoned_loop_threads"] == 1
+    assert abandoned_loops(server) == abandoned_before + 1  # the shared server's other tests' too
     with httpx.Client(timeout=60) as client:
         response = client.post(server.url + "/v1/chat/completions", json=chat_body(max_tokens=4, **sampled))
     assert response.status_code == 200, response.text
+
+
+def test_a_late_step_unwinding_frees_its_batch_and_the_loop_waiting_for_it_is_no_stall(slowed_server, tmp_path):
+    # A stall abandons a loop; its step returns once the replacement decodes the
+    # stream it re-ran. The old thread unwinds while the live loop waits (at most
+    # 5 s), and here the stuck step's responses take 3.5 s to free, past the ~1-2 s
+    # stall limit. The waiting loop is alive: no second stall, no failure counted
+    # on its stream, which ends whole. And the abandoned loop's batch (its KV
+    # caches) is freed as it unwinds: parked with stock's frames held by its
+    # exception, the thread kept it for good.
+    armed, released = tmp_path / "slow-token", tmp_path / "slow-token-returns"
+    server = slowed_server(step_faults=dict(token_delay_s=30.0, token_delay_armed_by=str(armed),
+                                            token_delay_released_by=str(released), unwind_delay_s=3.5,
+                                            delay_s=0.01, prefill_delay_s=0.3),
+                           watchdog=dict(stall_min_s=1.0, pace_samples=4))
+
+    def fast_pace():
+        return (httpx.get(server.url + "/guardian/status").json()["longest_recent_gap_s"] or 9) < 0.5
+
+    # A prompt of several slow chunks: steps go by before its first token (a
+    # stall of a request without a token is judged only then); then ~400 steps
+    # of 10 ms or more, decoding still while the stuck step's responses are freed.
+    body = chat_body("word " * 60, max_tokens=400, stream=True)
+    stream: dict = {"lines": []}
+
+    def read():
+        with httpx.Client(timeout=120) as client:
+            with client.stream("POST", server.url + "/v1/chat/completions", json=body) as response:
+                stream["status"] = response.status_code
+                for line in response.iter_lines():
+                    if line.startswith("data: "):
+                        stream["lines"].append((time.time(), line[len("data: "):]))
+
+    with httpx.Client(timeout=120) as client:
+        assert client.post(server.url + "/v1/chat/completions", json=chat_body(max_tokens=8)).status_code == 200
+    poll(fast_pace, 30, interval=0.2, what="a fast pace")
+    abandoned_before = abandoned_loops(server)
+    armed.touch()
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        [stalled] = server.wait_for_event("engine_stalled", timeout=30)
+        poll(lambda: len(stream["lines"]) >= 20, 30, interval=0.05, what="the re-run decoding on the new loop")
+    finally:
+        released.touch()
+    [slow] = server.events("stock_step_slow_token")
+    [freed] = server.wait_for_event("stock_step_slow_token_batch_freed", timeout=30)
+    reader.join(timeout=120)
+    assert freed["call"] == slow["call"]
+    [freeing] = server.events("stock_step_responses_freeing")
+    [let_go] = server.events("abandoned_loop_let_go")
+    [left] = server.wait_for_event("abandoned_loop_exited", timeout=30)
+    assert stamp(let_go) <= stamp(freeing) <= stamp(freed) <= stamp(left), (let_go, freeing, freed, left)
+    assert stamp(left) - stamp(freeing) >= 3.0  # the live loop waited through the unwinding
+    assert stream["lines"][-1][0] > stamp(left)  # the stream was still decoding: work in flight all along
+    assert stream["status"] == 200 and stream["lines"][-1][1] == "[DONE]", stream["lines"][-3:]
+    assert not [data for _, data in stream["lines"] if '"error"' in data]
+    assert len(server.events("engine_stalled")) == 1, server.events("engine_stalled")
+    assert stalled["in_flight"] == 1
+    assert server.events("abandoned_loop_slow_to_leave") == []
+    assert abandoned_loops(server) == abandoned_before + 1
 
 
 def test_a_replacement_loop_is_judged_by_its_own_silence(start_server):

@@ -140,7 +140,8 @@ class WatchdogSettings(Table, name="watchdog"):
         A loop thread a stall replaced lives as long as the process: one stuck in a
         step cannot be killed, and one whose step returns is parked (its exit would
         destroy what mlx keeps per thread, under the live loop's work on a GPU). Each
-        holds its own stream, threads and memory (/guardian/status: abandoned_loop_threads). Once
+        holds its own stream and threads, and a stuck one its batch's memory too
+        (/guardian/status: abandoned_loop_threads). Once
         this many are alive, a stall takes the exit rung, whatever the ladder says, so
         that launchd or systemd starts a clean process; stalls far apart, each after
         requests were served, would otherwise never leave the first rung. 0: no limit.""",

@@ -172,12 +172,18 @@ class GuardianEngine(stock.loop.GuardedResponseGenerator):
         self.lifecycle.loop_polled()
         self.failures.loop_polled(now)
         self.memory.loop_polled()
+        if not self._loop_chores:
+            return
         while self._loop_chores:
             chore = self._loop_chores.popleft()
             try:
                 chore()
             except Exception:
                 log.exception("loop_chore_failed")
+        # A chore may wait (_let_go): one that outlasted a stall limit or a
+        # restart's cost this loop the engine, and it must not go on to take a
+        # request or write a token of one now re-run on its replacement.
+        self._check_owner()
 
     def on_loop_thread(self, chore: Callable[[], None]) -> None:
         """Run ``chore`` on the loop thread at its next look at the queue (errors logged)."""
@@ -207,8 +213,20 @@ class GuardianEngine(stock.loop.GuardedResponseGenerator):
         mx.synchronize()
         log.info("abandoned_loop_let_go", steps=self.steps)
         leaving.turn.set()
-        if not leaving.left.wait(leaving.UNWIND_TIMEOUT_S):
-            log.warning("abandoned_loop_slow_to_leave", timeout_s=leaving.UNWIND_TIMEOUT_S)
+        # This loop's own wait, and a bounded one: it beats meanwhile, as a step
+        # does. The stall limit (stall_min_s, 3 s) can be shorter than the wait,
+        # and a stall judged here would abandon this loop too, count a failure on
+        # each of its requests and climb the ladder.
+        me = threading.get_ident()
+        deadline = time.monotonic() + leaving.UNWIND_TIMEOUT_S
+        while not leaving.left.wait(leaving.LOOK_S):
+            now = time.monotonic()
+            if self.lifecycle.owner != me:
+                return  # the engine was taken from this loop meanwhile: _loop_polled stops it
+            if now >= deadline:
+                log.warning("abandoned_loop_slow_to_leave", timeout_s=leaving.UNWIND_TIMEOUT_S)
+                return
+            self.last_beat = now
 
     def _ready(self) -> None:
         """The first loop asked for work (the lifecycle's STARTING -> READY)."""
@@ -263,6 +281,7 @@ class GuardianEngine(stock.loop.GuardedResponseGenerator):
     # -- the guarded loop -----------------------------------------------------
     def run_guarded(self, run_stock_loop) -> None:
         """The loop thread: own the engine, route stock's seams here, run the loop."""
+        abandoned = False
         try:
             self.lifecycle.loop_started()
             # mlx keeps mx.compile's cache and its command encoders per thread:
@@ -273,20 +292,29 @@ class GuardianEngine(stock.loop.GuardedResponseGenerator):
                                          batch_made=self.memory.batch_made, returned=self._check_owner)
             self._restart_until_stopped(run_stock_loop)
         except EngineAbandoned:
-            leaving: Optional[_Leaving] = getattr(self._leaving, "way_out", None)
-            log.warning("abandoned_loop_exited", thread=threading.current_thread().name,
-                        parked=leaving is not None, steps=self.steps)
-            if leaving is not None:
-                leaving.left.set()
-                # Never ends: a thread's exit destroys what mlx keeps per thread
-                # (its command encoders and stream, cuBLAS handles), which on a
-                # GPU would meet the live loop's work (_leave_at_a_quiet_moment).
-                threading.Event().wait()
+            abandoned = True
         except BaseException:
             # A bug here would leave a live process that never generates:
             # exactly the incident. Answer everyone and exit instead.
             log.critical("engine_guard_failed", exc_info=True)
             self.give_up("the engine's loop guard failed")
+        if abandoned:
+            # Out of the except clause, so the exception's traceback is gone, and
+            # with it stock's frames and what they held: the batch's arrays (its
+            # KV caches), freed here, by this thread, while the live loop waits.
+            # Parked inside the clause, the thread kept them for good.
+            self._park_abandoned_loop()
+
+    def _park_abandoned_loop(self) -> None:
+        leaving: Optional[_Leaving] = getattr(self._leaving, "way_out", None)
+        log.warning("abandoned_loop_exited", thread=threading.current_thread().name,
+                    parked=leaving is not None, steps=self.steps)
+        if leaving is not None:
+            leaving.left.set()
+            # Never ends: a thread's exit destroys what mlx keeps per thread
+            # (its command encoders and stream, cuBLAS handles), which on a
+            # GPU would meet the live loop's work (_leave_at_a_quiet_moment).
+            threading.Event().wait()
 
     def _restart_until_stopped(self, run_stock_loop) -> None:
         while True:
@@ -486,8 +514,10 @@ class GuardianEngine(stock.loop.GuardedResponseGenerator):
 class _Leaving:
     """An abandoned loop thread's way out, opened by the live loop (a loop chore)."""
 
-    # The live loop waits this long for the thread to unwind, then goes on.
+    # The live loop waits this long for the thread to unwind, then goes on;
+    # it looks this often whether it still owns the engine, and beats.
     UNWIND_TIMEOUT_S = 5.0
+    LOOK_S = 0.1
 
     def __init__(self):
         self.turn = threading.Event()  # the abandoned thread may unwind now

@@ -29,7 +29,12 @@ blocks or is slow (a native deadlock, a kernel compile).
 - ``token_delay_s`` with ``token_delay_armed_by``: once that file exists, the
   next ``next()`` that returns a generated token takes this much longer (as
   when mlx compiles a sampler's kernels at its first token) and removes the
-  file. ``stock_step_slow_token`` is logged.
+  file; with ``token_delay_released_by``, it returns as soon as that file
+  exists. ``stock_step_slow_token`` is logged, and ``stock_step_slow_token_batch_freed``
+  once that step's BatchGenerator is freed (a loop abandoned in that step frees
+  its batch as it unwinds).
+- ``unwind_delay_s``: that slow step's responses take this long to free, as a
+  stuck step's arrays might: whichever thread lets go of them waits.
 
 The delays, the raise and their arming files are live (a save of the file
 changes them in a running server, so a module's tests can share one); the
@@ -43,6 +48,7 @@ import importlib
 import os
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import structlog
@@ -73,6 +79,8 @@ class StockStepFaultsSettings:
     armed_by: str = live("")
     token_delay_s: float = live(0.0)
     token_delay_armed_by: str = live("")
+    token_delay_released_by: str = live("")
+    unwind_delay_s: float = live(0.0)
 
 
 class StockStepFaults:
@@ -127,10 +135,35 @@ class StockStepFaults:
             # (prompt responses, generation responses), in 0.31 and 0.32
             if settings.token_delay_s and responses[1] and _disarm(settings.token_delay_armed_by):
                 log.warning("stock_step_slow_token", call=call, delay_s=settings.token_delay_s)
-                plugin.released.wait(settings.token_delay_s)
+                weakref.finalize(generator, log.warning, "stock_step_slow_token_batch_freed", call=call)
+                _wait_for_file(settings.token_delay_released_by, settings.token_delay_s, plugin.released)
+                if settings.unwind_delay_s:
+                    responses = SlowToFree(responses, settings.unwind_delay_s, plugin.released)
             return responses
 
         generate.BatchGenerator.next = next
+
+
+class SlowToFree(tuple):
+    """A step's responses whose freeing waits ``delay_s`` on the thread that frees them."""
+
+    def __new__(cls, responses, delay_s: float, released: threading.Event):
+        self = super().__new__(cls, responses)
+        self.delay_s, self.released = delay_s, released
+        return self
+
+    def __del__(self):
+        log.warning("stock_step_responses_freeing", delay_s=self.delay_s, thread=threading.current_thread().name)
+        self.released.wait(self.delay_s)
+
+
+def _wait_for_file(path: str, timeout_s: float, released: threading.Event) -> None:
+    """Until the file ``path`` exists (none: the whole ``timeout_s``), at most ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not (path and os.path.exists(path)):
+        left = deadline - time.monotonic()
+        if left <= 0 or released.wait(min(left, 0.05)):
+            return
 
 
 def _burn_cpu(seconds: float) -> None:
