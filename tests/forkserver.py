@@ -13,7 +13,9 @@ Linux only: on macOS a fork after the system's frameworks are loaded is unsafe, 
 the tests start every server with ``subprocess`` there (``enabled``). So they do
 here for a supervisor (it carries no mlx), for a server whose environment is not
 the fork server's (what is read at import would not apply) or that has Popen
-arguments of its own, and everywhere with ``GUARDIAN_TEST_FORKSERVER=0``.
+arguments of its own, and everywhere with ``GUARDIAN_TEST_FORKSERVER=0``, which
+tools/gpu/device_setup.sh sets: where mlx runs on CUDA a forked server's CUDA calls
+fail ("initialization error").
 
 The protocol, one JSON object a line: the test side writes ``{"id", "args", "env",
 "cwd", "log"}``; the fork server answers ``{"id", "pid"}`` once it forked, and

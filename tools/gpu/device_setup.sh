@@ -81,6 +81,10 @@ metadata() {
 
 environment() {
     export PYTHONPATH=$SITE PYTHONUNBUFFERED=1
+    # A CUDA context does not survive a fork: servers forked from the tests' fork
+    # server (tests/forkserver.py) failed their model load with "cudaStreamSynchronize
+    # (free_streams_[i]) failed: initialization error". Every server starts whole here.
+    export GUARDIAN_TEST_FORKSERVER=0
     # Another mlx-lm (or any wheel) over the installed ones: EXTRA_WHEELS names a
     # carried folder, e.g. EXTRA_WHEELS=.whl/mlx-lm-0.31.3 for the incident's version.
     if [ -n "${EXTRA_WHEELS:-}" ]; then
