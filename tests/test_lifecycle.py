@@ -179,6 +179,19 @@ def test_a_stall_puts_the_replacement_on_trial_until_a_probe_verifies_it():
     assert classification == "unknown" and restarts == 1
 
 
+def test_a_stall_judged_of_a_loop_another_stall_replaced_changes_nothing():
+    # The watchdog's thread (a replacement past restart_timeout_s) and a probe's
+    # (its verification failed) may judge the same loop on trial at once: one
+    # stall, one rung, not a second that abandons the newer replacement.
+    lifecycle = lifecycle_in(S.READY)
+    judged = lifecycle.stalls
+    assert lifecycle.stalled("restart", judged)
+    assert not lifecycle.stalled("reload", judged)
+    assert lifecycle.stalls == 1 and lifecycle.rung == "restart" and lifecycle.state is S.STALLED
+    assert lifecycle.stalled("reload", lifecycle.stalls)  # the replacement judged on its own
+    assert lifecycle.stalls == 2 and lifecycle.rung == "reload"
+
+
 def test_loop_events_from_a_thread_that_does_not_own_the_engine_raise():
     lifecycle = lifecycle_in(S.READY, owned=False)
     for event in sorted(LOOP_EVENTS):

@@ -437,7 +437,7 @@ def test_one_verification_of_a_replacement_loop_at_a_time_however_late_its_threa
     pm.add_hookspecs(hookspecs)
     pm.register(PassingProbe(), name="generation_probe")
     verified = []
-    engine = SimpleNamespace(lifecycle=SimpleNamespace(on_trial=True, verified=lambda: verified.append(1)),
+    engine = SimpleNamespace(lifecycle=SimpleNamespace(on_trial=True, stalls=1, verified=lambda: verified.append(1)),
                              plugin_view=None, ledger=SimpleNamespace(completed_for_users=0))
     detector = StallDetector(engine, pm, WatchdogSettings())
     started, go = [], threading.Event()

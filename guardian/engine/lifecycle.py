@@ -158,10 +158,12 @@ class Lifecycle:
         """A probe generated on the loop that replaced a stuck or failed one."""
         return self._event("verified")
 
-    def stalled(self, rung: str) -> bool:
+    def stalled(self, rung: str, stalls_seen: Optional[int] = None) -> bool:
         """The watchdog saw no progress: abandon the loop thread; its
-        replacement is on trial. False when there is no loop to abandon."""
-        return self._event("stalled", rung=rung)
+        replacement is on trial. False when there is no loop to abandon, or
+        when a stall was taken since the judgment (``stalls`` was ``stalls_seen``):
+        the watchdog's thread and a probe's may both judge the same loop."""
+        return self._event("stalled", rung=rung, stalls_seen=stalls_seen)
 
     def gave_up(self, reason: str) -> bool:
         """The engine will not generate again; False if it already gave up or stopped."""
@@ -188,6 +190,8 @@ class Lifecycle:
             owns = event not in LOOP_EVENTS or threading.get_ident() == self.owner
             before = self._state
             after = TRANSITIONS[event].get(before) if owns else None
+            if details.get("stalls_seen") not in (None, self.stalls):
+                after = None  # judged before another stall replaced the loop: that loop is gone
             if after is not None:
                 self._state = after
                 callback = self._record(event, before, after, details)

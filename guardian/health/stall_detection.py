@@ -224,6 +224,7 @@ class StallDetector:
     # -- stalls -------------------------------------------------------------
     def _check_progress(self, now: float) -> None:
         engine = self.engine
+        stalls_seen = engine.lifecycle.stalls
         beat = engine.last_beat
         age = self.heartbeat_age(now)
         self._observe_pace(beat)
@@ -233,14 +234,14 @@ class StallDetector:
                 return
             self.step_cpu.observe(beat=beat, now=now, loop_ident=engine.lifecycle.owner)
             if age > self.stall_limit_s and not self._busy_step_allowed(age, beat):
-                self._on_stall(age, self._stall_reason())
+                self._on_stall(age, self._stall_reason(), stalls_seen)
         elif state in (EngineState.RESTARTING, EngineState.STALLED):
             # A pause of the process is no restart's fault either.
             troubled_for = min(engine.lifecycle.troubled_for(now), now - self.resumed_at)
             if troubled_for > self.settings.restart_timeout_s:
                 why = ("the restarted loop never asked for work" if state is EngineState.RESTARTING
                        else "the replacement loop was not proven by a probe")
-                self._on_stall(self._restarted_loop_silent_for(now), why)
+                self._on_stall(self._restarted_loop_silent_for(now), why, stalls_seen)
 
     def _restarted_loop_silent_for(self, now: float) -> float:
         """The heartbeat age of a loop that replaced a stuck or failed one: since its
@@ -292,8 +293,10 @@ class StallDetector:
                           waiting=waiting, novel=novel)
         self.stall_limit_s = self.pace.limit(self.settings.stall_timeout_s)
 
-    def _on_stall(self, heartbeat_age_s: float, why: str) -> None:
-        """Ask the engine to take the stall at the ladder's next rung; log and tell the plugins."""
+    def _on_stall(self, heartbeat_age_s: float, why: str, stalls_seen: int) -> None:
+        """Ask the engine to take the stall at the ladder's next rung; log and tell the plugins.
+        ``stalls_seen``: the lifecycle's stall count when the loop was judged; nothing is
+        done if another stall came since (the watchdog's and a probe's thread both judge)."""
         ladder = self.settings.ladder
         completed = self.engine.ledger.completed_for_users
         progressed = self._completed_at_stall is not None and completed > self._completed_at_stall
@@ -307,8 +310,8 @@ class StallDetector:
             action = "exit"  # another abandoned loop would hold memory for good: a clean process instead
             reason += f"; {abandoned} abandoned loop threads alive already (max_abandoned_loops {most})"
         stuck_at = stack_of(self.engine.lifecycle.owner)  # before a replacement owns the engine
-        if not self.engine.lifecycle.stalled(action):
-            return  # the engine gave up or stopped meanwhile: no loop to replace
+        if not self.engine.lifecycle.stalled(action, stalls_seen):
+            return  # the engine gave up or stopped meanwhile, or the loop judged was replaced
         self.stalls.add()
         self._completed_at_stall = completed
         log.error(
@@ -417,12 +420,13 @@ class StallDetector:
 
     def _verify_replacement(self) -> None:
         """Probe the loop that replaced a stuck one: ready if it generated, else another stall."""
+        stalls_seen = self.engine.lifecycle.stalls  # the loop on trial now is the one probed
         try:
             if self.run_probes()["ok"]:
                 self.engine.lifecycle.verified()
             elif self.engine.lifecycle.on_trial:
                 self._on_stall(self._restarted_loop_silent_for(time.monotonic()),
-                               "the replacement loop failed its probe")
+                               "the replacement loop failed its probe", stalls_seen)
         finally:
             self._verifying = False
 
