@@ -46,7 +46,6 @@ FIRST_PORT = 20000
 PORT_STEP = 8
 WORKERS_PER_LANE = 4  # tools/test_lanes.sh's -n, at most
 OUTSIDE_LANES = 7  # the last of ranges 0-7 (20000-32000): runs outside `make test`
-OUTSIDE_WORKERS = 8  # among which its -n's workers share that range (past 8, two share a part)
 
 
 def _port_range() -> range:
@@ -54,8 +53,12 @@ def _port_range() -> range:
     worker = int(xdist_worker.removeprefix("gw")) if xdist_worker else 0
     lane = os.environ.get("GUARDIAN_TEST_LANE")
     if lane is None:
-        part = PORTS_PER_LANE // (OUTSIDE_WORKERS if xdist_worker else 1) // PORT_STEP * PORT_STEP
-        start = FIRST_PORT + OUTSIDE_LANES * PORTS_PER_LANE + worker % OUTSIDE_WORKERS * part
+        # Split among this run's workers, however many (-n 12 on the lent GPU's 16 cores:
+        # a fixed 8 parts had two workers share one, and a server loading for 15 s there
+        # lost its port to the other's).
+        workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) if xdist_worker else 1
+        part = max(PORT_STEP, PORTS_PER_LANE // workers // PORT_STEP * PORT_STEP)
+        start = FIRST_PORT + OUTSIDE_LANES * PORTS_PER_LANE + worker * part
         return range(start, start + part, PORT_STEP)
     index = int(lane) * WORKERS_PER_LANE + worker
     if worker >= WORKERS_PER_LANE or index >= OUTSIDE_LANES:

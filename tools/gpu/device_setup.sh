@@ -77,10 +77,21 @@ metadata() {
         echo "the guardian's metadata could not be built here (see /tmp/guardian-meta.log):" \
              "using the carried wheel's, from when the wheels were fetched" >&2
     fi
+    # The plugins under plugins/ whole (their code is small; their tests load them
+    # through their entry points, as `make test`'s editable installs do).
+    rm -rf /tmp/guardian-plugins
+    if python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile \
+            --target /tmp/guardian-plugins plugins/notifier plugins/example 2>/tmp/guardian-plugins.log; then
+        cp -r /tmp/guardian-plugins/. "$SITE"/
+    else
+        echo "the plugins under plugins/ could not be installed here (see /tmp/guardian-plugins.log)" >&2
+    fi
 }
 
 environment() {
-    export PYTHONPATH=$SITE PYTHONUNBUFFERED=1
+    # The tree's guardian/ for a process started in another folder too (a test's
+    # server with its own working folder, a bench script): the installed wheel's is removed.
+    export PYTHONPATH=$SITE:$PWD PYTHONUNBUFFERED=1
     # A CUDA context does not survive a fork: servers forked from the tests' fork
     # server (tests/forkserver.py) failed their model load with "cudaStreamSynchronize
     # (free_streams_[i]) failed: initialization error". Every server starts whole here.
@@ -91,7 +102,7 @@ environment() {
         rm -rf /tmp/site-extra
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
             --target /tmp/site-extra "$EXTRA_WHEELS"/*.whl || exit 5
-        export PYTHONPATH=/tmp/site-extra:$SITE
+        export PYTHONPATH=/tmp/site-extra:$SITE:$PWD
     fi
     metadata
     # The guardian's hub-free demo model and stock's cached test file live in the tree.
