@@ -15,8 +15,9 @@ the next child (``guardian.relay_protocol``). So per request it makes:
   child makes to the client, each appended *before* it is written (the child
   maps the file and copies each record in: no system call per streamed token);
 - a **control** pipe, on which the child says ``DONE`` (or ``GIVEN_BACK``:
-  a stopping child that took nothing on) and whose end a dying child closes
-  without a word (a pipe, not a socket pair: a Unix socket passed in a
+  a stopping child that took nothing on; or ``NOT_OPENED``: it could not
+  read or map the journal, and the supervisor relays the request instead)
+  and whose end a dying child closes without a word (a pipe, not a socket pair: a Unix socket passed in a
   message costs the kernel's in-flight accounting, and one more system call).
 
 Both go to the child with the client's socket over the child's hand-off
@@ -55,6 +56,7 @@ HANDOFF_FD_ENV = "MLX_GUARDIAN_HANDOFF_FD"
 # What the child says on a request's control pipe.
 DONE = b"d"
 GIVEN_BACK = b"g"
+NOT_OPENED = b"n"
 # One hand-off: one byte carrying the client's socket, the journal and the control pipe's writing end.
 _HANDOFF_BYTE = b"h"
 _FDS_PER_HANDOFF = 3
@@ -288,7 +290,8 @@ class HandedOff:
             os.close(child_control)
 
     def wait(self) -> bytes:
-        """Until the child has finished with the connection: DONE, GIVEN_BACK, or b"" (it died)."""
+        """Until the child has finished with the connection: DONE, GIVEN_BACK, NOT_OPENED,
+        or b"" (it died)."""
         try:
             return os.read(self.control, 1)
         except OSError:
@@ -541,9 +544,15 @@ class Received:
                 pass
 
 
+class HandOffNotOpened(Exception):
+    """One hand-off this child could not open (its journal not read or mapped: out of
+    memory or of mappings). Its descriptors are closed and the supervisor was told;
+    the channel and the hand-offs after it are as they were."""
+
+
 def receive(channel: socket.socket) -> Optional[Received]:
     """The next connection handed over; None when none is waiting (a non-blocking channel).
-    Raises EOFError once the supervisor has gone."""
+    Raises EOFError once the supervisor has gone, HandOffNotOpened for one that failed."""
     try:
         # Close-on-exec, as every descriptor Python opens: a process this child starts must
         # not hold a client's connection, or the control pipe's end its death closes.
@@ -559,4 +568,25 @@ def receive(channel: socket.socket) -> Optional[Received]:
             os.close(fd)
         return None
     client_fd, journal, control_fd = fds
-    return Received(socket.socket(fileno=client_fd), journal, control_fd)
+    client = socket.socket(fileno=client_fd)
+    try:
+        return Received(client, journal, control_fd)
+    except OSError as e:
+        # Taken for the supervisor's leaving, it closed the channel for good: every later
+        # completion failed (after reap_wait_s) while /health said 200.
+        _give_up_unopened(client, journal, control_fd)
+        raise HandOffNotOpened(f"{type(e).__name__}: {e}") from None
+
+
+def _give_up_unopened(client: socket.socket, journal: int, control: int) -> None:
+    """Say NOT_OPENED and close this child's copies; the supervisor holds the connection."""
+    try:
+        os.write(control, NOT_OPENED)
+    except OSError:
+        pass
+    client.close()
+    for fd in (journal, control):
+        try:
+            os.close(fd)
+        except OSError:
+            pass

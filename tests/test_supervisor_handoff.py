@@ -421,6 +421,41 @@ def test_a_handed_off_answer_is_the_relayed_one(start_supervisor, tmp_path):
     assert "sk-in-the-query" not in relaying.log_path.read_text()
 
 
+@pytest.mark.linux("the hand-off needs the kernel's count of a socket's bytes")
+def test_a_hand_off_the_child_cannot_open_is_sent_again_and_the_next_ones_are_handed_off(
+        start_supervisor, tmp_path):
+    # Mapping a journal failed in the child (out of memory): it took that for the
+    # supervisor's leaving and closed its hand-off channel for good. That request, and
+    # every completion after it, waited reap_wait_s (5 s) for a death that never came,
+    # was sent again and failed, while /health said 200.
+    armed = tmp_path / "fail-journals"
+    config = tmp_path / "guardian.toml"
+    config.write_text('[guardian]\nplugins = ["tests.plugins.journal_faults:JournalFaults"]\n'
+                      f'[journal_faults]\narmed_by = "{armed}"\n')
+    supervised = start_supervisor("--guardian-config", str(config))
+    before = passed_counts(supervised.url)
+    # Two failures: the reader's hand-off, then the handler's, which relays it instead.
+    armed.write_text("2")
+    with httpx.Client(timeout=60) as client:
+        started = time.monotonic()
+        first = client.post(supervised.url + COMPLETIONS, json=chat_body(max_tokens=8))
+        took = time.monotonic() - started
+        assert first.status_code == 200, first.text
+        assert took < 3, took  # no wait for a child's death
+        after_first = passed_counts(supervised.url)
+        assert after_first["relayed"] == before["relayed"] + 1
+        for _ in range(3):
+            response = client.post(supervised.url + COMPLETIONS, json=chat_body(max_tokens=8))
+            assert response.status_code == 200, response.text
+    assert passed_counts(supervised.url)["handed_off"] == after_first["handed_off"] + 3
+    assert not armed.exists() and len(supervised.events("journal_map_failed")) == 2
+    child_said = [e for e in supervised.events("handoff_not_opened") if e.get("logger") == "guardian.connection"]
+    assert len(child_said) == 2 and all("[Errno 12]" in e["error_message"] for e in child_said), child_said
+    assert len(supervised.supervisor_events("handoff_not_opened")) == 2
+    assert not supervised.events("handoff_channel_closed")
+    assert not supervised.supervisor_events("proxy_child_unreachable")
+
+
 def test_a_relayed_request_at_the_header_count_the_public_port_lets_in_is_read_by_the_child(
         start_supervisor, tmp_path):
     """[http] max_header_count below http.server's own, and every request relayed (as on

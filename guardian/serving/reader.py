@@ -534,6 +534,9 @@ class RequestReader:
         for _ in range(ACCEPT_BATCH):
             try:
                 received = handoff.receive(channel.sock)
+            except handoff.HandOffNotOpened as e:  # this one only: the supervisor relays it instead
+                log.warning("handoff_not_opened", error_message=str(e))
+                continue
             except (EOFError, OSError) as e:  # the supervisor is gone
                 log.info("handoff_channel_closed", reason=str(e))
                 self.unwatch(channel.sock)

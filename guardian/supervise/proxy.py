@@ -67,6 +67,8 @@ CHILD_GONE = "the child died before the request was sent"
 REFUSED_BY_STOPPING_CHILD = "refused by a child being replaced"
 # The connection cannot be handed off (guardian.handoff): relay the request.
 RELAY_INSTEAD = "relay instead"
+# The child could not open a hand-off (its journal): the next attempt, at once.
+NOT_OPENED_BY_CHILD = "not opened by the child"
 # A suspect's turn comes when the request before it ended, perhaps by
 # crashing the child: its socket closes a moment before the process can be
 # waited for. The suspect looks this long for the child's exit first.
@@ -423,8 +425,8 @@ class ProxyHandler(BaseHTTPRequestHandler):
                     return self.give_up(stream, supervisor.lost_child_error())
                 resends += 1
                 continue
-            if outcome is REFUSED_BY_STOPPING_CHILD:
-                continue  # the supervisor holds it for the next child
+            if outcome is REFUSED_BY_STOPPING_CHILD or outcome is NOT_OPENED_BY_CHILD:
+                continue  # the supervisor holds it for the next child, or sends it again
             if outcome is ANSWERED:
                 return
             if outcome is not NOTHING_SENT:
@@ -524,6 +526,9 @@ class ProxyHandler(BaseHTTPRequestHandler):
                 # One stopping on its own is taken as one being replaced: held for the next.
                 self.server.supervisor.child_stops_on_its_own(passed.child, "it gave a request back")
                 return REFUSED_BY_STOPPING_CHILD  # the next attempt takes the handler path
+            if passed.word == handoff.NOT_OPENED:
+                self.not_opened(passed.child)
+                return NOT_OPENED_BY_CHILD  # the handler path's hand-off, or its relay
             return self.after_handed_off_cut(passed.child, passed.handed)
         finally:
             self.server.supervisor.quarantine.settle(passed.child.generation, passed.relay,
@@ -788,7 +793,17 @@ class ProxyHandler(BaseHTTPRequestHandler):
                 # The next child takes it: one stopping on its own is taken as one being replaced.
                 self.server.supervisor.child_stops_on_its_own(child, "it gave a request back")
                 return REFUSED_BY_STOPPING_CHILD
+            if word == handoff.NOT_OPENED:
+                self.not_opened(child)
+                if self.watched:  # relayed from here: the client's leaving is news again
+                    self.server.watch_client(self.connection, self.client_left)
+                return RELAY_INSTEAD
             return self.after_handed_off_cut(child, handed)
+
+    def not_opened(self, child) -> None:
+        log.warning("handoff_not_opened", path=self.logged_path, child_pid=child.pid,
+                    hint="the child could not open the hand-off (see its own handoff_not_opened); "
+                         "the request is sent again")
 
     def after_handed_off_cut(self, child, handed: "handoff.HandedOff"):
         """The child died with the connection: what the client has, by the kernel's
