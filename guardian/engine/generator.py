@@ -291,7 +291,12 @@ class GuardianEngine(stock.loop.GuardedResponseGenerator):
             stock.loop.route_loop_thread(observe=self._observe_step, pin=self.failures.pin_on_request,
                                          batch_made=self.memory.batch_made, returned=self._check_owner)
             self._restart_until_stopped(run_stock_loop)
-        except EngineAbandoned:
+        except EngineAbandoned as leaving:
+            # A stuck step that raised late left its exception in this one's context.
+            # One that came through pluggy (a step hook's) sits in a cycle with its
+            # frames (guardian.engine.restart), which only a collection frees, on
+            # whichever thread runs it: they are cleared here, while the live loop waits.
+            release_dead_loop(leaving)
             abandoned = True
         except BaseException:
             # A bug here would leave a live process that never generates:

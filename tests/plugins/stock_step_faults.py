@@ -35,6 +35,8 @@ blocks or is slow (a native deadlock, a kernel compile).
   its batch as it unwinds).
 - ``unwind_delay_s``: that slow step's responses take this long to free, as a
   stuck step's arrays might: whichever thread lets go of them waits.
+- ``token_delay_raises``: that slow step then raises ``RuntimeError`` with this
+  message instead of returning (a stuck step that fails late).
 
 The delays, the raise and their arming files are live (a save of the file
 changes them in a running server, so a module's tests can share one); the
@@ -81,6 +83,7 @@ class StockStepFaultsSettings:
     token_delay_armed_by: str = live("")
     token_delay_released_by: str = live("")
     unwind_delay_s: float = live(0.0)
+    token_delay_raises: str = live("")
 
 
 class StockStepFaults:
@@ -139,6 +142,9 @@ class StockStepFaults:
                 _wait_for_file(settings.token_delay_released_by, settings.token_delay_s, plugin.released)
                 if settings.unwind_delay_s:
                     responses = SlowToFree(responses, settings.unwind_delay_s, plugin.released)
+                if settings.token_delay_raises:  # the responses stay in this frame, on the traceback
+                    log.warning("stock_step_raise_late", call=call, message=settings.token_delay_raises)
+                    raise RuntimeError(settings.token_delay_raises)
             return responses
 
         generate.BatchGenerator.next = next
