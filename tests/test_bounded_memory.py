@@ -16,6 +16,7 @@ from types import SimpleNamespace
 import pytest
 import structlog
 
+from conftest import poll
 from guardian.quarantine.table import short
 
 one_version = pytest.mark.one_version  # none but the tokenizer test touches mlx-lm
@@ -211,6 +212,21 @@ def test_a_fingerprint_quarantined_again_is_the_newest_entry():
     assert table.holds(fingerprints[0])
     assert not table.holds(fingerprints[1])
     assert table.holds(fingerprints[-1])
+
+
+@one_version
+def test_quarantine_entries_past_their_time_leave_the_table_so_bodies_are_fingerprinted_no_more():
+    """While anything is quarantined every POST's body is fingerprinted (~9 ms a MiB). An
+    entry past its time stayed until the same body came again or the cap pushed it out:
+    one quarantine had every later body fingerprinted for the life of the process."""
+    from guardian.quarantine.table import ExpiringTable
+
+    table = ExpiringTable(0.2, structlog.get_logger("test_bounded_memory"))
+    assert not table.has_entries()
+    quarantine(table, "a" * 64)
+    assert table.has_entries() and table.holds("a" * 64)
+    poll(lambda: not table.has_entries(), 5, interval=0.05, what="the entry gone once past its time")
+    assert table.status()["quarantined_count"] == 0
 
 
 # -- guardian/admission/unloaded_models.py: MAX_REMEMBERED ---------------------------------

@@ -117,8 +117,19 @@ class ExpiringTable:
         return entry
 
     def has_entries(self) -> bool:
-        """Whether anything is (or was until lately) quarantined: refusal() is worth asking."""
-        return bool(self._entries)
+        """Whether anything is quarantined: refusal() is worth asking (every POST's body is
+        fingerprinted while it is). Entries past their time go first, oldest on: kept until
+        a refusal or the cap, they had every body fingerprinted for the process's life."""
+        if not self._entries:
+            return False
+        now = time.monotonic()
+        with self._lock:
+            while self._entries:
+                fingerprint, entry = next(iter(self._entries.items()))
+                if entry.until > now:
+                    return True  # (one after it may have ended: quarantine_s changed live)
+                del self._entries[fingerprint]
+        return False
 
     def holds(self, fingerprint: str) -> bool:
         """Whether ``fingerprint`` is quarantined now (nothing counted or logged)."""
