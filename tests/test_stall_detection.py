@@ -65,9 +65,10 @@ def post_all(server, bodies: list[dict], timeout: float = 120) -> list[httpx.Res
 # fault injection armable, 32-token prefill chunks (a short chat is one chunk).
 # No idle probe in its life: a probe's steps would take a test's slow steps or
 # its armed slow token, and a server of each test's own never lived the 30 s
-# to its first.
+# to its first. Its tests' stalls add up abandoned loops: no cap, so none
+# takes the exit rung for the others'.
 SHARED_ARGS = ("--prefill-step-size", "32")
-SHARED_WATCHDOG = dict(probe_interval_s=600.0)
+SHARED_WATCHDOG = dict(probe_interval_s=600.0, max_abandoned_loops=0)
 
 
 def shared_config(step_faults: dict, faults: dict, watchdog: dict) -> str:
@@ -286,14 +287,14 @@ def test_a_late_step_unwinding_frees_its_batch_and_the_loop_waiting_for_it_is_no
                                                                                        late_step):
     # A stall abandons a loop; its step returns (or raises) once the replacement
     # decodes the stream it re-ran. The old thread unwinds while the live loop waits (at most
-    # 5 s), and here the stuck step's responses take 3.5 s to free, past the ~1-2 s
+    # 5 s), and here the stuck step's responses take 3 s to free, past the ~1-2 s
     # stall limit. The waiting loop is alive: no second stall, no failure counted
     # on its stream, which ends whole. And the abandoned loop's batch (its KV
     # caches) is freed as it unwinds: parked with stock's frames held by its
     # exception, the thread kept it for good.
     armed, released = tmp_path / "slow-token", tmp_path / "slow-token-returns"
     server = slowed_server(step_faults=dict(token_delay_s=30.0, token_delay_armed_by=str(armed),
-                                            token_delay_released_by=str(released), unwind_delay_s=3.5,
+                                            token_delay_released_by=str(released), unwind_delay_s=3.0,
                                             delay_s=0.01, prefill_delay_s=0.3,
                                             token_delay_raises="late" if late_step == "raises" else ""),
                            watchdog=dict(stall_min_s=1.0, pace_samples=4))
@@ -339,7 +340,7 @@ def test_a_late_step_unwinding_frees_its_batch_and_the_loop_waiting_for_it_is_no
     assert freeing["thread"] == left["thread"]
     assert stamp(let_go) <= min(stamp(freeing), stamp(freed)), (let_go, freeing, freed)
     assert max(stamp(freeing), stamp(freed)) <= stamp(left), (freeing, freed, left)
-    assert stamp(left) - stamp(freeing) >= 3.0
+    assert stamp(left) - stamp(freeing) >= 2.5
     assert stream["lines"][-1][0] > stamp(left)  # the stream was still decoding: work in flight all along
     assert stream["status"] == 200 and stream["lines"][-1][1] == "[DONE]", stream["lines"][-3:]
     assert not [data for _, data in stream["lines"] if '"error"' in data]
@@ -445,7 +446,8 @@ def test_one_verification_of_a_replacement_loop_at_a_time_however_late_its_threa
     pm.add_hookspecs(hookspecs)
     pm.register(PassingProbe(), name="generation_probe")
     verified = []
-    engine = SimpleNamespace(lifecycle=SimpleNamespace(on_trial=True, stalls=1, verified=lambda: verified.append(1)),
+    lifecycle = SimpleNamespace(on_trial=True, stalls=1, verified=lambda stalls_seen: verified.append(1))
+    engine = SimpleNamespace(lifecycle=lifecycle,
                              plugin_view=None, ledger=SimpleNamespace(completed_for_users=0))
     detector = StallDetector(engine, pm, WatchdogSettings())
     started, go = [], threading.Event()

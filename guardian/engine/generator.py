@@ -81,6 +81,8 @@ class GuardianEngine(stock.loop.GuardedResponseGenerator):
             capacity=batch_places(model_provider.cli_args), steps=lambda: self.steps)
         self.steps = 0
         self.last_beat = time.monotonic()
+        # While the live loop waits for an abandoned one to unwind: until when, at most.
+        self.unwinding_until: Optional[float] = None
         self.failures = FailureHandler(self)
         self.probes = Probes(self)
         # Work that must run on the loop thread (the prompt cache is the loop's
@@ -172,18 +174,16 @@ class GuardianEngine(stock.loop.GuardedResponseGenerator):
         self.lifecycle.loop_polled()
         self.failures.loop_polled(now)
         self.memory.loop_polled()
-        if not self._loop_chores:
-            return
         while self._loop_chores:
+            # A chore may wait (_let_go), and the engine be taken from this loop
+            # meanwhile: the chores left are its replacement's, and this loop must
+            # not go on to take a request or write a token of one re-run there.
+            self._check_owner()
             chore = self._loop_chores.popleft()
             try:
                 chore()
             except Exception:
                 log.exception("loop_chore_failed")
-        # A chore may wait (_let_go): one that outlasted a stall limit or a
-        # restart's cost this loop the engine, and it must not go on to take a
-        # request or write a token of one now re-run on its replacement.
-        self._check_owner()
 
     def on_loop_thread(self, chore: Callable[[], None]) -> None:
         """Run ``chore`` on the loop thread at its next look at the queue (errors logged)."""
@@ -209,24 +209,23 @@ class GuardianEngine(stock.loop.GuardedResponseGenerator):
     def _let_go(self, leaving: "_Leaving") -> None:
         """On the live loop, between its steps: nothing of it in flight, then the
         abandoned thread's turn to unwind; the loop goes on once it has (or after
-        UNWIND_TIMEOUT_S)."""
+        UNWIND_TIMEOUT_S).
+
+        The wait is this loop's own, and bounded: ``unwinding_until`` tells the
+        watchdog so. The stall limit (stall_min_s, 3 s) can be shorter, and a stall
+        judged here abandoned this loop too, counted a failure on each of its
+        requests and climbed the ladder."""
         mx.synchronize()
         log.info("abandoned_loop_let_go", steps=self.steps)
+        self.unwinding_until = time.monotonic() + leaving.UNWIND_TIMEOUT_S
         leaving.turn.set()
-        # This loop's own wait, and a bounded one: it beats meanwhile, as a step
-        # does. The stall limit (stall_min_s, 3 s) can be shorter than the wait,
-        # and a stall judged here would abandon this loop too, count a failure on
-        # each of its requests and climb the ladder.
-        me = threading.get_ident()
-        deadline = time.monotonic() + leaving.UNWIND_TIMEOUT_S
-        while not leaving.left.wait(leaving.LOOK_S):
-            now = time.monotonic()
-            if self.lifecycle.owner != me:
-                return  # the engine was taken from this loop meanwhile: _loop_polled stops it
-            if now >= deadline:
+        try:
+            if not leaving.left.wait(leaving.UNWIND_TIMEOUT_S):
                 log.warning("abandoned_loop_slow_to_leave", timeout_s=leaving.UNWIND_TIMEOUT_S)
-                return
-            self.last_beat = now
+        finally:
+            self.unwinding_until = None
+        if self.lifecycle.owner == threading.get_ident():
+            self.last_beat = time.monotonic()  # alive again (the watchdog skips the wait's gap)
 
     def _ready(self) -> None:
         """The first loop asked for work (the lifecycle's STARTING -> READY)."""
@@ -291,26 +290,28 @@ class GuardianEngine(stock.loop.GuardedResponseGenerator):
             stock.loop.route_loop_thread(observe=self._observe_step, pin=self.failures.pin_on_request,
                                          batch_made=self.memory.batch_made, returned=self._check_owner)
             self._restart_until_stopped(run_stock_loop)
-        except EngineAbandoned as leaving:
-            # A stuck step that raised late left its exception in this one's context.
-            # One that came through pluggy (a step hook's) sits in a cycle with its
-            # frames (guardian.engine.restart), which only a collection frees, on
-            # whichever thread runs it: they are cleared here, while the live loop waits.
-            release_dead_loop(leaving)
+        except EngineAbandoned as abandoned_exc:
+            # The exception's traceback holds stock's frames, and they the batch's
+            # arrays (its KV caches): cleared here, by this thread, while the live
+            # loop waits, with those of an exception it carries (a stuck step that
+            # raised late; one through pluggy, a step hook's, sits in a cycle that
+            # only a collection frees, on whichever thread runs it). Parked inside
+            # this clause with them, the thread kept the batch for good.
+            try:
+                release_dead_loop(abandoned_exc)
+            except Exception:  # noqa: BLE001 - parked all the same (its exit is what must not happen)
+                log.exception("abandoned_loop_release_failed")
             abandoned = True
         except BaseException:
             # A bug here would leave a live process that never generates:
             # exactly the incident. Answer everyone and exit instead.
             log.critical("engine_guard_failed", exc_info=True)
             self.give_up("the engine's loop guard failed")
-        if abandoned:
-            # Out of the except clause, so the exception's traceback is gone, and
-            # with it stock's frames and what they held: the batch's arrays (its
-            # KV caches), freed here, by this thread, while the live loop waits.
-            # Parked inside the clause, the thread kept them for good.
+        if abandoned:  # out of the clause: the exception itself goes too
             self._park_abandoned_loop()
 
     def _park_abandoned_loop(self) -> None:
+        """Tell the live loop this thread has unwound, and never end."""
         leaving: Optional[_Leaving] = getattr(self._leaving, "way_out", None)
         log.warning("abandoned_loop_exited", thread=threading.current_thread().name,
                     parked=leaving is not None, steps=self.steps)
@@ -519,10 +520,8 @@ class GuardianEngine(stock.loop.GuardedResponseGenerator):
 class _Leaving:
     """An abandoned loop thread's way out, opened by the live loop (a loop chore)."""
 
-    # The live loop waits this long for the thread to unwind, then goes on;
-    # it looks this often whether it still owns the engine, and beats.
+    # The live loop waits this long for the thread to unwind, then goes on.
     UNWIND_TIMEOUT_S = 5.0
-    LOOK_S = 0.1
 
     def __init__(self):
         self.turn = threading.Event()  # the abandoned thread may unwind now

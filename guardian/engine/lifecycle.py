@@ -154,9 +154,11 @@ class Lifecycle:
         self.backoff_until = time.monotonic() + delay_s
 
     # -- other threads ----------------------------------------------------------
-    def verified(self) -> bool:
-        """A probe generated on the loop that replaced a stuck or failed one."""
-        return self._event("verified")
+    def verified(self, stalls_seen: Optional[int] = None) -> bool:
+        """A probe generated on the loop that replaced a stuck or failed one; refused
+        if a stall was taken since the probe began (``stalls`` was ``stalls_seen``):
+        the loop on trial now is another, which no probe has proven."""
+        return self._event("verified", stalls_seen=stalls_seen)
 
     def stalled(self, rung: str, stalls_seen: Optional[int] = None) -> bool:
         """The watchdog saw no progress: abandon the loop thread; its
@@ -191,7 +193,7 @@ class Lifecycle:
             before = self._state
             after = TRANSITIONS[event].get(before) if owns else None
             if details.get("stalls_seen") not in (None, self.stalls):
-                after = None  # judged before another stall replaced the loop: that loop is gone
+                after = None  # judged of a loop another stall has replaced since: stale
             if after is not None:
                 self._state = after
                 callback = self._record(event, before, after, details)

@@ -225,6 +225,11 @@ class StallDetector:
     def _check_progress(self, now: float) -> None:
         engine = self.engine
         stalls_seen = engine.lifecycle.stalls
+        if engine.unwinding_until is not None:
+            # The live loop waits, bounded, for an abandoned one to unwind: no stall,
+            # and the gap that spans the wait is no step's (it would raise the pace).
+            self.pace.paused()
+            return
         beat = engine.last_beat
         age = self.heartbeat_age(now)
         self._observe_pace(beat)
@@ -300,9 +305,8 @@ class StallDetector:
         ladder = self.settings.ladder
         completed = self.engine.ledger.completed_for_users
         progressed = self._completed_at_stall is not None and completed > self._completed_at_stall
-        if progressed:  # judged by progress, as failures are: give up only when nothing moves
-            self.stalls = RecentEvents(self.settings.ladder_window_s)
-        stalls_in_window = self.stalls.count() + 1
+        # Judged by progress, as failures are: give up only when nothing moves.
+        stalls_in_window = 1 if progressed else self.stalls.count() + 1
         action = ladder[min(stalls_in_window, len(ladder)) - 1]
         reason = f"{why} for {heartbeat_age_s:.1f} s"
         abandoned, most = self.engine.abandoned_loop_threads, self.settings.max_abandoned_loops
@@ -312,6 +316,8 @@ class StallDetector:
         stuck_at = stack_of(self.engine.lifecycle.owner)  # before a replacement owns the engine
         if not self.engine.lifecycle.stalled(action, stalls_seen):
             return  # the engine gave up or stopped meanwhile, or the loop judged was replaced
+        if progressed:  # (only once the stall is taken: a refused judgment changes nothing)
+            self.stalls = RecentEvents(self.settings.ladder_window_s)
         self.stalls.add()
         self._completed_at_stall = completed
         log.error(
@@ -423,7 +429,7 @@ class StallDetector:
         stalls_seen = self.engine.lifecycle.stalls  # the loop on trial now is the one probed
         try:
             if self.run_probes()["ok"]:
-                self.engine.lifecycle.verified()
+                self.engine.lifecycle.verified(stalls_seen)
             elif self.engine.lifecycle.on_trial:
                 self._on_stall(self._restarted_loop_silent_for(time.monotonic()),
                                "the replacement loop failed its probe", stalls_seen)
@@ -432,7 +438,8 @@ class StallDetector:
 
     # -- readiness ------------------------------------------------------------
     def heartbeat_fresh(self) -> bool:
-        return self.heartbeat_age(time.monotonic()) < self.stall_limit_s
+        return (self.engine.unwinding_until is not None
+                or self.heartbeat_age(time.monotonic()) < self.stall_limit_s)
 
     def progressing(self) -> bool:
         """Users' work is in flight and the heartbeat moved within a probe's
