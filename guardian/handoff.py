@@ -571,7 +571,7 @@ def receive(channel: socket.socket) -> Optional[Received]:
     client = socket.socket(fileno=client_fd)
     try:
         return Received(client, journal, control_fd)
-    except OSError as e:
+    except (OSError, MemoryError, struct.error, ValueError) as e:  # a journal not read or mapped
         # Taken for the supervisor's leaving, it closed the channel for good: every later
         # completion failed (after reap_wait_s) while /health said 200.
         _give_up_unopened(client, journal, control_fd)

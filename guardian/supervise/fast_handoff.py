@@ -129,8 +129,11 @@ class FastHandOff:
         word = self.word = self.handed.wait()
         self.server.handoff_over(self)
         supervisor = self.server.supervisor
+        opened = word != handoff.NOT_OPENED  # else the child never had the request
         supervisor.quarantine.end_fast_relay(self.child.generation, self.relay,
-                                             answered=word == handoff.DONE)
+                                             answered=word == handoff.DONE, sent=opened)
+        if opened:
+            supervisor.metrics.passed_handed_off.inc()
         self.server.handoffs_in_flight.__exit__(None, None, None)
         if word == handoff.DONE:
             supervisor.in_flight.__exit__(None, None, None)
@@ -199,7 +202,6 @@ def try_fast_hand_off(server, incoming) -> bool:
     # The child has the request: from here on it answers, whatever happens here.
     supervisor.in_flight.__enter__()
     server.handoffs_in_flight.__enter__()
-    supervisor.metrics.passed_handed_off.inc()
     passed = FastHandOff(server, child, handed, buffer, incoming.address, access, relay, incoming.sock)
     passed.due = first_deadline(head, supervisor.core.request_timeout_s, passed.handed_at)
     server.handoff_begun(passed)

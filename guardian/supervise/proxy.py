@@ -774,7 +774,6 @@ class ProxyHandler(BaseHTTPRequestHandler):
             return CHILD_GONE
         if handed is None:
             return RELAY_INSTEAD
-        self.server.supervisor.metrics.passed_handed_off.inc()
         # The child watches for the client's leaving now: the client closing once
         # it has the child's answer is no news here.
         self.server.unwatch_client(self.connection)
@@ -782,6 +781,8 @@ class ProxyHandler(BaseHTTPRequestHandler):
             if self.relay_record is not None:
                 self.relay_record.stream = handed.progress()
             word = handed.wait()
+            if word != handoff.NOT_OPENED:  # counted once the child had it (its word says)
+                self.server.supervisor.metrics.passed_handed_off.inc()
             if word == handoff.DONE:
                 if self.relay_record is not None:
                     self.relay_record.answered = True
@@ -795,6 +796,8 @@ class ProxyHandler(BaseHTTPRequestHandler):
                 return REFUSED_BY_STOPPING_CHILD
             if word == handoff.NOT_OPENED:
                 self.not_opened(child)
+                if self.relay_record is not None:
+                    self.relay_record.stream = None  # (the relay's own from here)
                 if self.watched:  # relayed from here: the client's leaving is news again
                     self.server.watch_client(self.connection, self.client_left)
                 return RELAY_INSTEAD

@@ -773,14 +773,14 @@ class Supervisor:
         """SIGHUP to a guardian child once it serves. A child still starting is not sent
         it: in its first moments, before its handler exists, SIGHUP would end it; it reads
         a file saved meanwhile when its watch begins, and gets the signal once ready."""
+        if isinstance(child.proc, LauncherProcess):  # mlx.launch would die of it (LauncherProcess.send_signal)
+            log.info("signal_not_forwarded", signal="SIGHUP", pid=child.pid, why="mlx.launch would die of it")
+            return
         if child.ready_at is None:
             child.sighup_held = True
             log.info("signal_held", signal="SIGHUP", pid=child.pid, until="the child is ready")
             return
         child.sighup_held = False
-        if isinstance(child.proc, LauncherProcess):  # mlx.launch would die of it (LauncherProcess.send_signal)
-            log.info("signal_not_forwarded", signal="SIGHUP", pid=child.pid, why="mlx.launch would die of it")
-            return
         log.info("signal_forwarded", signal="SIGHUP", pid=child.pid)
         signal_quietly(child.proc, signal.SIGHUP)
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import structlog
 
 from guardian import handoff
-from tests.plugins.stock_step_faults import _disarm
+from tests.plugins.arming import disarm
 
 log = structlog.get_logger("tests.journal_faults")
 
@@ -37,7 +37,7 @@ class FailingMmap:
         self.armed_by = armed_by
 
     def mmap(self, fileno: int, length: int, *args, **kwargs):
-        if not _disarm(self.armed_by):
+        if not disarm(self.armed_by):
             return mmap.mmap(fileno, length, *args, **kwargs)
         log.warning("journal_map_failed", length=length)
         raise OSError(errno.ENOMEM, os.strerror(errno.ENOMEM))

@@ -56,6 +56,7 @@ from dataclasses import dataclass, field
 import structlog
 
 import guardian
+from tests.plugins.arming import disarm
 
 log = structlog.get_logger("tests.stock_step_faults")
 # The module (the package's ``mlx_lm.generate`` attribute is the function).
@@ -123,7 +124,7 @@ class StockStepFaults:
                 plugin.released.wait(settings.delay_s)
             if settings.prefill_delay_s and call >= settings.prefill_delay_from_call and _prefills(generator):
                 plugin.released.wait(settings.prefill_delay_s)
-            if settings.raise_message and _prefills(generator) and _disarm(settings.armed_by):
+            if settings.raise_message and _prefills(generator) and disarm(settings.armed_by):
                 log.warning("stock_step_raise", call=call, message=settings.raise_message)
                 raise RuntimeError(settings.raise_message)
             if call == settings.hang_at_call:
@@ -136,7 +137,7 @@ class StockStepFaults:
                 log.warning("stock_step_busy_ended", call=call)
             responses = stock_next(generator)
             # (prompt responses, generation responses), in 0.31 and 0.32
-            if settings.token_delay_s and responses[1] and _disarm(settings.token_delay_armed_by):
+            if settings.token_delay_s and responses[1] and disarm(settings.token_delay_armed_by):
                 log.warning("stock_step_slow_token", call=call, delay_s=settings.token_delay_s)
                 weakref.finalize(generator, log.warning, "stock_step_slow_token_batch_freed", call=call)
                 _wait_for_file(settings.token_delay_released_by, settings.token_delay_s, plugin.released)
@@ -177,22 +178,6 @@ def _burn_cpu(seconds: float) -> None:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         sum(i * i for i in range(10_000))
-
-
-def _disarm(path: str) -> bool:
-    """Whether the arming file was there: one use of it. A file holding a
-    number N arms N uses; it is gone after the last."""
-    try:
-        with open(path) as armed:
-            left = int(armed.read().strip() or 1) - 1
-        if left > 0:
-            with open(path, "w") as armed:
-                armed.write(str(left))
-        else:
-            os.remove(path)
-    except (FileNotFoundError, IsADirectoryError, PermissionError, ValueError):
-        return False
-    return True
 
 
 def _prefills(generator) -> bool:
