@@ -29,6 +29,9 @@ DISTRIBUTION = "mlx-guardian"
 REQUIRED_HOOKS = {
     "on_engine_error": "decides what follows an engine failure (the built-in: recovery)",
     "probe": "proves that generation works (the built-in: generation_probe)",
+    # Without one, every request was let in, keys and protected mode notwithstanding,
+    # while the start line still named the door's mode.
+    "check_access": "lets a request in or refuses it at the door (the built-in: access)",
 }
 
 

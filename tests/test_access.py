@@ -432,6 +432,27 @@ def test_a_supervised_child_serves_only_its_supervisor(monkeypatch):
     assert guessed.error.code == "not_from_supervisor"
 
 
+def test_a_wrong_relay_key_on_a_public_path_forges_no_client_for_the_plugins_turn(monkeypatch):
+    # A local process may ask a child's /health without the key; one that sent a wrong key
+    # and named a client and a key name was let in as that client ("admin" in the access
+    # log, and to every plugin after), its key taken as checked.
+    from guardian.serving.handler import decide_access
+
+    monkeypatch.setenv("MLX_GUARDIAN_RELAY_KEY", "k" * 32)
+    policy = make_door(AccessSettings(), bound_host="127.0.0.1", allowed_origins=None, supervised_child=True)
+
+    def decided(key: str):
+        request = AccessRequest("GET", "/health", headers(("X-Guardian-Relay-Key", key),
+                                                          ("X-Guardian-Client", "alice"),
+                                                          ("X-Guardian-Key-Name", "admin")), "127.0.0.1")
+        return decide_access(None, policy, request)
+
+    forged = decided("guess")
+    assert forged.allowed and (forged.client, forged.key_name) == ("127.0.0.1", None)
+    relayed = decided("k" * 32)
+    assert relayed.allowed and (relayed.client, relayed.key_name) == ("alice", "admin")
+
+
 def test_addresses_and_names():
     assert is_loopback_address("127.0.0.2") and is_loopback_address("::1")
     assert not is_loopback_address("192.0.2.1") and not is_loopback_address("localhost")

@@ -127,7 +127,8 @@ def test_a_plugin_that_cannot_load_is_a_configuration_error(tmp_path, installed_
         make_plugin_manager(config_with(tmp_path))
 
 
-@pytest.mark.parametrize("hook, plugin", [("on_engine_error", "recovery"), ("probe", "generation_probe")])
+@pytest.mark.parametrize("hook, plugin", [("on_engine_error", "recovery"), ("probe", "generation_probe"),
+                                          ("check_access", "access")])
 def test_a_required_hook_missing_at_start_is_a_clear_error(tmp_path, hook, plugin):
     with pytest.raises(ConfigError, match=rf"no plugin implements {hook}"):
         make_plugin_manager(config_with(tmp_path, f'[guardian]\ndisabled_plugins = ["{plugin}"]\n'))

@@ -524,7 +524,10 @@ def decide_access(pm, door, request: AccessRequest) -> Optional[AccessDecision]:
     decision = door.decided_by_relay_key(request) if door is not None else None
     if decision is not None:
         return decision
-    request = for_plugins(request, key_checked=door is not None and door.relay_key is not None)
+    # Checked: only a key that matched (a public path lets a wrong one this far, and a
+    # plugin's turn that took its word would see the client and key name it forges).
+    request = for_plugins(request, key_checked=door is not None and door.relay_key is not None
+                          and relay_protocol.relayed_by_supervisor(request.headers))
     if pm is None:
         return door.check(request) if door is not None else None
     # Each plugin's on its own: one that raises, or answers something other than an
