@@ -16,9 +16,10 @@ the next child (``guardian.relay_protocol``). So per request it makes:
   maps the file and copies each record in: no system call per streamed token);
 - a **control** pipe, on which the child says ``DONE`` (or ``GIVEN_BACK``:
   a stopping child that took nothing on; or ``NOT_OPENED``: it could not
-  read or map the journal, and the supervisor relays the request instead)
-  and whose end a dying child closes without a word (a pipe, not a socket pair: a Unix socket passed in a
-  message costs the kernel's in-flight accounting, and one more system call).
+  read or map the journal, and the supervisor sends the request again) and
+  whose end a dying child closes without a word (a pipe, not a socket pair:
+  a Unix socket passed in a message costs the kernel's in-flight accounting,
+  and one more system call).
 
 Both go to the child with the client's socket over the child's hand-off
 socket, inherited when the child started. The child writes through a
