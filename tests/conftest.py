@@ -437,6 +437,14 @@ TOOLS = [
 ]
 
 
+def read_to_the_end(sock: socket.socket) -> bytes:
+    """What ``sock`` receives until its peer closes (a reset raises)."""
+    got = b""
+    while chunk := sock.recv(65536):
+        got += chunk
+    return got
+
+
 def send_raw(port: int, body: dict, rcvbuf: int = 0, path: str = "/v1/chat/completions") -> socket.socket:
     """POST ``body`` on a socket of its own, its answer left unread: the caller reads it, or
     closes the socket to leave. ``rcvbuf``: a small receive buffer, for a client that reads

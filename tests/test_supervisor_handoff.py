@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import chat_body, poll, read_stream
+from conftest import chat_body, poll, read_stream, read_to_the_end
 from guardian import handoff, relay_protocol
 from guardian.supervise.fast_handoff import RequestHead, first_deadline
 from test_supervisor import COMPLETIONS, SLOW_STEPS, start_supervisor  # noqa: F401 - a fixture
@@ -246,9 +246,7 @@ def test_a_child_dying_mid_write_leaves_the_supervisor_knowing_what_the_client_h
             server.sendall(rest)  # the supervisor completes the cut event
             handed.close()
             server.shutdown(socket.SHUT_WR)
-            got = b""
-            while chunk := client.recv(65536):
-                got += chunk
+            got = read_to_the_end(client)
         finally:
             client.close()
             server.close()
@@ -287,9 +285,7 @@ def test_the_journal_holds_whole_records_only_and_grows_past_its_first_mapping()
         with pytest.raises(OSError):
             received.write(client, b"data: after the end\n\n")
         client.shutdown(socket.SHUT_WR)
-        got = b""
-        while chunk := reader.recv(65536):
-            got += chunk
+        got = read_to_the_end(reader)
         # The client got each event as it is, its tag only in the journal.
         assert got.endswith(data + big) and relay_protocol.TOKENS_COMMENT not in got
     finally:

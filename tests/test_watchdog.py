@@ -22,7 +22,7 @@ from datetime import datetime
 import httpx
 import pytest
 
-from conftest import SharedServer, chat_body, poll, read_stream
+from conftest import SharedServer, chat_body, poll, read_stream, read_to_the_end
 from guardian.exit_codes import EXIT_ENGINE_STALLED
 
 
@@ -215,13 +215,6 @@ def test_deep_readiness_checks_at_once_share_their_probe_rounds(watched_server):
     # Each answer's round began after its check asked: none older than the first round.
     bodies = [json.loads(a.partition(b"\r\n\r\n")[2]) for a in answers]
     assert len({body["last_probe"]["at"] for body in bodies}) <= 2
-
-
-def read_to_the_end(sock: socket.socket) -> bytes:
-    answer = b""
-    while chunk := sock.recv(65536):
-        answer += chunk
-    return answer
 
 
 # The hang is this request's own (its third logits-processor call, after its
