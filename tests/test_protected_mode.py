@@ -36,6 +36,7 @@ pytestmark = [
 ]
 
 IP, WITHOUT_IP = system_tool("ip", "iproute2")
+UNSHARE, WITHOUT_UNSHARE = system_tool("unshare", "util-linux")
 COMPLETIONS = "/v1/chat/completions"
 PUBLIC_PATHS = ("/health", "/livez", "/readyz")
 # alice's key is in the file as it is; bob's only as its SHA-256.
@@ -259,6 +260,36 @@ def test_with_keys_the_network_is_served_with_a_key(netns, plain):
     [started] = server.events("server_started")
     assert started["access"] == "api_keys"
     assert_keys_checked(netns, server)
+
+
+def test_a_localhost_the_hosts_file_maps_to_the_network_is_no_loopback(netns, tmp_path, model_cache):
+    """``--host localhost`` binds wherever the name resolves. A hosts file that maps it to a
+    LAN address (a mistake, or a wish to be reachable) puts the server on the network, where
+    protected mode must hold as for any address: the name alone proves nothing."""
+    if UNSHARE is None:
+        pytest.skip(WITHOUT_UNSHARE)
+    hosts = tmp_path / "hosts"
+    hosts.write_text(f"{netns.address} localhost\n")
+    port, log_path = free_port(), tmp_path / "server.log"
+    # The server alone sees that hosts file: a mount namespace of its own, with the file
+    # mounted over /etc/hosts (the tests' resolver and everything else keep the machine's).
+    command = [UNSHARE, "--mount", "sh", "-c", 'mount --bind "$0" /etc/hosts && exec "$@"', str(hosts),
+               sys.executable, "-m", "guardian", "--host", "localhost", "--port", str(port),
+               "--guardian-config", str(tmp_path / "none.toml")]
+    (tmp_path / "none.toml").write_text(PROTECTED)
+    with open(log_path, "w") as log_file:
+        proc = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, cwd=Path(__file__).parents[1],
+                                env={**os.environ, "MLX_GUARDIAN_CACHE": str(model_cache)})
+    server = Server(proc, port, log_path)
+    server.url = f"http://{netns.address}:{port}"  # where "localhost" put it
+    try:
+        [started] = server.wait_for_event("server_started", timeout=60)
+        assert started["host"] == "localhost" and started["access"] == "protected", started
+        server.wait_healthy()
+        refused = netns.request(*completion(netns, server))
+        assert refused["status"] == 403 and error_of(refused)["code"] == "protected_mode", refused
+    finally:
+        server.stop()
 
 
 @pytest.mark.subprocess_mode

@@ -160,11 +160,11 @@ def is_unspecified_address(address: str) -> bool:
 
 def bound_to_loopback(host: str) -> bool:
     """Whether a server bound to ``host`` can be reached only from this machine."""
-    if host in LOOPBACK_NAMES:
-        return True
     if is_ip_literal(host):
         return is_loopback_address(host)
-    try:  # a name: loopback only when every address it resolves to is
+    # A name, ``localhost`` too: loopback only when every address it resolves to is. Binding
+    # resolves it the same way, and a hosts file may map ``localhost`` to a LAN address.
+    try:
         addresses = {info[4][0] for info in socket.getaddrinfo(host, None)}
     except OSError:
         return False
