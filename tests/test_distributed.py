@@ -473,16 +473,26 @@ def test_a_supervised_group_whose_model_cannot_load_ends_with_code_3_after_one_r
     assert gave_up["exit_code"] == EXIT_BOOT_ERROR
 
 
-def test_the_groups_exit_code_is_a_rank_that_failed_of_its_own(tmp_path):
-    from guardian.distributed.launch import group_exit_code
+def test_the_groups_exit_code_is_a_rank_that_failed_of_its_own_and_its_files_are_taken(tmp_path):
+    from guardian.distributed.launch import LauncherProcess, take_group_exit_code
 
     path = str(tmp_path / "group-1-exit-code")
-    assert group_exit_code(path) is None  # no rank left one: the launcher's code stands
-    for rank, code in ((0, 7), (1, 3)):  # rank 1's model failed; rank 0 left for that
-        (tmp_path / f"group-1-exit-code.rank{rank}").write_text(str(code))
-    assert group_exit_code(path) == (1, 3)
-    (tmp_path / "group-1-exit-code.rank1").write_text("0")
-    assert group_exit_code(path) == (0, 7)
+    assert take_group_exit_code(path) is None  # no rank left one: the launcher's code stands
+
+    def leave(*codes: int) -> None:
+        for rank, code in enumerate(codes):
+            (tmp_path / f"group-1-exit-code.rank{rank}").write_text(str(code))
+
+    leave(7, 3)  # rank 1's model failed; rank 0 left for that
+    assert take_group_exit_code(path) == (1, 3)
+    leave(7, 0)
+    assert take_group_exit_code(path) == (0, 7)
+    # A launcher that exited 0 takes its ranks' word once, and their files go: a group
+    # restarted for weeks leaves none behind in the supervisor's folder.
+    leave(0, 3)
+    launcher = LauncherProcess([sys.executable, "-c", "pass"], exit_code_file=path)
+    assert launcher.wait(timeout=30) == 3 and launcher.ranks_code == (1, 3)
+    assert list(tmp_path.iterdir()) == [] and launcher.poll() == 3
 
 
 @pytest.mark.one_version

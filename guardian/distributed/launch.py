@@ -15,6 +15,7 @@ Imports no mlx.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import shutil
@@ -83,6 +84,7 @@ class LauncherProcess(subprocess.Popen):
         # The launcher exited 0, unasked, and no rank left a code: a rank crashed or was
         # killed before it could (``returncode`` is then EXIT_GROUP_FAILED, not the launcher's 0).
         self.codes_missing = False
+        self.codes_taken = False
         super().__init__(args, start_new_session=True, **kwargs)
 
     def poll(self):
@@ -92,15 +94,21 @@ class LauncherProcess(subprocess.Popen):
         return self._as_the_groups(super().wait(timeout))
 
     def _as_the_groups(self, code: Optional[int]) -> Optional[int]:
-        if code == 0 and self.exit_code_file and self.ranks_code is None and not self.codes_missing:
-            self.ranks_code = group_exit_code(self.exit_code_file)
-            if self.ranks_code is not None:
-                self.returncode = code = self.ranks_code[1]
-            elif not self.stop_sent:
-                # mlx.launch exits 0 whatever its ranks did: a group that ended unasked with
-                # no rank's word is a failure (it read as a clean stop, exit_0 in the metrics).
-                self.codes_missing = True
-                self.returncode = code = EXIT_GROUP_FAILED
+        if code is None or not self.exit_code_file or self.codes_taken:
+            return code  # Popen keeps ``returncode``: what is set here is what later calls see
+        self.codes_taken = True
+        # Taken once, and the files removed: a group restarted for weeks leaves none behind.
+        ranks_code = take_group_exit_code(self.exit_code_file)
+        if code != 0:
+            return code
+        if ranks_code is not None:
+            self.ranks_code = ranks_code
+            self.returncode = code = ranks_code[1]
+        elif not self.stop_sent:
+            # mlx.launch exits 0 whatever its ranks did: a group that ended unasked with
+            # no rank's word is a failure (it read as a clean stop, exit_0 in the metrics).
+            self.codes_missing = True
+            self.returncode = code = EXIT_GROUP_FAILED
         return code
 
     def send_signal(self, signum: int) -> None:
@@ -123,16 +131,19 @@ class LauncherProcess(subprocess.Popen):
             pass
 
 
-def group_exit_code(path: str) -> Optional[tuple[int, int]]:
+def take_group_exit_code(path: str) -> Optional[tuple[int, int]]:
     """(rank, exit code) of the group: a rank's that failed of its own (3: its model would
     not load), before one that left because another failed (7), before a clean stop (0);
-    among equals, the lowest rank's. None when no rank left one (killed, or on another host)."""
+    among equals, the lowest rank's. None when no rank left one (killed, or on another host).
+    The ranks' files are removed as they are read."""
     codes = {}
     for written in Path(path).parent.glob(Path(path).name + ".rank*"):
         try:
             codes[int(written.name.rpartition(".rank")[2])] = int(written.read_text().strip())
         except (OSError, ValueError):
-            continue
+            pass
+        with contextlib.suppress(OSError):
+            written.unlink()
     if not codes:
         return None
     return min(codes.items(), key=lambda item: (item[1] == EXIT_OK, item[1] == EXIT_GROUP_FAILED, item[0]))
