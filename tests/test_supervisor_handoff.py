@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import chat_body, poll, read_stream, read_to_the_end
+from conftest import arm, chat_body, poll, read_stream, read_to_the_end
 from guardian import handoff, relay_protocol
 from guardian.supervise.fast_handoff import RequestHead, first_deadline
 from test_supervisor import COMPLETIONS, SLOW_STEPS, start_supervisor  # noqa: F401 - a fixture
@@ -418,37 +418,51 @@ def test_a_handed_off_answer_is_the_relayed_one(start_supervisor, tmp_path):
 
 
 @pytest.mark.linux("the hand-off needs the kernel's count of a socket's bytes")
-def test_a_hand_off_the_child_cannot_open_is_sent_again_and_the_next_ones_are_handed_off(
-        start_supervisor, tmp_path):
+def test_a_hand_off_the_child_cannot_open_is_sent_again_and_hand_offs_pause(start_supervisor, tmp_path):
     # Mapping a journal failed in the child (out of memory): it took that for the
     # supervisor's leaving and closed its hand-off channel for good. That request, and
     # every completion after it, waited reap_wait_s (5 s) for a death that never came,
-    # was sent again and failed (hung, here), while /health said 200.
+    # was sent again and failed (hung, here), while /health said 200. Then, with that
+    # mended, a child that could never open one paid two failed hand-offs a request.
     armed = tmp_path / "fail-journals"
     config = tmp_path / "guardian.toml"
+    pause_s = 4.0
     # A long reap_wait_s: a request taken for one a dead child dropped would wait it out.
     config.write_text('[guardian]\nplugins = ["tests.plugins.journal_faults:JournalFaults"]\n'
-                      f'[journal_faults]\narmed_by = "{armed}"\n[supervisor]\nreap_wait_s = 30\n')
+                      f'[journal_faults]\narmed_by = "{armed}"\n'
+                      f'[supervisor]\nreap_wait_s = 30\nhandoff_pause_s = {pause_s}\n')
     supervised = start_supervisor("--guardian-config", str(config))
     before = passed_counts(supervised.url)
-    # Two failures: the reader's hand-off, then the handler's, which relays it instead.
-    armed.write_text("2")
+    arm(armed, 3)  # more failures than the pause lets it meet
     with httpx.Client(timeout=60) as client:
         started = time.monotonic()
         first = client.post(supervised.url + COMPLETIONS, json=chat_body(max_tokens=8))
-        took = time.monotonic() - started
         assert first.status_code == 200, first.text
-        assert took < 15, took  # no wait for a child's death
-        after_first = passed_counts(supervised.url)
-        assert after_first == {"relayed": before["relayed"] + 1, "handed_off": before["handed_off"]}
+        assert time.monotonic() - started < 15  # no wait for a child's death
+        # The reader's hand-off failed; the handler relayed it without trying again.
+        assert passed_counts(supervised.url) == {"relayed": before["relayed"] + 1, "handed_off": before["handed_off"]}
+        [paused] = supervised.supervisor_events("handoff_not_opened")
+        assert paused["handoffs_paused_s"] == pause_s
+        # In the pause, requests are relayed, and the child is asked to open nothing.
         for _ in range(3):
             response = client.post(supervised.url + COMPLETIONS, json=chat_body(max_tokens=8))
             assert response.status_code == 200, response.text
-    assert passed_counts(supervised.url)["handed_off"] == after_first["handed_off"] + 3
-    assert not armed.exists() and len(supervised.events("journal_map_failed")) == 2
+        assert time.monotonic() - started < pause_s, "the machine was too slow to send three in the pause"
+        assert passed_counts(supervised.url) == {"relayed": before["relayed"] + 4, "handed_off": before["handed_off"]}
+        assert len(supervised.events("journal_map_failed")) == 1 and armed.read_text() == "2"
+        # Past it, hand-offs are tried again: the channel was never closed.
+        armed.unlink()
+
+        def handed_off() -> bool:
+            response = client.post(supervised.url + COMPLETIONS, json=chat_body(max_tokens=2))
+            assert response.status_code == 200, response.text
+            return passed_counts(supervised.url)["handed_off"] > before["handed_off"]
+
+        poll(handed_off, 30, interval=0.2, what="a hand-off once the pause ended")
+        assert time.monotonic() - started >= pause_s
     child_said = [e for e in supervised.events("handoff_not_opened") if e.get("logger") == "guardian.connection"]
-    assert len(child_said) == 2 and all("[Errno 12]" in e["error_message"] for e in child_said), child_said
-    assert len(supervised.supervisor_events("handoff_not_opened")) == 2
+    assert len(child_said) == 1 and "[Errno 12]" in child_said[0]["error_message"], child_said
+    assert len(supervised.supervisor_events("handoff_not_opened")) == 1
     assert not supervised.events("handoff_channel_closed")
     assert not supervised.supervisor_events("proxy_child_unreachable")
 

@@ -266,6 +266,11 @@ class SupervisorSettings(Table, name="supervisor"):
         or its stream continued on the next child). Used where the kernel counts
         a socket's bytes (Linux) and the port is plain HTTP with a guardian child,
         one process; elsewhere, and with false, every byte is relayed.""")
+    handoff_pause_s = Setting(SECONDS, 30.0, """
+        A child that could not open a hand-off (mapping its journal failed: out of
+        memory, or of mappings) is sent that request again and, for this many
+        seconds, every request relayed, before hand-offs are tried again: a child
+        that can never open one costs each request no failed hand-off. 0: no pause.""")
     launch_args = Setting(Str(), "", """
         Run the server as an mlx.launch group instead of one process: mlx.launch's
         own arguments (hosts or hostfile, backend, ...), e.g. "--backend ring -n 2".

@@ -84,6 +84,8 @@ class Child:
     stopped_on_its_own: bool = False
     # Its hand-off socket (guardian.handoff); None: every request is relayed.
     handoff: Optional[Channel] = None
+    # Until then (monotonic) its requests are relayed: it could not open a hand-off.
+    handoffs_paused_until: float = 0.0
     kill_reason: Optional[str] = None
     soft_killed_at: Optional[float] = None  # when it was sent SIGTERM, or seen stopping on its own (monotonic)
     hard_kill_at: Optional[float] = None
@@ -92,6 +94,10 @@ class Child:
     hard_kill_why: str = "after the grace"
     sighup_held: bool = False  # a SIGHUP came while it started: sent once it is ready
     paused_s: float = 0.0  # how long the supervisor was paused since it started this child
+
+    def hands_off(self) -> bool:
+        """Whether a request may be handed to it now (``handoff``), not relayed."""
+        return self.handoff is not None and time.monotonic() >= self.handoffs_paused_until
 
     @property
     def has_readyz(self) -> bool:

@@ -175,7 +175,7 @@ def try_fast_hand_off(server, incoming) -> bool:
     if server.tls is not None or incoming.headers_end < 0 or incoming.body_unread or server.busy():
         return False
     child = supervisor.serving_child()
-    if child is None or child.handoff is None or child.kill_reason is not None:
+    if child is None or not child.hands_off() or child.kill_reason is not None:
         return False
     buffer = bytes(incoming.buffer)
     head = RequestHead.parse(buffer, incoming.headers_end)

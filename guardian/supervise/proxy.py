@@ -605,7 +605,7 @@ class ProxyHandler(BaseHTTPRequestHandler):
         """Send the request to the child and relay its answer: ANSWERED; NOTHING_SENT
         if the child failed before answering; or the stream it cut, to continue.
         A first attempt is handed off where it can be (``hand_off``)."""
-        if stream is None and child.handoff is not None and not self.gone:
+        if stream is None and child.hands_off() and not self.gone:
             outcome = self.hand_off(child, body)
             if outcome is not RELAY_INSTEAD:
                 return outcome
@@ -804,9 +804,13 @@ class ProxyHandler(BaseHTTPRequestHandler):
             return self.after_handed_off_cut(child, handed)
 
     def not_opened(self, child) -> None:
-        log.warning("handoff_not_opened", path=self.logged_path, child_pid=child.pid,
-                    hint="the child could not open the hand-off (see its own handoff_not_opened); "
-                         "the request is sent again")
+        """The child could not open a hand-off: this request is sent again, and the child's
+        next ones relayed for ``handoff_pause_s`` (a lasting cause would fail each one first)."""
+        pause_s = self.server.supervisor.settings.handoff_pause_s
+        child.handoffs_paused_until = time.monotonic() + pause_s
+        log.warning("handoff_not_opened", path=self.logged_path, child_pid=child.pid, handoffs_paused_s=pause_s,
+                    hint="the child could not open the hand-off (see its own handoff_not_opened); the "
+                         "request is sent again, and requests are relayed until the pause ends")
 
     def after_handed_off_cut(self, child, handed: "handoff.HandedOff"):
         """The child died with the connection: what the client has, by the kernel's
