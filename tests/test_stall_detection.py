@@ -282,22 +282,25 @@ def test_a_new_kind_of_requests_first_token_may_compile_kernels_and_is_not_a_sta
     assert response.status_code == 200, response.text
 
 
-@pytest.mark.parametrize("late_step", ["returns", "raises"])
+@pytest.mark.parametrize("late_step", ["returns", "raises past the wait"])
 def test_a_late_step_unwinding_frees_its_batch_and_the_loop_waiting_for_it_is_no_stall(slowed_server, tmp_path,
                                                                                        late_step):
     # A stall abandons a loop; its step returns (or raises) once the replacement
     # decodes the stream it re-ran. The old thread unwinds while the live loop waits (at most
-    # 5 s), and here the stuck step's responses take 3 s to free, past the ~1-2 s
-    # stall limit. The waiting loop is alive: no second stall, no failure counted
+    # unwind_timeout_s, 5 s), and here the stuck step's responses take 3 s to free, past the
+    # ~1-2 s stall limit. The waiting loop is alive: no second stall, no failure counted
     # on its stream, which ends whole. And the abandoned loop's batch (its KV
     # caches) is freed as it unwinds: parked with stock's frames held by its
-    # exception, the thread kept it for good.
+    # exception, the thread kept it for good. A step that raises late is tried with a 1 s
+    # unwind_timeout_s: past it, the live loop goes on decoding while the old thread unwinds.
+    past_the_wait = late_step == "raises past the wait"
     armed, released = tmp_path / "slow-token", tmp_path / "slow-token-returns"
     server = slowed_server(step_faults=dict(token_delay_s=30.0, token_delay_armed_by=str(armed),
                                             token_delay_released_by=str(released), unwind_delay_s=3.0,
                                             delay_s=0.01, prefill_delay_s=0.3,
-                                            token_delay_raises="late" if late_step == "raises" else ""),
-                           watchdog=dict(stall_min_s=1.0, pace_samples=4))
+                                            token_delay_raises="late" if past_the_wait else ""),
+                           watchdog=dict(stall_min_s=1.0, pace_samples=4,
+                                         **(dict(unwind_timeout_s=1.0) if past_the_wait else {})))
 
     def fast_pace():
         return (httpx.get(server.url + "/guardian/status").json()["longest_recent_gap_s"] or 9) < 0.5
@@ -347,7 +350,14 @@ def test_a_late_step_unwinding_frees_its_batch_and_the_loop_waiting_for_it_is_no
     assert len(server.events("engine_stalled")) == 1, server.events("engine_stalled")
     assert server.events("engine_error") == []  # a late raise is the abandoned loop's, no failure's
     assert stalled["in_flight"] == 1
-    assert server.events("abandoned_loop_slow_to_leave") == []
+    if past_the_wait:
+        [slow_to_leave] = server.events("abandoned_loop_slow_to_leave")
+        assert slow_to_leave["timeout_s"] == 1.0
+        assert stamp(let_go) + 0.95 <= stamp(slow_to_leave) < stamp(left), (let_go, slow_to_leave, left)
+        # The live loop went on while the old thread still unwound.
+        assert [at for at, _ in stream["lines"] if stamp(slow_to_leave) < at < stamp(left)]
+    else:
+        assert server.events("abandoned_loop_slow_to_leave") == []
     assert abandoned_loops(server) == abandoned_before + 1
 
 

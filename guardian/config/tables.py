@@ -146,6 +146,12 @@ class WatchdogSettings(Table, name="watchdog"):
         that launchd or systemd starts a clean process; stalls far apart, each after
         requests were served, would otherwise never leave the first rung. 0: no limit.""",
         live=True)
+    unwind_timeout_s = Setting(POSITIVE_SECONDS, 5.0, """
+        A loop thread a stall replaced whose stuck step then returns unwinds (frees
+        its batch) while the live loop waits between two steps: on a GPU the two
+        threads' work must not interleave. The live loop waits this long at most,
+        then goes on (abandoned_loop_slow_to_leave) while the old thread finishes
+        unwinding. The watchdog judges no stall during the wait.""", live=True)
     probe_interval_s = Setting(Float(min=0.05), 30.0, """
         Synthetic probes run this often while the engine is idle (never while it
         visibly progresses: progress is the proof then).""", live=True)

@@ -24,6 +24,7 @@ import structlog
 
 from guardian import long_lived, stock
 from guardian.config.registry import EXIT, RELOAD, RESTART
+from guardian.config.tables import WatchdogSettings
 from guardian.engine.failures import FailureHandler
 from guardian.engine.ledger import RequestLedger
 from guardian.engine.record import RequestRecord, Stage
@@ -54,7 +55,7 @@ class GuardianEngine(stock.loop.GuardedResponseGenerator):
     steps_wait_busily = False
 
     def __init__(self, model_provider, prompt_cache_size: int, *, pm, core, on_exit: Callable[[int], None],
-                 access=None):
+                 access=None, watchdog=None):
         # Stock's __init__ starts the generation thread: everything the
         # supervisor reads is set before it.
         prompt_cache = GuardianPromptCache(prompt_cache_size, engine_thread_check=self._check_owner)
@@ -62,6 +63,7 @@ class GuardianEngine(stock.loop.GuardedResponseGenerator):
         self.pm = pm
         self.core = core
         self.on_exit = on_exit
+        self.watchdog = watchdog if watchdog is not None else WatchdogSettings()  # the live [watchdog] table
         # Every change of the engine's state goes through the lifecycle.
         self.lifecycle = Lifecycle(on_ready=self._ready, on_restarted=self._restarted,
                                    on_abandoned=self._leave_at_a_quiet_moment)
@@ -209,7 +211,7 @@ class GuardianEngine(stock.loop.GuardedResponseGenerator):
     def _let_go(self, leaving: "_Leaving") -> None:
         """On the live loop, between its steps: nothing of it in flight, then the
         abandoned thread's turn to unwind; the loop goes on once it has (or after
-        UNWIND_TIMEOUT_S).
+        ``[watchdog] unwind_timeout_s``).
 
         The wait is this loop's own, and bounded: ``unwinding_until`` tells the
         watchdog so. The stall limit (stall_min_s, 3 s) can be shorter, and a stall
@@ -217,11 +219,12 @@ class GuardianEngine(stock.loop.GuardedResponseGenerator):
         requests and climbed the ladder."""
         mx.synchronize()
         log.info("abandoned_loop_let_go", steps=self.steps)
-        self.unwinding_until = time.monotonic() + leaving.UNWIND_TIMEOUT_S
+        timeout_s = self.watchdog.unwind_timeout_s
+        self.unwinding_until = time.monotonic() + timeout_s
         leaving.turn.set()
         try:
-            if not leaving.left.wait(leaving.UNWIND_TIMEOUT_S):
-                log.warning("abandoned_loop_slow_to_leave", timeout_s=leaving.UNWIND_TIMEOUT_S)
+            if not leaving.left.wait(timeout_s):
+                log.warning("abandoned_loop_slow_to_leave", timeout_s=timeout_s)
         finally:
             self.unwinding_until = None
         if self.lifecycle.owner == threading.get_ident():
@@ -519,9 +522,6 @@ class GuardianEngine(stock.loop.GuardedResponseGenerator):
 
 class _Leaving:
     """An abandoned loop thread's way out, opened by the live loop (a loop chore)."""
-
-    # The live loop waits this long for the thread to unwind, then goes on.
-    UNWIND_TIMEOUT_S = 5.0
 
     def __init__(self):
         self.turn = threading.Event()  # the abandoned thread may unwind now

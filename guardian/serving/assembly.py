@@ -234,7 +234,8 @@ class ServedModel(AdmittingGenerator):
         live = self.live = config if isinstance(config, LiveConfig) else LiveConfig(config)
         config = live.config
         engine = engine_class(model_provider, model_provider.cli_args.prompt_cache_size,
-                              pm=pm, core=live.view("guardian"), on_exit=on_exit, access=live.view("access"))
+                              pm=pm, core=live.view("guardian"), on_exit=on_exit, access=live.view("access"),
+                              watchdog=live.view("watchdog"))
         model_access = ModelAccess(model_provider, allowed_models=config.core.allowed_models,
                                    allow_any_model=config.core.allow_any_model)
         model_access.keep_served_model()
