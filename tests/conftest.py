@@ -21,6 +21,7 @@ import tempfile
 import textwrap
 import threading
 import time
+from datetime import datetime
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -97,6 +98,11 @@ def poll(condition: Callable[[], object], timeout: float, interval: float = 0.02
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what or condition}")
         time.sleep(interval)  # the poll loop: bounded by the deadline above
+
+
+def stamp(event: dict) -> float:
+    """A JSON log line's time, in seconds since the epoch."""
+    return datetime.fromisoformat(event["timestamp"].replace("Z", "+00:00")).timestamp()
 
 
 def arm(path: Path, uses: int = 1) -> None:

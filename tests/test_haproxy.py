@@ -29,13 +29,12 @@ import signal
 import subprocess
 import threading
 import time
-from datetime import datetime
 from pathlib import Path
 
 import httpx
 import pytest
 
-from conftest import REPO, Server, chat_body, free_port, poll, spawn_guardian, system_tool
+from conftest import REPO, Server, chat_body, free_port, poll, spawn_guardian, stamp, system_tool
 
 RECIPE = REPO / "config" / "haproxy" / "haproxy.cfg"
 HAPROXY, WITHOUT_HAPROXY = system_tool("haproxy", "make system-packages: apt-get or brew install haproxy")
@@ -74,9 +73,6 @@ SUPERVISED = {"replica2"}
 API_KEY = "sk-haproxy-test-0123456789"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
-
-def stamp(event: dict) -> float:
-    return datetime.fromisoformat(event["timestamp"].replace("Z", "+00:00")).timestamp()
 
 
 class HAProxy:

@@ -16,12 +16,11 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from datetime import datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
-from conftest import REPO, chat_body, free_port, poll, read_stream
+from conftest import REPO, chat_body, free_port, poll, read_stream, stamp
 
 # What it checks does not depend on mlx-lm's version (the plugin works through the guardian's hooks, above stock):
 # `make test` runs it against the newest mlx-lm only.
@@ -124,10 +123,6 @@ def receiver():
     for r in made:
         r.close()
 
-
-def stamp(event: dict) -> float:
-    """A log line's time, in seconds."""
-    return datetime.fromisoformat(event["timestamp"].replace("Z", "+00:00")).timestamp()
 
 
 def toml_table(name: str, **settings) -> str:

@@ -18,20 +18,16 @@ from __future__ import annotations
 
 import threading
 import time
-from datetime import datetime
 from typing import Optional
 
 import httpx
 import pytest
 
-from conftest import SharedServer, chat_body, poll, read_stream
+from conftest import SharedServer, chat_body, poll, read_stream, stamp
 
 STEP_FAULTS = '[guardian]\nplugins = ["tests.plugins.stock_step_faults:StockStepFaults"]\n'
 GOAL_S = 5.0  # issue 11: a step that never returns is reported within 5 s
 
-
-def stamp(event: dict) -> float:
-    return datetime.fromisoformat(event["timestamp"].replace("Z", "+00:00")).timestamp()
 
 
 def table(name: str, **settings) -> str:

@@ -392,12 +392,16 @@ def test_a_childs_port_is_its_own_while_its_model_loads(start_supervisor, tmp_pa
     assert not supervised.supervisor_events("child_exited")
 
 
-def test_a_model_that_cannot_load_twice_in_a_row_ends_the_supervisor_with_the_childs_code(start_supervisor):
+@pytest.mark.parametrize("boot_attempts", [None, 3])
+def test_a_model_that_cannot_load_boot_attempts_times_in_a_row_ends_the_supervisor_with_the_childs_code(
+        start_supervisor, tmp_path, boot_attempts):
     # Before: five restarts more, each loading Python and mlx again, then exit 6, the
     # reason (the model) gone from the exit code. A crash loop's exit 6 is
     # test_quarantine_0_lets_the_poison_crash_loop_into_exit_6's.
+    config = tmp_path / "boot.toml"
+    config.write_text(f"[supervisor]\nboot_attempts = {boot_attempts}\n" if boot_attempts else "")
     supervised = start_supervisor("--model", "/nonexistent", "--supervisor-max-restarts", "5",
-                                  wait=False, env={"HF_HUB_OFFLINE": "1"})
+                                  "--guardian-config", str(config), wait=False, env={"HF_HUB_OFFLINE": "1"})
 
     def refused_while_restarting():
         try:
@@ -414,7 +418,8 @@ def test_a_model_that_cannot_load_twice_in_a_row_ends_the_supervisor_with_the_ch
     assert response.json()["error"]["code"] in ("engine_restarting", "engine_failed")
     assert supervised.proc.wait(timeout=60) == EXIT_BOOT_ERROR
     exits = supervised.supervisor_events("child_exited")
-    assert len(exits) == 2  # the first child and one restart: a passing shortage gets one more try
+    # By default the first child and one restart: a passing shortage gets one more try.
+    assert len(exits) == (boot_attempts or 2)
     assert all(e["returncode"] == EXIT_BOOT_ERROR and "model could not be loaded" in e["reason"] for e in exits)
     [gave_up] = supervised.supervisor_events("supervisor_gave_up")
     assert gave_up["exit_code"] == EXIT_BOOT_ERROR and "could not be loaded" in gave_up["reason"]

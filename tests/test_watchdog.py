@@ -17,17 +17,13 @@ import signal
 import socket
 import threading
 import time
-from datetime import datetime
 
 import httpx
 import pytest
 
-from conftest import SharedServer, chat_body, poll, read_stream, read_to_the_end
+from conftest import SharedServer, chat_body, poll, read_stream, read_to_the_end, stamp
 from guardian.exit_codes import EXIT_ENGINE_STALLED
 
-
-def stamp(event: dict) -> float:
-    return datetime.fromisoformat(event["timestamp"].replace("Z", "+00:00")).timestamp()
 
 
 def watchdog(**settings) -> str:

@@ -214,6 +214,11 @@ class SupervisorSettings(Table, name="supervisor"):
         crashes of a request quarantined by a child that had been ready do not count,
         and a child that completed users' requests forgives the restarts before it).""",
         flag="--supervisor-max-restarts", metavar="N")
+    boot_attempts = Setting(Int(min=1), 2, """
+        Children in a row that may fail to load the model (exit 3) before the
+        supervisor exits 3 itself, the reason intact, leaving slower retries to
+        systemd's RestartSec or launchd's ThrottleInterval. More than 1: a load may
+        meet a passing shortage (memory a dying process still held).""")
     window_s = Setting(POSITIVE_SECONDS, 300.0, """
         The crash-loop window in seconds, of the supervisor's time less the time
         its children spent starting (a large model's minute-long loads would put

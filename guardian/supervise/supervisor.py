@@ -80,15 +80,11 @@ LAST_ANSWERS_S = 2.0
 SYSTEMD_ENV = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")
 # Restarting cannot fix bad flags: the child's parser said so.
 NOT_RESTARTABLE = {EXIT_USAGE}
-# A model that failed to load this many times in a row, no child ready between, fails
-# the same way every time (a wrong path, a folder it cannot write): the supervisor
-# exits with the child's code, the reason intact, and leaves slower retries to
-# systemd's RestartSec or launchd's ThrottleInterval. Once is not enough: a load may
-# meet a passing shortage.
-BOOT_FAILURES_IN_A_ROW = 2
 # A change of [access] waits this long, at most, for a ready guardian child to run the
-# file's new version or refuse it; asked this often.
+# file's new version or refuse it; asked this often. (On the main loop: bounded, short.)
 CHILD_VERDICT_WAIT_S = 3.0
+# What ``child_refused`` says of a ready child that did not say in time.
+NO_VERDICT = "no verdict"
 CHILD_VERDICT_POLL_S = 0.05
 CHILD_VERDICT_POLL_TIMEOUT_S = 1.0
 # The main loop woke this much later than due: the supervisor did not run, nor, most
@@ -308,8 +304,16 @@ class Supervisor:
             self.pending_restart = tuple(sorted(waiting))
             self.config_sha256 = fresh.sha256  # nothing it acts on changed: in force as it stands
             return
+        asked_at = time.monotonic()
         refused = self.child_refused(fresh.sha256)
-        if refused is not None:
+        if refused is NO_VERDICT:
+            # Its own file watch decides on its own: the user's new door is put in force here
+            # rather than none at all (a paused or busy child may never say, or say late).
+            log.warning("supervisor_config_applied_without_child_verdict", reason=reason,
+                        waited_s=round(time.monotonic() - asked_at, 3),
+                        hint="the child did not say whether it runs this version; its own "
+                             "config_reloaded or config_reload_failed will")
+        elif refused is not None:
             log.error("supervisor_config_reload_failed", reason=reason, error_message=f"the child refused this "
                       f"version of the file, so the supervisor keeps its settings too: {refused}")
             return
@@ -334,24 +338,32 @@ class Supervisor:
 
     def child_refused(self, sha256: Optional[str]) -> Optional[str]:
         """Why a ready guardian child refused the file's version ``sha256`` (its
-        ``config_reload_failed``); None once it runs that version, or if it cannot say
-        within ``CHILD_VERDICT_WAIT_S`` (none ready, a stock child, a child that is slow)."""
+        ``config_reload_failed``); None once it runs that version, or with none to ask
+        (none started yet, a stock child); NO_VERDICT if a ready one did not say within
+        ``CHILD_VERDICT_WAIT_S`` (busy, or its answers failed), or has stopped answering."""
         deadline = time.monotonic() + CHILD_VERDICT_WAIT_S
-        while time.monotonic() < deadline:
+        while True:
             child = self.serving_child()  # asked each time: it may be replaced meanwhile
-            if child is None or not child.has_readyz:
+            if child is None:
+                held = self.child  # one that was ready and answers no more (paused) cannot say now
+                silent = held is not None and held.ready_at is not None and not held.answered
+                return NO_VERDICT if silent and held.has_readyz else None
+            if not child.has_readyz:
                 return None
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return NO_VERDICT
             try:
-                config = child.client.get("/guardian/status", timeout=CHILD_VERDICT_POLL_TIMEOUT_S).json()["config"]
-            except Exception:  # noqa: BLE001 - any failure (a reaped child's client is closed) is no verdict
-                return None
+                config = child.client.get("/guardian/status",
+                                          timeout=min(CHILD_VERDICT_POLL_TIMEOUT_S, left)).json()["config"]
+            except Exception:  # noqa: BLE001 - any failure (a reaped child's client is closed): asked again
+                config = {}
             if config.get("sha256") == sha256:
                 return None
             failure = config.get("last_failure") or {}
             if failure.get("sha256") == sha256:
                 return failure.get("error_message") or "refused"
             threading.Event().wait(CHILD_VERDICT_POLL_S)  # the child's own watch reads the file meanwhile
-        return None
 
     def wait_for_signals(self, timeout: float) -> list[int]:
         """Every queued signal, waiting up to ``timeout`` for the first."""
@@ -550,7 +562,9 @@ class Supervisor:
                                 dead.proc.returncode)
         booted = dead.stopped_by_supervisor or dead.proc.returncode != EXIT_BOOT_ERROR or dead.ready_at is not None
         self.boot_failures = 0 if booted else self.boot_failures + 1
-        if self.boot_failures >= BOOT_FAILURES_IN_A_ROW:
+        # A model that failed to load boot_attempts times in a row, no child ready between,
+        # fails the same way every time (a wrong path, a folder it cannot write).
+        if self.boot_failures >= self.settings.boot_attempts:
             return self.give_up(f"the model could not be loaded, {self.boot_failures} children in a row "
                                 f"(exit code {EXIT_BOOT_ERROR})", EXIT_BOOT_ERROR)
         explained = bool(quarantined) and dead.ready_at is not None

@@ -5,7 +5,9 @@ A test plugin (``[guardian] plugins = ["tests.plugins.slow_start:SlowStart"]``):
 handlers) logs ``slow_start_waiting`` and holds the start for ``hold_s``, so a
 test can send a signal in the window a real model's load leaves; with
 ``hold_before_load_s``, the plugin's making holds it before the model loads
-and before the server binds its port. Nothing else.
+and before the server binds its port. With ``judge_s``, each reading of its table
+waits that long (logging ``slow_start_judging``): a plugin slow to check a file's
+new version, which delays the server's verdict on it. Nothing else.
 """
 
 from __future__ import annotations
@@ -26,6 +28,12 @@ class SlowStartSettings:
     # Held before the model loads too (as a large model's load holds it), logging
     # ``slow_start_loading``: the plugin is made before the load, the server's bind after.
     hold_before_load_s: float = 0.0
+    judge_s: float = 0.0
+
+    def __post_init__(self):
+        if self.judge_s > 0:
+            log.warning("slow_start_judging", judge_s=self.judge_s)
+            threading.Event().wait(self.judge_s)
 
 
 class SlowStart:
