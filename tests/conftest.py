@@ -443,8 +443,8 @@ TOOLS = [
 ]
 
 
-def read_to_the_end(sock: socket.socket) -> bytes:
-    """What ``sock`` receives until its peer closes (a reset raises)."""
+def read_to_the_end(sock) -> bytes:
+    """What ``sock`` (a socket, TLS or not) receives until its peer closes (a reset raises)."""
     got = b""
     while chunk := sock.recv(65536):
         got += chunk

@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 from hypothesis import strategies as st
 

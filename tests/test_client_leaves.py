@@ -19,7 +19,7 @@ import httpx
 import openai
 import pytest
 
-from conftest import BOTH_MODES, RELAYED, ModeServer, chat_body, pace, poll, scraped, send_raw
+from conftest import BOTH_MODES, RELAYED, ModeServer, chat_body, pace, poll, read_to_the_end, scraped, send_raw
 
 COMPLETIONS = "/v1/chat/completions"
 STEP_S = 0.02
@@ -111,10 +111,7 @@ def test_a_client_that_half_closes_has_left_and_gets_no_server_error(engine_serv
         for n in range(8):
             with engine_server.send_raw(chat_body(f"Wait your turn, {n}.", max_tokens=3000)) as sock:
                 sock.shutdown(socket.SHUT_WR)  # at once: its request is read, its answer not begun
-                answer = b""
-                while chunk := sock.recv(65536):
-                    answer += chunk
-                answers.append(answer)
+                answers.append(read_to_the_end(sock))
         assert answers == [b""] * 8, [a[:200] for a in answers if a]
         poll(lambda: engine_server.engine_status()["in_flight"] == 1, 5, what="the waiting requests dropped")
     finally:

@@ -19,7 +19,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from conftest import hold_at_line, poll
+from conftest import hold_at_line, poll, read_to_the_end
 from guardian.serving.connection import HeldConnections
 from guardian.serving.reader import RequestReader
 
@@ -64,10 +64,7 @@ class WatchingServer(HeldConnections, ThreadingHTTPServer):
 def get(port: int, path: str = "/") -> bytes:
     with socket.create_connection((HOST, port), timeout=WAIT_S) as sock:
         sock.sendall(f"GET {path} HTTP/1.0\r\n\r\n".encode())
-        answer = b""
-        while chunk := sock.recv(4096):
-            answer += chunk
-    return answer
+        return read_to_the_end(sock)
 
 
 @pytest.mark.skipif(sys.implementation.name != "cpython", reason="pauses a thread with sys.settrace")

@@ -27,7 +27,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import BOTH_MODES, ModeServer, Server, chat_body, free_port, pace, poll, scraped, spawn_guardian
+from conftest import BOTH_MODES, ModeServer, Server, chat_body, free_port, pace, poll, read_to_the_end, scraped, spawn_guardian
 from guardian.errors import GuardianError
 from guardian.serving import framing, sockets
 from guardian.serving.limits import ConnectionLimits
@@ -184,9 +184,7 @@ def test_a_431_to_a_client_still_sending_its_head_is_not_reset_away(held):
     with held.connect() as sock:
         sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n" + padding)
         sock.settimeout(10)
-        received = b""
-        while chunk := sock.recv(65536):  # a reset raises here: the test fails
-            received += chunk
+        received = read_to_the_end(sock)  # a reset raises here: the test fails
     assert received.startswith(b"HTTP/1.0 431") and b'"headers_too_large"' in received, received[:200]
 
 

@@ -17,7 +17,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import pytest
 
-from conftest import poll
+from conftest import poll, read_to_the_end
 from guardian.serving.connection import HeldConnections
 from guardian.serving.limits import ConnectionLimits
 from guardian.serving.reader import EXPIRE_BATCH
@@ -109,9 +109,7 @@ def test_a_connection_that_sent_bytes_waits_for_its_header_deadline_not_the_idle
     with socket.create_connection(hello_server.server_address, timeout=10) as sock:
         sock.sendall(b"GET / HTTP/1.1\r\nHo")
         started = time.monotonic()
-        answer = b""
-        while chunk := sock.recv(4096):
-            answer += chunk
+        answer = read_to_the_end(sock)
     waited = time.monotonic() - started
     assert answer.startswith(b"HTTP/1.0 408"), answer
     assert 0.9 < waited < 5, waited  # the header timeout (1.0 s), not the idle one (0.5 s)

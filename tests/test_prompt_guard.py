@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from conftest import REPO, TOOLS, Server, SharedServer, chat_body, free_port, poll, read_stream
+from conftest import REPO, TOOLS, Server, SharedServer, chat_body, free_port, poll, read_stream, read_to_the_end
 
 N_CTX = 2048
 # ~17 demo tokens a sentence: 8600 of them are the incident's ~145K tokens.
@@ -449,9 +449,7 @@ def test_a_body_over_max_body_bytes_gets_413_without_being_read(guarded_server):
     with socket.create_connection(("127.0.0.1", server.port), timeout=10) as raw:
         raw.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\n"
                     b"Content-Type: application/json\r\nContent-Length: 40000000\r\n\r\n")
-        received = b""
-        while chunk := raw.recv(65536):
-            received += chunk
+        received = read_to_the_end(raw)
     head, _, body = received.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.0 413") or head.startswith(b"HTTP/1.1 413"), head
     error = json.loads(body)["error"]

@@ -26,7 +26,7 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import SessionServer, chat_body, free_port, poll, read_stream, scraped, send_raw, spawn_guardian
+from conftest import SessionServer, chat_body, free_port, poll, read_stream, read_to_the_end, scraped, send_raw, spawn_guardian
 from guardian import handoff
 from guardian.exit_codes import EXIT_BOOT_ERROR, EXIT_OK, EXIT_SUPERVISOR_GAVE_UP, EXIT_USAGE
 
@@ -507,9 +507,7 @@ def test_stock_engine_is_proxied_and_restarted(start_supervisor, model_cache, tm
         # the handler let go of the connection, was logged proxy_client_gone).
         assert not supervised.supervisor_events("proxy_client_gone")
         reader.settimeout(60)
-        streamed = b""
-        while chunk := reader.recv(65536):
-            streamed += chunk
+        streamed = read_to_the_end(reader)
     assert streamed.startswith(b"HTTP/1.0 200 ") and streamed.rstrip().endswith(b"data: [DONE]"), streamed[-300:]
     assert re.search(rb'"completion_tokens": 1500\b', streamed), streamed[-300:]
     assert supervised.proc.wait(timeout=30) == EXIT_OK

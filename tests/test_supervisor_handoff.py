@@ -483,10 +483,7 @@ def test_a_relayed_request_at_the_header_count_the_public_port_lets_in_is_read_b
     def answer_to(head: bytes) -> bytes:
         with socket.create_connection(("127.0.0.1", supervised.port), timeout=30) as sock:
             sock.sendall(head + body)
-            answer = b""
-            while chunk := sock.recv(65536):
-                answer += chunk
-        return answer
+            return read_to_the_end(sock)
 
     for count, status in ((40, b"200"), (41, b"431")):  # Host and Content-Length among them
         others = b"".join(b"X-H%d: 1\r\n" % i for i in range(count - 2))

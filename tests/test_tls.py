@@ -24,7 +24,7 @@ import openai
 import pytest
 import trustme
 
-from conftest import SessionServer, chat_body, free_port, pace, poll, read_stream, scraped, spawn_guardian
+from conftest import SessionServer, chat_body, free_port, pace, poll, read_stream, read_to_the_end, scraped, spawn_guardian
 from guardian.access.tls import ServerCertificate
 from guardian.serving.connection import HeldConnections
 from guardian.serving.limits import ConnectionLimits
@@ -381,9 +381,7 @@ def test_a_response_that_ends_with_the_connection_ends_the_tls_session(hello_ser
     raw = socket.create_connection(hello_server.server_address, timeout=10)
     with context.wrap_socket(raw, server_hostname=HOST, suppress_ragged_eofs=False) as tls:
         tls.sendall(b"GET /stream HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")
-        received = b""
-        while chunk := tls.recv(4096):
-            received += chunk
+        received = read_to_the_end(tls)
     assert received.startswith(b"HTTP/1.0 200") and received.endswith(b"hello")
 
 
