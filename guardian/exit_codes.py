@@ -56,7 +56,8 @@ EXIT_CODES = (
              "work with this model (`flags_invalid`), or a `--host`/`--port` it cannot listen on "
              "(`http_bind_failed`, `supervisor_bind_failed`: the port taken, a host with no such address)"),
     ExitCode(EXIT_BOOT_ERROR, "the model could not be loaded",
-             "the model could not be loaded at start; under `--supervise`, by two children in a row"),
+             "the model could not be loaded at start; under `--supervise`, by `[supervisor] boot_attempts` "
+             "children in a row (2)"),
     ExitCode(EXIT_ENGINE_FAILED, "the engine kept failing",
              "the engine kept failing without progress: more than `recovery.max_failures` failures "
              "within `recovery.window_s` with no token generated or request completed between them"),

@@ -74,7 +74,6 @@ API_KEY = "sk-haproxy-test-0123456789"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
-
 class HAProxy:
     """A real haproxy process running the recipe; its servers' states seen through the stats page."""
 

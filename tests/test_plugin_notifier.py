@@ -124,7 +124,6 @@ def receiver():
         r.close()
 
 
-
 def toml_table(name: str, **settings) -> str:
     def value(v):
         if isinstance(v, bool):

@@ -29,7 +29,6 @@ STEP_FAULTS = '[guardian]\nplugins = ["tests.plugins.stock_step_faults:StockStep
 GOAL_S = 5.0  # issue 11: a step that never returns is reported within 5 s
 
 
-
 def table(name: str, **settings) -> str:
     def toml(value):
         return str(value).lower() if isinstance(value, bool) else repr(value)
@@ -278,7 +277,7 @@ def test_a_new_kind_of_requests_first_token_may_compile_kernels_and_is_not_a_sta
     assert response.status_code == 200, response.text
 
 
-@pytest.mark.parametrize("late_step", ["returns", "raises past the wait"])
+@pytest.mark.parametrize("late_step", ["raises", "returns past the wait"])
 def test_a_late_step_unwinding_frees_its_batch_and_the_loop_waiting_for_it_is_no_stall(slowed_server, tmp_path,
                                                                                        late_step):
     # A stall abandons a loop; its step returns (or raises) once the replacement
@@ -287,14 +286,14 @@ def test_a_late_step_unwinding_frees_its_batch_and_the_loop_waiting_for_it_is_no
     # ~1-2 s stall limit. The waiting loop is alive: no second stall, no failure counted
     # on its stream, which ends whole. And the abandoned loop's batch (its KV
     # caches) is freed as it unwinds: parked with stock's frames held by its
-    # exception, the thread kept it for good. A step that raises late is tried with a 1 s
+    # exception, the thread kept it for good. A step that returns late is tried with a 1 s
     # unwind_timeout_s: past it, the live loop goes on decoding while the old thread unwinds.
-    past_the_wait = late_step == "raises past the wait"
+    past_the_wait = late_step == "returns past the wait"
     armed, released = tmp_path / "slow-token", tmp_path / "slow-token-returns"
     server = slowed_server(step_faults=dict(token_delay_s=30.0, token_delay_armed_by=str(armed),
                                             token_delay_released_by=str(released), unwind_delay_s=3.0,
                                             delay_s=0.01, prefill_delay_s=0.3,
-                                            token_delay_raises="late" if past_the_wait else ""),
+                                            token_delay_raises="late" if late_step == "raises" else ""),
                            watchdog=dict(stall_min_s=1.0, pace_samples=4,
                                          **(dict(unwind_timeout_s=1.0) if past_the_wait else {})))
 

@@ -426,7 +426,7 @@ def test_a_hand_off_the_child_cannot_open_is_sent_again_and_hand_offs_pause(star
     # mended, a child that could never open one paid two failed hand-offs a request.
     armed = tmp_path / "fail-journals"
     config = tmp_path / "guardian.toml"
-    pause_s = 4.0
+    pause_s = 8.0  # four short completions fit in it on a loaded machine
     # A long reap_wait_s: a request taken for one a dead child dropped would wait it out.
     config.write_text('[guardian]\nplugins = ["tests.plugins.journal_faults:JournalFaults"]\n'
                       f'[journal_faults]\narmed_by = "{armed}"\n'

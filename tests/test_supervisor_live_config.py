@@ -105,7 +105,7 @@ def test_a_version_the_child_refuses_changes_the_public_ports_door_no_more(start
 
 
 def test_a_version_the_child_does_not_judge_in_time_is_put_in_force_at_the_door_and_said(start_supervisor, tmp_path):
-    """A change of [access] waits (CHILD_VERDICT_WAIT_S, 3 s) for the child to run the file's
+    """A change of [access] waits (child_verdict_wait_s, 2 s here) for the child to run the file's
     version or refuse it. A child that does not say in time (a plugin slow to check the
     version, here), or cannot (stopped), leaves the user's new door in force at the public
     port, and a warning that the child did not say: a transient failure to ask it ended the
@@ -113,7 +113,8 @@ def test_a_version_the_child_does_not_judge_in_time_is_put_in_force_at_the_door_
     config = tmp_path / "guardian.toml"
     plugin = '[guardian]\nplugins = ["tests.plugins.slow_start:SlowStart"]\n'
     public = '"/health", "/readyz", "/livez", "/guardian/supervisor"'  # the fixture reads the last
-    config.write_text(f"{plugin}[slow_start]\nhold_s = 0\n[access]\npublic_paths = [{public}]\n")
+    verdict = "[supervisor]\nchild_verdict_wait_s = 2\n"
+    config.write_text(f"{plugin}{verdict}[slow_start]\nhold_s = 0\n[access]\npublic_paths = [{public}]\n")
     supervised = start_supervisor("--guardian-config", str(config))
     child_pid = supervised.wait_ready()
 
@@ -121,12 +122,12 @@ def test_a_version_the_child_does_not_judge_in_time_is_put_in_force_at_the_door_
         return httpx.get(supervised.url + "/guardian/supervisor", headers={"Host": host}, timeout=5).status_code
 
     assert let_in("gpu-box.test") == 403
-    # Busy judging: its verdict comes after 6 s, past the supervisor's wait.
-    config.write_text(f"{plugin}[slow_start]\nhold_s = 0\njudge_s = 6\n[access]\npublic_paths = [{public}]\n"
-                      'allowed_hosts = ["gpu-box.test"]\n')
+    # Busy judging: its verdict comes after 8 s, well past the supervisor's wait.
+    config.write_text(f"{plugin}{verdict}[slow_start]\nhold_s = 0\njudge_s = 8\n[access]\n"
+                      f'public_paths = [{public}]\nallowed_hosts = ["gpu-box.test"]\n')
     [applied] = poll(lambda: supervised.supervisor_events("supervisor_config_applied_without_child_verdict"),
                      30, what="the version put in force without the child's word")
-    assert 3.0 <= applied["waited_s"] < 6.0
+    assert 2.0 <= applied["waited_s"] < 8.0
     assert supervised.supervisor()["config_sha256"] == hashlib.sha256(config.read_bytes()).hexdigest()
     assert let_in("gpu-box.test") == 200  # the new door at the public port
     [judged] = poll(lambda: supervised.events("config_reloaded"), 30, what="the child's own verdict, late")
@@ -136,8 +137,8 @@ def test_a_version_the_child_does_not_judge_in_time_is_put_in_force_at_the_door_
     supervised.signal_child(child_pid, signal.SIGSTOP)
     try:
         poll(lambda: supervised.supervisor_events("child_not_answering"), 30, what="the stopped child seen")
-        config.write_text(f"{plugin}[slow_start]\nhold_s = 0\njudge_s = 6\n[access]\npublic_paths = [{public}]\n"
-                          'allowed_hosts = ["other-box.test"]\n')
+        config.write_text(f"{plugin}{verdict}[slow_start]\nhold_s = 0\njudge_s = 8\n[access]\n"
+                          f'public_paths = [{public}]\nallowed_hosts = ["other-box.test"]\n')
         poll(lambda: len(supervised.supervisor_events("supervisor_config_applied_without_child_verdict")) == 2,
              30, what="the second version put in force")
         assert let_in("other-box.test") == 200 and let_in("gpu-box.test") == 403

@@ -25,7 +25,6 @@ from conftest import SharedServer, chat_body, poll, read_stream, read_to_the_end
 from guardian.exit_codes import EXIT_ENGINE_STALLED
 
 
-
 def watchdog(**settings) -> str:
     lines = ["[watchdog]", "interval_s = 0.05"]
     lines += [f"{k} = {json.dumps(v)}" for k, v in settings.items()]

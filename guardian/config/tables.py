@@ -146,12 +146,14 @@ class WatchdogSettings(Table, name="watchdog"):
         that launchd or systemd starts a clean process; stalls far apart, each after
         requests were served, would otherwise never leave the first rung. 0: no limit.""",
         live=True)
-    unwind_timeout_s = Setting(POSITIVE_SECONDS, 5.0, """
+    unwind_timeout_s = Setting(Float(min=1.0, max=60.0), 5.0, """
         A loop thread a stall replaced whose stuck step then returns unwinds (frees
         its batch) while the live loop waits between two steps: on a GPU the two
         threads' work must not interleave. The live loop waits this long at most,
         then goes on (abandoned_loop_slow_to_leave) while the old thread finishes
-        unwinding. The watchdog judges no stall during the wait.""", live=True)
+        unwinding. The watchdog judges no stall during the wait, so at most 60 s; at
+        least 1 s: a shorter one lets the two threads' work interleave whenever a batch
+        takes longer to free.""", live=True)
     probe_interval_s = Setting(Float(min=0.05), 30.0, """
         Synthetic probes run this often while the engine is idle (never while it
         visibly progresses: progress is the proof then).""", live=True)
@@ -214,6 +216,13 @@ class SupervisorSettings(Table, name="supervisor"):
         crashes of a request quarantined by a child that had been ready do not count,
         and a child that completed users' requests forgives the restarts before it).""",
         flag="--supervisor-max-restarts", metavar="N")
+    child_verdict_wait_s = Setting(Float(above=0, max=60.0), 3.0, """
+        A save that changes what the supervisor acts on ([access], [http], [guardian])
+        is put in force there once the ready child runs that version too, and not at
+        all if the child refuses it (a plugin's table wrong, which the supervisor
+        cannot check). The supervisor waits this long for the child's word; without
+        it (the child busy, or stopped) it puts the version in force and logs
+        supervisor_config_applied_without_child_verdict.""")
     boot_attempts = Setting(Int(min=1), 2, """
         Children in a row that may fail to load the model (exit 3) before the
         supervisor exits 3 itself, the reason intact, leaving slower retries to

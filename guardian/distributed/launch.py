@@ -22,6 +22,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Optional
 
@@ -84,7 +85,11 @@ class LauncherProcess(subprocess.Popen):
         # The launcher exited 0, unasked, and no rank left a code: a rank crashed or was
         # killed before it could (``returncode`` is then EXIT_GROUP_FAILED, not the launcher's 0).
         self.codes_missing = False
+        # The ranks' files are taken once, and removed (a group restarted for weeks leaves
+        # none behind), by whichever thread sees the exit first: the main loop, a handler
+        # and a metrics scrape all poll; the others wait here for the group's code.
         self.codes_taken = False
+        self._taking = threading.Lock()
         super().__init__(args, start_new_session=True, **kwargs)
 
     def poll(self):
@@ -94,22 +99,22 @@ class LauncherProcess(subprocess.Popen):
         return self._as_the_groups(super().wait(timeout))
 
     def _as_the_groups(self, code: Optional[int]) -> Optional[int]:
-        if code is None or not self.exit_code_file or self.codes_taken:
-            return code  # Popen keeps ``returncode``: what is set here is what later calls see
-        self.codes_taken = True
-        # Taken once, and the files removed: a group restarted for weeks leaves none behind.
-        ranks_code = take_group_exit_code(self.exit_code_file)
-        if code != 0:
+        if code is None or not self.exit_code_file:
             return code
-        if ranks_code is not None:
-            self.ranks_code = ranks_code
-            self.returncode = code = ranks_code[1]
-        elif not self.stop_sent:
-            # mlx.launch exits 0 whatever its ranks did: a group that ended unasked with
-            # no rank's word is a failure (it read as a clean stop, exit_0 in the metrics).
-            self.codes_missing = True
-            self.returncode = code = EXIT_GROUP_FAILED
-        return code
+        with self._taking:
+            if self.codes_taken:
+                return self.returncode  # Popen keeps it: the group's, as set below
+            ranks_code = take_group_exit_code(self.exit_code_file)
+            if code == 0 and ranks_code is not None:
+                self.ranks_code = ranks_code
+                self.returncode = ranks_code[1]
+            elif code == 0 and not self.stop_sent:
+                # mlx.launch exits 0 whatever its ranks did: a group that ended unasked with
+                # no rank's word is a failure (it read as a clean stop, exit_0 in the metrics).
+                self.codes_missing = True
+                self.returncode = EXIT_GROUP_FAILED
+            self.codes_taken = True
+            return self.returncode
 
     def send_signal(self, signum: int) -> None:
         if signum == signal.SIGHUP:

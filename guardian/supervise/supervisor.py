@@ -80,11 +80,10 @@ LAST_ANSWERS_S = 2.0
 SYSTEMD_ENV = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")
 # Restarting cannot fix bad flags: the child's parser said so.
 NOT_RESTARTABLE = {EXIT_USAGE}
-# A change of [access] waits this long, at most, for a ready guardian child to run the
-# file's new version or refuse it; asked this often. (On the main loop: bounded, short.)
-CHILD_VERDICT_WAIT_S = 3.0
 # What ``child_refused`` says of a ready child that did not say in time.
-NO_VERDICT = "no verdict"
+NO_VERDICT = object()
+# A change of [access] asks the ready guardian child this often whether it runs the file's
+# new version or refused it, for [supervisor] child_verdict_wait_s at most.
 CHILD_VERDICT_POLL_S = 0.05
 CHILD_VERDICT_POLL_TIMEOUT_S = 1.0
 # The main loop woke this much later than due: the supervisor did not run, nor, most
@@ -336,16 +335,19 @@ class Supervisor:
         self.config_sha256 = fresh.sha256  # last: a script that waits for it finds the version in force
         log.info("supervisor_config_reloaded", reason=reason, changed=sorted(changed))
 
-    def child_refused(self, sha256: Optional[str]) -> Optional[str]:
+    def child_refused(self, sha256: Optional[str]):
         """Why a ready guardian child refused the file's version ``sha256`` (its
         ``config_reload_failed``); None once it runs that version, or with none to ask
         (none started yet, a stock child); NO_VERDICT if a ready one did not say within
-        ``CHILD_VERDICT_WAIT_S`` (busy, or its answers failed), or has stopped answering."""
-        deadline = time.monotonic() + CHILD_VERDICT_WAIT_S
+        ``child_verdict_wait_s`` (busy, or its answers failed), or has stopped answering.
+        (On the file watch's thread: the main loop goes on meanwhile.)"""
+        deadline = time.monotonic() + self.settings.child_verdict_wait_s
         while True:
-            child = self.serving_child()  # asked each time: it may be replaced meanwhile
+            with self.lock:  # asked each time: it may be replaced meanwhile
+                child = None if self.holds() else self.serving()
+                held = self.child
             if child is None:
-                held = self.child  # one that was ready and answers no more (paused) cannot say now
+                # One that was ready and answers no more (paused) cannot say now.
                 silent = held is not None and held.ready_at is not None and not held.answered
                 return NO_VERDICT if silent and held.has_readyz else None
             if not child.has_readyz:
