@@ -31,6 +31,8 @@ def device_reports_free_memory() -> bool:
     return device_free_memory() is not None
 
 CUDA_OOM = "cudaMallocAsync(&data, size, stream) failed: out of memory"
+# mlx's Metal allocator when newBuffer returns nothing (its CUDA one's for managed memory too).
+METAL_NO_BUFFER = "[malloc] Unable to allocate 1073741824 bytes."
 # Four and a half of the demo model's 256-token KV blocks (131,072 bytes each).
 CONFIGURED_BUDGET = 600_000
 OOM_ONCE = f"""
@@ -100,12 +102,15 @@ def test_after_a_memory_failure_a_request_over_the_cap_runs_alone(start_server):
 @pytest.mark.skipif(device_reports_free_memory(),
                     reason="the device reports its free memory (CUDA): a planted failure with the memory "
                     "free lifts the cap at once; bench/gpu_oom.py runs a real one there")
-def test_a_memory_failure_inside_stocks_own_step_caps_the_budget_too(start_server, tmp_path):
+@pytest.mark.parametrize("message", [CUDA_OOM, METAL_NO_BUFFER], ids=["cuda", "metal_no_buffer"])
+def test_a_memory_failure_inside_stocks_own_step_caps_the_budget_too(start_server, tmp_path, message):
     """The same, with the failure raised inside stock's BatchGenerator.next
-    (tests/plugins/stock_step_faults.py), where a real allocator fails."""
+    (tests/plugins/stock_step_faults.py), where a real allocator fails: in the words of
+    mlx's CUDA allocator, and of its Metal one when the device gives no buffer (that one
+    was "unknown": no shortage seen, and a request that met it alone was blamed)."""
     arm = tmp_path / "arm"
     server = start_server('[guardian]\nplugins = ["tests.plugins.stock_step_faults:StockStepFaults"]\n'
-                          f'[stock_step_faults]\nraise_message = "{CUDA_OOM}"\narmed_by = "{arm}"\n')
+                          f'[stock_step_faults]\nraise_message = "{message}"\narmed_by = "{arm}"\n')
     big = chat_body("word " * 300, max_tokens=64)
     with httpx.Client(timeout=60) as client:
         arm.touch()  # the next prefill step raises: this request's

@@ -45,9 +45,11 @@ def classify(exc: BaseException) -> str:
     # shortage, it was answered 503 to come back for good, and capped the KV budget).
     if "maximum allowed buffer size" in text:
         return "metal_buffer_too_large"
+    # "[malloc] Unable to allocate N bytes.": Metal's newBuffer, or CUDA's managed
+    # malloc, returned nothing (mlx's allocators): the device is short now.
     if isinstance(exc, MemoryError) or any(
         marker in text.lower()
-        for marker in ("out of memory", "insufficient memory", "attempting to allocate")
+        for marker in ("out of memory", "insufficient memory", "attempting to allocate", "unable to allocate")
     ):
         return "out_of_memory"
     return "unknown"
