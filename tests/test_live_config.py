@@ -281,6 +281,45 @@ class Restarts:
         return 0, 0
 
 
+def test_memory_over_the_line_with_nothing_to_free_lets_a_request_in_while_none_is_in_flight(served):
+    """Over refuse_above with nothing in flight and both caches trimmed empty, what is in use
+    is the weights, which waiting never frees: a model past resume_below alone got 429
+    memory_pressure for the life of the process. Now one request at a time is let in."""
+    save_and_wait(served, BASE)
+    floors = len(served.events("memory_admission_at_floor"))
+    # Anything is over 1 byte; every sample (0.2 s) trims both caches empty.
+    save_and_wait(served, BASE.replace("trim_above = 0", "trim_above_bytes = 1").replace(
+        "refuse_above = 0", "refuse_above_bytes = 1\nresume_below_bytes = 1"))
+
+    def let_in(client: httpx.Client, stream: bool = False):
+        """The request's response once it is let in (the caches a last one filled are
+        trimmed at the next sample); None while refused."""
+        request = client.build_request("POST", served.url + CHAT,
+                                       json=chat_body(PROMPT, max_tokens=1500 if stream else 4, stream=stream))
+        response = client.send(request, stream=stream)
+        if response.status_code == 200:
+            return response
+        response.read()
+        assert response.status_code == 429 and response.json()["error"]["code"] == "memory_pressure", response.text
+        return None
+
+    with httpx.Client(timeout=60) as client:
+        poll(lambda: let_in(client), 30, interval=0.2, what="a request let in at the floor")
+        [said] = served.wait_for_event("memory_admission_at_floor", count=floors + 1)[floors:]
+        assert said["memory_used_bytes"] > said["resume_below_bytes"] == 1
+        # While one is in flight, the others are refused as before.
+        stream = poll(lambda: let_in(client, stream=True), 30, interval=0.2, what="a stream let in")
+        try:
+            next(stream.iter_lines())
+            refused = chat(served)
+            assert refused.status_code == 429 and refused.json()["error"]["code"] == "memory_pressure"
+        finally:
+            stream.close()  # it leaves: its generation stops
+        poll(lambda: let_in(client), 30, interval=0.2, what="a request let in once none was in flight")
+    assert len(served.events("memory_admission_at_floor")) == floors + 1  # once a pause
+    save_and_wait(served, BASE)
+
+
 def test_memory_that_grows_across_engine_restarts_is_a_suspected_leak(capsys):
     """Real mlx memory held across four 'restarts' (the plugin's hook called in-process)."""
     from guardian.observability.logs import configure_logging

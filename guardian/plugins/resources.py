@@ -16,7 +16,10 @@ Memory in use is mlx's active plus cache memory. Above ``trim_above``
 clears mlx's buffer cache and drops least recently used prompt-cache
 entries (``memory_trimmed``). Above ``refuse_above``, new requests get 429
 ``memory_pressure`` with Retry-After until memory falls below
-``resume_below`` (``memory_admission_paused`` / ``_resumed``). Memory left
+``resume_below`` (``memory_admission_paused`` / ``_resumed``), except where
+nothing is in flight and both caches are empty: what is in use then (the
+weights) frees no further by waiting, and a request is let in
+(``memory_admission_at_floor``). Memory left
 after each engine restart (less the prompt cache, which survives restarts)
 that grows restart after restart is logged as ``memory_leak_suspected``.
 """
@@ -82,6 +85,7 @@ class Resources:
         self.settings = settings
         self.device_bytes, self.device_source = device_memory()
         self.refusing = False
+        self.floor_said = False  # memory_admission_at_floor logged in this pause
         self._lock = threading.Lock()  # the refusing state: HTTP threads and the watchdog
         self.engine = None  # the EngineView, for restarts (their hook has none)
         self.after_restarts: list[int] = []
@@ -120,7 +124,24 @@ class Resources:
                         resume_below_bytes=resume, device_memory_bytes=self.device_bytes)
         elif was and not now:
             log.info("memory_admission_resumed", memory_used_bytes=used, resume_below_bytes=resume)
+            self.floor_said = False
         return now
+
+    def at_the_floor(self, engine, used: int) -> bool:
+        """Whether memory is as low as waiting can make it: no request in flight, mlx's
+        buffer cache and the prompt cache empty (trimmed). Over resume_below there, the
+        weights alone are (a model near the device's size): refusing would never end."""
+        if engine.requests_in_flight() or mx.get_cache_memory() or engine.prompt_cache_usage()[0]:
+            return False
+        if not self.floor_said:
+            self.floor_said = True
+            _, refuse, resume = self.thresholds()
+            log.warning("memory_admission_at_floor", memory_used_bytes=used, resume_below_bytes=resume,
+                        refuse_above_bytes=refuse, device_memory_bytes=self.device_bytes,
+                        hint="nothing in flight and the caches empty, memory is still over resume_below "
+                             "(the model's weights): requests are let in while none is in flight; raise "
+                             "[resources] refuse_above and resume_below, or serve a smaller model")
+        return True
 
     def maybe_trim(self, engine, used: int) -> None:
         trim, _, _ = self.thresholds()
@@ -141,6 +162,8 @@ class Resources:
         """Before any other hook reserves anything for the request (the KV budget)."""
         used = memory_in_use()
         if not self.refuse_now(used):
+            return None
+        if self.at_the_floor(engine, used):
             return None
         self.maybe_trim(engine, used)
         _, refuse, _ = self.thresholds()
