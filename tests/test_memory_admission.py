@@ -126,6 +126,31 @@ def test_a_memory_failure_inside_stocks_own_step_caps_the_budget_too(start_serve
         assert len(server.events("engine_error")) == 1
 
 
+@pytest.mark.skipif(device_reports_free_memory(),
+                    reason="the device reports its free memory (CUDA): a request over the measured cap gets "
+                    "503 at the door and never runs alone")
+def test_a_request_over_the_learned_cap_that_fails_alone_again_lowers_it_no_further(start_server, tmp_path):
+    """A request over the cap a failure taught runs alone, reserving the whole cap: less than
+    its KV. Its failure says it does not fit now, not that the cap is too high; taken for
+    that, each of a client's retries cut the cap by a quarter, until every request ran alone
+    and the rest got 429 kv_cache_budget_busy."""
+    arm = tmp_path / "arm"
+    server = start_server('[guardian]\nplugins = ["tests.plugins.stock_step_faults:StockStepFaults"]\n'
+                          f'[stock_step_faults]\nraise_message = "{CUDA_OOM}"\narmed_by = "{arm}"\n'
+                          f"[prompt_guard]\nkv_budget_bytes = {CONFIGURED_BUDGET}\nmemory_cap_hold_s = 600.0\n")
+    big = chat_body("word " * 300, max_tokens=64)
+    with httpx.Client(timeout=60) as client:
+        for attempt in range(1, 4):  # the first teaches the cap; the retries run over it, alone
+            arm.touch()  # the next step raises: this request's
+            answer = client.post(server.url + "/v1/chat/completions", json=big)
+            assert answer.status_code == 200, answer.text  # re-run after the restart
+            assert not arm.exists() and len(server.events("engine_error")) == attempt
+    lowered = server.wait_for_event("kv_budget_lowered", count=3)
+    learned = lowered[0]["kv_budget_learned_bytes"]
+    assert 0 < learned < CONFIGURED_BUDGET
+    assert [(e["kv_budget_bytes"], e["kv_budget_learned_bytes"]) for e in lowered] == [(learned, learned)] * 3
+
+
 def test_the_measured_cap_follows_the_device_and_lifts_when_memory_comes_back():
     from guardian.admission.memory_cap import MemoryCap
 

@@ -28,7 +28,8 @@ is only learned, it runs alone, in its turn (one request in flight at the
 failure capped the budget below its own size, and refusing every request as
 large kept a server whose shortage had passed from serving for ``hold_s``;
 if memory is still short, it fails alone and gets 503 ``memory_shortage``,
-guardian.engine.blame). Only a request over the configured budget (the
+guardian.engine.blame, and teaches the cap nothing: it reserved all of it, less than
+its KV). Only a request over the configured budget (the
 device's total) gets 400 ``kv_cache_budget_exceeded``. Requests that would fill the cap wait, then
 get 429 ``kv_cache_budget_busy`` (prompt_guard's queue).
 """

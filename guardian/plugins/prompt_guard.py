@@ -164,6 +164,9 @@ class PromptGuard:
         self.served_limits: Optional[ModelLimits] = None
         self.memory_cap = MemoryCap(margin=settings.kv_budget_margin, hold_s=settings.memory_cap_hold_s)
         self._kv_at_failure = 0  # KV admitted when the engine last failed
+        # Requests let in over a learned cap, alone, each reserving all of it (reserve_kv_cache).
+        self._over_the_cap_running = 0
+        self._over_the_cap_lock = threading.Lock()
 
     # -- start-up -------------------------------------------------------------
     @guardian.hookimpl
@@ -354,8 +357,20 @@ class PromptGuard:
         reserved = min(nbytes, self.budget.total_bytes)
         error = self.budget.reserve(reserved, gave_up=request_ended)
         if error is None:
-            admission.on_finish(lambda: self.budget.release(reserved))
+            alone = over_the_cap_alone and reserved < nbytes
+            if alone:
+                self._count_over_the_cap(+1)
+            admission.on_finish(lambda: self._release(reserved, alone))
         return error
+
+    def _count_over_the_cap(self, change: int) -> None:
+        with self._over_the_cap_lock:
+            self._over_the_cap_running += change
+
+    def _release(self, reserved: int, over_the_cap: bool) -> None:
+        self.budget.release(reserved)
+        if over_the_cap:
+            self._count_over_the_cap(-1)
 
     def shortage(self, admission: Admission, nbytes: int, cap: int) -> GuardianError:
         """A request over the measured cap, within the budget: 503, come back when memory is."""
@@ -378,7 +393,11 @@ class PromptGuard:
         """The first moment of an engine failure: note the KV admitted then.
         Classifying is the recovery plugin's (None: no opinion)."""
         if self.budget is not None:
-            self._kv_at_failure = self.budget.in_use
+            # A request let in over the cap reserved the cap, less than its KV: its failure
+            # says it does not fit now (its 503 memory_shortage), not that the cap is too
+            # high. Learned from, each of a client's retries cut the cap by the margin, until
+            # every request ran alone and the rest got 429 kv_cache_budget_busy.
+            self._kv_at_failure = 0 if self._over_the_cap_running else self.budget.in_use
         return None
 
     @guardian.hookimpl
