@@ -381,6 +381,59 @@ def test_a_replacement_loop_is_judged_by_its_own_silence(start_server):
     assert second["heartbeat_age_s"] < probe_s + 2.0, second
 
 
+def test_a_continuation_prefilling_after_other_steps_gets_a_first_prefill_chunks_allowance():
+    """A continuation after a failure holds its tokens and prefills them again. Judged as a
+    request past its prefill, its first chunk (whose length the watchdog cannot see) got
+    the pace of the steps before it: when it ran after others (the proof probe's decode,
+    a suspect's turn alone), a big model's 2048-token chunk took seconds against a 3 s
+    limit: a stall, and, alone at two, a blame without proof (an audit)."""
+    from queue import Queue
+    from types import SimpleNamespace
+
+    import pluggy
+
+    from guardian import hookspecs, stock
+    from guardian.config.tables import WatchdogSettings
+    from guardian.engine.ledger import RequestLedger
+    from guardian.engine.record import RequestRecord, Stage
+    from guardian.health.stall_detection import StallDetector
+
+    request, args = stock.requests.make_request("hi", max_tokens=64, cli_args=SimpleNamespace(num_draft_tokens=3))
+    record = RequestRecord(Queue(), (None, request, args), request_id="continued", stream=True, ledger=RequestLedger())
+    assert not record.prefilling  # queued: not the loop's yet
+    record.stage = Stage.STARTED  # taken by stock's loop (its context came)
+    assert record.prefilling
+    record.generated.extend([5, 6, 7])  # three tokens
+    assert not record.prefilling
+    record.prepare_rerun(continued=True)  # the engine failed under it
+    assert record.stage is Stage.QUEUED and not record.prefilling
+    in_flight: list = []
+    engine = SimpleNamespace(steps=0, lifecycle=SimpleNamespace(owner=1, restarts=1),
+                             ledger=SimpleNamespace(in_flight=lambda: list(in_flight), produced_kinds={record.kind}))
+    pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
+    pm.add_hookspecs(hookspecs)
+    detector = StallDetector(engine, pm, WatchdogSettings(stall_min_s=1.0, stall_timeout_s=30.0, pace_samples=4))
+
+    def look(beat: float, steps: int) -> float:
+        engine.steps = steps
+        detector._observe_pace(beat)
+        return detector.stall_limit_s
+
+    # Another request's steps (the proof probe's) on the restarted loop: the pace is theirs.
+    for step in range(1, 11):
+        assert look(0.02 * step, step) == (30.0 if step < 3 else 1.0)
+    # The continuation is taken: its first chunk is unknown, the ceiling applies.
+    in_flight.append(record)
+    record.stage = Stage.STARTED
+    assert record.prefilling and record.has_output
+    assert look(0.2, 10) == 30.0
+    assert look(3.2, 11) == 30.0  # that chunk took 3 s
+    # A step past it: the next chunks are judged by the first's.
+    assert look(6.2, 12) == pytest.approx(4 * 3.0)
+    record.generated.append(8)  # its first new token
+    assert not record.prefilling
+
+
 def test_failed_probes_in_a_row_past_a_thousand_still_leave_the_watchdog_looking():
     """After a failed probe the next waits probe_retry_s, doubled for each failure in a row:
     at the 1,025th (a plugin's probe failing every 30 s for 8.5 hours, sooner under deep

@@ -98,8 +98,9 @@ class WatchdogSettings(Table, name="watchdog"):
         The longest the heartbeat (engine steps, prompt progress) may stop while
         work waits, and the limit whenever the engine's pace is unknown: until
         the loop (after start or a restart) has completed a step, and while a
-        request without a token has not yet had a step go by since the watchdog
-        first saw it (its first prefill chunk, of a size the watchdog cannot see).""", live=True)
+        request the loop took (a continuation after a failure too) has no token of
+        that run and has not yet had a step go by since the watchdog first saw it
+        so (its first prefill chunk, of a size the watchdog cannot see).""", live=True)
     stall_min_s = Setting(Float(min=0.5), 3.0, """
         The shortest: a stall needs the heartbeat stopped at least this long,
         however fast the engine's steps are. Far above a healthy engine's pauses

@@ -98,6 +98,10 @@ class RequestRecord:
         self._kind_counted_in: Optional[set] = None
         self.generated: list[int] = []  # token ids sent (streaming) or held
         self.continuations = 0
+        # Its runs (a re-run or a continuation is one more), and the tokens it had when
+        # this one was queued: it prefills until it has more (``prefilling``).
+        self.runs = 1
+        self._tokens_at_run_start = 0
         # Its pace, for on_request_finished: when the handler took it (monotonic),
         # and when each token came, re-runs' included (8 bytes a token).
         self.arrived_at = time.monotonic() if arrived_at is None else arrived_at
@@ -279,6 +283,8 @@ class RequestRecord:
                 self._held.clear()
                 self.generated.clear()
                 args = self.first_args
+            self.runs += 1
+            self._tokens_at_run_start = len(self.generated)
             if self.proofs or self.isolate:
                 # A run alone, which failing could blame it: with nothing of what came before
                 # it (a prompt cache entry, a failed batch's KV), which would fail it at every
@@ -318,6 +324,12 @@ class RequestRecord:
     def tokens_left(self) -> int:
         """At most how many tokens it has yet to generate."""
         return max(0, self.first_args.max_tokens - len(self.generated))
+
+    @property
+    def prefilling(self) -> bool:
+        """Whether stock's loop has taken this run and it has no token of it yet: its
+        prompt (a continuation's with the tokens it goes on after) is being processed."""
+        return self.stage is Stage.STARTED and len(self.generated) == self._tokens_at_run_start
 
     @property
     def has_output(self) -> bool:

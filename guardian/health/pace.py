@@ -19,8 +19,9 @@ comes next is unknown:
   sampled token took 25 s; on the CPU ~0.7 s). mlx keeps mx.compile's cache
   and its command encoders per thread: a restart on the same thread keeps
   them, a loop that replaced a stuck one pays again, continuations included;
-- a request in flight has produced no token, and no engine step has both
-  begun and ended since the watchdog first saw it. Its first prefill chunk
+- a request the loop has taken has no token yet (of this run: a continuation
+  after a failure prefills its tokens again), and no engine step has both
+  begun and ended since the watchdog first saw it so. Its first prefill chunk
   may be far longer than anything seen so far (a 2048-token chunk of a big
   model takes seconds where a decode step takes milliseconds), and the
   watchdog cannot see the chunk's size. Once a step has gone by, that chunk
@@ -39,7 +40,7 @@ engine's step count: two more step starts than at the first look.
 from __future__ import annotations
 
 from collections import deque
-from typing import Iterable, Optional
+from typing import Hashable, Iterable, Optional
 
 
 class Pace:
@@ -50,15 +51,15 @@ class Pace:
         self._loop: Optional[tuple] = None
         self._loop_steps = 0  # the step count when this loop was first seen
         self._beat = 0.0
-        self._first_seen: dict[int, int] = {}  # requests without a token: the step count then
+        self._first_seen: dict[Hashable, int] = {}  # runs without a token: the step count then
         self._unknown: Optional[str] = "no look yet"
         self._skip_gap = False  # the next gap spans a pause of the whole process
 
-    def observe(self, *, beat: float, steps: int, loop: tuple, waiting: Iterable[int],
+    def observe(self, *, beat: float, steps: int, loop: tuple, waiting: Iterable[Hashable],
                 novel: bool = False) -> None:
         """One look: ``beat`` the engine's last heartbeat, ``steps`` its step count,
         ``loop`` which loop runs (a new value: a new loop), ``waiting`` the ids of
-        requests in flight that have no token yet; ``novel`` whether a
+        the runs the loop has taken that have no token yet; ``novel`` whether a
         request in flight is of a kind that has not produced a token on this loop thread."""
         if loop != self._loop:
             # What the old loop needed says nothing of the new one's first steps.

@@ -285,10 +285,12 @@ class StallDetector:
         """Feed the pace one look at the heartbeat; set how long it may stop now."""
         engine = self.engine
         lifecycle = engine.lifecycle
-        # A request with a token is past its prefill. (A continuation after a
-        # failure has tokens but prefills again: on a new loop, unknown anyway.)
+        # Runs that prefill, counted from when stock's loop took them: a continuation after
+        # a failure too (its prompt holds its tokens), and not while one waits in the
+        # guardian's queue (its turn to run alone, a place in a full batch), whose steps
+        # went by and left its first prefill chunk judged by their pace.
         in_flight = engine.ledger.in_flight()
-        waiting = [r.seq for r in in_flight if not r.has_output]
+        waiting = [(r.seq, r.runs) for r in in_flight if r.prefilling]
         # A continuation on a loop that replaced a stuck one has tokens, but none from this thread.
         produced = engine.ledger.produced_kinds
         novel = any(r.kind not in produced for r in in_flight)
