@@ -47,8 +47,12 @@ class EngineView:
         return self._engine.failures.progress()
 
     def requests_in_flight(self) -> int:
-        """Requests taken or waiting on the engine's queue, probes included."""
+        """Requests the engine's loop has taken, probes included."""
         return len(self._engine.ledger.in_flight())
+
+    def has_work(self) -> bool:
+        """Whether any request is queued, waiting to run again, or taken by the loop."""
+        return self._engine.ledger.has_work()
 
     def started_count(self) -> int:
         """Requests now prefilling or decoding."""

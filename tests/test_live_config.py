@@ -10,10 +10,12 @@ falls back.
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import os
 import signal
 import textwrap
+import threading
 
 import httpx
 import mlx.core as mx
@@ -303,10 +305,26 @@ def test_memory_over_the_line_with_nothing_to_free_lets_a_request_in_while_none_
         assert response.status_code == 429 and response.json()["error"]["code"] == "memory_pressure", response.text
         return None
 
+    def four_at_once() -> list[int]:
+        """Four requests sent together; their statuses (none let in while the caches
+        a last one filled are still there)."""
+        barrier = threading.Barrier(4)
+
+        def one(_) -> int:
+            barrier.wait(10)
+            return chat(served, max_tokens=300).status_code
+
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            return sorted(pool.map(one, range(4)))
+
     with httpx.Client(timeout=60) as client:
         poll(lambda: let_in(client), 30, interval=0.2, what="a request let in at the floor")
         [said] = served.wait_for_event("memory_admission_at_floor", count=floors + 1)[floors:]
         assert said["memory_used_bytes"] > said["resume_below_bytes"] == 1
+        # Arriving together at the floor, one is let in: the rest find its place taken.
+        statuses = poll(lambda: (s := four_at_once()) != [429] * 4 and s, 30, interval=0.2,
+                        what="four requests at the floor")
+        assert statuses == [200, 429, 429, 429], statuses
         # While one is in flight, the others are refused as before.
         stream = poll(lambda: let_in(client, stream=True), 30, interval=0.2, what="a stream let in")
         try:

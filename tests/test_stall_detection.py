@@ -422,14 +422,18 @@ def test_a_continuation_prefilling_after_other_steps_gets_a_first_prefill_chunks
     # Another request's steps (the proof probe's) on the restarted loop: the pace is theirs.
     for step in range(1, 11):
         assert look(0.02 * step, step) == (30.0 if step < 3 else 1.0)
-    # The continuation is taken: its first chunk is unknown, the ceiling applies.
+    # The loop takes it: while stock has not begun it (a model switch's load), the ceiling.
     in_flight.append(record)
+    record.stage = Stage.TAKEN
+    assert look(0.2, 10) == 30.0
+    assert look(0.21, 12) == 1.0  # steps went by: it waited beside others' work
+    # Its prefill begins: its first chunk is unknown, the ceiling applies.
     record.stage = Stage.STARTED
     assert record.prefilling and record.has_output
-    assert look(0.2, 10) == 30.0
-    assert look(3.2, 11) == 30.0  # that chunk took 3 s
+    assert look(0.22, 12) == 30.0
+    assert look(3.2, 13) == 30.0  # that chunk took 3 s
     # A step past it: the next chunks are judged by the first's.
-    assert look(6.2, 12) == pytest.approx(4 * 3.0)
+    assert look(6.2, 14) == pytest.approx(4 * 3.0)
     record.generated.append(8)  # its first new token
     assert not record.prefilling
 

@@ -40,6 +40,7 @@ from guardian.config.tables import WatchdogSettings
 from guardian.errors import BUSY_STEP_REASON, STOPPING_REASON
 from guardian.observability.counting import RecentEvents
 from guardian.engine.lifecycle import EngineState
+from guardian.engine.record import Stage
 from guardian.health.pace import Pace
 from guardian.health.step_cpu import StepCpu
 from guardian.health.thread_stack import stack_of
@@ -285,12 +286,12 @@ class StallDetector:
         """Feed the pace one look at the heartbeat; set how long it may stop now."""
         engine = self.engine
         lifecycle = engine.lifecycle
-        # Runs that prefill, counted from when stock's loop took them: a continuation after
-        # a failure too (its prompt holds its tokens), and not while one waits in the
-        # guardian's queue (its turn to run alone, a place in a full batch), whose steps
-        # went by and left its first prefill chunk judged by their pace.
+        # Runs the loop has taken that have no token yet: a continuation after a failure
+        # too, which prefills its tokens again (judged as past its prefill, one taken after
+        # others' steps had their pace for its first chunk). Keyed by stage as well: one
+        # taken waits for stock (a model switch's load), then prefills, each counted anew.
         in_flight = engine.ledger.in_flight()
-        waiting = [(r.seq, r.runs) for r in in_flight if r.prefilling]
+        waiting = [(r.seq, r.runs, r.stage) for r in in_flight if r.stage is Stage.TAKEN or r.prefilling]
         # A continuation on a loop that replaced a stuck one has tokens, but none from this thread.
         produced = engine.ledger.produced_kinds
         novel = any(r.kind not in produced for r in in_flight)

@@ -368,9 +368,11 @@ class PromptGuard:
             self._over_the_cap_running += change
 
     def _release(self, reserved: int, over_the_cap: bool) -> None:
-        self.budget.release(reserved)
-        if over_the_cap:
-            self._count_over_the_cap(-1)
+        try:
+            self.budget.release(reserved)
+        finally:
+            if over_the_cap:  # counted out whatever happens: a count left over would stop all learning
+                self._count_over_the_cap(-1)
 
     def shortage(self, admission: Admission, nbytes: int, cap: int) -> GuardianError:
         """A request over the measured cap, within the budget: 503, come back when memory is."""

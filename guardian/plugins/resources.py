@@ -57,7 +57,10 @@ class ResourcesSettings(Table, name="resources"):
     refuse_above = Setting(Float(min=0), 0.95, """
         Above this fraction, new requests get 429 memory_pressure with
         Retry-After (retry_after_s) until memory falls below resume_below;
-        requests in flight go on. Checked at each request. 0: never.""", live=True)
+        requests in flight go on. With none queued or in flight and both caches
+        trimmed empty (trim_above below this), what is left is the weights: one
+        request at a time is let in (memory_admission_at_floor). Checked at each
+        request. 0: never.""", live=True)
     refuse_above_bytes = Setting(Int(min=0), 0, """
         refuse_above as bytes; not 0: wins over the fraction.""", live=True)
     resume_below = Setting(Float(min=0), 0.9, """
@@ -86,6 +89,7 @@ class Resources:
         self.device_bytes, self.device_source = device_memory()
         self.refusing = False
         self.floor_said = False  # memory_admission_at_floor logged in this pause
+        self.floor_taken = False  # a request let in at the floor runs (under _lock)
         self._lock = threading.Lock()  # the refusing state: HTTP threads and the watchdog
         self.engine = None  # the EngineView, for restarts (their hook has none)
         self.after_restarts: list[int] = []
@@ -119,22 +123,29 @@ class Resources:
             elif was and used < resume:
                 self.refusing = False
             now = self.refusing
+            if was and not now:
+                self.floor_said = False  # the next pause says it again
         if now and not was:
             log.warning("memory_admission_paused", memory_used_bytes=used, refuse_above_bytes=refuse,
                         resume_below_bytes=resume, device_memory_bytes=self.device_bytes)
         elif was and not now:
             log.info("memory_admission_resumed", memory_used_bytes=used, resume_below_bytes=resume)
-            self.floor_said = False
         return now
 
-    def at_the_floor(self, engine, used: int) -> bool:
-        """Whether memory is as low as waiting can make it: no request in flight, mlx's
-        buffer cache and the prompt cache empty (trimmed). Over resume_below there, the
-        weights alone are (a model near the device's size): refusing would never end."""
-        if engine.requests_in_flight() or mx.get_cache_memory() or engine.prompt_cache_usage()[0]:
-            return False
-        if not self.floor_said:
-            self.floor_said = True
+    def let_in_at_the_floor(self, admission, engine, used: int) -> bool:
+        """Whether memory is as low as waiting can make it: no request queued, waiting to run
+        again or in flight, none let in at the floor and still running, mlx's buffer cache and
+        the prompt cache empty (trimmed). Over resume_below there, the weights alone are (a
+        model near the device's size): refusing would never end. Then this request is let
+        in, the only one until it ends (others arriving at once find the place taken)."""
+        with self._lock:
+            if (self.floor_taken or engine.has_work() or mx.get_cache_memory()
+                    or engine.prompt_cache_usage()[0]):
+                return False
+            self.floor_taken = True
+            say, self.floor_said = not self.floor_said, True
+        admission.on_finish(self._floor_left)
+        if say:
             _, refuse, resume = self.thresholds()
             log.warning("memory_admission_at_floor", memory_used_bytes=used, resume_below_bytes=resume,
                         refuse_above_bytes=refuse, device_memory_bytes=self.device_bytes,
@@ -142,6 +153,10 @@ class Resources:
                              "(the model's weights): requests are let in while none is in flight; raise "
                              "[resources] refuse_above and resume_below, or serve a smaller model")
         return True
+
+    def _floor_left(self) -> None:
+        with self._lock:
+            self.floor_taken = False
 
     def maybe_trim(self, engine, used: int) -> None:
         trim, _, _ = self.thresholds()
@@ -163,7 +178,7 @@ class Resources:
         used = memory_in_use()
         if not self.refuse_now(used):
             return None
-        if self.at_the_floor(engine, used):
+        if self.let_in_at_the_floor(admission, engine, used):
             return None
         self.maybe_trim(engine, used)
         _, refuse, _ = self.thresholds()
