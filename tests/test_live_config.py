@@ -338,6 +338,25 @@ def test_memory_over_the_line_with_nothing_to_free_lets_a_request_in_while_none_
     save_and_wait(served, BASE)
 
 
+def test_the_thresholds_as_fractions_of_the_device_and_resume_at_most_refuse():
+    """The fractions (the defaults; the tests above set bytes) are of the device's memory,
+    a *_bytes setting wins over its fraction, 0 turns one off, and admission resumes at the
+    refusal line at the highest (a resume_below above refuse_above would pause for good)."""
+    from guardian.plugins.resources import Resources, ResourcesSettings
+
+    plugin = Resources(ResourcesSettings())
+    device = plugin.device_bytes
+    assert device > 0
+    assert plugin.thresholds() == (int(0.85 * device), int(0.95 * device), int(0.9 * device))
+    plugin.settings = ResourcesSettings(trim_above=0, refuse_above_bytes=1000, resume_below=0.99)
+    assert plugin.thresholds() == (None, 1000, 1000)
+    plugin.settings = ResourcesSettings(refuse_above=0)
+    assert plugin.thresholds()[1] is None and not plugin.refuse_now(device)
+    # Paused above the line, resumed only below resume_below.
+    plugin.settings = ResourcesSettings(refuse_above_bytes=100, resume_below_bytes=50)
+    assert plugin.refuse_now(101) and plugin.refuse_now(60) and not plugin.refuse_now(49)
+
+
 def test_memory_that_grows_across_engine_restarts_is_a_suspected_leak(capsys):
     """Real mlx memory held across four 'restarts' (the plugin's hook called in-process)."""
     from guardian.observability.logs import configure_logging
