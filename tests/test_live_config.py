@@ -289,6 +289,7 @@ def test_memory_over_the_line_with_nothing_to_free_lets_a_request_in_while_none_
     memory_pressure for the life of the process. Now one request at a time is let in."""
     save_and_wait(served, BASE)
     floors = len(served.events("memory_admission_at_floor"))
+    disconnects_before = len(served.events("client_disconnected"))
     # Anything is over 1 byte; every sample (0.2 s) trims both caches empty.
     save_and_wait(served, BASE.replace("trim_above = 0", "trim_above_bytes = 1").replace(
         "refuse_above = 0", "refuse_above_bytes = 1\nresume_below_bytes = 1"))
@@ -328,12 +329,17 @@ def test_memory_over_the_line_with_nothing_to_free_lets_a_request_in_while_none_
         # While one is in flight, the others are refused as before.
         stream = poll(lambda: let_in(client, stream=True), 30, interval=0.2, what="a stream let in")
         try:
-            next(stream.iter_lines())
+            lines = stream.iter_lines()  # kept: a line iterator dropped closes the stream
+            next(lines)
             refused = chat(served)
             assert refused.status_code == 429 and refused.json()["error"]["code"] == "memory_pressure"
+            assert not served.events("client_disconnected")[disconnects_before:], "the stream left before the check"
         finally:
             stream.close()  # it leaves: its generation stops
         poll(lambda: let_in(client), 30, interval=0.2, what="a request let in once none was in flight")
+        # One at a time, each is let in at once: what each leaves in the caches, a trim would
+        # free, and it would not bring memory under the line (every other one was refused).
+        assert [chat(served).status_code for _ in range(4)] == [200] * 4
     assert len(served.events("memory_admission_at_floor")) == floors + 1  # once a pause
     save_and_wait(served, BASE)
 
@@ -355,6 +361,28 @@ def test_the_thresholds_as_fractions_of_the_device_and_resume_at_most_refuse():
     # Paused above the line, resumed only below resume_below.
     plugin.settings = ResourcesSettings(refuse_above_bytes=100, resume_below_bytes=50)
     assert plugin.refuse_now(101) and plugin.refuse_now(60) and not plugin.refuse_now(49)
+
+
+def test_a_supervisors_continuation_passes_memory_admission():
+    """A continuation (its prompt carries tokens a dead child made) is a stream let in before:
+    refused 429 by the next child, it was cut. Requests beside it in flight: no floor here."""
+    from types import SimpleNamespace
+
+    from guardian.errors import GuardianError
+    from guardian.plugins.resources import Resources, ResourcesSettings
+
+    held = mx.ones((1024,))  # memory in use here, over the 1-byte line
+    mx.eval(held)
+    plugin = Resources(ResourcesSettings(refuse_above_bytes=1, resume_below_bytes=1))
+    engine = SimpleNamespace(has_work=lambda: True, prompt_cache_usage=lambda: (0, 0),
+                             relieve_memory=lambda target_bytes, reason: True)
+
+    def admission(carried_tokens: int):
+        return SimpleNamespace(carried_tokens=carried_tokens, on_finish=lambda callback: None)
+
+    refused = plugin.admit_request(admission(0), engine)
+    assert isinstance(refused, GuardianError) and refused.code == "memory_pressure"
+    assert plugin.admit_request(admission(37), engine) is None
 
 
 def test_memory_that_grows_across_engine_restarts_is_a_suspected_leak(capsys):

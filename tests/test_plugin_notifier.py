@@ -238,7 +238,15 @@ def test_memory_pressure_is_one_message_per_crossing(start_server, receiver):
     notice = hook.json()
     assert notice["event"] == "memory_pressure" and notice["details"]["refuse_above_bytes"] == 1
     assert notice["details"]["memory_used_bytes"] > 1
-    response = httpx.post(server.url + "/v1/chat/completions", json=chat_body(), timeout=30)
+    # Nothing else in flight, a lone request is let in (the weights alone are over the line);
+    # beside it, the next is refused.
+    with httpx.Client(timeout=60) as client:
+        with client.stream("POST", server.url + "/v1/chat/completions",
+                           json=chat_body(max_tokens=1500, stream=True)) as stream:
+            assert stream.status_code == 200
+            lines = stream.iter_lines()
+            next(lines)
+            response = client.post(server.url + "/v1/chat/completions", json=chat_body())
     assert response.status_code == 429 and response.json()["error"]["code"] == "memory_pressure"
     # Many more samples over the line: no dedup window, yet still one notice.
     seen = len(server.events("resource_sample"))

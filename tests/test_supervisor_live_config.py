@@ -144,8 +144,20 @@ def test_a_version_the_child_does_not_judge_in_time_is_put_in_force_at_the_door_
         assert let_in("other-box.test") == 200 and let_in("gpu-box.test") == 403
     finally:
         supervised.signal_child(child_pid, signal.SIGCONT)
+    # Starting (its plugin reads the file for 8 s): asked nothing, said at once. It was taken
+    # for none to ask, and the version put in force without a word (a hunt: the child then
+    # refused it, and the public port's door ran settings the child never did).
+    supervised.signal_child(child_pid, signal.SIGKILL)
+    poll(lambda: supervised.supervisor_events("child_started")[1:], 30, what="the next child starting")
+    config.write_text(f"{plugin}{verdict}[slow_start]\nhold_s = 0\njudge_s = 8\n[access]\n"
+                      f'public_paths = [{public}]\nallowed_hosts = ["third-box.test"]\n')
+    [*_, starting] = poll(
+        lambda: supervised.supervisor_events("supervisor_config_applied_without_child_verdict")[2:], 30,
+        what="the third version put in force")
+    assert starting["waited_s"] < 1.0 and supervised.supervisor()["child"]["ready"] is False
+    assert let_in("third-box.test") == 200
     assert [e["changed"] for e in supervised.supervisor_events("supervisor_config_reloaded")] == [
-        ["access.allowed_hosts"]] * 2
+        ["access.allowed_hosts"]] * 3
     assert not supervised.supervisor_events("supervisor_config_reload_failed")
 
 

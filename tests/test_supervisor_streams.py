@@ -466,6 +466,41 @@ def test_a_stream_that_progressed_between_two_crashes_is_no_poison(start_supervi
     assert quarantine["quarantined"] == [] and quarantine["refused"] == 0
 
 
+def test_a_stream_let_in_at_the_memory_floor_is_continued_on_the_next_child(start_supervisor, tmp_path):
+    """Memory admission paused for good (1-byte thresholds: anything is over them), a stream
+    is let in at the floor; its child dies. Its continuation is a request to the next child,
+    whose start-up probe had just filled mlx's buffer cache: refused 429 memory_pressure
+    there, the stream ended with engine_restarting, cut (a hunt). A continuation is a
+    stream let in before: memory admission lets it through."""
+    config = tmp_path / "floor.toml"
+    config.write_text(SLOW_STEPS + "[resources]\ntrim_above_bytes = 1\nrefuse_above_bytes = 1\nresume_below_bytes = 1\n")
+    supervised = start_supervisor("--guardian-config", str(config))
+    first_pid = supervised.wait_ready()
+    body = greedy_stream("Go on past the memory line.", max_tokens=240)
+
+    def let_in() -> "StreamReader":
+        reader = StreamReader(supervised.url + COMPLETIONS, body)
+        reader.start()
+        poll(lambda: reader.result["status"] is not None, 60, what="the stream's status")
+        if reader.result["status"] == 200:
+            return reader
+        reader.join(timeout=30)
+        assert reader.result["status"] == 429, reader.result
+        return None
+
+    cut = poll(let_in, 60, interval=0.2, what="the stream let in at the floor")
+    poll(lambda: len(cut.result["events"]) >= 60, 60, what="events relayed before the kill")
+    os.kill(first_pid, signal.SIGKILL)
+    cut.join(timeout=120)
+    assert not cut.is_alive()
+    assert cut.result["done"] and not cut.result["errors"], cut.result["errors"]
+    [continuing] = supervised.supervisor_events("stream_continuing")
+    assert continuing["dead_child_pid"] == first_pid
+    assert not supervised.supervisor_events("stream_continuation_refused")
+    whole = streamed(cut.result)
+    assert whole["finish_reason"] == "length" and whole["usage"]["completion_tokens"] == 240, whole
+
+
 def test_streams_waiting_for_the_next_child_are_kept_alive(start_supervisor, tmp_path):
     """Two identical streams whose child died wait for the next one: its start (a model's
     load; here a start held 4 s), then their turns to run alone, sent nothing, and a client

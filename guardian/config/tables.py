@@ -222,7 +222,7 @@ class SupervisorSettings(Table, name="supervisor"):
         is put in force there once the ready child runs that version too, and not at
         all if the child refuses it (a plugin's table wrong, which the supervisor
         cannot check). The supervisor waits this long for the child's word; without
-        it (the child busy, or stopped) it puts the version in force and logs
+        it (the child busy, stopped or starting) it puts the version in force and logs
         supervisor_config_applied_without_child_verdict.""")
     boot_attempts = Setting(Int(min=1), 2, """
         Children in a row that may fail to load the model (exit 3) before the

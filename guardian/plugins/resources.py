@@ -17,9 +17,9 @@ clears mlx's buffer cache and drops least recently used prompt-cache
 entries (``memory_trimmed``). Above ``refuse_above``, new requests get 429
 ``memory_pressure`` with Retry-After until memory falls below
 ``resume_below`` (``memory_admission_paused`` / ``_resumed``), except where
-nothing is in flight and both caches are empty: what is in use then (the
-weights) frees no further by waiting, and a request is let in
-(``memory_admission_at_floor``). Memory left
+nothing is in flight and memory is over ``resume_below`` even without what a
+trim frees: what is in use then (the weights) frees no further by waiting,
+and a request is let in (``memory_admission_at_floor``). Memory left
 after each engine restart (less the prompt cache, which survives restarts)
 that grows restart after restart is logged as ``memory_leak_suspected``.
 """
@@ -57,10 +57,11 @@ class ResourcesSettings(Table, name="resources"):
     refuse_above = Setting(Float(min=0), 0.95, """
         Above this fraction, new requests get 429 memory_pressure with
         Retry-After (retry_after_s) until memory falls below resume_below;
-        requests in flight go on. With none queued or in flight and both caches
-        trimmed empty (trim_above below this), what is left is the weights: one
-        request at a time is let in (memory_admission_at_floor). Checked at each
-        request. 0: never.""", live=True)
+        requests in flight go on. With none queued or in flight, and memory over
+        resume_below even without what a trim frees (mlx's buffer cache, the prompt
+        cache), what is left is the weights: one request at a time is let in
+        (memory_admission_at_floor), as is a supervisor's continuation of a stream
+        let in before. Checked at each request. 0: never.""", live=True)
     refuse_above_bytes = Setting(Int(min=0), 0, """
         refuse_above as bytes; not 0: wins over the fraction.""", live=True)
     resume_below = Setting(Float(min=0), 0.9, """
@@ -134,14 +135,19 @@ class Resources:
 
     def let_in_at_the_floor(self, admission, engine, used: int) -> bool:
         """Whether memory is as low as waiting can make it: no request queued, waiting to run
-        again or in flight, none let in at the floor and still running, mlx's buffer cache and
-        the prompt cache empty (trimmed). Over resume_below there, the weights alone are (a
-        model near the device's size): refusing would never end. Then this request is let
-        in, the only one until it ends (others arriving at once find the place taken)."""
+        again or in flight, none let in at the floor and still running, and what a trim could
+        free (mlx's buffer cache, the prompt cache) would not bring it below resume_below:
+        the rest is the weights (a model near the device's size), and refusing would never
+        end. Then this request is let in, the only one until it ends (others arriving at once
+        find the place taken). (Waiting for the trim's caches to empty, every other request
+        of a client sending one at a time was refused.)"""
+        _, _, resume = self.thresholds()
         with self._lock:
-            if (self.floor_taken or engine.has_work() or mx.get_cache_memory()
-                    or engine.prompt_cache_usage()[0]):
+            if self.floor_taken or engine.has_work():
                 return False
+            freeable = mx.get_cache_memory() + engine.prompt_cache_usage()[1]
+            if resume is not None and used - freeable < resume:
+                return False  # a trim brings it under the line: admission resumes then
             self.floor_taken = True
             say, self.floor_said = not self.floor_said, True
         admission.on_finish(self._floor_left)
@@ -178,7 +184,12 @@ class Resources:
         used = memory_in_use()
         if not self.refuse_now(used):
             return None
+        if admission.carried_tokens:
+            # A supervisor's continuation: a stream let in before, whose child died under it.
+            # Refused here (the new child's probe had just filled mlx's cache), it was cut.
+            return None
         if self.let_in_at_the_floor(admission, engine, used):
+            self.maybe_trim(engine, used)
             return None
         self.maybe_trim(engine, used)
         _, refuse, _ = self.thresholds()

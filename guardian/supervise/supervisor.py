@@ -338,8 +338,9 @@ class Supervisor:
     def child_refused(self, sha256: Optional[str]):
         """Why a ready guardian child refused the file's version ``sha256`` (its
         ``config_reload_failed``); None once it runs that version, or with none to ask
-        (none started yet, a stock child); NO_VERDICT if a ready one did not say within
-        ``child_verdict_wait_s`` (busy, or its answers failed), or has stopped answering.
+        (no child, a stock child); NO_VERDICT if a ready one did not say within
+        ``child_verdict_wait_s`` (busy, or its answers failed), or one cannot be asked
+        (not answering, or starting).
         (On the file watch's thread: the main loop goes on meanwhile.)"""
         deadline = time.monotonic() + self.settings.child_verdict_wait_s
         while True:
@@ -347,9 +348,10 @@ class Supervisor:
                 child = None if self.holds() else self.serving()
                 held = self.child
             if child is None:
-                # One that was ready and answers no more (paused) cannot say now.
-                silent = held is not None and held.ready_at is not None and not held.answered
-                return NO_VERDICT if silent and held.has_readyz else None
+                # One that answers no more (paused), or starting (it reads the file as it
+                # stands, and may refuse it), cannot say now; with none at all, the next
+                # starts from the version in force here.
+                return NO_VERDICT if held is not None and held.has_readyz else None
             if not child.has_readyz:
                 return None
             left = deadline - time.monotonic()
