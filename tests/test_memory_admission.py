@@ -102,15 +102,12 @@ def test_after_a_memory_failure_a_request_over_the_cap_runs_alone(start_server):
 @pytest.mark.skipif(device_reports_free_memory(),
                     reason="the device reports its free memory (CUDA): a planted failure with the memory "
                     "free lifts the cap at once; bench/gpu_oom.py runs a real one there")
-@pytest.mark.parametrize("message", [CUDA_OOM, METAL_NO_BUFFER], ids=["cuda", "metal_no_buffer"])
-def test_a_memory_failure_inside_stocks_own_step_caps_the_budget_too(start_server, tmp_path, message):
+def test_a_memory_failure_inside_stocks_own_step_caps_the_budget_too(start_server, tmp_path):
     """The same, with the failure raised inside stock's BatchGenerator.next
-    (tests/plugins/stock_step_faults.py), where a real allocator fails: in the words of
-    mlx's CUDA allocator, and of its Metal one when the device gives no buffer (that one
-    was "unknown": no shortage seen, and a request that met it alone was blamed)."""
+    (tests/plugins/stock_step_faults.py), where a real allocator fails."""
     arm = tmp_path / "arm"
     server = start_server('[guardian]\nplugins = ["tests.plugins.stock_step_faults:StockStepFaults"]\n'
-                          f'[stock_step_faults]\nraise_message = "{message}"\narmed_by = "{arm}"\n')
+                          f'[stock_step_faults]\nraise_message = "{CUDA_OOM}"\narmed_by = "{arm}"\n')
     big = chat_body("word " * 300, max_tokens=64)
     with httpx.Client(timeout=60) as client:
         arm.touch()  # the next prefill step raises: this request's
@@ -149,6 +146,28 @@ def test_a_request_over_the_learned_cap_that_fails_alone_again_lowers_it_no_furt
     learned = lowered[0]["kv_budget_learned_bytes"]
     assert 0 < learned < CONFIGURED_BUDGET
     assert [(e["kv_budget_bytes"], e["kv_budget_learned_bytes"]) for e in lowered] == [(learned, learned)] * 3
+
+
+@pytest.mark.parametrize("message, classification", [
+    (CUDA_OOM, "out_of_memory"),
+    # mlx's Metal allocator when the device gives no buffer (its CUDA one's for managed
+    # memory too): it was "unknown", so no shortage was seen, and a request that met it
+    # alone was blamed (500, quarantined) instead of told to come back (503).
+    (METAL_NO_BUFFER, "out_of_memory"),
+    ("[metal::malloc] Resource limit (499000) exceeded.", "metal_resource_limit"),
+    ("[metal::malloc] Attempting to allocate 8589934592 bytes which is greater than the maximum allowed "
+     "buffer size of 4294967296 bytes.", "metal_buffer_too_large"),
+    ("[METAL] Command buffer execution failed: Insufficient Memory "
+     "(00000008:kIOGPUCommandBufferCallbackErrorOutOfMemory)", "out_of_memory"),
+    ("[reshape] Cannot reshape array of size 6 into shape (4).", "unknown"),
+])
+def test_mlx_allocators_words_are_classified(message, classification):
+    """The texts mlx's allocators raise (mlx/backend/metal/allocator.cpp, cuda/allocator.cpp),
+    as the engine's failures are classified: a shortage is waited out and caps the KV budget."""
+    from guardian.engine.failures import classify
+
+    assert classify(RuntimeError(message)) == classification
+    assert classify(MemoryError()) == "out_of_memory"
 
 
 def test_the_measured_cap_follows_the_device_and_lifts_when_memory_comes_back():

@@ -392,7 +392,7 @@ def test_a_childs_port_is_its_own_while_its_model_loads(start_supervisor, tmp_pa
     assert not supervised.supervisor_events("child_exited")
 
 
-@pytest.mark.parametrize("boot_attempts", [None, 3])
+@pytest.mark.parametrize("boot_attempts", [None, 1])
 def test_a_model_that_cannot_load_boot_attempts_times_in_a_row_ends_the_supervisor_with_the_childs_code(
         start_supervisor, tmp_path, boot_attempts):
     # Before: five restarts more, each loading Python and mlx again, then exit 6, the
@@ -412,10 +412,11 @@ def test_a_model_that_cannot_load_boot_attempts_times_in_a_row_ends_the_supervis
             return None
         return response
 
-    response = poll(refused_while_restarting, 20, interval=0.05, what="an answer from the supervisor")
-    assert response.status_code == 503 and "Retry-After" in response.headers
-    assert response.headers["x-request-id"] == "while-down-1"  # the supervisor's own answer
-    assert response.json()["error"]["code"] in ("engine_restarting", "engine_failed")
+    if boot_attempts is None:  # (one child: it may give up before a request comes)
+        response = poll(refused_while_restarting, 20, interval=0.05, what="an answer from the supervisor")
+        assert response.status_code == 503 and "Retry-After" in response.headers
+        assert response.headers["x-request-id"] == "while-down-1"  # the supervisor's own answer
+        assert response.json()["error"]["code"] in ("engine_restarting", "engine_failed")
     assert supervised.proc.wait(timeout=60) == EXIT_BOOT_ERROR
     exits = supervised.supervisor_events("child_exited")
     # By default the first child and one restart: a passing shortage gets one more try.
