@@ -175,6 +175,24 @@ def test_a_reload_lists_at_most_a_few_names(tmp_path, capsys):
     assert len(logged["removed"]) == NAMES_LOGGED + 1 and logged["keys"] == 500
 
 
+def test_a_broken_save_seen_twice_is_refused_and_said_once(tmp_path, capsys):
+    """One save can come as two events (a rename and a late event, or the watch's poll): a
+    good version read twice is the set in force, said once, and now so is a broken one. It
+    was logged once per event (a loaded CI's test of revocation saw two for one save)."""
+    from guardian.observability.logs import configure_logging
+
+    configure_logging("json", "INFO")
+    ring = keyring(tmp_path)
+    (tmp_path / "keys.txt").write_text(f"alice:{ALICE}\nbob:tiny\n")
+    assert ring.reload("file_changed") is False and ring.reload("file_changed") is False
+    assert ring.reload("sighup") is False  # asked for: read and said again
+    (tmp_path / "keys.txt").write_text(f"alice:{ALICE}\nbob:short\n")  # another broken version
+    assert ring.reload("file_changed") is False
+    failed = [json.loads(line) for line in capsys.readouterr().err.splitlines() if "api_keys_reload_failed" in line]
+    assert [e["reason"] for e in failed] == ["file_changed", "sighup", "file_changed"], failed
+    assert ring.identify(ALICE.encode()) == "alice"
+
+
 def test_names_that_are_names_are_kept():
     lines = ["alice:sk-0123456789", "build-server-2024:0123456789abcdef", "key.42@lab:abcdefgh12",
              # Names that look like keys, with keys that do too: not written the wrong way round.

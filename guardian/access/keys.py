@@ -204,6 +204,8 @@ class KeyRing:
         self.loads = 0
         self.last_failure: Optional[str] = None
         self.read_sha256: Optional[str] = None  # the file's bytes as last read in full
+        self._seen_sha256: Optional[str] = None  # the bytes of the last read, good or not
+        self._refused_sha256: Optional[str] = None  # the bytes of the version last refused
         if self.path is not None:
             self._keys = self._read()  # at start, a bad file is an error (KeyFileError)
             self.loads = 1
@@ -238,11 +240,13 @@ class KeyRing:
             raw = self.path.read_bytes()
             text = raw.decode("utf-8-sig")  # an editor's byte order mark is no part of a name
         except (OSError, UnicodeDecodeError) as e:
+            self._seen_sha256 = None
             return (), [KeyFileError(f"{self.path}: cannot be read: {type(e).__name__}: {e}")]
+        self._seen_sha256 = hashlib.sha256(raw).hexdigest()
         keys, errors = parse_key_lines(text, str(self.path))
         if errors:
             return keys, errors
-        self.read_sha256 = hashlib.sha256(raw).hexdigest()
+        self.read_sha256 = self._seen_sha256
         warn_if_others_may_read(self.path, keys)
         if not keys:
             log.warning("api_key_file_empty", file=str(self.path),
@@ -257,7 +261,13 @@ class KeyRing:
         with self._lock:
             before = self.read_sha256
             keys, errors = self._read_lines()
+            seen = self._seen_sha256
+            if errors and reason == "file_changed" and seen is not None and seen == self._refused_sha256:
+                # Another event of one broken save (a rename and a late event, or the watch's
+                # poll): refused, its keys revoked and said once.
+                return False
             if errors:
+                self._refused_sha256 = seen
                 still_there = {key.digest for key in keys}
                 revoked = [key.name for key in self._keys if key.digest not in still_there]
                 self._keys = tuple(key for key in self._keys if key.digest in still_there)
@@ -274,6 +284,7 @@ class KeyRing:
             self._keys = keys
             self.loads += 1
             self.last_failure = None
+            self._refused_sha256 = None
         new = set(self.names)
         log.info("api_keys_reloaded", reason=reason, keys=len(keys), added=names_logged(new - old),
                  removed=names_logged(old - new))
