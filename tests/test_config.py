@@ -131,6 +131,16 @@ def test_every_loaded_settings_table_is_in_the_example():
         # A path no request names: /metrics stayed closed without a word.
         ('[access]\npublic_paths = ["/health", "metrics"]\n', r"access.public_paths\[1\]: must be a path that starts with / and has no query, got 'metrics'"),
         ('[access]\npublic_paths = ["/metrics?x=1"]\n', r"access.public_paths\[0\]: must be a path that starts"),
+        # The 2026-12-06 stop's settings, at their bounds.
+        ("[watchdog]\nunwind_timeout_s = 0.5\n", r"watchdog.unwind_timeout_s: must be >= 1"),
+        ("[watchdog]\nunwind_timeout_s = 61\n", r"watchdog.unwind_timeout_s: must be <= 60"),
+        ("[watchdog]\nunwind_timeout_s = nan\n", r"watchdog.unwind_timeout_s: must be a finite number"),
+        ("[supervisor]\nchild_verdict_wait_s = 0\n", r"supervisor.child_verdict_wait_s: must be > 0"),
+        ("[supervisor]\nchild_verdict_wait_s = 61\n", r"supervisor.child_verdict_wait_s: must be <= 60"),
+        ("[supervisor]\nboot_attempts = 0\n", r"supervisor.boot_attempts: must be >= 1"),
+        ("[supervisor]\nboot_attempts = 1.5\n", r"supervisor.boot_attempts: expected int"),
+        ("[supervisor]\nhandoff_pause_s = -1\n", r"supervisor.handoff_pause_s: must be >= 0"),
+        ("[supervisor]\nhandoff_pause_s = inf\n", r"supervisor.handoff_pause_s: must be a finite number"),
     ],
 )
 def test_bad_config_names_the_key(tmp_path, text, message):
