@@ -204,7 +204,6 @@ class KeyRing:
         self.loads = 0
         self.last_failure: Optional[str] = None
         self.read_sha256: Optional[str] = None  # the file's bytes as last read in full
-        self._seen_sha256: Optional[str] = None  # the bytes of the last read, good or not
         self._refused_sha256: Optional[str] = None  # the bytes of the version last refused
         if self.path is not None:
             self._keys = self._read()  # at start, a bad file is an error (KeyFileError)
@@ -229,30 +228,33 @@ class KeyRing:
         return found
 
     def _read(self) -> tuple[ApiKey, ...]:
-        keys, errors = self._read_lines()
+        keys, errors, _ = self._read_lines()
         if errors:
             raise errors[0]
         return keys
 
-    def _read_lines(self) -> tuple[tuple[ApiKey, ...], list[KeyFileError]]:
-        """The file's good keys, and what is wrong with it (a file that cannot be read has none)."""
+    def _read_lines(self) -> tuple[tuple[ApiKey, ...], list[KeyFileError], Optional[str]]:
+        """The file's good keys, what is wrong with it (a file that cannot be read has none),
+        and its bytes' SHA-256 (None: none were read)."""
         try:
             raw = self.path.read_bytes()
+        except OSError as e:
+            return (), [KeyFileError(f"{self.path}: cannot be read: {type(e).__name__}: {e}")], None
+        sha256 = hashlib.sha256(raw).hexdigest()
+        try:
             text = raw.decode("utf-8-sig")  # an editor's byte order mark is no part of a name
-        except (OSError, UnicodeDecodeError) as e:
-            self._seen_sha256 = None
-            return (), [KeyFileError(f"{self.path}: cannot be read: {type(e).__name__}: {e}")]
-        self._seen_sha256 = hashlib.sha256(raw).hexdigest()
+        except UnicodeDecodeError as e:
+            return (), [KeyFileError(f"{self.path}: cannot be read: {type(e).__name__}: {e}")], sha256
         keys, errors = parse_key_lines(text, str(self.path))
         if errors:
-            return keys, errors
-        self.read_sha256 = self._seen_sha256
+            return keys, errors, sha256
+        self.read_sha256 = sha256
         warn_if_others_may_read(self.path, keys)
         if not keys:
             log.warning("api_key_file_empty", file=str(self.path),
                         why="no key in the file: every request that needs one is refused (401) "
                             "until a key is added (the file is followed)")
-        return keys, []
+        return keys, [], sha256
 
     def reload(self, reason: str = "sighup") -> bool:
         """Read the file again; whether the new set is in force."""
@@ -260,8 +262,7 @@ class KeyRing:
             return False
         with self._lock:
             before = self.read_sha256
-            keys, errors = self._read_lines()
-            seen = self._seen_sha256
+            keys, errors, seen = self._read_lines()
             if errors and reason == "file_changed" and seen is not None and seen == self._refused_sha256:
                 # Another event of one broken save (a rename and a late event, or the watch's
                 # poll): refused, its keys revoked and said once.

@@ -39,7 +39,8 @@ from guardian.access.limits import ClientLimits
 from guardian.errors import GuardianError
 from guardian.relay_protocol import relayed_by_supervisor
 
-# Names that always mean this machine (RFC 6761: *.localhost too).
+# Names a client's Host or Origin uses for this machine (RFC 6761: *.localhost too). A server
+# bound to one is loopback only where it resolves there (``bound_to_loopback``).
 LOOPBACK_NAMES = ("localhost", "localhost.localdomain")
 # Origins of apps on this machine that are no web page (Ollama's defaults): an Electron
 # app (``app://obsidian.md``), a Tauri app, a VS Code webview. No web page can send them;

@@ -24,7 +24,6 @@ import structlog
 
 from guardian import long_lived, stock
 from guardian.config.registry import EXIT, RELOAD, RESTART
-from guardian.config.tables import WatchdogSettings
 from guardian.engine.failures import FailureHandler
 from guardian.engine.ledger import RequestLedger
 from guardian.engine.record import RequestRecord, Stage
@@ -55,7 +54,7 @@ class GuardianEngine(stock.loop.GuardedResponseGenerator):
     steps_wait_busily = False
 
     def __init__(self, model_provider, prompt_cache_size: int, *, pm, core, on_exit: Callable[[int], None],
-                 access=None, watchdog=None):
+                 watchdog, access=None):
         # Stock's __init__ starts the generation thread: everything the
         # supervisor reads is set before it.
         prompt_cache = GuardianPromptCache(prompt_cache_size, engine_thread_check=self._check_owner)
@@ -63,7 +62,7 @@ class GuardianEngine(stock.loop.GuardedResponseGenerator):
         self.pm = pm
         self.core = core
         self.on_exit = on_exit
-        self.watchdog = watchdog if watchdog is not None else WatchdogSettings()  # the live [watchdog] table
+        self.watchdog = watchdog  # the live [watchdog] table
         # Every change of the engine's state goes through the lifecycle.
         self.lifecycle = Lifecycle(on_ready=self._ready, on_restarted=self._restarted,
                                    on_abandoned=self._leave_at_a_quiet_moment)
@@ -177,15 +176,15 @@ class GuardianEngine(stock.loop.GuardedResponseGenerator):
         self.failures.loop_polled(now)
         self.memory.loop_polled()
         while self._loop_chores:
-            # A chore may wait (_let_go), and the engine be taken from this loop
-            # meanwhile: the chores left are its replacement's, and this loop must
-            # not go on to take a request or write a token of one re-run there.
-            self._check_owner()
             chore = self._loop_chores.popleft()
             try:
                 chore()
             except Exception:
                 log.exception("loop_chore_failed")
+            # A chore may wait (_let_go), and the engine be taken from this loop
+            # meanwhile: the chores left are its replacement's, and this loop must
+            # not go on to take a request or write a token of one re-run there.
+            self._check_owner()
 
     def on_loop_thread(self, chore: Callable[[], None]) -> None:
         """Run ``chore`` on the loop thread at its next look at the queue (errors logged)."""

@@ -304,7 +304,11 @@ class StallDetector:
     def _on_stall(self, heartbeat_age_s: float, why: str, stalls_seen: int) -> None:
         """Ask the engine to take the stall at the ladder's next rung; log and tell the plugins.
         ``stalls_seen``: the lifecycle's stall count when the loop was judged; nothing is
-        done if another stall came since (the watchdog's and a probe's thread both judge)."""
+        done if another stall came since (the watchdog's and a probe's thread both judge),
+        nor while the live loop waits, bounded, for an abandoned one to unwind (a replacement's
+        verification probe may time out behind that wait: the wait is no stall of its own)."""
+        if self.engine.unwinding_until is not None:
+            return
         ladder = self.settings.ladder
         completed = self.engine.ledger.completed_for_users
         progressed = self._completed_at_stall is not None and completed > self._completed_at_stall

@@ -42,6 +42,7 @@ from guardian.admission.facts import (
     device_memory,
 )
 from guardian.errors import ClientGoneAbort, GuardianError
+from guardian.observability.counting import ActiveCount
 from guardian.request_context import current_request
 from guardian.admission.guard_settings import PromptGuardSettings
 
@@ -165,8 +166,7 @@ class PromptGuard:
         self.memory_cap = MemoryCap(margin=settings.kv_budget_margin, hold_s=settings.memory_cap_hold_s)
         self._kv_at_failure = 0  # KV admitted when the engine last failed
         # Requests let in over a learned cap, alone, each reserving all of it (reserve_kv_cache).
-        self._over_the_cap_running = 0
-        self._over_the_cap_lock = threading.Lock()
+        self._over_the_cap = ActiveCount()
 
     # -- start-up -------------------------------------------------------------
     @guardian.hookimpl
@@ -359,20 +359,16 @@ class PromptGuard:
         if error is None:
             alone = over_the_cap_alone and reserved < nbytes
             if alone:
-                self._count_over_the_cap(+1)
+                self._over_the_cap.__enter__()
             admission.on_finish(lambda: self._release(reserved, alone))
         return error
-
-    def _count_over_the_cap(self, change: int) -> None:
-        with self._over_the_cap_lock:
-            self._over_the_cap_running += change
 
     def _release(self, reserved: int, over_the_cap: bool) -> None:
         try:
             self.budget.release(reserved)
         finally:
             if over_the_cap:  # counted out whatever happens: a count left over would stop all learning
-                self._count_over_the_cap(-1)
+                self._over_the_cap.__exit__(None, None, None)
 
     def shortage(self, admission: Admission, nbytes: int, cap: int) -> GuardianError:
         """A request over the measured cap, within the budget: 503, come back when memory is."""
@@ -399,7 +395,7 @@ class PromptGuard:
             # says it does not fit now (its 503 memory_shortage), not that the cap is too
             # high. Learned from, each of a client's retries cut the cap by the margin, until
             # every request ran alone and the rest got 429 kv_cache_budget_busy.
-            self._kv_at_failure = 0 if self._over_the_cap_running else self.budget.in_use
+            self._kv_at_failure = 0 if self._over_the_cap.active else self.budget.in_use
         return None
 
     @guardian.hookimpl

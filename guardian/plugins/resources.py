@@ -141,18 +141,17 @@ class Resources:
         end. Then this request is let in, the only one until it ends (others arriving at once
         find the place taken). (Waiting for the trim's caches to empty, every other request
         of a client sending one at a time was refused.)"""
-        _, _, resume = self.thresholds()
+        _, refuse, resume = self.thresholds()
         with self._lock:
             if self.floor_taken or engine.has_work():
                 return False
             freeable = mx.get_cache_memory() + engine.prompt_cache_usage()[1]
-            if resume is not None and used - freeable < resume:
+            if used - freeable < resume:
                 return False  # a trim brings it under the line: admission resumes then
             self.floor_taken = True
             say, self.floor_said = not self.floor_said, True
         admission.on_finish(self._floor_left)
         if say:
-            _, refuse, resume = self.thresholds()
             log.warning("memory_admission_at_floor", memory_used_bytes=used, resume_below_bytes=resume,
                         refuse_above_bytes=refuse, device_memory_bytes=self.device_bytes,
                         hint="nothing in flight and the caches empty, memory is still over resume_below "
@@ -188,10 +187,9 @@ class Resources:
             # A supervisor's continuation: a stream let in before, whose child died under it.
             # Refused here (the new child's probe had just filled mlx's cache), it was cut.
             return None
-        if self.let_in_at_the_floor(admission, engine, used):
-            self.maybe_trim(engine, used)
-            return None
         self.maybe_trim(engine, used)
+        if self.let_in_at_the_floor(admission, engine, used):
+            return None
         _, refuse, _ = self.thresholds()
         return GuardianError(
             f"The server is low on memory: {describe_bytes(used)} in use, over its limit of "
