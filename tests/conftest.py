@@ -32,6 +32,11 @@ import forkserver
 
 REPO = Path(__file__).resolve().parent.parent
 
+# Nothing may download at run time: every server the tests start is offline (mlx_lm
+# then fails at once on a model that is not here), and so is the fork server, which
+# imports under this environment (huggingface_hub reads it at import).
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
 
 # Test servers listen below every system's range of ephemeral ports (Linux
 # 32768-60999, macOS 49152-65535): a port the kernel handed out (to a client's
@@ -282,6 +287,28 @@ def spawn_guardian(args: list[str], log_path: Path, model_cache: Path, env: Opti
     with open(log_path, "w") as log_file:
         return subprocess.Popen([sys.executable, "-m", "guardian", *args], stdout=log_file,
                                 stderr=subprocess.STDOUT, env=child_env, cwd=REPO, **popen_kwargs)
+
+
+def run_guardian(args: list[str], env: Optional[dict] = None, timeout: float = 60,
+                 cwd: Path = REPO) -> subprocess.CompletedProcess:
+    """``python -m guardian ARGS`` to its end, as ``subprocess.run(..., capture_output=True,
+    text=True)`` gives it: forked from the session's fork server where it can be (a second
+    of imports saved on each of the CLI's many short runs), else a ``subprocess``."""
+    child_env = {**os.environ, **(env or {})}
+    forking = "--supervise" not in args and forkserver.serving(child_env)
+    if not forking:
+        return subprocess.run([sys.executable, "-m", "guardian", *args], capture_output=True, text=True,
+                              timeout=timeout, env=child_env, cwd=cwd)
+    with tempfile.TemporaryDirectory(prefix="guardian-run-") as folder:
+        out, err = Path(folder) / "stdout", Path(folder) / "stderr"
+        proc = forking.spawn(list(args), out, child_env, cwd, err_path=err)
+        try:
+            code = proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+            raise
+        return subprocess.CompletedProcess(proc.args, code, out.read_text(), err.read_text())
 
 
 @pytest.fixture

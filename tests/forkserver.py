@@ -18,7 +18,8 @@ tools/gpu/device_setup.sh sets: where mlx runs on CUDA a forked server's CUDA ca
 fail ("initialization error").
 
 The protocol, one JSON object a line: the test side writes ``{"id", "args", "env",
-"cwd", "log"}``; the fork server answers ``{"id", "pid"}`` once it forked, and
+"cwd", "log"}`` (and ``"err"``, a file of its own for standard error, where a test reads
+the two apart); the fork server answers ``{"id", "pid"}`` once it forked, and
 ``{"exited": pid, "code"}`` once that child ended (the code as ``Popen.returncode``
 gives it: negative for a signal). The child stays a zombie, its pid its own, until
 the test side has taken that in and writes ``{"reap": pid}``: a signal the tests send
@@ -156,13 +157,21 @@ class Forkserver:
             sys.stderr.write(f"forkserver: a server started whole, its environment differs in {sorted(differ)}\n")
         return not differ
 
-    def spawn(self, args: list[str], log_path: Path, env: dict, cwd: Path, timeout: float = 30) -> ForkedProcess:
-        log_path.write_bytes(b"")  # there at once, as a log a subprocess writes to is
+    def spawn(self, args: list[str], log_path: Path, env: dict, cwd: Path, timeout: float = 30,
+              err_path: Optional[Path] = None) -> ForkedProcess:
+        """Fork ``guardian ARGS``, its output in ``log_path`` (its standard error in
+        ``err_path`` where given, else there too)."""
+        request = {"args": args, "env": env, "cwd": str(cwd), "log": str(log_path)}
+        for path in (log_path, err_path):
+            if path is not None:
+                path.write_bytes(b"")  # there at once, as a log a subprocess writes to is
+        if err_path is not None:
+            request["err"] = str(err_path)
         request_id = next(self._ids)
         forked = [threading.Event(), None, None]
         with self._lock:
             self._forked[request_id] = forked
-        self._send({"id": request_id, "args": args, "env": env, "cwd": str(cwd), "log": str(log_path)})
+        self._send({"id": request_id, **request})
         deadline = time.monotonic() + timeout
         while not forked[0].wait(0.1):
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -292,11 +301,12 @@ def _run_server(request: dict) -> None:
     threading.current_thread()._set_native_id()
 
     log = os.open(request["log"], os.O_WRONLY | os.O_CREAT, 0o644)
+    err = os.open(request["err"], os.O_WRONLY | os.O_CREAT, 0o644) if "err" in request else log
     stdin = os.open(os.devnull, os.O_RDONLY)
     os.dup2(stdin, 0)
     os.dup2(log, 1)
-    os.dup2(log, 2)
-    os.closerange(3, 1 << 16)  # the fork server's pipes, and these two
+    os.dup2(err, 2)
+    os.closerange(3, 1 << 16)  # the fork server's pipes, and these
     os.environ.clear()
     os.environ.update(request["env"])
     os.chdir(request["cwd"])

@@ -14,15 +14,12 @@ import httpx
 import mlx_lm.server
 import pytest
 
-from conftest import BOTH_MODES, REPO, free_port, poll, spawn_guardian
+from conftest import BOTH_MODES, REPO, free_port, poll, run_guardian, spawn_guardian
 
 
 def run(*args, timeout=60):
-    # Offline: a path that does not exist must not send mlx_lm to the hub.
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    return subprocess.run(
-        [sys.executable, "-m", "guardian", *args], capture_output=True, text=True, timeout=timeout, env=env
-    )
+    # Offline (conftest: the whole session is): a path that does not exist must not send mlx_lm to the hub.
+    return run_guardian(list(args), env={"HF_HUB_OFFLINE": "1"}, timeout=timeout)
 
 
 def test_help_shows_stock_and_guardian_flags():
@@ -169,9 +166,7 @@ def test_a_demo_model_it_cannot_write_exits_with_boot_error_naming_the_fix(tmp_p
 
     not_a_folder = tmp_path / "cache"
     not_a_folder.write_text("a file where the cache folder would be")
-    env = {**os.environ, "MLX_GUARDIAN_CACHE": str(not_a_folder / "sub")}
-    result = subprocess.run([sys.executable, "-m", "guardian", "--port", "0"], capture_output=True, text=True,
-                            timeout=60, env=env)
+    result = run_guardian(["--port", "0"], env={"MLX_GUARDIAN_CACHE": str(not_a_folder / "sub")})
     assert result.returncode == EXIT_BOOT_ERROR, result.stderr[-2000:]
     assert "MLX_GUARDIAN_CACHE" in result.stderr and "Traceback" not in result.stderr
     events = [json.loads(line)["event"] for line in result.stderr.splitlines() if line.startswith("{")]
@@ -186,9 +181,8 @@ def test_a_bug_in_the_servers_start_exits_1_and_never_hangs(tmp_path, model_cach
 
     config = tmp_path / "guardian.toml"
     config.write_text('[guardian]\nplugins = ["tests.plugins.serve_fault:ServeFault"]\n')
-    env = {**os.environ, "MLX_GUARDIAN_CACHE": str(model_cache)}
-    result = subprocess.run([sys.executable, "-m", "guardian", "--port", "0", "--guardian-config", str(config)],
-                            capture_output=True, text=True, timeout=120, env=env, cwd=REPO)
+    result = run_guardian(["--port", "0", "--guardian-config", str(config)],
+                          env={"MLX_GUARDIAN_CACHE": str(model_cache)}, timeout=120)
     assert result.returncode == EXIT_UNCAUGHT, result.stderr[-2000:]
     failed = [json.loads(line) for line in result.stderr.splitlines() if '"server_failed"' in line]
     assert failed and "planted" in failed[0]["exception"]
@@ -293,9 +287,8 @@ def test_a_port_already_taken_exits_2_at_once_naming_it(mode, model_cache):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        env = {**os.environ, "MLX_GUARDIAN_CACHE": str(model_cache)}
-        result = subprocess.run([sys.executable, "-m", "guardian", "--port", str(port), *mode_args(mode)],
-                                capture_output=True, text=True, timeout=120, env=env)
+        result = run_guardian(["--port", str(port), *mode_args(mode)],
+                              env={"MLX_GUARDIAN_CACHE": str(model_cache)}, timeout=120)
     assert result.returncode == EXIT_USAGE, result.stderr[-2000:]
     events = [json.loads(line) for line in result.stderr.splitlines() if line.startswith("{")]
     failed = [e for e in events if e["event"] in ("http_bind_failed", "supervisor_bind_failed")]
@@ -308,9 +301,8 @@ def test_a_port_already_taken_exits_2_at_once_naming_it(mode, model_cache):
 def test_a_port_past_65535_is_refused_not_wrapped(mode, model_cache):
     from guardian.exit_codes import EXIT_USAGE
 
-    env = {**os.environ, "MLX_GUARDIAN_CACHE": str(model_cache)}
-    result = subprocess.run([sys.executable, "-m", "guardian", "--port", "70000", *mode_args(mode)],
-                            capture_output=True, text=True, timeout=120, env=env)
+    result = run_guardian(["--port", "70000", *mode_args(mode)], env={"MLX_GUARDIAN_CACHE": str(model_cache)},
+                          timeout=120)
     assert result.returncode == EXIT_USAGE, result.stderr[-2000:]  # not served on 70000 - 65536 = 4464
     assert "0 to 65535" in result.stderr
 

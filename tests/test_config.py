@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -11,6 +9,7 @@ from types import SimpleNamespace
 from typing import Optional
 
 import pytest
+from conftest import run_guardian
 
 from guardian.config.registry import ConfigError
 from guardian.config.loading import load_config
@@ -169,10 +168,7 @@ def test_a_refused_value_is_described_never_echoed(tmp_path, text, shown):
 
 def test_server_refuses_to_start_with_bad_config(tmp_path):
     path = write(tmp_path, "[recovery]\nbogus = true\n")
-    result = subprocess.run(
-        [sys.executable, "-m", "guardian", "--guardian-config", str(path), "--port", "1"],
-        capture_output=True, text=True, timeout=60,
-    )
+    result = run_guardian(["--guardian-config", str(path), "--port", "1"])
     assert result.returncode == EXIT_USAGE
     assert "unknown key 'bogus'" in result.stderr
 
@@ -195,8 +191,7 @@ def test_file_paths_in_the_file_are_the_files_folders(tmp_path, monkeypatch):
     assert load_config(path).access.with_flags(flags).api_key_file == "mine.txt"
     # The server reads that file at start, and names it whole in what it says.
     (folder / "keys.txt").write_text("short\n")
-    result = subprocess.run([sys.executable, "-m", "guardian", "--guardian-config", str(path), "--port", "1"],
-                            capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    result = run_guardian(["--guardian-config", str(path), "--port", "1"], cwd=tmp_path)
     assert result.returncode == EXIT_USAGE and f"{folder / 'keys.txt'}, line 1" in result.stderr, result.stderr
 
 

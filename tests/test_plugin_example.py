@@ -8,12 +8,10 @@ point; nothing here imports it. One real server answers every request.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import httpx
 import pytest
-from conftest import REPO, chat_body
+from conftest import chat_body, run_guardian
 
 # What it checks does not depend on mlx-lm's version (the plugin works through the guardian's admit_request hook, above stock):
 # `make test` runs it against the newest mlx-lm only.
@@ -23,8 +21,7 @@ BLOCKED = '[blocked_words]\nwords = ["forbidden", "secret project"]\n'
 
 
 def test_the_example_is_loaded_through_its_entry_point():
-    listed = subprocess.run([sys.executable, "-m", "guardian", "plugins"], capture_output=True,
-                            text=True, cwd=REPO, timeout=60, check=False)
+    listed = run_guardian(["plugins"])
     plugins = {p["name"]: p["hooks"] for p in json.loads(listed.stdout)}
     assert plugins.get("blocked_words") == ["admit_request"], \
         "the example plugin is not installed: pip install -e plugins/example (make test does)"

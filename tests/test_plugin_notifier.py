@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -20,7 +18,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
-from conftest import REPO, chat_body, free_port, poll, read_stream, stamp
+from conftest import chat_body, free_port, poll, read_stream, run_guardian, stamp
 
 # What it checks does not depend on mlx-lm's version (the plugin works through the guardian's hooks, above stock):
 # `make test` runs it against the newest mlx-lm only.
@@ -31,8 +29,7 @@ pytestmark = [pytest.mark.one_version, pytest.mark.lane_0313]
 @pytest.fixture(scope="module", autouse=True)
 def notifier_installed():
     """Fail with the fix when the plugin is not installed (it is a distribution of its own)."""
-    listed = subprocess.run([sys.executable, "-m", "guardian", "plugins"], capture_output=True,
-                            text=True, cwd=REPO, timeout=60, check=False)
+    listed = run_guardian(["plugins"])
     plugins = {p["name"]: p["hooks"] for p in json.loads(listed.stdout)}
     assert "notifier" in plugins, "the notifier is not installed: pip install -e plugins/notifier (make test does)"
     return plugins
@@ -345,8 +342,7 @@ def test_a_receiver_that_never_answers_holds_the_exit_no_longer_than_exit_flush_
 def test_bad_settings_stop_the_start_naming_the_key_but_not_the_url(tmp_path, table, message):
     config = tmp_path / "guardian.toml"
     config.write_text(f"[notifier]\n{table}\n")
-    result = subprocess.run([sys.executable, "-m", "guardian", "plugins", "--guardian-config", str(config)],
-                            capture_output=True, text=True, cwd=REPO, timeout=60, check=False)
+    result = run_guardian(["plugins", "--guardian-config", str(config)])
     assert result.returncode == 2, result.stdout + result.stderr
     assert message in result.stderr and "SECRET" not in result.stderr
 

@@ -26,7 +26,7 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import SessionServer, chat_body, free_port, poll, read_stream, read_to_the_end, scraped, send_raw, spawn_guardian
+from conftest import SessionServer, chat_body, free_port, poll, read_stream, read_to_the_end, run_guardian, scraped, send_raw, spawn_guardian
 from guardian import handoff
 from guardian.exit_codes import EXIT_BOOT_ERROR, EXIT_OK, EXIT_SUPERVISOR_GAVE_UP, EXIT_USAGE
 
@@ -821,7 +821,7 @@ def test_no_flag_of_a_childs_is_short_for_one_the_supervisor_reads():
     from guardian.supervise.settings import CHILD_FLAGS_READ_HERE, make_parser
 
     read_here = {*make_parser()._option_string_actions, *CHILD_FLAGS_READ_HERE}
-    shown = subprocess.run([sys.executable, "-m", "guardian", "--help"], capture_output=True, text=True, timeout=60)
+    shown = run_guardian(["--help"])
     assert shown.returncode == 0, shown.stderr
     child_flags = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", shown.stdout))
     assert "--model" in child_flags and "--decode-concurrency" in child_flags  # stock's, both

@@ -9,14 +9,12 @@ campaign): the process (SIGSEGV, SIGABRT), or its generation thread.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import threading
 
 import httpx
 import pytest
 
-from conftest import REPO, Server, chat_body, free_port, poll, read_stream, spawn_guardian
+from conftest import REPO, Server, chat_body, free_port, poll, read_stream, run_guardian, spawn_guardian
 
 from guardian import stock
 
@@ -302,12 +300,9 @@ def test_malformed_input_is_logged_without_the_body(server):
 
 
 # -- flags that can never work ---------------------------------------------------------------
-def run_guardian(*args, model_cache, timeout=90):
-    import os
-
-    env = {**os.environ, "MLX_GUARDIAN_CACHE": str(model_cache), "HF_HUB_OFFLINE": "1"}
-    return subprocess.run([sys.executable, "-m", "guardian", "--port", str(free_port()), *args],
-                          capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
+def run_with_flags(*args, model_cache, timeout=90):
+    return run_guardian(["--port", str(free_port()), *args], env={"MLX_GUARDIAN_CACHE": str(model_cache)},
+                        timeout=timeout)
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -320,7 +315,7 @@ def run_guardian(*args, model_cache, timeout=90):
         stock.contract.MIN_MAX_TOKENS == 0, reason="this mlx-lm serves a request of 0 tokens")),
 ])
 def test_a_flag_that_can_never_work_stops_the_server_at_start(model_cache, flags, message):
-    result = run_guardian(*flags, model_cache=model_cache)
+    result = run_with_flags(*flags, model_cache=model_cache)
     assert result.returncode == 2, result.stderr[-2000:]
     assert message in result.stderr
 
@@ -328,7 +323,7 @@ def test_a_flag_that_can_never_work_stops_the_server_at_start(model_cache, flags
 @pytest.mark.skipif(stock.contract.STOCK_VERSION.startswith("0.31."), reason="mlx-lm 0.31 has no --kv-bits")
 def test_kv_bits_that_cannot_quantize_the_heads_stop_the_server(model_cache):
     # The demo model's heads are 16 wide; the default group of 64 cannot divide them.
-    result = run_guardian("--kv-bits", "4", "--quantized-kv-start", "100", model_cache=model_cache)
+    result = run_with_flags("--kv-bits", "4", "--quantized-kv-start", "100", model_cache=model_cache)
     assert result.returncode == 2, result.stderr[-2000:]
     assert "head dimension 16" in result.stderr and "--kv-group-size 64" in result.stderr
     assert "--quantized-kv-start 100" in result.stderr
