@@ -14,7 +14,7 @@ SERVER_STOPPING = "server_stopping"
 STOPPING_REASON = "the server is stopping"
 # /readyz's reason, at its start, while a step that computes runs past the stall limit, as
 # the watchdog allows (stall_busy_extra_s): a supervisor waits for its child's own verdict.
-BUSY_STEP_REASON = "a step computes past the stall limit"
+BUSY_STEP_REASON = "a step computes or pages past the stall limit"
 
 
 @dataclass

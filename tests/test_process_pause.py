@@ -1,4 +1,4 @@
-"""A pause is not a stall; a step that computes is not a stuck one.
+"""A pause is not a stall; a step that computes or pages is not a stuck one.
 
 Measured before this: a 5 s SIGSTOP then SIGCONT of a one-process server,
 with one long request in flight, counted a stall and an engine restart and
@@ -9,14 +9,19 @@ freezes, VM pauses or a debugger; on an H200 it paused ~5 s while servers
 started and CUDA kernels compiled, and both engines restarted needlessly.
 
 Now the watchdog measures its own lateness (``process_paused``), and a step
-past the stall limit whose engine threads compute gets ``stall_busy_extra_s``
-more, while one that waits is a stall at the limit (faults planted inside
-stock's own ``BatchGenerator.next``: tests/plugins/stock_step_faults.py).
+past the stall limit whose engine threads compute, or whose process pages (reads
+its memory back from disk, a page a fault), gets ``stall_busy_extra_s`` more,
+while one that waits is a stall at the limit (faults planted inside stock's own
+``BatchGenerator.next``: tests/plugins/stock_step_faults.py).
 """
 
 from __future__ import annotations
 
+import mmap
+import os
+import resource
 import signal
+import tempfile
 import threading
 import time
 
@@ -24,7 +29,7 @@ import httpx
 import pytest
 
 from conftest import chat_body, poll
-from guardian.health.step_cpu import BUSY_CPU_SHARE, StepCpu
+from guardian.health.step_cpu import BUSY_CPU_SHARE, PAGING_FAULTS_PER_S, StepCpu
 from test_stall_detection import STEP_FAULTS, table
 
 COMPLETIONS = "/v1/chat/completions"
@@ -152,14 +157,39 @@ BUSY_S = 3.0  # past the 2 s ceiling and the 1 s floor, well within 2 s + the al
 ALLOWANCE_S = 10.0
 
 
-@pytest.mark.parametrize("step", ["computes", "waits"])
+def pages_fault_here() -> bool:
+    """Whether a page of a file in the temporary folder, evicted, is read back from disk
+    with a major fault (not on a tmpfs; posix_fadvise: not on macOS)."""
+    if not hasattr(os, "posix_fadvise"):
+        return False
+    with tempfile.TemporaryFile() as file:
+        file.write(b"\1" * mmap.PAGESIZE)
+        file.flush()
+        os.fsync(file.fileno())
+        with mmap.mmap(file.fileno(), mmap.PAGESIZE, prot=mmap.PROT_READ) as page:
+            os.posix_fadvise(file.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_majflt
+            page[0]
+            return resource.getrusage(resource.RUSAGE_SELF).ru_majflt > before
+
+
+FAULTS = {"computes": dict(busy_at_call=20, busy_s=BUSY_S), "pages": dict(page_at_call=20, page_s=BUSY_S),
+          "waits": dict(hang_at_call=20, hang_s=BUSY_S)}
+
+
+@pytest.mark.parametrize("step", FAULTS)
 def test_a_step_past_the_stall_limit_is_a_stall_only_if_it_waits(start_server, step):
-    if step == "computes" and not StepCpu().available:
+    if step == "computes" and not StepCpu().reads_cpu:
         pytest.skip("per-thread CPU times of this process' threads are not readable here (psutil's "
                     "thread ids are not the system's on macOS): every step is judged by the limit")
-    # Stock's own step, at its 20th call (a request's decode), computes or
-    # waits for 3 s, with a stall limit of 1-2 s and 10 s more for a step that computes.
-    fault = dict(busy_at_call=20, busy_s=BUSY_S) if step == "computes" else dict(hang_at_call=20, hang_s=BUSY_S)
+    if step == "pages" and not pages_fault_here():
+        pytest.skip("an evicted page of a file in the temporary folder is no major fault here "
+                    "(no posix_fadvise, or a tmpfs): the step could not page")
+    # Stock's own step, at its 20th call (a request's decode), computes, pages (reads
+    # pages from disk at ~150 major faults a second, with little CPU: its memory swapped
+    # out) or waits for 3 s, with a stall limit of 1-2 s and 10 s more for a step that
+    # computes or pages. On the code before paging counted, the paging step was a stall.
+    fault = FAULTS[step]
     config = (STEP_FAULTS + table("stock_step_faults", **fault)
               + table("watchdog", stall_busy_extra_s=ALLOWANCE_S, **WATCHDOG))
     server = start_server(config)
@@ -170,11 +200,22 @@ def test_a_step_past_the_stall_limit_is_a_stall_only_if_it_waits(start_server, s
         server.wait_for_event("stock_step_busy_ended", timeout=10)
         assert server.events("engine_stalled") == []
         [busy] = server.events("engine_step_busy")
-        assert busy["cpu_share"] >= BUSY_CPU_SHARE and busy["heartbeat_age_s"] < BUSY_S, busy
+        assert busy["how"] == "computing" and busy["cpu_share"] >= BUSY_CPU_SHARE, busy
+        assert busy["heartbeat_age_s"] < BUSY_S, busy
+        assert httpx.get(server.url + "/guardian/status").json()["restarts"] == 0
+    elif step == "pages":
+        [paged] = server.wait_for_event("stock_step_paging_ended", timeout=10)
+        assert paged["major_faults"] >= PAGING_FAULTS_PER_S * BUSY_S, paged
+        assert server.events("engine_stalled") == []
+        [busy] = server.events("engine_step_busy")
+        assert busy["how"] == "paging" and busy["major_faults_per_s"] >= PAGING_FAULTS_PER_S, busy
+        assert busy["heartbeat_age_s"] < BUSY_S, busy
+        if busy["cpu_share"] is not None:  # little CPU: the CPU alone would not have told it
+            assert busy["cpu_share"] < BUSY_CPU_SHARE, busy
         assert httpx.get(server.url + "/guardian/status").json()["restarts"] == 0
     else:
         [stalled] = server.wait_for_event("engine_stalled", timeout=10)
         assert stalled["heartbeat_age_s"] < BUSY_S, stalled  # at the limit, before the step returned
         assert server.events("engine_step_busy") == []
-        if StepCpu().available:
+        if StepCpu().reads_cpu:
             assert "of a core" in stalled["reason"], stalled

@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from conftest import arm, chat_body, poll, scraped
+from guardian.errors import BUSY_STEP_REASON
 from guardian.exit_codes import EXIT_ENGINE_FAILED
 from guardian.health.step_cpu import StepCpu
 from test_stall_detection import STEP_FAULTS, table
@@ -207,7 +208,7 @@ def test_health_on_the_public_port_never_hangs_on_a_stopped_child(start_supervis
     assert supervised.supervisor()["restarts"] == 0
 
 
-@pytest.mark.skipif(not StepCpu().available, reason="per-thread CPU times are not readable here (macOS): "
+@pytest.mark.skipif(not StepCpu().reads_cpu, reason="per-thread CPU times are not readable here (macOS): "
                     "every step is judged by the stall limit alone, and no step is let run past it")
 def test_a_step_the_childs_watchdog_lets_compute_is_not_cut_short_by_the_supervisor(start_supervisor, tmp_path):
     """The child's watchdog lets a step that computes run stall_busy_extra_s past the stall
@@ -224,7 +225,7 @@ def test_a_step_the_childs_watchdog_lets_compute_is_not_cut_short_by_the_supervi
     results: list = []
     sender = post_in_thread(supervised.url, chat_body(max_tokens=40), results)
     supervised.wait_for_event("stock_step_busy", timeout=30)
-    poll(lambda: "computes past the stall limit" in httpx.get(supervised.url + "/readyz", timeout=5).text, 10,
+    poll(lambda: BUSY_STEP_REASON in httpx.get(supervised.url + "/readyz", timeout=5).text, 10,
          what="the child's /readyz saying its step computes, as allowed")
     sender.join(timeout=60)
     [(response, _)] = results

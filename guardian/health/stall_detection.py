@@ -18,7 +18,8 @@ cgroup freeze, a paused VM, a GPU driver holding every thread). No engine
 is blamed for that time: the heartbeat's clock restarts from that look
 (``process_paused``, counted in /guardian/status and /metrics). And a step
 that outlasts the stall limit while the engine's threads compute (kernels
-compiling, a long prefill on the CPU; ``guardian.health.step_cpu``) may run
+compiling, a long prefill on the CPU) or the process pages (its memory read
+back from swap, a passing shortage; ``guardian.health.step_cpu``) may run
 ``stall_busy_extra_s`` longer; one that waits is a stall at the limit.
 
 The watchdog detects and asks; it never writes the engine's state. A stall
@@ -257,30 +258,42 @@ class StallDetector:
         trouble_at = self.engine.lifecycle.trouble_at
         return min(self.heartbeat_age(now), now - (trouble_at if trouble_at is not None else float("-inf")))
 
+    def _step_moves(self) -> Optional[str]:
+        """How a step with a still heartbeat shows it is no deadlock: "paging" (the process
+        reads its memory back from disk), "computing" (the engine's threads compute; not
+        on an engine whose waits use CPU: a group's rank), or None: it waits, or is unknown."""
+        if self.step_cpu.paging():
+            return "paging"
+        if self.step_cpu.computing() and not self.engine.steps_wait_busily:
+            return "computing"
+        return None
+
     def _busy_step_allowed(self, age: float, beat: float) -> bool:
-        """Past the stall limit, a step whose engine threads compute may go on, up to
-        ``stall_busy_extra_s`` more; one that waits may not (nor an unknown one, nor any
-        step of an engine whose waits use CPU: a group's rank)."""
-        if (self.engine.steps_wait_busily or not self.step_cpu.busy()
-                or age > self.stall_limit_s + self.settings.stall_busy_extra_s):
+        """Past the stall limit, a step that computes or pages may go on, up to
+        ``stall_busy_extra_s`` more; one that waits may not (nor an unknown one)."""
+        moves = self._step_moves()
+        if moves is None or age > self.stall_limit_s + self.settings.stall_busy_extra_s:
             return False
         if self._busy_logged_for != beat:
             self._busy_logged_for = beat
-            log.info("engine_step_busy", heartbeat_age_s=round(age, 3),
+            share, faults = self.step_cpu.share, self.step_cpu.faults_per_s
+            log.info("engine_step_busy", heartbeat_age_s=round(age, 3), how=moves,
                      stall_limit_s=round(self.stall_limit_s, 3),
-                     cpu_share=round(self.step_cpu.share, 2),
+                     cpu_share=None if share is None else round(share, 2),
+                     major_faults_per_s=None if faults is None else round(faults, 1),
                      allowed_until_s=round(self.stall_limit_s + self.settings.stall_busy_extra_s, 3))
         return True
 
     def _stall_reason(self) -> str:
         limit = f"limit {self.stall_limit_s:.1f} s"
-        share = self.step_cpu.share
-        if share is None:
-            return f"no engine step or prompt progress ({limit})"
-        if self.step_cpu.busy() and not self.engine.steps_wait_busily:
-            return (f"a step computing past its allowance ({limit} + "
-                    f"{self.settings.stall_busy_extra_s:g} s; engine threads at {share:.0%} of a core)")
-        return f"no engine step or prompt progress ({limit}; engine threads at {share:.0%} of a core)"
+        share, faults = self.step_cpu.share, self.step_cpu.faults_per_s
+        measured = "".join([f"; engine threads at {share:.0%} of a core" if share is not None else "",
+                            f"; {faults:.0f} major page faults a second" if faults is not None else ""])
+        moves = self._step_moves()
+        if moves is not None:
+            return (f"a step {moves} past its allowance ({limit} + "
+                    f"{self.settings.stall_busy_extra_s:g} s{measured})")
+        return f"no engine step or prompt progress ({limit}{measured})"
 
     def _observe_pace(self, beat: float) -> None:
         """Feed the pace one look at the heartbeat; set how long it may stop now."""
@@ -469,8 +482,7 @@ class StallDetector:
             allowed_s = self.stall_limit_s + self.settings.stall_busy_extra_s
             # As the watchdog judges it (``_busy_step_allowed``), whether or not it has looked
             # yet; its CPU readings are this heartbeat's while work waits (``_check_progress``).
-            if (age <= allowed_s and engine.ledger.has_work() and self.step_cpu.busy()
-                    and not engine.steps_wait_busily):
+            if age <= allowed_s and engine.ledger.has_work() and self._step_moves() is not None:
                 return False, f"{BUSY_STEP_REASON}: {age:.1f} s, allowed up to {allowed_s:g} s"
             return False, f"no heartbeat for {age:.1f} s"
         if self.progressing():
@@ -558,7 +570,8 @@ class StallDetector:
             **self.pace.status(),
             "process_pauses": self.pauses,
             "process_paused_s": round(self.paused_s, 3),
-            "busy_step_detection": self.step_cpu.available and not self.engine.steps_wait_busily,
+            # Whether a step that computes is told from one that waits (paging is, everywhere).
+            "busy_step_detection": self.step_cpu.reads_cpu and not self.engine.steps_wait_busily,
             "probes_run": self.probes_run,
             "last_probe": probe or None,
             "last_resource_sample": self.last_sample,

@@ -1,9 +1,13 @@
-"""Whether a step that outlasts the stall limit computes or waits.
+"""Whether a step that outlasts the stall limit computes, pages or waits.
 
 A step that never returns waits (a deadlock, a collective whose peer is
 gone) and uses no CPU; a long step that computes (kernels compiling, a long
-prefill on the CPU) does. The watchdog gives the second one more time
-(``[watchdog] stall_busy_extra_s``), judged by the CPU time of the engine's
+prefill on the CPU) does, and one slowed by a passing shortage of memory
+pages: its memory, swapped out, is read back from disk a page at a time,
+and its threads wait on the disk, not on a lock. The watchdog gives the
+second and third more time (``[watchdog] stall_busy_extra_s``).
+
+Computing is judged by the CPU time of the engine's
 threads while its heartbeat stands still: its loop thread, and the threads
 of the process that Python did not start. mlx's CPU backend runs its
 kernels on mlx's own stream threads, not on the thread that called
@@ -16,6 +20,13 @@ are the system's (Python's ``Thread.native_id``) on Linux; on macOS psutil
 numbers the threads instead, so Python's cannot be told from mlx's there:
 no reading (None), and the watchdog judges every step as it did before.
 
+Paging is judged by the process's major page faults (``getrusage``: each a
+page read from disk; Linux and macOS alike), at least ``PAGING_FAULTS_PER_S``
+while the heartbeat stands still. The whole process's: whichever thread
+faults, its memory is short, and a step that needs memory waits for the same
+disk. (macOS counts a page read back from its swap files; one its memory
+compressor gives back is no major fault.)
+
 Readings are taken on the watchdog's thread only while the heartbeat stands
 still with work waiting, at most one per ``READ_EVERY_S``: nothing on the
 loop's hot path, nothing while steps come quickly.
@@ -23,6 +34,7 @@ loop's hot path, nothing while steps come quickly.
 
 from __future__ import annotations
 
+import resource
 import threading
 from collections import deque
 from typing import Callable, Optional
@@ -37,7 +49,11 @@ except ImportError:  # pragma: no cover - a declared dependency; without it, no 
 # on a 2-core machine with a load average of 5.5 (its Python loop also
 # contended for the GIL).
 BUSY_CPU_SHARE = 0.05
-# The share is measured over about the last WINDOW_S of the still heartbeat,
+# Major page faults a second for a step to count as paging: a process that is not
+# paging takes none in a step (its model was read at load); one whose memory is
+# swapped out takes hundreds to thousands (a 4 KB page, or macOS's 16 KB, a fault).
+PAGING_FAULTS_PER_S = 20.0
+# Both are measured over about the last WINDOW_S of the still heartbeat,
 # once it spans MIN_SPAN_S (Linux counts CPU time in 10 ms ticks: 2% of it).
 WINDOW_S = 1.0
 MIN_SPAN_S = 0.5
@@ -68,17 +84,28 @@ def engine_cpu_reader() -> Optional[Callable[[int], Optional[float]]]:
     return read if read(threading.get_ident()) is not None else None
 
 
-class StepCpu:
-    """The CPU share of the engine's threads while one heartbeat stands still."""
+def major_faults() -> int:
+    """The process's major page faults so far: pages read from disk."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_majflt
 
-    def __init__(self, reader: Optional[Callable[[int], Optional[float]]] = None):
+
+class StepCpu:
+    """The CPU share of the engine's threads, and the process's paging, while one
+    heartbeat stands still."""
+
+    def __init__(self, reader: Optional[Callable[[int], Optional[float]]] = None,
+                 faults: Callable[[], int] = major_faults):
         self.reader = reader if reader is not None else engine_cpu_reader()
+        self.faults = faults
         self._beat: Optional[float] = None
-        self._readings: deque[tuple[float, float]] = deque()  # (when, CPU seconds) while this beat stood
+        # (when, CPU seconds or None where unknown, major faults) while this beat stood
+        self._readings: deque[tuple[float, Optional[float], int]] = deque()
         self.share: Optional[float] = None  # over about the last WINDOW_S, once known
+        self.faults_per_s: Optional[float] = None  # likewise
 
     @property
-    def available(self) -> bool:
+    def reads_cpu(self) -> bool:
+        """Whether the engine's threads' CPU time is readable here (not on macOS)."""
         return self.reader is not None
 
     def observe(self, *, beat: float, now: float, loop_ident: Optional[int]) -> None:
@@ -88,25 +115,30 @@ class StepCpu:
             self._beat = beat
             return  # a moving heartbeat: nothing to read
         readings = self._readings
-        if self.reader is None or loop_ident is None or (readings and now - readings[-1][0] < READ_EVERY_S):
+        if loop_ident is None or (readings and now - readings[-1][0] < READ_EVERY_S):
             return
-        cpu = self.reader(loop_ident)
-        if cpu is None:
-            self.forget()
-            return
-        readings.append((now, cpu))
+        cpu = self.reader(loop_ident) if self.reader is not None else None
+        readings.append((now, cpu, self.faults()))
         # About the last WINDOW_S: the oldest goes once the next one is that old.
         while len(readings) > 2 and now - readings[1][0] >= WINDOW_S:
             readings.popleft()
-        began, cpu_then = readings[0]
-        if now - began >= MIN_SPAN_S:
-            self.share = max(0.0, cpu - cpu_then) / (now - began)
+        began, cpu_then, faults_then = readings[0]
+        span = now - began
+        if span >= MIN_SPAN_S:
+            # A CPU reading missing at either end (the loop's thread not found): unknown.
+            known = cpu is not None and cpu_then is not None
+            self.share = max(0.0, cpu - cpu_then) / span if known else None
+            self.faults_per_s = max(0, readings[-1][2] - faults_then) / span
 
     def forget(self) -> None:
         """Start over (a new beat; after a pause of the process a window spanning it measures nothing)."""
-        self._beat, self.share = None, None
+        self._beat, self.share, self.faults_per_s = None, None, None
         self._readings.clear()
 
-    def busy(self) -> bool:
+    def computing(self) -> bool:
         """The engine's threads compute while this heartbeat stands still (over about the last WINDOW_S)."""
         return self.share is not None and self.share >= BUSY_CPU_SHARE
+
+    def paging(self) -> bool:
+        """The process reads pages from disk while this heartbeat stands still."""
+        return self.faults_per_s is not None and self.faults_per_s >= PAGING_FAULTS_PER_S

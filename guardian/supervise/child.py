@@ -70,7 +70,7 @@ class Child:
     last_check_at: Optional[float] = None
     last_check: str = "not checked yet"
     says_stopping: bool = False  # its last check said it is stopping (a signal sent to it)
-    says_busy: bool = False  # its last check said a step computes past the stall limit, as allowed
+    says_busy: bool = False  # its last check said a step computes or pages past the stall limit, as allowed
     # Its checks get an HTTP answer (any status). One whose checks get none (frozen: SIGSTOP,
     # a process starved of its GIL or its CPU) takes no new requests (``Supervisor.holds``).
     answered: bool = True

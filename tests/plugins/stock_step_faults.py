@@ -14,6 +14,13 @@ blocks or is slow (a native deadlock, a kernel compile).
   own thread, as a kernel compile does) for ``busy_s`` seconds before stock's
   step runs. ``stock_step_busy`` is logged as it begins, ``stock_step_busy_ended``
   when it ends.
+- ``page_at_call``: the Nth call of ``next()`` pages for ``page_s`` seconds
+  before stock's step runs: it reads a file's pages through a memory map, one
+  every few milliseconds, each evicted from memory first, so each is a major
+  page fault and the thread waits on the disk (as a step whose memory was
+  swapped out does). Linux (``posix_fadvise``), on a folder that is no tmpfs.
+  ``stock_step_paging`` is logged as it begins, ``stock_step_paging_ended``
+  with its ``major_faults`` when it ends.
 - ``first_call_delay_s``: the first ``next()`` of every BatchGenerator (the
   first step of a loop at start and after each restart, when mlx compiles
   kernels) takes this much longer.
@@ -47,7 +54,10 @@ are the process's, read at start.
 from __future__ import annotations
 
 import importlib
+import mmap
 import os
+import resource
+import tempfile
 import threading
 import time
 import weakref
@@ -74,6 +84,8 @@ class StockStepFaultsSettings:
     hang_s: float = 0.0
     busy_at_call: int = 0
     busy_s: float = 0.0
+    page_at_call: int = 0
+    page_s: float = 0.0
     first_call_delay_s: float = live(0.0)
     delay_s: float = live(0.0)
     prefill_delay_s: float = live(0.0)
@@ -135,6 +147,10 @@ class StockStepFaults:
                 log.warning("stock_step_busy", call=call, busy_s=settings.busy_s)
                 _burn_cpu(settings.busy_s)
                 log.warning("stock_step_busy_ended", call=call)
+            if call == settings.page_at_call:
+                log.warning("stock_step_paging", call=call, page_s=settings.page_s)
+                faults = _page(settings.page_s, plugin.released)
+                log.warning("stock_step_paging_ended", call=call, major_faults=faults)
             responses = stock_next(generator)
             # (prompt responses, generation responses), in 0.31 and 0.32
             if settings.token_delay_s and responses[1] and disarm(settings.token_delay_armed_by):
@@ -178,6 +194,37 @@ def _burn_cpu(seconds: float) -> None:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         sum(i * i for i in range(10_000))
+
+
+# The file paged in: 2,048 pages of 4 KB, read one every PAGE_EVERY_S (~150 faults a
+# second here), all of them again, evicted first, once each was read.
+PAGED_FILE_BYTES = 8 << 20
+PAGE_EVERY_S = 0.005
+
+
+def _page(seconds: float, released: threading.Event) -> int:
+    """Read pages of a file not in memory for ``seconds``, on the calling thread, with
+    little CPU: the major page faults taken."""
+    def evict():
+        os.posix_fadvise(file.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_majflt
+    with tempfile.TemporaryFile() as file:
+        file.write(b"\1" * PAGED_FILE_BYTES)
+        file.flush()
+        os.fsync(file.fileno())  # clean pages: the page cache may drop them
+        with mmap.mmap(file.fileno(), PAGED_FILE_BYTES, prot=mmap.PROT_READ) as pages:
+            pages.madvise(mmap.MADV_RANDOM)  # no read-ahead: a fault for each page
+            evict()
+            deadline, offset = time.monotonic() + seconds, 0
+            while time.monotonic() < deadline and not released.wait(PAGE_EVERY_S):
+                pages[offset]  # a major fault: the page is read from the disk
+                offset += mmap.PAGESIZE
+                if offset >= PAGED_FILE_BYTES:
+                    offset = 0
+                    pages.madvise(mmap.MADV_DONTNEED)  # unmapped here, still cached
+                    evict()
+    return resource.getrusage(resource.RUSAGE_SELF).ru_majflt - before
 
 
 def _prefills(generator) -> bool:
