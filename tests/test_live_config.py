@@ -118,6 +118,31 @@ def test_an_edit_applies_live_settings_without_a_restart(served):
     assert chat(served).status_code == 200
 
 
+def test_a_broken_save_seen_twice_is_refused_and_said_once(tmp_path, capsys):
+    """One save can come as two events (a rename and a late event, a change of mode, the
+    watch's poll): a good version read twice is applied once, and now a broken one is
+    refused and said once too, as the key file's is. It was logged once per event."""
+    import json
+
+    from guardian.config.live import LiveConfig
+    from guardian.config.loading import load_config
+    from guardian.observability.logs import configure_logging
+
+    configure_logging("json", "INFO")
+    path = tmp_path / "guardian.toml"
+    path.write_text("[watchdog]\nstall_min_s = 3.0\n")
+    live = LiveConfig(load_config(path))
+    in_force = live.config.sha256
+    path.write_text("[watchdog\n")  # not TOML
+    assert live.reload("file_changed") is None and live.reload("file_changed") is None
+    assert live.reload("sighup") is None  # asked for: read and said again
+    path.write_text("[watchdog]\nstall_min_s = 0.1\n")  # another broken version
+    assert live.reload("file_changed") is None and live.reload("file_changed") is None
+    failed = [json.loads(line) for line in capsys.readouterr().err.splitlines() if "config_reload_failed" in line]
+    assert [e["reason"] for e in failed] == ["file_changed", "sighup", "file_changed"], failed
+    assert live.config.sha256 == in_force and "stall_min_s" in live.last_failure["error_message"]
+
+
 def test_a_broken_edit_changes_nothing_and_says_why(served):
     live = save_and_wait(served, BASE + "[prompt_guard]\nmax_prompt_tokens = 8\n")["config"]
     failures = len(served.events("config_reload_failed"))

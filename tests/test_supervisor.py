@@ -852,6 +852,38 @@ def test_a_deep_readiness_check_is_waited_for_as_long_as_the_childs_probes_may_t
     assert Supervisor(options, child_args).deep_readiness_timeout_s == 45.0
 
 
+def test_a_broken_save_seen_twice_is_refused_and_said_once_by_the_supervisor(tmp_path):
+    """One save can come as two events (a rename and a late event, the watch's poll): the
+    supervisor said supervisor_config_reload_failed once per event, as a child did. Now once
+    a version; a signal asks again, and the same broken bytes after a good version are new."""
+    from structlog.testing import capture_logs
+
+    from guardian.supervise.settings import make_parser
+    from guardian.supervise.supervisor import Supervisor
+
+    config = tmp_path / "guardian.toml"
+    config.write_text("[http]\nidle_timeout_s = 5.0\n")
+    options, child_args = make_parser().parse_known_args(["--guardian-config", str(config)])
+    supervisor = Supervisor(options, child_args)
+    with capture_logs() as logs:
+        config.write_text("[http\n")  # not TOML
+        supervisor.reload_config("file_changed")
+        supervisor.reload_config("file_changed")
+        supervisor.reload_config("sighup")
+        config.write_text('[http]\nidle_timeout_s = "soon"\n')  # another broken version
+        supervisor.reload_config("file_changed")
+        supervisor.reload_config("file_changed")
+        config.write_text("[http]\nidle_timeout_s = 6.0\n")  # a good one (no child to ask)
+        supervisor.reload_config("file_changed")
+        config.write_text("[http\n")  # the first broken one again
+        supervisor.reload_config("file_changed")
+    said = [(e["event"], e["reason"]) for e in logs if e["event"].startswith("supervisor_config_reload")]
+    assert said == [("supervisor_config_reload_failed", "file_changed"), ("supervisor_config_reload_failed", "sighup"),
+                    ("supervisor_config_reload_failed", "file_changed"), ("supervisor_config_reloaded", "file_changed"),
+                    ("supervisor_config_reload_failed", "file_changed")], said
+    assert supervisor.http.idle_timeout_s == 6.0
+
+
 def test_a_pause_seen_by_the_main_loop_and_the_pause_watch_is_counted_once():
     """After a SIGSTOP of the group, the main loop and the pause-watch thread (which sees a
     pause inside a health check) can both see the one pause: it was counted twice (a

@@ -240,6 +240,13 @@ class LiveConfig:
             self.check_plugins(dataclasses.replace(new, plugin_settings={}))
 
     def _failed(self, reason: str, message: str, new: Optional[GuardianConfig] = None) -> None:
+        refused = self.last_failure
+        sha256 = new.sha256 if new is not None else file_sha256(self.path)
+        if reason == "file_changed" and refused is not None and sha256 is not None and refused["sha256"] == sha256:
+            # Another event of one broken save (a rename and a late event, a change of mode,
+            # the watch's poll): refused and said once, as a good version read twice is
+            # applied once. A signal asks again, and is answered again.
+            return None
         self._record_failure(reason, message, new)
         log.error("config_reload_failed", reason=reason, error_message=message,
                   file=str(self.path), kept_sha256=self._config.sha256)

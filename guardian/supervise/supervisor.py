@@ -39,7 +39,7 @@ import structlog
 from guardian.config.tables import CoreSettings, HttpSettings, SupervisorSettings
 from guardian.config import in_force
 from guardian.config.registry import ConfigError
-from guardian.config.live import merge, read_once
+from guardian.config.live import file_sha256, merge, read_once
 from guardian.config.loading import GuardianConfig
 from guardian.observability.counting import ActiveCount, RecentEvents, StoppedClock
 from guardian.quarantine.crashes import CrashQuarantine
@@ -181,6 +181,7 @@ class Supervisor:
             self.config = self.started_config = GuardianConfig()
         self.child_body_limit = child_body_limit(self.config, self.settings.engine)
         self.config_sha256: Optional[str] = self.config.sha256  # the version in force (status)
+        self.refused_sha256: Optional[str] = None  # the last version of the file refused
         # Settings the file changed that the supervisor reads at start only.
         self.pending_restart: tuple = ()
 
@@ -290,8 +291,10 @@ class Supervisor:
             fresh = read_file(self.options)
             check_stock_tables(fresh, self.settings.engine)
         except ConfigError as e:
-            log.error("supervisor_config_reload_failed", reason=reason, error_message=str(e))
-            return
+            return self.config_refused(reason, str(e), file_sha256(self.options.guardian_config))
+        if reason == "file_changed" and fresh.sha256 == self.refused_sha256:
+            return None  # refused already, by the child (below): not asked again
+        self.refused_sha256 = None  # another version: one refused before is said again
         merged, change = merge(self.config, fresh, self.started_config)
         changed = [key for key in change.applied if acted_on_here(key)]
         body_limit = child_body_limit(fresh, self.settings.engine)
@@ -313,9 +316,8 @@ class Supervisor:
                         hint="the child did not say whether it runs this version; its own "
                              "config_reloaded or config_reload_failed will")
         elif refused is not None:
-            log.error("supervisor_config_reload_failed", reason=reason, error_message=f"the child refused this "
-                      f"version of the file, so the supervisor keeps its settings too: {refused}")
-            return
+            return self.config_refused(reason, f"the child refused this version of the file, so the "
+                                               f"supervisor keeps its settings too: {refused}", fresh.sha256)
         self.pending_restart = tuple(sorted(waiting))
         if newly_waiting:
             log.warning("supervisor_config_change_needs_restart", settings=newly_waiting,
@@ -334,6 +336,16 @@ class Supervisor:
             self.httpd.limits = public_limits(self.options, self.child_args, self.settings, self.core, self.http)
         self.config_sha256 = fresh.sha256  # last: a script that waits for it finds the version in force
         log.info("supervisor_config_reloaded", reason=reason, changed=sorted(changed))
+
+    def config_refused(self, reason: str, message: str, sha256: Optional[str]) -> None:
+        """Say that a version of the file was refused: once a version, as a child says it,
+        however many events one save comes as (a rename and a late event, the watch's
+        poll); a signal asks again and is answered again."""
+        if reason == "file_changed" and sha256 is not None and sha256 == self.refused_sha256:
+            return None
+        self.refused_sha256 = sha256
+        log.error("supervisor_config_reload_failed", reason=reason, error_message=message)
+        return None
 
     def child_refused(self, sha256: Optional[str]):
         """Why a ready guardian child refused the file's version ``sha256`` (its
