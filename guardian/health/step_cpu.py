@@ -18,14 +18,15 @@ watchdog, loops a stall abandoned) are left out.
 psutil lists every thread of the process with its CPU times. Its thread ids
 are the system's (Python's ``Thread.native_id``) on Linux; on macOS psutil
 numbers the threads instead, so Python's cannot be told from mlx's there:
-no reading (None), and the watchdog judges every step as it did before.
+no reading of CPU (None), and only paging is seen.
 
 Paging is judged by the process's major page faults (``getrusage``: each a
-page read from disk; Linux and macOS alike), at least ``PAGING_FAULTS_PER_S``
-while the heartbeat stands still. The whole process's: whichever thread
-faults, its memory is short, and a step that needs memory waits for the same
-disk. (macOS counts a page read back from its swap files; one its memory
-compressor gives back is no major fault.)
+page read from disk), at least ``PAGING_FAULTS_PER_S`` while the heartbeat
+stands still. The whole process's: whichever thread faults, its memory is
+short, and a step that needs memory waits for the same disk. (Measured on
+Linux. macOS reports its page-ins there; a page its memory compressor gives
+back without reading the disk is no major fault, so paging from the
+compressor alone is not seen.)
 
 Readings are taken on the watchdog's thread only while the heartbeat stands
 still with work waiting, at most one per ``READ_EVERY_S``: nothing on the
@@ -118,7 +119,8 @@ class StepCpu:
         if loop_ident is None or (readings and now - readings[-1][0] < READ_EVERY_S):
             return
         cpu = self.reader(loop_ident) if self.reader is not None else None
-        readings.append((now, cpu, self.faults()))
+        faults = self.faults()
+        readings.append((now, cpu, faults))
         # About the last WINDOW_S: the oldest goes once the next one is that old.
         while len(readings) > 2 and now - readings[1][0] >= WINDOW_S:
             readings.popleft()
@@ -128,7 +130,7 @@ class StepCpu:
             # A CPU reading missing at either end (the loop's thread not found): unknown.
             known = cpu is not None and cpu_then is not None
             self.share = max(0.0, cpu - cpu_then) / span if known else None
-            self.faults_per_s = max(0, readings[-1][2] - faults_then) / span
+            self.faults_per_s = max(0, faults - faults_then) / span
 
     def forget(self) -> None:
         """Start over (a new beat; after a pause of the process a window spanning it measures nothing)."""
