@@ -143,6 +143,36 @@ def test_a_broken_save_seen_twice_is_refused_and_said_once(tmp_path, capsys):
     assert live.config.sha256 == in_force and "stall_min_s" in live.last_failure["error_message"]
 
 
+def test_a_broken_version_saved_while_another_is_read_is_said_on_its_own(tmp_path, capsys, monkeypatch):
+    """A save that lands while a broken version is read: the refusal was filed under the
+    new bytes (hashed after the read) with the old version's error, and the new version's
+    own error was then taken for one already said (a hunt, from the code)."""
+    import json
+
+    from guardian.config import live as live_module
+    from guardian.observability.logs import configure_logging
+
+    configure_logging("json", "INFO")
+    path = tmp_path / "guardian.toml"
+    path.write_text("[watchdog]\nstall_min_s = 3.0\n")
+    live = live_module.LiveConfig(live_module.load_config(path))
+    path.write_text("[watchdog\n")  # not TOML
+    read = live_module.load_config
+
+    def read_as_another_save_lands(file):
+        try:
+            return read(file)
+        finally:
+            path.write_text("[watchdog]\nstall_min_s = 0.1\n")  # another broken version
+
+    monkeypatch.setattr(live_module, "load_config", read_as_another_save_lands)
+    assert live.reload("file_changed") is None
+    monkeypatch.setattr(live_module, "load_config", read)
+    assert live.reload("file_changed") is None  # the second save's own event
+    failed = [json.loads(line) for line in capsys.readouterr().err.splitlines() if "config_reload_failed" in line]
+    assert len(failed) == 2 and "stall_min_s" in failed[1]["error_message"], failed
+
+
 def test_a_broken_edit_changes_nothing_and_says_why(served):
     live = save_and_wait(served, BASE + "[prompt_guard]\nmax_prompt_tokens = 8\n")["config"]
     failures = len(served.events("config_reload_failed"))

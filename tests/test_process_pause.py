@@ -24,6 +24,7 @@ import signal
 import tempfile
 import threading
 import time
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -179,7 +180,7 @@ FAULTS = {"computes": dict(busy_at_call=20, busy_s=BUSY_S), "pages": dict(page_a
 
 @pytest.mark.parametrize("step", FAULTS)
 def test_a_step_past_the_stall_limit_is_a_stall_only_if_it_waits(start_server, step):
-    if step == "computes" and not StepCpu().reads_cpu:
+    if step == "computes" and not StepCpu().reads_threads:
         pytest.skip("per-thread CPU times of this process' threads are not readable here (psutil's "
                     "thread ids are not the system's on macOS): every step is judged by the limit")
     if step == "pages" and not pages_fault_here():
@@ -217,5 +218,56 @@ def test_a_step_past_the_stall_limit_is_a_stall_only_if_it_waits(start_server, s
         [stalled] = server.wait_for_event("engine_stalled", timeout=10)
         assert stalled["heartbeat_age_s"] < BUSY_S, stalled  # at the limit, before the step returned
         assert server.events("engine_step_busy") == []
-        if StepCpu().reads_cpu:
+        if StepCpu().reads_threads:
             assert "of a core" in stalled["reason"], stalled
+
+
+def test_a_stuck_step_beside_an_abandoned_loop_that_pages_is_a_stall_at_the_limit(start_server):
+    """A step that pages past its allowance is a stall; its loop is abandoned and pages on
+    (its step goes on). The next step, stuck in a wait, is judged by its own threads: a
+    stall at the limit. The whole process's faults made it "paging" too, a stall only at
+    the limit and the allowance (a hunt: 14 s where the limit was 4)."""
+    if not pages_fault_here():
+        pytest.skip("an evicted page of a file in the temporary folder is no major fault here "
+                    "(no posix_fadvise, or a tmpfs): the step could not page")
+    if not StepCpu().reads_threads:
+        pytest.skip("the engine's threads are not read apart here (macOS): paging is the whole "
+                    "process's, and not believed while an abandoned loop lives")
+    allowance_s = 5.0
+    config = (STEP_FAULTS + table("stock_step_faults", page_at_call=20, page_s=60.0, hang_at_call=60, hang_s=60.0)
+              + table("watchdog", stall_busy_extra_s=allowance_s, **WATCHDOG))
+    server = start_server(config)
+    post_in_background(server.url + COMPLETIONS, chat_body(max_tokens=300))
+    paged, stuck = server.wait_for_event("engine_stalled", timeout=60, count=2)
+    assert paged["reason"].startswith("a step paging past its allowance"), paged
+    server.wait_for_event("stock_step_hang", timeout=10)  # the second stall is the stuck step's
+    assert stuck["reason"].startswith("no engine step or prompt progress"), stuck
+    assert stuck["heartbeat_age_s"] < WATCHDOG["stall_timeout_s"] + allowance_s / 2, stuck
+    busy = server.events("engine_step_busy")
+    assert [e["how"] for e in busy] == ["paging"], busy  # the first step's, not the stuck one's
+
+
+def test_where_only_the_whole_process_is_read_its_paging_is_not_believed_beside_an_abandoned_loop():
+    """macOS reads no thread's own figures: paging is the whole process's faults, which a
+    loop a stall abandoned (still paging in its step) would lend any stuck step beside it.
+    There a step pages only while no abandoned loop lives (the watchdog's judgement, with
+    stand-ins for the engine and the process's fault count)."""
+    import pluggy
+
+    from guardian import hookspecs
+    from guardian.config.tables import WatchdogSettings
+    from guardian.health.stall_detection import StallDetector
+
+    faults = iter(range(0, 10_000, 50))  # 50 major faults a reading, 5 readings a second
+    engine = SimpleNamespace(steps_wait_busily=False, abandoned_loop_threads=0)
+    pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
+    pm.add_hookspecs(hookspecs)
+    detector = StallDetector(engine, pm, WatchdogSettings())
+    detector.step_cpu = StepCpu(process_faults=lambda: next(faults))
+    detector.step_cpu.reader = None  # as on macOS
+    for look in range(6):
+        detector.step_cpu.observe(beat=1.0, now=10.0 + look * 0.2, loop_ident=threading.get_ident())
+    assert detector.step_cpu.faults_per_s >= PAGING_FAULTS_PER_S and detector.step_cpu.share is None
+    assert detector._step_moves() == "paging"
+    engine.abandoned_loop_threads = 1
+    assert detector._step_moves() is None

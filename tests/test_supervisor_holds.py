@@ -208,7 +208,7 @@ def test_health_on_the_public_port_never_hangs_on_a_stopped_child(start_supervis
     assert supervised.supervisor()["restarts"] == 0
 
 
-@pytest.mark.skipif(not StepCpu().reads_cpu, reason="per-thread CPU times are not readable here (macOS): "
+@pytest.mark.skipif(not StepCpu().reads_threads, reason="per-thread CPU times are not readable here (macOS): "
                     "every step is judged by the stall limit alone, and no step is let run past it")
 def test_a_step_the_childs_watchdog_lets_compute_is_not_cut_short_by_the_supervisor(start_supervisor, tmp_path):
     """The child's watchdog lets a step that computes run stall_busy_extra_s past the stall

@@ -85,6 +85,14 @@ def test_a_version_the_child_refuses_changes_the_public_ports_door_no_more(start
     assert "the child refused" in failed["error_message"] and "max_prompt_tokens" in failed["error_message"]
     assert httpx.get(supervised.url + "/v1/models", timeout=5).status_code == 401
     assert supervised.supervisor()["config_sha256"] == first  # the version it still acts on
+    # A version that changes nothing the supervisor acts on, which the child refuses: it is
+    # not in force here either (config_sha256 named it, a version nothing ran: a hunt).
+    config.write_text(f"[access]\npublic_paths = [{public}]\n[prompt_guard]\nmax_prompt_tokens = 0\n"
+                      "[no_such_plugin]\nx = 1\n")
+    refusals = poll(lambda: (lambda said: len(said) >= 2 and said)(
+        supervised.supervisor_events("supervisor_config_reload_failed")), 15, what="the second refusal")
+    assert "the child refused" in refusals[1]["error_message"] and "[no_such_plugin]" in refusals[1]["error_message"]
+    assert supervised.supervisor()["config_sha256"] == first
     config.write_text(opened + "[guardian]\nretry_after_s = 7\n[prompt_guard]\nmax_prompt_tokens = 0\n")  # mended
     poll(lambda: httpx.get(supervised.url + "/v1/models", timeout=5).status_code == 200, 15,
          what="the mended version's [access] at the public port")

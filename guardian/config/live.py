@@ -158,14 +158,14 @@ class LiveConfig:
 
     def start_failure(self, message: str) -> None:
         """The file did not parse at start, and another version is in force (guardian.config.in_force)."""
-        self._record_failure("start", message)
+        self._record_failure("start", message, file_sha256(self.path))
 
-    def _record_failure(self, reason: str, message: str, new: Optional[GuardianConfig] = None) -> None:
+    def _record_failure(self, reason: str, message: str, sha256: Optional[str]) -> None:
         self.last_failure = {
             "at": datetime.datetime.now(datetime.timezone.utc).isoformat(),
             "reason": reason,
             "error_message": message,
-            "sha256": new.sha256 if new is not None else file_sha256(self.path),
+            "sha256": sha256,
         }
 
     # -- reloading -----------------------------------------------------------
@@ -176,10 +176,11 @@ class LiveConfig:
             return None
         with self._lock:
             current = self._config
+            before = file_sha256(self.path)
             try:
                 new = load_config(self.path)
             except ConfigError as e:
-                return self._failed(reason, str(e))
+                return self._failed(reason, str(e), sha256=bytes_read(self.path, before))
             if reason == "file_changed" and new.sha256 == current.sha256:
                 # Saved unchanged, another event of the same save, or back to the version in force.
                 self.last_failure = None
@@ -239,15 +240,19 @@ class LiveConfig:
             # (exit 2), and the supervisor stopped with it.
             self.check_plugins(dataclasses.replace(new, plugin_settings={}))
 
-    def _failed(self, reason: str, message: str, new: Optional[GuardianConfig] = None) -> None:
+    def _failed(self, reason: str, message: str, new: Optional[GuardianConfig] = None,
+                sha256: Optional[str] = None) -> None:
+        """A version refused: ``new`` if it parsed, else the bytes ``sha256`` names (None:
+        not known, the file changed as it was read)."""
         refused = self.last_failure
-        sha256 = new.sha256 if new is not None else file_sha256(self.path)
+        if new is not None:
+            sha256 = new.sha256
         if reason == "file_changed" and refused is not None and sha256 is not None and refused["sha256"] == sha256:
             # Another event of one broken save (a rename and a late event, a change of mode,
             # the watch's poll): refused and said once, as a good version read twice is
             # applied once. A signal asks again, and is answered again.
             return None
-        self._record_failure(reason, message, new)
+        self._record_failure(reason, message, sha256)
         log.error("config_reload_failed", reason=reason, error_message=message,
                   file=str(self.path), kept_sha256=self._config.sha256)
         return None
@@ -363,6 +368,13 @@ def file_sha256(path) -> Optional[str]:
         return hashlib.sha256(Path(path).read_bytes()).hexdigest()
     except OSError:
         return None
+
+
+def bytes_read(path, before: Optional[str]) -> Optional[str]:
+    """The hash of what a read of ``path`` that began when its bytes hashed ``before``
+    read: ``before`` if the file still holds those bytes, else None (a save landed
+    meanwhile: which version was read is not known)."""
+    return before if before is not None and file_sha256(path) == before else None
 
 
 def read_once(path) -> bool:

@@ -114,13 +114,13 @@ class WatchdogSettings(Table, name="watchdog"):
         one before (up to twice as much from the second chunk on).""", live=True)
     stall_busy_extra_s = Setting(Float(min=0), 30.0, """
         A step that outlasts the stall limit while the engine's threads compute
-        (kernels compiling, a long prefill on the CPU) or the process pages (its
-        memory read back from swap: at least 20 major page faults a second) may
-        run this much longer before it is a stall; a step that waits (a
-        deadlock: no CPU, no paging) is a stall at the limit. Computing is
-        judged by per-thread CPU time (Linux; elsewhere, and on the ranks of an
+        (kernels compiling, a long prefill on the CPU) or page (memory read back
+        from swap: at least 20 major page faults a second) may run this much
+        longer before it is a stall; a step that waits (a deadlock: no CPU, no
+        paging) is a stall at the limit. Computing is judged by the engine's
+        threads' own CPU time (Linux; elsewhere, and on the ranks of an
         mlx.launch group, whose waits in a collective use CPU, only paging is
-        seen). 0: no extra time. Meanwhile /readyz says 503, "a step computes or
+        seen: on macOS the whole process's). 0: no extra time. Meanwhile /readyz says 503, "a step computes or
         pages past the stall limit", and a supervisor waits for this verdict.""", live=True)
     pace_samples = Setting(Int(min=1), 32, """
         How many of the watchdog's looks at a moving heartbeat the pace

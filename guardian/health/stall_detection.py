@@ -259,12 +259,15 @@ class StallDetector:
         return min(self.heartbeat_age(now), now - (trouble_at if trouble_at is not None else float("-inf")))
 
     def _step_moves(self) -> Optional[str]:
-        """How a step with a still heartbeat shows it is no deadlock: "paging" (the process
-        reads its memory back from disk), "computing" (the engine's threads compute; not
-        on an engine whose waits use CPU: a group's rank), or None: it waits, or is unknown."""
-        if self.step_cpu.paging():
+        """How a step with a still heartbeat shows it is no deadlock: "paging" (the engine's
+        threads read their memory back from disk; where only the whole process's faults are
+        read, not while a loop a stall abandoned lives: its faults would be taken for the
+        step's), "computing" (the engine's threads compute; not on an engine whose waits
+        use CPU: a group's rank), or None: it waits, or is unknown."""
+        step_cpu = self.step_cpu
+        if step_cpu.paging() and (step_cpu.reads_threads or not self.engine.abandoned_loop_threads):
             return "paging"
-        if self.step_cpu.computing() and not self.engine.steps_wait_busily:
+        if step_cpu.computing() and not self.engine.steps_wait_busily:
             return "computing"
         return None
 
@@ -571,7 +574,7 @@ class StallDetector:
             "process_pauses": self.pauses,
             "process_paused_s": round(self.paused_s, 3),
             # Whether a step that computes is told from one that waits (paging is, everywhere).
-            "busy_step_detection": self.step_cpu.reads_cpu and not self.engine.steps_wait_busily,
+            "busy_step_detection": self.step_cpu.reads_threads and not self.engine.steps_wait_busily,
             "probes_run": self.probes_run,
             "last_probe": probe or None,
             "last_resource_sample": self.last_sample,

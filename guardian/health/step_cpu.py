@@ -7,26 +7,24 @@ pages: its memory, swapped out, is read back from disk a page at a time,
 and its threads wait on the disk, not on a lock. The watchdog gives the
 second and third more time (``[watchdog] stall_busy_extra_s``).
 
-Computing is judged by the CPU time of the engine's
-threads while its heartbeat stands still: its loop thread, and the threads
-of the process that Python did not start. mlx's CPU backend runs its
-kernels on mlx's own stream threads, not on the thread that called
-``mx.eval`` (measured: 0.005 s of a 36 s matmul loop on the calling
-thread, the rest on mlx's); Python's other threads (HTTP handlers, the
-watchdog, loops a stall abandoned) are left out.
+Both are judged by the engine's threads while its heartbeat stands still:
+its loop thread, and the threads of the process that Python did not start.
+mlx's CPU backend runs its kernels on mlx's own stream threads, not on the
+thread that called ``mx.eval`` (measured: 0.005 s of a 36 s matmul loop on
+the calling thread, the rest on mlx's); Python's other threads (HTTP
+handlers, the watchdog, loops a stall abandoned) are left out. A loop a stall
+abandoned that still pages (its step went on) made a stuck step beside it
+look as if it paged: a hunt, 10 s late, "paging" at no fault of its own.
 
-psutil lists every thread of the process with its CPU times. Its thread ids
-are the system's (Python's ``Thread.native_id``) on Linux; on macOS psutil
-numbers the threads instead, so Python's cannot be told from mlx's there:
-no reading of CPU (None), and only paging is seen.
-
-Paging is judged by the process's major page faults (``getrusage``: each a
-page read from disk), at least ``PAGING_FAULTS_PER_S`` while the heartbeat
-stands still. The whole process's: whichever thread faults, its memory is
-short, and a step that needs memory waits for the same disk. (Measured on
-Linux. macOS reports its page-ins there; a page its memory compressor gives
-back without reading the disk is no major fault, so paging from the
-compressor alone is not seen.)
+Linux lists every thread of the process with its CPU time and major page
+faults (``/proc/self/task/TID/stat``; TID is Python's ``Thread.native_id``).
+A step computes at ``BUSY_CPU_SHARE`` of a core or more, and pages at
+``PAGING_FAULTS_PER_S`` major faults a second or more (each a page read from
+disk). Elsewhere (macOS) no thread's own figures are read: no CPU reading
+(None), and paging is the whole process's (``getrusage``), believed only while
+no abandoned loop lives (``StallDetector``). (macOS reports its page-ins
+there; a page its memory compressor gives back without reading the disk is
+no major fault, so paging from the compressor alone is not seen.)
 
 Readings are taken on the watchdog's thread only while the heartbeat stands
 still with work waiting, at most one per ``READ_EVERY_S``: nothing on the
@@ -35,15 +33,11 @@ loop's hot path, nothing while steps come quickly.
 
 from __future__ import annotations
 
+import os
 import resource
 import threading
 from collections import deque
 from typing import Callable, Optional
-
-try:
-    import psutil
-except ImportError:  # pragma: no cover - a declared dependency; without it, no reading
-    psutil = None
 
 # The share of one core the engine's threads use for a step to count as
 # computing. A step stuck in a wait measured 0%; one computing 69%, and 13%
@@ -61,43 +55,58 @@ MIN_SPAN_S = 0.5
 READ_EVERY_S = 0.2
 
 
-def engine_cpu_reader() -> Optional[Callable[[int], Optional[float]]]:
-    """A function of the loop thread's ident: CPU seconds the engine's threads
-    have used, or None when unknown now. None: unavailable on this platform."""
-    if psutil is None:
-        return None
-    process = psutil.Process()
+TASKS = "/proc/self/task"
 
-    def read(loop_ident: int) -> Optional[float]:
+
+def engine_threads_reader() -> Optional[Callable[[int], Optional[tuple[float, int]]]]:
+    """A function of the loop thread's ident: (CPU seconds, major page faults) of the
+    engine's threads so far, or None when unknown now. None: unavailable here (no
+    /proc, or its thread ids are not Python's)."""
+    if not os.path.isdir(TASKS):
+        return None
+    ticks_per_s = os.sysconf("SC_CLK_TCK")
+
+    def read(loop_ident: int) -> Optional[tuple[float, int]]:
         python_threads = {t.ident: t.native_id for t in threading.enumerate()}
         loop_native = python_threads.get(loop_ident)
         if loop_native is None:
             return None
         others = set(python_threads.values()) - {loop_native}
         try:
-            threads = process.threads()
-        except psutil.Error:
+            tids = [int(tid) for tid in os.listdir(TASKS)]
+        except OSError:
             return None
-        if not any(t.id == loop_native for t in threads):
-            return None  # psutil's thread ids are not the system's (macOS)
-        return sum(t.user_time + t.system_time for t in threads if t.id not in others)
+        if loop_native not in tids:
+            return None
+        ticks = faults = 0
+        for tid in tids:
+            if tid in others:
+                continue
+            try:
+                with open(f"{TASKS}/{tid}/stat") as stat:
+                    fields = stat.read().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue  # ended meanwhile
+            # After the name: state (field 3), ..., majflt (12), ..., utime (14), stime (15).
+            faults += int(fields[12 - 3])
+            ticks += int(fields[14 - 3]) + int(fields[15 - 3])
+        return ticks / ticks_per_s, faults
 
     return read if read(threading.get_ident()) is not None else None
 
 
-def major_faults() -> int:
-    """The process's major page faults so far: pages read from disk."""
+def process_major_faults() -> int:
+    """The whole process's major page faults so far: pages read from disk."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_majflt
 
 
 class StepCpu:
-    """The CPU share of the engine's threads, and the process's paging, while one
-    heartbeat stands still."""
+    """The CPU share and the paging of the engine's threads while one heartbeat stands still."""
 
-    def __init__(self, reader: Optional[Callable[[int], Optional[float]]] = None,
-                 faults: Callable[[], int] = major_faults):
-        self.reader = reader if reader is not None else engine_cpu_reader()
-        self.faults = faults
+    def __init__(self, reader: Optional[Callable[[int], Optional[tuple[float, int]]]] = None,
+                 process_faults: Callable[[], int] = process_major_faults):
+        self.reader = reader if reader is not None else engine_threads_reader()
+        self.process_faults = process_faults
         self._beat: Optional[float] = None
         # (when, CPU seconds or None where unknown, major faults) while this beat stood
         self._readings: deque[tuple[float, Optional[float], int]] = deque()
@@ -105,8 +114,8 @@ class StepCpu:
         self.faults_per_s: Optional[float] = None  # likewise
 
     @property
-    def reads_cpu(self) -> bool:
-        """Whether the engine's threads' CPU time is readable here (not on macOS)."""
+    def reads_threads(self) -> bool:
+        """Whether the engine's own threads are read here (Linux), not the whole process."""
         return self.reader is not None
 
     def observe(self, *, beat: float, now: float, loop_ident: Optional[int]) -> None:
@@ -118,8 +127,14 @@ class StepCpu:
         readings = self._readings
         if loop_ident is None or (readings and now - readings[-1][0] < READ_EVERY_S):
             return
-        cpu = self.reader(loop_ident) if self.reader is not None else None
-        faults = self.faults()
+        if self.reader is not None:
+            reading = self.reader(loop_ident)
+            if reading is None:  # the loop's thread not found now: this window measures nothing
+                self.forget()
+                return
+            cpu, faults = reading
+        else:
+            cpu, faults = None, self.process_faults()
         readings.append((now, cpu, faults))
         # About the last WINDOW_S: the oldest goes once the next one is that old.
         while len(readings) > 2 and now - readings[1][0] >= WINDOW_S:
@@ -127,9 +142,7 @@ class StepCpu:
         began, cpu_then, faults_then = readings[0]
         span = now - began
         if span >= MIN_SPAN_S:
-            # A CPU reading missing at either end (the loop's thread not found): unknown.
-            known = cpu is not None and cpu_then is not None
-            self.share = max(0.0, cpu - cpu_then) / span if known else None
+            self.share = max(0.0, cpu - cpu_then) / span if cpu is not None else None
             self.faults_per_s = max(0, faults - faults_then) / span
 
     def forget(self) -> None:

@@ -39,7 +39,7 @@ import structlog
 from guardian.config.tables import CoreSettings, HttpSettings, SupervisorSettings
 from guardian.config import in_force
 from guardian.config.registry import ConfigError
-from guardian.config.live import file_sha256, merge, read_once
+from guardian.config.live import bytes_read, file_sha256, merge, read_once
 from guardian.config.loading import GuardianConfig
 from guardian.observability.counting import ActiveCount, RecentEvents, StoppedClock
 from guardian.quarantine.crashes import CrashQuarantine
@@ -287,13 +287,14 @@ class Supervisor:
         as it changes nothing there."""
         if self.options.guardian_config is None:
             return
+        before = file_sha256(self.options.guardian_config)
         try:
             fresh = read_file(self.options)
             check_stock_tables(fresh, self.settings.engine)
         except ConfigError as e:
-            return self.config_refused(reason, str(e), file_sha256(self.options.guardian_config))
-        if reason == "file_changed" and fresh.sha256 == self.refused_sha256:
-            return None  # refused already, by the child (below): not asked again
+            return self.config_refused(reason, str(e), bytes_read(self.options.guardian_config, before))
+        if reason == "file_changed" and fresh.sha256 in (self.refused_sha256, self.config_sha256):
+            return None  # refused already (by the child: not asked again), or the version in force
         self.refused_sha256 = None  # another version: one refused before is said again
         merged, change = merge(self.config, fresh, self.started_config)
         changed = [key for key in change.applied if acted_on_here(key)]
@@ -302,12 +303,17 @@ class Supervisor:
             changed.append("prompt_guard.max_body_bytes")
         waiting = [key for key in change.needs_restart if acted_on_here(key)]
         newly_waiting = sorted(set(waiting) - set(self.pending_restart))
+        asked_at = time.monotonic()
+        # Asked even where nothing it acts on changed: config_sha256 named a version the
+        # child refused, which nothing ran (a hunt).
+        refused = self.child_refused(fresh.sha256)
+        if refused is not None and refused is not NO_VERDICT:
+            return self.config_refused(reason, f"the child refused this version of the file, so the "
+                                               f"supervisor keeps its settings too: {refused}", fresh.sha256)
         if not changed and not newly_waiting:
             self.pending_restart = tuple(sorted(waiting))
             self.config_sha256 = fresh.sha256  # nothing it acts on changed: in force as it stands
             return
-        asked_at = time.monotonic()
-        refused = self.child_refused(fresh.sha256)
         if refused is NO_VERDICT:
             # Its own file watch decides on its own: the user's new door is put in force here
             # rather than none at all (a paused or busy child may never say, or say late).
@@ -315,9 +321,6 @@ class Supervisor:
                         waited_s=round(time.monotonic() - asked_at, 3),
                         hint="the child did not say whether it runs this version; its own "
                              "config_reloaded or config_reload_failed will")
-        elif refused is not None:
-            return self.config_refused(reason, f"the child refused this version of the file, so the "
-                                               f"supervisor keeps its settings too: {refused}", fresh.sha256)
         self.pending_restart = tuple(sorted(waiting))
         if newly_waiting:
             log.warning("supervisor_config_change_needs_restart", settings=newly_waiting,
