@@ -26,6 +26,8 @@ from typing import Any, Callable, Iterator, Optional
 
 import structlog
 
+from guardian.admission.cgroup_memory import cgroup_memory_limit
+
 log = structlog.get_logger("guardian.admission")
 
 
@@ -417,7 +419,10 @@ def device_memory() -> tuple[int, str]:
     """The memory mlx says the device may use, and where that number came from.
 
     Metal reports its recommended working set, CUDA the device's total
-    memory; the CPU backend reports no size, so mlx's memory limit stands in.
+    memory; the CPU backend reports no size, so mlx's memory limit stands in,
+    or the process's control group's where that is lower (Linux: the CPU's
+    memory is the process's own, which the kernel ends at that limit;
+    guardian.admission.cgroup_memory).
     """
     import mlx.core as mx
 
@@ -425,7 +430,11 @@ def device_memory() -> tuple[int, str]:
     for key in ("max_recommended_working_set_size", "memory_size", "total_memory"):
         if info.get(key):
             return int(info[key]), f"device_info.{key}"
-    return int(mx.get_memory_limit()), "get_memory_limit"
+    limit = int(mx.get_memory_limit())
+    group = cgroup_memory_limit()
+    if group is not None and group[0] < limit:
+        return group[0], f"cgroup {group[1]}"
+    return limit, "get_memory_limit"
 
 
 def describe_bytes(n: float) -> str:

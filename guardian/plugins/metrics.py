@@ -293,7 +293,8 @@ class EngineCollector:
         if limit is not None:
             family = GaugeMetricFamily(
                 P + "device_memory_limit_bytes", "The memory the device may use: Metal's recommended "
-                "working set, or mlx's limit on the CPU; source says which.", labels=["source"])
+                "working set, or mlx's limit on the CPU (its control group's where lower); source says which.",
+                labels=["source"])
             family.add_metric([limit[1]], limit[0])
             yield family
         if self.plugin._device_resource_limit is not None:
