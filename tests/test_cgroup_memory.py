@@ -11,7 +11,6 @@ and its thresholds and KV budget come from that group's limit.
 from __future__ import annotations
 
 import os
-import shutil
 import textwrap
 from pathlib import Path
 
@@ -19,7 +18,7 @@ import httpx
 import pytest
 
 from conftest import Server, chat_body, free_port, poll, spawn_guardian
-from guardian.admission.cgroup_memory import V1_MEMORY_ROOT, V2_ROOT, group_paths, lowest_limit
+from guardian.admission.cgroup_memory import V1_MEMORY_ROOT, V2_ROOT, group_paths
 
 LIMIT_BYTES = 3 << 30  # far above what the demo model's server needs, far below this machine's memory
 
