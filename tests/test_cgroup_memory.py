@@ -18,14 +18,15 @@ import httpx
 import pytest
 
 from conftest import Server, chat_body, free_port, poll, spawn_guardian
+from test_supervisor import post_in_thread, start_supervisor  # noqa: F401 (a fixture)
 from guardian.admission.cgroup_memory import V1_MEMORY_ROOT, V2_ROOT, group_paths
 
 LIMIT_BYTES = 3 << 30  # far above what the demo model's server needs, far below this machine's memory
 
 
-def make_group(name: str) -> tuple[Path, str]:
-    """A memory group of this process's, limited to LIMIT_BYTES: (its folder, its limit's file
-    name). Skips where none can be made (not Linux, not root, no memory controller here)."""
+def make_group(name: str, limit_bytes: int = LIMIT_BYTES) -> tuple[Path, str]:
+    """A memory group of this process's, limited to ``limit_bytes``: (its folder, its limit's
+    file name). Skips where none can be made (not Linux, not root, no memory controller here)."""
     v2, v1 = group_paths()
     tries = []
     if v1 is not None:
@@ -40,7 +41,7 @@ def make_group(name: str) -> tuple[Path, str]:
             why = f"cannot make a memory group at {folder}: {e}"
             continue
         try:
-            (folder / limit_file).write_text(str(LIMIT_BYTES))
+            (folder / limit_file).write_text(str(limit_bytes))
             return folder, limit_file
         except OSError as e:
             why = f"cannot limit the memory group at {folder}: {e}"
@@ -48,14 +49,24 @@ def make_group(name: str) -> tuple[Path, str]:
     pytest.skip(why)
 
 
+def remove_group(folder: Path) -> None:
+    """Remove a group made here, any process still in it moved back to its parent first
+    (a group with a process in it cannot be removed)."""
+    procs = folder / "cgroup.procs"
+    for pid in procs.read_text().split():
+        try:
+            (folder.parent / "cgroup.procs").write_text(pid)
+        except OSError:  # gone meanwhile
+            pass
+    poll(lambda: not procs.read_text().split(), 10, what="the group emptied")
+    folder.rmdir()
+
+
 @pytest.fixture
 def memory_group():
     group = make_group(f"guardian-test-{os.getpid()}")
     yield group
-    folder, _ = group
-    # Its processes are gone (killed by the test's end); a group with none can be removed.
-    poll(lambda: not (folder / "cgroup.procs").read_text().split(), 10, what="the group emptied")
-    folder.rmdir()
+    remove_group(group[0])
 
 
 def test_a_servers_memory_guard_and_kv_budget_measure_against_its_groups_limit(tmp_path, model_cache, memory_group):
@@ -82,3 +93,59 @@ def test_a_servers_memory_guard_and_kv_budget_measure_against_its_groups_limit(t
         assert response.status_code == 200, response.text
     finally:
         server.stop()
+
+
+# A group the child's next allocations overflow at once: the kernel's OOM killer ends it
+# (no swap here; with swap, memsw would be limited too).
+TINY_LIMIT_BYTES = 1 << 20
+
+
+@pytest.mark.subprocess_mode
+def test_a_child_the_kernels_oom_killer_ends_blames_no_request_in_flight(start_supervisor, tmp_path):
+    """Two children killed for memory, the same requests in flight at both: struck at each
+    kill as at a crash, and run alone on the second child, they were quarantined (500, and
+    refused for quarantine_s) though each fits, as requests that each fitted alone were in
+    a hunt (memory grown over many requests, under a group's limit). Now the kill is told
+    (the kernel's count of OOM kills rose) and blames nobody: the requests get what a
+    restart gives them, and the same bodies sent again are answered."""
+    config = tmp_path / "slow.toml"
+    config.write_text("[fault_injection]\nenabled = true\nstep_delay_s = 0.01\n")  # decoding for seconds
+    supervised = start_supervisor("--guardian-config", str(config))
+    # Past 256 tokens the KV cache grows by a block (memory the group cannot give) while
+    # they decode.
+    bodies = [chat_body(f"Tell me a long story, number {n}, about the sea.", max_tokens=700) for n in range(3)]
+    results: list = []
+    groups = []
+    try:
+        pid = supervised.wait_ready(timeout=60)
+        threads = [post_in_thread(supervised.url, body, results) for body in bodies]
+        poll(lambda: (supervised.supervisor() or {}).get("in_flight", 0) >= 3, 30, what="the requests in flight")
+        for kill in range(2):
+            groups.append(make_group(f"guardian-test-oom-{os.getpid()}-{kill}", TINY_LIMIT_BYTES)[0])
+            (groups[-1] / "cgroup.procs").write_text(str(pid))
+            [exited] = poll(lambda: supervised.supervisor_events("child_exited")[kill:], 30,
+                            what="the child killed for memory")
+            assert exited["pid"] == pid, exited
+            assert exited["reason"] == "killed by SIGKILL: the kernel's OOM killer (out of memory)", exited
+            # The next child, into a group of its own as it is ready: the requests sent again
+            # to it are in flight when it is killed too.
+            pid = supervised.wait_ready(not_pid=pid, timeout=60)
+        for thread in threads:
+            thread.join(timeout=120)
+    finally:
+        for folder in groups:
+            remove_group(folder)
+    codes = [outcome.json()["error"]["code"] if outcome.status_code != 200 else 200 for outcome, _ in results]
+    assert "request_quarantined" not in codes, codes
+    not_blamed = supervised.supervisor_events("crash_not_blamed")
+    assert len(not_blamed) == 2 and not_blamed[0]["in_flight"] == 3, not_blamed
+    assert not supervised.supervisor_events("crash_suspects")
+    quarantine = supervised.supervisor()["quarantine"]
+    assert quarantine["quarantined"] == [] and quarantine["refused"] == 0, quarantine
+    # Sent again (as Retry-After says), each is answered: nothing of theirs is held against them.
+    again: list = []
+    for thread in [post_in_thread(supervised.url, body, again) for body in bodies]:
+        thread.join(timeout=120)
+    assert [outcome.status_code for outcome, _ in again] == [200] * 3, again
+    metrics = httpx.get(supervised.url + "/metrics", timeout=10).text
+    assert 'mlx_guardian_supervisor_child_restarts_total{reason="oom_killed"} 2.0' in metrics

@@ -304,9 +304,18 @@ class CrashQuarantine:
                      path=suspect.path)
 
     # -- the supervisor's main loop -------------------------------------------
-    def child_exited(self, generation: int, crashed: bool, **exit_info) -> list[dict]:
+    def child_exited(self, generation: int, crashed: bool, out_of_memory: bool = False,
+                     **exit_info) -> list[dict]:
         """Settle a reaped child; if it died on its own, strike what was in flight. The
-        suspects, each with its crash times (``crash_times``, the monotonic clock)."""
+        suspects, each with its crash times (``crash_times``, the monotonic clock).
+
+        ``out_of_memory``: the kernel's OOM killer ended it. Nobody is struck: as in one
+        process, where a failure for want of memory blames no request (guardian.engine.blame),
+        its memory ran out for all it held (its caches grown over many requests, another
+        process's), and a request too big for the memory is refused at the child's door by
+        its KV budget, sized to that memory (guardian.admission.cgroup_memory). Struck, the
+        requests in flight at two such kills were quarantined though each fitted alone (a
+        hunt: four of twelve, under a memory group's limit)."""
         with self.lock:
             relays = self.relays.pop(generation, {})
             self.settled_through = max(self.settled_through, generation)
@@ -314,6 +323,11 @@ class CrashQuarantine:
             return []
         now = time.monotonic()
         in_flight = [relay for relay in relays.values() if not relay.answered_in_full]
+        if out_of_memory:
+            log.warning("crash_not_blamed", generation=generation, in_flight=len(in_flight),
+                        why="the kernel's OOM killer ended the child: a shortage of memory, no request's fault",
+                        **exit_info)
+            return []
         distinct = {relay.fingerprint: relay for relay in in_flight}
         suspects = [self._strike(fp, relay, now) for fp, relay in distinct.items()]
         log.warning("crash_suspects", generation=generation,

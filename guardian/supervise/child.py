@@ -94,6 +94,10 @@ class Child:
     hard_kill_why: str = "after the grace"
     sighup_held: bool = False  # a SIGHUP came while it started: sent once it is ready
     paused_s: float = 0.0  # how long the supervisor was paused since it started this child
+    # The kernel's count of processes its OOM killer ended, as it started (``oom_kills``),
+    # and whether that killer ended it (``killed_for_memory``, settled as it is reaped).
+    oom_kills_at_start: Optional[int] = field(default_factory=lambda: oom_kills())
+    out_of_memory: bool = False
 
     def hands_off(self) -> bool:
         """Whether a request may be handed to it now (``handoff``), not relayed."""
@@ -141,13 +145,40 @@ def crashed(child: Child) -> bool:
     return child.proc.returncode not in STOPPED_AS_ASKED
 
 
+def oom_kills() -> Optional[int]:
+    """How many processes the kernel's OOM killer has ended since boot (Linux's
+    /proc/vmstat, 4.13 on; a memory group's limit counts too), or None where not told."""
+    try:
+        with open("/proc/vmstat") as vmstat:
+            for line in vmstat:
+                name, _, value = line.partition(" ")
+                if name == "oom_kill":
+                    return int(value)
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def killed_for_memory(child: Child) -> bool:
+    """Whether the kernel's OOM killer ended the child: SIGKILL, not the supervisor's, while
+    the kernel's count of such kills rose. (Another process's kill in the same moment would
+    be taken for it; macOS's memory killer is not told apart: there the hint still asks.)"""
+    if child.proc.returncode != -signal.SIGKILL or child.hard_killed or child.oom_kills_at_start is None:
+        return False
+    now = oom_kills()
+    return now is not None and now > child.oom_kills_at_start
+
+
 def exit_reason(child: Child) -> str:
     """Why a child is gone, in words an operator can act on."""
     code = child.proc.returncode
     if code < 0:
         if child.hard_killed and -code == signal.SIGKILL:
             return f"hard-killed (SIGKILL) by the supervisor {child.hard_kill_why} ({child.kill_reason})"
-        described = f"killed by {signal_name(-code)}: {SIGNAL_HINTS.get(-code, 'a signal')}"
+        if child.out_of_memory:
+            described = "killed by SIGKILL: the kernel's OOM killer (out of memory)"
+        else:
+            described = f"killed by {signal_name(-code)}: {SIGNAL_HINTS.get(-code, 'a signal')}"
     elif isinstance(child.proc, LauncherProcess) and child.proc.ranks_code is not None:
         rank = child.proc.ranks_code[0]
         described = f"the group ended: rank {rank}'s exit code {code}: {exit_codes.reason(code)}"

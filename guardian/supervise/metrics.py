@@ -41,10 +41,10 @@ class SupervisorMetrics:
         self.registry = r = metrics.new_registry()
         self.child_restarts = Counter(
             P + "child_restarts", "Children replaced, by why the last one went: the signal that killed it "
-            "(SIGKILL, SIGSEGV, ...), exit_N for its exit code, or unhealthy / start_timeout when the "
-            "supervisor stopped it.", ["reason"], registry=r)
+            "(SIGKILL, SIGSEGV, ...; oom_killed for the kernel's OOM killer), exit_N for its exit code, or "
+            "unhealthy / start_timeout when the supervisor stopped it.", ["reason"], registry=r)
         # The commonest, 0 until the first (so increase() sees it); others appear when they happen.
-        for reason in ("SIGKILL", "SIGSEGV", "SIGBUS", "SIGABRT", f"exit_{EXIT_ENGINE_FAILED}",
+        for reason in ("SIGKILL", "oom_killed", "SIGSEGV", "SIGBUS", "SIGABRT", f"exit_{EXIT_ENGINE_FAILED}",
                        f"exit_{EXIT_ENGINE_STALLED}", f"exit_{EXIT_GROUP_FAILED}", "unhealthy", "start_timeout"):
             self.child_restarts.labels(reason)
         self.requests_not_held = Counter(
@@ -158,11 +158,14 @@ class SupervisorCollector:
 
 
 def restart_reason(dead) -> str:
-    """A label with few values for how a child went: a signal's name, exit_N,
-    or the supervisor's own kill (start_timeout, unhealthy)."""
+    """A label with few values for how a child went: a signal's name (oom_killed: the
+    kernel's OOM killer's SIGKILL), exit_N, or the supervisor's own kill (start_timeout,
+    unhealthy)."""
     if dead.hard_killed or dead.stopped_by_supervisor:
         return "start_timeout" if dead.ready_at is None else "unhealthy"
     code = dead.proc.returncode
+    if dead.out_of_memory:
+        return "oom_killed"
     if code is not None and code < 0:
         try:
             return signal.Signals(-code).name

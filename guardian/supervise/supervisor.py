@@ -61,7 +61,7 @@ from guardian.supervise.proxy import DEEP_READINESS_MARGIN_S, PublicServer
 from guardian.supervise.upstream import CHILD_CONNECT_TIMEOUT_S
 from guardian.health.sd_notify import SystemdNotifier
 from guardian.supervise.child import (Child, child_command, close_quietly, copy_of_a_pipe, crashed, exit_reason,
-                                      free_port, loggable_command, private_folder, signal_quietly)
+                                      free_port, killed_for_memory, loggable_command, private_folder, signal_quietly)
 from guardian.supervise.settings import (abbreviated_flag, acted_on_here, check_stock_tables, child_body_limit,
                                          make_parser, public_door, public_limits, read_file, read_settings)
 from guardian.supervise.state import HOLDING, SERVING, State
@@ -544,6 +544,7 @@ class Supervisor:
         child = self.child
         if child is None or child.proc.poll() is None:
             return
+        child.out_of_memory = killed_for_memory(child)
         reason = exit_reason(child)
         kill_leftovers(child.proc)  # a group's ranks go with their launcher
         self.last_exit = {"pid": child.pid, "generation": child.generation,
@@ -559,6 +560,7 @@ class Supervisor:
         suspects = []
         try:
             suspects = self.quarantine.child_exited(child.generation, crashed=crashed(child),
+                                                    out_of_memory=child.out_of_memory,
                                                     pid=child.pid, reason=reason)
         except Exception as e:  # noqa: BLE001 - what one request carried must not end the supervisor
             log.exception("crash_suspects_failed", generation=child.generation, error_type=type(e).__name__)
