@@ -35,7 +35,7 @@ REPO = Path(__file__).resolve().parent.parent
 # Nothing may download at run time: every server the tests start is offline (mlx_lm
 # then fails at once on a model that is not here), and so is the fork server, which
 # imports under this environment (huggingface_hub reads it at import).
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ["HF_HUB_OFFLINE"] = "1"
 
 
 # Test servers listen below every system's range of ephemeral ports (Linux

@@ -10,31 +10,43 @@ and its thresholds and KV budget come from that group's limit.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
 import httpx
 import pytest
 
-from conftest import Server, chat_body, free_port, poll, spawn_guardian
+from conftest import REPO, Server, chat_body, free_port, poll
 from test_supervisor import post_in_thread, start_supervisor  # noqa: F401 (a fixture)
-from guardian.admission.cgroup_memory import V1_MEMORY_ROOT, V2_ROOT, group_paths
+from guardian.admission.cgroup_memory import V1_MEMORY_ROOT, V2_ROOT, cgroup_memory_limit, group_paths
 
 LIMIT_BYTES = 3 << 30  # far above what the demo model's server needs, far below this machine's memory
 
 
-def make_group(name: str, limit_bytes: int = LIMIT_BYTES) -> tuple[Path, str]:
-    """A memory group of this process's, limited to ``limit_bytes``: (its folder, its limit's
-    file name). Skips where none can be made (not Linux, not root, no memory controller here)."""
+def swap_in_use() -> bool:
+    try:
+        with open("/proc/swaps") as swaps:
+            return len(swaps.read().splitlines()) > 1  # a header, then a line a device
+    except OSError:
+        return False
+
+
+def make_group(name: str, limit_bytes: int = LIMIT_BYTES) -> Path:
+    """A memory group of this process's, limited to ``limit_bytes`` (swap too, where there
+    is swap: else a process past the limit swaps instead of being killed). Skips where none
+    can be made (not Linux, not root, no memory controller here)."""
     v2, v1 = group_paths()
     tries = []
     if v1 is not None:
-        tries.append((Path(V1_MEMORY_ROOT, v1.lstrip("/"), name), "memory.limit_in_bytes"))
+        tries.append((Path(V1_MEMORY_ROOT, v1.lstrip("/"), name), "memory.limit_in_bytes", "memory.memsw.limit_in_bytes"))
     if v2 is not None and os.path.exists(os.path.join(V2_ROOT, "cgroup.controllers")):
-        tries.append((Path(V2_ROOT, v2.lstrip("/"), name), "memory.max"))
+        tries.append((Path(V2_ROOT, v2.lstrip("/"), name), "memory.max", "memory.swap.max"))
     why = "no memory controller of this process's to make a group under (not Linux?)"
-    for folder, limit_file in tries:
+    for folder, limit_file, swap_file in tries:
         try:
             folder.mkdir()
         except OSError as e:
@@ -42,7 +54,11 @@ def make_group(name: str, limit_bytes: int = LIMIT_BYTES) -> tuple[Path, str]:
             continue
         try:
             (folder / limit_file).write_text(str(limit_bytes))
-            return folder, limit_file
+            if (folder / swap_file).exists():
+                (folder / swap_file).write_text(str(limit_bytes) if swap_file.endswith("memsw.limit_in_bytes") else "0")
+            elif swap_in_use():
+                raise OSError("swap is in use and its use cannot be limited here")
+            return folder
         except OSError as e:
             why = f"cannot limit the memory group at {folder}: {e}"
             folder.rmdir()
@@ -64,27 +80,35 @@ def remove_group(folder: Path) -> None:
 
 @pytest.fixture
 def memory_group():
-    group = make_group(f"guardian-test-{os.getpid()}")
-    yield group
-    remove_group(group[0])
+    existing = cgroup_memory_limit()
+    if existing is not None and existing[0] <= LIMIT_BYTES:
+        pytest.skip(f"this process's group is limited already, to {existing[0]} bytes ({existing[1]})")
+    folder = make_group(f"guardian-test-{os.getpid()}")
+    yield folder
+    remove_group(folder)
 
 
 def test_a_servers_memory_guard_and_kv_budget_measure_against_its_groups_limit(tmp_path, model_cache, memory_group):
-    folder, limit_file = memory_group
+    folder = memory_group
     port = free_port()
     config = tmp_path / "guardian.toml"
     config.write_text(textwrap.dedent(""))
     log_path = tmp_path / "server.log"
     procs = folder / "cgroup.procs"
-    # Into the group before it runs anything: all it allocates is counted there.
-    proc = spawn_guardian(["--port", str(port), "--guardian-config", str(config)], log_path, model_cache,
-                          preexec_fn=lambda: procs.write_text(str(os.getpid())))
+    # Into the group before it runs anything, by the shell it execs from: all it allocates
+    # is counted there.
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(procs), sys.executable, "-m",
+                                 "guardian", "--port", str(port), "--guardian-config", str(config)],
+                                stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
+                                env={**os.environ, "MLX_GUARDIAN_CACHE": str(model_cache)})
     server = Server(proc, port, log_path)
     try:
         server.wait_healthy()
         assert str(proc.pid) in procs.read_text().split()
         [thresholds] = server.events("memory_thresholds")
         assert thresholds["device_memory_bytes"] == LIMIT_BYTES, thresholds
+        limit_file = "memory.limit_in_bytes" if str(folder).startswith(V1_MEMORY_ROOT) else "memory.max"
         assert thresholds["device_memory_source"] == f"cgroup {folder / limit_file}", thresholds
         assert thresholds["refuse_above_bytes"] == int(0.95 * LIMIT_BYTES), thresholds
         [guard] = server.events("prompt_guard_ready")
@@ -100,8 +124,19 @@ def test_a_servers_memory_guard_and_kv_budget_measure_against_its_groups_limit(t
 TINY_LIMIT_BYTES = 1 << 20
 
 
+@pytest.fixture
+def tiny_groups():
+    """Two groups the child's next allocations overflow, made before anything starts:
+    where none can be, the test skips first."""
+    groups = [make_group(f"guardian-test-oom-{os.getpid()}-{n}", TINY_LIMIT_BYTES) for n in range(2)]
+    yield groups
+    for folder in groups:
+        with contextlib.suppress(Exception):  # each on its own: one that fails leaks no other
+            remove_group(folder)
+
+
 @pytest.mark.subprocess_mode
-def test_a_child_the_kernels_oom_killer_ends_blames_no_request_in_flight(start_supervisor, tmp_path):
+def test_a_child_the_kernels_oom_killer_ends_blames_no_request_in_flight(start_supervisor, tmp_path, tiny_groups):
     """Two children killed for memory, the same requests in flight at both: struck at each
     kill as at a crash, and run alone on the second child, they were quarantined (500, and
     refused for quarantine_s) though each fits, as requests that each fitted alone were in
@@ -115,27 +150,22 @@ def test_a_child_the_kernels_oom_killer_ends_blames_no_request_in_flight(start_s
     # they decode.
     bodies = [chat_body(f"Tell me a long story, number {n}, about the sea.", max_tokens=700) for n in range(3)]
     results: list = []
-    groups = []
-    try:
-        pid = supervised.wait_ready(timeout=60)
-        threads = [post_in_thread(supervised.url, body, results) for body in bodies]
-        poll(lambda: (supervised.supervisor() or {}).get("in_flight", 0) >= 3, 30, what="the requests in flight")
-        for kill in range(2):
-            groups.append(make_group(f"guardian-test-oom-{os.getpid()}-{kill}", TINY_LIMIT_BYTES)[0])
-            (groups[-1] / "cgroup.procs").write_text(str(pid))
-            [exited] = poll(lambda: supervised.supervisor_events("child_exited")[kill:], 30,
-                            what="the child killed for memory")
-            assert exited["pid"] == pid, exited
-            assert exited["reason"] == "killed by SIGKILL: the kernel's OOM killer (out of memory)", exited
-            # The next child, into a group of its own as it is ready: the requests sent again
-            # to it are in flight when it is killed too.
-            pid = supervised.wait_ready(not_pid=pid, timeout=60)
-        for thread in threads:
-            thread.join(timeout=120)
-    finally:
-        for folder in groups:
-            remove_group(folder)
-    codes = [outcome.json()["error"]["code"] if outcome.status_code != 200 else 200 for outcome, _ in results]
+    pid = supervised.wait_ready(timeout=60)
+    threads = [post_in_thread(supervised.url, body, results) for body in bodies]
+    poll(lambda: (supervised.supervisor() or {}).get("in_flight", 0) >= 3, 30, what="the requests in flight")
+    for kill, group in enumerate(tiny_groups):
+        (group / "cgroup.procs").write_text(str(pid))
+        [exited] = poll(lambda: supervised.supervisor_events("child_exited")[kill:], 30,
+                        what="the child killed for memory")
+        assert exited["pid"] == pid, exited
+        assert exited["reason"] == "killed by SIGKILL: the kernel's OOM killer (out of memory)", exited
+        # The next child, into a group of its own as it is ready: the requests sent again
+        # to it are in flight when it is killed too.
+        pid = supervised.wait_ready(not_pid=pid, timeout=60)
+    for thread in threads:
+        thread.join(timeout=120)
+    codes = [repr(outcome) if isinstance(outcome, Exception)
+             else 200 if outcome.status_code == 200 else outcome.json()["error"]["code"] for outcome, _ in results]
     assert "request_quarantined" not in codes, codes
     not_blamed = supervised.supervisor_events("crash_not_blamed")
     assert len(not_blamed) == 2 and not_blamed[0]["in_flight"] == 3, not_blamed

@@ -181,8 +181,8 @@ FAULTS = {"computes": dict(busy_at_call=20, busy_s=BUSY_S), "pages": dict(page_a
 @pytest.mark.parametrize("step", FAULTS)
 def test_a_step_past_the_stall_limit_is_a_stall_only_if_it_waits(start_server, step):
     if step == "computes" and not StepCpu().reads_threads:
-        pytest.skip("per-thread CPU times of this process' threads are not readable here (psutil's "
-                    "thread ids are not the system's on macOS): every step is judged by the limit")
+        pytest.skip("the engine's threads' own CPU times are not read here (no /proc: macOS): "
+                    "a step that computes is judged by the limit")
     if step == "pages" and not pages_fault_here():
         pytest.skip("an evicted page of a file in the temporary folder is no major fault here "
                     "(no posix_fadvise, or a tmpfs): the step could not page")
@@ -247,27 +247,34 @@ def test_a_stuck_step_beside_an_abandoned_loop_that_pages_is_a_stall_at_the_limi
     assert [e["how"] for e in busy] == ["paging"], busy  # the first step's, not the stuck one's
 
 
-def test_where_only_the_whole_process_is_read_its_paging_is_not_believed_beside_an_abandoned_loop():
-    """macOS reads no thread's own figures: paging is the whole process's faults, which a
-    loop a stall abandoned (still paging in its step) would lend any stuck step beside it.
-    There a step pages only while no abandoned loop lives (the watchdog's judgement, with
-    stand-ins for the engine and the process's fault count)."""
+def test_paging_is_not_believed_while_an_abandoned_loop_is_still_in_its_step():
+    """A loop a stall abandoned may go on working in its step, on mlx's threads (which it
+    shares with the live loop) and, where only the whole process is read (macOS), anywhere:
+    its faults would make a stuck step beside it "paging". A loop that left its step and
+    parked runs nothing more: paging is believed again (parked loops never end, so counting
+    them turned it off for good). The watchdog's judgement, with stand-ins for the engine
+    and the fault counts."""
     import pluggy
 
     from guardian import hookspecs
     from guardian.config.tables import WatchdogSettings
     from guardian.health.stall_detection import StallDetector
 
-    faults = iter(range(0, 10_000, 50))  # 50 major faults a reading, 5 readings a second
-    engine = SimpleNamespace(steps_wait_busily=False, abandoned_loop_threads=0)
+    engine = SimpleNamespace(steps_wait_busily=False, abandoned_loops_in_a_step=0)
     pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
     pm.add_hookspecs(hookspecs)
-    detector = StallDetector(engine, pm, WatchdogSettings())
-    detector.step_cpu = StepCpu(process_faults=lambda: next(faults))
-    detector.step_cpu.reader = None  # as on macOS
-    for look in range(6):
-        detector.step_cpu.observe(beat=1.0, now=10.0 + look * 0.2, loop_ident=threading.get_ident())
-    assert detector.step_cpu.faults_per_s >= PAGING_FAULTS_PER_S and detector.step_cpu.share is None
-    assert detector._step_moves() == "paging"
-    engine.abandoned_loop_threads = 1
-    assert detector._step_moves() is None
+    for reads_threads in (True, False):
+        faults = iter(range(0, 10_000, 50))  # 50 major faults a reading, 5 readings a second
+        detector = StallDetector(engine, pm, WatchdogSettings())
+        if reads_threads:  # Linux's reading of the engine's threads: CPU idle, faults climbing
+            detector.step_cpu = StepCpu(reader=lambda loop_ident: (0.0, next(faults)))
+        else:  # macOS's: no thread's own figures, the whole process's faults
+            detector.step_cpu = StepCpu(process_faults=lambda: next(faults))
+            detector.step_cpu.reader = None
+        for look in range(6):
+            detector.step_cpu.observe(beat=1.0, now=10.0 + look * 0.2, loop_ident=threading.get_ident())
+        assert detector.step_cpu.faults_per_s >= PAGING_FAULTS_PER_S and not detector.step_cpu.computing()
+        engine.abandoned_loops_in_a_step = 0
+        assert detector._step_moves() == "paging"
+        engine.abandoned_loops_in_a_step = 1
+        assert detector._step_moves() is None

@@ -873,14 +873,18 @@ def test_a_broken_save_seen_twice_is_refused_and_said_once_by_the_supervisor(tmp
         config.write_text('[http]\nidle_timeout_s = "soon"\n')  # another broken version
         supervisor.reload_config("file_changed")
         supervisor.reload_config("file_changed")
+        config.write_text("[http]\nidle_timeout_s = 5.0\n")  # back to the version in force: nothing to say
+        supervisor.reload_config("file_changed")
+        config.write_text('[http]\nidle_timeout_s = "soon"\n')  # the broken one after it: said again
+        supervisor.reload_config("file_changed")
         config.write_text("[http]\nidle_timeout_s = 6.0\n")  # a good one (no child to ask)
         supervisor.reload_config("file_changed")
         config.write_text("[http\n")  # the first broken one again
         supervisor.reload_config("file_changed")
     said = [(e["event"], e["reason"]) for e in logs if e["event"].startswith("supervisor_config_reload")]
-    assert said == [("supervisor_config_reload_failed", "file_changed"), ("supervisor_config_reload_failed", "sighup"),
-                    ("supervisor_config_reload_failed", "file_changed"), ("supervisor_config_reloaded", "file_changed"),
-                    ("supervisor_config_reload_failed", "file_changed")], said
+    failed, reloaded = "supervisor_config_reload_failed", "supervisor_config_reloaded"
+    assert said == [(failed, "file_changed"), (failed, "sighup"), (failed, "file_changed"), (failed, "file_changed"),
+                    (reloaded, "file_changed"), (failed, "file_changed")], said
     assert supervisor.http.idle_timeout_s == 6.0
 
 

@@ -219,12 +219,13 @@ class SupervisorSettings(Table, name="supervisor"):
         and a child that completed users' requests forgives the restarts before it).""",
         flag="--supervisor-max-restarts", metavar="N")
     child_verdict_wait_s = Setting(Float(above=0, max=60.0), 3.0, """
-        A save that changes what the supervisor acts on ([access], [http], [guardian])
-        is put in force there once the ready child runs that version too, and not at
-        all if the child refuses it (a plugin's table wrong, which the supervisor
-        cannot check). The supervisor waits this long for the child's word; without
-        it (the child busy, stopped or starting) it puts the version in force and logs
-        supervisor_config_applied_without_child_verdict.""")
+        A save is put in force at the supervisor once the ready child runs that
+        version too, and not at all if the child refuses it (a plugin's table wrong,
+        which the supervisor cannot check): after a SIGHUP, only the child's word
+        since it counts. The supervisor waits this long for that word; without it
+        (the child busy, stopped or starting) it puts the version in force, and logs
+        supervisor_config_applied_without_child_verdict where it changes what the
+        supervisor acts on ([access], [http], [guardian]).""")
     boot_attempts = Setting(Int(min=1), 2, """
         Children in a row that may fail to load the model (exit 3) before the
         supervisor exits 3 itself, the reason intact, leaving slower retries to

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import gc
 import threading
+import weakref
 import time
 from collections import deque
 from queue import SimpleQueue
@@ -70,6 +71,7 @@ class GuardianEngine(stock.loop.GuardedResponseGenerator):
         self._leaving = threading.local()
         # Loop threads a stall replaced: alive while stuck, and once parked.
         self._abandoned_threads: list[threading.Thread] = []
+        self._parked: weakref.WeakSet = weakref.WeakSet()  # of those, the ones that left their step
         self.restart_clock = RestartClock()  # where a restart's time goes (engine_restarted)
         self.backoff = Backoff()  # a crash loop's waits; set by the recovery plugin
         # What every request is told once the engine gives up (set by give_up,
@@ -318,6 +320,7 @@ class GuardianEngine(stock.loop.GuardedResponseGenerator):
         log.warning("abandoned_loop_exited", thread=threading.current_thread().name,
                     parked=leaving is not None, steps=self.steps)
         if leaving is not None:
+            self._parked.add(threading.current_thread())  # out of its step: it runs nothing more
             leaving.left.set()
             # Never ends: a thread's exit destroys what mlx keeps per thread
             # (its command encoders and stream, cuBLAS handles), which on a
@@ -465,6 +468,12 @@ class GuardianEngine(stock.loop.GuardedResponseGenerator):
     def abandoned_loop_threads(self) -> int:
         """Loop threads a stall replaced that are still alive: stuck in a step, or parked."""
         return sum(t.is_alive() for t in self._abandoned_threads)
+
+    @property
+    def abandoned_loops_in_a_step(self) -> int:
+        """Of those, the ones not parked: still in the step they were abandoned in (which may
+        go on working: the watchdog takes no paging for the live loop's while one does)."""
+        return sum(t.is_alive() and t not in self._parked for t in self._abandoned_threads)
 
     def fail(self, record: RequestRecord, error: GuardianError) -> None:
         record.fail(error)

@@ -260,12 +260,13 @@ class StallDetector:
 
     def _step_moves(self) -> Optional[str]:
         """How a step with a still heartbeat shows it is no deadlock: "paging" (the engine's
-        threads read their memory back from disk; where only the whole process's faults are
-        read, not while a loop a stall abandoned lives: its faults would be taken for the
-        step's), "computing" (the engine's threads compute; not on an engine whose waits
-        use CPU: a group's rank), or None: it waits, or is unknown."""
+        threads read their memory back from disk; not while a loop a stall abandoned is
+        still in its step: mlx's threads, which it shares with the live loop, and on macOS
+        the whole process, would lend its faults to a stuck step beside it), "computing" (the
+        engine's threads compute; not on an engine whose waits use CPU: a group's rank), or
+        None: it waits, or is unknown."""
         step_cpu = self.step_cpu
-        if step_cpu.paging() and (step_cpu.reads_threads or not self.engine.abandoned_loop_threads):
+        if step_cpu.paging() and not self.engine.abandoned_loops_in_a_step:
             return "paging"
         if step_cpu.computing() and not self.engine.steps_wait_busily:
             return "computing"

@@ -21,8 +21,10 @@ faults (``/proc/self/task/TID/stat``; TID is Python's ``Thread.native_id``).
 A step computes at ``BUSY_CPU_SHARE`` of a core or more, and pages at
 ``PAGING_FAULTS_PER_S`` major faults a second or more (each a page read from
 disk). Elsewhere (macOS) no thread's own figures are read: no CPU reading
-(None), and paging is the whole process's (``getrusage``), believed only while
-no abandoned loop lives (``StallDetector``). (macOS reports its page-ins
+(None), and paging is the whole process's (``getrusage``). Either way paging
+is not believed while a loop a stall abandoned is still in its step
+(``StallDetector``): mlx's threads, shared with the live loop, would carry its
+faults too. (macOS reports its page-ins
 there; a page its memory compressor gives back without reading the disk is
 no major fault, so paging from the compressor alone is not seen.)
 
@@ -150,10 +152,13 @@ class StepCpu:
         self._beat, self.share, self.faults_per_s = None, None, None
         self._readings.clear()
 
+    # Read once each (HTTP threads ask too, while the watchdog's ``forget`` may clear them).
     def computing(self) -> bool:
         """The engine's threads compute while this heartbeat stands still (over about the last WINDOW_S)."""
-        return self.share is not None and self.share >= BUSY_CPU_SHARE
+        share = self.share
+        return share is not None and share >= BUSY_CPU_SHARE
 
     def paging(self) -> bool:
-        """The process reads pages from disk while this heartbeat stands still."""
-        return self.faults_per_s is not None and self.faults_per_s >= PAGING_FAULTS_PER_S
+        """The engine's threads read pages from disk while this heartbeat stands still."""
+        faults_per_s = self.faults_per_s
+        return faults_per_s is not None and faults_per_s >= PAGING_FAULTS_PER_S

@@ -312,8 +312,9 @@ class CrashQuarantine:
         ``out_of_memory``: the kernel's OOM killer ended it. Nobody is struck: as in one
         process, where a failure for want of memory blames no request (guardian.engine.blame),
         its memory ran out for all it held (its caches grown over many requests, another
-        process's), and a request too big for the memory is refused at the child's door by
-        its KV budget, sized to that memory (guardian.admission.cgroup_memory). Struck, the
+        process's), and a request too big for the memory is refused at a guardian child's
+        door by its KV budget, sized to that memory (guardian.admission.cgroup_memory; a
+        stock child has none, and its kills strike as crashes). Struck, the
         requests in flight at two such kills were quarantined though each fitted alone (a
         hunt: four of twelve, under a memory group's limit)."""
         with self.lock:

@@ -31,6 +31,7 @@ from guardian.config.registry import ConfigError
 from guardian.distributed.launch import LauncherProcess
 from guardian.handoff import Channel
 from guardian.supervise.fast_handoff import CHILD_HOST
+from guardian.supervise.oom_kills import oom_kills
 
 log = structlog.get_logger("guardian.supervisor")
 
@@ -94,9 +95,10 @@ class Child:
     hard_kill_why: str = "after the grace"
     sighup_held: bool = False  # a SIGHUP came while it started: sent once it is ready
     paused_s: float = 0.0  # how long the supervisor was paused since it started this child
-    # The kernel's count of processes its OOM killer ended, as it started (``oom_kills``),
-    # and whether that killer ended it (``killed_for_memory``, settled as it is reaped).
-    oom_kills_at_start: Optional[int] = field(default_factory=lambda: oom_kills())
+    # The kernel's count of processes its OOM killer ended, at its start and then at each
+    # health check (guardian.supervise.oom_kills), and whether that killer ended it
+    # (settled as it is reaped).
+    oom_kills_seen: Optional[int] = field(default_factory=lambda: oom_kills())
     out_of_memory: bool = False
 
     def hands_off(self) -> bool:
@@ -143,30 +145,6 @@ def crashed(child: Child) -> bool:
     if isinstance(child.proc, LauncherProcess) and child.proc.ranks_code is None:
         return True  # mlx.launch's own code, 0 whatever its ranks did: no rank left its code
     return child.proc.returncode not in STOPPED_AS_ASKED
-
-
-def oom_kills() -> Optional[int]:
-    """How many processes the kernel's OOM killer has ended since boot (Linux's
-    /proc/vmstat, 4.13 on; a memory group's limit counts too), or None where not told."""
-    try:
-        with open("/proc/vmstat") as vmstat:
-            for line in vmstat:
-                name, _, value = line.partition(" ")
-                if name == "oom_kill":
-                    return int(value)
-    except (OSError, ValueError):
-        pass
-    return None
-
-
-def killed_for_memory(child: Child) -> bool:
-    """Whether the kernel's OOM killer ended the child: SIGKILL, not the supervisor's, while
-    the kernel's count of such kills rose. (Another process's kill in the same moment would
-    be taken for it; macOS's memory killer is not told apart: there the hint still asks.)"""
-    if child.proc.returncode != -signal.SIGKILL or child.hard_killed or child.oom_kills_at_start is None:
-        return False
-    now = oom_kills()
-    return now is not None and now > child.oom_kills_at_start
 
 
 def exit_reason(child: Child) -> str:

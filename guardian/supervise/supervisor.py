@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
 import functools
 import os
 import queue
@@ -61,7 +62,8 @@ from guardian.supervise.proxy import DEEP_READINESS_MARGIN_S, PublicServer
 from guardian.supervise.upstream import CHILD_CONNECT_TIMEOUT_S
 from guardian.health.sd_notify import SystemdNotifier
 from guardian.supervise.child import (Child, child_command, close_quietly, copy_of_a_pipe, crashed, exit_reason,
-                                      free_port, killed_for_memory, loggable_command, private_folder, signal_quietly)
+                                      free_port, loggable_command, private_folder, signal_quietly)
+from guardian.supervise.oom_kills import killed_for_memory, oom_kills
 from guardian.supervise.settings import (abbreviated_flag, acted_on_here, check_stock_tables, child_body_limit,
                                          make_parser, public_door, public_limits, read_file, read_settings)
 from guardian.supervise.state import HOLDING, SERVING, State
@@ -106,6 +108,15 @@ STATE_REASONS = {State.READY: "the engine process changed while it answered",
                  State.FAILED: "the engine is not running and will not be restarted"}
 # While a stock child drains, how often the main loop looks whether its requests ended.
 STOCK_DRAIN_LOOK_S = 0.05
+
+
+
+def said_since(failure: dict, since: float) -> bool:
+    """Whether a child's ``last_failure`` was said at ``since`` (epoch seconds) or later."""
+    try:
+        return datetime.datetime.fromisoformat(failure["at"]).timestamp() >= since
+    except (KeyError, TypeError, ValueError):
+        return False
 
 
 class Supervisor:
@@ -182,6 +193,7 @@ class Supervisor:
         self.child_body_limit = child_body_limit(self.config, self.settings.engine)
         self.config_sha256: Optional[str] = self.config.sha256  # the version in force (status)
         self.refused_sha256: Optional[str] = None  # the last version of the file refused
+        self.sighup_at = 0.0  # when the last SIGHUP came (epoch seconds)
         # Settings the file changed that the supervisor reads at start only.
         self.pending_restart: tuple = ()
 
@@ -293,8 +305,11 @@ class Supervisor:
             check_stock_tables(fresh, self.settings.engine)
         except ConfigError as e:
             return self.config_refused(reason, str(e), bytes_read(self.options.guardian_config, before))
-        if reason == "file_changed" and fresh.sha256 in (self.refused_sha256, self.config_sha256):
-            return None  # refused already (by the child: not asked again), or the version in force
+        if reason == "file_changed" and fresh.sha256 == self.config_sha256:
+            self.refused_sha256 = None  # back to the version in force: one refused before is said again
+            return None
+        if reason == "file_changed" and fresh.sha256 == self.refused_sha256:
+            return None  # refused already (by the child: not asked again)
         self.refused_sha256 = None  # another version: one refused before is said again
         merged, change = merge(self.config, fresh, self.started_config)
         changed = [key for key in change.applied if acted_on_here(key)]
@@ -305,8 +320,10 @@ class Supervisor:
         newly_waiting = sorted(set(waiting) - set(self.pending_restart))
         asked_at = time.monotonic()
         # Asked even where nothing it acts on changed: config_sha256 named a version the
-        # child refused, which nothing ran (a hunt).
-        refused = self.child_refused(fresh.sha256)
+        # child refused, which nothing ran (a hunt). After a signal, which the child reads
+        # the file again for too, only its new word counts: its refusal from before the
+        # signal was taken for the answer, where the signal was sent to retry.
+        refused = self.child_refused(fresh.sha256, since=self.sighup_at if reason == "sighup" else None)
         if refused is not None and refused is not NO_VERDICT:
             return self.config_refused(reason, f"the child refused this version of the file, so the "
                                                f"supervisor keeps its settings too: {refused}", fresh.sha256)
@@ -350,12 +367,12 @@ class Supervisor:
         log.error("supervisor_config_reload_failed", reason=reason, error_message=message)
         return None
 
-    def child_refused(self, sha256: Optional[str]):
+    def child_refused(self, sha256: Optional[str], since: Optional[float] = None):
         """Why a ready guardian child refused the file's version ``sha256`` (its
-        ``config_reload_failed``); None once it runs that version, or with none to ask
-        (no child, a stock child); NO_VERDICT if a ready one did not say within
-        ``child_verdict_wait_s`` (busy, or its answers failed), or one cannot be asked
-        (not answering, or starting).
+        ``config_reload_failed``, at ``since`` (epoch seconds) or later where given); None
+        once it runs that version, or with none to ask (no child, a stock child);
+        NO_VERDICT if a ready one did not say within ``child_verdict_wait_s`` (busy, or its
+        answers failed), or one cannot be asked (not answering, or starting).
         (On the file watch's thread: the main loop goes on meanwhile.)"""
         deadline = time.monotonic() + self.settings.child_verdict_wait_s
         while True:
@@ -380,7 +397,7 @@ class Supervisor:
             if config.get("sha256") == sha256:
                 return None
             failure = config.get("last_failure") or {}
-            if failure.get("sha256") == sha256:
+            if failure.get("sha256") == sha256 and (since is None or said_since(failure, since)):
                 return failure.get("error_message") or "refused"
             threading.Event().wait(CHILD_VERDICT_POLL_S)  # the child's own watch reads the file meanwhile
 
@@ -429,6 +446,7 @@ class Supervisor:
         certificate, and goes to a guardian child (it re-reads --guardian-config);
         SIGTERM/SIGINT stop, a second one hard-kills."""
         if signum == signal.SIGHUP:
+            self.sighup_at = time.time()  # the child's word on the file counts from here (reload_config)
             if self.config_watcher is not None:  # on its thread: it may wait for the child's verdict
                 self.config_watcher.kick("sighup")
             else:
@@ -560,7 +578,10 @@ class Supervisor:
         suspects = []
         try:
             suspects = self.quarantine.child_exited(child.generation, crashed=crashed(child),
-                                                    out_of_memory=child.out_of_memory,
+                                                    # A stock child has no KV budget to refuse a
+                                                    # request too big for its memory: its kills
+                                                    # strike, so such a request is quarantined.
+                                                    out_of_memory=child.out_of_memory and not child.stock,
                                                     pid=child.pid, reason=reason)
         except Exception as e:  # noqa: BLE001 - what one request carried must not end the supervisor
             log.exception("crash_suspects_failed", generation=child.generation, error_type=type(e).__name__)
@@ -677,6 +698,8 @@ class Supervisor:
             self.notice_pause(paused_s, ended_at)
         ok = self.probe(child)
         child.last_check_at = time.monotonic()
+        if child.proc.poll() is None:  # alive after the check: no OOM kill of it so far
+            child.oom_kills_seen = oom_kills()
         # The supervisor did not run for a while during the check (the whole group stopped,
         # a frozen VM): a pause, as one between checks is, and the check that failed
         # across it is no verdict on the child. (Not the check's length: httpx's timeout is
