@@ -10,7 +10,6 @@ and its thresholds and KV budget come from that group's limit.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import subprocess
 import sys
@@ -21,7 +20,7 @@ import httpx
 import pytest
 
 from conftest import REPO, Server, chat_body, free_port, poll
-from test_supervisor import post_in_thread, start_supervisor  # noqa: F401 (a fixture)
+from test_supervisor import post_in_thread
 from guardian.admission.cgroup_memory import V1_MEMORY_ROOT, V2_ROOT, cgroup_memory_limit, group_paths
 
 LIMIT_BYTES = 3 << 30  # far above what the demo model's server needs, far below this machine's memory
@@ -119,63 +118,91 @@ def test_a_servers_memory_guard_and_kv_budget_measure_against_its_groups_limit(t
         server.stop()
 
 
-# A group the child's next allocations overflow at once: the kernel's OOM killer ends it
-# (no swap here; with swap, memsw would be limited too).
-TINY_LIMIT_BYTES = 1 << 20
+# Room the group leaves above what it holds once the child is ready and idle: a child's next
+# requests (three, each past 256 tokens, when the KV cache grows by a block) overflow it, and
+# the kernel's OOM killer ends the biggest process in the group, the child (no swap here;
+# with swap, its use is limited too).
+ROOM_BYTES = 4 << 20
+
+
+def usage_file(group: Path) -> Path:
+    return group / ("memory.usage_in_bytes" if str(group).startswith(V1_MEMORY_ROOT) else "memory.current")
+
+
+def limit_file(group: Path) -> Path:
+    return group / ("memory.limit_in_bytes" if str(group).startswith(V1_MEMORY_ROOT) else "memory.max")
 
 
 @pytest.fixture
-def tiny_groups():
-    """Two groups the child's next allocations overflow, made before anything starts:
-    where none can be, the test skips first."""
-    groups = [make_group(f"guardian-test-oom-{os.getpid()}-{n}", TINY_LIMIT_BYTES) for n in range(2)]
-    yield groups
-    for folder in groups:
-        with contextlib.suppress(Exception):  # each on its own: one that fails leaks no other
-            remove_group(folder)
+def service_group():
+    """A memory group for a whole service, as systemd's unit is (no limit yet), made before
+    anything starts: where none can be, the test skips first."""
+    existing = cgroup_memory_limit()
+    if existing is not None and existing[0] <= LIMIT_BYTES:
+        pytest.skip(f"this process's group is limited already, to {existing[0]} bytes ({existing[1]})")
+    folder = make_group(f"guardian-test-oom-{os.getpid()}")
+    yield folder
+    remove_group(folder)
 
 
 @pytest.mark.subprocess_mode
-def test_a_child_the_kernels_oom_killer_ends_blames_no_request_in_flight(start_supervisor, tmp_path, tiny_groups):
-    """Two children killed for memory, the same requests in flight at both: struck at each
-    kill as at a crash, and run alone on the second child, they were quarantined (500, and
-    refused for quarantine_s) though each fits, as requests that each fitted alone were in
-    a hunt (memory grown over many requests, under a group's limit). Now the kill is told
-    (the kernel's count of OOM kills rose) and blames nobody: the requests get what a
-    restart gives them, and the same bodies sent again are answered."""
+def test_a_child_the_kernels_oom_killer_ends_blames_no_request_in_flight(tmp_path, model_cache, service_group):
+    """A supervisor and its children in one memory group whose limit leaves little room (a
+    service under systemd's MemoryMax=): two children killed by the kernel with the same
+    requests in flight. Struck at each kill as at a crash, and run alone on the second
+    child, they were quarantined (500, and refused for quarantine_s) though each fits, as
+    requests that each fitted alone were in a hunt (memory grown over many requests). Now
+    the kill is told (the group's count of OOM kills rose) and blames nobody: the requests
+    get what a restart gives them, and the same bodies sent again are answered."""
+    from test_supervisor import Supervised
+
+    group = service_group
     config = tmp_path / "slow.toml"
     config.write_text("[fault_injection]\nenabled = true\nstep_delay_s = 0.01\n")  # decoding for seconds
-    supervised = start_supervisor("--guardian-config", str(config))
-    # Past 256 tokens the KV cache grows by a block (memory the group cannot give) while
-    # they decode.
-    bodies = [chat_body(f"Tell me a long story, number {n}, about the sea.", max_tokens=700) for n in range(3)]
-    results: list = []
-    pid = supervised.wait_ready(timeout=60)
-    threads = [post_in_thread(supervised.url, body, results) for body in bodies]
-    poll(lambda: (supervised.supervisor() or {}).get("in_flight", 0) >= 3, 30, what="the requests in flight")
-    for kill, group in enumerate(tiny_groups):
-        (group / "cgroup.procs").write_text(str(pid))
-        [exited] = poll(lambda: supervised.supervisor_events("child_exited")[kill:], 30,
-                        what="the child killed for memory")
-        assert exited["pid"] == pid, exited
-        assert exited["reason"] == "killed by SIGKILL: the kernel's OOM killer (out of memory)", exited
-        # The next child, into a group of its own as it is ready: the requests sent again
-        # to it are in flight when it is killed too.
-        pid = supervised.wait_ready(not_pid=pid, timeout=60)
-    for thread in threads:
-        thread.join(timeout=120)
-    codes = [repr(outcome) if isinstance(outcome, Exception)
-             else 200 if outcome.status_code == 200 else outcome.json()["error"]["code"] for outcome, _ in results]
-    assert "request_quarantined" not in codes, codes
-    not_blamed = supervised.supervisor_events("crash_not_blamed")
-    assert len(not_blamed) == 2 and not_blamed[0]["in_flight"] == 3, not_blamed
-    assert not supervised.supervisor_events("crash_suspects")
-    quarantine = supervised.supervisor()["quarantine"]
-    assert quarantine["quarantined"] == [] and quarantine["refused"] == 0, quarantine
-    # Sent again (as Retry-After says), each is answered: nothing of theirs is held against them.
-    again: list = []
-    for thread in [post_in_thread(supervised.url, body, again) for body in bodies]:
-        thread.join(timeout=120)
-    assert [outcome.status_code for outcome, _ in again] == [200] * 3, again
-    metrics = httpx.get(supervised.url + "/metrics", timeout=10).text
-    assert 'mlx_guardian_supervisor_child_restarts_total{reason="oom_killed"} 2.0' in metrics
+    port = free_port()
+    log_path = tmp_path / "supervisor.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(group / "cgroup.procs"),
+                                 sys.executable, "-m", "guardian", "--supervise", "--port", str(port),
+                                 "--guardian-config", str(config)],
+                                stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
+                                env={**os.environ, "MLX_GUARDIAN_CACHE": str(model_cache)})
+    supervised = Supervised(proc, port, log_path)
+    try:
+        pid = supervised.wait_ready(timeout=60)
+        counter = supervised.supervisor()["child"]["oom_counter"]
+        assert counter is not None and counter.startswith(str(group)), counter
+        # Past 256 tokens the KV cache grows by a block while they decode.
+        bodies = [chat_body(f"Tell me a long story, number {n}, about the sea.", max_tokens=700) for n in range(3)]
+        results: list = []
+        for kill in range(2):
+            pid = supervised.wait_ready(not_pid=pid if kill else 0, timeout=60)
+            limit_file(group).write_text(str(int(usage_file(group).read_text()) + ROOM_BYTES))
+            if kill == 0:
+                threads = [post_in_thread(supervised.url, body, results) for body in bodies]
+            # (The second child got them sent again as it was ready: they decode on it now.)
+            [exited] = poll(lambda: supervised.supervisor_events("child_exited")[kill:], 60,
+                            what="the child killed for memory")
+            limit_file(group).write_text(str(LIMIT_BYTES))  # room again, for the next child's start
+            assert exited["pid"] == pid, exited
+            assert exited["reason"] == "killed by SIGKILL: the kernel's OOM killer (out of memory)", exited
+        supervised.wait_ready(not_pid=pid, timeout=60)
+        for thread in threads:
+            thread.join(timeout=120)
+        codes = [repr(outcome) if isinstance(outcome, Exception)
+                 else 200 if outcome.status_code == 200 else outcome.json()["error"]["code"] for outcome, _ in results]
+        assert "request_quarantined" not in codes, codes
+        not_blamed = supervised.supervisor_events("crash_not_blamed")
+        assert len(not_blamed) == 2 and not_blamed[0]["in_flight"] == 3, not_blamed
+        assert not supervised.supervisor_events("crash_suspects")
+        quarantine = supervised.supervisor()["quarantine"]
+        assert quarantine["quarantined"] == [] and quarantine["refused"] == 0, quarantine
+        # Sent again (as Retry-After says), each is answered: nothing of theirs is held against them.
+        again: list = []
+        for thread in [post_in_thread(supervised.url, body, again) for body in bodies]:
+            thread.join(timeout=120)
+        assert [outcome.status_code for outcome, _ in again] == [200] * 3, again
+        metrics = httpx.get(supervised.url + "/metrics", timeout=10).text
+        assert 'mlx_guardian_supervisor_child_restarts_total{reason="oom_killed"} 2.0' in metrics
+    finally:
+        supervised.stop()

@@ -917,7 +917,8 @@ def test_a_pause_that_came_just_before_a_check_is_no_time_the_starting_child_too
     options, child_args = make_parser().parse_known_args(["--supervisor-start-timeout", "8"])
     supervisor = Supervisor(options, child_args)
     now = time.monotonic()
-    child = Child(proc=None, port=0, generation=1, stock=False, client=None, started_at=now - 9.1)
+    running = SimpleNamespace(pid=os.getpid(), poll=lambda: None)  # a process that lives
+    child = Child(proc=running, port=0, generation=1, stock=False, client=None, started_at=now - 9.1)
     supervisor.child = child
     takes = iter([(9.0, now), (0.0, 0.0)])  # the pause, then none during the check itself
     supervisor.pause_watch = SimpleNamespace(take=lambda: next(takes))

@@ -31,7 +31,6 @@ from guardian.config.registry import ConfigError
 from guardian.distributed.launch import LauncherProcess
 from guardian.handoff import Channel
 from guardian.supervise.fast_handoff import CHILD_HOST
-from guardian.supervise.oom_kills import oom_kills
 
 log = structlog.get_logger("guardian.supervisor")
 
@@ -95,10 +94,11 @@ class Child:
     hard_kill_why: str = "after the grace"
     sighup_held: bool = False  # a SIGHUP came while it started: sent once it is ready
     paused_s: float = 0.0  # how long the supervisor was paused since it started this child
-    # The kernel's count of processes its OOM killer ended, at its start and then at each
-    # health check (guardian.supervise.oom_kills), and whether that killer ended it
-    # (settled as it is reaped).
-    oom_kills_seen: Optional[int] = field(default_factory=lambda: oom_kills())
+    # Its memory group's count of processes the kernel's OOM killer ended, and the file
+    # that keeps it, at its start and then at each health check (guardian.supervise.oom_kills),
+    # and whether that killer ended it (settled as it is reaped).
+    oom_counter: Optional[str] = None
+    oom_kills_seen: Optional[int] = None
     out_of_memory: bool = False
 
     def hands_off(self) -> bool:

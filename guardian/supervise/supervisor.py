@@ -63,7 +63,7 @@ from guardian.supervise.upstream import CHILD_CONNECT_TIMEOUT_S
 from guardian.health.sd_notify import SystemdNotifier
 from guardian.supervise.child import (Child, child_command, close_quietly, copy_of_a_pipe, crashed, exit_reason,
                                       free_port, loggable_command, private_folder, signal_quietly)
-from guardian.supervise.oom_kills import killed_for_memory, oom_kills
+from guardian.supervise.oom_kills import killed_for_memory, note_memory_group
 from guardian.supervise.settings import (abbreviated_flag, acted_on_here, check_stock_tables, child_body_limit,
                                          make_parser, public_door, public_limits, read_file, read_settings)
 from guardian.supervise.state import HOLDING, SERVING, State
@@ -552,6 +552,7 @@ class Supervisor:
             headers={KEY_HEADER: self.relay_key} if not stock_engine else None,
         )
         child = Child(proc, port, self.generation, stock=stock_engine, client=client, handoff=channel)
+        note_memory_group(child)
         with self.lock:
             self.child = child
         log.info("child_started", pid=proc.pid, port=port, generation=self.generation,
@@ -699,7 +700,7 @@ class Supervisor:
         ok = self.probe(child)
         child.last_check_at = time.monotonic()
         if child.proc.poll() is None:  # alive after the check: no OOM kill of it so far
-            child.oom_kills_seen = oom_kills()
+            note_memory_group(child)
         # The supervisor did not run for a while during the check (the whole group stopped,
         # a frozen VM): a pause, as one between checks is, and the check that failed
         # across it is no verdict on the child. (Not the check's length: httpx's timeout is
@@ -1048,6 +1049,8 @@ class Supervisor:
                 "ready": child.ready_at is not None,
                 "last_check": child.last_check,
                 "answers_checks": child.answered,
+                # Its memory group's count of OOM kills, as last taken (guardian.supervise.oom_kills).
+                "oom_counter": child.oom_counter,
                 "requests_completed": child.requests_completed,
                 "stopping_because": child.kill_reason,
             },
