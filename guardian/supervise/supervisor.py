@@ -110,7 +110,6 @@ STATE_REASONS = {State.READY: "the engine process changed while it answered",
 STOCK_DRAIN_LOOK_S = 0.05
 
 
-
 def said_since(failure: dict, since: float) -> bool:
     """Whether a child's ``last_failure`` was said at ``since`` (epoch seconds) or later."""
     try:
