@@ -106,11 +106,13 @@ def test_hang_is_detected_answered_and_replaced(watched_server):
         [hang] = [e for e in server.events("fault_injected") if e["kind"] == "hang"]
         [stalled] = server.events("engine_stalled")
         assert stalled["action"] == "restart"
-        # After stall_timeout_s (1 s) without a beat, and nowhere near the 30 s
-        # default (a busy machine may delay a tick). The last beat came before
-        # the hung step's 0.1 s delay, so 0.9 s after the hang at the least.
+        # After stall_timeout_s (1 s) without a beat (its age says so), and nowhere
+        # near the 30 s default (a busy machine may delay a tick). The last beat came
+        # before the hung step's 0.1 s delay and its log line, so the stall follows the
+        # hang's line by the limit less that: 0.9 s, or less where the line came late
+        # (0.867 s in a loaded CI run, the line 0.14 s after the beat).
         assert stalled["heartbeat_age_s"] >= 1.0
-        assert 0.9 <= stamp(stalled) - stamp(hang) <= 6.0
+        assert 0.5 <= stamp(stalled) - stamp(hang) <= 6.0
         server.wait_for_event("engine_restarted")
         poll(lambda: server.health() == 200 and server.status("/readyz") == 200, 15, what="ready again")
         assert client.post(server.url + "/v1/chat/completions", json=chat_body(max_tokens=4)).status_code == 200
