@@ -625,7 +625,10 @@ def test_a_request_the_dying_childs_port_refused_is_no_crash_suspect(start_super
     config = tmp_path / "slow-death.toml"
     config.write_text('[guardian]\nplugins = ["tests.plugins.slow_death:SlowDeath"]\n'
                       '\n[slow_death]\nteardown_s = 1.5\n')
-    supervised = start_supervisor("--guardian-config", str(config))
+    # Health checks every 5 s: one between the kill and the request found the port closed
+    # first, and the request was held for the next child, never sent to the dying one
+    # (a loaded CI run, one round of two).
+    supervised = start_supervisor("--guardian-config", str(config), "--supervisor-interval", "5")
     pid = supervised.wait_ready()
     innocent = chat_body("An innocent request.", max_tokens=4)
     for _ in range(2):
