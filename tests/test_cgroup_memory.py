@@ -79,6 +79,8 @@ def remove_group(folder: Path) -> None:
 
 @pytest.fixture
 def memory_group():
+    """A memory group of this process's, limited to LIMIT_BYTES, made before anything starts:
+    where none can be, the test skips first."""
     existing = cgroup_memory_limit()
     if existing is not None and existing[0] <= LIMIT_BYTES:
         pytest.skip(f"this process's group is limited already, to {existing[0]} bytes ({existing[1]})")
@@ -133,20 +135,8 @@ def limit_file(group: Path) -> Path:
     return group / ("memory.limit_in_bytes" if str(group).startswith(V1_MEMORY_ROOT) else "memory.max")
 
 
-@pytest.fixture
-def service_group():
-    """A memory group for a whole service, as systemd's unit is (no limit yet), made before
-    anything starts: where none can be, the test skips first."""
-    existing = cgroup_memory_limit()
-    if existing is not None and existing[0] <= LIMIT_BYTES:
-        pytest.skip(f"this process's group is limited already, to {existing[0]} bytes ({existing[1]})")
-    folder = make_group(f"guardian-test-oom-{os.getpid()}")
-    yield folder
-    remove_group(folder)
-
-
 @pytest.mark.subprocess_mode
-def test_a_child_the_kernels_oom_killer_ends_blames_no_request_in_flight(tmp_path, model_cache, service_group):
+def test_a_child_the_kernels_oom_killer_ends_blames_no_request_in_flight(tmp_path, model_cache, memory_group):
     """A supervisor and its children in one memory group whose limit leaves little room (a
     service under systemd's MemoryMax=): two children killed by the kernel with the same
     requests in flight. Struck at each kill as at a crash, and run alone on the second
@@ -156,7 +146,7 @@ def test_a_child_the_kernels_oom_killer_ends_blames_no_request_in_flight(tmp_pat
     get what a restart gives them, and the same bodies sent again are answered."""
     from test_supervisor import Supervised
 
-    group = service_group
+    group = memory_group  # a whole service's, as systemd's unit is: the supervisor and its children
     config = tmp_path / "slow.toml"
     config.write_text("[fault_injection]\nenabled = true\nstep_delay_s = 0.01\n")  # decoding for seconds
     port = free_port()
