@@ -17,8 +17,13 @@ abandoned that still pages (its step went on) made a stuck step beside it
 look as if it paged: a hunt, 10 s late, "paging" at no fault of its own.
 
 Linux lists every thread of the process with its CPU time and major page
-faults (``/proc/self/task/TID/stat``; TID is Python's ``Thread.native_id``).
-A step computes at ``BUSY_CPU_SHARE`` of a core or more, and pages at
+faults (``/proc/self/task/TID/stat``; TID is Python's ``Thread.native_id``),
+and, where the kernel keeps scheduler statistics, the time each was ready to
+run but waited for a core (``schedstat``). A step computes at
+``BUSY_CPU_SHARE`` of a core or more, counting that wait: on a loaded machine
+a step that computes gets little of a core and waits for the rest (CI, load
+~11 on 2 cores: a computing step at just under 5% was judged stuck), while one that
+waits on a lock or a peer is never ready to run. It pages at
 ``PAGING_FAULTS_PER_S`` major faults a second or more (each a page read from
 disk). Elsewhere (macOS) no thread's own figures are read: no CPU reading
 (None), and paging is the whole process's (``getrusage``). Either way paging
@@ -39,12 +44,12 @@ import os
 import resource
 import threading
 from collections import deque
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
-# The share of one core the engine's threads use for a step to count as
-# computing. A step stuck in a wait measured 0%; one computing 69%, and 13%
-# on a 2-core machine with a load average of 5.5 (its Python loop also
-# contended for the GIL).
+# The share of one core the engine's threads use, or are ready to use and wait
+# for, for a step to count as computing. A step stuck in a wait measured 0%;
+# one computing 69%, and 13% on a 2-core machine with a load average of 5.5
+# (its Python loop also contended for the GIL).
 BUSY_CPU_SHARE = 0.05
 # Major page faults a second for a step to count as paging: a process that is not
 # paging takes none in a step (its model was read at load); one whose memory is
@@ -60,15 +65,25 @@ READ_EVERY_S = 0.2
 TASKS = "/proc/self/task"
 
 
-def engine_threads_reader() -> Optional[Callable[[int], Optional[tuple[float, int]]]]:
-    """A function of the loop thread's ident: (CPU seconds, major page faults) of the
-    engine's threads so far, or None when unknown now. None: unavailable here (no
-    /proc, or its thread ids are not Python's)."""
+class ThreadsReading(NamedTuple):
+    """The engine's threads' totals so far (the whole process's faults where no thread is read)."""
+
+    cpu_s: Optional[float]  # None: no thread's own figures here (macOS)
+    ready_s: Optional[float]  # ready to run, waiting for a core; None: no scheduler statistics here
+    major_faults: int
+
+
+def engine_threads_reader() -> Optional[Callable[[int], Optional[ThreadsReading]]]:
+    """A function of the loop thread's ident: the engine's threads' reading so far, or
+    None when unknown now. None: unavailable here (no /proc, or its thread ids are not
+    Python's)."""
     if not os.path.isdir(TASKS):
         return None
     ticks_per_s = os.sysconf("SC_CLK_TCK")
+    # Decided once: readings of one kind only, as each is taken from the one before.
+    scheduled = bool(thread_schedstat(threading.get_native_id()))
 
-    def read(loop_ident: int) -> Optional[tuple[float, int]]:
+    def read(loop_ident: int) -> Optional[ThreadsReading]:
         python_threads = {t.ident: t.native_id for t in threading.enumerate()}
         loop_native = python_threads.get(loop_ident)
         if loop_native is None:
@@ -80,7 +95,7 @@ def engine_threads_reader() -> Optional[Callable[[int], Optional[tuple[float, in
             return None
         if loop_native not in tids:
             return None
-        ticks = faults = 0
+        ticks = faults = ran_ns = ready_ns = 0
         for tid in tids:
             if tid in others:
                 continue
@@ -92,9 +107,27 @@ def engine_threads_reader() -> Optional[Callable[[int], Optional[tuple[float, in
             # After the name: state (field 3), ..., majflt (12), ..., utime (14), stime (15).
             faults += int(fields[12 - 3])
             ticks += int(fields[14 - 3]) + int(fields[15 - 3])
-        return ticks / ticks_per_s, faults
+            ran_and_ready = thread_schedstat(tid) if scheduled else None
+            if ran_and_ready is not None:
+                ran_ns, ready_ns = ran_ns + ran_and_ready[0], ready_ns + ran_and_ready[1]
+        if scheduled:  # nanoseconds, where stat counts 10 ms ticks
+            return ThreadsReading(ran_ns / 1e9, ready_ns / 1e9, faults)
+        return ThreadsReading(ticks / ticks_per_s, None, faults)
 
     return read if read(threading.get_ident()) is not None else None
+
+
+def thread_schedstat(tid: int) -> Optional[tuple[int, int]]:
+    """A thread's time on a core and time ready to run but waiting for one, in
+    nanoseconds, or None: no scheduler statistics here (a kernel without
+    CONFIG_SCHED_INFO), or the thread ended. (A kernel that keeps the wait off
+    reads it as 0: the CPU time alone, as in ``stat``.)"""
+    try:
+        with open(f"{TASKS}/{tid}/schedstat") as schedstat:
+            ran, ready = (int(field) for field in schedstat.read().split()[:2])
+    except (OSError, ValueError):
+        return None
+    return ran, ready
 
 
 def process_major_faults() -> int:
@@ -105,14 +138,15 @@ def process_major_faults() -> int:
 class StepCpu:
     """The CPU share and the paging of the engine's threads while one heartbeat stands still."""
 
-    def __init__(self, reader: Optional[Callable[[int], Optional[tuple[float, int]]]] = None,
+    def __init__(self, reader: Optional[Callable[[int], Optional[ThreadsReading]]] = None,
                  process_faults: Callable[[], int] = process_major_faults):
         self.reader = reader if reader is not None else engine_threads_reader()
         self.process_faults = process_faults
         self._beat: Optional[float] = None
-        # (when, CPU seconds or None where unknown, major faults) while this beat stood
-        self._readings: deque[tuple[float, Optional[float], int]] = deque()
-        self.share: Optional[float] = None  # over about the last WINDOW_S, once known
+        # (when, the reading: its CPU and wait None where unknown) while this beat stood
+        self._readings: deque[tuple[float, ThreadsReading]] = deque()
+        self.share: Optional[float] = None  # of a core, over about the last WINDOW_S, once known
+        self.ready_share: Optional[float] = None  # of a core waited for, likewise
         self.faults_per_s: Optional[float] = None  # likewise
 
     @property
@@ -134,29 +168,32 @@ class StepCpu:
             if reading is None:  # the loop's thread not found now: this window measures nothing
                 self.forget()
                 return
-            cpu, faults = reading
         else:
-            cpu, faults = None, self.process_faults()
-        readings.append((now, cpu, faults))
+            reading = ThreadsReading(None, None, self.process_faults())
+        readings.append((now, reading))
         # About the last WINDOW_S: the oldest goes once the next one is that old.
         while len(readings) > 2 and now - readings[1][0] >= WINDOW_S:
             readings.popleft()
-        began, cpu_then, faults_then = readings[0]
+        began, then = readings[0]
         span = now - began
         if span >= MIN_SPAN_S:
-            self.share = max(0.0, cpu - cpu_then) / span if cpu is not None else None
-            self.faults_per_s = max(0, faults - faults_then) / span
+            def per_s(total, total_then):
+                return None if total is None else max(0.0, total - total_then) / span
+            self.share = per_s(reading.cpu_s, then.cpu_s)
+            self.ready_share = per_s(reading.ready_s, then.ready_s)
+            self.faults_per_s = per_s(reading.major_faults, then.major_faults)
 
     def forget(self) -> None:
         """Start over (a new beat; after a pause of the process a window spanning it measures nothing)."""
-        self._beat, self.share, self.faults_per_s = None, None, None
+        self._beat, self.share, self.ready_share, self.faults_per_s = None, None, None, None
         self._readings.clear()
 
     # Read once each (HTTP threads ask too, while the watchdog's ``forget`` may clear them).
     def computing(self) -> bool:
-        """The engine's threads compute while this heartbeat stands still (over about the last WINDOW_S)."""
-        share = self.share
-        return share is not None and share >= BUSY_CPU_SHARE
+        """The engine's threads compute while this heartbeat stands still (over about the last
+        WINDOW_S): on a core, or ready to and waiting for one."""
+        share, ready_share = self.share, self.ready_share
+        return share is not None and share + (ready_share or 0.0) >= BUSY_CPU_SHARE
 
     def paging(self) -> bool:
         """The engine's threads read pages from disk while this heartbeat stands still."""

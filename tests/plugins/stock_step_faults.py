@@ -13,7 +13,9 @@ blocks or is slow (a native deadlock, a kernel compile).
 - ``busy_at_call``: the Nth call of ``next()`` computes (burns CPU in its
   own thread, as a kernel compile does) for ``busy_s`` seconds before stock's
   step runs. ``stock_step_busy`` is logged as it begins, ``stock_step_busy_ended``
-  when it ends.
+  when it ends. With ``busy_starved`` (Linux), it computes on a loaded core: its
+  thread, at the lowest priority, shares one core with a process that burns it
+  at the normal priority, so it gets ~1.5% of the core and waits for the rest.
 - ``page_at_call``: the Nth call of ``next()`` pages for ``page_s`` seconds
   before stock's step runs: it reads a file's pages through a memory map, one
   every few milliseconds, each evicted from memory first, so each is a major
@@ -57,6 +59,8 @@ import importlib
 import mmap
 import os
 import resource
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -84,6 +88,7 @@ class StockStepFaultsSettings:
     hang_s: float = 0.0
     busy_at_call: int = 0
     busy_s: float = 0.0
+    busy_starved: bool = False
     page_at_call: int = 0
     page_s: float = 0.0
     first_call_delay_s: float = live(0.0)
@@ -144,8 +149,8 @@ class StockStepFaults:
                 plugin.released.wait(settings.hang_s or None)
                 log.warning("stock_step_hang_ended", call=call)
             if call == settings.busy_at_call:
-                log.warning("stock_step_busy", call=call, busy_s=settings.busy_s)
-                _burn_cpu(settings.busy_s)
+                log.warning("stock_step_busy", call=call, busy_s=settings.busy_s, starved=settings.busy_starved)
+                (_burn_cpu_starved if settings.busy_starved else _burn_cpu)(settings.busy_s)
                 log.warning("stock_step_busy_ended", call=call)
             if call == settings.page_at_call:
                 log.warning("stock_step_paging", call=call, page_s=settings.page_s)
@@ -194,6 +199,39 @@ def _burn_cpu(seconds: float) -> None:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         sum(i * i for i in range(10_000))
+
+
+# The process the starved step's thread shares its core with: it burns that core until killed.
+COMPETITOR = """
+import os, sys
+os.sched_setaffinity(0, {int(sys.argv[1])})
+print("burning", flush=True)
+while True:
+    pass
+"""
+
+
+def _burn_cpu_starved(seconds: float) -> None:
+    """Compute for ``seconds`` on the calling thread, pinned at nice 19 to a core that a
+    process at nice 0 burns: ready to run nearly all the time, on a core nearly never."""
+    tid = threading.get_native_id()
+    held_cores, held_nice = os.sched_getaffinity(0), os.getpriority(os.PRIO_PROCESS, tid)
+    core = min(held_cores)
+    competitor = subprocess.Popen([sys.executable, "-c", COMPETITOR, str(core)], stdout=subprocess.PIPE)
+    try:
+        competitor.stdout.readline()  # it runs on that core now
+        os.sched_setaffinity(0, {core})  # 0: the calling thread alone, on Linux
+        os.setpriority(os.PRIO_PROCESS, tid, 19)
+        _burn_cpu(seconds)
+    finally:
+        competitor.kill()
+        competitor.wait()
+        competitor.stdout.close()
+        os.sched_setaffinity(0, held_cores)
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, held_nice)
+        except PermissionError:  # only root may raise a priority again; the rest of the steps run low
+            log.warning("stock_step_priority_kept", nice=19)
 
 
 # The file paged in: 2,048 pages of 4 KB, read one every PAGE_EVERY_S (~150 faults a
