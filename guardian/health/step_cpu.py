@@ -22,8 +22,10 @@ and, where the kernel keeps scheduler statistics, the time each was ready to
 run but waited for a core (``schedstat``). A step computes at
 ``BUSY_CPU_SHARE`` of a core or more, counting that wait: on a loaded machine
 a step that computes gets little of a core and waits for the rest (CI, load
-~11 on 2 cores: a computing step at just under 5% was judged stuck), while one that
-waits on a lock or a peer is never ready to run. It pages at
+~11 on 2 cores: a computing step at just under 5% was judged stuck), while one
+that waits on a lock or a peer is never ready to run. (A wait that polls is,
+at each poll, and may wait for a core each time on a loaded machine: taken
+for computing there, it is a stall at the allowance's end.) It pages at
 ``PAGING_FAULTS_PER_S`` major faults a second or more (each a page read from
 disk). Elsewhere (macOS) no thread's own figures are read: no CPU reading
 (None), and paging is the whole process's (``getrusage``). Either way paging
