@@ -281,20 +281,20 @@ class StallDetector:
         if self._busy_logged_for != beat:
             self._busy_logged_for = beat
             step_cpu = self.step_cpu
-            share, ready, faults = step_cpu.share, step_cpu.ready_share, step_cpu.faults_per_s
+            share, runnable, faults = step_cpu.share, step_cpu.runnable_share, step_cpu.faults_per_s
             log.info("engine_step_busy", heartbeat_age_s=round(age, 3), how=moves,
                      stall_limit_s=round(self.stall_limit_s, 3),
                      cpu_share=None if share is None else round(share, 3),
-                     ready_share=None if ready is None else round(ready, 3),
+                     runnable_share=None if runnable is None else round(runnable, 2),
                      major_faults_per_s=None if faults is None else round(faults, 1),
                      allowed_until_s=round(self.stall_limit_s + self.settings.stall_busy_extra_s, 3))
         return True
 
     def _stall_reason(self) -> str:
         limit = f"limit {self.stall_limit_s:.1f} s"
-        share, ready, faults = self.step_cpu.share, self.step_cpu.ready_share, self.step_cpu.faults_per_s
+        share, runnable, faults = self.step_cpu.share, self.step_cpu.runnable_share, self.step_cpu.faults_per_s
         measured = "".join([f"; engine threads at {share:.0%} of a core" if share is not None else "",
-                            f" and waiting for {ready:.0%} of one" if ready else "",
+                            f", runnable at {runnable:.0%} of looks" if runnable is not None else "",
                             f"; {faults:.0f} major page faults a second" if faults is not None else ""])
         moves = self._step_moves()
         if moves is not None:

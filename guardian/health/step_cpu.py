@@ -18,14 +18,17 @@ look as if it paged: a hunt, 10 s late, "paging" at no fault of its own.
 
 Linux lists every thread of the process with its CPU time and major page
 faults (``/proc/self/task/TID/stat``; TID is Python's ``Thread.native_id``),
-and, where the kernel keeps scheduler statistics, the time each was ready to
-run but waited for a core (``schedstat``). A step computes at
-``BUSY_CPU_SHARE`` of a core or more, counting that wait: on a loaded machine
-a step that computes gets little of a core and waits for the rest (CI, load
-~11 on 2 cores: a computing step at just under 5% was judged stuck), while one
-that waits on a lock or a peer is never ready to run. (A wait that polls is,
-at each poll, and may wait for a core each time on a loaded machine: taken
-for computing there, it is a stall at the allowance's end.) It pages at
+and its state: running or ready to run (``R``), or asleep. A step computes
+at ``BUSY_CPU_SHARE`` of a core or more, or when one of those threads is
+running or ready to run at ``RUNNABLE_SHARE`` of the looks or more: on a
+loaded machine a step that computes gets little of a core and waits in the
+run queue for the rest (CI, load ~11 on 2 cores: a computing step at just
+under 5% of a core was judged stuck), while one that waits on a lock or a
+peer sleeps. (The kernel's own count of time in the run queue, ``schedstat``,
+is added only once a thread gets a core: a thread starved for the whole
+window read 0% there too.) A wait that polls is ready at each poll, and on a
+loaded machine may wait for a core each time: taken for computing there, it
+is a stall at the allowance's end. It pages at
 ``PAGING_FAULTS_PER_S`` major faults a second or more (each a page read from
 disk). Elsewhere (macOS) no thread's own figures are read: no CPU reading
 (None), and paging is the whole process's (``getrusage``). Either way paging
@@ -48,11 +51,15 @@ import threading
 from collections import deque
 from typing import Callable, NamedTuple, Optional
 
-# The share of one core the engine's threads use, or are ready to use and wait
-# for, for a step to count as computing. A step stuck in a wait measured 0%;
-# one computing 69%, and 13% on a 2-core machine with a load average of 5.5
-# (its Python loop also contended for the GIL).
+# The share of one core the engine's threads use for a step to count as
+# computing. A step stuck in a wait measured 0%; one computing 69%, and 13%
+# on a 2-core machine with a load average of 5.5 (its Python loop also
+# contended for the GIL).
 BUSY_CPU_SHARE = 0.05
+# Or the share of looks that found one of them running or ready to run: a
+# step starved of a core computes too (a test's, at the lowest priority on a
+# busy core: 1.2% of the core, runnable at every look); a wait is asleep.
+RUNNABLE_SHARE = 0.5
 # Major page faults a second for a step to count as paging: a process that is not
 # paging takes none in a step (its model was read at load); one whose memory is
 # swapped out takes hundreds to thousands (a 4 KB page, or macOS's 16 KB, a fault).
@@ -71,7 +78,7 @@ class ThreadsReading(NamedTuple):
     """The engine's threads' totals so far (the whole process's faults where no thread is read)."""
 
     cpu_s: Optional[float]  # None: no thread's own figures here (macOS)
-    ready_s: Optional[float]  # ready to run, waiting for a core; None: no scheduler statistics here
+    runnable: Optional[bool]  # one of them running or ready to run now; None: unknown here
     major_faults: int
 
 
@@ -82,8 +89,6 @@ def engine_threads_reader() -> Optional[Callable[[int], Optional[ThreadsReading]
     if not os.path.isdir(TASKS):
         return None
     ticks_per_s = os.sysconf("SC_CLK_TCK")
-    # Decided once: readings of one kind only, as each is taken from the one before.
-    scheduled = bool(thread_schedstat(threading.get_native_id()))
 
     def read(loop_ident: int) -> Optional[ThreadsReading]:
         python_threads = {t.ident: t.native_id for t in threading.enumerate()}
@@ -97,7 +102,8 @@ def engine_threads_reader() -> Optional[Callable[[int], Optional[ThreadsReading]
             return None
         if loop_native not in tids:
             return None
-        ticks = faults = ran_ns = ready_ns = 0
+        ticks = faults = 0
+        runnable = False
         for tid in tids:
             if tid in others:
                 continue
@@ -107,29 +113,12 @@ def engine_threads_reader() -> Optional[Callable[[int], Optional[ThreadsReading]
             except (OSError, IndexError):
                 continue  # ended meanwhile
             # After the name: state (field 3), ..., majflt (12), ..., utime (14), stime (15).
+            runnable = runnable or fields[0] == "R"
             faults += int(fields[12 - 3])
             ticks += int(fields[14 - 3]) + int(fields[15 - 3])
-            ran_and_ready = thread_schedstat(tid) if scheduled else None
-            if ran_and_ready is not None:
-                ran_ns, ready_ns = ran_ns + ran_and_ready[0], ready_ns + ran_and_ready[1]
-        if scheduled:  # nanoseconds, where stat counts 10 ms ticks
-            return ThreadsReading(ran_ns / 1e9, ready_ns / 1e9, faults)
-        return ThreadsReading(ticks / ticks_per_s, None, faults)
+        return ThreadsReading(ticks / ticks_per_s, runnable, faults)
 
     return read if read(threading.get_ident()) is not None else None
-
-
-def thread_schedstat(tid: int) -> Optional[tuple[int, int]]:
-    """A thread's time on a core and time ready to run but waiting for one, in
-    nanoseconds, or None: no scheduler statistics here (a kernel without
-    CONFIG_SCHED_INFO), or the thread ended. (A kernel that keeps the wait off
-    reads it as 0: the CPU time alone, as in ``stat``.)"""
-    try:
-        with open(f"{TASKS}/{tid}/schedstat") as schedstat:
-            ran, ready = (int(field) for field in schedstat.read().split()[:2])
-    except (OSError, ValueError):
-        return None
-    return ran, ready
 
 
 def process_major_faults() -> int:
@@ -148,7 +137,7 @@ class StepCpu:
         # (when, the reading: its CPU and wait None where unknown) while this beat stood
         self._readings: deque[tuple[float, ThreadsReading]] = deque()
         self.share: Optional[float] = None  # of a core, over about the last WINDOW_S, once known
-        self.ready_share: Optional[float] = None  # of a core waited for, likewise
+        self.runnable_share: Optional[float] = None  # of the looks then, likewise
         self.faults_per_s: Optional[float] = None  # likewise
 
     @property
@@ -182,20 +171,22 @@ class StepCpu:
             def per_s(total, total_then):
                 return None if total is None else max(0.0, total - total_then) / span
             self.share = per_s(reading.cpu_s, then.cpu_s)
-            self.ready_share = per_s(reading.ready_s, then.ready_s)
             self.faults_per_s = per_s(reading.major_faults, then.major_faults)
+            looks = [look.runnable for _, look in readings]
+            self.runnable_share = None if None in looks else sum(looks) / len(looks)
 
     def forget(self) -> None:
         """Start over (a new beat; after a pause of the process a window spanning it measures nothing)."""
-        self._beat, self.share, self.ready_share, self.faults_per_s = None, None, None, None
+        self._beat, self.share, self.runnable_share, self.faults_per_s = None, None, None, None
         self._readings.clear()
 
     # Read once each (HTTP threads ask too, while the watchdog's ``forget`` may clear them).
     def computing(self) -> bool:
         """The engine's threads compute while this heartbeat stands still (over about the last
         WINDOW_S): on a core, or ready to and waiting for one."""
-        share, ready_share = self.share, self.ready_share
-        return share is not None and share + (ready_share or 0.0) >= BUSY_CPU_SHARE
+        share, runnable_share = self.share, self.runnable_share
+        return ((share is not None and share >= BUSY_CPU_SHARE)
+                or (runnable_share is not None and runnable_share >= RUNNABLE_SHARE))
 
     def paging(self) -> bool:
         """The engine's threads read pages from disk while this heartbeat stands still."""
