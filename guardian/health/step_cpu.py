@@ -134,7 +134,7 @@ class StepCpu:
         self.reader = reader if reader is not None else engine_threads_reader()
         self.process_faults = process_faults
         self._beat: Optional[float] = None
-        # (when, the reading: its CPU and wait None where unknown) while this beat stood
+        # (when, the reading) while this beat stood
         self._readings: deque[tuple[float, ThreadsReading]] = deque()
         self.share: Optional[float] = None  # of a core, over about the last WINDOW_S, once known
         self.runnable_share: Optional[float] = None  # of the looks then, likewise
