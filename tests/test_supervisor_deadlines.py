@@ -68,24 +68,30 @@ def test_a_request_held_past_its_deadline_gets_504_from_the_supervisor(start_sup
 
 
 def test_a_child_that_gets_a_held_request_keeps_its_deadline(start_supervisor, tmp_path):
-    """Held while the child starts (its start held 3 s more than a load takes), a request
-    with a 12 s deadline is cut by the child at 12 s from its arrival, not at 12 s from when
-    the child had it (17 s or more)."""
-    config = slow_start_config(tmp_path, 12.0, hold_s=3.0, extra="[fault_injection]\nenabled = true\n"
+    """Held while the child starts (its start held 4 s more than a load takes), a request
+    with an 18 s deadline is cut by the child at 18 s from its arrival, not at 18 s from when
+    the child had it (22 s or more). The deadline leaves room for a start on a loaded machine
+    (5-6 s beside 14 busy processes): the child must have had it before it passed."""
+    config = slow_start_config(tmp_path, 18.0, hold_s=4.0, extra="[fault_injection]\nenabled = true\n"
                                "step_delay_s = 0.01\n")
     supervised = start_supervisor("--guardian-config", config, wait=False)
     poll(lambda: listening(supervised), 30, what="the supervisor's port")
     started = time.monotonic()
     answer = httpx.post(supervised.url + COMPLETIONS, json=chat_body(max_tokens=3000), timeout=60)
     took = time.monotonic() - started
-    assert answer.status_code == 504 and answer.json()["error"]["code"] == "deadline_exceeded", answer.text
-    assert 11.9 < took < 15.5, took
-    # The child had it, once ready (held 3 s and its load after the request), and stopped it.
+    # Which of the two answered, and when the child was ready, for any assertion that fails.
     [ready] = poll(lambda: supervised.supervisor_events("child_ready"), 10, what="the child ready")
-    assert ready["startup_s"] > 3
+    answered_by_supervisor = [e for name in ("request_deadline_exceeded", "relay_cut_past_deadline")
+                              for e in supervised.supervisor_events(name)]
     status = httpx.get(supervised.url + "/guardian/status", timeout=10).json()
-    assert status["requests_cancelled"]["deadline"] == 1
-    assert not supervised.supervisor_events("request_deadline_exceeded")
+    said = (f"took {took:.2f} s; the child ready after {ready['startup_s']} s; the supervisor's own: "
+            f"{answered_by_supervisor}; the child's cancelled: {status['requests_cancelled']}; {answer.text}")
+    assert answer.status_code == 504 and answer.json()["error"]["code"] == "deadline_exceeded", said
+    assert 17.9 < took < 21.5, said
+    # The child had it, once ready (held 4 s and its load after the request), and stopped it.
+    assert ready["startup_s"] > 4, said
+    assert not answered_by_supervisor, said
+    assert status["requests_cancelled"]["deadline"] == 1, said
 
 
 def test_a_continued_stream_keeps_its_deadline(start_supervisor, tmp_path):
