@@ -289,4 +289,8 @@ def test_without_fair_admission_the_burst_goes_first(served):
     order, counts = burst_then_one(served, handed_to_stock=True)
     # Every request handed to stock at once; its batch queues them in order.
     assert counts["queued"] == 0, counts
-    assert order.index("bob") >= 3, order
+    # Once seen out of order in CI (bob third), not reproduced: what could reorder them
+    # (a restart's re-runs, a pause) goes with the assertion.
+    assert order.index("bob") >= 3, (order, counts, [
+        event for name in ("engine_stalled", "engine_restarted", "request_rerun", "process_paused")
+        for event in served.events(name)])
