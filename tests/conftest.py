@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import random
 import re
@@ -255,6 +256,19 @@ class NotifyReceiver:
     def close(self) -> None:
         self.socket.close()
         shutil.rmtree(self.folder, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def root_logging_restored():
+    """Each test's root logger as it found it. One that configures the guardian's logging
+    in this process (configure_logging) points it at the stderr pytest captured for that
+    test, closed once the test ends: a later test's library line (httpx's request line)
+    then printed a "Logging error" traceback into the run's output."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
 
 
 @pytest.fixture
