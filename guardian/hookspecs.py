@@ -197,7 +197,7 @@ def on_request_failed(request_id, error, engine):
 
 @hookspec
 def on_request_finished(request_id, outcome, prompt_tokens, cached_prompt_tokens, generated_tokens,
-                        time_to_first_token_s, time_between_tokens_s, engine):
+                        time_to_first_token_s, time_between_tokens_s, queue_time_s, engine):
     """A user's request the engine had queued ended; probes are not reported.
 
     A thread of its own (``request-reports``), after the request ended (on the
@@ -212,7 +212,9 @@ def on_request_finished(request_id, outcome, prompt_tokens, cached_prompt_tokens
     from when the handler took the request (admission and queueing
     included) to its first token; None without one.
     ``time_between_tokens_s``: the gaps between its tokens, in order (a
-    restart's included). A plugin object with ``active = False`` (read once
+    restart's included). ``queue_time_s``: from when the engine queued it
+    (admitted, its prompt read) to when stock's loop first took it; None if
+    it never did. A plugin object with ``active = False`` (read once
     at start) is not called. A slow one delays the reports after it, not the
     engine. Return value ignored.
     """

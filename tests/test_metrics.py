@@ -134,6 +134,9 @@ def test_completions_move_the_token_counters_and_histograms(served):
     assert grew("mlx_guardian_time_to_first_token_seconds_count") == 2
     assert grew("mlx_guardian_time_to_first_token_seconds_sum") > 0
     assert grew("mlx_guardian_time_between_tokens_seconds_count") == 14  # 7 gaps each
+    # Each waited in the engine's queue for some time, less than its whole answer took.
+    assert grew("mlx_guardian_request_queue_time_seconds_count") == 2
+    assert 0 < grew("mlx_guardian_request_queue_time_seconds_sum") < grew("mlx_guardian_time_to_first_token_seconds_sum")
     # Every observation falls in some bucket: +Inf counts them all.
     assert grew("mlx_guardian_time_between_tokens_seconds_bucket", le="+Inf") == 14
     assert after.value("mlx_guardian_requests_in_flight") == 0

@@ -354,6 +354,8 @@ class RequestLedger:
         record = item[0]
         record.stage = Stage.TAKEN
         record.taken_at_step = self.steps()
+        if record.taken_at is None:  # a re-run's wait is its recovery's, not the queue's
+            record.taken_at = time.monotonic()
         self._in_flight[record.seq] = record
         self._client_in_flight[record.client] = self._client_in_flight.get(record.client, 0) + 1
         return item

@@ -105,6 +105,10 @@ class RequestRecord:
         # Its pace, for on_request_finished: when the handler took it (monotonic),
         # and when each token came, re-runs' included (8 bytes a token).
         self.arrived_at = time.monotonic() if arrived_at is None else arrived_at
+        # When the engine queued it (made here, at the ledger's put) and when stock's loop
+        # first took it: its wait for the engine alone, no HTTP thread's work in it.
+        self.queued_at = time.monotonic()
+        self.taken_at: Optional[float] = None
         self.token_times = array("d")
         self._held: list = []
         self._first_ctx = None
@@ -313,6 +317,7 @@ class RequestRecord:
             "cached_prompt_tokens": min(max(ctx.prompt_cache_count, 0), prompt) if ctx is not None else 0,
             "generated_tokens": len(times),
             "time_to_first_token_s": times[0] - self.arrived_at if times else None,
+            "queue_time_s": self.taken_at - self.queued_at if self.taken_at is not None else None,
             "time_between_tokens_s": [later - earlier for earlier, later in zip(times, times[1:])],
         }
 

@@ -38,6 +38,8 @@ P = metrics.PREFIX
 # Seconds. A first token waits for admission, the queue and the prefill: a
 # long prompt on a big model takes minutes. Between tokens: one decode step.
 TIME_TO_FIRST_TOKEN_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+# A request taken at the next step waits milliseconds; behind a full batch, a request's length.
+QUEUE_TIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 TIME_BETWEEN_TOKENS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15,
                                0.2, 0.3, 0.5, 1, 2.5, 5, 10)
 # A restart takes milliseconds on the loaded weights, seconds with a reload or a backoff.
@@ -117,6 +119,9 @@ class Metrics:
         self.time_between_tokens = Histogram(
             P + "time_between_tokens_seconds", "Gaps between a request's consecutive tokens.",
             buckets=TIME_BETWEEN_TOKENS_BUCKETS, registry=r)
+        self.queue_time = Histogram(
+            P + "request_queue_time_seconds", "From when the engine queued a request (admitted, its prompt "
+            "read) to when stock's loop first took it.", buckets=QUEUE_TIME_BUCKETS, registry=r)
         r.register(EngineCollector(self))
         # The process' own: resident memory, CPU, open files; Python's version.
         metrics.register_process_metrics(r)
@@ -175,12 +180,14 @@ class Metrics:
 
     @guardian.hookimpl
     def on_request_finished(self, outcome, prompt_tokens, cached_prompt_tokens, generated_tokens,
-                            time_to_first_token_s, time_between_tokens_s):
+                            time_to_first_token_s, time_between_tokens_s, queue_time_s):
         self.prompt_tokens.inc(prompt_tokens)
         self.cached_prompt_tokens.inc(cached_prompt_tokens)
         self.generated_tokens.inc(generated_tokens)
         if time_to_first_token_s is not None:
             self.time_to_first_token.observe(time_to_first_token_s)
+        if queue_time_s is not None:
+            self.queue_time.observe(queue_time_s)
         observe = self.time_between_tokens.observe
         for gap in time_between_tokens_s:
             observe(gap)
