@@ -25,12 +25,12 @@ from guardian.engine.ledger import RequestLedger
 STOCK_RUN_S = 0.5
 # A request sent mid-stream is taken by the loop within this many of the
 # stream's tokens, by the engine's own time from queueing it to taking it, at the
-# stream's pace: the step under way and room for a busy machine (stock: a few
-# hundred here), or a quarter of what stock's run makes at that pace, whichever is
-# more. (Counted by the client, a loaded CI's round trip made 43 of ~386, and 70 of
-# ~254; by the server's time to first token, which holds its HTTP thread's reading
-# and tokenizing, 92 of ~211.)
-MAX_TOKENS_MEANWHILE = 32
+# stream's pace: the step under way and room for a busy machine, or a quarter of
+# what stock's run makes at that pace, whichever is more. Beside 4 busy processes
+# it read 0 to 3.7 tokens (the client counted 21 to 74 meanwhile); by the server's
+# time to first token, which holds its HTTP thread's reading and tokenizing, a
+# loaded CI run read 92 of ~211.
+MAX_TOKENS_MEANWHILE = 12
 QUEUE_TIME = "mlx_guardian_request_queue_time_seconds"
 
 
