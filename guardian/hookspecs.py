@@ -213,7 +213,7 @@ def on_request_finished(request_id, outcome, prompt_tokens, cached_prompt_tokens
     included) to its first token; None without one.
     ``time_between_tokens_s``: the gaps between its tokens, in order (a
     restart's included). ``queue_time_s``: from when the engine queued it
-    (admitted, its prompt read) to when stock's loop first took it; None if
+    (let in at the door) to when stock's loop first took it; None if
     it never did. A plugin object with ``active = False`` (read once
     at start) is not called. A slow one delays the reports after it, not the
     engine. Return value ignored.

@@ -120,8 +120,8 @@ class Metrics:
             P + "time_between_tokens_seconds", "Gaps between a request's consecutive tokens.",
             buckets=TIME_BETWEEN_TOKENS_BUCKETS, registry=r)
         self.queue_time = Histogram(
-            P + "request_queue_time_seconds", "From when the engine queued a request (admitted, its prompt "
-            "read) to when stock's loop first took it.", buckets=QUEUE_TIME_BUCKETS, registry=r)
+            P + "request_queue_time_seconds", "From when the engine queued a request (let in at the door) "
+            "to when stock's loop first took it.", buckets=QUEUE_TIME_BUCKETS, registry=r)
         r.register(EngineCollector(self))
         # The process' own: resident memory, CPU, open files; Python's version.
         metrics.register_process_metrics(r)
