@@ -183,11 +183,26 @@ def parse_log(text: str) -> list[dict]:
 
 
 class Server:
+    # The file given as --guardian-config, which ``save_config`` writes; None: none.
+    config: Optional[Path] = None
+
     def __init__(self, proc: subprocess.Popen, port: int, log_path: Path):
         self.proc = proc
         self.port = port
         self.log_path = log_path
         self.url = f"http://127.0.0.1:{port}"
+
+    def config_in_force(self) -> Optional[str]:
+        """The sha256 of the version of its file the server acts on now."""
+        return httpx.get(self.url + "/guardian/status", timeout=10).json()["config"]["sha256"]
+
+    def save_config(self, text: str, timeout: float = 30) -> None:
+        """Save ``text`` as the server's file; return once that version is in force. A
+        behaviour seen before then may still be the last version's (a linger_s left by a
+        test before, under load, once passed for max_lingering = 0 at the supervisor)."""
+        self.config.write_text(text)
+        wanted = hashlib.sha256(text.encode()).hexdigest()
+        poll(lambda: self.config_in_force() == wanted, timeout, what="the server to load its new configuration")
 
     def logs(self) -> list[dict]:
         return parse_log(self.log_path.read_text())
@@ -337,6 +352,7 @@ def start_server(tmp_path, model_cache):
         proc = spawn_guardian(["--port", str(port), "--guardian-config", str(config_path), *args],
                               log_path, model_cache, env)
         server = Server(proc, port, log_path)
+        server.config = config_path
         servers.append(server)
         if wait:
             server.wait_healthy()
@@ -403,20 +419,11 @@ class ModeServer(SessionServer):
                                    timeout=5).json()["state"] == "ready", 60, what="a ready child")
 
     def config_in_force(self) -> Optional[str]:
-        """The sha256 of the version of its file the server acts on now: under --supervise
-        the supervisor's (which takes a version once its child runs it)."""
+        """Under --supervise the supervisor's (which takes a version once its child runs it)."""
         if self.supervised:
             return httpx.get(self.url + "/guardian/supervisor", headers=self.status_headers,
                              timeout=10).json()["config_sha256"]
-        return httpx.get(self.url + "/guardian/status", timeout=10).json()["config"]["sha256"]
-
-    def save_config(self, text: str, timeout: float = 30) -> None:
-        """Save ``text`` as the server's file; return once that version is in force. A
-        behaviour seen before then may still be the last version's (a linger_s left by a
-        test before, under load, once passed for max_lingering = 0 at the supervisor)."""
-        self.config.write_text(text)
-        wanted = hashlib.sha256(text.encode()).hexdigest()
-        poll(lambda: self.config_in_force() == wanted, timeout, what="the server to load its new configuration")
+        return super().config_in_force()
 
     def check_passed_as_its_mode_says(self) -> None:
         """Under --supervise, the requests so far went to the child as this mode says:

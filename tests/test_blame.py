@@ -87,7 +87,7 @@ def test_a_request_failing_before_it_starts_is_blamed_and_quarantined(start_serv
 
         # [recovery] quarantine_s = 0, saved live, switches quarantining off: what it holds
         # is let in again (it stayed refused until its time, and counted in the status).
-        config = server.log_path.with_name(f"guardian-{server.port}.toml")
+        config = server.config
         config.write_text(config.read_text().replace("[recovery]\n", "[recovery]\nquarantine_s = 0\n"))
         poll(lambda: engine_status(server)["quarantine"]["quarantined_count"] == 0, 15,
              what="the quarantine released")
@@ -212,7 +212,7 @@ EVERY_STEP_FAILS_LATER = ('[fault_injection]\narmable = true\nenabled = false\nm
 def every_step_failing(start_server, tmp_path, max_failures: int):
     config = EVERY_STEP_FAILS_LATER + f"max_failures = {max_failures}\n"
     server = start_server(config)
-    (tmp_path / f"guardian-{server.port}.toml").write_text(
+    server.config.write_text(
         config.replace("enabled = false", "enabled = true\nevery_n_steps = 1"))
     poll(lambda: server.events("config_reloaded"), 10, what="every step failing")
     return server

@@ -10,7 +10,6 @@ blamed (500), and the process exited 4 while it was still serving.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 import threading
@@ -649,7 +648,7 @@ def test_a_request_past_metals_largest_buffer_is_blamed_not_told_to_come_back(st
         assert http.post(server.url + COMPLETIONS, json=chat_body("hello", max_tokens=4)).status_code == 200
 
 
-def test_readiness_after_a_failed_probe_comes_back_with_the_next_completion_or_a_probe_soon(start_server, tmp_path):
+def test_readiness_after_a_failed_probe_comes_back_with_the_next_completion_or_a_probe_soon(start_server):
     """One idle probe failed (two planted faults, then the engine was fine), and /readyz said
     503 "the last probe failed" until the next probe, probe_interval_s (30 s) later, while
     every request got 200; a supervisor, whose limit is 30 s too, replaced that healthy
@@ -667,15 +666,10 @@ def test_readiness_after_a_failed_probe_comes_back_with_the_next_completion_or_a
     config = (armed + "[watchdog]\nprobe_retry_s = {}\nprobe_interval_s = 600.0\nprobe_max_age_s = 600.0\n"
               + table("recovery", backoff_base_s=0.0))
     server = start_server(config.format("false", 0, 1.0))
-    path = tmp_path / f"guardian-{server.port}.toml"
     readyz = lambda: httpx.get(server.url + "/readyz", timeout=10)
     with httpx.Client(timeout=60) as http:
         for then, retry_s in (("a completion", 300.0), ("a probe", 1.0)):
-            version = config.format("true", then, retry_s)
-            path.write_text(version)
-            in_force = hashlib.sha256(version.encode()).hexdigest()
-            poll(lambda: any(e["sha256"] == in_force for e in server.events("config_reloaded")), 30,
-                 what="the version that arms the faults in force")
+            server.save_config(config.format("true", then, retry_s))  # the faults armed
             failed = http.get(server.url + "/readyz?deep=1")  # its probe's steps arm them and meet both
             assert failed.status_code == 503 and failed.json()["last_probe"]["ok"] is False, failed.text
             failed_at = time.monotonic()
@@ -709,7 +703,7 @@ def test_a_shortage_that_fails_everything_is_waited_out_for_its_grace_then_ends_
     config = armed + table("recovery", max_failures=2, backoff_base_s=0.1, backoff_max_s=0.4,
                            shortage_grace_s=grace_s)
     server = start_server(config.format("false", 0))
-    path = tmp_path / f"guardian-{server.port}.toml"
+    path = server.config
     answers = []
 
     def retry_while(condition, http) -> None:

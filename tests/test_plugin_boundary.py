@@ -371,7 +371,7 @@ def test_a_save_whose_live_settings_clash_with_those_bound_at_start_is_refused_n
 
     head = '[guardian]\nplugins = ["tests.plugins.careless_plugins:RangeGate"]\n[range_gate]\n'
     server = start_server(head)
-    config = next(server.log_path.parent.glob(f"guardian-{server.port}.toml"))
+    config = server.config
     config.write_text(head + "low = 15\nhigh = 20\n")  # whole, fine; with high as at start (10), not
     failure = poll(lambda: httpx.get(server.url + "/guardian/status", timeout=5).json()["config"]["last_failure"],
                    10, what="the save refused")

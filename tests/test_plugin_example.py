@@ -73,7 +73,7 @@ def test_without_words_the_plugin_does_nothing(start_server):
 def test_the_words_are_live_a_saved_file_applies_without_a_restart(server, tmp_path):
     story = chat_body("Tell me a story.")
     assert httpx.post(server.url + "/v1/chat/completions", json=story, timeout=60).status_code == 200
-    (tmp_path / f"guardian-{server.port}.toml").write_text('[blocked_words]\nwords = ["story"]\n')
+    server.config.write_text('[blocked_words]\nwords = ["story"]\n')
     [reloaded] = server.wait_for_event("config_reloaded", timeout=30)
     assert reloaded["changed"] == ["blocked_words.words"]
     response = httpx.post(server.url + "/v1/chat/completions", json=story, timeout=60)

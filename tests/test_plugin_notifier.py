@@ -190,7 +190,7 @@ def test_a_restart_storm_is_one_message_and_the_next_says_how_many_were_held_bac
     assert notice["event"] == "restart_storm" and notice["suppressed"] == 0
     assert len(rx.posts("/hook")) == 1  # 15 restarts, one message
     # The window is live: closed, the next restart's notice counts those held back.
-    (tmp_path / f"guardian-{server.port}.toml").write_text(
+    server.config.write_text(
         config + toml_table("notifier", **notifier, dedup_window_s=0.0))
     server.wait_for_event("config_reloaded", timeout=30)
     storm(server, range(5, 6))
@@ -353,7 +353,7 @@ def test_a_bad_setting_saved_while_serving_is_refused_whole(start_server, receiv
     It was put in force, with a warning, and the bad destination failed every send."""
     rx = receiver()
     server = start_server(toml_table("notifier", webhook_urls=[rx.url("/hook")], events=["stall"]))
-    config = tmp_path / f"guardian-{server.port}.toml"
+    config = server.config
     config.write_text(toml_table("notifier", webhook_urls=["hooks.example/SECRET"], events=["stall"]))
     [failed] = server.wait_for_event("config_reload_failed", timeout=30)
     assert "must start with http:// or https://" in failed["error_message"]

@@ -254,7 +254,7 @@ def test_crash_loop_exits_with_documented_code(start_server, tmp_path, stream):
     server = start_server(config)
     # Once up, the probes fail too (their prompt is a poison's): an engine that fails
     # every request, the proof before a blame included.
-    (tmp_path / f"guardian-{server.port}.toml").write_text(config + '[generation_probe]\nprompt = "POISON probe"\n')
+    server.config.write_text(config + '[generation_probe]\nprompt = "POISON probe"\n')
     poll(lambda: server.events("config_reloaded"), 10, what="the probes' poisoned prompt")
     with httpx.Client(timeout=30) as client:
         # Every step of a poison request fails, and so does every probe: an engine

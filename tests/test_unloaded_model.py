@@ -52,7 +52,7 @@ def test_sampling_monitoring_and_live_config_go_on_while_the_model_is_reloaded(s
         hang_began = stamp(hang)
         poll(lambda: sampled_while_unloaded(client), 10, interval=0.1, what="samples while the model is unloaded")
         # A live change while the weights are still being read (the hang lasts 3 s).
-        config_path = tmp_path / f"guardian-{server.port}.toml"
+        config_path = server.config
         config_path.write_text(config_path.read_text() + table("prompt_guard", max_context_tokens=4000)
                                + table("generation_probe", prompt="another probe prompt"))
         [reloaded] = server.wait_for_event("config_reloaded", timeout=10)
