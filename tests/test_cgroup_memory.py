@@ -11,6 +11,7 @@ and its thresholds and KV budget come from that group's limit.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -22,6 +23,8 @@ import pytest
 from conftest import REPO, Server, chat_body, free_port, poll
 from test_supervisor import post_in_thread
 from guardian.admission.cgroup_memory import V1_MEMORY_ROOT, V2_ROOT, cgroup_memory_limit, group_paths
+from guardian.supervise.child import Child, exit_reason
+from guardian.supervise.oom_kills import dying, killed_for_memory, note_memory_group
 
 LIMIT_BYTES = 3 << 30  # far above what the demo model's server needs, far below this machine's memory
 
@@ -196,3 +199,75 @@ def test_a_child_the_kernels_oom_killer_ends_blames_no_request_in_flight(tmp_pat
         assert 'mlx_guardian_supervisor_child_restarts_total{reason="oom_killed"} 2.0' in metrics
     finally:
         supervised.stop()
+
+
+@pytest.fixture
+def freezer_group():
+    """A group of cgroup v1's freezer, of this process's: a task frozen there keeps a SIGKILL
+    pending until it is thawed, an exit held open (v2's freezer lets SIGKILL through)."""
+    try:
+        with open("/proc/self/cgroup") as groups:
+            path = next(line.rstrip("\n").split(":", 2)[2] for line in groups if line.split(":")[1] == "freezer")
+    except (OSError, StopIteration, IndexError):
+        pytest.skip("no cgroup v1 freezer here (cgroup v2 only, or not Linux)")
+    folder = Path("/sys/fs/cgroup/freezer", path.lstrip("/"), f"guardian-test-{os.getpid()}")
+    try:
+        folder.mkdir()
+    except OSError as e:
+        pytest.skip(f"cannot make a freezer group at {folder}: {e}")
+    yield folder
+    (folder / "freezer.state").write_text("THAWED")
+    remove_group(folder)
+
+
+def oom_kill_one(group: Path) -> None:
+    """A process that the kernel's OOM killer ends in ``group``: one kill more in its count."""
+    limit_file(group).write_text(str(int(usage_file(group).read_text()) + (32 << 20)))
+    try:
+        hog = subprocess.run(["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(group / "cgroup.procs"),
+                              sys.executable, "-c", "hog = b'x' * (512 << 20)"], timeout=60)
+    finally:
+        limit_file(group).write_text(str(LIMIT_BYTES))
+    assert hog.returncode == -signal.SIGKILL, hog
+
+
+def test_a_check_while_the_child_is_being_killed_keeps_its_oom_kill(memory_group, freezer_group):
+    """The kernel counts an OOM kill just before it sends its SIGKILL, and the child is reaped
+    only once its exit is done. A CI run's health check landed between: it took the group's
+    count afresh, and the child's own kill was "perhaps out of memory?", a crash. Here the
+    child's exit is held open (frozen, SIGKILL pending) while the group's count rises by a
+    real OOM kill: the checks keep the count as it was, and the kill is told as the child
+    is reaped. A rise the child lives through (another process's kill, found at two checks)
+    is taken, as before: a kill -9 after it is no OOM kill."""
+    child_proc = subprocess.Popen(["sleep", "600"])
+    try:
+        (memory_group / "cgroup.procs").write_text(str(child_proc.pid))
+        (freezer_group / "cgroup.procs").write_text(str(child_proc.pid))
+        child = Child(child_proc, port=0, generation=1, stock=False, client=None)
+        note_memory_group(child)  # at its start
+        assert child.oom_counter and child.oom_counter.startswith(str(memory_group)), child.oom_counter
+        assert child.oom_kills_seen == 0, child.oom_kills_seen
+
+        oom_kill_one(memory_group)  # another process's, the child living on
+        note_memory_group(child)
+        assert child.oom_kills_seen == 0  # one check could fall in a kill's first moment
+        note_memory_group(child)
+        assert child.oom_kills_seen == 1  # the next finds the child outlived it
+
+        (freezer_group / "freezer.state").write_text("FROZEN")
+        poll(lambda: (freezer_group / "freezer.state").read_text().strip() == "FROZEN", 10, what="the child frozen")
+        child_proc.send_signal(signal.SIGKILL)
+        poll(lambda: dying(child_proc.pid), 10, what="the SIGKILL pending")
+        oom_kill_one(memory_group)  # standing for the child's own, counted before its exit is done
+        for _ in range(3):
+            note_memory_group(child)
+        assert child.oom_kills_seen == 1 and child_proc.poll() is None, (child.oom_kills_seen, child_proc.returncode)
+
+        (freezer_group / "freezer.state").write_text("THAWED")
+        assert child_proc.wait(timeout=30) == -signal.SIGKILL
+        child.out_of_memory = killed_for_memory(child)
+        assert exit_reason(child) == "killed by SIGKILL: the kernel's OOM killer (out of memory)"
+    finally:
+        (freezer_group / "freezer.state").write_text("THAWED")
+        child_proc.kill()
+        child_proc.wait(timeout=30)

@@ -99,6 +99,7 @@ class Child:
     # and whether that killer ended it (settled as it is reaped).
     oom_counter: Optional[str] = None
     oom_kills_seen: Optional[int] = None
+    oom_change_seen: Optional[tuple] = None  # a change of the two at the last check, not yet taken
     out_of_memory: bool = False
 
     def hands_off(self) -> bool:
