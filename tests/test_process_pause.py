@@ -17,10 +17,13 @@ while one that waits is a stall at the limit (faults planted inside stock's own
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import resource
 import signal
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -29,7 +32,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-from conftest import chat_body, poll
+from conftest import chat_body, poll, stamp
 from guardian.health.step_cpu import BUSY_CPU_SHARE, PAGING_FAULTS_PER_S, RUNNABLE_SHARE, StepCpu, ThreadsReading
 from test_stall_detection import STEP_FAULTS, table
 
@@ -153,6 +156,60 @@ def test_a_pause_that_lands_inside_one_of_the_watchdogs_looks_is_still_a_pause(s
     assert len(poll(long_pauses, 10, what="a process_paused of the whole pause")) == 1
     assert server.proc.poll() is None, "the server exited"
 
+
+
+HOG = "import os, sys, time\nos.sched_setaffinity(0, {int(sys.argv[1])})\nend = time.monotonic() + 120\nwhile time.monotonic() < end: pass\n"
+
+
+@contextlib.contextmanager
+def starved(pid: int, hogs: int = 2):
+    """Every thread of process ``pid`` pinned at nice 19 to one core that ``hogs`` processes
+    burn at nice 0 (a machine too busy to run it on time): its threads wait in the run
+    queue, and are not stopped. Its threads' affinity and priority are given back after."""
+    tasks = lambda: [int(tid) for tid in os.listdir(f"/proc/{pid}/task")]
+    cores = os.sched_getaffinity(pid)
+    core = min(cores)
+    burners = [subprocess.Popen([sys.executable, "-c", HOG, str(core)]) for _ in range(hogs)]
+    try:
+        for tid in tasks():  # threads started meanwhile (a replacement loop) inherit both
+            os.sched_setaffinity(tid, {core})
+            os.setpriority(os.PRIO_PROCESS, tid, 19)
+        yield
+    finally:
+        for burner in burners:
+            burner.kill()
+            burner.wait()
+        for tid in tasks():
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(tid, cores)
+                os.setpriority(os.PRIO_PROCESS, tid, 0)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/thread-self/schedstat"),
+                    reason="a thread's wait for a core is read from Linux's schedstat (not macOS)")
+def test_a_stuck_step_on_a_machine_too_busy_to_run_the_watchdog_on_time_is_a_stall_not_a_pause(start_server):
+    """A loaded machine makes the watchdog's looks late, and lateness the process did not
+    spend on the CPU was taken for a pause: taken off the stuck step's heartbeat age (or,
+    past the floor, restarting its clock), its stall came up to a stall limit late. Here
+    stock's own step blocks for good, then the whole server waits for a core at nice 19
+    beside two busy processes: the wait is no pause (nothing is taken off the age; on the
+    code before, 1.0 s was, the whole limit), the stall comes at the limit, and the
+    replacement loop serves the request."""
+    config = (STEP_FAULTS + table("stock_step_faults", hang_at_call=20)
+              + table("watchdog", **WATCHDOG))
+    server = start_server(config)
+    sender, result = post_in_background(server.url + COMPLETIONS, chat_body(max_tokens=40))
+    [hang] = server.wait_for_event("stock_step_hang", timeout=60)
+    with starved(server.proc.pid):
+        [stalled] = server.wait_for_event("engine_stalled", timeout=60)
+    print(f"\nmeasured: stalled {stamp(stalled) - stamp(hang):.2f} s after stock's step blocked, at a "
+          f"heartbeat age of {stalled['heartbeat_age_s']} s, {stalled['paused_credit_s']} s taken for pauses")
+    assert stalled["paused_credit_s"] <= 0.1, stalled
+    assert server.events("process_paused") == []
+    assert stalled["action"] == "restart", stalled
+    sender.join(timeout=120)
+    assert result["response"].status_code == 200, result
+    assert result["response"].json()["usage"]["completion_tokens"] > 0
 
 BUSY_S = 3.0  # past the 2 s ceiling and the 1 s floor, well within 2 s + the allowance
 ALLOWANCE_S = 10.0

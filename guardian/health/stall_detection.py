@@ -11,10 +11,11 @@ supervisor. Probes prove generation works while idle; while busy, progress
 proves it and probes are skipped.
 
 A pause is not a stall. The watchdog measures its own lateness (the time
-a look spent not running counts, so a pause inside a look is seen): a look
+a look spent not running counts, so a pause inside a look is seen; its wait
+for a core on a busy machine does not, ``guardian.health.run_queue``): a look
 that comes later than due by more than the shortest stall limit means the
-whole process was paused or starved (SIGSTOP, a debugger, a swap storm, a
-cgroup freeze, a paused VM, a GPU driver holding every thread). No engine
+whole process did not run (SIGSTOP, a debugger, a swap storm, a cgroup
+freeze, a paused VM, a GPU driver holding every thread). No engine
 is blamed for that time: the heartbeat's clock restarts from that look
 (``process_paused``, counted in /guardian/status and /metrics). And a step
 that outlasts the stall limit while the engine's threads compute (kernels
@@ -43,6 +44,7 @@ from guardian.observability.counting import RecentEvents
 from guardian.engine.lifecycle import EngineState
 from guardian.engine.record import Stage
 from guardian.health.pace import Pace
+from guardian.health.run_queue import run_queue_wait_s
 from guardian.health.step_cpu import StepCpu
 from guardian.health.thread_stack import stack_of
 from guardian.observability.logs import probe_running
@@ -132,12 +134,16 @@ class StallDetector:
 
     def _run(self) -> None:
         due = time.monotonic() + self.settings.interval_s
-        process_cpu = time.process_time()
+        process_cpu, queued = time.process_time(), run_queue_wait_s()
         while not self._ended.wait(self.settings.interval_s):
-            now, cpu = time.monotonic(), time.thread_time()
+            now, cpu, queued_before = time.monotonic(), time.thread_time(), queued
+            queued = run_queue_wait_s()
             # The process's CPU time since the last look ended: lateness while it ran (a
             # thread holding the GIL, an engine computing) is no pause of the process.
-            self.tick(now, late_s=now - due, ran_s=time.process_time() - process_cpu)
+            # Nor is this thread's wait for a core since the last look began (a loaded
+            # machine: ``guardian.health.run_queue``).
+            self.tick(now, late_s=now - due, ran_s=time.process_time() - process_cpu,
+                      waited_s=queued - queued_before)
             # The next look is due an interval after this one ends, plus the time
             # this look spent not running: a pause that lands inside a look
             # (SIGSTOP mid-sample) is lateness too, not the look's own work. Its
@@ -147,15 +153,15 @@ class StallDetector:
             due = ended + self.settings.interval_s - off_cpu_s
             process_cpu = time.process_time()
 
-    def tick(self, now: float, late_s: float = 0.0, ran_s: float = 0.0) -> None:
+    def tick(self, now: float, late_s: float = 0.0, ran_s: float = 0.0, waited_s: float = 0.0) -> None:
         """One look at the engine: progress, probes, resources, systemd.
         ``late_s``: how much later than due this look comes; ``ran_s``: the process's CPU
-        time since the last look."""
+        time since the last look; ``waited_s``: this thread's time in the run queue since."""
         if self._settings_changed:
             self._contained(self._follow_settings)
         # Each part on its own: a plugin's failing sample must not stop the
         # stall checks or the systemd pings (systemd would kill for a gauge).
-        self._contained(self._notice_pause, now, late_s, ran_s)
+        self._contained(self._notice_pause, now, late_s, ran_s, waited_s)
         # Switched off ([watchdog] enabled = false: a debugger's breakpoint, say), it neither
         # judges progress nor probes; the rest goes on.
         # Keepalives first: a stall's exit rung ends the process from the progress check.
@@ -179,9 +185,12 @@ class StallDetector:
             log.exception("watchdog_tick_failed", part=part.__name__)
 
     # -- pauses of the whole process ------------------------------------------
-    def _notice_pause(self, now: float, late_s: float, ran_s: float = 0.0) -> None:
-        """A look late by more than the shortest stall limit: the process was paused
-        or starved, the engine with it; its heartbeat's clock restarts now.
+    def _notice_pause(self, now: float, late_s: float, ran_s: float = 0.0, waited_s: float = 0.0) -> None:
+        """A look late by more than the shortest stall limit: the process did not run
+        (paused), the engine with it; its heartbeat's clock restarts now. Lateness spent
+        waiting for a core (``waited_s``) is no pause: the machine was busy elsewhere, and
+        an engine stuck meanwhile is stuck (taken as paused, a stuck step's stall came up
+        to a stall limit late on a loaded machine).
 
         A look late by less is a shorter pause for as much of it as the process did not
         run (``ran_s``, its CPU time meanwhile: a look late behind a thread that holds the
@@ -190,6 +199,7 @@ class StallDetector:
         gap it fell in is no step's. (Without it, a pause just under the limit, plus the
         step it fell in, was a stall: three 2.8 s SIGSTOPs of a server of 0.5 s steps
         climbed the ladder to exit 5.)"""
+        late_s = max(0.0, late_s - waited_s)
         if late_s <= min(self.stall_limit_s, self.settings.stall_min_s):
             paused_s = late_s - ran_s
             if paused_s > self.settings.interval_s:
@@ -219,9 +229,16 @@ class StallDetector:
     def heartbeat_age(self, now: float) -> float:
         """Since the engine's last heartbeat, or since the process resumed from a pause,
         less the shorter pauses since (``_notice_pause``)."""
-        started = max(self.engine.last_beat, self.resumed_at)
+        started = max(self.engine.last_beat, self.resumed_at)  # read once: the loop moves it
+        return now - started - self.paused_credit_s(started)
+
+    def paused_credit_s(self, started: Optional[float] = None) -> float:
+        """The shorter pauses taken off the age of the heartbeat whose clock ``started``
+        (now's, unless given)."""
+        if started is None:
+            started = max(self.engine.last_beat, self.resumed_at)
         credited_from, credited_s = self._credit
-        return now - started - (credited_s if started == credited_from else 0.0)
+        return credited_s if credited_from == started else 0.0
 
     # -- stalls -------------------------------------------------------------
     def _check_progress(self, now: float) -> None:
@@ -350,6 +367,7 @@ class StallDetector:
         log.error(
             "engine_stalled",
             heartbeat_age_s=round(heartbeat_age_s, 3),
+            paused_credit_s=round(self.paused_credit_s(), 3),
             reason=reason,
             action=action,
             stalls_in_window=stalls_in_window,
