@@ -1,28 +1,59 @@
-"""How long the calling thread waited for a core: on a loaded machine, no pause.
+"""How long the process's threads waited for a core: on a loaded machine, no pause.
 
 A thread that is ready to run waits in the kernel's run queue while other
 work holds every core (other processes on a busy machine, CI's test workers).
-Linux counts that wait per thread (``/proc/thread-self/schedstat``, its second
-field, nanoseconds), and adds each wait as the thread gets its core: read on
-the thread itself, the count holds the wait that just ended. A stopped
-process (SIGSTOP, a debugger, a frozen cgroup) is in no run queue, nor is one
-whose threads wait on the disk (a swap storm): their time is not counted, so
-it tells a process starved of CPU from a paused one (``StallDetector``'s
-lateness; measured: a watchdog thread at nice 19 beside two busy processes on
-its core was late 2.27 s over 60 looks, 2.26 s of it in the run queue).
-Elsewhere (macOS, a kernel without schedstats) the count reads 0.0: every
-late look is then taken as before.
+Linux counts that wait per thread (``/proc/self/task/TID/schedstat``, its
+second field, nanoseconds), adding each wait as the thread gets its core. A
+stopped process (SIGSTOP, a debugger, a frozen cgroup) is in no run queue, nor
+is one whose threads wait on the disk (a swap storm): their time is not
+counted, so it tells a process starved of CPU from a paused one
+(``StallDetector``'s lateness). Every thread's, not only the watchdog's own:
+a watchdog late behind the GIL waits on a lock, not in the run queue, while
+the thread that holds the GIL may wait there (with the watchdog's own wait
+alone taken off, a look 1.0 s late was still a pause, the whole server at nice
+19 beside busy processes on its core, under more load besides).
+Threads' waits that overlap add up: more than the lateness they caused, which
+only takes less for a pause. Measured: a watchdog thread at nice 19 beside two
+busy processes on its core was late 2.27 s over 60 looks, 2.26 s of it in the
+run queue. Elsewhere (macOS, a kernel without schedstats) nothing is read: 0.0,
+and every late look is taken as before.
 """
 
 from __future__ import annotations
 
-SCHEDSTAT = "/proc/thread-self/schedstat"
+import os
+
+TASKS = "/proc/self/task"
 
 
-def run_queue_wait_s() -> float:
-    """The calling thread's time waiting in the run queue so far, in seconds; 0.0 unknown."""
-    try:
-        with open(SCHEDSTAT) as stat:
-            return int(stat.read().split()[1]) / 1e9
-    except (OSError, ValueError, IndexError):
-        return 0.0
+class RunQueueWait:
+    """The process's threads' time in the run queue, a reading at a time."""
+
+    def __init__(self):
+        self._seen: dict[str, int] = self._read()
+
+    @staticmethod
+    def _read() -> dict[str, int]:
+        waits = {}
+        try:
+            tids = os.listdir(TASKS)
+        except OSError:
+            return waits
+        for tid in tids:  # os.open and os.read: a third of open()'s cost, at every look
+            try:
+                fd = os.open(f"{TASKS}/{tid}/schedstat", os.O_RDONLY)
+                try:
+                    waits[tid] = int(os.read(fd, 128).split()[1])
+                finally:
+                    os.close(fd)
+            except (OSError, ValueError, IndexError):  # a thread gone meanwhile
+                continue
+        return waits
+
+    def since_last(self) -> float:
+        """Seconds the process's threads waited for a core since the last reading: a
+        thread's since then, or since it started; a thread gone since counts no more."""
+        now = self._read()
+        waited = sum(ns - self._seen.get(tid, 0) for tid, ns in now.items())
+        self._seen = now
+        return max(0, waited) / 1e9

@@ -44,7 +44,7 @@ from guardian.observability.counting import RecentEvents
 from guardian.engine.lifecycle import EngineState
 from guardian.engine.record import Stage
 from guardian.health.pace import Pace
-from guardian.health.run_queue import run_queue_wait_s
+from guardian.health.run_queue import RunQueueWait
 from guardian.health.step_cpu import StepCpu
 from guardian.health.thread_stack import stack_of
 from guardian.observability.logs import probe_running
@@ -134,16 +134,15 @@ class StallDetector:
 
     def _run(self) -> None:
         due = time.monotonic() + self.settings.interval_s
-        process_cpu, queued = time.process_time(), run_queue_wait_s()
+        process_cpu, run_queue = time.process_time(), RunQueueWait()
         while not self._ended.wait(self.settings.interval_s):
-            now, cpu, queued_before = time.monotonic(), time.thread_time(), queued
-            queued = run_queue_wait_s()
+            now, cpu = time.monotonic(), time.thread_time()
             # The process's CPU time since the last look ended: lateness while it ran (a
             # thread holding the GIL, an engine computing) is no pause of the process.
-            # Nor is this thread's wait for a core since the last look began (a loaded
+            # Nor is its threads' wait for a core since the last look began (a loaded
             # machine: ``guardian.health.run_queue``).
             self.tick(now, late_s=now - due, ran_s=time.process_time() - process_cpu,
-                      waited_s=queued - queued_before)
+                      waited_s=run_queue.since_last())
             # The next look is due an interval after this one ends, plus the time
             # this look spent not running: a pause that lands inside a look
             # (SIGSTOP mid-sample) is lateness too, not the look's own work. Its
@@ -156,7 +155,7 @@ class StallDetector:
     def tick(self, now: float, late_s: float = 0.0, ran_s: float = 0.0, waited_s: float = 0.0) -> None:
         """One look at the engine: progress, probes, resources, systemd.
         ``late_s``: how much later than due this look comes; ``ran_s``: the process's CPU
-        time since the last look; ``waited_s``: this thread's time in the run queue since."""
+        time since the last look; ``waited_s``: its threads' time in the run queue since."""
         if self._settings_changed:
             self._contained(self._follow_settings)
         # Each part on its own: a plugin's failing sample must not stop the
@@ -187,8 +186,8 @@ class StallDetector:
     # -- pauses of the whole process ------------------------------------------
     def _notice_pause(self, now: float, late_s: float, ran_s: float = 0.0, waited_s: float = 0.0) -> None:
         """A look late by more than the shortest stall limit: the process did not run
-        (paused), the engine with it; its heartbeat's clock restarts now. Lateness spent
-        waiting for a core (``waited_s``) is no pause: the machine was busy elsewhere, and
+        (paused), the engine with it; its heartbeat's clock restarts now. Lateness its
+        threads spent waiting for a core (``waited_s``) is no pause: the machine was busy, and
         an engine stuck meanwhile is stuck (taken as paused, a stuck step's stall came up
         to a stall limit late on a loaded machine).
 
