@@ -50,7 +50,9 @@ class DoorServer(ModeServer):
     def __init__(self, kind: str, folder, model_cache):
         self.keys = folder / "keys.txt"
         self.keys.write_text(KEYS)
-        super().__init__(kind, folder, model_cache, "", "--api-key-file", str(self.keys),
+        # A refusal's close lingers until its client closes, not 2 s (linger_s): beside 4 busy
+        # processes a status read came more than 2 s after the last of 40, every linger over.
+        super().__init__(kind, folder, model_cache, "[http]\nlinger_s = 30.0\n", "--api-key-file", str(self.keys),
                          headers={"Authorization": f"Bearer {ALICE}"})
 
     @property

@@ -708,7 +708,9 @@ def test_a_request_answered_in_full_by_a_child_that_dies_before_its_word_is_no_c
     work for that request: the journal shows the whole answer (a stream's [DONE], or
     every byte of a body of known length), so the request is no suspect of the death,
     and its client has its answer. The handler thread that takes the request back
-    starts a second late, as on a loaded machine, so the reaping strikes first: before
+    starts 3 s late, as on a loaded machine, so the reaping strikes first (1 s was not
+    enough beside 4 busy processes: the handler's word came first, none answered in
+    full at the reaping, as nothing was left to look at): before
     the reaping looked at the journal itself, the request was struck in 4 of 4 runs
     (without the delay, in 4 of 20 with the supervisor stopped while the child died, and
     in 0 of 4 without that either)."""
@@ -717,7 +719,7 @@ def test_a_request_answered_in_full_by_a_child_that_dies_before_its_word_is_no_c
                       f'\n[wordless_death]\nmarker = "{WORDLESS_MARKER}"\n')
     python_path = os.pathsep.join(filter(None, [str(SUPERVISOR_HOOKS), os.environ.get("PYTHONPATH")]))
     supervised = start_supervisor("--guardian-config", str(config),
-                                  env={"PYTHONPATH": python_path, "GUARDIAN_TEST_LATE_RESUME_S": "1"})
+                                  env={"PYTHONPATH": python_path, "GUARDIAN_TEST_LATE_RESUME_S": "3"})
     pid = supervised.wait_ready()
     body = chat_body(f"{WORDLESS_MARKER}, once answered.", max_tokens=8, stream=stream)
     with httpx.Client(timeout=30) as client:
