@@ -245,9 +245,10 @@ def test_a_stopped_rank_is_lost_and_killed_so_the_group_ends(launch):
     """A rank that cannot act (SIGSTOP; or wedged with the interpreter held) stops
     sending beats: rank 0 loses it after peer_timeout_s, exits with code 7, and
     kills it, or the launcher would wait for it for ever."""
-    # 3 s: a loaded machine starved a rank's beats for 1 s as the group started (CI: rank 0
-    # "sent nothing for 1 s", and the group ended before it served).
-    group = launch(ring_group(free_ring_port()), config="[watchdog]\npeer_timeout_s = 3.0\n")
+    # 6 s: a loaded machine starved a rank's beats for 1 s as the group started (CI: rank 0
+    # "sent nothing for 1 s", and the group ended before it served), and for 3 s beside 4
+    # busy processes (rank 1, just after it joined).
+    group = launch(ring_group(free_ring_port()), config="[watchdog]\npeer_timeout_s = 6.0\n")
     group.wait_healthy()
     ranks = group.ranks()
     os.kill(ranks[1], signal.SIGSTOP)
