@@ -1,4 +1,4 @@
-"""How long the process's threads waited for a core: on a loaded machine, no pause.
+"""How long a thread of the process waited for a core: on a loaded machine, no pause.
 
 A thread that is ready to run waits in the kernel's run queue while other
 work holds every core (other processes on a busy machine, CI's test workers).
@@ -7,13 +7,15 @@ second field, nanoseconds), adding each wait as the thread gets its core. A
 stopped process (SIGSTOP, a debugger, a frozen cgroup) is in no run queue, nor
 is one whose threads wait on the disk (a swap storm): their time is not
 counted, so it tells a process starved of CPU from a paused one
-(``StallDetector``'s lateness). Every thread's, not only the watchdog's own:
-a watchdog late behind the GIL waits on a lock, not in the run queue, while
-the thread that holds the GIL may wait there (with the watchdog's own wait
-alone taken off, a look 1.0 s late was still a pause, the whole server at nice
-19 beside busy processes on its core, under more load besides).
-Threads' waits that overlap add up: more than the lateness they caused, which
-only takes less for a pause. Measured: a watchdog thread at nice 19 beside two
+(``StallDetector``'s lateness). Any thread's, not only the watchdog's own: a
+watchdog late behind the GIL waits on a lock, not in the run queue, while the
+thread that holds the GIL may wait there (with the watchdog's own wait alone
+taken off, a look 1.0 s late was still a pause, the whole server at nice 19
+beside busy processes on its core, under more load besides). The longest one
+thread waited, not their sum: as a paused process resumes, every one of its
+threads is woken at once and each waits a little for a core, and their sum
+took most of a 2 s SIGSTOP away (a CI-like run: 1.5 s or less was left of
+it). Measured: a watchdog thread at nice 19 beside two
 busy processes on its core was late 2.27 s over 60 looks, 2.26 s of it in the
 run queue. Elsewhere (macOS, a kernel without schedstats) nothing is read: 0.0,
 and every late look is taken as before.
@@ -51,9 +53,9 @@ class RunQueueWait:
         return waits
 
     def since_last(self) -> float:
-        """Seconds the process's threads waited for a core since the last reading: a
-        thread's since then, or since it started; a thread gone since counts no more."""
+        """The longest any one of the process's threads waited for a core since the last
+        reading (since it started, for a thread new since), in seconds."""
         now = self._read()
-        waited = sum(ns - self._seen.get(tid, 0) for tid, ns in now.items())
+        waited = max((ns - self._seen.get(tid, 0) for tid, ns in now.items()), default=0)
         self._seen = now
         return max(0, waited) / 1e9

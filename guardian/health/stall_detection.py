@@ -139,8 +139,8 @@ class StallDetector:
             now, cpu = time.monotonic(), time.thread_time()
             # The process's CPU time since the last look ended: lateness while it ran (a
             # thread holding the GIL, an engine computing) is no pause of the process.
-            # Nor is its threads' wait for a core since the last look began (a loaded
-            # machine: ``guardian.health.run_queue``).
+            # Nor is the longest wait for a core of one of its threads since the last look
+            # began (a loaded machine: ``guardian.health.run_queue``).
             self.tick(now, late_s=now - due, ran_s=time.process_time() - process_cpu,
                       waited_s=run_queue.since_last())
             # The next look is due an interval after this one ends, plus the time
@@ -155,7 +155,8 @@ class StallDetector:
     def tick(self, now: float, late_s: float = 0.0, ran_s: float = 0.0, waited_s: float = 0.0) -> None:
         """One look at the engine: progress, probes, resources, systemd.
         ``late_s``: how much later than due this look comes; ``ran_s``: the process's CPU
-        time since the last look; ``waited_s``: its threads' time in the run queue since."""
+        time since the last look; ``waited_s``: the longest one of its threads waited in
+        the run queue since."""
         if self._settings_changed:
             self._contained(self._follow_settings)
         # Each part on its own: a plugin's failing sample must not stop the
@@ -186,8 +187,8 @@ class StallDetector:
     # -- pauses of the whole process ------------------------------------------
     def _notice_pause(self, now: float, late_s: float, ran_s: float = 0.0, waited_s: float = 0.0) -> None:
         """A look late by more than the shortest stall limit: the process did not run
-        (paused), the engine with it; its heartbeat's clock restarts now. Lateness its
-        threads spent waiting for a core (``waited_s``) is no pause: the machine was busy, and
+        (paused), the engine with it; its heartbeat's clock restarts now. Lateness a thread
+        of it spent waiting for a core (``waited_s``) is no pause: the machine was busy, and
         an engine stuck meanwhile is stuck (taken as paused, a stuck step's stall came up
         to a stall limit late on a loaded machine).
 
