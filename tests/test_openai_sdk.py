@@ -95,10 +95,15 @@ def settled_posts(server, path: str = CHAT_PATH) -> list[int]:
     """``posts()`` once every request sent so far is in the log.
 
     The SDK raises only after its last try was answered, so all its tries
-    are over; their log lines may still be on their way to the file. A GET
-    sent now is logged after them: once its line is there, so are theirs.
-    (Not a health path: their access lines are at DEBUG.)
+    are over; their log lines may still be on their way to the file. A
+    completion's access line is logged as its handler ends, after its answer
+    went out (a quiet CI-like run: after the GET below), so first no handler
+    but the status read's own is busy; then a GET sent now is logged after
+    them: once its line is there, so are theirs. (Not a health path: their
+    access lines are at DEBUG.)
     """
+    poll(lambda: httpx.get(server.url + "/guardian/status", timeout=10).json()["connections"]["handlers_active"] <= 1,
+         10, what="every handler but the status read's own done")
     marker = f"/v1/models/settled-{time.monotonic_ns()}"  # in the path: a query's values are hidden in logs
     assert httpx.get(server.url + marker, timeout=10).status_code == 404
     poll(lambda: any(marker in event.get("line", "") for event in server.events("http_access")), 10,
