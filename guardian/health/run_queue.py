@@ -15,9 +15,8 @@ beside busy processes on its core, under more load besides). The longest one
 thread waited, not their sum: as a paused process resumes, every one of its
 threads is woken at once and each waits a little for a core, and their sum
 took most of a 2 s SIGSTOP away (a CI-like run: 1.5 s or less was left of
-it). Measured: a watchdog thread at nice 19 beside two
-busy processes on its core was late 2.27 s over 60 looks, 2.26 s of it in the
-run queue. Elsewhere (macOS, a kernel without schedstats) nothing is read: 0.0,
+it). Measured: a watchdog thread at nice 19 beside two busy processes on its
+core was late 2.27 s over 60 looks, 2.26 s of it in the run queue. Elsewhere (macOS, a kernel without schedstats) nothing is read: 0.0,
 and every late look is taken as before.
 """
 
@@ -25,7 +24,7 @@ from __future__ import annotations
 
 import os
 
-TASKS = "/proc/self/task"
+from guardian.health.step_cpu import TASKS  # every thread of this process, as the step's readings read them
 
 
 class RunQueueWait:
