@@ -28,6 +28,7 @@ a child not known to have ended never reaches another process that took its pid.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -219,6 +220,11 @@ class Forkserver:
             self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+        # Said nothing: gone with the session (one a worker, every run, piled up in /tmp).
+        # One that said something is kept for whoever reads why a server would not fork.
+        with contextlib.suppress(OSError):
+            if self.log_path.stat().st_size == 0:
+                self.log_path.unlink()
 
 
 _forkserver: Optional[Forkserver] = None

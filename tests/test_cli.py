@@ -107,15 +107,20 @@ def test_ctrl_c_before_serving_ends_by_sigint_with_one_line_not_a_traceback(tmp_
     config = tmp_path / "slow.toml"
     config.write_text(f'[guardian]\nplugins = ["tests.plugins.slow_start:SlowStart"]\n[slow_start]\n{held}\n')
     # A shell's background jobs ignore SIGINT, and so would this one: a terminal's Ctrl-C is not ignored.
-    proc = subprocess.Popen([sys.executable, "-m", "guardian", "--port", str(free_port()), "--guardian-config",
-                             str(config)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    # -X faulthandler: a process that outlives the signal is made to say where each thread was (SIGABRT).
+    proc = subprocess.Popen([sys.executable, "-X", "faulthandler", "-m", "guardian", "--port", str(free_port()),
+                             "--guardian-config", str(config)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, cwd=REPO, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         for line in proc.stdout:
             if logged in line:
                 break
         proc.send_signal(signal.SIGINT)
-        rest = proc.communicate(timeout=30)[0]
+        try:
+            rest = proc.communicate(timeout=30)[0]
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGABRT)
+            pytest.fail(f"still running 30 s after SIGINT; where its threads were:\n{proc.communicate(timeout=30)[0]}")
     finally:
         proc.kill()
     assert proc.returncode == -signal.SIGINT, rest  # as Python's own end: killed by SIGINT
