@@ -18,6 +18,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -159,9 +160,13 @@ def launch(tmp_path, model_cache):
         log_path = tmp_path / f"group-{port}.log"
         marker = uuid.uuid4().hex
         # mlx.launch leaves each rank's pid file and host file (``mktemp``) in TMPDIR: here, in
-        # the test's folder, not four files a group in /tmp.
+        # the test's folder, not four files a group in /tmp. mlx keeps its CPU kernels in
+        # TMPDIR too (mlx/VERSION/cpu): shared, or each rank compiles them again (~3 s).
         launch_tmp = tmp_path / f"tmp-{port}"
         launch_tmp.mkdir()
+        kernels = Path(tempfile.gettempdir()) / "mlx"
+        kernels.mkdir(exist_ok=True)
+        (launch_tmp / "mlx").symlink_to(kernels, target_is_directory=True)
         env = {**os.environ, "MLX_GUARDIAN_CACHE": str(model_cache), "GROUP_TEST": marker, "TMPDIR": str(launch_tmp)}
         with open(log_path, "w") as log_file:
             proc = subprocess.Popen([*command, "--port", str(port), "--guardian-config", str(config_path)],
