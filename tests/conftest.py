@@ -39,6 +39,36 @@ REPO = Path(__file__).resolve().parent.parent
 os.environ["HF_HUB_OFFLINE"] = "1"
 
 
+def share_one_tls_context() -> None:
+    """httpx makes a TLS context for every client it makes, loading certifi's CA bundle:
+    38 ms of CPU each, and a client is made for every top-level ``httpx.get``, each
+    poll's included, though nearly every test talks plain HTTP to 127.0.0.1 (cProfile
+    of test_recovery.py: 103 loads, 3.5 s of the test process's CPU). Clients that ask
+    for the default verification share one context, made at the first; those given a
+    context or a CA file of their own (test_tls.py) make theirs as before. Where httpx
+    keeps the function elsewhere, nothing changes but the time."""
+    try:
+        from httpx._transports import default as transports
+    except ImportError:
+        return
+    make = getattr(transports, "create_ssl_context", None)
+    if make is None:
+        return
+    shared: dict[bool, object] = {}
+
+    def create_ssl_context(verify=True, cert=None, trust_env=True):
+        if verify is not True or cert is not None:
+            return make(verify=verify, cert=cert, trust_env=trust_env)
+        if trust_env not in shared:
+            shared[trust_env] = make(verify=True, trust_env=trust_env)
+        return shared[trust_env]
+
+    transports.create_ssl_context = create_ssl_context
+
+
+share_one_tls_context()
+
+
 # Test servers listen below every system's range of ephemeral ports (Linux
 # 32768-60999, macOS 49152-65535): a port the kernel handed out (to a client's
 # connection, a supervisor's child) is never one a test is about to bind, and
