@@ -29,7 +29,7 @@ import httpx
 import psutil
 import pytest
 
-from conftest import REPO, Server, SessionServer, chat_body, free_port, poll, read_stream
+from conftest import REPO, Server, SessionServer, chat_body, free_port, pace, poll, read_stream
 from guardian.exit_codes import EXIT_BOOT_ERROR, EXIT_GROUP_FAILED, EXIT_OK
 
 COMPLETIONS = "/v1/chat/completions"
@@ -299,6 +299,17 @@ def test_supervised_group_is_replaced_after_sigkill_of_rank_1_and_its_clients_se
     group.wait_healthy()
     first = group.ranks()
     assert sorted(first) == [0, 1]
+    # Idle, the launcher waits: mlx.launch's own loops spun (select on an idle rank's input
+    # pipe, always writable, and on /dev/null), 1.2 cores for two ranks
+    # (guardian.distributed.launch.run_launcher_without_busy_waits).
+    [launcher] = [p for p in psutil.Process(group.proc.pid).children()
+                  if "guardian.distributed.launch" in " ".join(p.cmdline())]
+    ranks = [psutil.Process(pid) for pid in first.values()]
+    before = [p.cpu_times() for p in (launcher, *ranks)]
+    pace(2.0)
+    used = [sum(after[:2]) - sum(then[:2]) for then, after in zip(before, [p.cpu_times() for p in (launcher, *ranks)])]
+    print(f"\nmeasured over 2 s idle: the launcher {used[0]:.3f} s of CPU, the ranks {used[1]:.3f} and {used[2]:.3f} s")
+    assert used[0] < 0.2, used
 
     burst = [chat_body("Tell me a story.", max_tokens=MAX_TOKENS, stream=stream) for stream in (False, False, True, True)]
     steps = engine_steps(group)
