@@ -301,9 +301,9 @@ def test_supervised_group_is_replaced_after_sigkill_of_rank_1_and_its_clients_se
     assert sorted(first) == [0, 1]
     # Idle, the launcher waits: mlx.launch's own loops spun (select on an idle rank's input
     # pipe, always writable, and on /dev/null), 1.2 cores for two ranks
-    # (guardian.distributed.launch.run_launcher_without_busy_waits).
+    # (guardian.distributed.shim.run_launcher_without_busy_waits).
     [launcher] = [p for p in psutil.Process(group.proc.pid).children()
-                  if "guardian.distributed.launch" in " ".join(p.cmdline())]
+                  if "guardian.distributed.shim" in " ".join(p.cmdline())]
     ranks = [psutil.Process(pid) for pid in first.values()]
     before = [p.cpu_times() for p in (launcher, *ranks)]
     pace(2.0)

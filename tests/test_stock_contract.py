@@ -219,7 +219,7 @@ def test_a_batch_whose_step_raised_half_way_offers_no_kv(model_cache):
 
 
 def test_mlx_launch_still_has_what_the_group_launcher_replaces():
-    """guardian.distributed.launch runs mlx.launch's ``main()`` itself, with the module's
+    """guardian.distributed.shim runs mlx.launch's ``main()`` itself, with the module's
     ``select`` replaced (its busy waits); where these names moved it execs mlx.launch as
     it is, busy waits and all."""
     import select
@@ -227,4 +227,4 @@ def test_mlx_launch_still_has_what_the_group_launcher_replaces():
     from mlx._distributed_utils import launch
 
     assert launch.select is select.select and callable(launch.main), (
-        "mlx changed mlx._distributed_utils.launch: update guardian/distributed/launch.py")
+        "mlx changed mlx._distributed_utils.launch: update guardian/distributed/shim.py")

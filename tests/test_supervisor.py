@@ -479,7 +479,7 @@ def test_stock_engine_is_proxied_and_restarted(start_supervisor, model_cache, tm
         assert client.post(supervised.url + COMPLETIONS, json=chat_body(max_tokens=4)).status_code == 200
     [started, _] = supervised.supervisor_events("child_started")
     # Through the shim that asks the kernel for SIGTERM when the supervisor dies (Linux).
-    assert started["command"][1:4] == ["-m", "guardian.distributed.launch", "--"]
+    assert started["command"][1:4] == ["-m", "guardian.distributed.shim", "--"]
     assert started["command"][5:8] == ["-m", "mlx_lm", "server"]
     assert supervised.supervisor()["last_exit"]["reason"].startswith("killed by SIGKILL")
     # A save a restart would refuse (a setting nothing reads with a stock child) is refused live.

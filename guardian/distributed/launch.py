@@ -6,7 +6,7 @@ child. The launcher leads a process group of its own, which holds every
 local rank (it starts them through ``bash -c ... exec``): stopping the child
 signals the whole group, and what is left of it after the launcher exits is
 killed before the next group starts. The launcher itself runs under
-``die_with_parent`` below, so it goes when the supervisor goes, and its
+``dying_with_parent`` below (guardian.distributed.shim), so it goes when the supervisor goes, and its
 ranks with it (guardian.health.parent_watch). macOS makes no such promise
 (no prctl): there each rank on the supervisor's machine also watches the
 supervisor, and ends when it is gone, and the launcher with its ranks.
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import select
 import shlex
 import shutil
 import signal
@@ -57,9 +56,9 @@ def group_command(launch_args: str, server_command: list[str]) -> list[str]:
 
 
 def dying_with_parent(command: list[str]) -> list[str]:
-    """``command``, run through this module's ``exec_dying_with_parent``: for a program
-    that asks for no parent-death signal itself (mlx.launch, stock's server)."""
-    return [sys.executable, "-m", "guardian.distributed.launch", "--", *command]
+    """``command``, run through ``guardian.distributed.shim``: for a program that asks for
+    no parent-death signal itself (mlx.launch, stock's server)."""
+    return [sys.executable, "-m", "guardian.distributed.shim", "--", *command]
 
 
 class LauncherProcess(subprocess.Popen):
@@ -170,61 +169,3 @@ def kill_leftovers(proc: subprocess.Popen) -> None:
     group, before the next group starts (its memory, its ports)."""
     if isinstance(proc, LauncherProcess):
         proc.send_signal(signal.SIGKILL)
-
-
-def exec_dying_with_parent(argv: list[str]) -> None:
-    """Become ``argv`` with the kernel's promise of SIGTERM when the parent dies
-    (Linux: PR_SET_PDEATHSIG survives exec); elsewhere plainly exec it. mlx.launch
-    from this Python's environment runs here instead, without its busy waits."""
-    from guardian.health.parent_watch import ask_for_sigterm_when_parent_dies
-
-    ask_for_sigterm_when_parent_dies()
-    if argv[0] == str(Path(sys.executable).with_name(LAUNCHER)):
-        run_launcher_without_busy_waits(argv)
-    os.execv(argv[0], argv)
-
-
-def run_launcher_without_busy_waits(argv: list[str]) -> None:
-    """mlx.launch's own ``main()``, in this process, without its two busy waits; returns
-    only where this mlx's launcher is not the one it knows (then exec it as it is).
-
-    Its main thread reads its standard input to pass on to the ranks, waiting 0.1 s at a
-    time; a supervisor's child has /dev/null there, always readable (at its end), so it
-    spun. Here its input is a pipe nobody writes to (this process keeps the other end).
-    Its thread for each local rank asks, at every turn, for its rank's output or its
-    rank's input pipe being writable, and an idle pipe always is: ~50,000 turns a second
-    a rank. Here that thread waits for its rank's output (or its 1 s) and is then told
-    what is writable at once. It writes only what came on the launcher's input, which
-    here never brings anything. Measured, two ranks idle: 6.05 s of the launcher's CPU in
-    5 s before, 0.01 s after (docs/deploy.md). The names are mlx's private ones
-    (tests/test_stock_contract.py checks them)."""
-    try:
-        from mlx._distributed_utils import launch as mlx_launch
-    except ImportError:
-        return
-    if getattr(mlx_launch, "select", None) is not select.select or not callable(getattr(mlx_launch, "main", None)):
-        return
-
-    def select_without_busy_wait(rlist, wlist, xlist, timeout=None):
-        if not wlist:
-            return select.select(rlist, wlist, xlist, timeout)
-        readable, _, exceptional = select.select(rlist, [], xlist, timeout)
-        return readable, select.select([], wlist, [], 0)[1], exceptional
-
-    global _quiet_input
-    read_end, _quiet_input = os.pipe()
-    os.dup2(read_end, 0)
-    os.close(read_end)
-    mlx_launch.select = select_without_busy_wait
-    sys.argv = [argv[0], *argv[1:]]
-    raise SystemExit(mlx_launch.main())
-
-
-# The launcher's standard input's other end, held open for the process's life: no input,
-# and no end of it (``run_launcher_without_busy_waits``).
-_quiet_input: Optional[int] = None
-
-
-if __name__ == "__main__":
-    # python -m guardian.distributed.launch -- mlx.launch ARGS...
-    exec_dying_with_parent(sys.argv[2:] if sys.argv[1:2] == ["--"] else sys.argv[1:])
