@@ -170,7 +170,10 @@ def launch(tmp_path, model_cache):
         env = {**os.environ, "MLX_GUARDIAN_CACHE": str(model_cache), "GROUP_TEST": marker, "TMPDIR": str(launch_tmp)}
         with open(log_path, "w") as log_file:
             proc = subprocess.Popen([*command, "--port", str(port), "--guardian-config", str(config_path)],
-                                    stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    stdout=log_file, stderr=subprocess.STDOUT,
+                                    # As a terminal's: input that never comes. At /dev/null's end,
+                                    # mlx.launch's loop that passes its input on spun a core.
+                                    stdin=subprocess.PIPE if command[0] == LAUNCHER else subprocess.DEVNULL,
                                     env=env, cwd=REPO, start_new_session=True)
         group = Group(proc, port, log_path, marker)
         group.config_path = config_path
@@ -180,6 +183,8 @@ def launch(tmp_path, model_cache):
     yield start
     for group in groups:
         group.stop()
+        if group.proc.stdin is not None:
+            group.proc.stdin.close()
 
 
 def ring_group(ring_port: int) -> list[str]:
