@@ -322,4 +322,6 @@ def test_a_held_request_counts_once_and_one_whose_client_left_is_dropped(start_s
     poll(lambda: supervised.events("http_access") and any(
         e.get("request_id") == "after-it" for e in supervised.events("http_access")), 10)
     assert not [e for e in supervised.logs() if e.get("request_id") == "held-and-left"]
-    assert supervised.supervisor()["in_flight"] == 0
+    # A handler counts itself out as it ends, which may come just after its access line: a
+    # count kept twice stayed at 1 for good.
+    poll(lambda: supervised.supervisor()["in_flight"] == 0, 5, what="no request in flight")
