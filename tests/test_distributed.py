@@ -307,8 +307,7 @@ def test_supervised_group_is_replaced_after_sigkill_of_rank_1_and_its_clients_se
     # Idle, the launcher waits: mlx.launch's own loops spun (select on an idle rank's input
     # pipe, always writable, and on /dev/null), 1.2 cores for two ranks
     # (guardian.distributed.shim.run_launcher_without_busy_waits).
-    [launcher] = [p for p in psutil.Process(group.proc.pid).children()
-                  if "guardian.distributed.shim" in " ".join(p.cmdline())]
+    [launcher] = [p for p in psutil.Process(group.proc.pid).children() if "mlx.launch" in " ".join(p.cmdline())]
     ranks = [psutil.Process(pid) for pid in first.values()]
     before = [p.cpu_times() for p in (launcher, *ranks)]
     pace(2.0)
