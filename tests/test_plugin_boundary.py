@@ -376,7 +376,8 @@ def test_a_save_whose_live_settings_clash_with_those_bound_at_start_is_refused_n
     failure = poll(lambda: httpx.get(server.url + "/guardian/status", timeout=5).json()["config"]["last_failure"],
                    10, what="the save refused")
     assert "low (15) is above high (10)" in failure["error_message"], failure
-    [failed] = server.events("config_reload_failed")
+    # The status may say so before the line is written: polled for too.
+    [failed] = poll(lambda: server.events("config_reload_failed"), 5, what="config_reload_failed logged")
     assert "do not go with those in force until a restart" in failed["error_message"]
     assert not server.events("config_reload_crashed")
     assert server.health() == 200
