@@ -204,10 +204,9 @@ def test_a_stuck_step_on_a_machine_too_busy_to_run_the_watchdog_on_time_is_a_sta
         [stalled] = server.wait_for_event("engine_stalled", timeout=60)
     print(f"\nmeasured: stalled {stamp(stalled) - stamp(hang):.2f} s after stock's step blocked, at a "
           f"heartbeat age of {stalled['heartbeat_age_s']} s, {stalled['paused_credit_s']} s taken for pauses")
-    # The longest one thread's wait and the watchdog's own are what is taken off
-    # (guardian.health.run_queue): a look late behind a longer chain of waits may keep a
-    # part of it as a pause (0.19 s in a clean clone's run, when the watchdog's own wait was
-    # not added), never the whole limit as before (1.0 s).
+    # The longest one thread's wait is what is taken off (guardian.health.run_queue): a look
+    # late behind a chain of waits (the GIL's holder's, then its own) may keep a part of it
+    # as a pause (0.19 s in a clean clone's run), never the whole limit as before (1.0 s).
     assert stalled["paused_credit_s"] <= 0.5, stalled
     assert server.events("process_paused") == []
     assert stalled["action"] == "restart", stalled

@@ -15,8 +15,7 @@ beside busy processes on its core, under more load besides). The longest one
 thread waited, not their sum: as a paused process resumes, every one of its
 threads is woken at once and each waits a little for a core, and their sum
 took most of a 2 s SIGSTOP away (a CI-like run: 1.5 s or less was left of
-it); the caller's own wait is added to it (it waits behind that longest one, then for a
-core of its own). Measured: a watchdog thread at nice 19 beside two busy processes on its
+it). Measured: a watchdog thread at nice 19 beside two busy processes on its
 core was late 2.27 s over 60 looks, 2.26 s of it in the run queue. Elsewhere (macOS, a kernel without schedstats) nothing is read: 0.0,
 and every late look is taken as before.
 """
@@ -24,7 +23,6 @@ and every late look is taken as before.
 from __future__ import annotations
 
 import os
-from typing import Optional
 
 from guardian.health.step_cpu import TASKS  # every thread of this process, as the step's readings read them
 
@@ -53,16 +51,10 @@ class RunQueueWait:
                 continue
         return waits
 
-    def since_last(self, own: Optional[int] = None) -> float:
-        """How long the process waited for a core since the last reading (since it started,
-        for a thread new since), in seconds: the longest any one of its threads waited, plus
-        the wait of thread ``own`` (a native id: the caller's) when that is another. The
-        watchdog's look waits behind the GIL's holder, which waits for a core, and then for
-        a core of its own: a chain of two (the longest alone left 0.19 s of a starved stall
-        taken for a pause, once)."""
+    def since_last(self) -> float:
+        """The longest any one of the process's threads waited for a core since the last
+        reading (since it started, for a thread new since), in seconds."""
         now = self._read()
-        waits = {tid: ns - self._seen.get(tid, 0) for tid, ns in now.items()}
+        waited = max((ns - self._seen.get(tid, 0) for tid, ns in now.items()), default=0)
         self._seen = now
-        own_wait = waits.pop(str(own), 0) if own is not None else 0
-        longest = max(waits.values(), default=0)
-        return max(0, own_wait + longest) / 1e9
+        return max(0, waited) / 1e9

@@ -134,15 +134,15 @@ class StallDetector:
 
     def _run(self) -> None:
         due = time.monotonic() + self.settings.interval_s
-        process_cpu, run_queue, own = time.process_time(), RunQueueWait(), threading.get_native_id()
+        process_cpu, run_queue = time.process_time(), RunQueueWait()
         while not self._ended.wait(self.settings.interval_s):
             now, cpu = time.monotonic(), time.thread_time()
             # The process's CPU time since the last look ended: lateness while it ran (a
             # thread holding the GIL, an engine computing) is no pause of the process.
             # Nor is the longest wait for a core of one of its threads since the last look
-            # began, plus this one's own (a loaded machine: ``guardian.health.run_queue``).
+            # began (a loaded machine: ``guardian.health.run_queue``).
             self.tick(now, late_s=now - due, ran_s=time.process_time() - process_cpu,
-                      waited_s=run_queue.since_last(own))
+                      waited_s=run_queue.since_last())
             # The next look is due an interval after this one ends, plus the time
             # this look spent not running: a pause that lands inside a look
             # (SIGSTOP mid-sample) is lateness too, not the look's own work. Its
@@ -155,8 +155,8 @@ class StallDetector:
     def tick(self, now: float, late_s: float = 0.0, ran_s: float = 0.0, waited_s: float = 0.0) -> None:
         """One look at the engine: progress, probes, resources, systemd.
         ``late_s``: how much later than due this look comes; ``ran_s``: the process's CPU
-        time since the last look; ``waited_s``: how long it waited in the run queue since
-        (``RunQueueWait.since_last``)."""
+        time since the last look; ``waited_s``: the longest one of its threads waited in
+        the run queue since."""
         if self._settings_changed:
             self._contained(self._follow_settings)
         # Each part on its own: a plugin's failing sample must not stop the
