@@ -136,6 +136,19 @@ def poll(condition: Callable[[], object], timeout: float, interval: float = 0.02
         time.sleep(interval)  # the poll loop: bounded by the deadline above
 
 
+def handlers_settled(read_connections: Callable[[], dict], timeout: float) -> dict:
+    """The status's ``connections`` once no handler but the status read's own is busy.
+
+    A handler counts itself out as it ends, just after its answer went out and its
+    access line was written: a status read right after an answer may find it still
+    counted. Fails at ``timeout`` (each caller's: what a fault it guards would exceed)."""
+    def settled():
+        connections = read_connections()
+        return connections if connections["handlers_active"] <= 1 else None
+
+    return poll(settled, timeout, what="no handler but the status read's own")
+
+
 def stamp(event: dict) -> float:
     """A JSON log line's time, in seconds since the epoch."""
     return datetime.fromisoformat(event["timestamp"].replace("Z", "+00:00")).timestamp()

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 from watchdog.observers import Observer
 
-from conftest import BOTH_MODES, ModeServer, chat_body, poll
+from conftest import BOTH_MODES, ModeServer, chat_body, handlers_settled, poll
 from fuzz_client import Bystander
 from test_file_watch import holds_for
 from guardian.config.live import reports_closes
@@ -202,11 +202,7 @@ def test_refused_heads_whose_bodies_never_come_hold_no_handler(door_server):
         # No handler but the status read's own: one a request before this test made may still be
         # ending (a handler ends after its answer went out), but none lingers for a refusal,
         # which held one for the whole linger (30 s here) before.
-        def handlers_free():
-            connections = door_server.get(path, ALICE).json()["connections"]
-            return connections if connections["handlers_active"] <= 1 else None
-
-        connections = poll(handlers_free, 5, what="no handler but the status read's")
+        connections = handlers_settled(lambda: door_server.get(path, ALICE).json()["connections"], 5)
         assert connections["lingering"] >= 1, connections
     finally:
         for sock in refused:

@@ -27,7 +27,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import BOTH_MODES, ModeServer, Server, chat_body, free_port, pace, poll, read_to_the_end, scraped, spawn_guardian
+from conftest import BOTH_MODES, ModeServer, Server, chat_body, free_port, handlers_settled, pace, poll, read_to_the_end, scraped, spawn_guardian
 from guardian.errors import GuardianError
 from guardian.serving import framing, sockets
 from guardian.serving.limits import ConnectionLimits
@@ -559,11 +559,7 @@ def test_a_body_where_nothing_reads_one_is_never_held_nor_its_close_a_handler(he
         # handler held (this request's own), the closes lingering, a completion served.
         # The handler of the last answer may still be ending (it ends after its answer went
         # out): up to 1 s for it, within the 2 s linger that held a handler for each close before.
-        def handlers_free():
-            connections = held.connections()
-            return connections if connections["handlers_active"] <= 1 else None
-
-        connections = poll(handlers_free, 1.0, what="no handler but the status read's")
+        connections = handlers_settled(held.connections, 1.0)
         assert connections["buffered_bytes"] == 0
         assert connections["lingering"] >= 1, connections
         sock = held.connect()

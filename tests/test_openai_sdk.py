@@ -26,7 +26,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import SharedServer, chat_body, poll
+from conftest import SharedServer, chat_body, handlers_settled, poll
 
 CHAT_PATH = "/v1/chat/completions"
 LONG_PROMPT = "word " * 3000  # ~6000 tokens: the demo model's context is 2048
@@ -102,8 +102,7 @@ def settled_posts(server, path: str = CHAT_PATH) -> list[int]:
     them: once its line is there, so are theirs. (Not a health path: their
     access lines are at DEBUG.)
     """
-    poll(lambda: httpx.get(server.url + "/guardian/status", timeout=10).json()["connections"]["handlers_active"] <= 1,
-         10, what="every handler but the status read's own done")
+    handlers_settled(lambda: httpx.get(server.url + "/guardian/status", timeout=10).json()["connections"], 10)
     marker = f"/v1/models/settled-{time.monotonic_ns()}"  # in the path: a query's values are hidden in logs
     assert httpx.get(server.url + marker, timeout=10).status_code == 404
     poll(lambda: any(marker in event.get("line", "") for event in server.events("http_access")), 10,

@@ -14,7 +14,6 @@ import os
 import select
 import sys
 from pathlib import Path
-from typing import Optional
 
 from guardian.distributed.launch import LAUNCHER
 
@@ -58,18 +57,14 @@ def run_launcher_without_busy_waits(argv: list[str]) -> None:
         readable, _, exceptional = select.select(rlist, [], xlist, timeout)
         return readable, select.select([], wlist, [], 0)[1], exceptional
 
-    global _quiet_input
-    read_end, _quiet_input = os.pipe()
+    # The pipe's writing end is never closed, and this function never returns: the
+    # launcher's input stays open with nothing in it for the process's life.
+    read_end, _ = os.pipe()
     os.dup2(read_end, 0)
     os.close(read_end)
     mlx_launch.select = select_without_busy_wait
     sys.argv = [argv[0], *argv[1:]]
     raise SystemExit(mlx_launch.main())
-
-
-# The launcher's standard input's other end, held open for the process's life: no input,
-# and no end of it (``run_launcher_without_busy_waits``).
-_quiet_input: Optional[int] = None
 
 
 if __name__ == "__main__":
