@@ -24,6 +24,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Optional
 
 import httpx
 import psutil
@@ -153,10 +154,11 @@ class Group(SessionServer):
 def launch(tmp_path, model_cache):
     groups: list[Group] = []
 
-    def start(command: list[str], config: str = "") -> Group:
+    def start(command: list[str], config: Optional[str] = "") -> Group:
+        """``config``: the file's text; None, no file (no ``--guardian-config``)."""
         port = free_port()
         config_path = tmp_path / f"guardian-{port}.toml"
-        config_path.write_text(config)
+        config_path.write_text(config or "")
         log_path = tmp_path / f"group-{port}.log"
         marker = uuid.uuid4().hex
         # mlx.launch leaves each rank's pid file and host file (``mktemp``) in TMPDIR: here, in
@@ -169,7 +171,8 @@ def launch(tmp_path, model_cache):
         (launch_tmp / "mlx").symlink_to(kernels, target_is_directory=True)
         env = {**os.environ, "MLX_GUARDIAN_CACHE": str(model_cache), "GROUP_TEST": marker, "TMPDIR": str(launch_tmp)}
         with open(log_path, "w") as log_file:
-            proc = subprocess.Popen([*command, "--port", str(port), "--guardian-config", str(config_path)],
+            config_flags = ["--guardian-config", str(config_path)] if config is not None else []
+            proc = subprocess.Popen([*command, "--port", str(port), *config_flags],
                                     stdout=log_file, stderr=subprocess.STDOUT,
                                     # As a terminal's: input that never comes. At /dev/null's end,
                                     # mlx.launch's loop that passes its input on spun a core.
@@ -177,6 +180,7 @@ def launch(tmp_path, model_cache):
                                     env=env, cwd=REPO, start_new_session=True)
         group = Group(proc, port, log_path, marker)
         group.config_path = config_path
+        group.temp_folder = launch_tmp
         groups.append(group)
         return group
 
@@ -487,17 +491,22 @@ def test_supervised_group_whose_rank_1_fails_ends_at_once_and_kills_nothing(laun
 @pytest.mark.one_version
 def test_a_supervised_group_whose_model_cannot_load_ends_with_code_3_at_its_boot_attempts(launch, tmp_path):
     """mlx.launch exits 0 whatever its ranks did: rank 0 leaves its code for the supervisor,
-    which gives up on a model that cannot load at ``boot_attempts`` groups in a row (one
-    here; two by default, as test_supervisor's one child shows), as for one child, not
-    after its restart budget (six group starts, each of them a model load)."""
+    which gives up on a model that cannot load at ``boot_attempts`` groups in a row (two by
+    default), as for one child, not after its restart budget (six group starts, each of
+    them a model load). With no configuration file too: the ranks' codes went to the
+    supervisor's private folder, made only for one, and without it the group read as a
+    crash each time (exit 6 after six). mlx.launch's pid and host files (``mktemp``, never
+    removed) went in the group's own TMPDIR, gone with it: four were left in TMPDIR a group."""
     group = launch([sys.executable, "-m", "guardian", "--supervise", "--supervisor-interval", "0.2",
                     "--launch-args", f"--backend ring -n 2 --starting-port {free_ring_port()}",
-                    "--model", str(tmp_path / "no-such-model")], config="[supervisor]\nboot_attempts = 1\n")
+                    "--model", str(tmp_path / "no-such-model")], config=None)
     assert group.proc.wait(timeout=120) == EXIT_BOOT_ERROR
     supervisor = [e for e in group.logs() if e.get("logger") == "guardian.supervisor"]
     started = [e for e in supervisor if e.get("event") == "child_started"]
     exited = [e for e in supervisor if e.get("event") == "child_exited"]
-    assert len(started) == 1, started
+    assert len(started) == 2, started
+    # Nothing of the groups' nor of the supervisor's is left in TMPDIR but mlx's kernels.
+    assert [p.name for p in group.temp_folder.iterdir()] == ["mlx"]
     # Whichever rank failed first (the launcher may kill the other before it says so).
     assert all("'s exit code 3: the model could not be loaded" in e["reason"] for e in exited), exited
     [gave_up] = [e for e in supervisor if e.get("event") == "supervisor_gave_up"]

@@ -236,7 +236,10 @@ class Supervisor:
                  api_keys=len(self.door.keys.names), allowed_origins=self.door.origins.describe(),
                  passing=self.passing(), frozen_objects=frozen_objects)
         announce(self.door)
-        if self.options.guardian_config is not None and self.settings.engine == "guardian":
+        # Its children's private files: the configuration in force (guardian.config.in_force),
+        # a group's exit codes and its TMPDIR (guardian.distributed.launch).
+        if self.settings.engine == "guardian" and (self.options.guardian_config is not None
+                                                   or self.settings.launch_args):
             self.private_dir = private_folder()
         try:
             return self.serve()
@@ -518,9 +521,10 @@ class Supervisor:
             pass_fds += (listener.fileno(),)
         if self.settings.launch_args:  # an mlx.launch group (guardian.distributed.launch)
             command = group_command(self.settings.launch_args, command)
-            exit_code_file = (os.path.join(self.private_dir.name, f"group-{self.generation}-exit-code")
-                              if self.private_dir is not None else None)
-            popen = functools.partial(LauncherProcess, exit_code_file=exit_code_file)
+            private = self.private_dir.name if self.private_dir is not None else None
+            exit_code_file = os.path.join(private, f"group-{self.generation}-exit-code") if private else None
+            popen = functools.partial(LauncherProcess, exit_code_file=exit_code_file,
+                                      temp_folder=os.path.join(private, f"group-{self.generation}-tmp") if private else None)
             if exit_code_file is not None:
                 env[GROUP_EXIT_CODE_ENV] = exit_code_file
         elif stock_engine:  # stock asks for no parent-death signal: it would outlive a SIGKILLed supervisor
