@@ -513,6 +513,21 @@ def test_a_supervised_group_whose_model_cannot_load_ends_with_code_3_at_its_boot
     assert gave_up["exit_code"] == EXIT_BOOT_ERROR
 
 
+@pytest.mark.one_version
+def test_a_groups_own_tmpdir_is_made_with_the_shared_kernels_and_not_for_mpi(tmp_path, monkeypatch):
+    from guardian.distributed.launch import own_temp_folder, starts_its_ranks
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    folder = own_temp_folder(str(tmp_path / "group-1-tmp"))
+    assert folder == str(tmp_path / "group-1-tmp")
+    assert (tmp_path / "group-1-tmp" / "mlx").resolve() == (tmp_path / "mlx").resolve()
+    assert (tmp_path / "mlx").is_dir()
+    assert own_temp_folder(folder) is None  # there already: not one of the group's own
+    assert starts_its_ranks("--backend ring -n 2") and starts_its_ranks("--hosts a,b")
+    assert starts_its_ranks("--backend=jaccl --hostfile h.json")
+    assert not starts_its_ranks("--backend mpi -n 2") and not starts_its_ranks("-n 2 --backend=mpi")
+
+
 def test_the_groups_exit_code_is_a_rank_that_failed_of_its_own_and_its_files_are_taken(tmp_path):
     from guardian.distributed.launch import LauncherProcess, take_group_exit_code
 

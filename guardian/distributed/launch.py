@@ -149,6 +149,22 @@ class LauncherProcess(subprocess.Popen):
             pass
 
 
+def starts_its_ranks(launch_args: str) -> bool:
+    """Whether mlx.launch starts the local ranks itself (ring, JACCL, NCCL: through its
+    launch script, whose ``mktemp`` files ``own_temp_folder`` is for), not through mpirun.
+    Open MPI keeps its session folder and Unix sockets in TMPDIR, and their paths have a
+    length limit (104 bytes on macOS, whose TMPDIR is long already) that a folder deeper
+    in it could pass: an MPI group keeps the TMPDIR it inherits. (A backend named only
+    in a hostfile is not read here: such a group gets a folder of its own.)"""
+    args = shlex.split(launch_args)
+    for i, arg in enumerate(args):
+        if arg == "--backend" and i + 1 < len(args):
+            return args[i + 1] != "mpi"
+        if arg.startswith("--backend="):
+            return arg.partition("=")[2] != "mpi"
+    return True
+
+
 def own_temp_folder(path: str) -> Optional[str]:
     """``path``, made to be a group's TMPDIR; None where it cannot be made.
 

@@ -45,7 +45,8 @@ from guardian.config.loading import GuardianConfig
 from guardian.observability.counting import ActiveCount, RecentEvents, StoppedClock
 from guardian.quarantine.crashes import CrashQuarantine
 from guardian.supervise.metrics import SupervisorMetrics
-from guardian.distributed.launch import LauncherProcess, dying_with_parent, group_command, kill_leftovers
+from guardian.distributed.launch import (LauncherProcess, dying_with_parent, group_command, kill_leftovers,
+                                        starts_its_ranks)
 from guardian.errors import BUSY_STEP_REASON, SERVER_STOPPING, STOPPING_REASON, GuardianError
 from guardian.exit_codes import (EXIT_BOOT_ERROR, EXIT_OK, EXIT_SUPERVISOR_GAVE_UP, EXIT_UNCAUGHT, EXIT_USAGE,
                                  GROUP_EXIT_CODE_ENV)
@@ -523,8 +524,9 @@ class Supervisor:
             command = group_command(self.settings.launch_args, command)
             private = self.private_dir.name if self.private_dir is not None else None
             exit_code_file = os.path.join(private, f"group-{self.generation}-exit-code") if private else None
-            popen = functools.partial(LauncherProcess, exit_code_file=exit_code_file,
-                                      temp_folder=os.path.join(private, f"group-{self.generation}-tmp") if private else None)
+            temp_folder = (os.path.join(private, f"group-{self.generation}-tmp")
+                           if private and starts_its_ranks(self.settings.launch_args) else None)
+            popen = functools.partial(LauncherProcess, exit_code_file=exit_code_file, temp_folder=temp_folder)
             if exit_code_file is not None:
                 env[GROUP_EXIT_CODE_ENV] = exit_code_file
         elif stock_engine:  # stock asks for no parent-death signal: it would outlive a SIGKILLed supervisor
