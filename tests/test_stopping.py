@@ -86,6 +86,12 @@ def test_requests_still_in_flight_when_the_drain_ends_are_answered_not_cut(start
     assert isinstance(answer, httpx.Response), answer
     assert answer.status_code == 503 and answer.json()["error"]["code"] == "server_stopping"
     assert answer.headers["retry-after"] == "1"
+    # The log says which requests the grace ended on, where each stood, and where the loop was.
+    [timed_out] = server.events("drain_timed_out")
+    assert timed_out["grace_s"] == 2.0 and timed_out["requests_in_flight"] == 2, timed_out
+    assert sorted(r["stage"] for r in timed_out["unfinished"]) == ["started", "streaming"], timed_out
+    assert all(r["tokens"] > 0 and not r["probe"] for r in timed_out["unfinished"]), timed_out
+    assert timed_out["loop_stack"], timed_out
 
 
 def test_a_hang_during_the_drain_is_recovered_as_at_any_time(start_server):

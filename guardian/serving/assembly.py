@@ -42,6 +42,7 @@ from guardian.admission.model_access import ModelAccess
 from guardian.admission.startup_checks import impossible_flags
 from guardian.health.parent_watch import die_with_parent, supervisor_pid
 from guardian.health.stall_detection import StallDetector
+from guardian.health.thread_stack import stack_of
 from guardian.engine_view import EngineView
 from guardian.plugin_manager import notify
 from guardian import handoff, long_lived
@@ -379,3 +380,14 @@ def drain(httpd, engine, grace_s: float, cut_short: Callable[[], bool] = lambda:
                         seconds_left=round(deadline - time.monotonic(), 1))
             return
         time.sleep(0.02)
+    if engine.ledger.has_work() or httpd.completions.active:
+        # Said before they are answered (or left to a supervisor): which requests the grace
+        # ended on, where each stood, and where the engine's loop was. A drain that ended
+        # silently at its grace left an operator (and a test) nothing to tell a slow
+        # request from one the engine never took.
+        log.warning("drain_timed_out", grace_s=grace_s, requests_in_flight=httpd.completions.active,
+                    unfinished=[{"request_id": record.request_id, "stage": record.stage.value,
+                                 "tokens": len(record.generated), "probe": record.synthetic}
+                                for record in engine.ledger.unfinished()],
+                    loop_stack=stack_of(engine.lifecycle.owner),
+                    hint="raise [guardian] exit_grace_s for longer answers")
