@@ -20,7 +20,7 @@ from pathlib import Path
 
 import structlog
 
-from guardian.config.tables import AccessSettings, CommandLine, CoreSettings
+from guardian.config.tables import AccessSettings, CommandLine, CoreSettings, SupervisorSettings
 from guardian.config.registry import ConfigError
 from guardian.config import in_force
 from guardian.config.loading import load_config
@@ -266,6 +266,11 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(128 + signal.SIGINT) from None  # where the signal is not fatal
 
 
+def supervisor_flags() -> set[str]:
+    """The flags only subprocess mode takes ([supervisor]'s)."""
+    return {setting.flag for setting in SupervisorSettings.settings.values() if setting.flag}
+
+
 def run_command(argv: list[str]) -> None:
     # First: a supervisor's child, or a group's rank, whose supervisor or launcher goes while
     # it imports and loads its model leaves.
@@ -281,6 +286,13 @@ def run_command(argv: list[str]) -> None:
              and CommandLine.supervise.flag.startswith(arg)]
     if short:  # argparse would take it for --supervise, and this process would run without one
         print(f"mlx-guardian: {short[0]} is short for {CommandLine.supervise.flag}: spell it in full",
+              file=sys.stderr)
+        raise SystemExit(EXIT_USAGE)
+    theirs = [arg for arg in argv if arg.partition("=")[0] in supervisor_flags()]
+    if theirs and CommandLine.supervise.flag not in argv:
+        # argparse said only "unrecognized arguments", not which mode takes them.
+        print(f"mlx-guardian: {theirs[0].partition('=')[0]} is a flag of subprocess mode: add "
+              f"{CommandLine.supervise.flag} (mlx-guardian {CommandLine.supervise.flag} --help lists its flags)",
               file=sys.stderr)
         raise SystemExit(EXIT_USAGE)
     if CommandLine.supervise.flag in argv:

@@ -72,6 +72,15 @@ def test_an_abbreviated_supervise_is_refused_not_ignored():
     assert result.returncode == 2 and "--sup is short for --supervise: spell it in full" in result.stderr
 
 
+def test_a_flag_of_subprocess_mode_without_supervise_says_which_mode_takes_it():
+    """argparse said "unrecognized arguments: --launch-args ..." and no more."""
+    for args in (["--launch-args", "--backend ring -n 2"], ["--supervisor-interval=0.2"]):
+        result = run(*args, "--port", "99999")
+        flag = args[0].partition("=")[0]
+        assert result.returncode == 2, result.stderr[-300:]
+        assert f"{flag} is a flag of subprocess mode: add --supervise" in result.stderr, result.stderr[-300:]
+
+
 def test_bad_stock_flag_value_is_stocks_usage_error():
     result = run("--port", "not-a-number")
     assert result.returncode == 2
