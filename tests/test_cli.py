@@ -81,6 +81,19 @@ def test_a_flag_of_subprocess_mode_without_supervise_says_which_mode_takes_it():
         assert f"{flag} is a flag of subprocess mode: add --supervise" in result.stderr, result.stderr[-300:]
 
 
+def test_a_file_with_a_supervisor_table_read_in_process_says_it_is_unused(tmp_path):
+    """[supervisor] is the supervisor's alone: a service started without --supervise from a
+    file that sets launch_args ran one process, in-process, and nothing said so."""
+    config = tmp_path / "guardian.toml"
+    config.write_text('[supervisor]\nlaunch_args = "--backend ring -n 2"\n')
+    result = run("--guardian-config", str(config), "--port", "99999")
+    assert result.returncode == 2, result.stderr[-300:]  # past the file, at the port
+    [unused] = [json.loads(line) for line in result.stderr.splitlines() if "supervisor_table_unused" in line]
+    assert unused["level"] == "warning" and "--supervise" in unused["hint"], unused
+    config.write_text("[guardian]\nexit_grace_s = 2\n")
+    assert "supervisor_table_unused" not in run("--guardian-config", str(config), "--port", "99999").stderr
+
+
 def test_bad_stock_flag_value_is_stocks_usage_error():
     result = run("--port", "not-a-number")
     assert result.returncode == 2

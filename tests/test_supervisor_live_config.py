@@ -125,6 +125,8 @@ def test_a_version_the_child_does_not_judge_in_time_is_put_in_force_at_the_door_
     config.write_text(f"{plugin}{verdict}[slow_start]\nhold_s = 0\n[access]\npublic_paths = [{public}]\n")
     supervised = start_supervisor("--guardian-config", str(config))
     child_pid = supervised.wait_ready()
+    # The child reads the same file: its [supervisor] table is its supervisor's, not unused.
+    assert not supervised.events("supervisor_table_unused")
 
     def let_in(host: str) -> int:
         return httpx.get(supervised.url + "/guardian/supervisor", headers={"Host": host}, timeout=5).status_code
