@@ -113,10 +113,12 @@ def prepare(namespace: argparse.Namespace) -> None:
     except ConfigError as e:
         live, pm = start_from_version_in_force(namespace, e)
     in_force.keep(live.file_version)  # for the next child, if a supervisor's
-    if "supervisor" in live.file_version.tables and not started_by_supervisor():
+    unused = live.file_version.core_keys.get(SupervisorSettings.table_name)
+    if unused and not started_by_supervisor():
         # The table is read by a supervisor alone: a file that sets one (launch_args, engine)
-        # for a process started without --supervise ran in-process with no word of it.
-        log.warning("supervisor_table_unused", file=str(namespace.guardian_config),
+        # for a process started without --supervise ran in-process with no word of it. (The
+        # example file's table, every key commented out, sets none.)
+        log.warning("supervisor_table_unused", file=str(namespace.guardian_config), keys=list(unused),
                     hint=f"[supervisor] is read in subprocess mode alone: start with {CommandLine.supervise.flag}")
     live.on_change(lambda change: in_force.keep(live.file_version))
     if namespace.model is None:

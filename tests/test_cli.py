@@ -90,7 +90,8 @@ def test_a_file_with_a_supervisor_table_read_in_process_says_it_is_unused(tmp_pa
     assert result.returncode == 2, result.stderr[-300:]  # past the file, at the port
     [unused] = [json.loads(line) for line in result.stderr.splitlines() if "supervisor_table_unused" in line]
     assert unused["level"] == "warning" and "--supervise" in unused["hint"], unused
-    config.write_text("[guardian]\nexit_grace_s = 2\n")
+    assert unused["keys"] == ["launch_args"], unused
+    config.write_text("[guardian]\nexit_grace_s = 2\n[supervisor]\n# engine = 'stock'\n")  # as the example file's
     assert "supervisor_table_unused" not in run("--guardian-config", str(config), "--port", "99999").stderr
 
 

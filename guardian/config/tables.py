@@ -189,7 +189,8 @@ class WatchdogSettings(Table, name="watchdog"):
 
 class SupervisorSettings(Table, name="supervisor"):
     """Subprocess mode (--supervise): the supervisor process reads this table.
-    With --engine stock it is the only table the file may have."""
+    With --engine stock it is the only table the file may have. A process started
+    without --supervise does not read it, and says so (supervisor_table_unused)."""
 
     engine = Setting(OneOf("guardian", "stock"), "guardian", """
         The child: the in-process guardian, or stock mlx_lm server unchanged.""", flag="--engine")
