@@ -92,6 +92,8 @@ def test_requests_still_in_flight_when_the_drain_ends_are_answered_not_cut(start
     assert sorted(r["stage"] for r in timed_out["unfinished"]) == ["started", "streaming"], timed_out
     assert all(r["tokens"] > 0 and not r["probe"] for r in timed_out["unfinished"]), timed_out
     assert timed_out["loop_stack"], timed_out
+    # And where the connection layer's thread was, and that it ran the deadlines' timers on time.
+    assert timed_out["reader_stack"] and timed_out["reader_timers_overdue_s"] < 1.0, timed_out
 
 
 def test_a_hang_during_the_drain_is_recovered_as_at_any_time(start_server):

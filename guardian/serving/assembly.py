@@ -389,5 +389,5 @@ def drain(httpd, engine, grace_s: float, cut_short: Callable[[], bool] = lambda:
                     unfinished=[{"request_id": record.request_id, "stage": record.stage.value,
                                  "tokens": len(record.generated), "probe": record.synthetic}
                                 for record in engine.ledger.unfinished()],
-                    loop_stack=stack_of(engine.lifecycle.owner),
+                    loop_stack=stack_of(engine.lifecycle.owner), **httpd.reader_state(),
                     hint="raise [guardian] exit_grace_s for longer answers")

@@ -58,6 +58,7 @@ from guardian.serving import framing
 from guardian.observability.counting import ActiveCount
 from guardian.observability.logs import AtMostEvery
 from guardian.errors import CLIENT_GONE, GuardianError
+from guardian.health.thread_stack import stack_of
 from guardian.request_context import request_id_in_head
 from guardian.serving.deadlines import takes_body
 from guardian.serving.limits import ConnectionLimits
@@ -441,6 +442,14 @@ class HeldConnections:
             close_quietly(self.handoff_channel)
         if self._reader is not None:
             self._reader.stop()
+
+    def reader_state(self) -> dict:
+        """Where the reader's thread is, and how late its timers (requests' deadlines) are:
+        for a drain that ended at its grace with work left."""
+        if self._reader is None:
+            return {}
+        return {"reader_stack": stack_of(self._reader.thread.ident),
+                "reader_timers_overdue_s": round(self._reader.overdue_s(), 3)}
 
     def connection_status(self) -> dict:
         """For /guardian/status: connections held by the reader, handler threads busy, closes by reason."""

@@ -343,6 +343,13 @@ class RequestReader:
         """Calls waiting for their time (a request's deadlines), the cancelled not yet dropped included."""
         return len(self._timers)
 
+    def overdue_s(self) -> float:
+        """How far past its time the earliest call still waiting is (0.0: none is). A reader
+        that runs its timers keeps this within a round; more says its thread was held."""
+        with self._lock:
+            waiting = [entry[0] for entry in self._timers if entry[2] is not None]
+        return max(0.0, time.monotonic() - min(waiting)) if waiting else 0.0
+
     def _run_timers(self) -> float:
         """Call what is due; seconds until the next one (at most a tick)."""
         now = time.monotonic()
