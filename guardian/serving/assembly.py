@@ -385,9 +385,11 @@ def drain(httpd, engine, grace_s: float, cut_short: Callable[[], bool] = lambda:
         # ended on, where each stood, and where the engine's loop was. A drain that ended
         # silently at its grace left an operator (and a test) nothing to tell a slow
         # request from one the engine never took.
+        reader = httpd.reader_state()
         log.warning("drain_timed_out", grace_s=grace_s, requests_in_flight=httpd.completions.active,
                     unfinished=[{"request_id": record.request_id, "stage": record.stage.value,
                                  "tokens": len(record.generated), "probe": record.synthetic}
                                 for record in engine.ledger.unfinished()],
-                    loop_stack=stack_of(engine.lifecycle.owner), **httpd.reader_state(),
+                    loop_stack=stack_of(engine.lifecycle.owner), reader_stack=reader.get("stack", []),
+                    reader_timers_overdue_s=reader.get("timers_overdue_s", 0.0),
                     hint="raise [guardian] exit_grace_s for longer answers")

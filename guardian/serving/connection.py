@@ -448,8 +448,7 @@ class HeldConnections:
         for a drain that ended at its grace with work left."""
         if self._reader is None:
             return {}
-        return {"reader_stack": stack_of(self._reader.thread.ident),
-                "reader_timers_overdue_s": round(self._reader.overdue_s(), 3)}
+        return {"stack": stack_of(self._reader.thread.ident), "timers_overdue_s": round(self._reader.overdue_s(), 3)}
 
     def connection_status(self) -> dict:
         """For /guardian/status: connections held by the reader, handler threads busy, closes by reason."""
