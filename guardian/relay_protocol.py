@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import math
 import os
 import re
 import secrets
@@ -43,12 +44,18 @@ CONTINUE_HEADER = "X-Guardian-Continue-From"
 # while no child was ready, or a stream continued after its first child died. Its
 # deadlines count from then (guardian.serving.deadlines).
 AGE_HEADER = "X-Guardian-Request-Age-Ms"
-PRIVATE_HEADERS = frozenset({KEY_HEADER.lower(), CONTINUE_HEADER.lower(), AGE_HEADER.lower()})
+# When the supervisor handed the request to a child (guardian.handoff), on the machine's
+# monotonic clock, which both processes read alike (seconds). A hand-off waits in the
+# child's channel until the child takes it: frozen (SIGSTOP) or busy, a child took a
+# request 9 s old for a fresh one, and generated it past its deadline.
+HANDED_AT_HEADER = "X-Guardian-Handed-At"
+PRIVATE_HEADERS = frozenset({KEY_HEADER.lower(), CONTINUE_HEADER.lower(), AGE_HEADER.lower(),
+                             HANDED_AT_HEADER.lower()})
 # A day: a larger age is read as this (the deadlines it serves are shorter).
 MAX_AGE_MS = 86_400_000
 # What a child's head may hold more than its client's. Added by the supervisor:
 # X-Forwarded-For, the client's name, its key's name, the supervisor's key, a
-# continuation's tokens, the request's age. Added by the client library the supervisor
+# continuation's tokens, the request's age (and a hand-off's time). Added by the client library the supervisor
 # sends it with: http.client's Host, Accept-Encoding and Content-Length when it relays
 # (the Host replaces the client's, or comes where it sent none); httpx's Accept,
 # Accept-Encoding, Connection and User-Agent on a health check. The public door leaves
@@ -127,6 +134,15 @@ def request_age(headers) -> float:
     """Seconds since the request reached the supervisor's public port (0 if it says none)."""
     age_ms = header_number(headers.get(AGE_HEADER), max_digits=9)
     return 0.0 if age_ms is None else min(age_ms, MAX_AGE_MS) / 1000
+
+
+def handed_at(headers) -> Optional[float]:
+    """When the supervisor handed the request off (``HANDED_AT_HEADER``); None if not said."""
+    try:
+        value = float(headers.get(HANDED_AT_HEADER) or "nan")
+    except ValueError:
+        return None
+    return value if math.isfinite(value) else None
 
 
 def continued_from(headers, vocab_size: Optional[int]) -> Optional[list[int]]:

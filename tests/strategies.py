@@ -447,7 +447,7 @@ CONTINUE_FROM = st.one_of(
 def request_headers() -> st.SearchStrategy:
     """Mostly none; else the headers a request may carry besides its body: a
     client's X-Request-ID, or the supervisor's continuation headers, or the name
-    of the API key it says let the client in, or the request's age, with the right
+    of the API key it says let the client in, or the request's age or hand-off time, with the right
     key (reaching their parsing) or a guess."""
     key = st.sampled_from([FUZZ_RELAY_KEY, FUZZ_RELAY_KEY, "guess"])
     relayed = st.tuples(key, CONTINUE_FROM).map(
@@ -456,6 +456,8 @@ def request_headers() -> st.SearchStrategy:
         lambda pair: (("X-Guardian-Key-Name", pair[1]), ("X-Guardian-Relay-Key", pair[0])))
     aged = st.tuples(key, st.one_of(HEADER_TEXT, st.integers(min_value=-1, max_value=1 << 40).map(str))).map(
         lambda pair: (("X-Guardian-Request-Age-Ms", pair[1]), ("X-Guardian-Relay-Key", pair[0])))
+    handed = st.tuples(key, st.one_of(HEADER_TEXT, st.floats(allow_nan=True, allow_infinity=True).map(str))).map(
+        lambda pair: (("X-Guardian-Handed-At", pair[1]), ("X-Guardian-Relay-Key", pair[0])))
     return pick([
         st.just(()),
         st.just(()),
@@ -463,6 +465,7 @@ def request_headers() -> st.SearchStrategy:
         relayed,
         key_named,
         aged,
+        handed,
     ])
 
 

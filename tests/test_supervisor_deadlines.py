@@ -243,6 +243,43 @@ def test_a_handed_off_request_whose_child_froze_gets_its_504_soon_after_its_dead
 
 
 @pytest.mark.skipif(not handoff.supported(), reason="no hand-off on this system (guardian.handoff.supported)")
+def test_a_hand_off_that_waited_for_its_frozen_child_counts_the_wait_toward_its_deadline(start_supervisor, tmp_path):
+    """A hand-off waits in the child's channel until the child takes it. Its age was written
+    when it was handed off, so a child frozen meanwhile (or busy) took a request 6.5 s old
+    for a fresh one: it generated for 6 s more, past its deadline (two clean clones' runs
+    of the test above: generated through a stopping child's whole drain, 504 5 s late).
+    Now the child counts from the hand-off (``X-Guardian-Handed-At``): its 504 at once."""
+    config = tmp_path / "frozen.toml"
+    config.write_text(FROZEN_CONFIG)
+    supervised = start_supervisor("--guardian-config", str(config))
+    pid = supervised.wait_ready()
+    answered = {}
+
+    def send():
+        started = time.monotonic()
+        answer = httpx.post(supervised.url + COMPLETIONS, json=chat_body("Wait for me.", max_tokens=2000), timeout=30)
+        answered["result"] = (answer.status_code, answer.json(), time.monotonic() - started)
+
+    supervised.signal_child(pid, signal.SIGSTOP)  # before the hand-off: it waits in the channel
+    sender = threading.Thread(target=send, daemon=True)
+    try:
+        sender.start()
+        poll(lambda: supervised.supervisor()["in_flight"] == 1, 5, what="the request handed off")
+        pace(6.5)  # past its 6 s deadline, before the supervisor would replace the child (8 s)
+    finally:
+        supervised.signal_child(pid, signal.SIGCONT)
+    sender.join(timeout=20)
+    assert "result" in answered, "no answer within 20 s of the resume"
+    status, answer, took = answered["result"]
+    print(f"\nmeasured: answered {took:.2f} s after it was sent")
+    assert_deadline_exceeded(status, answer, stream=False)
+    assert took < 6.5 + 2, took  # at its resume; 6 s later before (its deadline from the take)
+    # Taken and answered by the child, which serves on.
+    assert scraped(supervised, "mlx_guardian_supervisor_requests_passed_total", how="handed_off") == 1
+    assert supervised.wait_ready() == pid
+
+
+@pytest.mark.skipif(not handoff.supported(), reason="no hand-off on this system (guardian.handoff.supported)")
 def test_a_stream_under_way_is_no_deadline_s_reason_to_replace_a_child_that_misses_checks(start_supervisor, tmp_path):
     """The client's read timeout (x-stainless-read-timeout) ends once a stream's head went
     out, for the child as for the relay's backstop. A review found the hand-off's early

@@ -252,6 +252,8 @@ def child_request(supervisor, child, method: str, target: str, header_items, cli
                (relay_protocol.KEY_HEADER, supervisor.relay_key)]
     if age_s > 0:
         headers.append(relay_protocol.age_header(age_s))
+    # The age is as of now: the child counts the time its hand-off waits for it from this.
+    headers.append((relay_protocol.HANDED_AT_HEADER, f"{time.monotonic():.6f}"))
     try:
         return handoff.request_bytes(method, target, headers, body)
     except UnicodeEncodeError:
