@@ -373,14 +373,17 @@ def answer_the_rest(httpd, within_s: float = ANSWER_REST_S) -> None:
 
 def drain(httpd, engine, grace_s: float, cut_short: Callable[[], bool] = lambda: False) -> None:
     """Give requests in flight until ``grace_s`` to reach their clients, or until ``cut_short()``."""
+    def busy() -> bool:
+        return engine.ledger.has_work() or bool(httpd.completions.active)
+
     deadline = time.monotonic() + grace_s
-    while (engine.ledger.has_work() or httpd.completions.active) and time.monotonic() < deadline:
+    while busy() and time.monotonic() < deadline:
         if cut_short():
             log.warning("drain_cut_short", requests_in_flight=httpd.completions.active,
                         seconds_left=round(deadline - time.monotonic(), 1))
             return
         time.sleep(0.02)
-    if engine.ledger.has_work() or httpd.completions.active:
+    if busy():
         # Said before they are answered (or left to a supervisor): which requests the grace
         # ended on, where each stood, and where the engine's loop was. A drain that ended
         # silently at its grace left an operator (and a test) nothing to tell a slow

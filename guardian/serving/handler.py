@@ -132,12 +132,13 @@ class GuardianHandler(Endpoints, stock.handler.DoorCorsHandler):
         if retries:
             bind_log_fields(client_retry=retries)  # the openai SDK sent it again
         relayed = relay_protocol.relayed_by_supervisor(self.headers)
-        arrived = info.started_at - (relay_protocol.request_age(self.headers) if relayed else 0.0)
+        age_s = relay_protocol.request_age(self.headers) if relayed else 0.0
+        arrived = info.started_at - age_s
         handed_at = relay_protocol.handed_at(self.headers) if relayed else None
         if handed_at is not None:
             # Handed off: its age was written then, and it may have waited for this child since
             # (frozen, or busy). Both processes read the machine's one monotonic clock.
-            arrived = min(arrived, handed_at - relay_protocol.request_age(self.headers))
+            arrived = min(arrived, handed_at - age_s)
         continued = relayed and relay_protocol.CONTINUE_HEADER in self.headers
         timers = []
         for deadline in deadlines_of(self.headers, self.response_generator.config.core.request_timeout_s,
