@@ -33,6 +33,7 @@ import math
 import os
 import re
 import secrets
+import time
 from typing import Iterable, Optional
 
 # The supervisor's key, given to each child it starts.
@@ -44,10 +45,12 @@ CONTINUE_HEADER = "X-Guardian-Continue-From"
 # while no child was ready, or a stream continued after its first child died. Its
 # deadlines count from then (guardian.serving.deadlines).
 AGE_HEADER = "X-Guardian-Request-Age-Ms"
-# When the supervisor handed the request to a child (guardian.handoff), on the machine's
-# monotonic clock, which both processes read alike (seconds). A hand-off waits in the
-# child's channel until the child takes it: frozen (SIGSTOP) or busy, a child took a
-# request 9 s old for a fresh one, and generated it past its deadline.
+# When the supervisor handed the request to a child or wrote it to the child's socket, on
+# the machine's monotonic clock, which both processes read alike (seconds; a child is
+# always on the supervisor's machine, guardian.supervise.fast_handoff.CHILD_HOST). A
+# request waits in the child's channel or socket until the child takes it: frozen
+# (SIGSTOP) or busy, a child took a request 9 s old for a fresh one, and generated it
+# past its deadline.
 HANDED_AT_HEADER = "X-Guardian-Handed-At"
 PRIVATE_HEADERS = frozenset({KEY_HEADER.lower(), CONTINUE_HEADER.lower(), AGE_HEADER.lower(),
                              HANDED_AT_HEADER.lower()})
@@ -55,7 +58,7 @@ PRIVATE_HEADERS = frozenset({KEY_HEADER.lower(), CONTINUE_HEADER.lower(), AGE_HE
 MAX_AGE_MS = 86_400_000
 # What a child's head may hold more than its client's. Added by the supervisor:
 # X-Forwarded-For, the client's name, its key's name, the supervisor's key, a
-# continuation's tokens, the request's age (and a hand-off's time). Added by the client library the supervisor
+# continuation's tokens, the request's age and when it was passed on. Added by the client library the supervisor
 # sends it with: http.client's Host, Accept-Encoding and Content-Length when it relays
 # (the Host replaces the client's, or comes where it sent none); httpx's Accept,
 # Accept-Encoding, Connection and User-Agent on a health check. The public door leaves
@@ -446,9 +449,12 @@ def continue_headers(key: str, tokens: list[int]) -> list[tuple[str, str]]:
     return headers
 
 
-def age_header(age_s: float) -> tuple[str, str]:
-    """The header that tells a child the request reached the public port ``age_s`` ago."""
-    return AGE_HEADER, str(min(max(int(age_s * 1000), 0), MAX_AGE_MS))
+def age_headers(age_s: float) -> list[tuple[str, str]]:
+    """The headers that tell a child the request reached the public port ``age_s`` ago, as
+    of now: the child counts the time the request then waits for it (``handed_at``)."""
+    headers = [(AGE_HEADER, str(min(int(age_s * 1000), MAX_AGE_MS)))] if age_s > 0 else []
+    headers.append((HANDED_AT_HEADER, f"{time.monotonic():.6f}"))
+    return headers
 
 
 class RelayedStream:

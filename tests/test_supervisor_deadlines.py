@@ -242,15 +242,22 @@ def test_a_handed_off_request_whose_child_froze_gets_its_504_soon_after_its_dead
     assert scraped(supervised, "mlx_guardian_supervisor_requests_passed_total", how="handed_off") == 2
 
 
-@pytest.mark.skipif(not handoff.supported(), reason="no hand-off on this system (guardian.handoff.supported)")
-def test_a_hand_off_that_waited_for_its_frozen_child_counts_the_wait_toward_its_deadline(start_supervisor, tmp_path):
-    """A hand-off waits in the child's channel until the child takes it. Its age was written
-    when it was handed off, so a child frozen meanwhile (or busy) took a request 6.5 s old
-    for a fresh one: it generated for 6 s more, past its deadline (two clean clones' runs
-    of the test above: generated through a stopping child's whole drain, 504 5 s late).
-    Now the child counts from the hand-off (``X-Guardian-Handed-At``): its 504 at once."""
+@pytest.mark.parametrize("how", [
+    pytest.param("handed_off", marks=pytest.mark.skipif(
+        not handoff.supported(), reason="no hand-off on this system (guardian.handoff.supported)")),
+    "relayed",
+])
+def test_a_request_that_waited_for_its_frozen_child_counts_the_wait_toward_its_deadline(
+        start_supervisor, tmp_path, how):
+    """A request waits in the child's channel (handed off) or socket (relayed: TLS, macOS,
+    a group) until the child takes it. Its age was written when the supervisor passed it
+    on, so a child frozen meanwhile (or busy) took a request 6.5 s old for a fresh one:
+    it generated for 6 s more, past its deadline (handed off: two clean clones' runs of
+    the test above, generated through a stopping child's whole drain, 504 5 s late;
+    relayed: until the supervisor cut the relay 2 s past the deadline). Now the child
+    counts from when it was passed on (``X-Guardian-Handed-At``): its 504 at once."""
     config = tmp_path / "frozen.toml"
-    config.write_text(FROZEN_CONFIG)
+    config.write_text(FROZEN_CONFIG + ("[supervisor]\nhand_off = false\n" if how == "relayed" else ""))
     supervised = start_supervisor("--guardian-config", str(config))
     pid = supervised.wait_ready()
     answered = {}
@@ -260,22 +267,23 @@ def test_a_hand_off_that_waited_for_its_frozen_child_counts_the_wait_toward_its_
         answer = httpx.post(supervised.url + COMPLETIONS, json=chat_body("Wait for me.", max_tokens=2000), timeout=30)
         answered["result"] = (answer.status_code, answer.json(), time.monotonic() - started)
 
-    supervised.signal_child(pid, signal.SIGSTOP)  # before the hand-off: it waits in the channel
+    supervised.signal_child(pid, signal.SIGSTOP)  # before it takes the request
     sender = threading.Thread(target=send, daemon=True)
     try:
         sender.start()
-        poll(lambda: supervised.supervisor()["in_flight"] == 1, 5, what="the request handed off")
-        pace(6.5)  # past its 6 s deadline, before the supervisor would replace the child (8 s)
+        poll(lambda: supervised.supervisor()["in_flight"] == 1, 5, what=f"the request {how}")
+        pace(6.5)  # past its 6 s deadline, before the supervisor would replace the child or cut the relay (8 s)
     finally:
         supervised.signal_child(pid, signal.SIGCONT)
     sender.join(timeout=20)
     assert "result" in answered, "no answer within 20 s of the resume"
     status, answer, took = answered["result"]
-    print(f"\nmeasured: answered {took:.2f} s after it was sent")
+    print(f"\nmeasured: {how}, answered {took:.2f} s after it was sent")
     assert_deadline_exceeded(status, answer, stream=False)
-    assert took < 6.5 + 2, took  # at its resume; 6 s later before (its deadline from the take)
+    assert took < 6.5 + 1.4, took  # at its resume; before, at 12.5 s handed off, 8.0 s relayed
     # Taken and answered by the child, which serves on.
-    assert scraped(supervised, "mlx_guardian_supervisor_requests_passed_total", how="handed_off") == 1
+    assert scraped(supervised, "mlx_guardian_supervisor_requests_passed_total", how=how) == 1
+    assert supervised.supervisor_events("relay_cut_past_deadline") == []
     assert supervised.wait_ready() == pid
 
 

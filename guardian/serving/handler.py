@@ -136,8 +136,9 @@ class GuardianHandler(Endpoints, stock.handler.DoorCorsHandler):
         arrived = info.started_at - age_s
         handed_at = relay_protocol.handed_at(self.headers) if relayed else None
         if handed_at is not None:
-            # Handed off: its age was written then, and it may have waited for this child since
-            # (frozen, or busy). Both processes read the machine's one monotonic clock.
+            # Its age was written when it was handed off or relayed, and it may have waited for
+            # this child since (frozen, or busy). Both processes read the machine's one
+            # monotonic clock.
             arrived = min(arrived, handed_at - age_s)
         continued = relayed and relay_protocol.CONTINUE_HEADER in self.headers
         timers = []

@@ -250,10 +250,7 @@ def child_request(supervisor, child, method: str, target: str, header_items, cli
     as http.client refuses it."""
     headers = [("Host", f"{CHILD_HOST}:{child.port}"), *forwarded_headers(header_items, client_ip, access),
                (relay_protocol.KEY_HEADER, supervisor.relay_key)]
-    if age_s > 0:
-        headers.append(relay_protocol.age_header(age_s))
-    # The age is as of now: the child counts the time its hand-off waits for it from this.
-    headers.append((relay_protocol.HANDED_AT_HEADER, f"{time.monotonic():.6f}"))
+    headers += relay_protocol.age_headers(age_s)
     try:
         return handoff.request_bytes(method, target, headers, body)
     except UnicodeEncodeError:

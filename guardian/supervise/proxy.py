@@ -615,7 +615,7 @@ class ProxyHandler(BaseHTTPRequestHandler):
             headers += relay_protocol.continue_headers(key, stream.continuation_tokens())
         elif not child.stock:  # stock checks no key: it need not see one
             headers.append((relay_protocol.KEY_HEADER, key))
-        headers.append(relay_protocol.age_header(self.age_s()))
+        headers += relay_protocol.age_headers(self.age_s())
         if self.gone:  # left before its relay began (a FIN with the request): nobody to answer
             return ANSWERED
         self.server.supervisor.metrics.passed_relayed.inc()
