@@ -122,14 +122,13 @@ def prepare(namespace: argparse.Namespace) -> None:
                     hint=f"[supervisor] is read in subprocess mode alone: start with {CommandLine.supervise.flag}")
     live.on_change(lambda change: in_force.keep(live.file_version))
     if namespace.model is None:
-        from guardian.demo_model import ensure_demo_model
+        from guardian.demo_model import UNWRITABLE_HINT, ensure_demo_model
 
         try:
             namespace.model = str(ensure_demo_model())
         except OSError as e:  # a cache folder it cannot write (a read-only home, a service's sandbox)
             log.critical("model_load_failed", model="demo", error_type=type(e).__name__, error_message=str(e))
-            print(f"mlx-guardian: cannot write the demo model: {e}. Set MLX_GUARDIAN_CACHE to a folder "
-                  "it may write, or pass --model.", file=sys.stderr)
+            print(f"mlx-guardian: cannot write the demo model: {e}. {UNWRITABLE_HINT}", file=sys.stderr)
             raise SystemExit(EXIT_BOOT_ERROR) from None
         log.info("demo_model_selected", model=namespace.model)
     namespace.guardian_runtime = (live, pm)

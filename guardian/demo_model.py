@@ -15,6 +15,9 @@ Public API:
 * :func:`write_demo_model` writes the model folder to a given path.
 * :func:`ensure_demo_model` returns a cached copy, building it on first use.
 * :func:`default_cache_dir` says where that cache lives.
+
+``python -m guardian.demo_model`` prints the cached copy's folder, built first if need be
+(the supervisor's way to it for a stock child: building imports mlx_lm, which it does not).
 """
 
 from __future__ import annotations
@@ -30,10 +33,14 @@ from typing import Optional
 
 __all__ = [
     "DEMO_MODEL_NAME",
+    "UNWRITABLE_HINT",
     "default_cache_dir",
     "ensure_demo_model",
     "write_demo_model",
 ]
+
+# What to do about a cache folder it cannot write (a read-only home, a service's sandbox).
+UNWRITABLE_HINT = "Set MLX_GUARDIAN_CACHE to a folder it may write, or pass --model."
 
 # Bump the suffix whenever the files written below change in any way, so
 # caches made by an older guardian are not mistaken for the new format.
@@ -515,3 +522,13 @@ def ensure_demo_model(cache_dir: Optional[Path] = None) -> Path:
                 "delete it to have it rebuilt"
             ) from None
     return target
+
+
+if __name__ == "__main__":
+    import sys
+
+    try:
+        print(ensure_demo_model())
+    except OSError as e:
+        print(f"{type(e).__name__}: {e}", file=sys.stderr)
+        raise SystemExit(1) from None

@@ -189,12 +189,14 @@ def test_a_missing_draft_model_is_named_not_the_model(tmp_path, model_cache):
     assert f"cannot load the draft model {tmp_path / 'no-draft'}: no such folder" in result.stderr
 
 
-def test_a_demo_model_it_cannot_write_exits_with_boot_error_naming_the_fix(tmp_path):
+@pytest.mark.parametrize("engine_args", [[], ["--supervise", "--engine", "stock"]], ids=["guardian", "stock"])
+def test_a_demo_model_it_cannot_write_exits_with_boot_error_naming_the_fix(tmp_path, engine_args):
+    """A supervisor of stock finds the demo model for its child (the guardian's own find it)."""
     from guardian.exit_codes import EXIT_BOOT_ERROR
 
     not_a_folder = tmp_path / "cache"
     not_a_folder.write_text("a file where the cache folder would be")
-    result = run_guardian(["--port", "0"], env={"MLX_GUARDIAN_CACHE": str(not_a_folder / "sub")})
+    result = run_guardian(["--port", "0", *engine_args], env={"MLX_GUARDIAN_CACHE": str(not_a_folder / "sub")})
     assert result.returncode == EXIT_BOOT_ERROR, result.stderr[-2000:]
     assert "MLX_GUARDIAN_CACHE" in result.stderr and "Traceback" not in result.stderr
     events = [json.loads(line)["event"] for line in result.stderr.splitlines() if line.startswith("{")]

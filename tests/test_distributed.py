@@ -514,6 +514,25 @@ def test_a_supervised_group_whose_model_cannot_load_ends_with_code_3_at_its_boot
 
 
 @pytest.mark.one_version
+def test_a_supervised_stock_group_serves_the_demo_model_and_leaves_nothing_in_tmpdir(launch):
+    """`--engine stock --launch-args` with no --model: stock's rank 0 answered its health
+    checks and failed every completion (404: it was started with no model), and each group
+    left mlx.launch's four ``mktemp`` files in TMPDIR (a TMPDIR of its own was made for a
+    guardian group only)."""
+    group = launch([sys.executable, "-m", "guardian", "--supervise", "--supervisor-interval", "0.2",
+                    "--engine", "stock", "--launch-args", f"--backend ring -n 2 --starting-port {free_ring_port()}"],
+                   config=None)
+    group.wait_healthy()
+    answer = httpx.post(group.url + COMPLETIONS, json=chat_body(max_tokens=4), timeout=30)
+    assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 4, answer.text
+    # mlx.launch's files are in the group's own TMPDIR, in the supervisor's private folder.
+    assert not [p.name for p in group.temp_folder.iterdir() if p.name.startswith("tmp.")]
+    group.proc.send_signal(signal.SIGTERM)
+    assert group.proc.wait(timeout=30) == EXIT_OK
+    assert [p.name for p in group.temp_folder.iterdir()] == ["mlx"]
+
+
+@pytest.mark.one_version
 def test_a_groups_own_tmpdir_is_made_with_the_shared_kernels_and_not_for_mpi(tmp_path, monkeypatch):
     from guardian.distributed.launch import own_temp_folder, starts_its_ranks
 

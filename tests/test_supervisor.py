@@ -428,6 +428,15 @@ def test_a_model_that_cannot_load_boot_attempts_times_in_a_row_ends_the_supervis
     assert gave_up["exit_code"] == EXIT_BOOT_ERROR and "could not be loaded" in gave_up["reason"]
 
 
+def test_a_model_is_named_as_stocks_flags_read_it():
+    from guardian.supervise.child import names_a_model
+
+    for named in (["--model", "m"], ["--port", "1", "--model=m"], ["--mod", "m"], ["--mo=m"]):
+        assert names_a_model(named), named
+    for unnamed in ([], ["--max-tokens", "5"], ["--m", "m"], ["--models", "m"], ["--chat-template-args", "{}"]):
+        assert not names_a_model(unnamed), unnamed
+
+
 def test_flags_the_child_refuses_are_not_restarted(start_supervisor):
     supervised = start_supervisor("--max-tokens", "many", wait=False)
     assert supervised.proc.wait(timeout=30) == EXIT_USAGE
@@ -435,14 +444,17 @@ def test_flags_the_child_refuses_are_not_restarted(start_supervisor):
 
 
 def test_stock_engine_is_proxied_and_restarted(start_supervisor, model_cache, tmp_path):
+    """Given no --model, stock serves the demo model, as the guardian does: it was started
+    with none, answered its health checks, and failed every completion (404)."""
     from guardian.demo_model import ensure_demo_model
 
-    model = str(ensure_demo_model(model_cache))
     config = tmp_path / "stock.toml"
     config.write_text("[http]\nidle_timeout_s = 5.0\n")
-    supervised = start_supervisor("--engine", "stock", "--model", model, "--guardian-config", str(config),
+    supervised = start_supervisor("--engine", "stock", "--guardian-config", str(config),
                                   "--supervisor-reap-wait", "3")
     first_pid = supervised.wait_ready()
+    [selected] = supervised.supervisor_events("demo_model_selected")
+    assert selected["model"] == str(ensure_demo_model(model_cache))
     with httpx.Client(timeout=30) as client:
         assert client.post(supervised.url + COMPLETIONS, json=chat_body(max_tokens=4)).status_code == 200
         result = read_stream(client, supervised.url + COMPLETIONS, chat_body(max_tokens=4, stream=True))

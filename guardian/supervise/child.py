@@ -201,6 +201,29 @@ def child_command(options: argparse.Namespace, engine: str, child_args: list[str
     return [sys.executable, "-m", "guardian", *child_args, *address]
 
 
+def names_a_model(child_args: list[str]) -> bool:
+    """Whether the flags for the child name its model: ``--model``, as stock's argparse reads
+    it (``--model=X`` too, and any prefix from ``--mo``: no other flag of stock's begins so)."""
+    return any(len(name) >= 4 and "--model".startswith(name)
+               for name in (arg.partition("=")[0] for arg in child_args))
+
+
+class DemoModelUnavailable(Exception):
+    """The demo model could not be built (its cache folder cannot be written)."""
+
+
+def demo_model() -> str:
+    """The demo model's folder (guardian.demo_model), for a stock child given no ``--model``
+    (the guardian's own children find it themselves). Built, if not yet, in a process of its
+    own: building imports mlx_lm, which the supervisor does not."""
+    done = subprocess.run([sys.executable, "-m", "guardian.demo_model"], capture_output=True, text=True,
+                          stdin=subprocess.DEVNULL)
+    if done.returncode != 0:
+        said = done.stderr.strip().splitlines()
+        raise DemoModelUnavailable(said[-1] if said else f"exit code {done.returncode}")
+    return done.stdout.strip()
+
+
 # mlx.launch's ``--env NAME=VALUE`` (in --launch-args) may carry a token (HF_TOKEN=...).
 _ENV_VALUE = re.compile(r"((?:^|\s)--env(?:=|\s+)[^=\s]+=)\S+")
 

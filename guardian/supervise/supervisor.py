@@ -62,8 +62,10 @@ from guardian.supervise.fast_handoff import CHILD_HOST
 from guardian.supervise.proxy import DEEP_READINESS_MARGIN_S, PublicServer
 from guardian.supervise.upstream import CHILD_CONNECT_TIMEOUT_S
 from guardian.health.sd_notify import SystemdNotifier
-from guardian.supervise.child import (Child, child_command, close_quietly, copy_of_a_pipe, crashed, exit_reason,
-                                      free_port, loggable_command, private_folder, signal_quietly)
+from guardian.supervise.child import (Child, DemoModelUnavailable, child_command, close_quietly, copy_of_a_pipe,
+                                      crashed, demo_model, exit_reason, free_port, loggable_command, names_a_model,
+                                      private_folder, signal_quietly)
+from guardian.demo_model import UNWRITABLE_HINT
 from guardian.supervise.oom_kills import killed_for_memory, note_memory_group
 from guardian.supervise.settings import (abbreviated_flag, acted_on_here, check_stock_tables, child_body_limit,
                                          make_parser, public_door, public_limits, read_file, read_settings)
@@ -238,9 +240,10 @@ class Supervisor:
                  passing=self.passing(), frozen_objects=frozen_objects)
         announce(self.door)
         # Its children's private files: the configuration in force (guardian.config.in_force),
-        # a group's exit codes and its TMPDIR (guardian.distributed.launch).
-        if self.settings.engine == "guardian" and (self.options.guardian_config is not None
-                                                   or self.settings.launch_args):
+        # a group's exit codes and its TMPDIR (guardian.distributed.launch); a stock group's
+        # TMPDIR alone.
+        if self.settings.launch_args or (self.settings.engine == "guardian"
+                                         and self.options.guardian_config is not None):
             self.private_dir = private_folder()
         try:
             return self.serve()
@@ -523,7 +526,9 @@ class Supervisor:
         if self.settings.launch_args:  # an mlx.launch group (guardian.distributed.launch)
             command = group_command(self.settings.launch_args, command)
             private = self.private_dir.name if self.private_dir is not None else None
-            exit_code_file = os.path.join(private, f"group-{self.generation}-exit-code") if private else None
+            # A stock rank leaves no exit code: the launcher's stands (guardian.distributed.launch).
+            exit_code_file = (os.path.join(private, f"group-{self.generation}-exit-code")
+                              if private and not stock_engine else None)
             temp_folder = (os.path.join(private, f"group-{self.generation}-tmp")
                            if private and starts_its_ranks(self.settings.launch_args) else None)
             popen = functools.partial(LauncherProcess, exit_code_file=exit_code_file, temp_folder=temp_folder)
@@ -536,7 +541,7 @@ class Supervisor:
             env.update(channel.child_env())
             pass_fds += channel.child_fds()
         env[PARENT_PID_ENV] = str(os.getpid())  # a child's parent; a group's ranks' too, beside their launcher
-        if self.private_dir is not None:  # the version in force, for the next child
+        if self.private_dir is not None and not stock_engine:  # the version in force, for the next child
             env[in_force.IN_FORCE_ENV] = os.path.join(self.private_dir.name, "config-in-force.toml")
         try:
             proc = popen(command, stdin=subprocess.DEVNULL, env=env,  # stdout, stderr: ours
@@ -1142,6 +1147,17 @@ def main(argv: Optional[list[str]] = None) -> int:
                     why="not a regular file (a pipe): read once at start; every child reads its copy, "
                         "and no save or SIGHUP is read")
     with pipe_copy or contextlib.nullcontext():  # the copy goes as the supervisor ends
+        if settings.engine == "stock" and not names_a_model(child_args):
+            # As the guardian serves its demo model when given none: stock would start, answer
+            # its health checks, and fail every completion (404, "expected str ... not NoneType").
+            try:
+                model = demo_model()
+            except DemoModelUnavailable as e:
+                log.critical("model_load_failed", model="demo", error_message=str(e))
+                print(f"mlx-guardian: cannot write the demo model: {e}. {UNWRITABLE_HINT}", file=sys.stderr)
+                return EXIT_BOOT_ERROR
+            child_args = ["--model", model, *child_args]  # first: any flag of the user's comes after it
+            log.info("demo_model_selected", model=model)
         return Supervisor(options, child_args, settings, core, door=door).run()
 
 
