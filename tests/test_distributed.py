@@ -545,6 +545,14 @@ def test_a_groups_own_tmpdir_is_made_with_the_shared_kernels_and_not_for_mpi(tmp
     assert starts_its_ranks("--backend ring -n 2") and starts_its_ranks("--hosts a,b")
     assert starts_its_ranks("--backend=jaccl --hostfile h.json")
     assert not starts_its_ranks("--backend mpi -n 2") and not starts_its_ranks("-n 2 --backend=mpi")
+    # A hostfile's backend, as mlx.launch reads it: unless --backend names another.
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps({"backend": "mpi", "hosts": [{"ssh": "localhost"}]}))
+    assert not starts_its_ranks(f"--hostfile {hostfile}")
+    assert starts_its_ranks(f"--hostfile={hostfile} --backend ring")
+    hostfile.write_text(json.dumps([{"ssh": "localhost"}]))  # a list of hosts alone: ring, or NCCL
+    assert starts_its_ranks(f"--hostfile {hostfile}")
+    assert starts_its_ranks(f"--hostfile {tmp_path / 'none.json'}")  # mlx.launch says what is wrong
 
 
 def test_the_groups_exit_code_is_a_rank_that_failed_of_its_own_and_its_files_are_taken(tmp_path):

@@ -16,6 +16,7 @@ Imports no mlx.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shlex
 import shutil
@@ -154,15 +155,29 @@ def starts_its_ranks(launch_args: str) -> bool:
     launch script, whose ``mktemp`` files ``own_temp_folder`` is for), not through mpirun.
     Open MPI keeps its session folder and Unix sockets in TMPDIR, and their paths have a
     length limit (104 bytes on macOS, whose TMPDIR is long already) that a folder deeper
-    in it could pass: an MPI group keeps the TMPDIR it inherits. (A backend named only
-    in a hostfile is not read here: such a group gets a folder of its own.)"""
+    in it could pass: an MPI group keeps the TMPDIR it inherits. Its backend is
+    ``--backend``'s, else its hostfile's ``"backend"``, as mlx.launch reads them."""
+    backend = launch_flag(launch_args, "--backend")
+    hostfile = launch_flag(launch_args, "--hostfile")
+    if backend is None and hostfile is not None:
+        try:
+            named = json.loads(Path(hostfile).read_text())
+        except (OSError, ValueError):
+            named = None  # mlx.launch will say what is wrong with it
+        if isinstance(named, dict) and isinstance(named.get("backend"), str):
+            backend = named["backend"]
+    return backend != "mpi"
+
+
+def launch_flag(launch_args: str, flag: str) -> Optional[str]:
+    """The value of ``flag`` in mlx.launch's flags (``--flag X`` or ``--flag=X``); None if not given."""
     args = shlex.split(launch_args)
     for i, arg in enumerate(args):
-        if arg == "--backend" and i + 1 < len(args):
-            return args[i + 1] != "mpi"
-        if arg.startswith("--backend="):
-            return arg.partition("=")[2] != "mpi"
-    return True
+        if arg == flag and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith(flag + "="):
+            return arg.partition("=")[2]
+    return None
 
 
 def own_temp_folder(path: str) -> Optional[str]:
