@@ -530,5 +530,5 @@ if __name__ == "__main__":
     try:
         print(ensure_demo_model())
     except OSError as e:
-        print(f"{type(e).__name__}: {e}", file=sys.stderr)
+        print(f"cannot write the demo model: {type(e).__name__}: {e}. {UNWRITABLE_HINT}", file=sys.stderr)
         raise SystemExit(1) from None

@@ -209,7 +209,8 @@ def names_a_model(child_args: list[str]) -> bool:
 
 
 class DemoModelUnavailable(Exception):
-    """The demo model could not be built (its cache folder cannot be written)."""
+    """The demo model could not be built (its cache folder cannot be written): what
+    ``python -m guardian.demo_model`` said, the fix named."""
 
 
 def demo_model() -> str:

@@ -65,7 +65,6 @@ from guardian.health.sd_notify import SystemdNotifier
 from guardian.supervise.child import (Child, DemoModelUnavailable, child_command, close_quietly, copy_of_a_pipe,
                                       crashed, demo_model, exit_reason, free_port, loggable_command, names_a_model,
                                       private_folder, signal_quietly)
-from guardian.demo_model import UNWRITABLE_HINT
 from guardian.supervise.oom_kills import killed_for_memory, note_memory_group
 from guardian.supervise.settings import (abbreviated_flag, acted_on_here, check_stock_tables, child_body_limit,
                                          make_parser, public_door, public_limits, read_file, read_settings)
@@ -1154,7 +1153,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 model = demo_model()
             except DemoModelUnavailable as e:
                 log.critical("model_load_failed", model="demo", error_message=str(e))
-                print(f"mlx-guardian: cannot write the demo model: {e}. {UNWRITABLE_HINT}", file=sys.stderr)
+                print(f"mlx-guardian: {e}", file=sys.stderr)
                 return EXIT_BOOT_ERROR
             child_args = ["--model", model, *child_args]  # first: any flag of the user's comes after it
             log.info("demo_model_selected", model=model)
