@@ -228,8 +228,9 @@ class SupervisorSettings(Table, name="supervisor"):
         supervisor_config_applied_without_child_verdict where it changes what the
         supervisor acts on ([access], [http], [guardian]).""")
     boot_attempts = Setting(Int(min=1), 2, """
-        Children in a row that may fail to load the model (exit 3) before the
-        supervisor exits 3 itself, the reason intact, leaving slower retries to
+        Children in a row that may fail to load the model (exit 3, or a stock
+        child's /health 503 while it starts) before the supervisor exits 3
+        itself, the reason intact, leaving slower retries to
         systemd's RestartSec or launchd's ThrottleInterval. More than 1: a load may
         meet a passing shortage (memory a dying process still held).""")
     window_s = Setting(POSITIVE_SECONDS, 300.0, """

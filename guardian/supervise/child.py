@@ -69,6 +69,10 @@ class Child:
     last_ok: Optional[float] = None
     last_check_at: Optional[float] = None
     last_check: str = "not checked yet"
+    last_status: Optional[int] = None  # its last check's HTTP status; None: no answer
+    # Why it could not be ready (its model did not load), where the supervisor saw it and
+    # stopped it: a stock child, whose exit says nothing (``Supervisor.check_health``).
+    boot_failure: Optional[str] = None
     says_stopping: bool = False  # its last check said it is stopping (a signal sent to it)
     says_busy: bool = False  # its last check said a step computes or pages past the stall limit, as allowed
     # Its checks get an HTTP answer (any status). One whose checks get none (frozen: SIGSTOP,

@@ -612,13 +612,16 @@ class Supervisor:
         if not dead.stopped_by_supervisor and dead.proc.returncode in NOT_RESTARTABLE:
             return self.give_up(f"the child refused its flags (exit code {dead.proc.returncode})",
                                 dead.proc.returncode)
-        booted = dead.stopped_by_supervisor or dead.proc.returncode != EXIT_BOOT_ERROR or dead.ready_at is not None
-        self.boot_failures = 0 if booted else self.boot_failures + 1
+        boot_failure = dead.boot_failure
+        if boot_failure is None and not dead.stopped_by_supervisor and dead.proc.returncode == EXIT_BOOT_ERROR \
+                and dead.ready_at is None:
+            boot_failure = f"exit code {EXIT_BOOT_ERROR}"
+        self.boot_failures = 0 if boot_failure is None else self.boot_failures + 1
         # A model that failed to load boot_attempts times in a row, no child ready between,
         # fails the same way every time (a wrong path, a folder it cannot write).
         if self.boot_failures >= self.settings.boot_attempts:
             return self.give_up(f"the model could not be loaded, {self.boot_failures} children in a row "
-                                f"(exit code {EXIT_BOOT_ERROR})", EXIT_BOOT_ERROR)
+                                f"({boot_failure})", EXIT_BOOT_ERROR)
         explained = bool(quarantined) and dead.ready_at is not None
         served = dead.ready_at is not None and dead.requests_completed > 0
         if served and not explained:
@@ -727,6 +730,13 @@ class Supervisor:
         if child.says_stopping:
             return self.child_stops_on_its_own(child, "its /readyz says it is stopping")
         if child.ready_at is None:
+            if child.stock and child.last_status == 503:
+                # Stock's /health (0.32 on) answers 200 while its generation thread lives, the
+                # model's load included, and 503 once that thread is gone: starting, its model
+                # could not be loaded. The process lives on: it sat "starting" for
+                # start_timeout_s (600 s), then again in the next child, for ever.
+                child.boot_failure = "its generation thread ended before it was ready (stock's /health: 503)"
+                return self.soft_kill(f"the model could not be loaded: {child.boot_failure}")
             waited = child.last_check_at - child.started_at - child.paused_s
             if waited > self.settings.start_timeout_s:
                 self.soft_kill(f"not ready after {waited:.1f} s (last check: {child.last_check})")
@@ -771,8 +781,10 @@ class Supervisor:
         except httpx.HTTPError as e:
             child.last_check = f"{path}: {type(e).__name__}"
             child.last_check_answered = False
+            child.last_status = None
             return False
         child.last_check = f"{path}: HTTP {response.status_code}"
+        child.last_status = response.status_code
         child.last_check_answered = True
         said = response_json(response)
         completed = said.get("requests_completed")
