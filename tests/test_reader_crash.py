@@ -6,7 +6,6 @@ planted in the reader's loop by tests/supervisor_hooks/sitecustomize.py."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import httpx
@@ -14,14 +13,12 @@ import pytest
 
 from conftest import chat_body
 from guardian.exit_codes import EXIT_UNCAUGHT
-from test_supervisor import SUPERVISOR_HOOKS, start_supervisor  # noqa: F401 - a fixture
+from test_supervisor import start_supervisor, with_supervisor_hooks  # noqa: F401 - a fixture
 
 
 
 def crash_env(armed: Path, where: str) -> dict:
-    python_path = os.pathsep.join(filter(None, [str(SUPERVISOR_HOOKS), os.environ.get("PYTHONPATH")]))
-    return {"PYTHONPATH": python_path, "GUARDIAN_TEST_CRASH_READER_ARMED_BY": str(armed),
-            "GUARDIAN_TEST_CRASH_READER_IN": where}
+    return with_supervisor_hooks(GUARDIAN_TEST_CRASH_READER_ARMED_BY=str(armed), GUARDIAN_TEST_CRASH_READER_IN=where)
 
 
 def test_a_crashed_reader_ends_one_process_with_exit_1(start_server, tmp_path):

@@ -429,15 +429,55 @@ def test_a_model_that_cannot_load_boot_attempts_times_in_a_row_ends_the_supervis
     assert gave_up["exit_code"] == EXIT_BOOT_ERROR and "could not be loaded" in gave_up["reason"]
 
 
+# A sitecustomize that plants faults where this module's tests need them (tests/supervisor_hooks).
+SUPERVISOR_HOOKS = Path(__file__).with_name("supervisor_hooks")
+
+
+def with_supervisor_hooks(**variables: str) -> dict:
+    """An environment that loads tests/supervisor_hooks, with the variables that arm its faults."""
+    python_path = os.pathsep.join(filter(None, [str(SUPERVISOR_HOOKS), os.environ.get("PYTHONPATH")]))
+    return {"PYTHONPATH": python_path, **variables}
+
+
+def skip_unless_stock_health_says_its_thread_died():
+    stock_server = Path(importlib.util.find_spec("mlx_lm").origin).with_name("server.py").read_text()
+    if "def is_healthy" not in stock_server:  # (read, not imported: the supervisor's tests load no mlx_lm)
+        pytest.skip("this mlx-lm's /health answers 200 whatever its generation thread did (0.31.3)")
+
+
+def test_a_stock_child_whose_generation_thread_died_is_replaced_at_once(start_supervisor, tmp_path):
+    """The incident under --engine stock: an error raised inside stock's own step
+    (tests/supervisor_hooks) kills its generation thread, and its process lives on,
+    failing every completion (404). Its /health said 503 (mlx-lm 0.32 on), and the
+    supervisor replaced it only after --supervisor-unhealthy-after (30 s). Now at that
+    first 503; the request it dropped goes to the next child."""
+    skip_unless_stock_health_says_its_thread_died()
+    arm = tmp_path / "arm"
+    supervised = start_supervisor("--engine", "stock", "--supervisor-interval", "0.2",
+                                  env=with_supervisor_hooks(GUARDIAN_TEST_STOCK_STEP_RAISES_ARMED_BY=str(arm)))
+    pid = supervised.wait_ready()
+    arm.touch()
+    started = time.monotonic()
+    with httpx.Client(timeout=30) as client:
+        answer = client.post(supervised.url + COMPLETIONS, json=chat_body(max_tokens=4))
+        took = time.monotonic() - started
+        print(f"\nmeasured: answered {answer.status_code} {took:.2f} s after it was sent")
+        assert not arm.exists()  # stock's step raised
+        [stopping] = supervised.supervisor_events("child_stopping")
+        assert stopping["pid"] == pid and "its generation thread is gone" in stopping["reason"], stopping
+        assert answer.status_code == 200, answer.text
+        assert took < 10, took  # the next child's start, not --supervisor-unhealthy-after (30 s)
+        assert supervised.wait_ready() != pid
+        assert client.post(supervised.url + COMPLETIONS, json=chat_body(max_tokens=4)).status_code == 200
+
+
 def test_a_stock_child_whose_model_cannot_load_ends_the_supervisor_with_code_3(start_supervisor, tmp_path):
     """Stock's process lives on when its model cannot load (its generation thread loads it,
     and dies): the supervisor held it "starting" for start_timeout_s (600 s), then started
     another, for ever, every request held meanwhile. Stock's /health says 503 once that
     thread is gone (mlx-lm 0.32 on; 0.31.3's always says 200): starting, that is a model
     that could not be loaded, as a guardian child's exit 3 is."""
-    stock_server = Path(importlib.util.find_spec("mlx_lm").origin).with_name("server.py").read_text()
-    if "def is_healthy" not in stock_server:  # (read, not imported: the supervisor's tests load no mlx_lm)
-        pytest.skip("this mlx-lm's /health answers 200 whatever its generation thread did (0.31.3)")
+    skip_unless_stock_health_says_its_thread_died()
     supervised = start_supervisor("--engine", "stock", "--model", str(tmp_path / "no-such-model"),
                                   "--supervisor-interval", "0.2", wait=False, env={"HF_HUB_OFFLINE": "1"})
     assert supervised.proc.wait(timeout=60) == EXIT_BOOT_ERROR
@@ -727,8 +767,6 @@ def test_a_request_answered_just_before_the_childs_death_is_no_crash_suspect(sta
 
 
 WORDLESS_MARKER = "die before the word"
-# A sitecustomize that makes the supervisor's handler path late (GUARDIAN_TEST_LATE_RESUME_S).
-SUPERVISOR_HOOKS = Path(__file__).with_name("supervisor_hooks")
 
 
 @pytest.mark.linux("the child's word that it is done exists where connections are handed off")
@@ -749,9 +787,8 @@ def test_a_request_answered_in_full_by_a_child_that_dies_before_its_word_is_no_c
     config = tmp_path / "wordless.toml"
     config.write_text('[guardian]\nplugins = ["tests.plugins.wordless_death:WordlessDeath"]\n'
                       f'\n[wordless_death]\nmarker = "{WORDLESS_MARKER}"\n')
-    python_path = os.pathsep.join(filter(None, [str(SUPERVISOR_HOOKS), os.environ.get("PYTHONPATH")]))
     supervised = start_supervisor("--guardian-config", str(config),
-                                  env={"PYTHONPATH": python_path, "GUARDIAN_TEST_LATE_RESUME_S": "3"})
+                                  env=with_supervisor_hooks(GUARDIAN_TEST_LATE_RESUME_S="3"))
     pid = supervised.wait_ready()
     body = chat_body(f"{WORDLESS_MARKER}, once answered.", max_tokens=8, stream=stream)
     with httpx.Client(timeout=30) as client:

@@ -21,8 +21,8 @@ import pytest
 from conftest import RELAYED, chat_body, poll, scraped
 from test_continuation import streamed
 from test_continuation import TEXT as TEXT_COMPLETIONS
-from test_supervisor import (COMPLETIONS, SLOW_STEPS, SUPERVISOR_HOOKS, assert_restarting_error,  # noqa: F401
-                             start_supervisor)
+from test_supervisor import (COMPLETIONS, SLOW_STEPS, assert_restarting_error, start_supervisor,  # noqa: F401
+                             with_supervisor_hooks)
 
 
 def greedy_stream(content: str, max_tokens: int) -> dict:
@@ -582,10 +582,9 @@ def test_a_child_that_dies_at_an_answers_end_leaves_no_answer_without_its_end(st
     config = tmp_path / "guardian.toml"
     config.write_text("" if hand_off else "[supervisor]\nhand_off = false\n")
     armed = tmp_path / "die-armed"
-    python_path = os.pathsep.join(filter(None, [str(SUPERVISOR_HOOKS), os.environ.get("PYTHONPATH")]))
     supervised = start_supervisor("--guardian-config", str(config), "--supervisor-quarantine", "0",
-                                  env={"PYTHONPATH": python_path, "GUARDIAN_TEST_DIE_ARMED_BY": str(armed),
-                                       "GUARDIAN_TEST_DIE_BEFORE_SEND": dies_before})
+                                  env=with_supervisor_hooks(GUARDIAN_TEST_DIE_ARMED_BY=str(armed),
+                                                            GUARDIAN_TEST_DIE_BEFORE_SEND=dies_before))
     first_pid = supervised.wait_ready()
     if dies_before == '"object": "chat.completion"':  # a whole answer's body (a chunk's says .chunk")
         body = chat_body("End cleanly.", max_tokens=4, temperature=0.0)

@@ -729,14 +729,17 @@ class Supervisor:
             return self.child_healthy(child)
         if child.says_stopping:
             return self.child_stops_on_its_own(child, "its /readyz says it is stopping")
-        if child.ready_at is None:
-            if child.stock and child.last_status == 503:
-                # Stock's /health (0.32 on) answers 200 while its generation thread lives, the
-                # model's load included, and 503 once that thread is gone: starting, its model
-                # could not be loaded. The process lives on: it sat "starting" for
-                # start_timeout_s (600 s), then again in the next child, for ever.
+        if child.stock and child.last_status == 503:
+            # Stock's /health (0.32 on) answers 200 while its generation thread lives, the
+            # model's load included, and 503 once that thread is gone, for good; the process
+            # lives on. Starting, its model could not be loaded: it sat "starting" for
+            # start_timeout_s (600 s), then again in the next child, for ever. Ready, every
+            # completion fails (the incident): that went on for --supervisor-unhealthy-after.
+            if child.ready_at is None:
                 child.boot_failure = "its generation thread ended before it was ready (stock's /health: 503)"
                 return self.soft_kill(f"the model could not be loaded: {child.boot_failure}")
+            return self.soft_kill("its generation thread is gone (stock's /health: 503)")
+        if child.ready_at is None:
             waited = child.last_check_at - child.started_at - child.paused_s
             if waited > self.settings.start_timeout_s:
                 self.soft_kill(f"not ready after {waited:.1f} s (last check: {child.last_check})")

@@ -12,9 +12,15 @@ variable; the guardian's own code is not changed.
 - ``GUARDIAN_TEST_DIE_BEFORE_SEND`` (bytes, as latin-1) and ``GUARDIAN_TEST_DIE_ARMED_BY``
   (a path): once the path exists, a supervised child SIGKILLs itself just before the
   first socket write that holds those bytes, once: where a native crash would cut an
-  answer between two of its writes."""
+  answer between two of its writes.
+- ``GUARDIAN_TEST_STOCK_STEP_RAISES_ARMED_BY`` (a path): in stock's own server (``python
+  -m mlx_lm server``, a supervisor's stock child), once the path exists, the next call of
+  stock's ``BatchGenerator.next`` raises the incident's error and removes the path: its
+  generation thread dies, the process lives on (tests/plugins/stock_step_faults.py plants
+  the same in a guardian)."""
 
 import os
+import sys
 
 if os.environ.get("GUARDIAN_TEST_LATE_RESUME_S"):
     import threading
@@ -31,8 +37,6 @@ if os.environ.get("GUARDIAN_TEST_LATE_RESUME_S"):
     proxy.ProxyHandler.resumed_outcome = _late_resumed_outcome
 
 if os.environ.get("GUARDIAN_TEST_CRASH_READER_ARMED_BY"):
-    import sys
-
     import guardian.serving.reader as reader
 
     _armed_by = os.environ["GUARDIAN_TEST_CRASH_READER_ARMED_BY"]
@@ -51,7 +55,6 @@ if os.environ.get("GUARDIAN_TEST_CRASH_READER_ARMED_BY"):
 if os.environ.get("GUARDIAN_TEST_DIE_ARMED_BY"):
     import signal
     import socket
-    import sys
 
     _die_armed_by = os.environ["GUARDIAN_TEST_DIE_ARMED_BY"]
     _die_before = os.environ["GUARDIAN_TEST_DIE_BEFORE_SEND"].encode("latin-1")
@@ -68,3 +71,19 @@ if os.environ.get("GUARDIAN_TEST_DIE_ARMED_BY"):
 
     socket.socket.send = _dying(socket.socket.send)
     socket.socket.sendall = _dying(socket.socket.sendall)
+
+if os.environ.get("GUARDIAN_TEST_STOCK_STEP_RAISES_ARMED_BY"):
+    # sys.argv is not set yet while sitecustomize runs; the interpreter's own is.
+    if sys.orig_argv[1:4] == ["-m", "mlx_lm", "server"]:
+        from mlx_lm.generate import BatchGenerator
+
+        _step_armed_by = os.environ["GUARDIAN_TEST_STOCK_STEP_RAISES_ARMED_BY"]
+        _next = BatchGenerator.next
+
+        def _raising_next(self, *args, **kwargs):
+            if os.path.exists(_step_armed_by):
+                os.remove(_step_armed_by)
+                raise RuntimeError("[metal::malloc] Resource limit (499000) exceeded.")
+            return _next(self, *args, **kwargs)
+
+        BatchGenerator.next = _raising_next
