@@ -226,7 +226,7 @@ def demo_model() -> str:
     if done.returncode != 0:
         said = done.stderr.strip().splitlines()
         raise DemoModelUnavailable(said[-1] if said else f"exit code {done.returncode}")
-    return done.stdout.strip()
+    return done.stdout.strip().splitlines()[-1]  # its last line: the path (a build may say more)
 
 
 # mlx.launch's ``--env NAME=VALUE`` (in --launch-args) may carry a token (HF_TOKEN=...).
