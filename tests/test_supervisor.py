@@ -517,6 +517,18 @@ def test_stock_engine_is_proxied_and_restarted(start_supervisor, model_cache, tm
     assert selected["model"] == str(ensure_demo_model(model_cache))
     with httpx.Client(timeout=30) as client:
         assert client.post(supervised.url + COMPLETIONS, json=chat_body(max_tokens=4)).status_code == 200
+        # A page the door lets in gets the door's CORS headers, as from a guardian child: stock's
+        # granted every origin and left Authorization out (a browser never covers it by "*"),
+        # so a page could not send its key.
+        page = {"Origin": "http://localhost:3000"}
+        preflight = client.options(supervised.url + COMPLETIONS, headers={
+            **page, "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization"})
+        answer = client.post(supervised.url + COMPLETIONS, json=chat_body(max_tokens=2), headers=page)
+        for relayed in (preflight, answer):
+            assert relayed.headers["access-control-allow-origin"] == "http://localhost:3000", relayed.headers
+            assert "Authorization" in relayed.headers["access-control-allow-headers"]
+            assert relayed.headers["vary"] == "Origin"
+        assert preflight.status_code == 204 and answer.status_code == 200
         result = read_stream(client, supervised.url + COMPLETIONS, chat_body(max_tokens=4, stream=True))
         assert result["status"] == 200 and result["done"]
         # Stock writes each request line to the log as it came: its query's values are hidden first.
