@@ -529,6 +529,11 @@ def test_stock_engine_is_proxied_and_restarted(start_supervisor, model_cache, tm
             assert "Authorization" in relayed.headers["access-control-allow-headers"]
             assert relayed.headers["vary"] == "Origin"
         assert preflight.status_code == 204 and answer.status_code == 200
+        # And an X-Request-ID, as every answer of a guardian's: the client's, else one made.
+        assert re.fullmatch(r"req-[0-9a-f]{32}", answer.headers["x-request-id"]), answer.headers
+        named = client.post(supervised.url + COMPLETIONS, json=chat_body(max_tokens=2),
+                            headers={"X-Request-ID": "stock-1"})
+        assert named.headers.get_list("x-request-id") == ["stock-1"]
         result = read_stream(client, supervised.url + COMPLETIONS, chat_body(max_tokens=4, stream=True))
         assert result["status"] == 200 and result["done"]
         # Stock writes each request line to the log as it came: its query's values are hidden first.

@@ -867,7 +867,7 @@ class ProxyHandler(BaseHTTPRequestHandler):
         continued = stream is not None
         try:
             if stream is None:
-                is_sse, stream = self.relay_head(response, own_cors=child.stock)
+                is_sse, stream = self.relay_head(response, stock=child.stock)
                 if self.relay_record is not None:
                     self.relay_record.stream = stream
             elif self.continues(response):
@@ -936,11 +936,12 @@ class ProxyHandler(BaseHTTPRequestHandler):
                     reap_wait_s=supervisor.settings.reap_wait_s)
         return supervisor.dropped_request_error()
 
-    def relay_head(self, response, own_cors: bool):
+    def relay_head(self, response, stock: bool):
         """The child's status and headers; whether it is a stream, and the
-        RelayedStream to keep if the child tags it for continuation. ``own_cors``: the
-        CORS headers are the door's, not the child's (stock's grant every origin, and
-        cover no Authorization: a page let in with a key could not send it)."""
+        RelayedStream to keep if the child tags it for continuation. A ``stock`` child's
+        answer gets the door's CORS headers in place of stock's (which grant every origin
+        and cover no Authorization: a page let in with a key could not send it), and an
+        X-Request-ID, as a guardian child's has."""
         # send_response_only: the child's own Server and Date headers follow.
         self.head_sent = True
         self.send_response_only(response.status, response.reason)
@@ -949,12 +950,13 @@ class ProxyHandler(BaseHTTPRequestHandler):
             lowered = name.lower()
             if lowered == CONTINUABLE:
                 continuable = True
-            elif lowered not in HOP_BY_HOP and not (own_cors and lowered in CORS_HEADERS):
+            elif lowered not in HOP_BY_HOP and not (stock and lowered in CORS_HEADERS):
                 self.send_header(name, value)
                 if lowered == "content-type":
                     is_sse = value.startswith(SSE_CONTENT_TYPE)
-        if own_cors:
+        if stock:
             self.send_cors_headers()
+            self.send_header(REQUEST_ID_HEADER, self.answer_id())
         self.send_header("Connection", "close")
         self.end_headers()
         self.log_request(response.status)
