@@ -445,30 +445,39 @@ def skip_unless_stock_health_says_its_thread_died():
         pytest.skip("this mlx-lm's /health answers 200 whatever its generation thread did (0.31.3)")
 
 
-def test_a_stock_child_whose_generation_thread_died_is_replaced_at_once(start_supervisor, tmp_path):
+@pytest.mark.parametrize("deaths", [1, 2], ids=["once", "every_time"])
+def test_a_stock_child_whose_generation_thread_died_is_replaced_at_once(start_supervisor, tmp_path, deaths):
     """The incident under --engine stock: an error raised inside stock's own step
     (tests/supervisor_hooks) kills its generation thread, and its process lives on,
     failing every completion (404). Its /health said 503 (mlx-lm 0.32 on), and the
-    supervisor replaced it only after --supervisor-unhealthy-after (30 s). Now at that
-    first 503; the request it dropped goes to the next child."""
+    supervisor replaced it only after --supervisor-unhealthy-after (30 s), its request
+    in flight answered 502. Now at that first 503, the request sent to the next child,
+    and, as at a native crash, a suspect: one that kills the thread there too (every
+    time) is quarantined, not sent from child to child."""
     skip_unless_stock_health_says_its_thread_died()
     arm = tmp_path / "arm"
     supervised = start_supervisor("--engine", "stock", "--supervisor-interval", "0.2",
                                   env=with_supervisor_hooks(GUARDIAN_TEST_STOCK_STEP_RAISES_ARMED_BY=str(arm)))
     pid = supervised.wait_ready()
-    arm.touch()
+    arm.write_text(str(deaths))
     started = time.monotonic()
     with httpx.Client(timeout=30) as client:
         answer = client.post(supervised.url + COMPLETIONS, json=chat_body(max_tokens=4))
         took = time.monotonic() - started
-        print(f"\nmeasured: answered {answer.status_code} {took:.2f} s after it was sent")
-        assert not arm.exists()  # stock's step raised
-        [stopping] = supervised.supervisor_events("child_stopping")
-        assert stopping["pid"] == pid and "its generation thread is gone" in stopping["reason"], stopping
-        assert answer.status_code == 200, answer.text
-        assert took < 10, took  # the next child's start, not --supervisor-unhealthy-after (30 s)
+        print(f"\nmeasured: {deaths} death(s), answered {answer.status_code} {took:.2f} s after it was sent")
+        assert not arm.exists()  # stock's step raised, in each child
+        stopping = supervised.supervisor_events("child_stopping")
+        assert len(stopping) == deaths and stopping[0]["pid"] == pid, stopping
+        assert all("its generation thread is gone" in e["reason"] for e in stopping), stopping
+        assert [len(e["suspects"]) for e in supervised.supervisor_events("crash_suspects")] == [1] * deaths
+        assert took < 5 * deaths, took  # the next child's start, not --supervisor-unhealthy-after (30 s)
+        if deaths == 1:
+            assert answer.status_code == 200, answer.text
+        else:
+            assert answer.status_code == 500 and answer.json()["error"]["code"] == "request_quarantined", answer.text
         assert supervised.wait_ready() != pid
-        assert client.post(supervised.url + COMPLETIONS, json=chat_body(max_tokens=4)).status_code == 200
+        other = chat_body("Something else.", max_tokens=4)  # (the same body is quarantined: every_time)
+        assert client.post(supervised.url + COMPLETIONS, json=other).status_code == 200
 
 
 def test_a_stock_child_whose_model_cannot_load_ends_the_supervisor_with_code_3(start_supervisor, tmp_path):

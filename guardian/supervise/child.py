@@ -73,6 +73,10 @@ class Child:
     # Why it could not be ready (its model did not load), where the supervisor saw it and
     # stopped it: a stock child, whose exit says nothing (``Supervisor.check_health``).
     boot_failure: Optional[str] = None
+    # Its engine died under the requests in flight, though its process lived on and the
+    # supervisor stopped it: a stock child whose generation thread is gone. A crash, for
+    # those requests (``crashed``).
+    engine_died: bool = False
     says_stopping: bool = False  # its last check said it is stopping (a signal sent to it)
     says_busy: bool = False  # its last check said a step computes or pages past the stall limit, as allowed
     # Its checks get an HTTP answer (any status). One whose checks get none (frozen: SIGSTOP,
@@ -145,6 +149,8 @@ def crashed(child: Child) -> bool:
     """Whether a child's end may be its requests' doing, so that those in flight are crash
     suspects: not when the supervisor stopped it, nor when it stopped as it was asked (a
     request in flight at two such stops was quarantined as a poison)."""
+    if child.engine_died:
+        return True  # stopped by the supervisor after its engine died under them
     if child.hard_killed or child.stopped_by_supervisor:
         return False  # the supervisor stopped it (one stopping on its own, SIGKILLed past its grace, too)
     if isinstance(child.proc, LauncherProcess) and child.proc.ranks_code is None:

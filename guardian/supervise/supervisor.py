@@ -738,6 +738,9 @@ class Supervisor:
             if child.ready_at is None:
                 child.boot_failure = "its generation thread ended before it was ready (stock's /health: 503)"
                 return self.soft_kill(f"the model could not be loaded: {child.boot_failure}")
+            # Its requests in flight are crash suspects, as at a native crash: a request that
+            # kills the thread every time is quarantined, not sent from child to child.
+            child.engine_died = True
             return self.soft_kill("its generation thread is gone (stock's /health: 503)")
         if child.ready_at is None:
             waited = child.last_check_at - child.started_at - child.paused_s

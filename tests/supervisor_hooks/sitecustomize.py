@@ -15,9 +15,9 @@ variable; the guardian's own code is not changed.
   answer between two of its writes.
 - ``GUARDIAN_TEST_STOCK_STEP_RAISES_ARMED_BY`` (a path): in stock's own server (``python
   -m mlx_lm server``, a supervisor's stock child), once the path exists, the next call of
-  stock's ``BatchGenerator.next`` raises the incident's error and removes the path: its
-  generation thread dies, the process lives on (tests/plugins/stock_step_faults.py plants
-  the same in a guardian)."""
+  stock's ``BatchGenerator.next`` raises the incident's error and removes the path (one
+  holding a number N: N such failures, one a process): its generation thread dies, the
+  process lives on (tests/plugins/stock_step_faults.py plants the same in a guardian)."""
 
 import os
 import sys
@@ -82,7 +82,12 @@ if os.environ.get("GUARDIAN_TEST_STOCK_STEP_RAISES_ARMED_BY"):
 
         def _raising_next(self, *args, **kwargs):
             if os.path.exists(_step_armed_by):
-                os.remove(_step_armed_by)
+                left = int(open(_step_armed_by).read().strip() or "1") - 1
+                if left > 0:
+                    with open(_step_armed_by, "w") as armed:
+                        armed.write(str(left))
+                else:
+                    os.remove(_step_armed_by)
                 raise RuntimeError("[metal::malloc] Resource limit (499000) exceeded.")
             return _next(self, *args, **kwargs)
 
