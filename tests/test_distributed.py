@@ -530,6 +530,9 @@ def test_a_supervised_stock_group_serves_the_demo_model_and_leaves_nothing_in_tm
     group.proc.send_signal(signal.SIGTERM)
     assert group.proc.wait(timeout=30) == EXIT_OK
     assert [p.name for p in group.temp_folder.iterdir()] == ["mlx"]
+    # Stock's ranks log no code of theirs: the group's end says so, naming no such lines.
+    [exited] = group.events("child_exited")
+    assert "whatever its stock ranks did" in exited["reason"], exited
 
 
 @pytest.mark.one_version

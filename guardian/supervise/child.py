@@ -174,6 +174,9 @@ def exit_reason(child: Child) -> str:
     elif isinstance(child.proc, LauncherProcess) and child.proc.codes_missing:
         described = (f"the group ended unasked and no rank left its exit code (one crashed or was "
                      f"killed first: mlx.launch's own lines say which): counted as exit code {code}")
+    elif isinstance(child.proc, LauncherProcess) and child.stock:
+        # mlx.launch exits 0 whatever its ranks did, and stock's ranks say nothing of theirs.
+        described = f"the group ended (mlx.launch exit code {code}, whatever its stock ranks did)"
     elif isinstance(child.proc, LauncherProcess):
         # mlx.launch exits 0 whatever its ranks did; each rank logs its own code.
         described = (f"the group ended (mlx.launch exit code {code}; each rank logs its own "
