@@ -45,7 +45,7 @@ from guardian.engine.lifecycle import EngineState
 from guardian.engine.record import Stage
 from guardian.health.pace import Pace
 from guardian.health.run_queue import RunQueueWait
-from guardian.health.step_cpu import WINDOW_S, StepCpu
+from guardian.health.step_cpu import StepCpu
 from guardian.health.thread_stack import stack_of
 from guardian.observability.logs import probe_running
 from guardian.health.plugin_probes import PluginProbes
@@ -291,15 +291,9 @@ class StallDetector:
 
     def _busy_step_allowed(self, age: float, beat: float) -> bool:
         """Past the stall limit, a step that computes or pages may go on, up to
-        ``stall_busy_extra_s`` more; one that waits may not, nor an unknown one once
-        measured (or WINDOW_S past the limit, if it cannot be)."""
+        ``stall_busy_extra_s`` more; one that waits may not (nor an unknown one)."""
         moves = self._step_moves()
-        if moves is None:
-            # Not measured yet: no stall called on nothing read. A clean clone's starved step
-            # (its looks late beside busy workers) was one at 1.04 s of a 1 s limit, its CPU
-            # and waits not read yet. Judged once they are, WINDOW_S past the limit at most.
-            return self.step_cpu.measuring() and age <= self.stall_limit_s + WINDOW_S
-        if age > self.stall_limit_s + self.settings.stall_busy_extra_s:
+        if moves is None or age > self.stall_limit_s + self.settings.stall_busy_extra_s:
             return False
         if self._busy_logged_for != beat:
             self._busy_logged_for = beat

@@ -180,11 +180,6 @@ class StepCpu:
         self._beat, self.share, self.runnable_share, self.faults_per_s = None, None, None, None
         self._readings.clear()
 
-    def measuring(self) -> bool:
-        """Whether this still heartbeat is not measured yet: no window of MIN_SPAN_S read
-        (its first look only notes the beat; on a loaded machine the looks come late)."""
-        return self.faults_per_s is None
-
     # Read once each (HTTP threads ask too, while the watchdog's ``forget`` may clear them).
     def computing(self) -> bool:
         """The engine's threads compute while this heartbeat stands still (over about the last
