@@ -344,3 +344,26 @@ def test_paging_is_not_believed_while_an_abandoned_loop_is_still_in_its_step():
         assert detector._step_moves() == "paging"
         engine.abandoned_loops_in_a_step = 1
         assert detector._step_moves() is None
+
+
+def test_a_heartbeat_already_still_at_its_first_look_is_read_at_that_look():
+    """A look that comes late (a loaded machine) to a heartbeat already still reads the
+    engine's threads at once: half a second later the step is measured. Before, that first
+    look only noted the beat and the window began a look later: a starved step, its looks
+    late, was called a stall at 1.04 s of a 1 s limit with nothing read. A heartbeat that
+    moves between looks is never read (the cost a reading per look would add)."""
+    readings = []
+
+    def reader(loop_ident):
+        readings.append(loop_ident)
+        return ThreadsReading(0.0, True, 0)  # starved: no CPU, ready to run at every look
+
+    step_cpu, loop = StepCpu(reader=reader), threading.get_ident()
+    for look in range(5):  # a heartbeat that moves: each look finds a new one, 50 ms old
+        step_cpu.observe(beat=10.0 + look * 0.25, now=10.05 + look * 0.25, loop_ident=loop)
+    assert readings == [] and step_cpu.runnable_share is None
+    # A still beat first seen 0.45 s old, then looks 0.25 s apart, as late ones come.
+    for look in range(3):
+        step_cpu.observe(beat=20.0, now=20.45 + look * 0.25, loop_ident=loop)
+    assert len(readings) == 3
+    assert step_cpu.runnable_share == 1.0 and step_cpu.computing()  # at 0.95 s: measured

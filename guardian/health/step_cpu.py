@@ -150,7 +150,12 @@ class StepCpu:
         if beat != self._beat:
             self.forget()
             self._beat = beat
-            return  # a moving heartbeat: nothing to read
+            # A heartbeat that moves between looks (steps of milliseconds) costs no read.
+            # One already still for READ_EVERY_S is read at this first look: on a loaded
+            # machine the looks come late, and a window begun a look later was not
+            # measured by a 1 s limit (a starved step called a stall at 1.04 s).
+            if now - beat < READ_EVERY_S:
+                return
         readings = self._readings
         if loop_ident is None or (readings and now - readings[-1][0] < READ_EVERY_S):
             return
