@@ -49,7 +49,9 @@ EXIT_CODES = (
              "manager counts both as a clean stop)"),
     ExitCode(EXIT_UNCAUGHT, "uncaught Python error",
              "an uncaught Python error, or a crash of the HTTP reader that accepts and reads every "
-             "request (`http_reader_crashed`; deaf, the process would stay up): a bug, never on purpose"),
+             "request (`http_reader_crashed`; deaf, the process would stay up): a bug, never on purpose; "
+             "a `--engine stock` child's, a thread of stock's server that died of an error (mlx-lm 0.31's "
+             "generation thread: the incident), which ends it for the supervisor to replace"),
     ExitCode(EXIT_USAGE, "bad flags or configuration",
              "bad flags or configuration (the message names the key), a `demo-model` path it "
              "cannot write, flags that can never "

@@ -347,17 +347,18 @@ def model_cache(tmp_path_factory) -> Path:
 
 
 def spawn_guardian(args: list[str], log_path: Path, model_cache: Path, env: Optional[dict] = None,
-                   fork: bool = True, **popen_kwargs) -> subprocess.Popen:
+                   fork: bool = True, python: str = sys.executable, **popen_kwargs) -> subprocess.Popen:
     """``python -m guardian ARGS`` with its output in ``log_path`` and the session's demo model:
     forked from the session's fork server where it can be (tests/forkserver.py; ``fork``
-    False: never), else a ``subprocess``."""
+    False: never), else a ``subprocess`` (of ``python``: another venv's, another mlx-lm)."""
     child_env = {**os.environ, "MLX_GUARDIAN_CACHE": str(model_cache), **(env or {})}
     # A supervisor carries no mlx (it would, forked from the fork server), and starts in ~0.1 s.
-    forking = fork and not popen_kwargs and "--supervise" not in args and forkserver.serving(child_env)
+    forking = (fork and not popen_kwargs and python == sys.executable and "--supervise" not in args
+               and forkserver.serving(child_env))
     if forking:
         return forking.spawn(args, log_path, child_env, REPO)
     with open(log_path, "w") as log_file:
-        return subprocess.Popen([sys.executable, "-m", "guardian", *args], stdout=log_file,
+        return subprocess.Popen([python, "-m", "guardian", *args], stdout=log_file,
                                 stderr=subprocess.STDOUT, env=child_env, cwd=REPO, **popen_kwargs)
 
 

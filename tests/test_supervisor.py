@@ -8,7 +8,6 @@ SIGKILL needs no SIGCONT), even when a test fails.
 from __future__ import annotations
 
 import errno
-import importlib.util
 import re
 import json
 import os
@@ -27,7 +26,8 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import SessionServer, chat_body, free_port, poll, read_stream, read_to_the_end, run_guardian, scraped, send_raw, spawn_guardian
+from conftest import (REPO, SessionServer, chat_body, free_port, poll, read_stream, read_to_the_end, run_guardian, scraped,
+                      send_raw, spawn_guardian)
 from guardian import handoff
 from guardian.exit_codes import EXIT_BOOT_ERROR, EXIT_OK, EXIT_SUPERVISOR_GAVE_UP, EXIT_USAGE
 
@@ -76,11 +76,11 @@ class Supervised(SessionServer):
 def start_supervisor(tmp_path, model_cache):
     started: list[Supervised] = []
 
-    def start(*args: str, wait: bool = True, env: Optional[dict] = None) -> Supervised:
+    def start(*args: str, wait: bool = True, env: Optional[dict] = None, python: str = sys.executable) -> Supervised:
         port = free_port()
         log_path = tmp_path / f"supervisor-{port}.log"
         proc = spawn_guardian(["--supervise", "--port", str(port), *args], log_path, model_cache, env,
-                              start_new_session=True)
+                              python=python, start_new_session=True)
         supervised = Supervised(proc, port, log_path)
         started.append(supervised)
         if wait:
@@ -439,24 +439,44 @@ def with_supervisor_hooks(**variables: str) -> dict:
     return {"PYTHONPATH": python_path, **variables}
 
 
-def skip_unless_stock_health_says_its_thread_died():
-    stock_server = Path(importlib.util.find_spec("mlx_lm").origin).with_name("server.py").read_text()
-    if "def is_healthy" not in stock_server:  # (read, not imported: the supervisor's tests load no mlx_lm)
-        pytest.skip("this mlx-lm's /health answers 200 whatever its generation thread did (0.31.3)")
+# The incident's mlx-lm, in the venv `make test` makes for its lane: a stock child of it too.
+OLDEST_STOCK_PYTHON = REPO / ".venv-0313" / "bin" / "python"
 
 
-@pytest.mark.parametrize("deaths", [1, 2], ids=["once", "every_time"])
-def test_a_stock_child_whose_generation_thread_died_is_replaced_at_once(start_supervisor, tmp_path, deaths):
+def stock_python(version: str) -> str:
+    """The Python of a venv with that mlx-lm: this lane's own ("installed"), or 0.31.3."""
+    if version == "installed":
+        return sys.executable
+    if not OLDEST_STOCK_PYTHON.exists():
+        pytest.skip(f"no {OLDEST_STOCK_PYTHON.relative_to(REPO)} here (make .venv-0313/.installed): "
+                    "mlx-lm 0.31.3's stock child is not tried")
+    return str(OLDEST_STOCK_PYTHON)
+
+
+def stock_health_says_its_thread_died(python: str) -> bool:
+    """Whether that mlx-lm's /health answers 503 once its generation thread is gone (0.32 on;
+    0.31.3's answers 200 whatever the thread did, and the thread's error ends the process:
+    guardian.supervise.stock_child). Read, not imported: the supervisor's tests load no mlx_lm."""
+    origin = subprocess.run([python, "-c", "import importlib.util; print(importlib.util.find_spec('mlx_lm').origin)"],
+                            capture_output=True, text=True, check=True, timeout=30).stdout.strip()
+    return "def is_healthy" in Path(origin).with_name("server.py").read_text()
+
+
+@pytest.mark.parametrize("version, deaths", [("installed", 1), ("installed", 2), ("0.31.3", 1)],
+                         ids=["installed-once", "installed-every_time", "0.31.3-once"])
+def test_a_stock_child_whose_generation_thread_died_is_replaced_at_once(start_supervisor, tmp_path, version, deaths):
     """The incident under --engine stock: an error raised inside stock's own step
-    (tests/supervisor_hooks) kills its generation thread, and its process lives on,
-    failing every completion (404). Its /health said 503 (mlx-lm 0.32 on), and the
-    supervisor replaced it only after --supervisor-unhealthy-after (30 s), its request
-    in flight answered 502. Now at that first 503, the request sent to the next child,
-    and, as at a native crash, a suspect: one that kills the thread there too (every
-    time) is quarantined, not sent from child to child."""
-    skip_unless_stock_health_says_its_thread_died()
+    (tests/supervisor_hooks) kills its generation thread, and its process lived on, failing
+    every completion. From mlx-lm 0.32 its /health says 503, and the supervisor replaced it
+    only after --supervisor-unhealthy-after (30 s), its request in flight answered 502; on
+    0.31.3 /health said 200 and every completion waited for ever. Now it is replaced at that
+    first 503 (0.32), or its process ends with the thread (0.31.3: exit 1), the request sent
+    to the next child, and, as at a native crash, a suspect: one that kills the thread there
+    too (every time) is quarantined, not sent from child to child."""
+    python = stock_python(version)
+    says_503 = stock_health_says_its_thread_died(python)
     arm = tmp_path / "arm"
-    supervised = start_supervisor("--engine", "stock", "--supervisor-interval", "0.2",
+    supervised = start_supervisor("--engine", "stock", "--supervisor-interval", "0.2", python=python,
                                   env=with_supervisor_hooks(GUARDIAN_TEST_STOCK_STEP_RAISES_ARMED_BY=str(arm)))
     pid = supervised.wait_ready()
     arm.write_text(str(deaths))
@@ -466,11 +486,17 @@ def test_a_stock_child_whose_generation_thread_died_is_replaced_at_once(start_su
         took = time.monotonic() - started
         print(f"\nmeasured: {deaths} death(s), answered {answer.status_code} {took:.2f} s after it was sent")
         assert not arm.exists()  # stock's step raised, in each child
-        stopping = supervised.supervisor_events("child_stopping")
-        assert len(stopping) == deaths and stopping[0]["pid"] == pid, stopping
-        assert all("its generation thread is gone" in e["reason"] for e in stopping), stopping
+        exits = supervised.supervisor_events("child_exited")
+        assert len(exits) == deaths and exits[0]["pid"] == pid, exits
+        if says_503:  # the supervisor stopped it at its /health's first 503
+            stopping = supervised.supervisor_events("child_stopping")
+            assert [e["reason"] for e in stopping] == ["its generation thread is gone (stock's /health: 503)"] * deaths
+        else:  # it ended with its thread
+            assert [e["returncode"] for e in exits] == [1] * deaths, exits
+            assert supervised.supervisor_events("child_stopping") == []
+            assert "of stock's server died of RuntimeError" in supervised.log_path.read_text()
         assert [len(e["suspects"]) for e in supervised.supervisor_events("crash_suspects")] == [1] * deaths
-        # Each next child's start (~3 s here), not --supervisor-unhealthy-after (30 s).
+        # Each next child's start (~3 s here), not --supervisor-unhealthy-after (30 s), nor for ever.
         assert took < 10 + 5 * deaths, took
         if deaths == 1:
             assert answer.status_code == 200, answer.text
@@ -481,21 +507,30 @@ def test_a_stock_child_whose_generation_thread_died_is_replaced_at_once(start_su
         assert client.post(supervised.url + COMPLETIONS, json=other).status_code == 200
 
 
-def test_a_stock_child_whose_model_cannot_load_ends_the_supervisor_with_code_3(start_supervisor, tmp_path):
-    """Stock's process lives on when its model cannot load (its generation thread loads it,
-    and dies): the supervisor held it "starting" for start_timeout_s (600 s), then started
-    another, for ever, every request held meanwhile. Stock's /health says 503 once that
-    thread is gone (mlx-lm 0.32 on; 0.31.3's always says 200): starting, that is a model
-    that could not be loaded, as a guardian child's exit 3 is."""
-    skip_unless_stock_health_says_its_thread_died()
+@pytest.mark.parametrize("version", ["installed", "0.31.3"])
+def test_a_stock_child_whose_model_cannot_load_ends_the_supervisor_with_code_3(start_supervisor, tmp_path, version):
+    """Stock's process lived on when its model could not load (its generation thread loads
+    it, and dies): the supervisor held it "starting" for start_timeout_s (600 s), then
+    started another, for ever, every request held meanwhile (0.31.3: it read ready, and
+    every completion waited for ever). Stock's /health says 503 once that thread is gone
+    (mlx-lm 0.32 on): starting, that is a model that could not be loaded, as a guardian
+    child's exit 3 is; on 0.31.3 the thread's error ends the process with code 3
+    (guardian.supervise.stock_child)."""
+    python = stock_python(version)
+    says_503 = stock_health_says_its_thread_died(python)
     supervised = start_supervisor("--engine", "stock", "--model", str(tmp_path / "no-such-model"),
-                                  "--supervisor-interval", "0.2", wait=False, env={"HF_HUB_OFFLINE": "1"})
+                                  "--supervisor-interval", "0.2", wait=False, python=python,
+                                  env={"HF_HUB_OFFLINE": "1"})
     assert supervised.proc.wait(timeout=60) == EXIT_BOOT_ERROR
-    stopping = supervised.supervisor_events("child_stopping")
-    assert len(stopping) == 2 and all("the model could not be loaded" in e["reason"] for e in stopping), stopping
     [gave_up] = supervised.supervisor_events("supervisor_gave_up")
     assert "the model could not be loaded, 2 children in a row" in gave_up["reason"], gave_up
-    assert "stock's /health: 503" in gave_up["reason"]
+    if says_503:
+        stopping = supervised.supervisor_events("child_stopping")
+        assert len(stopping) == 2 and all("the model could not be loaded" in e["reason"] for e in stopping), stopping
+        assert "stock's /health: 503" in gave_up["reason"]
+    else:
+        assert [e["returncode"] for e in supervised.supervisor_events("child_exited")] == [EXIT_BOOT_ERROR] * 2
+        assert f"exit code {EXIT_BOOT_ERROR}" in gave_up["reason"]
 
 
 def test_a_model_is_named_as_stocks_flags_read_it():
@@ -579,7 +614,7 @@ def test_stock_engine_is_proxied_and_restarted(start_supervisor, model_cache, tm
     [started, _] = supervised.supervisor_events("child_started")
     # Through the shim that asks the kernel for SIGTERM when the supervisor dies (Linux).
     assert started["command"][1:4] == ["-m", "guardian.distributed.shim", "--"]
-    assert started["command"][5:8] == ["-m", "mlx_lm", "server"]
+    assert started["command"][5:8] == ["-m", "guardian.supervise.stock_child", "server"]
     assert supervised.supervisor()["last_exit"]["reason"].startswith("killed by SIGKILL")
     # A save a restart would refuse (a setting nothing reads with a stock child) is refused live.
     config.write_text("[http]\nidle_timeout_s = 6.0\n[guardian]\nmax_stop_sequences = 4\n")

@@ -51,7 +51,8 @@ REQUIRED = {
     "ResponseGenerator._tokenize": "tokenize once on the HTTP thread, as stock does; a continuation's prompt",
     "ResponseGenerator.generate": "the HTTP thread's side of a request",
     "ResponseGenerator.stop_and_join": "clean shutdown of the generation thread",
-    "ModelProvider.load_default": "load the --model weights before serving",
+    "ModelProvider.load_default": "load the --model weights before serving; a stock child whose thread "
+                                  "dies in it could not load them (guardian.supervise.stock_child)",
     "ModelProvider.load": "load a model the way stock does",
     "APIHandler.handle_completion": "wrapped to answer engine faults properly",
     "APIHandler.validate_model_parameters": "extended: every field checked at the door against the loaded model",

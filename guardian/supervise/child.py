@@ -38,6 +38,8 @@ log = structlog.get_logger("guardian.supervisor")
 # Until a child is first ready, checks are cheap (refused, or an instant
 # 503) and each one saved shortens the outage of a restart.
 STARTUP_CHECK_INTERVAL_S = 0.1
+# What a stock child runs (by name: importing it here would change nothing the child does).
+STOCK_CHILD = "guardian.supervise.stock_child"
 
 
 # Why a child died, gunicorn-style: the signal or exit code, and what it suggests.
@@ -204,9 +206,9 @@ def child_command(options: argparse.Namespace, engine: str, child_args: list[str
     if options.log_level is not None:
         child_args = [*child_args, "--log-level", options.log_level]
     if engine == "stock":
-        # `python -m mlx_lm server` works on 0.31 and 0.32 without
-        # `python -m mlx_lm.server`'s deprecation warning.
-        return [sys.executable, "-m", "mlx_lm", "server", *child_args, *address]
+        # Stock's `python -m mlx_lm server` (on 0.31 and 0.32 without `python -m
+        # mlx_lm.server`'s deprecation warning), ended when a thread of it dies (stock_child).
+        return [sys.executable, "-m", STOCK_CHILD, "server", *child_args, *address]
     if options.log_format is not None:
         child_args = [*child_args, "--log-format", options.log_format]
     if options.guardian_config is not None:

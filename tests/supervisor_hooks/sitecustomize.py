@@ -13,11 +13,12 @@ variable; the guardian's own code is not changed.
   (a path): once the path exists, a supervised child SIGKILLs itself just before the
   first socket write that holds those bytes, once: where a native crash would cut an
   answer between two of its writes.
-- ``GUARDIAN_TEST_STOCK_STEP_RAISES_ARMED_BY`` (a path): in stock's own server (``python
-  -m mlx_lm server``, a supervisor's stock child), once the path exists, the next call of
+- ``GUARDIAN_TEST_STOCK_STEP_RAISES_ARMED_BY`` (a path): in stock's own server (a
+  supervisor's stock child, ``python -m guardian.supervise.stock_child server``), once the path exists, the next call of
   stock's ``BatchGenerator.next`` raises the incident's error and removes the path (one
-  holding a number N: N such failures, one a process): its generation thread dies, the
-  process lives on (tests/plugins/stock_step_faults.py plants the same in a guardian)."""
+  holding a number N: N such failures, one a process): its generation thread dies (the
+  process lives on, but for guardian.supervise.stock_child's hook; tests/plugins/stock_step_faults.py
+  plants the same in a guardian)."""
 
 import os
 import sys
@@ -74,7 +75,7 @@ if os.environ.get("GUARDIAN_TEST_DIE_ARMED_BY"):
 
 if os.environ.get("GUARDIAN_TEST_STOCK_STEP_RAISES_ARMED_BY"):
     # sys.argv is not set yet while sitecustomize runs; the interpreter's own is.
-    if sys.orig_argv[1:4] == ["-m", "mlx_lm", "server"]:
+    if sys.orig_argv[1:4] == ["-m", "guardian.supervise.stock_child", "server"]:
         from mlx_lm.generate import BatchGenerator
 
         _step_armed_by = os.environ["GUARDIAN_TEST_STOCK_STEP_RAISES_ARMED_BY"]
