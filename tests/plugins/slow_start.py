@@ -13,6 +13,7 @@ new version, which delays the server's verdict on it. Nothing else.
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 
 import structlog
@@ -20,6 +21,18 @@ import structlog
 import guardian
 
 log = structlog.get_logger("tests.slow_start")
+# The main thread holds in slices this long. A signal that lands as it is about to block
+# (after Python last looked for one) interrupts no wait, and its handler runs only once the
+# wait ends: a Ctrl-C at one 30 s wait ended the process 30 s later (a CI flake under
+# load), where a real model's load returns to Python often.
+SLICE_S = 0.05
+
+
+def hold(seconds: float) -> None:
+    """Wait ``seconds`` on this thread, a signal's handler running within SLICE_S."""
+    deadline = time.monotonic() + seconds
+    while (left := deadline - time.monotonic()) > 0:
+        threading.Event().wait(min(left, SLICE_S))
 
 
 @dataclass
@@ -44,9 +57,9 @@ class SlowStart:
         self.settings = settings
         if settings.hold_before_load_s > 0:
             log.warning("slow_start_loading", hold_s=settings.hold_before_load_s)
-            threading.Event().wait(settings.hold_before_load_s)
+            hold(settings.hold_before_load_s)
 
     @guardian.hookimpl
     def guardian_startup(self):
         log.warning("slow_start_waiting", hold_s=self.settings.hold_s)
-        threading.Event().wait(self.settings.hold_s)
+        hold(self.settings.hold_s)
