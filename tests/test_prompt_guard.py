@@ -184,7 +184,11 @@ def test_incident_sized_prompt_is_refused_in_under_a_second_beside_a_normal_stre
                 tokenize_started = time.monotonic()
                 count_chat(history)
                 tokenize_s = max(tokenize_s, time.monotonic() - tokenize_started)
-                bound = max(1.0, 4 * tokenize_s)
+                # The server tokenizes beside the engine's stream (both want its GIL and a
+                # core), the reference alone: in whole suites on two cores the refusal took
+                # 0.4-1.8 times it, and 4.8 and 5.0 times in two clean clones (1.7 s, 2.1 s).
+                # A prefill of this prompt would take minutes here.
+                bound = max(1.0, 8 * tokenize_s)
                 assert elapsed < bound, f"refusing {n_prompt} tokens took {elapsed:.2f} s (tokenizing: {tokenize_s:.2f} s)"
     finally:
         beside.join(60)
