@@ -548,7 +548,8 @@ def test_flags_the_child_refuses_are_not_restarted(start_supervisor):
     assert len(supervised.supervisor_events("child_exited")) == 1
 
 
-def test_stock_engine_is_proxied_and_restarted(start_supervisor, model_cache, tmp_path):
+@pytest.mark.parametrize("version", ["installed", "0.31.3"])
+def test_stock_engine_is_proxied_and_restarted(start_supervisor, model_cache, tmp_path, version):
     """Given no --model, stock serves the demo model, as the guardian does: it was started
     with none, answered its health checks, and failed every completion (404)."""
     from guardian.demo_model import ensure_demo_model
@@ -556,7 +557,7 @@ def test_stock_engine_is_proxied_and_restarted(start_supervisor, model_cache, tm
     config = tmp_path / "stock.toml"
     config.write_text("[http]\nidle_timeout_s = 5.0\n")
     supervised = start_supervisor("--engine", "stock", "--guardian-config", str(config),
-                                  "--supervisor-reap-wait", "3")
+                                  "--supervisor-reap-wait", "3", python=stock_python(version))
     first_pid = supervised.wait_ready()
     [selected] = supervised.supervisor_events("demo_model_selected")
     assert selected["model"] == str(ensure_demo_model(model_cache))
