@@ -14,11 +14,11 @@ variable; the guardian's own code is not changed.
   first socket write that holds those bytes, once: where a native crash would cut an
   answer between two of its writes.
 - ``GUARDIAN_TEST_STOCK_STEP_RAISES_ARMED_BY`` (a path): in stock's own server (a
-  supervisor's stock child, ``python -m guardian.supervise.stock_child server``), once the path exists, the next call of
-  stock's ``BatchGenerator.next`` raises the incident's error and removes the path (one
-  holding a number N: N such failures, one a process): its generation thread dies (the
-  process lives on, but for guardian.supervise.stock_child's hook; tests/plugins/stock_step_faults.py
-  plants the same in a guardian)."""
+  supervisor's stock child, ``python -m guardian.supervise.stock_child server``), once
+  the path exists, the next call of stock's ``BatchGenerator.next`` raises the
+  incident's error and removes the path (one holding a number N: N such failures, one a
+  process): its generation thread dies (tests/plugins/stock_step_faults.py plants the
+  same in a guardian)."""
 
 import os
 import sys
