@@ -462,6 +462,34 @@ def stock_health_says_its_thread_died(python: str) -> bool:
     return "def is_healthy" in Path(origin).with_name("server.py").read_text()
 
 
+@pytest.mark.parametrize("dies_in, code", [("load_default", EXIT_BOOT_ERROR), ("_generate", 1), ("exits", 0)])
+def test_a_stock_childs_thread_that_dies_of_an_error_ends_its_process(dies_in, code):
+    """guardian.supervise.stock_child's hook, on a thread of its own (no mlx_lm): a thread that
+    dies of an error in stock's load_default ends the process with 3, anywhere else with 1,
+    its traceback printed first; one that asks to end (SystemExit) ends alone."""
+    program = f"""
+import sys, threading
+from guardian.supervise.stock_child import end_the_process
+threading.excepthook = end_the_process
+def {dies_in}():
+    if "{dies_in}" == "exits":
+        sys.exit(5)
+    raise RuntimeError("[metal::malloc] Resource limit (499000) exceeded.")
+thread = threading.Thread(target={dies_in}, name="the-thread")
+thread.start()
+thread.join()
+print("the process lived on")
+"""
+    ended = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=30, cwd=REPO)
+    assert ended.returncode == code, ended.stderr
+    if code:
+        assert "RuntimeError: [metal::malloc] Resource limit (499000) exceeded." in ended.stderr  # Python's own print
+        assert f"the-thread of stock's server died of RuntimeError; the process ends with code {code}" in ended.stderr
+        assert "the process lived on" not in ended.stdout
+    else:
+        assert ended.stdout == "the process lived on\n" and ended.stderr == ""
+
+
 @pytest.mark.parametrize("version, deaths", [("installed", 1), ("installed", 2), ("0.31.3", 1)],
                          ids=["installed-once", "installed-every_time", "0.31.3-once"])
 def test_a_stock_child_whose_generation_thread_died_is_replaced_at_once(start_supervisor, tmp_path, version, deaths):
