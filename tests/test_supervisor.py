@@ -434,8 +434,9 @@ SUPERVISOR_HOOKS = Path(__file__).with_name("supervisor_hooks")
 
 
 def with_supervisor_hooks(**variables: str) -> dict:
-    """An environment that loads tests/supervisor_hooks, with the variables that arm its faults."""
-    python_path = os.pathsep.join(filter(None, [str(SUPERVISOR_HOOKS), os.environ.get("PYTHONPATH")]))
+    """An environment that loads tests/supervisor_hooks, with the variables that arm its faults
+    (and the repository, whose tests.plugins.arming the hooks share with the test plugins)."""
+    python_path = os.pathsep.join(filter(None, [str(SUPERVISOR_HOOKS), str(REPO), os.environ.get("PYTHONPATH")]))
     return {"PYTHONPATH": python_path, **variables}
 
 

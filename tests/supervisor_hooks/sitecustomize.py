@@ -78,17 +78,13 @@ if os.environ.get("GUARDIAN_TEST_STOCK_STEP_RAISES_ARMED_BY"):
     if sys.orig_argv[1:4] == ["-m", "guardian.supervise.stock_child", "server"]:
         from mlx_lm.generate import BatchGenerator
 
+        from tests.plugins.arming import disarm  # the repository is on PYTHONPATH (with_supervisor_hooks)
+
         _step_armed_by = os.environ["GUARDIAN_TEST_STOCK_STEP_RAISES_ARMED_BY"]
         _next = BatchGenerator.next
 
         def _raising_next(self, *args, **kwargs):
-            if os.path.exists(_step_armed_by):
-                left = int(open(_step_armed_by).read().strip() or "1") - 1
-                if left > 0:
-                    with open(_step_armed_by, "w") as armed:
-                        armed.write(str(left))
-                else:
-                    os.remove(_step_armed_by)
+            if disarm(_step_armed_by):
                 raise RuntimeError("[metal::malloc] Resource limit (499000) exceeded.")
             return _next(self, *args, **kwargs)
 
