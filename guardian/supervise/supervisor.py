@@ -613,10 +613,9 @@ class Supervisor:
             return self.give_up(f"the child refused its flags (exit code {dead.proc.returncode})",
                                 dead.proc.returncode)
         boot_failure = dead.boot_failure
-        # A stock child's exit 3 is its model's load failing however it read (stock_child):
-        # mlx-lm 0.31.3's /health answers 200 while it loads.
-        if boot_failure is None and not dead.stopped_by_supervisor and dead.proc.returncode == EXIT_BOOT_ERROR \
-                and (dead.ready_at is None or dead.stock):
+        # Exit 3 says the model could not be loaded (guardian.exit_codes), whatever the checks
+        # read before it: a stock child of mlx-lm 0.31.3 answers 200 while it loads (stock_child).
+        if boot_failure is None and not dead.stopped_by_supervisor and dead.proc.returncode == EXIT_BOOT_ERROR:
             boot_failure = f"exit code {EXIT_BOOT_ERROR}"
         self.boot_failures = 0 if boot_failure is None else self.boot_failures + 1
         # A model that failed to load boot_attempts times in a row, no child ready between,
