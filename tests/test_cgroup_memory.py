@@ -21,10 +21,10 @@ import httpx
 import pytest
 
 from conftest import REPO, Server, chat_body, free_port, poll
-from test_supervisor import post_in_thread
+from test_supervisor import KILLED_BY_ANOTHER_PROCESS, post_in_thread
 from guardian.admission.cgroup_memory import V1_MEMORY_ROOT, V2_ROOT, cgroup_memory_limit, group_paths
 from guardian.supervise.child import Child, exit_reason
-from guardian.supervise.oom_kills import dying, killed_for_memory, note_memory_group
+from guardian.supervise.oom_kills import dying, killed_for_memory, note_memory_group, oom_kills_in
 
 LIMIT_BYTES = 3 << 30  # far above what the demo model's server needs, far below this machine's memory
 
@@ -271,3 +271,28 @@ def test_a_check_while_the_child_is_being_killed_keeps_its_oom_kill(memory_group
         (freezer_group / "freezer.state").write_text("THAWED")
         child_proc.kill()
         child_proc.wait(timeout=30)
+
+
+def test_a_sigkill_is_told_by_its_groups_count_where_one_is_kept(tmp_path):
+    """A SIGKILL's reason: the OOM killer's where the child's memory group counted a kill more,
+    another process's where it counted none, and maybe the OOM killer's where no count is
+    kept (macOS, a group without one). A real process, killed; the count a file of the
+    kernel's format (cgroup v1's ``memory.oom_control``), so this runs anywhere."""
+    counter = tmp_path / "memory.oom_control"
+    counter.write_text("oom_kill_disable 0\nunder_oom 0\noom_kill 3\n")
+    killed = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    killed.kill()
+    assert killed.wait(timeout=30) == -signal.SIGKILL
+
+    def reason(counted_before: "int | None") -> str:
+        child = Child(killed, port=0, generation=1, stock=False, client=None)
+        child.oom_counter, child.oom_kills_seen = str(counter), counted_before
+        child.out_of_memory = killed_for_memory(child)
+        return exit_reason(child)
+
+    assert oom_kills_in(str(counter)) == 3
+    assert reason(2) == "killed by SIGKILL: the kernel's OOM killer (out of memory)"
+    assert reason(3) == KILLED_BY_ANOTHER_PROCESS
+    assert reason(None) == "killed by SIGKILL: perhaps out of memory?"  # no count was read at its start
+    counter.unlink()  # a count that can no longer be read says nothing either
+    assert reason(3) == "killed by SIGKILL: perhaps out of memory?"

@@ -106,11 +106,11 @@ class Child:
     paused_s: float = 0.0  # how long the supervisor was paused since it started this child
     # Its memory group's count of processes the kernel's OOM killer ended, and the file
     # that keeps it, at its start and then at each health check (guardian.supervise.oom_kills),
-    # and whether that killer ended it (settled as it is reaped).
+    # and whether that killer ended it (settled as it is reaped; None: a SIGKILL no count tells).
     oom_counter: Optional[str] = None
     oom_kills_seen: Optional[int] = None
     oom_change_seen: Optional[tuple] = None  # a change of the two at the last check, not yet taken
-    out_of_memory: bool = False
+    out_of_memory: Optional[bool] = False
 
     def hands_off(self) -> bool:
         """Whether a request may be handed to it now (``handoff``), not relayed."""
@@ -168,6 +168,9 @@ def exit_reason(child: Child) -> str:
             return f"hard-killed (SIGKILL) by the supervisor {child.hard_kill_why} ({child.kill_reason})"
         if child.out_of_memory:
             described = "killed by SIGKILL: the kernel's OOM killer (out of memory)"
+        elif child.out_of_memory is False and -code == signal.SIGKILL:
+            described = ("killed by SIGKILL from another process (not the kernel's OOM killer: "
+                         "its memory group counted no OOM kill)")
         else:
             described = f"killed by {signal_name(-code)}: {SIGNAL_HINTS.get(-code, 'a signal')}"
     elif isinstance(child.proc, LauncherProcess) and child.proc.ranks_code is not None:

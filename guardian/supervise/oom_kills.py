@@ -96,10 +96,15 @@ def note_memory_group(child) -> None:
     child.oom_change_seen = None
 
 
-def killed_for_memory(child) -> bool:
+def killed_for_memory(child) -> Optional[bool]:
     """Whether the kernel's OOM killer ended ``child`` (a ``Child`` just reaped): SIGKILL, not
-    the supervisor's, while its group's count rose since it was last taken."""
-    if child.proc.returncode != -signal.SIGKILL or child.hard_killed or child.oom_kills_seen is None:
+    the supervisor's, while its group's count rose since it was last taken. None where that
+    cannot be told: a SIGKILL with no count to read (macOS, a group that keeps none). The count
+    is of every OOM kill of the group's processes, the machine's own OOM killer's too, so a
+    SIGKILL it did not rise for came from another process (``kill -9``)."""
+    if child.proc.returncode != -signal.SIGKILL or child.hard_killed:
         return False
+    if child.oom_kills_seen is None:
+        return None
     now = oom_kills_in(child.oom_counter)
-    return now is not None and now > child.oom_kills_seen
+    return None if now is None else now > child.oom_kills_seen

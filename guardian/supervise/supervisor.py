@@ -591,7 +591,7 @@ class Supervisor:
                                                     # A stock child has no KV budget to refuse a
                                                     # request too big for its memory: its kills
                                                     # strike, so such a request is quarantined.
-                                                    out_of_memory=child.out_of_memory and not child.stock,
+                                                    out_of_memory=bool(child.out_of_memory) and not child.stock,
                                                     pid=child.pid, reason=reason)
         except Exception as e:  # noqa: BLE001 - what one request carried must not end the supervisor
             log.exception("crash_suspects_failed", generation=child.generation, error_type=type(e).__name__)
