@@ -60,6 +60,8 @@ def scenario(tmp_path_factory, model_cache):
         # the stuck one compiles its kernels and graphs again (more than 1 s).
         stall_timeout_s = {STALL_TIMEOUT_S}
         resource_interval_s = 0.2
+        # Each deep check a round of its own: their steps teach the watchdog a new loop's pace.
+        deep_check_reuse_s = 0.0
     """))
     port = free_port()
     log_path = folder / "server.log"

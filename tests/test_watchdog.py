@@ -169,7 +169,8 @@ def test_long_progressing_prefill_is_not_a_stall(watched_server):
 
 
 def test_deep_probe_runs_one_token_and_keeps_the_prompt_cache_clean(start_server):
-    server = start_server(watchdog(resource_interval_s=0.05))
+    # A round of the check's own, though the start's passed a moment before.
+    server = start_server(watchdog(resource_interval_s=0.05, deep_check_reuse_s=0.0))
     response = httpx.get(server.url + "/readyz?deep=1", timeout=30)
     assert response.status_code == 200
     body = response.json()
@@ -194,7 +195,7 @@ def test_deep_readiness_checks_at_once_share_their_probe_rounds(watched_server):
     other: a dozen at once made a dozen generations, the last answered after all of them.
     A check that waited while a round ran takes the next round's answer (one begun after
     it asked), so a flood runs a round or two."""
-    server = watched_server(dict(step_delay_s=0.2), dict(probe_interval_s=600.0))
+    server = watched_server(dict(step_delay_s=0.2), dict(probe_interval_s=600.0, deep_check_reuse_s=0.0))
     before = httpx.get(server.url + "/guardian/status", timeout=10).json()["probes_run"]
     # At once: every connection made first, then the twelve checks sent together (from
     # a pool of client threads, a loaded CI's twelve came over more than a round: 3 rounds).
@@ -212,6 +213,33 @@ def test_deep_readiness_checks_at_once_share_their_probe_rounds(watched_server):
     # Each answer's round began after its check asked: none older than the first round.
     bodies = [json.loads(a.partition(b"\r\n\r\n")[2]) for a in answers]
     assert len({body["last_probe"]["at"] for body in bodies}) <= 2
+
+
+def test_a_client_looping_on_deep_checks_runs_a_round_a_second_at_most(watched_server):
+    """/readyz?deep=1 is public, and each check that waited for no round ran one: a client
+    looping on it kept an idle engine generating ~180 probe rounds a second (a core busy).
+    A round begun at most [watchdog] deep_check_reuse_s (1 s) before a check answers it."""
+    server = watched_server({}, dict(probe_interval_s=600.0))  # deep_check_reuse_s at its default
+    status = lambda: httpx.get(server.url + "/guardian/status", timeout=10).json()
+    with httpx.Client(timeout=30) as client:
+        before, started, answers = status()["probes_run"], time.monotonic(), []
+        while time.monotonic() - started < 2.5:
+            answers.append(client.get(server.url + "/readyz?deep=1"))
+        elapsed = time.monotonic() - started
+        rounds = status()["probes_run"] - before
+        assert {a.status_code for a in answers} == {200}, answers[-1].text
+        print(f"\nmeasured: {len(answers)} deep checks in {elapsed:.2f} s ran {rounds} probe rounds")
+        assert len(answers) > 3 * (elapsed + 1)  # far more checks than rounds: the loop was a flood
+        assert rounds <= elapsed + 1, (rounds, elapsed)
+        # Every answer is one of those rounds', or of the round before the loop (begun within the second).
+        assert len({a.json()["last_probe"]["at"] for a in answers}) <= rounds + 1
+
+        # 0: a round for every check (live).
+        server = watched_server({}, dict(probe_interval_s=600.0, deep_check_reuse_s=0.0))
+        before = status()["probes_run"]
+        for _ in range(4):
+            assert client.get(server.url + "/readyz?deep=1").status_code == 200
+        assert status()["probes_run"] - before == 4
 
 
 # The hang is this request's own (its third logits-processor call, after its

@@ -413,9 +413,9 @@ class StallDetector:
 
     def run_probes(self, timeout_s: Optional[float] = None, asked_at: Optional[float] = None) -> dict:
         """Run every plugin's probe now; one round at a time. ``asked_at`` (monotonic): a
-        round that began since, and ended while this waited its turn, answers it too:
-        a flood of deep readiness checks (public, no key) ran a round each, one after the
-        other, and a round or two now serve them all."""
+        round that began since answers it too, whether it ended before this call or while
+        this waited its turn: a flood of deep readiness checks (public, no key) ran a round
+        each, one after the other, and a round or two now serve them all."""
         timeout_s = timeout_s or self.settings.probe_timeout_s
         with self._probing:
             if asked_at is not None and self.last_probe is not None and self._last_round_began >= asked_at:
@@ -438,6 +438,13 @@ class StallDetector:
         self._log_probe(outcome, previous)
         notify(self.pm.hook.on_probe_result, results=results, engine=self.engine.plugin_view)
         return outcome
+
+    def run_probes_for_a_check(self) -> dict:
+        """A deep readiness check's round (``/readyz?deep=1``): one begun at most
+        ``deep_check_reuse_s`` before the check answers it, else a round of its own. The
+        check is public, and each round a generation: a client looping on it kept an idle
+        engine generating probes, ~180 rounds a second (the demo model, a core)."""
+        return self.run_probes(asked_at=time.monotonic() - self.settings.deep_check_reuse_s)
 
     def _probe_results(self, timeout_s: float) -> list[dict]:
         """Each plugin's probe result. A probe that raises, or answers with something other

@@ -9,7 +9,6 @@ guardian.serving.assembly): its engine, its stall detection (``/health``,
 
 from __future__ import annotations
 
-import time
 import urllib.parse
 
 from guardian import stock
@@ -127,7 +126,7 @@ class Endpoints:
 
     def send_readiness(self, engine, stall_detector, deep: bool) -> None:
         if deep and engine.is_healthy and not stall_detector.progressing():
-            stall_detector.run_probes(asked_at=time.monotonic())
+            stall_detector.run_probes_for_a_check()
         ready, reason = stall_detector.readiness()
         # Users' requests completed: a supervisor judges its restarts by them (progress).
         body = {"status": "ready" if ready else "unavailable", "reason": reason,
