@@ -84,6 +84,20 @@ def test_the_waits_of_a_row_that_would_end_the_process():
     assert Backoff(after_failures=2, base_s=0.0, max_s=8.0).waits_before(14) == 0.0
 
 
+def test_a_row_of_failures_longer_than_a_float_can_double_waits_max_s():
+    """``[recovery] max_failures = 1000000`` (bench/soak.py's, for a process that never gives
+    up): the crash-loop check at start summed a million waits, and the 1,026th doubling
+    overflowed a float: OverflowError, ``plugin_hook_failed`` for the recovery plugin, and
+    the same in the engine's own wait after that many failures in a row."""
+    backoff = Backoff(after_failures=2, base_s=0.25, max_s=8.0)
+    row = 1_000_001
+    assert backoff.waits_before(row) == 0.25 + 0.5 + 1 + 2 + 4 + 8.0 * (row - 7)
+    assert delays(backoff, [(n, 0) for n in range(1, 2001)])[-3:] == [8.0] * 3
+    assert Backoff(after_failures=2, base_s=0.0, max_s=8.0).waits_before(row) == 0.0
+    # No cap: the longest wait a float holds, not an error.
+    assert Backoff(after_failures=1, base_s=1.0, max_s=float("inf"))._delay(5000) == 2.0 ** 1023
+
+
 def test_a_zero_base_never_waits():
     backoff = Backoff(after_failures=1, base_s=0.0, max_s=8.0)
     assert delays(backoff, [(n, 0) for n in range(1, 10)]) == [0.0] * 9

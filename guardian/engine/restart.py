@@ -13,6 +13,7 @@ to the new loop's first poll into phases, logged with ``engine_restarted``
 
 from __future__ import annotations
 
+import sys
 import time
 import traceback
 from typing import Hashable, Optional
@@ -84,12 +85,25 @@ class Backoff:
         """The wait after the ``counted``-th failure in a row."""
         if not self.base_s or counted < self.after_failures:
             return 0.0
-        return min(self.max_s, self.base_s * 2 ** (counted - self.after_failures))
+        # A float's largest power of two: past it the doubling overflowed (OverflowError at
+        # the 1,026th failure in a row, which a max_failures in the thousands lets come).
+        doublings = min(counted - self.after_failures, sys.float_info.max_exp - 1)
+        return min(self.max_s, self.base_s * 2.0 ** doublings)
 
     def waits_before(self, failures: int) -> float:
         """The seconds a row of ``failures`` failures without progress waits in all
-        before its last one (the waits after each of the others)."""
-        return sum(self._delay(n) for n in range(1, failures))
+        before its last one (the waits after each of the others). Each wait once it
+        reaches ``max_s`` is ``max_s``: counted, not summed one by one (a max_failures of
+        a million)."""
+        if not self.base_s:
+            return 0.0
+        total = 0.0
+        for counted in range(1, failures):
+            delay = self._delay(counted)
+            if counted >= self.after_failures and delay >= self.max_s:
+                return total + delay * (failures - counted)
+            total += delay
+        return total
 
     def wait(self, delay_s: float) -> None:
         """Wait out ``delay_s`` (the loop thread; requests stay queued meanwhile)."""
