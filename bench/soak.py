@@ -11,7 +11,9 @@ faults are planted (``fault_injected`` events in the server's JSON log).
 
 ``supervise``: ``python -m guardian --supervise`` with the same clients and
 real faults on the child, ``--rounds`` rounds of each of SIGKILL, SIGSEGV and
-SIGSTOP (the child's pid from ``GET /guardian/supervisor``). Between faults
+SIGSTOP (the child's pid from ``GET /guardian/supervisor``); ``--engine stock`` makes the
+child stock's own server (which tags no tokens: a stream it began cannot be continued, and
+ends with an error event). Between faults
 the script waits for a new child to be ready, then lets the clients run a
 few seconds so the next fault lands mid-generation. After SIGSTOP the
 supervisor replaces the frozen child once its checks have failed for
@@ -125,7 +127,10 @@ interval_s = 0.5
 unhealthy_after_s = 3.0
 max_restarts = 1000
 quarantine_s = 0
-
+"""
+# A guardian child's probes: the clients keep it busy. (A stock child reads no file: the
+# supervisor refuses any table of the child's with --engine stock.)
+GUARDIAN_CHILD_CONFIG = """
 [watchdog]
 probe_interval_s = 3600.0
 """
@@ -452,10 +457,11 @@ def run_supervise(args) -> dict:
     model = str(ensure_demo_model())
     workdir = Path(tempfile.mkdtemp(prefix="soak-supervise-"))
     config = workdir / "guardian.toml"
-    config.write_text(SUPERVISE_CONFIG)
+    config.write_text(SUPERVISE_CONFIG + (GUARDIAN_CHILD_CONFIG if args.engine == "guardian" else ""))
     port = free_port()
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    server = Server("supervise", [sys.executable, "-m", "guardian", "--supervise", "--guardian-config", str(config),
+    server = Server("supervise", [sys.executable, "-m", "guardian", "--supervise", "--engine", args.engine,
+                                  "--guardian-config", str(config),
                                   "--model", model, "--host", "127.0.0.1", "--port", str(port)],
                     port, workdir / "supervise.log", env)
     print(f"log: {server.log_path}", file=sys.stderr)
@@ -513,7 +519,7 @@ def run_supervise(args) -> dict:
         per_kind[name] = {"faults": len(times), "ready_again_s": summary(kind_replaced),
                           "outcomes": outcomes(mine, times)}
     result = {
-        "mode": "supervise", **environment(), "clients": args.clients, "rounds": args.rounds,
+        "mode": "supervise", "engine": args.engine, **environment(), "clients": args.clients, "rounds": args.rounds,
         "elapsed_s": round(elapsed, 1), "server_alive_at_end": alive,
         "faults": [{"kind": k, "t": round(t - t0, 2), "ready_again_s": s}
                    for k, t, s in zip(labels, faults, replaced_s)],
@@ -531,9 +537,10 @@ def run_supervise(args) -> dict:
         "failed_requests": [r for r in records if r["failure"]][:80],
         "log": str(server.log_path),
     }
-    title = (f"--supervise, demo model, {args.clients} clients: {args.rounds} rounds of SIGKILL, SIGSEGV, "
+    engine = "" if args.engine == "guardian" else f" --engine {args.engine}"
+    title = (f"--supervise{engine}, demo model, {args.clients} clients: {args.rounds} rounds of SIGKILL, SIGSEGV, "
              f"SIGSTOP on the child in {elapsed:.0f} s")
-    out = args.out / "soak-supervise"
+    out = args.out / ("soak-supervise" if args.engine == "guardian" else f"soak-supervise-{args.engine}")
     plot(records, faults, t0, title, out.with_suffix(".png"), labels)
     result["records"] = [{k: r[k] for k in ("start", "end", "stream", "max_tokens", "status", "tokens", "failure")}
                          for r in records]
@@ -574,13 +581,15 @@ def main() -> None:
     parser.add_argument("--probability", type=float, default=0.0, help="instead of --every-n-steps")
     parser.add_argument("--rounds", type=int, default=5, help="supervise: rounds of SIGKILL, SIGSEGV, SIGSTOP")
     parser.add_argument("--settle", type=float, default=4.0, help="supervise: seconds of traffic before each fault")
+    parser.add_argument("--engine", choices=("guardian", "stock"), default="guardian",
+                        help="supervise: the child, as --engine says (stock: stock's mlx_lm server)")
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--timeout", type=float, default=900.0, help="inprocess: seconds for the whole run")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     result = run_inprocess(args) if args.mode == "inprocess" else run_supervise(args)
-    path = args.out / f"soak-{args.mode}.json"
+    path = args.out / (f"soak-{args.mode}.json" if args.engine == "guardian" else f"soak-{args.mode}-{args.engine}.json")
     path.write_text(json.dumps(result, indent=1, default=str) + "\n")
     shown = {k: v for k, v in result.items() if k not in ("records", "fault_times", "failed_requests", "status_at_end")}
     print(json.dumps(shown, indent=1, default=str))
