@@ -81,6 +81,43 @@ def test_a_file_written_in_place_is_read_once_its_writer_closes_it(tmp_path, wat
     assert reloads.seen == [("file_changed", whole)]
 
 
+@pytest.mark.skipif(not reports_closes(Observer()), reason="only inotify (Linux) reports that a writer closed a file")
+def test_a_save_in_place_whose_first_event_comes_late_is_not_read_half_written(tmp_path, watched):
+    """A save by rename, then at once one in place (truncate, then write): the read the first
+    asked for came between the truncate and the write, when the truncate's event was still on
+    its way (a loaded process's watch thread), and found the file empty. Under load with a
+    save every 0.1-0.6 s (a scratch churn of the live configuration), 1 of ~90 saves in place
+    put an empty file in force: every setting at its default for a moment (a key file: every
+    client refused). A file is read only once its last change is ``STILL_S`` old: by then its
+    writer's events have come, and a writer is waited for to close it."""
+    path = tmp_path / "guardian.toml"
+    reloads = watched(path, "one\n")
+    watcher = reloads.watcher
+    kicked, late = threading.Event(), threading.Event()
+    kick, is_ours = watcher.kick, watcher.is_ours
+
+    def kick_seen(reason):
+        kick(reason)
+        kicked.set()
+
+    def late_event(event_path):
+        if late.is_set():  # the truncate's event, 0.3 s on its way
+            late.clear()
+            pace(0.3)
+        return is_ours(event_path)
+
+    watcher.kick, watcher.is_ours = kick_seen, late_event
+    (tmp_path / "saved").write_text("two\n")
+    os.replace(tmp_path / "saved", path)
+    assert kicked.wait(10), "the save by rename seen"
+    late.set()
+    with open(path, "w") as writer:  # truncated here
+        pace(0.4)  # the writer's pause before its write
+        writer.write("three\n")
+    poll(lambda: reloads.read("three\n"), 10, what="the save in place read")
+    assert "" not in {held for _, held in reloads.seen}, reloads.seen
+
+
 def test_where_no_close_is_reported_a_file_written_in_place_is_read_once_it_holds_still(tmp_path, watched,
                                                                                         monkeypatch):
     """macOS' FSEvents and the polling observer report no close: the file was read 0.1 s after

@@ -53,10 +53,17 @@ SETTLE_S = 0.1
 # write whatever: a half-written key file must not be in force (everyone refused, or a
 # key cut short let in), nor a config file's first tables alone.
 MAX_OPEN_WAIT_S = 10.0
-# Where no close is reported (macOS' FSEvents, the polling observer), a file is read once
-# it has not changed for this long (still within MAX_OPEN_WAIT_S): a writer slower than the
-# settling, pausing between its writes, was read half-way. One pausing longer still is.
+# A file is read once its last change (its modification or change time) is this old (within
+# MAX_OPEN_WAIT_S). An event comes a moment after its change, later in a loaded process: a
+# save in place just after another save was read between its truncate and its write, the
+# truncate's event still on its way, and an empty file put in force (every setting at its
+# default, every key gone) until the next read. And where no close is reported (macOS'
+# FSEvents, the polling observer), a writer slower than the settling, pausing between its
+# writes, was read half-way. One pausing longer still is, there.
 STILL_S = 0.5
+# A modification time further ahead of this clock than this is no recent change (a clock
+# set back, ``touch -d``): waited for, it would hold every read of the file for MAX_OPEN_WAIT_S.
+FUTURE_STAMP_S = 1.0
 # The watch also looks at the file itself this often: a change no event in its folder
 # reports (a symlink swapped in another folder, as Kubernetes mounts a ConfigMap or a
 # Secret; the folder itself replaced; chmod) is read within this.
@@ -411,8 +418,8 @@ class ConfigFileWatcher:
     a new file and renaming it over the old one replaces the inode a watch on
     the file would follow. Events are filtered to the file's name (moved:
     its destination). A file written in place is read once its writer closed
-    it (``MAX_OPEN_WAIT_S``), and one gone a moment (``MISSING_WAIT_S``) once it is
-    back. Every ``POLL_S`` the file's stamp is compared too,
+    it (``MAX_OPEN_WAIT_S``) and its last change is ``STILL_S`` old, and one gone a
+    moment (``MISSING_WAIT_S``) once it is back. Every ``POLL_S`` the file's stamp is compared too,
     for what no event of the folder reports (the folder is watched again if
     it was replaced). Reloads run on one thread, in order.
     """
@@ -508,16 +515,20 @@ class ConfigFileWatcher:
                 except Exception:  # noqa: BLE001 - a failed look must not end the watch
                     log.exception("config_watch_look_failed", file=str(self.path))
                 continue
-            # Let the rest of a save arrive (one reload per burst of events), and its writer close it.
+            # Let the rest of a save arrive (one reload per burst of events), its writer close
+            # it, and its last change grow STILL_S old, whatever event comes meanwhile.
             open_until = time.monotonic() + MAX_OPEN_WAIT_S
-            while (self._wake.is_set() or self.writing) and not self._stopped.is_set():
-                self._wake.clear()
-                self._stopped.wait(self.settle_s)
-                if time.monotonic() > open_until:
-                    self.writing = False  # its close was never seen (lost, or none comes): read it now
+            while not self._stopped.is_set():
+                while (self._wake.is_set() or self.writing) and not self._stopped.is_set():
+                    self._wake.clear()
+                    self._stopped.wait(self.settle_s)
+                    if time.monotonic() > open_until:
+                        self.writing = False  # its close was never seen (lost, or none comes): read it now
+                        break
+                wait_s = self._until_still()
+                if not wait_s or time.monotonic() > open_until:
                     break
-            if not self.close_events:
-                self._wait_until_still(open_until)
+                self._stopped.wait(wait_s)
             missing_until = time.monotonic() + MISSING_WAIT_S
             while not self.path.exists() and time.monotonic() < missing_until and not self._stopped.is_set():
                 self._stopped.wait(self.settle_s)
@@ -533,15 +544,16 @@ class ConfigFileWatcher:
             except Exception:
                 log.exception("config_reload_crashed")
 
-    def _wait_until_still(self, until: float) -> None:
-        """Return once the file's stamp has held for ``STILL_S``, or at ``until``."""
+    def _until_still(self) -> float:
+        """Seconds until the file's last change is ``STILL_S`` old: 0 once it is, or where
+        the file cannot be seen (``MISSING_WAIT_S`` waits for that)."""
         stamp = file_stamp(self.path)
-        while not self._stopped.is_set() and time.monotonic() < until:
-            self._stopped.wait(STILL_S)
-            now = file_stamp(self.path)
-            if now == stamp:
-                return
-            stamp = now
+        if stamp is None:
+            return 0.0
+        age_s = time.time() - max(stamp[4], stamp[5]) / 1e9
+        if age_s < -FUTURE_STAMP_S:
+            return 0.0
+        return min(STILL_S, max(0.0, STILL_S - age_s))
 
     def _look(self) -> None:
         """The poll: the file changed without an event seen (read it), its folder replaced
