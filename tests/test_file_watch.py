@@ -9,6 +9,7 @@ mounts a ConfigMap or a Secret so), the folder itself replaced, and chmod.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import threading
 import time
@@ -20,6 +21,7 @@ from watchdog.observers.api import EventEmitter
 from conftest import pace, poll
 from guardian.config import live
 from guardian.config.live import ConfigFileWatcher, reports_closes
+from guardian.config.loading import STILL_S
 
 
 class Reloads:
@@ -116,6 +118,51 @@ def test_a_save_in_place_whose_first_event_comes_late_is_not_read_half_written(t
         writer.write("three\n")
     poll(lambda: reloads.read("three\n"), 10, what="the save in place read")
     assert "" not in {held for _, held in reloads.seen}, reloads.seen
+
+
+def test_a_read_again_waits_out_a_save_begun_just_before_it(tmp_path):
+    """The watch's wait for a still file ends, and a save in place begins before the reload
+    reads it: the read found the file empty (truncated, not yet written) and put it in
+    force. ``read_still``, what every reload reads with, takes only a version that held
+    still for ``STILL_S``; a read at start takes the file as it is."""
+    path = tmp_path / "guardian.toml"
+    path.write_text("[guardian]\nretry_after_s = 2.0\n")
+    os.utime(path, (time.time() - 60, time.time() - 60))  # saved long ago
+    writer = open(path, "w")  # the next save: truncated here
+    threading.Timer(0.3, lambda: (writer.write("[guardian]\nretry_after_s = 3.0\n"), writer.close())).start()
+    started = time.monotonic()
+    assert live.load_config(path, still=True).core.retry_after_s == 3.0
+    assert time.monotonic() - started >= 0.3 + STILL_S - 0.05  # the write, then STILL_S of stillness
+    path.write_text("")  # a read at start (no still): what is there, at once
+    assert live.load_config(path).sha256 == hashlib.sha256(b"").hexdigest()
+
+
+@pytest.mark.skipif(not reports_closes(Observer()), reason="only inotify (Linux) reports that a writer closed a file")
+def test_a_save_begun_as_the_reload_reads_is_waited_for_past_still_s(tmp_path, watched):
+    """A save in place whose truncate came as the watch began its read, and whose writer then
+    paused longer than ``STILL_S`` (a loaded writer: 2.5 s, in bench/config_churn.py): the
+    empty file held still that long and was read. Its truncate's event said a write (its
+    modification time moved with its change time), and the read waits for the close."""
+    path = tmp_path / "guardian.toml"
+    path.write_text("[guardian]\nretry_after_s = 2.0\n")
+    os.utime(path, (time.time() - 60, time.time() - 60))
+    read, writers = [], []
+
+    def reload(reason):
+        if not writers:  # the save lands as this read begins
+            writers.append(open(path, "w"))
+            threading.Timer(STILL_S + 0.5, lambda: (writers[0].write("[guardian]\nretry_after_s = 3.0\n"),
+                                                    writers[0].close())).start()
+        read.append(live.load_config(path, still=True).core.retry_after_s)
+
+    watcher = ConfigFileWatcher(path, reload)
+    watcher.start()
+    try:
+        watcher.kick("sighup")
+        poll(lambda: read, 15, what="the file read")
+        assert read[0] == 3.0, read  # not the empty file's default, 1.0
+    finally:
+        watcher.stop()
 
 
 def test_where_no_close_is_reported_a_file_written_in_place_is_read_once_it_holds_still(tmp_path, watched,

@@ -159,9 +159,9 @@ def test_a_broken_version_saved_while_another_is_read_is_said_on_its_own(tmp_pat
     path.write_text("[watchdog\n")  # not TOML
     read = live_module.load_config
 
-    def read_as_another_save_lands(file):
+    def read_as_another_save_lands(file, **kwargs):
         try:
-            return read(file)
+            return read(file, **kwargs)
         finally:
             path.write_text("[watchdog]\nstall_min_s = 0.1\n")  # another broken version
 

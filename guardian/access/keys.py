@@ -24,6 +24,7 @@ from typing import Optional
 
 import structlog
 
+from guardian.config.loading import read_still
 from guardian.config.registry import ConfigError
 
 log = structlog.get_logger("guardian.access")
@@ -192,8 +193,9 @@ class KeyRing:
     only those still on one of its good lines stay (a stolen key deleted in the
     same save as a typo made elsewhere stayed in force; a file deleted revokes
     every key). One being written in place is read once its writer has closed
-    it (guardian.config.live, where the kernel says so: Linux), so a half-saved
-    file lets no key cut short in.
+    it (guardian.config.live, where the kernel says so: Linux) and it has held
+    still for half a second (guardian.config.loading.read_still), so a half-saved
+    file lets no key cut short in, nor an emptied one revokes every key.
     """
 
     def __init__(self, path: Optional[str]):
@@ -233,11 +235,12 @@ class KeyRing:
             raise errors[0]
         return keys
 
-    def _read_lines(self) -> tuple[tuple[ApiKey, ...], list[KeyFileError], Optional[str]]:
+    def _read_lines(self, still: bool = False) -> tuple[tuple[ApiKey, ...], list[KeyFileError], Optional[str]]:
         """The file's good keys, what is wrong with it (a file that cannot be read has none),
-        and its bytes' SHA-256 (None: none were read)."""
+        and its bytes' SHA-256 (None: none were read). ``still``: read again while the server
+        runs, so only a version no writer is changing (guardian.config.loading.read_still)."""
         try:
-            raw = self.path.read_bytes()
+            raw = read_still(self.path)[0] if still else self.path.read_bytes()
         except OSError as e:
             return (), [KeyFileError(f"{self.path}: cannot be read: {type(e).__name__}: {e}")], None
         sha256 = hashlib.sha256(raw).hexdigest()
@@ -262,7 +265,7 @@ class KeyRing:
             return False
         with self._lock:
             before = self.read_sha256
-            keys, errors, seen = self._read_lines()
+            keys, errors, seen = self._read_lines(still=True)
             if errors and reason == "file_changed" and seen is not None and seen == self._refused_sha256:
                 # Another event of one broken save (a rename and a late event, or the watch's
                 # poll): refused, its keys revoked and said once.

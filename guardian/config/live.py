@@ -36,7 +36,7 @@ import structlog
 from guardian.config import folder_watch
 from guardian.config.tables import CORE_TABLES, SupervisorSettings
 from guardian.config.registry import TABLES, ConfigError, Table, table_of_dataclass, unread_tables
-from guardian.config.loading import GuardianConfig, load_config, parse_settings
+from guardian.config.loading import STILL_S, GuardianConfig, load_config, parse_settings, until_still, watched_by
 from guardian.observability.logs import keep_stock_request_lines, set_log_level
 
 log = structlog.get_logger("guardian.live_config")
@@ -53,17 +53,14 @@ SETTLE_S = 0.1
 # write whatever: a half-written key file must not be in force (everyone refused, or a
 # key cut short let in), nor a config file's first tables alone.
 MAX_OPEN_WAIT_S = 10.0
-# A file is read once its last change (its modification or change time) is this old (within
-# MAX_OPEN_WAIT_S). An event comes a moment after its change, later in a loaded process: a
-# save in place just after another save was read between its truncate and its write, the
-# truncate's event still on its way, and an empty file put in force (every setting at its
-# default, every key gone) until the next read. And where no close is reported (macOS'
-# FSEvents, the polling observer), a writer slower than the settling, pausing between its
-# writes, was read half-way. One pausing longer still is, there.
-STILL_S = 0.5
-# A modification time further ahead of this clock than this is no recent change (a clock
-# set back, ``touch -d``): waited for, it would hold every read of the file for MAX_OPEN_WAIT_S.
-FUTURE_STAMP_S = 1.0
+# A file is read once its last change is STILL_S old (within MAX_OPEN_WAIT_S), and the read
+# itself takes only a version that held still (guardian.config.loading.read_still). An event
+# comes a moment after its change, later in a loaded process: a save in place just after
+# another was read between its truncate and its write, the truncate's event still on its
+# way, and an empty file put in force (every setting at its default, every key gone) until
+# the next read. And where no close is reported (macOS' FSEvents, the polling observer), a
+# writer slower than the settling, pausing between its writes, was read half-way. One
+# pausing longer still is, there.
 # The watch also looks at the file itself this often: a change no event in its folder
 # reports (a symlink swapped in another folder, as Kubernetes mounts a ConfigMap or a
 # Secret; the folder itself replaced; chmod) is read within this.
@@ -185,7 +182,7 @@ class LiveConfig:
             current = self._config
             before = file_sha256(self.path)
             try:
-                new = load_config(self.path)
+                new = load_config(self.path, still=True)
             except ConfigError as e:
                 return self._failed(reason, str(e), sha256=bytes_read(self.path, before))
             if reason == "file_changed" and new.sha256 == current.sha256:
@@ -487,11 +484,17 @@ class ConfigFileWatcher:
             self.kick("file_changed")
 
     def content_moved(self) -> bool:
-        """Whether the file's size or modification time moved since it was last read: a
-        write. A change of mode moves neither, and watchdog before 7.0 reports it as
-        "modified" too; no close follows it, so waiting for one held the read 10 s."""
-        now = file_stamp(self.path)
-        return now is None or self._stamp is None or now[3:5] != self._stamp[3:5]
+        """Whether the file's last change was a write: its modification time moved with its
+        change time (a write sets both; a change of mode the change time alone, and watchdog
+        before 7.0 reports it as "modified" too; no close follows it, so waiting for one held
+        the read 10 s). Told by the file's own times: against its size and times at the last
+        read, a truncate just before that read's stamp looked like no write, and its writer,
+        still at work, was not waited for (the file read empty)."""
+        try:
+            stat = os.stat(self.path)
+        except OSError:
+            return True
+        return stat.st_mtime_ns >= stat.st_ctime_ns
 
     def is_ours(self, event_path) -> bool:
         path = os.fsdecode(event_path)
@@ -540,20 +543,19 @@ class ConfigFileWatcher:
             reason = next((r for r in reasons if r != "file_changed"), "file_changed")
             self._stamp = file_stamp(self.path)
             try:
-                self.reload(reason)
+                with watched_by(lambda: self.writing):  # a save begun since is waited for, too
+                    self.reload(reason)
             except Exception:
                 log.exception("config_reload_crashed")
 
     def _until_still(self) -> float:
         """Seconds until the file's last change is ``STILL_S`` old: 0 once it is, or where
         the file cannot be seen (``MISSING_WAIT_S`` waits for that)."""
-        stamp = file_stamp(self.path)
-        if stamp is None:
+        try:
+            stat = os.stat(self.path)
+        except OSError:
             return 0.0
-        age_s = time.time() - max(stamp[4], stamp[5]) / 1e9
-        if age_s < -FUTURE_STAMP_S:
-            return 0.0
-        return min(STILL_S, max(0.0, STILL_S - age_s))
+        return until_still(stat, STILL_S)
 
     def _look(self) -> None:
         """The poll: the file changed without an event seen (read it), its folder replaced

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import sys
+import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from guardian.config.registry import ConfigError, FilePath, Table, table_of_dataclass
 from guardian.config.tables import (AccessSettings, CORE_TABLES, CoreSettings, HttpSettings,
@@ -51,14 +54,76 @@ class GuardianConfig:
         return getattr(self, attribute) if attribute is not None else self.plugin_settings[name]
 
 
-def load_config(path) -> GuardianConfig:
-    """Read and check the TOML file; no file means every default."""
+# A file read again while the server runs (a save, SIGHUP) is taken once its last change (its
+# modification or change time) is this old, and no change came while it was read: a read
+# between a save's truncate and its write found the file empty, and put every setting at its
+# default (a key file: every key gone) until the next read. The watch waits as long before it
+# reads (guardian.config.live); this is the read's own check, for a save begun meanwhile.
+STILL_S = 0.5
+# How long a read waits for a file to hold still; past it, the last bytes read are taken.
+STILL_WAIT_S = 10.0
+# How often a read looks again for the close of a writer that has the file open.
+WRITER_LOOK_S = 0.1
+# A modification time further ahead of this clock than this is no recent change (a clock set
+# back, ``touch -d``): waited for, it would hold every read of the file for STILL_WAIT_S.
+FUTURE_STAMP_S = 1.0
+
+
+def until_still(stat: os.stat_result, still_s: float = STILL_S) -> float:
+    """Seconds until the last change of the file ``stat`` describes is ``still_s`` old (0: it is)."""
+    age_s = time.time() - max(stat.st_mtime_ns, stat.st_ctime_ns) / 1e9
+    if age_s < -FUTURE_STAMP_S:
+        return 0.0
+    return min(still_s, max(0.0, still_s - age_s))
+
+
+# What the watch of the file being read on this thread knows (guardian.config.live): whether a
+# writer has it open, its close not yet seen (inotify's word, Linux).
+_watch = threading.local()
+
+
+@contextlib.contextmanager
+def watched_by(writing: Callable[[], bool]):
+    """Reads on this thread meanwhile (``read_still``) wait for a writer ``writing()`` says
+    has the file open: one paused longer than ``STILL_S`` after its truncate was read empty."""
+    _watch.writing = writing
+    try:
+        yield
+    finally:
+        _watch.writing = None
+
+
+def read_still(path) -> tuple[bytes, float]:
+    """The bytes of ``path`` and its mtime, once a read finds them still (``STILL_S``) and
+    no writer at work on them (``watched_by``): a version no writer was changing. Past
+    ``STILL_WAIT_S``, the last bytes read. OSError as ``open`` raises it."""
+    deadline = time.monotonic() + STILL_WAIT_S
+    writing = getattr(_watch, "writing", None) or (lambda: False)
+    while True:
+        with open(path, "rb") as f:
+            before = os.fstat(f.fileno())
+            raw = f.read()
+            after = os.fstat(f.fileno())
+        stamps = [(stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns) for stat in (before, after)]
+        changed = stamps[0] != stamps[1] or len(raw) != after.st_size
+        wait_s = STILL_S if changed else until_still(after) or (WRITER_LOOK_S if writing() else 0.0)
+        if not wait_s or time.monotonic() + wait_s > deadline:
+            return raw, after.st_mtime
+        time.sleep(wait_s)  # on a reload's own thread, never a request's
+
+
+def load_config(path, still: bool = False) -> GuardianConfig:
+    """Read and check the TOML file; no file means every default. ``still``: read again
+    while the server runs, so only a version no writer is changing (``read_still``)."""
     if path is None:
         return GuardianConfig()
     try:
-        with open(path, "rb") as f:
-            mtime = os.fstat(f.fileno()).st_mtime
-            raw = f.read()
+        if still:
+            raw, mtime = read_still(path)
+        else:
+            with open(path, "rb") as f:
+                mtime = os.fstat(f.fileno()).st_mtime
+                raw = f.read()
     except FileNotFoundError:
         raise ConfigError(f"guardian config file not found: {path}") from None
     except OSError as e:

@@ -60,9 +60,10 @@ def public_limits(options: argparse.Namespace, child_args: list[str], settings: 
                                "retry_after_s": (core or CoreSettings()).retry_after_s})
 
 
-def read_file(options: argparse.Namespace) -> GuardianConfig:
-    """--guardian-config as the supervisor reads it: each flag given winning over its key."""
-    config = load_config(options.guardian_config)
+def read_file(options: argparse.Namespace, still: bool = False) -> GuardianConfig:
+    """--guardian-config as the supervisor reads it: each flag given winning over its key.
+    ``still``: read again while it runs (guardian.config.loading.read_still)."""
+    config = load_config(options.guardian_config, still=still)
     for attribute in ("core", "access", "http", "supervisor"):
         setattr(config, attribute, getattr(config, attribute).with_flags(options))
     return config

@@ -306,7 +306,7 @@ class Supervisor:
             return
         before = file_sha256(self.options.guardian_config)
         try:
-            fresh = read_file(self.options)
+            fresh = read_file(self.options, still=True)
             check_stock_tables(fresh, self.settings.engine)
         except ConfigError as e:
             return self.config_refused(reason, str(e), bytes_read(self.options.guardian_config, before))
