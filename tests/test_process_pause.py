@@ -275,6 +275,8 @@ def test_a_step_past_the_stall_limit_is_a_stall_only_if_it_waits(start_server, s
         assert paged["major_faults"] >= PAGING_FAULTS_PER_S * BUSY_S, paged
         assert server.events("engine_stalled") == []
         [busy] = server.events("engine_step_busy")
+        print(f"\nmeasured: the paging step, {busy['major_faults_per_s']} major faults a second at "
+              f"{busy['cpu_share']} of a core")
         assert busy["how"] == "paging" and busy["major_faults_per_s"] >= PAGING_FAULTS_PER_S, busy
         assert busy["heartbeat_age_s"] < BUSY_S, busy
         if busy["cpu_share"] is not None:  # little CPU: the CPU alone would not have told it
