@@ -242,8 +242,14 @@ class Server:
     def save_config(self, text: str, timeout: float = 30) -> None:
         """Save ``text`` as the server's file; return once that version is in force. A
         behaviour seen before then may still be the last version's (a linger_s left by a
-        test before, under load, once passed for max_lingering = 0 at the supervisor)."""
+        test before, under load, once passed for max_lingering = 0 at the supervisor).
+        The file's modification time is set a second back once it is written, as a copy that
+        keeps it leaves a file (``rsync -t``): a whole file, which the server reads without
+        waiting for it to hold still (guardian.config.loading.STILL_S, half a second a save,
+        ~90 s a lane). tests/test_file_watch.py and test_live_config.py time that wait."""
         self.config.write_text(text)
+        written = time.time() - 1.0
+        os.utime(self.config, (written, written))
         wanted = hashlib.sha256(text.encode()).hexdigest()
         poll(lambda: self.config_in_force() == wanted, timeout, what="the server to load its new configuration")
 

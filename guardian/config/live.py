@@ -53,7 +53,7 @@ SETTLE_S = 0.1
 # write whatever: a half-written key file must not be in force (everyone refused, or a
 # key cut short let in), nor a config file's first tables alone.
 MAX_OPEN_WAIT_S = 10.0
-# A file is read once its last change is STILL_S old (within MAX_OPEN_WAIT_S), and the read
+# A file is read once its last write is STILL_S old (within MAX_OPEN_WAIT_S), and the read
 # itself takes only a version that held still (guardian.config.loading.read_still). An event
 # comes a moment after its change, later in a loaded process: a save in place just after
 # another was read between its truncate and its write, the truncate's event still on its
@@ -415,7 +415,7 @@ class ConfigFileWatcher:
     a new file and renaming it over the old one replaces the inode a watch on
     the file would follow. Events are filtered to the file's name (moved:
     its destination). A file written in place is read once its writer closed
-    it (``MAX_OPEN_WAIT_S``) and its last change is ``STILL_S`` old, and one gone a
+    it (``MAX_OPEN_WAIT_S``) and its last write is ``STILL_S`` old, and one gone a
     moment (``MISSING_WAIT_S``) once it is back. Every ``POLL_S`` the file's stamp is compared too,
     for what no event of the folder reports (the folder is watched again if
     it was replaced). Reloads run on one thread, in order.
@@ -519,7 +519,7 @@ class ConfigFileWatcher:
                     log.exception("config_watch_look_failed", file=str(self.path))
                 continue
             # Let the rest of a save arrive (one reload per burst of events), its writer close
-            # it, and its last change grow STILL_S old, whatever event comes meanwhile.
+            # it, and its last write grow STILL_S old, whatever event comes meanwhile.
             open_until = time.monotonic() + MAX_OPEN_WAIT_S
             while not self._stopped.is_set():
                 while (self._wake.is_set() or self.writing) and not self._stopped.is_set():
@@ -549,7 +549,7 @@ class ConfigFileWatcher:
                 log.exception("config_reload_crashed")
 
     def _until_still(self) -> float:
-        """Seconds until the file's last change is ``STILL_S`` old: 0 once it is, or where
+        """Seconds until the file's last write is ``STILL_S`` old: 0 once it is, or where
         the file cannot be seen (``MISSING_WAIT_S`` waits for that)."""
         try:
             stat = os.stat(self.path)

@@ -54,8 +54,8 @@ class GuardianConfig:
         return getattr(self, attribute) if attribute is not None else self.plugin_settings[name]
 
 
-# A file read again while the server runs (a save, SIGHUP) is taken once its last change (its
-# modification or change time) is this old, and no change came while it was read: a read
+# A file read again while the server runs (a save, SIGHUP) is taken once its last write (its
+# modification time) is this old, and no change came while it was read: a read
 # between a save's truncate and its write found the file empty, and put every setting at its
 # default (a key file: every key gone) until the next read. The watch waits as long before it
 # reads (guardian.config.live); this is the read's own check, for a save begun meanwhile.
@@ -70,8 +70,11 @@ FUTURE_STAMP_S = 1.0
 
 
 def until_still(stat: os.stat_result, still_s: float = STILL_S) -> float:
-    """Seconds until the last change of the file ``stat`` describes is ``still_s`` old (0: it is)."""
-    age_s = time.time() - max(stat.st_mtime_ns, stat.st_ctime_ns) / 1e9
+    """Seconds until the last write to the file ``stat`` describes is ``still_s`` old (0: it
+    is). Its modification time: a write or a truncate sets it to now; a change of mode or
+    owner (the change time alone) changes no byte, and a file whose time a copy kept
+    (``rsync -t``, ``cp -p``) was whole when that time was set."""
+    age_s = time.time() - stat.st_mtime_ns / 1e9
     if age_s < -FUTURE_STAMP_S:
         return 0.0
     return min(still_s, max(0.0, still_s - age_s))

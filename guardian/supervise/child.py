@@ -106,11 +106,12 @@ class Child:
     paused_s: float = 0.0  # how long the supervisor was paused since it started this child
     # Its memory group's count of processes the kernel's OOM killer ended, and the file
     # that keeps it, at its start and then at each health check (guardian.supervise.oom_kills),
-    # and whether that killer ended it (settled as it is reaped; None: a SIGKILL no count tells).
+    # and whether that killer ended it (settled as it is reaped; None until then, and for a
+    # SIGKILL no count tells).
     oom_counter: Optional[str] = None
     oom_kills_seen: Optional[int] = None
     oom_change_seen: Optional[tuple] = None  # a change of the two at the last check, not yet taken
-    out_of_memory: Optional[bool] = False
+    out_of_memory: Optional[bool] = None
 
     def hands_off(self) -> bool:
         """Whether a request may be handed to it now (``handoff``), not relayed."""
