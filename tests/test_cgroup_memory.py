@@ -280,7 +280,7 @@ def test_a_sigkill_is_told_by_its_groups_count_where_one_is_kept(tmp_path):
     kernel's format (cgroup v1's ``memory.oom_control``), so this runs anywhere."""
     counter = tmp_path / "memory.oom_control"
     counter.write_text("oom_kill_disable 0\nunder_oom 0\noom_kill 3\n")
-    killed = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    killed = subprocess.Popen([sys.executable, "-c", "import signal; signal.pause()"])  # until killed
     killed.kill()
     assert killed.wait(timeout=30) == -signal.SIGKILL
 
