@@ -107,6 +107,10 @@ def test_every_loaded_settings_table_is_in_the_example():
         ("[resources]\nrefuse_above = inf\n", r"resources.refuse_above: must be a finite number"),
         ("[prompt_guard]\nkv_budget_margin = 1.0\n", r"prompt_guard.kv_budget_margin: must be <= 0.95,"),
         ("[generation_probe]\nprompt = ''\n", r"generation_probe.prompt: must not be empty"),
+        # A deep check answered from an old round: "deep" in name only.
+        ("[watchdog]\ndeep_check_reuse_s = 1e9\n", r"watchdog.deep_check_reuse_s: must be <= 60"),
+        ("[watchdog]\ndeep_check_reuse_s = -1\n", r"watchdog.deep_check_reuse_s: must be >= 0"),
+        ("[watchdog]\ndeep_check_reuse_s = nan\n", r"watchdog.deep_check_reuse_s: must be a finite number"),
         # Found by a hunt: each raised something other than a ConfigError, which nothing
         # caught. A live save logged a crash and kept nothing; under --supervise every
         # later child exited 1 at start, and the supervisor gave up (exit 6).

@@ -171,13 +171,14 @@ class WatchdogSettings(Table, name="watchdog"):
         plugin's probe still running a second past it is a failed result.""", live=True)
     probe_max_age_s = Setting(Float(min=0.05), 120.0, """
         /readyz wants a passed probe at most this old, or visible progress.""", live=True)
-    deep_check_reuse_s = Setting(SECONDS, 1.0, """
+    deep_check_reuse_s = Setting(Float(min=0, max=60.0), 1.0, """
         A deep readiness check (/readyz?deep=1, public: no key) is answered by a
         probe round begun at most this many seconds before it, where there is one,
         instead of a round of its own: checks run at most one round this often,
         whoever sends them (one client looping on it ran ~180 rounds a second, a
         core busy, on an idle server). Checks that come while a round runs share
-        the next one whatever this is. 0: a round for every check.""", live=True)
+        the next one whatever this is. 0: a round for every check; at most 60 (past
+        that a "deep" check would answer from a round of any age).""", live=True)
     resource_interval_s = Setting(Float(min=0.05), 5.0, """
         Resource samples (memory counters, cache entries) for /guardian/status.""", live=True)
     peer_timeout_s = Setting(Float(min=0.1), 10.0, """
