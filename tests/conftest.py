@@ -30,6 +30,7 @@ import httpx
 import pytest
 
 import forkserver
+from guardian.serving.open_files import raise_open_files_limit
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -628,6 +629,10 @@ def needs_tool(name: str, install: str):
 
 
 def pytest_configure(config):
+    # Some tests hold hundreds of connections to a server in this process (a wave of 768 in
+    # test_connection_deadlines: ~1,540 descriptors): raised as a server raises its own, not
+    # left to an import that happens to raise it (guardian.stock). A Mac's soft limit is 256.
+    raise_open_files_limit()
     # Before any test can change the environment the fork server imports under. Not in
     # pytest-xdist's controller (-n), which runs no test: each worker starts its own.
     if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
