@@ -46,6 +46,7 @@ from relay_cost import ci95, cpu_per_token, demo_model, server_env, start_server
 from servers import cpu_split
 from stats import environment
 
+from guardian import handoff
 from guardian.relay_protocol import KEY_HEADER, RELAY_KEY_ENV, new_relay_key
 
 
@@ -62,6 +63,10 @@ def main() -> None:
     parser.add_argument("--child-side", action="store_true",
                         help="add a server doing only a child's part of each hand-off")
     args = parser.parse_args()
+    if (args.hand_off or args.child_side) and not handoff.supported():
+        # There a server serves every request itself (no hand-off), so the row would time the
+        # plain server under another name; and a journal past its first mapping cannot grow (no mremap).
+        parser.error("--hand-off and --child-side time the hand-off, which this platform does not do (Linux only)")
 
     model = demo_model()
     split = cpu_split()
