@@ -1105,6 +1105,45 @@ def test_a_pause_that_came_just_before_a_check_is_no_time_the_starting_child_too
     assert killed == [] and supervisor.pauses == 1 and round(child.paused_s, 1) == 9.0
 
 
+def test_a_child_that_dies_during_a_check_is_not_called_unhealthy():
+    """A SIGKILL of a ready child while its health check was on the wire: the check failed
+    (ReadError) and "child_unhealthy" was logged 2 ms before the reaping's "killed by SIGKILL"
+    (bench/growth.py, 2 of 42 kills). A check that fails because the process is gone gives
+    no verdict; the reaping says what happened."""
+    from structlog.testing import capture_logs
+
+    from guardian.supervise.child import Child
+    from guardian.supervise.settings import make_parser
+    from guardian.supervise.state import State
+    from guardian.supervise.supervisor import Supervisor
+
+    options, child_args = make_parser().parse_known_args([])
+    supervisor = Supervisor(options, child_args)
+    process = subprocess.Popen([sys.executable, "-c", "import signal; signal.pause()"])
+    try:
+        now = time.monotonic()
+        child = Child(proc=process, port=0, generation=1, stock=False, client=None, started_at=now - 5)
+        child.ready_at = child.last_ok = now - 4
+        supervisor.child, supervisor.state = child, State.READY
+        supervisor.pause_watch = SimpleNamespace(take=lambda: (0.0, 0.0))
+
+        def check_cut_by_a_kill(checked) -> bool:
+            process.kill()
+            process.wait(timeout=10)
+            return False
+
+        supervisor.probe = check_cut_by_a_kill
+        killed = []
+        supervisor.soft_kill = killed.append
+        with capture_logs() as logs:
+            supervisor.check_health(child)
+        assert [e["event"] for e in logs if e["event"] == "child_unhealthy"] == []
+        assert supervisor.state == State.READY and killed == []
+    finally:
+        process.kill()
+        process.wait(timeout=10)
+
+
 def test_a_client_that_closes_once_its_answer_went_out_whole_is_not_logged_gone():
     """The reader's watch saw a client close: one that had read its whole answer (a 503 the
     supervisor wrote) and closed before the handler let go of the connection was logged

@@ -723,6 +723,11 @@ class Supervisor:
             self.notice_pause(paused_s, ended_at)
             if not ok:
                 return
+        if not ok and child.proc.poll() is not None:
+            # It died during the check (a crash, a kill): no verdict on its health, which the
+            # main loop's reaping gives with the reason (child_exited). Logged "unhealthy"
+            # 2 ms before "killed by SIGKILL" otherwise (bench/growth.py: 2 of 42 kills).
+            return
         if child.ready_at is not None:  # one starting answers nothing yet, as expected
             self.answered(child, child.last_check_answered)
         if ok:
