@@ -29,11 +29,15 @@ STEP_FAULTS = '[guardian]\nplugins = ["tests.plugins.stock_step_faults:StockStep
 GOAL_S = 5.0  # issue 11: a step that never returns is reported within 5 s
 
 
-def table(name: str, **settings) -> str:
+def keys(**settings) -> str:
     def toml(value):
         return str(value).lower() if isinstance(value, bool) else repr(value)
 
-    return f"[{name}]\n" + "".join(f"{k} = {toml(v)}\n" for k, v in settings.items())
+    return "".join(f"{k} = {toml(v)}\n" for k, v in settings.items())
+
+
+def table(name: str, **settings) -> str:
+    return f"[{name}]\n" + keys(**settings)
 
 
 def abandoned_loops(server) -> int:
@@ -66,8 +70,8 @@ SHARED_ARGS = ("--prefill-step-size", "32")
 SHARED_WATCHDOG = dict(probe_interval_s=600.0, max_abandoned_loops=0)
 
 
-def shared_config(step_faults: dict, faults: dict, watchdog: dict) -> str:
-    return (STEP_FAULTS + table("stock_step_faults", **step_faults)
+def shared_config(step_faults: dict, faults: dict, watchdog: dict, core: Optional[dict] = None) -> str:
+    return (STEP_FAULTS + keys(**(core or {})) + table("stock_step_faults", **step_faults)
             + table("fault_injection", armable=True, enabled=bool(faults), **faults)
             + table("watchdog", **{**SHARED_WATCHDOG, **watchdog}))
 
@@ -82,14 +86,14 @@ def shared_server(tmp_path_factory, model_cache):
 
 @pytest.fixture
 def slowed_server(shared_server):
-    """``slowed_server(step_faults={...}, faults={...}, watchdog={...})``: the shared
-    server running these faults and settings; all off again after the test, and
+    """``slowed_server(step_faults={...}, faults={...}, watchdog={...}, core={...})``: the
+    shared server running these faults and settings; all off again after the test, and
     the server checked healthy (bounded) for the next one."""
     poll(shared_server.alive, 30, interval=0.1, what="the shared server healthy")
 
     def configure(step_faults: Optional[dict] = None, faults: Optional[dict] = None,
-                  watchdog: Optional[dict] = None) -> SharedServer:
-        return shared_server.configure(shared_config(step_faults or {}, faults or {}, watchdog or {}))
+                  watchdog: Optional[dict] = None, core: Optional[dict] = None) -> SharedServer:
+        return shared_server.configure(shared_config(step_faults or {}, faults or {}, watchdog or {}, core))
 
     yield configure
     shared_server.configure(shared_config({}, {}, {}))
@@ -538,16 +542,19 @@ def test_one_verification_of_a_replacement_loop_at_a_time_however_late_its_threa
     poll(lambda: not detector._verifying, 5, what="the last verification done")
 
 
-def test_a_stream_silent_for_a_second_is_sent_keepalive_comments(slowed_server, tmp_path):
+@pytest.mark.parametrize("keepalive_s", [None, 0.3, 0.0], ids=["default", "0.3 s", "none"])
+def test_a_stream_silent_for_a_second_is_sent_keepalive_comments(slowed_server, tmp_path, keepalive_s):
     """A stream under way was silent for as long as a step was slow, or the engine was
     being replaced after a stall (seconds), and a client's read timeout (the openai SDK's)
-    could run out. Each second without a token now brings stock's own keepalive comment."""
+    could run out. Each second without a token now brings stock's own keepalive comment;
+    ``[guardian] stream_keepalive_s`` sets the second, and 0 sends none."""
     armed = tmp_path / "slow-token"
     # One step 4 s slow, and a floor that makes it no stall: a silence, nothing else. Steps
     # of 10 ms at least: the stream is still under way when the first token's arrival arms
     # the slow one (200 tokens could all be out before, on an idle machine).
     server = slowed_server(step_faults=dict(token_delay_s=4.0, token_delay_armed_by=str(armed)),
-                           faults=dict(step_delay_s=0.01), watchdog=dict(stall_min_s=10.0))
+                           faults=dict(step_delay_s=0.01), watchdog=dict(stall_min_s=10.0),
+                           core=None if keepalive_s is None else dict(stream_keepalive_s=keepalive_s))
     arrivals: list[tuple[float, bytes]] = []
     with httpx.Client(timeout=30) as client:
         with client.stream("POST", server.url + "/v1/chat/completions",
@@ -564,5 +571,12 @@ def test_a_stream_silent_for_a_second_is_sent_keepalive_comments(slowed_server, 
     # Stock's own come with the prompt's progress, before the first token; these after it.
     keepalives = body[body.index(b"data: {"):].count(b": keepalive")
     print(f"\nmeasured: longest silence {max(gaps):.2f} s, {keepalives} keepalive comments after the first token")
-    assert keepalives >= 2
-    assert max(gaps) < 2.5  # 4 s without them
+    if keepalive_s is None:  # 1 s: a comment at the watchdog's first look (every 0.25 s) after it
+        assert keepalives >= 2
+        assert max(gaps) < 2.5  # 4 s without them
+    elif keepalive_s:  # 0.3 s: every 0.3-0.55 s, so 7 or more in 4 s where the default sends 3-4
+        assert keepalives >= 6
+        assert max(gaps) < 1.5
+    else:
+        assert keepalives == 0
+        assert max(gaps) >= 3.5  # the slow step's silence, whole

@@ -13,12 +13,15 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import threading
+import time
 
 import httpx
 import pytest
 
 from conftest import RELAYED, chat_body, poll, scraped
+from guardian.supervise.client_writes import STREAM_KEEPALIVE, StreamKeepAlive
 from test_continuation import streamed
 from test_continuation import TEXT as TEXT_COMPLETIONS
 from test_supervisor import (COMPLETIONS, SLOW_STEPS, assert_restarting_error, start_supervisor,  # noqa: F401
@@ -537,6 +540,39 @@ def test_streams_waiting_for_the_next_child_are_kept_alive(start_supervisor, tmp
         [usage] = [json.loads(line[len("data: "):])["usage"] for line in lines
                    if line.startswith("data: {") and '"usage"' in line]
         assert 0 <= usage["prompt_tokens_details"]["cached_tokens"] <= usage["prompt_tokens"], usage
+
+
+def test_a_cut_streams_keepalives_come_every_stream_keepalive_s_and_none_at_0():
+    """The supervisor's comments to a stream waiting for the next child follow ``[guardian]
+    stream_keepalive_s`` (a constant second before): the first at once, then one a period."""
+    ours, clients = socket.socketpair()
+    clients.settimeout(5)
+    received = bytearray()
+    try:
+        beats = StreamKeepAlive(ours, 0.05)
+        started = time.monotonic()
+        beats.start()
+        poll(lambda: received.extend(clients.recv(4096)) or received.count(STREAM_KEEPALIVE) >= 4,
+             5, interval=0, what="four keepalives")
+        elapsed = time.monotonic() - started
+        beats.stop()
+        assert elapsed >= 0.15  # three periods after the first: no faster than the setting
+        # What it sent before it stopped is all in the buffer now (its thread has ended).
+        clients.setblocking(False)
+        while True:
+            try:
+                assert clients.recv(4096)
+            except BlockingIOError:
+                break
+        clients.settimeout(5)
+        none = StreamKeepAlive(ours, 0.0)
+        none.start()
+        none.stop()
+        ours.shutdown(socket.SHUT_WR)
+        assert clients.recv(4096) == b""  # the end, and nothing before it
+    finally:
+        ours.close()
+        clients.close()
 
 
 def test_a_stream_through_a_stall_that_ends_its_child_keeps_a_2_s_read_timeout(start_supervisor, tmp_path):

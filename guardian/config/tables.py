@@ -57,10 +57,17 @@ class CoreSettings(Table, name="guardian"):
         A client's own read timeout, which the openai SDK sends as
         x-stainless-read-timeout, is a deadline too, the sooner winning: for a
         stream, until its head is sent (the client's limit is on each wait for
-        bytes, and the events keep those short: a stream with no token for a
-        second, while a step is slow or the engine is replaced, is sent a keepalive
-        comment at each look of the watchdog, [watchdog] interval_s). 0: none but the
-        client's.""", live=True)
+        bytes, and the events keep those short: a stream with no token for
+        stream_keepalive_s, while a step is slow or the engine is replaced,
+        is sent a keepalive comment). 0: none but the client's.""", live=True)
+    stream_keepalive_s = Setting(Float(min=0, max=60), 1.0, """
+        A stream under way that has had no token for this long is sent an SSE
+        comment (": keepalive"), and again each time as long again: while a step
+        is slow, the engine is replaced, or (--supervise) the next child starts.
+        A client's read timeout (httpx's, the openai SDK's timeout=) counts each
+        wait for bytes. In-process it is sent at the watchdog's next look
+        ([watchdog] interval_s) after this. 0: none (clients that choke on SSE
+        comments; their read timeout must then outlast a restart).""", live=True)
     exit_grace_s = Setting(SECONDS, 5.0, """
         On exit (SIGTERM, SIGINT), how long requests in flight get to reach their
         clients; the watchdog still acts meanwhile. Those still running then get 503

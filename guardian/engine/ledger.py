@@ -22,7 +22,7 @@ import structlog
 
 from guardian.request_context import current_request, track_engine_request
 from guardian.errors import GuardianError
-from guardian.engine.record import (CANCELLED, CLIENT_LEFT, COMPLETED, DEADLINE, STREAM_QUIET_S, RequestRecord, Stage)
+from guardian.engine.record import (CANCELLED, CLIENT_LEFT, COMPLETED, DEADLINE, RequestRecord, Stage)
 
 log = structlog.get_logger("guardian.engine")
 
@@ -506,7 +506,7 @@ class RequestLedger:
         with self._cond:
             return list(self._in_flight.values())
 
-    def keep_streams_alive(self, now: float, quiet_s: float = STREAM_QUIET_S) -> int:
+    def keep_streams_alive(self, now: float, quiet_s: float) -> int:
         """``keep_alive`` for every request; how many streams were sent a comment."""
         return sum(record.keep_alive(now, quiet_s) for record in self.unfinished())
 

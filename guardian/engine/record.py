@@ -31,9 +31,6 @@ class Stage(Enum):
 COMPLETED, FAILED, CANCELLED = "completed", "failed", "cancelled"
 # Why a request was cancelled (requests_cancelled_total's reason).
 CLIENT_LEFT, DEADLINE = "client_left", "deadline"
-# A stream that has had no token (nor prompt progress) this long gets stock's own keepalive
-# comment (``keep_alive``), as a supervisor's stream does while it waits for the next child.
-STREAM_QUIET_S = 1.0
 
 
 class RequestRecord:

@@ -38,7 +38,7 @@ from typing import Optional, Sequence
 
 import structlog
 
-from guardian.config.tables import WatchdogSettings
+from guardian.config.tables import CoreSettings, WatchdogSettings
 from guardian.errors import BUSY_STEP_REASON, STOPPING_REASON
 from guardian.observability.counting import RecentEvents
 from guardian.engine.lifecycle import EngineState
@@ -58,10 +58,12 @@ log = structlog.get_logger("guardian.watchdog")
 class StallDetector:
     """The watchdog's thread for one engine: its heartbeat judged, its ladder climbed, probes run."""
 
-    def __init__(self, engine, pm, settings: WatchdogSettings, notifier: Optional[SystemdNotifier] = None):
+    def __init__(self, engine, pm, settings: WatchdogSettings, notifier: Optional[SystemdNotifier] = None,
+                 core: Optional[CoreSettings] = None):
         self.engine = engine
         self.pm = pm
         self.settings = settings
+        self.core = core or CoreSettings()  # stream_keepalive_s
         self.notifier = notifier or SystemdNotifier()
         self.stalls = RecentEvents(settings.ladder_window_s)
         # Users' requests the engine had completed at the last stall: any completed since
@@ -171,11 +173,13 @@ class StallDetector:
             self._contained(part, now)
 
     def _keep_streams_alive(self, now: float) -> None:
-        """Streams with no token for a second get a keepalive comment at this look
-        (``RequestRecord.keep_alive``; so at most every ``interval_s``): this thread looks at
-        the engine's requests anyway, and keeps looking while the engine is stuck or
+        """Streams with no token for ``[guardian] stream_keepalive_s`` get a keepalive comment at
+        this look (``RequestRecord.keep_alive``; so at most every ``interval_s``): this thread
+        looks at the engine's requests anyway, and keeps looking while the engine is stuck or
         replaced, which is when streams go silent."""
-        self.engine.ledger.keep_streams_alive(now)
+        quiet_s = self.core.stream_keepalive_s
+        if quiet_s > 0:
+            self.engine.ledger.keep_streams_alive(now, quiet_s)
 
     @staticmethod
     def _contained(part, *args) -> None:

@@ -245,7 +245,7 @@ class ServedModel(AdmittingGenerator):
         # Hooks see the engine and admission through this facade only.
         engine.plugin_view = EngineView(engine, gate)
         super().__init__(gate, engine)
-        self.stall_detector = StallDetector(engine, pm, live.view("watchdog"))
+        self.stall_detector = StallDetector(engine, pm, live.view("watchdog"), core=live.view("guardian"))
         self.pm = pm
         live.on_change(self._config_changed)
 

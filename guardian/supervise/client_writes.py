@@ -12,39 +12,40 @@ from guardian import handoff
 from guardian.errors import write_error_as_client_gone
 from guardian.serving.connection import raw_socket
 
-# A stream whose child died is sent an SSE comment this often while it waits for the
-# next child (reaped, started, its turn to run alone): its client's read timeout (httpx's,
-# the openai SDK's timeout=) counts each wait for bytes, and a child's start takes a
-# model's load.
-STREAM_KEEPALIVE_S = 1.0
 STREAM_KEEPALIVE = b": keepalive\n\n"
+
 
 class StreamKeepAlive:
     """SSE comments to a stream's client on a thread of their own, between ``start`` and
-    ``stop`` (while the handler's thread writes nothing to it: it waits)."""
+    ``stop`` (while the handler's thread writes nothing to it: it waits). A stream whose
+    child died is sent one every ``period_s`` (``[guardian] stream_keepalive_s``; 0: none) while
+    it waits for the next child (reaped, started, its turn to run alone): its client's read
+    timeout (httpx's, the openai SDK's timeout=) counts each wait for bytes, and a child's
+    start takes a model's load."""
 
-    def __init__(self, connection):
+    def __init__(self, connection, period_s: float):
         self.connection = connection
+        self.period_s = period_s
         self._stop: Optional[threading.Event] = None
         self._thread: Optional[threading.Thread] = None
 
     def start(self) -> None:
-        if self._thread is not None:
+        if self._thread is not None or self.period_s <= 0:
             return
         self._stop = stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, args=(stop,), name="stream-keepalive", daemon=True)
         self._thread.start()
 
     def _beat(self, stop: threading.Event) -> None:
-        # The first at once: the child may have sent nothing for a second before it died (its
-        # own keepalives come a second into a silence), and a client's 2 s read timeout ran out.
+        # The first at once: the child may have sent nothing for a period before it died (its
+        # own keepalives come a period into a silence), and a client's 2 s read timeout ran out.
         wait_s = 0.0
         while not stop.wait(wait_s):
             try:
                 self.connection.sendall(STREAM_KEEPALIVE)
             except (OSError, ValueError):  # the client left: the handler finds out at its next write
                 return
-            wait_s = STREAM_KEEPALIVE_S
+            wait_s = self.period_s
 
     def stop(self) -> None:
         """Stop, once the comment being written (if one is) is out."""

@@ -488,8 +488,8 @@ class ProxyHandler(BaseHTTPRequestHandler):
 
     @functools.cached_property
     def keepalive(self) -> "StreamKeepAlive":
-        """A cut stream's comments while it waits for the next child (``client_writes.STREAM_KEEPALIVE_S``)."""
-        return StreamKeepAlive(self.connection)
+        """A cut stream's comments while it waits for the next child (``[guardian] stream_keepalive_s``)."""
+        return StreamKeepAlive(self.connection, self.server.supervisor.core.stream_keepalive_s)
 
     def next_deadline(self, path: str, stream) -> Optional[tuple[float, Deadline]]:
         """(when, which) of a completion's deadlines comes first (guardian.serving.deadlines);
