@@ -214,7 +214,7 @@ def main() -> None:
     parser.add_argument("--probability", type=float, default=0.0, help="instead of --every-n-steps")
     parser.add_argument("--model", help="default: the demo model")
     parser.add_argument("--recovery", action="append", default=[],
-                        help="an extra [recovery] line, e.g. 'backoff_after_failures = 0'")
+                        help="an extra [recovery] line, e.g. 'backoff_after_failures = 8'")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole run")
     parser.add_argument("--label", default="")
     parser.add_argument("--save", type=Path, help="write the raw result as JSON")

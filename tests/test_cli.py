@@ -285,6 +285,10 @@ def test_stock_engine_reads_only_the_supervisor_table(tmp_path):
     path.write_text("[supervisor]\nengine = 'stock'\n[guardian]\nexit_grace_s = 20\nmax_stop_sequences = 4\n")
     with pytest.raises(ConfigError, match=r"nothing reads \[guardian\] max_stop_sequences"):
         read_settings(supervisor_options("--guardian-config", str(path))[0])
+    # A stock child's cut stream ends, never waits for the next child: no keepalive to pace.
+    path.write_text("[supervisor]\nengine = 'stock'\n[guardian]\nstream_keepalive_s = 2\n")
+    with pytest.raises(ConfigError, match=r"nothing reads \[guardian\] stream_keepalive_s"):
+        read_settings(supervisor_options("--guardian-config", str(path))[0])
 
 
 def test_supervisor_bad_table_or_flag_is_a_usage_error(tmp_path):

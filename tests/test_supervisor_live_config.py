@@ -219,7 +219,8 @@ def test_the_public_ports_http_table_is_live_and_the_supervisors_own_waits_for_a
     """[http] is live at the public port as in a child: an idle connection's limit raised
     from 1 s to 30 s keeps the next one open (it was closed at 1 s, though the child's log
     said the change applied). [watchdog] probe_timeout_s bounds a deep readiness check
-    there too. [supervisor]'s settings, read at start, are said to wait for a restart."""
+    there too, and [guardian] stream_keepalive_s its keepalives. [supervisor]'s settings,
+    read at start, are said to wait for a restart."""
     config = tmp_path / "guardian.toml"
     config.write_text("[http]\nidle_timeout_s = 1.0\n")
     supervised = start_supervisor("--guardian-config", str(config))
@@ -233,11 +234,15 @@ def test_the_public_ports_http_table_is_live_and_the_supervisors_own_waits_for_a
                 return True
 
     assert not idle_for(3.0)
-    config.write_text("[http]\nidle_timeout_s = 30.0\n[supervisor]\nhold_s = 5.0\n"
+    config.write_text("[guardian]\nstream_keepalive_s = 0.5\n"
+                      "[http]\nidle_timeout_s = 30.0\n[supervisor]\nhold_s = 5.0\n"
                       "[watchdog]\nprobe_timeout_s = 20.0\n")
     [reloaded] = poll(lambda: supervised.supervisor_events("supervisor_config_reloaded"), 15,
                       what="the supervisor's reload")
-    assert reloaded["changed"] == ["http.idle_timeout_s", "watchdog.probe_timeout_s"]
+    # stream_keepalive_s paces the supervisor's own comments to a cut stream (it was left
+    # out: the change waited for another the supervisor acts on, or a restart).
+    assert reloaded["changed"] == ["guardian.stream_keepalive_s", "http.idle_timeout_s",
+                                   "watchdog.probe_timeout_s"]
     [waiting] = supervised.supervisor_events("supervisor_config_change_needs_restart")
     assert waiting["settings"] == ["supervisor.hold_s"]
     assert supervised.supervisor()["config_pending_restart"] == ["supervisor.hold_s"]
