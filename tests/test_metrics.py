@@ -13,19 +13,22 @@ import json
 import os
 import re
 import signal
+import subprocess
 import textwrap
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import REPO, Server, chat_body, free_port, poll, read_stream, spawn_guardian
+from conftest import REPO, Server, chat_body, free_port, poll, read_stream, spawn_guardian, system_tool
 
 pytestmark = pytest.mark.one_version
 
 POISON = "POISON-FOR-METRICS"
 COMPLETIONS = "/v1/chat/completions"
 DASHBOARD = REPO / "config" / "grafana" / "mlx-guardian.json"
+ALERTS = REPO / "config" / "prometheus" / "mlx-guardian-alerts.yml"
+PROMETHEUS, WITHOUT_PROMETHEUS = system_tool("prometheus", "make system-packages: Prometheus' server")
 
 
 class Scrape:
@@ -248,10 +251,13 @@ def dashboard_expressions() -> list[str]:
 
 
 @pytest.mark.subprocess_mode
-def test_every_metric_the_dashboard_queries_is_in_a_scrape(served, supervised):
+def test_every_metric_the_dashboard_and_the_alerts_query_is_in_a_scrape(served, supervised):
     expressions = dashboard_expressions()
     assert len(expressions) >= 10
     used = {name for expr in expressions for name in PROMQL_NAME.findall(expr)}
+    alerts = set(PROMQL_NAME.findall(ALERTS.read_text()))
+    assert len(alerts) >= 12
+    used |= alerts
     # A counter by label has no sample before its first event, and this test may
     # run alone (or first, under xdist): one refusal, one failure and its restarts.
     with httpx.Client(timeout=60) as client:
@@ -261,6 +267,89 @@ def test_every_metric_the_dashboard_queries_is_in_a_scrape(served, supervised):
         assert poisoned.status_code == 500, poisoned.text
     scraped = Scrape(served.url).sample_names | Scrape(supervised.url).sample_names
     assert used and not used - scraped, f"the dashboard queries metrics no scrape has: {sorted(used - scraped)}"
+
+
+class Prometheus:
+    """A real Prometheus scraping ``targets`` every second as the job "mlx-guardian" (the
+    name the alert rules read), with ``rules`` loaded and evaluated every second."""
+
+    def __init__(self, folder, targets: list[str], rules):
+        config = folder / "prometheus.yml"
+        config.write_text(textwrap.dedent(f"""
+            global:
+              scrape_interval: 1s
+              evaluation_interval: 1s
+            rule_files: ["{rules}"]
+            scrape_configs:
+              - job_name: mlx-guardian
+                static_configs:
+                  - targets: {json.dumps(targets)}
+        """))
+        self.url = f"http://127.0.0.1:{free_port()}"
+        self.log_path = folder / "prometheus.log"
+        with open(self.log_path, "w") as log:
+            self.proc = subprocess.Popen([PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={folder / 'data'}",
+                                          f"--web.listen-address={self.url.removeprefix('http://')}"],
+                                         stdout=log, stderr=subprocess.STDOUT)
+
+    def api(self, path: str):
+        if self.proc.poll() is not None:
+            raise AssertionError(f"prometheus exited {self.proc.returncode}:\n{self.log_path.read_text()[-3000:]}")
+        try:
+            response = httpx.get(self.url + "/api/v1/" + path, timeout=5)
+        except httpx.TransportError:
+            return None  # not listening yet
+        assert response.status_code == 200, response.text
+        return response.json()["data"]
+
+    def stop(self):
+        self.proc.kill()
+        self.proc.wait(timeout=10)
+
+
+@pytest.mark.subprocess_mode
+@pytest.mark.skipif(PROMETHEUS is None, reason=WITHOUT_PROMETHEUS)
+def test_a_real_prometheus_evaluates_every_alert_on_real_scrapes_and_fires_for_a_quarantine(
+        served, supervised, tmp_path):
+    """config/prometheus/mlx-guardian-alerts.yml loaded into Prometheus, which scrapes an
+    in-process server and a supervisor: each rule evaluates without error on what they
+    export (a label one series has and another lacks, as device_memory_limit_bytes'
+    source, is an error only there), and a request blamed and quarantined fires
+    MlxGuardianRequestsQuarantined for that server, at once."""
+    targets = [served.url.removeprefix("http://"), supervised.url.removeprefix("http://")]
+    prometheus = Prometheus(tmp_path, targets, ALERTS)
+    try:
+        def evaluated():
+            data = prometheus.api("rules")
+            rules = [rule for group in (data or {}).get("groups", []) for rule in group["rules"]]
+            return len(rules) == 12 and all(rule["health"] != "unknown" for rule in rules) and rules
+
+        def scraped_both():
+            data = prometheus.api("targets")
+            return data and sorted(t["health"] for t in data["activeTargets"]) == ["up", "up"]
+
+        poll(scraped_both, 30, interval=0.2, what="Prometheus scraping both servers")
+        # A poison request of its own: blamed after it fails alone, then quarantined.
+        with httpx.Client(timeout=60) as client:
+            poisoned = client.post(served.url + COMPLETIONS, json=chat_body(f"{POISON} alerting", max_tokens=4))
+            assert poisoned.status_code == 500, poisoned.text
+        assert Scrape(served.url).value("mlx_guardian_quarantined_requests") >= 1
+
+        def firing():
+            data = prometheus.api("alerts") or {"alerts": []}
+            return [alert for alert in data["alerts"] if alert["state"] == "firing"]
+
+        alerts = poll(lambda: [a for a in firing() if a["labels"]["alertname"] == "MlxGuardianRequestsQuarantined"],
+                      30, interval=0.2, what="MlxGuardianRequestsQuarantined firing")
+        assert [a["labels"]["instance"] for a in alerts] == [targets[0]]
+        assert "blamed for engine failures" in alerts[0]["annotations"]["summary"]
+        rules = poll(evaluated, 30, interval=0.2, what="every rule evaluated")
+        broken = [(rule["name"], rule.get("lastError")) for rule in rules if rule["health"] != "ok"]
+        assert not broken, broken
+        # Nothing else is wrong with these servers: no other rule fires.
+        assert {a["labels"]["alertname"] for a in firing()} == {"MlxGuardianRequestsQuarantined"}
+    finally:
+        prometheus.stop()
 
 
 @pytest.mark.subprocess_mode

@@ -1,0 +1,43 @@
+"""config/prometheus/mlx-guardian-alerts.yml, checked by Prometheus' own tool: promtool
+reads every rule (its PromQL, its templates), then runs tests/prometheus/'s unit test, which
+feeds each rule the series a scrape would leave and says when it must fire and when not.
+No server, no model. tests/test_metrics.py loads the same rules into a real Prometheus that
+scrapes real servers."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from conftest import REPO, system_tool
+
+pytestmark = [pytest.mark.one_version, pytest.mark.lane_0313]
+
+ALERTS = REPO / "config" / "prometheus" / "mlx-guardian-alerts.yml"
+ALERTS_TEST = REPO / "tests" / "prometheus" / "mlx-guardian-alerts.test.yml"
+PROMTOOL, WITHOUT_PROMTOOL = system_tool("promtool", "make system-packages: Prometheus' promtool")
+
+
+@pytest.mark.skipif(PROMTOOL is None, reason=WITHOUT_PROMTOOL)
+def test_promtool_reads_every_alert_rule():
+    checked = subprocess.run([PROMTOOL, "check", "rules", str(ALERTS)], capture_output=True, text=True, timeout=60)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert "SUCCESS: 12 rules found" in checked.stdout, checked.stdout
+
+
+@pytest.mark.skipif(PROMTOOL is None, reason=WITHOUT_PROMTOOL)
+def test_each_alert_fires_when_it_should_and_not_otherwise():
+    # From the test file's folder: its rule_files path is relative to it.
+    tested = subprocess.run([PROMTOOL, "test", "rules", ALERTS_TEST.name], capture_output=True, text=True,
+                            timeout=60, cwd=ALERTS_TEST.parent)
+    assert tested.returncode == 0, tested.stdout + tested.stderr
+    assert "SUCCESS" in tested.stdout, tested.stdout
+
+
+def test_every_alert_rule_has_a_unit_test():
+    rules = {line.split(":", 1)[1].strip() for line in ALERTS.read_text().splitlines()
+             if line.strip().startswith("- alert:")}
+    tested = {line.split(":", 1)[1].strip() for line in ALERTS_TEST.read_text().splitlines()
+              if line.strip().startswith("alertname:")}
+    assert len(rules) == 12 and rules == tested, (sorted(rules - tested), sorted(tested - rules))
