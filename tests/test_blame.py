@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import threading
+import time
+from datetime import datetime
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -93,6 +95,26 @@ def test_a_request_failing_before_it_starts_is_blamed_and_quarantined(start_serv
              what="the quarantine released")
         [released] = server.wait_for_event("quarantine_released")  # logged as the table is emptied
         assert released["released"] == 2
+
+        # A short quarantine_s, saved live: a request blamed from then on is refused for that
+        # long, then let in again (to run, fail alone and be blamed again).
+        server.save_config(config.read_text().replace("quarantine_s = 0\n", "quarantine_s = 2\n"))
+        short = {**poison, "max_tokens": 10}
+        assert client.post(url, json=short).json()["error"]["code"] == "request_failed_repeatedly"
+        [*_, quarantined] = server.events("request_quarantined")
+        assert quarantined["quarantine_s"] == 2
+        until = datetime.fromisoformat(quarantined["until"].replace("Z", "+00:00")).timestamp()
+        refused = []
+
+        def let_in_again():
+            answer = client.post(url, json=short).json()["error"]["code"]
+            refused.append(answer == "request_quarantined")
+            return answer != "request_quarantined" and answer
+
+        assert poll(let_in_again, 15, interval=0.1, what="the short quarantine's end") == "request_failed_repeatedly"
+        let_in_at = time.time()
+        print(f"\nmeasured: refused {sum(refused)} times, let in again {let_in_at - until:+.2f} s from its end")
+        assert refused[0] and until - 0.1 <= let_in_at < until + 10  # its 2 s, not 600
     assert server.proc.poll() is None, "four engine failures and max_failures = 1: still serving"
     assert server.health() == 200
 

@@ -235,6 +235,29 @@ def test_a_setting_bound_at_start_is_logged_as_needing_a_restart(served):
     assert save_and_wait(served, BASE)["config"]["pending_restart"] == []
 
 
+def test_the_kv_budget_margin_is_live(served):
+    """[prompt_guard] kv_budget_margin keeps a share of (device memory - weights) out of the
+    KV budget: saved at 0.5, the budget is 0.5 / 0.75 of the default's, and back again."""
+    save_and_wait(served, BASE)
+    [ready] = served.events("prompt_guard_ready")
+    assert ready["kv_budget_source"] != "configured"
+    seen = len(served.events("prompt_guard_reconfigured"))
+
+    def budget_becomes(expected: float, after: int) -> int:
+        """Wait for a reconfiguration to that budget (a save before may log its own first)."""
+        def found():
+            lines = served.events("prompt_guard_reconfigured")
+            return next((i + 1 for i in range(after, len(lines))
+                         if abs(lines[i]["kv_budget_bytes"] - expected) <= 2
+                         and lines[i]["kv_budget_source"] == ready["kv_budget_source"]), None)
+        return poll(found, 10, what=f"a KV budget of {expected:.0f} bytes")
+
+    save_and_wait(served, BASE + "[prompt_guard]\nkv_budget_margin = 0.5\n")
+    seen = budget_becomes(ready["kv_budget_bytes"] * 0.5 / 0.75, seen)
+    save_and_wait(served, BASE)
+    budget_becomes(ready["kv_budget_bytes"], seen)
+
+
 def test_the_stop_limits_are_live_settings(served):
     stop = {"stop": ["a", "b", "c"]}
     save_and_wait(served, BASE + "[guardian]\nmax_stop_sequences = 2\n")

@@ -71,8 +71,8 @@ class CoreSettings(Table, name="guardian"):
     exit_grace_s = Setting(SECONDS, 5.0, """
         On exit (SIGTERM, SIGINT), how long requests in flight get to reach their
         clients; the watchdog still acts meanwhile. Those still running then get 503
-        server_stopping (a stream, its error event). A second signal, a second or
-        more after the first, ends the wait at once.""", live=True)
+        server_stopping (a stream, its error event), written within a second more.
+        A second signal, a second or more after the first, ends the wait at once.""", live=True)
     max_stop_sequences = Setting(Int(min=0), 32, """
         A request's "stop" may hold at most this many strings (400 otherwise;
         OpenAI's API takes 4). Stock builds its matcher from them on the loop
