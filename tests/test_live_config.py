@@ -263,6 +263,11 @@ def test_the_stop_limits_are_live_settings(served):
     save_and_wait(served, BASE + "[guardian]\nmax_stop_sequences = 2\n")
     refused = httpx.post(served.url + CHAT, json=chat_body(max_tokens=2, **stop), timeout=30)
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "stop"
+    save_and_wait(served, BASE + "[guardian]\nmax_stop_chars = 8\n")
+    for length, status in ((8, 200), (9, 400)):
+        answer = httpx.post(served.url + CHAT, json=chat_body(max_tokens=2, stop=["y" * length]), timeout=30)
+        assert answer.status_code == status, answer.text
+    assert "8 characters" in answer.json()["error"]["message"], answer.text
     save_and_wait(served, BASE + "[guardian]\nmax_stop_sequences = 0\nmax_stop_chars = 0\n")  # 0: no limit
     many = {"stop": ["x" * 300] * 40}
     assert httpx.post(served.url + CHAT, json=chat_body(max_tokens=2, **many), timeout=30).status_code == 200
@@ -432,6 +437,9 @@ def test_the_thresholds_as_fractions_of_the_device_and_resume_at_most_refuse():
     device = plugin.device_bytes
     assert device > 0
     assert plugin.thresholds() == (int(0.85 * device), int(0.95 * device), int(0.9 * device))
+    plugin.settings = ResourcesSettings(trim_above=0.5, refuse_above=0.7, resume_below=0.6)
+    assert plugin.thresholds() == (int(0.5 * device), int(0.7 * device), int(0.6 * device))
+    assert plugin.refuse_now(int(0.71 * device)) and not plugin.refuse_now(int(0.59 * device))
     plugin.settings = ResourcesSettings(trim_above=0, refuse_above_bytes=1000, resume_below=0.99)
     assert plugin.thresholds() == (None, 1000, 1000)
     plugin.settings = ResourcesSettings(refuse_above=0)
