@@ -4,7 +4,8 @@
 json|console]`` serves (the guardian's flags come from the settings
 registry, ``guardian.config``); ``mlx-guardian --supervise ...`` runs it as a
 supervised child process; ``mlx-guardian demo-model PATH`` writes the demo
-model; ``mlx-guardian plugins`` lists plugins and their hooks.
+model; ``mlx-guardian plugins`` lists plugins and their hooks; ``mlx-guardian
+check-config FILE`` checks a configuration file.
 """
 
 from __future__ import annotations
@@ -236,12 +237,42 @@ def plugins_command(argv: list[str]) -> int:
     return 0
 
 
+def check_config_command(argv: list[str]) -> int:
+    """The file checked as a start checks it, nothing served: its tables and values, the
+    plugins it names and their tables, its API key file, what --engine stock reads. For a
+    deploy to try a file before it is saved over the one in force (as nginx -t)."""
+    parser = argparse.ArgumentParser(prog="mlx-guardian check-config", description=COMMANDS["check-config"][2])
+    parser.add_argument("path", type=Path, help="the file a server is given as --guardian-config")
+    args = parser.parse_args(argv)
+    from guardian.plugin_manager import make_plugin_manager
+    from guardian.supervise.settings import check_stock_tables
+
+    configure_logging("console")  # what the reads warn of (a key file others may read), for a person
+    try:
+        config = load_config(args.path)
+        make_plugin_manager(config)
+        check_stock_tables(config, config.supervisor.engine)
+        KeyRing(config.access.api_key_file or None)
+    except ConfigError as e:
+        print(f"mlx-guardian: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    keys = {**config.core_keys, **{name: tuple(table) for name, table in config.plugin_tables.items()}}
+    print(f"{args.path}: valid" + ("" if any(keys.values()) else ", every setting at its default"))
+    for table in config.tables:
+        if keys.get(table):
+            print(f"  [{table}] {', '.join(keys[table])}")
+    return 0
+
+
 # name: (function, arguments, what it does), for main() and --help.
 COMMANDS = {
     "plugins": (plugins_command, "[--guardian-config FILE]",
                 "print the plugins loaded (built-in, entry points, the config's) and the hooks each implements"),
     "demo-model": (demo_model_command, "PATH [--seed N]",
                    "write the small demo model (served when --model is not given) into PATH"),
+    "check-config": (check_config_command, "FILE",
+                     "check a --guardian-config file as a start would (its values, plugins, key file) "
+                     "and say what it sets; exit 2 and the error otherwise. Nothing is served."),
 }
 SUPERVISE_SUMMARY = ("subprocess mode: a supervisor runs the server as a child process and replaces it "
                      "when it dies; its own flags: mlx-guardian --supervise --help")

@@ -368,3 +368,42 @@ def test_an_ipv6_host_is_served_as_stock_binds_it(mode, model_cache, tmp_path):
         proc.terminate()
         proc.wait(30)
 
+
+
+def test_check_config_says_what_a_good_file_sets_and_names_what_is_wrong_in_a_bad_one(tmp_path):
+    """``mlx-guardian check-config FILE`` checks as a start would, serving nothing: exit 0 and
+    the keys the file sets; exit 2 and the start's own message for each kind of mistake."""
+    good = tmp_path / "good.toml"
+    good.write_text("[guardian]\nrequest_timeout_s = 30\n[http]\nidle_timeout_s = 2\n"
+                    "[recovery]\nmax_failures = 3\nwindow_s = 30\n")
+    result = run("check-config", str(good))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [f"{good}: valid", "  [guardian] request_timeout_s",
+                                          "  [http] idle_timeout_s", "  [recovery] max_failures, window_s"]
+    example = run("check-config", str(REPO / "config" / "guardian.example.toml"))
+    assert example.returncode == 0 and example.stdout.startswith(f"{REPO / 'config' / 'guardian.example.toml'}: valid")
+    empty = tmp_path / "empty.toml"
+    empty.write_text("")
+    assert run("check-config", str(empty)).stdout == f"{empty}: valid, every setting at its default\n"
+
+    keys = tmp_path / "keys"
+    keys.write_text("alice:sk-a-key-of-the-right-length-0123456789\nalice:sk-a-key-of-another-0123456789\n")
+    keys.chmod(0o600)
+    bad = {
+        "[http]\nidle_timeout_s = -2\n": "http.idle_timeout_s: must be > 0",
+        "[recovery]\nmax_failurs = 3\n": "did you mean 'max_failures'?",
+        "[nothing]\na = 3\n": "no loaded plugin reads [nothing]",
+        '[guardian]\nplugins = ["no.such.module:Plugin"]\n': "no.such.module",
+        '[supervisor]\nengine = "stock"\n[recovery]\nmax_failures = 3\n': "nothing reads [recovery]",
+        f'[access]\napi_key_file = "{keys}"\n': "'alice' is used twice",
+        "[guardian\n": "",  # not TOML
+    }
+    for text, message in bad.items():
+        broken = tmp_path / "broken.toml"
+        broken.write_text(text)
+        result = run("check-config", str(broken))
+        assert result.returncode == 2 and result.stdout == "", (text, result.stdout)
+        assert result.stderr.startswith("mlx-guardian: ") and message in result.stderr, (text, result.stderr)
+        assert "sk-a-key" not in result.stderr  # a key file's error names the line, never the key
+    missing = run("check-config", str(tmp_path / "none.toml"))
+    assert missing.returncode == 2 and "not found" in missing.stderr
