@@ -273,6 +273,14 @@ class SupervisorSettings(Table, name="supervisor"):
     hold_s = Setting(SECONDS, 30.0, """
         How long a request waits for a ready child before its 503 + Retry-After.""",
         flag="--supervisor-hold", metavar="S")
+    idle_stop_s = Setting(SECONDS, 0.0, """
+        A child that has had no request for this long is stopped, and the memory it
+        held (the model's weights, mlx's caches) given back to the machine; the next
+        request starts a new one and waits for it, as requests wait while a child
+        restarts (hold_s, hold_requests: set hold_s above the model's load time).
+        Meanwhile the supervisor answers /health and /readyz itself, 200 (state
+        "idle"). Not a restart: nothing is struck or counted. 0: never.""",
+        flag="--supervisor-idle-stop", metavar="S")
     max_resends = Setting(Int(min=0), 1, """
         A request whose child died before any byte of the answer reached the client
         is sent again to the next child, at most this many times (a request in

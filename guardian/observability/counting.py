@@ -105,11 +105,14 @@ class ActiveCount:
     def __init__(self):
         self._lock = threading.Lock()
         self.active = 0
+        self.changed_at = time.monotonic()  # the last start or end of one
 
     def __enter__(self):
         with self._lock:
             self.active += 1
+            self.changed_at = time.monotonic()
 
     def __exit__(self, *exc):
         with self._lock:
             self.active -= 1
+            self.changed_at = time.monotonic()

@@ -84,6 +84,7 @@ class Child:
     # Its checks get an HTTP answer (any status). One whose checks get none (frozen: SIGSTOP,
     # a process starved of its GIL or its CPU) takes no new requests (``Supervisor.holds``).
     answered: bool = True
+    idle_stop: bool = False  # stopped for want of requests ([supervisor] idle_stop_s): none follows at once
     last_check_answered: bool = True  # the last check's, before a pause of the supervisor's is ruled out
     missed_checks: int = 0  # its checks in a row that got no answer
     unanswered_since: Optional[float] = None  # the first of them (monotonic)

@@ -133,7 +133,8 @@ class SupervisorCollector:
         from guardian.supervise.state import State  # the supervisor imports this module
 
         state = GaugeMetricFamily(P + "state", "The supervisor's state: 1 for the current one.", labels=["state"])
-        for value in (State.STARTING, State.READY, State.UNHEALTHY, State.RESTARTING, State.STOPPING, State.FAILED):
+        for value in (State.STARTING, State.READY, State.UNHEALTHY, State.RESTARTING, State.STOPPING, State.FAILED,
+                      State.IDLE):
             state.add_metric([value], float(supervisor.state == value))
         yield state
         child = supervisor.child

@@ -43,6 +43,7 @@ from guardian.supervise import metrics as supervise_metrics
 from guardian.supervise.client_writes import StreamKeepAlive, client_writer
 from guardian.supervise.fast_handoff import (FastHandOff, child_request, forwarded_headers,
                                              try_fast_hand_off)
+from guardian.supervise.state import State
 from guardian.supervise.upstream import ChildUnreachable, Upstream, child_deadline_error
 from guardian.quarantine import isolation
 from guardian.quarantine.crashes import fingerprint
@@ -569,6 +570,11 @@ class ProxyHandler(BaseHTTPRequestHandler):
         """
         supervisor = self.server.supervisor
         child = supervisor.serving_child(health_check=True)
+        if child is None and supervisor.state == State.IDLE:
+            # No child by choice ([supervisor] idle_stop_s): a request starts one, so a load
+            # balancer keeps this replica in, and its checks wake nothing.
+            return self.send_json(200, {**supervisor.unavailable_health(),
+                                        "status": "ready" if path == READINESS_PATH else "ok"})
         if child is None:
             return self.send_json(503, supervisor.unavailable_health())
         if path == READINESS_PATH and not child.has_readyz:

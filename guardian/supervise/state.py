@@ -12,6 +12,7 @@ class State:
     RESTARTING = "restarting"  # a child is being stopped, or its successor is not ready yet
     STOPPING = "stopping"  # SIGTERM/SIGINT: the child is being stopped for good
     FAILED = "failed"  # gave up: crash loop, or flags the child refuses
+    IDLE = "idle"  # no child, by [supervisor] idle_stop_s: the next request starts one
 
 
 # Requests go to the child in these states; a briefly unhealthy child still

@@ -75,6 +75,8 @@ log = structlog.get_logger("guardian.supervisor")
 
 # Put on the signal queue by the public port's reader as it crashes (no signal's number).
 READER_CRASHED = -1
+# Put there by a request that finds no child by [supervisor] idle_stop_s: start one.
+WAKE_CHILD = -2
 # serve_forever's poll: how long closing the public port can take at exit.
 HTTP_POLL_S = 0.1
 # When stopping: past the child's drain (exit_grace_s), time for the answers it and the
@@ -107,7 +109,8 @@ STATE_REASONS = {State.READY: "the engine process changed while it answered",
                  State.RESTARTING: "the engine process is restarting",
                  State.UNHEALTHY: "the engine process does not answer its health checks",
                  State.STOPPING: STOPPING_REASON,
-                 State.FAILED: "the engine is not running and will not be restarted"}
+                 State.FAILED: "the engine is not running and will not be restarted",
+                 State.IDLE: "no request for [supervisor] idle_stop_s: the next starts the engine process"}
 # While a stock child drains, how often the main loop looks whether its requests ended.
 STOCK_DRAIN_LOOK_S = 0.05
 
@@ -462,6 +465,11 @@ class Supervisor:
             if self.child is not None and self.settings.engine == "guardian":
                 self.forward_sighup(self.child)
             return
+        if signum == WAKE_CHILD:
+            if self.child is None and self.exit_code is None and self.state == State.STARTING:
+                log.info("child_waking", why="a request came with no child ([supervisor] idle_stop_s)")
+                self.spawn_child()
+            return
         if signum == READER_CRASHED:  # deaf: stop, as at SIGTERM, and exit as for a bug
             if self.exit_code is None:
                 self.notifier.notify("STOPPING=1")
@@ -603,8 +611,21 @@ class Supervisor:
         close_quietly(child.client)
         if child.handoff is not None:
             child.handoff.close()
-        if self.exit_code is None:
+        if self.exit_code is None and child.idle_stop and not crashed(child):
+            self.rest()
+        elif self.exit_code is None:
             self.replace_child(child, quarantined=[s for s in suspects if s["quarantined"]])
+
+    def rest(self) -> None:
+        """A child stopped for want of requests is gone: idle until a request comes, or,
+        where requests came as it stopped (they wait), start the next child at once."""
+        with self.changed:
+            if not self.holding:
+                self.state = State.IDLE
+                self.changed.notify_all()
+                log.info("supervisor_idle", idle_stop_s=self.settings.idle_stop_s)
+                return
+        self.spawn_child()
 
     def replace_child(self, dead: Child, quarantined: list = ()) -> None:
         """Start the next child, or give up on a crash loop or refused flags. ``quarantined``:
@@ -674,8 +695,25 @@ class Supervisor:
             if not child.hard_killed and now >= child.hard_kill_at:
                 self.hard_kill()
             return
+        if self.idle_for(child, now) >= self.settings.idle_stop_s > 0:
+            return self.stop_idle_child(child, now)
         if now >= child.next_check_at(self.settings.interval_s):
             self.check_health(child)
+
+    def idle_for(self, child: Child, now: float) -> float:
+        """How long a ready child has had no request: none in flight nor held, since the
+        last ended (or since it became ready); 0 while it has one, or is not ready."""
+        if self.state != State.READY or child.ready_at is None or self.in_flight.active or self.holding:
+            return 0.0
+        return now - max(self.in_flight.changed_at, child.ready_at)
+
+    def stop_idle_child(self, child: Child, now: float) -> None:
+        """[supervisor] idle_stop_s: the child goes, with the memory it holds; the next request
+        starts another (``wait_for_child``)."""
+        child.idle_stop = True
+        log.info("child_idle_stopping", pid=child.pid, idle_s=round(self.idle_for(child, now), 3),
+                 idle_stop_s=self.settings.idle_stop_s)
+        self.soft_kill(f"no request for {self.settings.idle_stop_s:g} s ([supervisor] idle_stop_s)", routine=True)
 
     def notice_pause(self, late_s: float, ended_at: Optional[float] = None) -> None:
         """The supervisor ran ``late_s`` later than due (until ``ended_at``, now if not
@@ -876,17 +914,18 @@ class Supervisor:
         log.info("signal_forwarded", signal="SIGHUP", pid=child.pid)
         signal_quietly(child.proc, signal.SIGHUP)
 
-    def soft_kill(self, reason: str) -> None:
+    def soft_kill(self, reason: str, routine: bool = False) -> None:
         """SIGTERM (and SIGCONT, so a stopped child can act on it); SIGKILL after the grace:
         ``kill_grace_s``, or when stopping for good, the child's drain (``exit_grace_s``) and
-        a moment for its last answers, if that is longer."""
+        a moment for its last answers, if that is longer. ``routine``: logged at info (an
+        idle child's stop), not as a warning."""
         child = self.child
         if child.stopped_on_its_own:  # seen meanwhile by an HTTP thread: a SIGTERM now would end its drain
             return
         grace_s = self.settings.kill_grace_s
         if self.exit_code is not None:
             grace_s = max(grace_s, self.core.exit_grace_s + LAST_ANSWERS_S)
-        log.warning("child_stopping", pid=child.pid, reason=reason, grace_s=grace_s)
+        (log.info if routine else log.warning)("child_stopping", pid=child.pid, reason=reason, grace_s=grace_s)
         child.kill_reason = reason
         child.soft_killed_at = time.monotonic()
         child.hard_kill_at = child.soft_killed_at + grace_s
@@ -988,6 +1027,11 @@ class Supervisor:
         """
         refused = None
         with self.changed:
+            if self.state == State.IDLE and self.exit_code is None:  # [supervisor] idle_stop_s: wake it
+                self.state = State.STARTING
+                self.outage_started = time.monotonic()  # its downtime: this request's wait
+                self.changed.notify_all()
+                self.signals.put(WAKE_CHILD)
             if self.holds():
                 if self.holding >= self.settings.hold_requests:
                     refused = "hold_queue_full"

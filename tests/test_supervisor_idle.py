@@ -1,0 +1,86 @@
+"""[supervisor] idle_stop_s (--supervisor-idle-stop): a child that has had no request for
+that long is stopped, and the memory it held (the model) given back; the next request
+starts another and waits for it. Real supervisors, real children, real requests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import httpx
+import psutil
+
+from conftest import chat_body, poll, read_stream, scraped
+from test_supervisor import COMPLETIONS, SLOW_STEPS, start_supervisor  # noqa: F401
+
+IDLE_STOP_S = 1.5
+
+
+def idle(supervised) -> bool:
+    status = supervised.supervisor()
+    return status is not None and status["state"] == "idle" and status["child"] is None
+
+
+def test_an_idle_child_is_stopped_and_the_next_requests_start_one_child(start_supervisor):
+    supervised = start_supervisor("--supervisor-idle-stop", str(IDLE_STOP_S))
+    first = supervised.wait_ready()
+    with httpx.Client(timeout=60) as client:
+        assert client.post(supervised.url + COMPLETIONS, json=chat_body("Hello.", max_tokens=4)).status_code == 200
+    poll(lambda: idle(supervised), 30, what="the supervisor idle")
+    assert not psutil.pid_exists(first) or psutil.Process(first).status() == psutil.STATUS_ZOMBIE
+    [stopping] = supervised.supervisor_events("child_idle_stopping")
+    assert stopping["pid"] == first and stopping["idle_s"] >= IDLE_STOP_S
+    # Routine: no warning, no crash, no restart counted.
+    [exited] = supervised.supervisor_events("child_exited")
+    assert exited["level"] == "info" and exited["returncode"] == 0, exited
+    assert [e["level"] for e in supervised.supervisor_events("child_stopping")] == ["info"]
+    # Checks answer 200 and wake nothing (a load balancer keeps this replica in).
+    for path, status in (("/health", "ok"), ("/readyz", "ready")):
+        answer = httpx.get(supervised.url + path, timeout=5)
+        assert answer.status_code == 200 and answer.json()["status"] == status and answer.json()["state"] == "idle"
+    assert scraped(supervised, "mlx_guardian_supervisor_state", state="idle") == 1
+    assert supervised.supervisor()["restarts"] == 0 and supervised.supervisor_events("child_waking") == []
+
+    # Three requests at once: one child starts, all three are answered.
+    results: list = []
+
+    def send(n: int) -> None:
+        with httpx.Client(timeout=120) as client:
+            body = chat_body(f"Wake up, number {n}.", max_tokens=8, stream=n == 0)
+            results.append(read_stream(client, supervised.url + COMPLETIONS, body) if n == 0
+                           else client.post(supervised.url + COMPLETIONS, json=body))
+
+    senders = [threading.Thread(target=send, args=(n,), daemon=True) for n in range(3)]
+    for sender in senders:
+        sender.start()
+    for sender in senders:
+        sender.join(timeout=120)
+    streamed = [r for r in results if isinstance(r, dict)]
+    assert len(results) == 3 and streamed and streamed[0]["done"] and not streamed[0]["errors"], results
+    assert all(r.status_code == 200 for r in results if not isinstance(r, dict)), results
+    assert len(supervised.supervisor_events("child_waking")) == 1
+    assert len(supervised.supervisor_events("child_started")) == 2
+    woken = supervised.supervisor_events("child_ready")[-1]
+    print(f"\nmeasured: the first request after the idle stop waited {woken['downtime_s']:.2f} s for its child")
+    assert supervised.supervisor()["restarts"] == 0
+    assert scraped(supervised, "mlx_guardian_supervisor_child_restarts_total") == 0
+
+    # Idle again, then SIGTERM: it exits 0 at once, with no child to stop.
+    poll(lambda: idle(supervised), 30, what="the supervisor idle again")
+    os.kill(supervised.proc.pid, signal.SIGTERM)
+    assert supervised.proc.wait(timeout=15) == 0
+
+
+def test_a_request_in_flight_longer_than_idle_stop_s_keeps_its_child(start_supervisor, tmp_path):
+    config = tmp_path / "slow.toml"
+    config.write_text(SLOW_STEPS)  # steps of 10 ms at least: 300 tokens take 3 s or more
+    supervised = start_supervisor("--supervisor-idle-stop", "1", "--guardian-config", str(config))
+    pid = supervised.wait_ready()
+    with httpx.Client(timeout=120) as client:
+        stream = read_stream(client, supervised.url + COMPLETIONS,
+                             chat_body("Go on for a while.", max_tokens=300, stream=True))
+    assert stream["done"] and not stream["errors"] and len(stream["events"]) >= 100, stream["errors"]
+    assert supervised.supervisor_events("child_idle_stopping") == []  # its idle time starts now
+    assert supervised.supervisor()["child"]["pid"] == pid
+    poll(lambda: idle(supervised), 30, what="idle once the stream ended")
