@@ -452,7 +452,8 @@ class Supervisor:
     def handle_signal(self, signum: int) -> None:
         """SIGCHLD only wakes the loop; SIGHUP re-reads the public port's key file and
         certificate, and goes to a guardian child (it re-reads --guardian-config);
-        SIGTERM/SIGINT stop, a second one hard-kills."""
+        SIGTERM/SIGINT stop, a second one hard-kills. Not signals: ``WAKE_CHILD`` starts a
+        child for a request that came while idle; ``READER_CRASHED`` stops."""
         if signum == signal.SIGHUP:
             self.sighup_at = time.time()  # the child's word on the file counts from here (reload_config)
             if self.config_watcher is not None:  # on its thread: it may wait for the child's verdict
