@@ -12,6 +12,7 @@ import signal
 import socket
 import threading
 import time
+from datetime import datetime
 
 import httpx
 import pytest
@@ -131,7 +132,9 @@ def test_the_hold_is_bounded_in_requests_and_time(start_supervisor, tmp_path):
 def test_a_segfaulting_body_is_sent_again_once_then_quarantined(start_supervisor, tmp_path):
     config = tmp_path / "segfault.toml"
     config.write_text(f'[fault_injection]\nenabled = true\nsegfault_marker = "{SEGFAULT_MARKER}"\n')
-    supervised = start_supervisor("--guardian-config", str(config), "--supervisor-max-restarts", "3")
+    # A quarantine of its own length (300 s by default): the refusal says when it ends.
+    supervised = start_supervisor("--guardian-config", str(config), "--supervisor-max-restarts", "3",
+                                  "--supervisor-quarantine", "120")
     first_pid = supervised.wait_ready()
     poison = chat_body(f"{SEGFAULT_MARKER} now", max_tokens=4)
     with httpx.Client(timeout=120) as client:
@@ -143,6 +146,8 @@ def test_a_segfaulting_body_is_sent_again_once_then_quarantined(start_supervisor
         # Refused at the door now: no third crash.
         again = client.post(supervised.url + COMPLETIONS, json=poison)
         assert again.status_code == 500 and again.json()["error"]["code"] == "request_quarantined"
+        until = datetime.fromisoformat(again.json()["error"]["quarantined_until"].replace("Z", "+00:00"))
+        assert 60 < until.timestamp() - time.time() <= 121, until
         assert client.post(supervised.url + COMPLETIONS, json=chat_body(max_tokens=4)).status_code == 200
     assert [len(e["suspects"]) for e in supervised.supervisor_events("crash_suspects")] == [1, 1]
     assert len(supervised.supervisor_events("request_resent")) == 1
