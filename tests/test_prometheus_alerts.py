@@ -6,6 +6,7 @@ scrapes real servers."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 
 import pytest
@@ -16,6 +17,7 @@ pytestmark = [pytest.mark.one_version, pytest.mark.lane_0313]
 
 ALERTS = REPO / "config" / "prometheus" / "mlx-guardian-alerts.yml"
 ALERTS_TEST = REPO / "tests" / "prometheus" / "mlx-guardian-alerts.test.yml"
+LOG_EVENTS = REPO / "docs" / "reference" / "log-events.md"
 PROMTOOL, WITHOUT_PROMTOOL = system_tool("promtool", "make system-packages: Prometheus' promtool")
 
 
@@ -41,3 +43,12 @@ def test_every_alert_rule_has_a_unit_test():
     tested = {line.split(":", 1)[1].strip() for line in ALERTS_TEST.read_text().splitlines()
               if line.strip().startswith("alertname:")}
     assert len(rules) == 12 and rules == tested, (sorted(rules - tested), sorted(tested - rules))
+
+
+def test_the_log_events_the_alerts_point_to_are_logged():
+    """An alert's description sends a person to log lines by event name ("the log's
+    engine_error lines"): each is an event the code logs (docs/reference/log-events.md,
+    generated from the code). One named engine_failed, an error code, pointed nowhere."""
+    named = set(re.findall(r"\b([a-z]+(?:_[a-z]+)+) lines\b", ALERTS.read_text()))
+    logged = set(re.findall(r"^\| `([a-z_]+)` \|", LOG_EVENTS.read_text(), flags=re.M))
+    assert len(named) >= 4 and not named - logged, sorted(named - logged)
