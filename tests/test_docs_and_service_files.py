@@ -5,6 +5,7 @@ from __future__ import annotations
 import configparser
 import inspect
 import plistlib
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -69,6 +70,15 @@ def test_systemd_unit_restarts_on_failure_and_uses_the_watchdog():
     assert "--guardian-config" in service["ExecStart"]
 
 
+def test_systemd_reload_checks_the_file_the_server_reads_before_it_signals():
+    """`systemctl reload` of a broken file fails there, with the error (check-config's
+    exit 2), before the SIGHUP: the file checked is the one ExecStart names."""
+    lines = [line.partition("=")[2] for line in SYSTEMD_UNIT.read_text().splitlines()
+             if line.startswith("ExecReload=")]
+    served = re.search(r"--guardian-config (\S+)", SYSTEMD_UNIT.read_text().replace("\\\n", " ")).group(1)
+    assert len(lines) == 2 and lines[0].endswith(f"mlx-guardian check-config {served}") and "-HUP" in lines[1]
+
+
 def test_launchd_plist_restarts_only_after_failures():
     with open(LAUNCHD_PLIST, "rb") as f:
         plist = plistlib.load(f)
@@ -95,7 +105,7 @@ def test_systemd_accepts_every_line_of_the_unit(tmp_path):
     shipped_program = "/opt/mlx-guardian/.venv/bin/mlx-guardian"
     assert f"ExecStart={shipped_program} " in text
     unit = tmp_path / SYSTEMD_UNIT.name
-    unit.write_text(text.replace(f"ExecStart={shipped_program} ", f"ExecStart={shutil.which('true')} "))
+    unit.write_text(text.replace(f"{shipped_program} ", f"{shutil.which('true')} "))  # ExecReload's too
     result = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True, text=True, timeout=60)
     output = result.stdout + result.stderr
     assert "Unknown" not in output and "ignoring" not in output, output
