@@ -303,6 +303,37 @@ def test_a_header_count_set_live_is_the_door_s_and_the_server_reads_as_many(held
     assert answered(41) == b"200"  # the limit back
 
 
+def send_buffer_of_a_served_connection(held) -> int:
+    """The kernel's send buffer (``ss``'s tb) of the server's side of a connection it is
+    streaming an answer on (steps of 20 ms: 200 tokens take 4 s)."""
+    body = json.dumps(chat_body("Go on.", max_tokens=200, stream=True)).encode()
+    with held.connect() as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: %d\r\n\r\n"
+                     % len(body) + body)
+        sock.settimeout(30)
+        assert sock.recv(65536).startswith(b"HTTP/1."), "the stream's head"
+        ours = sock.getsockname()[1]
+        listed = subprocess.run(["ss", "-tmnH", "state", "established", f"( sport = :{held.port} and dport = :{ours} )"],
+                                capture_output=True, text=True, timeout=10)
+    [tb] = re.findall(r"\btb(\d+)", listed.stdout)
+    return int(tb)
+
+
+@pytest.mark.linux("ss (iproute2) reads a socket's send buffer")
+def test_the_send_buffer_of_each_connection_is_the_setting(held):
+    """[http] send_buffer_bytes is what the kernel gives each connection (Linux doubles what is
+    asked, and caps the ask at net.core.wmem_max); 0 leaves the system's autotuning."""
+    wmem_max = int(open("/proc/sys/net/core/wmem_max").read())
+    try:
+        assert send_buffer_of_a_served_connection(held) == 2 * min(256 * 1024, wmem_max)  # the default
+        held.save_config(CONFIG.replace("[http]\n", "[http]\nsend_buffer_bytes = 65536\n"))
+        assert send_buffer_of_a_served_connection(held) == 2 * min(65536, wmem_max)
+        held.save_config(CONFIG.replace("[http]\n", "[http]\nsend_buffer_bytes = 0\n"))
+        assert send_buffer_of_a_served_connection(held) not in (2 * min(65536, wmem_max), 2 * min(256 * 1024, wmem_max))
+    finally:
+        held.save_config(CONFIG)
+
+
 def test_head_and_other_methods(held):
     logged_before = held.log_path.stat().st_size
     head = httpx.head(held.url + "/v1/models", timeout=10)
