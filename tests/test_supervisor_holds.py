@@ -72,6 +72,31 @@ def test_requests_in_flight_at_a_sigkill_and_sent_meanwhile_are_served(start_sup
     assert supervised.supervisor()["restarts"] == 1
 
 
+def test_a_request_is_sent_again_up_to_max_resends_times(start_supervisor, tmp_path):
+    """--supervisor-max-resends 2 (1 by default): a request whose child dies twice before any
+    byte of its answer went out is sent to a third child, and answered in full. (Quarantine
+    off: here the kills are an operator's, not the request's doing.)"""
+    config = tmp_path / "slow.toml"
+    config.write_text(SLOW_STEPS)
+    supervised = start_supervisor("--guardian-config", str(config), "--supervisor-max-resends", "2",
+                                  "--supervisor-quarantine", "0")
+    pid = supervised.wait_ready()
+    in_flight = []
+    sender = post_in_thread(supervised.url, chat_body("In flight at two kills.", max_tokens=300), in_flight)
+    child_status = supervised.url + "/guardian/status"
+    for kill in (1, 2):
+        # The child has it and generates (300 steps of at least 10 ms: still at it at the kill).
+        poll(lambda: httpx.get(child_status, timeout=5).json()["in_flight"] >= 1, 30, what=f"child {kill} generating")
+        os.kill(pid, signal.SIGKILL)
+        pid = supervised.wait_ready(not_pid=pid, timeout=30)
+    sender.join(timeout=120)
+    [(response, _)] = in_flight
+    assert isinstance(response, httpx.Response) and response.status_code == 200, response
+    assert response.json()["usage"]["completion_tokens"] == 300
+    assert [e["resends"] for e in supervised.supervisor_events("request_resent")] == [1, 2]
+    assert scraped(supervised, RESENT, kind="request") == 2
+
+
 def test_a_request_given_up_before_the_next_child_had_it_was_not_sent_again(start_supervisor, tmp_path):
     """In flight at a SIGKILL, held for the next child no longer than --supervisor-hold (0.5 s,
     less than any child takes to start): its client gets 503, and it is counted, and logged,
