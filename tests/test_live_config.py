@@ -492,6 +492,16 @@ def test_memory_that_grows_across_engine_restarts_is_a_suspected_leak(capsys):
     for restart in range(1, 6):
         steady.on_engine_restarted(restarts=restart)
     assert "memory_leak_suspected" not in capsys.readouterr().err
+    # leak_restarts = 5: four climbs in a row are not yet a leak; the fifth is.
+    patient = Resources(ResourcesSettings(leak_restarts=5, leak_min_growth_bytes=3 * 1024 * 1024))
+    patient.engine = Restarts()
+    for restart in range(1, 6):
+        patient.on_engine_restarted(restarts=restart)
+        held.append(mx.ones((1024, 1024), dtype=mx.float32))
+        mx.eval(held[-1])
+    assert "memory_leak_suspected" not in capsys.readouterr().err
+    patient.on_engine_restarted(restarts=6)
+    assert "memory_leak_suspected" in capsys.readouterr().err
 
 
 FAULTS = BASE + """\

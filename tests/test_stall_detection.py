@@ -488,6 +488,38 @@ def test_the_stall_limit_is_stall_pace_factor_times_the_pace_and_follows_its_cha
     assert detector.pace.limit(120.0) == 2.5
 
 
+def test_the_pace_is_the_longest_gap_of_the_last_pace_samples_looks_and_follows_its_change():
+    """[watchdog] pace_samples: how many looks the pace remembers. One slow step (2 s), then
+    eight fast ones (0.1 s): remembering 32, the limit is still 4 x 2 s; remembering 4, the
+    slow step is forgotten and the limit is the floor. Saved live, it takes the new count."""
+    import pluggy
+
+    from guardian import hookspecs
+    from guardian.config.tables import WatchdogSettings
+    from guardian.health.stall_detection import StallDetector
+
+    pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
+    pm.add_hookspecs(hookspecs)
+    clock = {"beat": 0.0, "steps": 0}  # one loop's heartbeat and step count, across calls
+
+    def limit_after_the_steps(detector) -> float:
+        """Looks after a step of 0.1 s, one of 2 s, then eight of 0.1 s."""
+        for gap in [0.1, 2.0] + [0.1] * 8:
+            clock["beat"] += gap
+            clock["steps"] += 1
+            detector.pace.observe(beat=clock["beat"], steps=clock["steps"], loop=("loop", 0), waiting=())
+        return detector.pace.limit(30.0)
+
+    assert limit_after_the_steps(StallDetector(None, pm, WatchdogSettings(stall_min_s=0.5))) == 8.0  # 32
+    short = StallDetector(None, pm, WatchdogSettings(stall_min_s=0.5, pace_samples=4))
+    assert limit_after_the_steps(short) == 0.5
+    short.settings = WatchdogSettings(stall_min_s=0.5, pace_samples=32)  # the live view, saved anew
+    short.settings_changed()
+    short._follow_settings()
+    assert short.pace.gaps.maxlen == 32
+    assert limit_after_the_steps(short) == 8.0  # the slow step is within the last 32 looks again
+
+
 def test_one_verification_of_a_replacement_loop_at_a_time_however_late_its_thread_starts():
     """The watchdog verifies a loop that replaced a stuck one with a probe, on a thread of its
     own. It checked the probes' lock before starting one, so a thread not yet scheduled by
