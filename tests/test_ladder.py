@@ -244,7 +244,9 @@ def test_stalls_with_requests_served_between_them_start_the_ladder_again(start_s
     config = (LOOP_FAULTS
               + table("loop_faults", hang_repetition_penalty=HANG_PENALTY, hang_at_call=2, hang_which=[1, 3],
                       hang_s=3.0)
-              + table("watchdog", interval_s=0.05, stall_timeout_s=1.0, probe_timeout_s=1.0,
+              # A replacement loop is verified by a probe; beside CI's other lane, its first
+              # token once took over 1 s (no token within 1 s: the loop failed its trial).
+              + table("watchdog", interval_s=0.05, stall_timeout_s=1.0, probe_timeout_s=5.0,
                       ladder=["restart", "exit"], ladder_window_s=600.0))
     server = start_server(config)
     url = server.url + COMPLETIONS
@@ -287,7 +289,9 @@ def test_past_max_abandoned_loops_a_stall_takes_the_exit_rung(start_server):
     config = (LOOP_FAULTS
               + table("loop_faults", hang_repetition_penalty=HANG_PENALTY, hang_at_call=2, hang_which=[1, 3],
                       hang_s=3.0)
-              + table("watchdog", interval_s=0.05, stall_timeout_s=1.0, probe_timeout_s=1.0,
+              # Its replacement's probe may take over 1 s beside CI's other lane (a clean clone's
+              # run: "no token within 1 s", so the trial failed and the first request was blamed).
+              + table("watchdog", interval_s=0.05, stall_timeout_s=1.0, probe_timeout_s=5.0,
                       ladder=["restart"], ladder_window_s=600.0, max_abandoned_loops=1))
     server = start_server(config)
     url = server.url + COMPLETIONS
