@@ -299,6 +299,8 @@ class Prometheus:
             response = httpx.get(self.url + "/api/v1/" + path, timeout=5)
         except httpx.TransportError:
             return None  # not listening yet
+        if response.status_code == 503:
+            return None  # listening, not ready yet (its storage opening): "Service Unavailable"
         assert response.status_code == 200, response.text
         return response.json()["data"]
 
