@@ -7,11 +7,12 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 
 import httpx
 import psutil
 
-from conftest import chat_body, poll, read_stream, scraped
+from conftest import chat_body, poll, read_stream, scraped, stamp
 from test_supervisor import COMPLETIONS, SLOW_STEPS, start_supervisor  # noqa: F401
 
 IDLE_STOP_S = 1.5
@@ -78,9 +79,14 @@ def test_a_request_in_flight_longer_than_idle_stop_s_keeps_its_child(start_super
     supervised = start_supervisor("--supervisor-idle-stop", "1", "--guardian-config", str(config))
     pid = supervised.wait_ready()
     with httpx.Client(timeout=120) as client:
+        started = time.time()
         stream = read_stream(client, supervised.url + COMPLETIONS,
                              chat_body("Go on for a while.", max_tokens=300, stream=True))
+        ended = time.time()
     assert stream["done"] and not stream["errors"] and len(stream["events"]) >= 100, stream["errors"]
-    assert supervised.supervisor_events("child_idle_stopping") == []  # its idle time starts now
-    assert supervised.supervisor()["child"]["pid"] == pid
+    assert ended - started > 2.0  # 300 steps of 10 ms at least: twice the idle stop, and more
     poll(lambda: idle(supervised), 30, what="idle once the stream ended")
+    # Its child was stopped only once the stream had ended (a child stopped during it would
+    # still have drained it to its end): its idle time counted from then.
+    [stopping] = supervised.supervisor_events("child_idle_stopping")
+    assert stopping["pid"] == pid and stamp(stopping) > ended - 0.5, (stopping, ended)
