@@ -111,6 +111,12 @@ def test_every_loaded_settings_table_is_in_the_example():
         ("[watchdog]\ndeep_check_reuse_s = 1e9\n", r"watchdog.deep_check_reuse_s: must be <= 60"),
         ("[watchdog]\ndeep_check_reuse_s = -1\n", r"watchdog.deep_check_reuse_s: must be >= 0"),
         ("[watchdog]\ndeep_check_reuse_s = nan\n", r"watchdog.deep_check_reuse_s: must be a finite number"),
+        # A keepalive every 1e9 s is none, said otherwise; -1 and nan are no period at all.
+        ("[guardian]\nstream_keepalive_s = 1e9\n", r"guardian.stream_keepalive_s: must be <= 60"),
+        ("[guardian]\nstream_keepalive_s = -1\n", r"guardian.stream_keepalive_s: must be >= 0"),
+        ("[guardian]\nstream_keepalive_s = nan\n", r"guardian.stream_keepalive_s: must be a finite number"),
+        ("[supervisor]\nidle_stop_s = -1\n", r"supervisor.idle_stop_s: must be >= 0"),
+        ("[supervisor]\nidle_stop_s = nan\n", r"supervisor.idle_stop_s: must be a finite number"),
         # Found by a hunt: each raised something other than a ConfigError, which nothing
         # caught. A live save logged a crash and kept nothing; under --supervise every
         # later child exited 1 at start, and the supervisor gave up (exit 6).

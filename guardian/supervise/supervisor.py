@@ -696,8 +696,9 @@ class Supervisor:
             if not child.hard_killed and now >= child.hard_kill_at:
                 self.hard_kill()
             return
-        if self.idle_for(child, now) >= self.settings.idle_stop_s > 0:
-            return self.stop_idle_child(child, now)
+        idle_s = self.idle_for(child, now)
+        if idle_s >= self.settings.idle_stop_s > 0:
+            return self.stop_idle_child(child, idle_s)
         if now >= child.next_check_at(self.settings.interval_s):
             self.check_health(child)
 
@@ -708,11 +709,11 @@ class Supervisor:
             return 0.0
         return now - max(self.in_flight.changed_at, child.ready_at)
 
-    def stop_idle_child(self, child: Child, now: float) -> None:
+    def stop_idle_child(self, child: Child, idle_s: float) -> None:
         """[supervisor] idle_stop_s: the child goes, with the memory it holds; the next request
         starts another (``wait_for_child``)."""
         child.idle_stop = True
-        log.info("child_idle_stopping", pid=child.pid, idle_s=round(self.idle_for(child, now), 3),
+        log.info("child_idle_stopping", pid=child.pid, idle_s=round(idle_s, 3),
                  idle_stop_s=self.settings.idle_stop_s)
         self.soft_kill(f"no request for {self.settings.idle_stop_s:g} s ([supervisor] idle_stop_s)", routine=True)
 
