@@ -22,6 +22,7 @@ import tempfile
 import textwrap
 import threading
 import time
+import weakref
 from datetime import datetime
 from pathlib import Path
 from typing import Callable, Optional
@@ -226,6 +227,14 @@ def parse_log(text: str) -> list[dict]:
     return lines
 
 
+# Every server a test may use (a module's shared ones too): a failing test's report shows
+# what each one logged during it (``pytest_runtest_makereport``), since the workers' temporary
+# folders, where the logs are, are gone by the time a flaky CI run is read.
+SERVERS: "weakref.WeakSet[Server]" = weakref.WeakSet()
+LOG_LINES_SHOWN = 150
+LOG_LINE_CHARS = 600
+
+
 class Server:
     # The file given as --guardian-config, which ``save_config`` writes; None: none.
     config: Optional[Path] = None
@@ -235,6 +244,8 @@ class Server:
         self.port = port
         self.log_path = log_path
         self.url = f"http://127.0.0.1:{port}"
+        self.log_at_test_start = 0  # set as each test starts (a server started in it: 0)
+        SERVERS.add(self)
 
     def config_in_force(self) -> Optional[str]:
         """The sha256 of the version of its file the server acts on now."""
@@ -626,6 +637,37 @@ def needs_tool(name: str, install: str):
     """Skip unless ``name`` is on PATH."""
     path, reason = system_tool(name, install)
     return pytest.mark.skipif(path is None, reason=reason)
+
+
+def _log_size(server: Server) -> int:
+    try:
+        return server.log_path.stat().st_size
+    except OSError:
+        return 0
+
+
+def pytest_runtest_setup(item):
+    for server in list(SERVERS):
+        server.log_at_test_start = _log_size(server)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test's report carries the last lines each server logged during it."""
+    outcome = yield
+    report = outcome.get_result()
+    if not report.failed or hasattr(report, "wasxfail"):
+        return
+    for server in list(SERVERS):
+        if _log_size(server) <= server.log_at_test_start:
+            continue
+        with open(server.log_path, "rb") as log:
+            log.seek(server.log_at_test_start)
+            lines = log.read().decode(errors="replace").splitlines()
+        shown = [line if len(line) <= LOG_LINE_CHARS else line[:LOG_LINE_CHARS] + " [...]"
+                 for line in lines[-LOG_LINES_SHOWN:]]
+        skipped = f"({len(lines) - len(shown)} earlier lines left out)\n" if len(lines) > len(shown) else ""
+        report.sections.append((f"server log {server.log_path} ({report.when})", skipped + "\n".join(shown)))
 
 
 def pytest_configure(config):
