@@ -13,7 +13,7 @@ import httpx
 import psutil
 
 from conftest import chat_body, poll, read_stream, scraped, stamp
-from test_supervisor import COMPLETIONS, SLOW_STEPS, start_supervisor  # noqa: F401
+from test_supervisor import COMPLETIONS, SLOW_STEPS, slow_steps_config, start_supervisor, with_supervisor_hooks  # noqa: F401
 
 IDLE_STOP_S = 1.5
 
@@ -90,3 +90,26 @@ def test_a_request_in_flight_longer_than_idle_stop_s_keeps_its_child(start_super
     # still have drained it to its end): its idle time counted from then.
     [stopping] = supervised.supervisor_events("child_idle_stopping")
     assert stopping["pid"] == pid and stamp(stopping) > ended - 0.5, (stopping, ended)
+
+
+def test_a_request_that_comes_as_the_idle_stop_is_decided_keeps_its_child(start_supervisor, tmp_path):
+    # The main loop finds the child idle, then (a loaded machine, planted: 2 s) stops it. A
+    # stream that came between the two is the child's: the stop is called off, not sent to
+    # the child under it (it drained that stream, then left, and the next request waited
+    # for a cold start; a stream past kill_grace_s was cut by SIGKILL and re-run).
+    supervised = start_supervisor("--supervisor-idle-stop", "1", "--guardian-config", slow_steps_config(tmp_path),
+                                  env=with_supervisor_hooks(GUARDIAN_TEST_LATE_IDLE_STOP_S="2.0"))
+    pid = supervised.wait_ready()
+    poll(lambda: supervised.supervisor_events("test_idle_stop_late"), 30, interval=0.01, what="the idle verdict")
+    with httpx.Client(timeout=120) as client:
+        stream = read_stream(client, supervised.url + COMPLETIONS,
+                             chat_body("Go on for a while.", max_tokens=300, stream=True))
+        ended = time.time()
+    assert stream["done"] and not stream["errors"] and len(stream["events"]) >= 100, stream["errors"]
+    [called_off] = supervised.supervisor_events("child_idle_stop_called_off")
+    assert called_off["pid"] == pid and called_off["in_flight"] == 1, called_off
+    # The child lived on through the stream; it was stopped (idle) only after it.
+    poll(lambda: idle(supervised), 30, what="idle once the stream ended")
+    [stopping] = supervised.supervisor_events("child_stopping")
+    assert stopping["pid"] == pid and stamp(stopping) > ended - 0.5, (stopping, ended)
+    assert len(supervised.supervisor_events("child_started")) == 1

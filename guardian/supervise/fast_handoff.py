@@ -174,9 +174,6 @@ def try_fast_hand_off(server, incoming) -> bool:
     supervisor = server.supervisor
     if server.tls is not None or incoming.headers_end < 0 or incoming.body_unread or server.busy():
         return False
-    child = supervisor.serving_child()
-    if child is None or not child.hands_off() or child.kill_reason is not None:
-        return False
     buffer = bytes(incoming.buffer)
     head = RequestHead.parse(buffer, incoming.headers_end)
     if head is None or head.path in server.own_paths:
@@ -184,6 +181,25 @@ def try_fast_hand_off(server, incoming) -> bool:
     access = incoming.access or supervisor.door.check(  # made on the head where the body came later
         AccessRequest(head.method, head.path, head.headers, incoming.address[0]))
     if not access.allowed:
+        return False
+    # In flight before it asks for the child, as on the handler path: an idle stop decided
+    # meanwhile sees it and keeps the child (Supervisor.stop_idle_child), or it sees the stop.
+    # (Not a path the supervisor answers itself: a load balancer's checks wake no child.)
+    supervisor.in_flight.__enter__()
+    handed_off = False
+    try:
+        handed_off = _hand_off_counted(server, supervisor, incoming, buffer, head, access)
+    finally:
+        if not handed_off:
+            supervisor.in_flight.__exit__(None, None, None)
+    return handed_off
+
+
+def _hand_off_counted(server, supervisor, incoming, buffer: bytes, head: RequestHead, access) -> bool:
+    """``try_fast_hand_off`` once the request counts as in flight: False leaves the count to
+    the caller to take back; True, to whoever ends the request (``FastHandOff``)."""
+    child = supervisor.serving_child()
+    if child is None or not child.hands_off() or child.kill_reason is not None:
         return False
     request = child_request(supervisor, child, head.method, head.target, head.headers.items,
                             incoming.address[0], access, head.body)
@@ -200,7 +216,6 @@ def try_fast_hand_off(server, incoming) -> bool:
         supervisor.quarantine.end_fast_relay(child.generation, relay, answered=False, sent=False)
         return False
     # The child has the request: from here on it answers, whatever happens here.
-    supervisor.in_flight.__enter__()
     server.handoffs_in_flight.__enter__()
     passed = FastHandOff(server, child, handed, buffer, incoming.address, access, relay, incoming.sock)
     passed.due = first_deadline(head, supervisor.core.request_timeout_s, passed.handed_at)

@@ -711,8 +711,21 @@ class Supervisor:
 
     def stop_idle_child(self, child: Child, idle_s: float) -> None:
         """[supervisor] idle_stop_s: the child goes, with the memory it holds; the next request
-        starts another (``wait_for_child``)."""
-        child.idle_stop = True
+        starts another (``wait_for_child``). Decided again under ``lock``: a request counts
+        itself in flight before it asks for the child (``serving_child``, ``wait_for_child``),
+        so one that came since ``idle_for`` looked keeps this child, and one that comes once
+        the state has changed here waits for the next."""
+        with self.changed:
+            came = self.child is not child or self.state != State.READY or self.in_flight.active or self.holding
+            if not came:
+                child.idle_stop = True
+                self.outage_started = time.monotonic()  # as set_state does (it takes the lock)
+                self.state = State.RESTARTING
+                self.changed.notify_all()
+        if came:
+            log.info("child_idle_stop_called_off", pid=child.pid, idle_s=round(idle_s, 3),
+                     in_flight=self.in_flight.active, held=self.holding, state=self.state)
+            return
         log.info("child_idle_stopping", pid=child.pid, idle_s=round(idle_s, 3),
                  idle_stop_s=self.settings.idle_stop_s)
         self.soft_kill(f"no request for {self.settings.idle_stop_s:g} s ([supervisor] idle_stop_s)", routine=True)

@@ -18,7 +18,10 @@ variable; the guardian's own code is not changed.
   the path exists, the next call of stock's ``BatchGenerator.next`` raises the
   incident's error and removes the path (one holding a number N: N such failures, one a
   process): its generation thread dies (tests/plugins/stock_step_faults.py plants the
-  same in a guardian)."""
+  same in a guardian).
+- ``GUARDIAN_TEST_LATE_IDLE_STOP_S``: a supervisor that found its child idle for
+  ``[supervisor] idle_stop_s`` (and logged ``test_idle_stop_late``) stops it SIGTERM that many
+  seconds later, as on a loaded machine: a request may come between the verdict and the signal."""
 
 import os
 import sys
@@ -89,3 +92,18 @@ if os.environ.get("GUARDIAN_TEST_STOCK_STEP_RAISES_ARMED_BY"):
             return _next(self, *args, **kwargs)
 
         BatchGenerator.next = _raising_next
+
+if os.environ.get("GUARDIAN_TEST_LATE_IDLE_STOP_S") and "--supervise" in sys.orig_argv:
+    import threading
+
+    import guardian.supervise.supervisor as supervisor
+
+    _idle_late_s = float(os.environ["GUARDIAN_TEST_LATE_IDLE_STOP_S"])
+    _stop_idle_child = supervisor.Supervisor.stop_idle_child
+
+    def _late_stop_idle_child(self, child, idle_s):
+        supervisor.log.info("test_idle_stop_late", pid=child.pid, idle_s=round(idle_s, 3), late_s=_idle_late_s)
+        threading.Event().wait(_idle_late_s)
+        return _stop_idle_child(self, child, idle_s)
+
+    supervisor.Supervisor.stop_idle_child = _late_stop_idle_child
