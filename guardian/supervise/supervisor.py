@@ -716,7 +716,9 @@ class Supervisor:
         so one that came since ``idle_for`` looked keeps this child, and one that comes once
         the state has changed here waits for the next."""
         with self.changed:
-            came = self.child is not child or self.state != State.READY or self.in_flight.active or self.holding
+            # idle_for again: a request counted and let go since (the reader's hand-off fell back
+            # to a handler thread, which counts it anew) moved in_flight.changed_at.
+            came = self.child is not child or self.idle_for(child, time.monotonic()) < self.settings.idle_stop_s
             if not came:
                 child.idle_stop = True
                 self.outage_started = time.monotonic()  # as set_state does (it takes the lock)
@@ -813,9 +815,14 @@ class Supervisor:
             child.last_ok = child.last_check_at
             self.serving_again(child)  # a check just before said "no heartbeat"
             return
-        if self.state == State.READY:
+        with self.changed:  # not over a stop an HTTP thread saw meanwhile (child_stops_on_its_own)
+            unhealthy = self.child is child and self.state == State.READY and child.kill_reason is None
+            if unhealthy:
+                self.outage_started = time.monotonic()  # as set_state does (it takes the lock)
+                self.state = State.UNHEALTHY
+                self.changed.notify_all()
+        if unhealthy:
             log.warning("child_unhealthy", pid=child.pid, check=child.last_check)
-            self.set_state(State.UNHEALTHY)
         failing_for = child.last_check_at - child.last_ok
         # From its first check that got no answer: from the last that got one, a long
         # --supervisor-interval made a child that missed one check silent long enough.
@@ -935,17 +942,23 @@ class Supervisor:
         a moment for its last answers, if that is longer. ``routine``: logged at info (an
         idle child's stop), not as a warning."""
         child = self.child
-        if child.stopped_on_its_own:  # seen meanwhile by an HTTP thread: a SIGTERM now would end its drain
-            return
         grace_s = self.settings.kill_grace_s
         if self.exit_code is not None:
             grace_s = max(grace_s, self.core.exit_grace_s + LAST_ANSWERS_S)
+        # Decided under the lock, as child_stops_on_its_own decides on an HTTP thread: a child
+        # it saw stopping on its own is left to its drain, which a SIGTERM now would end.
+        with self.changed:
+            if child.stopped_on_its_own:
+                return
+            child.kill_reason = reason
+            child.soft_killed_at = time.monotonic()
+            child.hard_kill_at = child.soft_killed_at + grace_s
+            if self.exit_code is None:
+                if self.state in SERVING:  # as set_state does (it takes the lock)
+                    self.outage_started = child.soft_killed_at
+                self.state = State.RESTARTING
+                self.changed.notify_all()
         (log.info if routine else log.warning)("child_stopping", pid=child.pid, reason=reason, grace_s=grace_s)
-        child.kill_reason = reason
-        child.soft_killed_at = time.monotonic()
-        child.hard_kill_at = child.soft_killed_at + grace_s
-        if self.exit_code is None:
-            self.set_state(State.RESTARTING)
         # Like systemd: a SIGSTOPped process only sees SIGTERM once continued.
         for signum in (signal.SIGTERM, signal.SIGCONT):
             signal_quietly(child.proc, signum)
