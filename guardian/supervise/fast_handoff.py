@@ -127,22 +127,33 @@ class FastHandOff:
     def on_word(self) -> None:
         """The child's word (the reader's thread): done, or the handler path takes over."""
         word = self.word = self.handed.wait()
-        self.server.handoff_over(self)
         supervisor = self.server.supervisor
-        opened = word != handoff.NOT_OPENED  # else the child never had the request
-        supervisor.quarantine.end_fast_relay(self.child.generation, self.relay,
-                                             answered=word == handoff.DONE, sent=opened)
-        if opened:
-            supervisor.metrics.passed_handed_off.inc()
-        self.server.handoffs_in_flight.__exit__(None, None, None)
+        # The counts go whatever fails on the way (the reader logs it and goes on): one left
+        # behind would keep the child from its idle stop and a stopping supervisor waiting.
+        try:
+            self.server.handoff_over(self)
+            opened = word != handoff.NOT_OPENED  # else the child never had the request
+            supervisor.quarantine.end_fast_relay(self.child.generation, self.relay,
+                                                 answered=word == handoff.DONE, sent=opened)
+            if opened:
+                supervisor.metrics.passed_handed_off.inc()
+        finally:
+            self.server.handoffs_in_flight.__exit__(None, None, None)
         if word == handoff.DONE:
-            supervisor.in_flight.__exit__(None, None, None)
-            self.handed.close()
-            close_quietly(self.client)
+            try:
+                self.handed.close()
+                close_quietly(self.client)
+            finally:
+                supervisor.in_flight.__exit__(None, None, None)
             return
         # Given back, or the child died with the connection: on a handler thread, which
         # ends the request's time in flight (a stopping supervisor waits for its answer).
-        self.server.resume(self)
+        try:
+            self.server.resume(self)
+        except BaseException:
+            self.resumed()
+            close_quietly(self.client)
+            raise
 
     def resumed(self) -> None:
         """The handler path is done with it (once, whatever became of it)."""
