@@ -192,6 +192,33 @@ def test_a_stall_judged_of_a_loop_another_stall_replaced_changes_nothing():
     assert lifecycle.stalls == 2 and lifecycle.rung == "reload"
 
 
+def test_a_stall_whose_loop_failed_restarted_or_stepped_since_the_verdict_changes_nothing():
+    # The watchdog reads the heartbeat, then the state, then takes the stall: meanwhile the
+    # step judged stuck may raise (the loop's own restart is under way), a restart may end
+    # (the loop asks for work), or the step may return (the heartbeat moves). Taken anyway,
+    # the stall abandoned a loop that was working, beside the one it had judged.
+    failed = lifecycle_in(S.READY)
+    failed.failed("unknown")  # the slow step raised once the verdict was reached
+    assert not failed.stalled("restart", failed.stalls, judged_in=S.READY)
+    assert failed.state is S.RESTARTING and failed.stalls == 0 and failed.owner is not None
+
+    restarted = lifecycle_in(S.RESTARTING)
+    restarted.loop_polled()  # the restart ended: ready
+    assert not restarted.stalled("restart", restarted.stalls, judged_in=S.RESTARTING)
+    assert restarted.state is S.READY and restarted.stalls == 0
+
+    stepped = lifecycle_in(S.READY)
+    asked: list = []
+    assert not stepped.stalled("restart", stepped.stalls, judged_in=S.READY,
+                               unchanged=lambda: asked.append(1) and False)
+    assert asked == [1] and stepped.state is S.READY and stepped.stalls == 0
+
+    # Judged in the state it is in, the heartbeat where it was: taken.
+    stuck = lifecycle_in(S.READY)
+    assert stuck.stalled("restart", stuck.stalls, judged_in=S.READY, unchanged=lambda: True)
+    assert stuck.state is S.STALLED and stuck.stalls == 1 and stuck.owner is None
+
+
 def test_loop_events_from_a_thread_that_does_not_own_the_engine_raise():
     lifecycle = lifecycle_in(S.READY, owned=False)
     for event in sorted(LOOP_EVENTS):

@@ -160,12 +160,15 @@ class Lifecycle:
         the loop on trial now is another, which no probe has proven."""
         return self._event("verified", stalls_seen=stalls_seen)
 
-    def stalled(self, rung: str, stalls_seen: Optional[int] = None) -> bool:
+    def stalled(self, rung: str, stalls_seen: Optional[int] = None, judged_in: Optional[EngineState] = None,
+                unchanged: Optional[Callable[[], bool]] = None) -> bool:
         """The watchdog saw no progress: abandon the loop thread; its
         replacement is on trial. False when there is no loop to abandon, or
         when a stall was taken since the judgment (``stalls`` was ``stalls_seen``):
-        the watchdog's thread and a probe's may both judge the same loop."""
-        return self._event("stalled", rung=rung, stalls_seen=stalls_seen)
+        the watchdog's thread and a probe's may both judge the same loop; or when
+        the state is no longer ``judged_in``, or ``unchanged()`` (asked under the lock)
+        says the heartbeat moved: the loop judged failed, restarted or stepped since."""
+        return self._event("stalled", rung=rung, stalls_seen=stalls_seen, judged_in=judged_in, unchanged=unchanged)
 
     def gave_up(self, reason: str) -> bool:
         """The engine will not generate again; False if it already gave up or stopped."""
@@ -194,6 +197,10 @@ class Lifecycle:
             after = TRANSITIONS[event].get(before) if owns else None
             if details.get("stalls_seen") not in (None, self.stalls):
                 after = None  # judged of a loop another stall has replaced since: stale
+            elif details.get("judged_in") not in (None, before):
+                after = None  # the loop judged failed or restarted since the verdict: stale
+            elif after is not None and details.get("unchanged") is not None and not details["unchanged"]():
+                after = None  # its heartbeat moved since the verdict: the step returned
             if after is not None:
                 self._state = after
                 callback = self._record(event, before, after, details)

@@ -262,14 +262,14 @@ class StallDetector:
                 return
             self.step_cpu.observe(beat=beat, now=now, loop_ident=engine.lifecycle.owner)
             if age > self.stall_limit_s and not self._busy_step_allowed(age, beat):
-                self._on_stall(age, self._stall_reason(), stalls_seen)
+                self._on_stall(age, self._stall_reason(), stalls_seen, judged_in=state, beat=beat)
         elif state in (EngineState.RESTARTING, EngineState.STALLED):
             # A pause of the process is no restart's fault either.
             troubled_for = min(engine.lifecycle.troubled_for(now), now - self.resumed_at)
             if troubled_for > self.settings.restart_timeout_s:
                 why = ("the restarted loop never asked for work" if state is EngineState.RESTARTING
                        else "the replacement loop was not proven by a probe")
-                self._on_stall(self._restarted_loop_silent_for(now), why, stalls_seen)
+                self._on_stall(self._restarted_loop_silent_for(now), why, stalls_seen, judged_in=state)
 
     def _restarted_loop_silent_for(self, now: float) -> float:
         """The heartbeat age of a loop that replaced a stuck or failed one: since its
@@ -342,12 +342,16 @@ class StallDetector:
                           waiting=waiting, novel=novel)
         self.stall_limit_s = self.pace.limit(self.settings.stall_timeout_s)
 
-    def _on_stall(self, heartbeat_age_s: float, why: str, stalls_seen: int) -> None:
+    def _on_stall(self, heartbeat_age_s: float, why: str, stalls_seen: int,
+                  judged_in: Optional[EngineState] = None, beat: Optional[float] = None) -> None:
         """Ask the engine to take the stall at the ladder's next rung; log and tell the plugins.
         ``stalls_seen``: the lifecycle's stall count when the loop was judged; nothing is
         done if another stall came since (the watchdog's and a probe's thread both judge),
         nor while the live loop waits, bounded, for an abandoned one to unwind (a replacement's
-        verification probe may time out behind that wait: the wait is no stall of its own)."""
+        verification probe may time out behind that wait: the wait is no stall of its own).
+        ``judged_in``, ``beat``: the state and the heartbeat the verdict was reached on; it is
+        taken only if both stand when the lifecycle takes it (the step that was judged stuck
+        may return, or raise, or a restart end, while the verdict is made)."""
         if self.engine.unwinding_until is not None:
             return
         ladder = self.settings.ladder
@@ -362,8 +366,13 @@ class StallDetector:
             action = "exit"  # another abandoned loop would hold memory for good: a clean process instead
             reason += f"; {abandoned} abandoned loop threads alive already (max_abandoned_loops {most})"
         stuck_at = stack_of(self.engine.lifecycle.owner)  # before a replacement owns the engine
-        if not self.engine.lifecycle.stalled(action, stalls_seen):
-            return  # the engine gave up or stopped meanwhile, or the loop judged was replaced
+        engine = self.engine
+        unchanged = None if beat is None else (lambda: engine.last_beat == beat)
+        if not engine.lifecycle.stalled(action, stalls_seen, judged_in=judged_in, unchanged=unchanged):
+            # The engine gave up or stopped meanwhile, the loop judged was replaced, or it moved.
+            log.debug("engine_stall_withdrawn", heartbeat_age_s=round(heartbeat_age_s, 3),
+                      judged_in=judged_in and judged_in.value, state=engine.state.value)
+            return
         if progressed:  # (only once the stall is taken: a refused judgment changes nothing)
             self.stalls = RecentEvents(self.settings.ladder_window_s)
         self.stalls.add()
