@@ -12,9 +12,11 @@ Against a real HeldConnections server on 127.0.0.1 with a plain handler (no mode
 
 from __future__ import annotations
 
+import select
 import socket
 import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -114,3 +116,53 @@ def test_a_handler_that_ends_its_watch_at_any_point_of_the_readers_look_leaves_t
             break
         line += 1
     assert line > 2  # it paused at every line the look runs
+
+
+class WatchedUntilTold(BaseHTTPRequestHandler):
+    """GET /watched: answered, then watched (its client's leaving noted) until the test's word."""
+
+    def do_GET(self):
+        self.send_response(200)
+        self.send_header("Content-Length", "2")
+        self.end_headers()
+        self.wfile.write(b"ok")
+        self.wfile.flush()
+        self.server.watch_client(self.connection, self.server.left.set)
+        self.server.in_handler.set()
+        self.server.finish.wait(WAIT_S)
+        self.server.unwatch_client(self.connection)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_client_that_keeps_sending_past_its_request_is_read_no_more_and_its_leaving_still_seen():
+    # Bytes past a request are dropped a few times (MAX_DRAINS); a client that goes on
+    # sending once held the reader (every client's door) in a loop of 64 KiB reads at its
+    # pace for as long as its answer took. Now what it sends stays unread: the kernel's
+    # buffers fill and its sends stop, and its close is still seen.
+    httpd = WatchingServer((HOST, 0), WatchedUntilTold)
+    httpd.in_handler, httpd.finish, httpd.left = threading.Event(), threading.Event(), threading.Event()
+    threading.Thread(target=httpd.serve_forever, args=(0.05,), daemon=True).start()
+    try:
+        client = socket.create_connection((HOST, httpd.server_address[1]), timeout=WAIT_S)
+        client.sendall(b"GET /watched HTTP/1.0\r\n\r\n")
+        assert httpd.in_handler.wait(WAIT_S)
+        client.setblocking(False)
+        junk, sent = b"x" * 65536, 0
+        ends = time.monotonic() + 1.5
+        while time.monotonic() < ends:
+            try:
+                sent += client.send(junk)
+            except BlockingIOError:
+                select.select([], [client], [], 0.05)  # a bounded wait for room
+        # Read at the sender's pace, it ran to hundreds of MB a second here.
+        print(f"\nmeasured: {sent / 2**20:.1f} MiB accepted in 1.5 s from a client sending past its request")
+        assert sent < 64 * 2**20
+        assert not httpd.left.is_set()
+        client.close()
+        assert httpd.left.wait(WAIT_S), "the client's leaving was not seen"
+    finally:
+        httpd.finish.set()
+        httpd.shutdown()
+        httpd.server_close()

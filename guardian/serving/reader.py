@@ -46,6 +46,11 @@ TICK_S = 0.25
 COMPACT_TIMERS_PAST = 32
 # A TLS client's close_notify comes a moment before its FIN: looked for this long after it.
 CLOSE_AFTER_RECORDS_S = 0.02
+# Bytes a client sends past its request (a CRLF, a pipelined request) are read and dropped
+# this many times at most; then its close is looked for as under TLS, and what it sends
+# stays unread: a client that kept sending held the reader, every client's door, in a loop
+# of reads (a 64 KiB read a wake-up, at the sender's pace, for as long as its answer took).
+MAX_DRAINS = 4
 
 
 # Connections accepted in one go before the reader reads the others again.
@@ -134,11 +139,12 @@ class Listening:
 class Watched:
     """A connection whose request is being answered: its client's leaving ends the request."""
 
-    __slots__ = ("sock", "on_gone")
+    __slots__ = ("sock", "on_gone", "drains")
 
     def __init__(self, sock: socket.socket, on_gone):
         self.sock = sock
         self.on_gone = on_gone
+        self.drains = 0  # wake-ups that found bytes past the request (dropped)
 
 
 class Readable:
@@ -450,23 +456,27 @@ class RequestReader:
     def _on_watched(self, watched: Watched) -> None:
         """A watched connection is readable: its client left, or sent more. Bytes past the
         request (a CRLF some clients add, a pipelined request its HTTP/1.0 answer will not
-        reach) are dropped and the watch goes on. Under TLS they are records only the
-        handler's thread may read (a client's close_notify, sent as it closes): the watch
-        goes on by looking for the peer's close beyond them (``_look_again``)."""
+        reach) are dropped and the watch goes on, ``MAX_DRAINS`` times at most. Under TLS they
+        are records only the handler's thread may read (a client's close_notify, sent as it
+        closes), and past ``MAX_DRAINS`` they are left unread: the watch goes on by looking for
+        the peer's close beyond them (``_look_again``)."""
         # Never registered again here: the handler's thread may unwatch the socket at any
         # moment and close it, and a registration made between the two outlived the socket
         # (the selector kept its number, and refused every later connection given that
         # number: the server went deaf). A drained socket stays registered as it is.
-        if client_left(watched.sock) or (self.server.tls is None and not drained(watched.sock)):
+        tls = self.server.tls is not None
+        if client_left(watched.sock) or (not tls and not drained(watched.sock)):
             self.unwatch(watched.sock)
             self._gone(watched)
-        elif self.server.tls is not None:
+            return
+        watched.drains += 1
+        if tls or watched.drains >= MAX_DRAINS:
             with self._lock:
                 if not self._watching(watched):
                     return  # its request ended meanwhile
-                self.selector.unregister(watched.sock)  # records stay readable: no more wake-ups
+                self.selector.unregister(watched.sock)  # what stays unread wakes no one
                 self._unread[watched.sock] = watched
-            self._look_again(watched, CLOSE_AFTER_RECORDS_S)
+            self._look_again(watched, CLOSE_AFTER_RECORDS_S if tls else TICK_S)
 
     def _watching(self, watched: Watched) -> bool:
         """Whether ``watched`` is the socket's registration now (under ``_lock``)."""
