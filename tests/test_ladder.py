@@ -309,3 +309,33 @@ def test_past_max_abandoned_loops_a_stall_takes_the_exit_rung(start_server):
     assert [(s["action"], s["stalls_in_window"], s["completed_since_last_stall"]) for s in stalls] == [
         ("restart", 1, False), ("exit", 1, True)]
     assert "max_abandoned_loops 1" in stalls[1]["reason"]
+
+
+def test_a_replacements_probe_crowded_out_by_the_reruns_is_probed_again_not_a_stall(start_server):
+    # The stall's re-runs fill stock's batch (two places here) and the replacement's
+    # verification probe waits behind them past probe_timeout_s while the loop decodes
+    # them. Judged a stall, that abandoned a working loop and climbed the ladder (and
+    # under CI's load a probe slower than 1 s did the same: test_past_max_abandoned_loops'
+    # note). Now the probe that only waited is run again, and passes once a place frees.
+    config = (LOOP_FAULTS
+              + table("loop_faults", hang_repetition_penalty=HANG_PENALTY, hang_at_call=2, hang_times=1)
+              + table("fault_injection", enabled=True, step_delay_s=0.02)  # 100 tokens: 2 s at least
+              + table("watchdog", interval_s=0.05, stall_timeout_s=1.0, probe_timeout_s=0.5))
+    server = start_server(config, "--decode-concurrency", "2", "--prompt-concurrency", "2")
+    url = server.url + COMPLETIONS
+    results: dict = {}
+    senders = [post_in_background(url, chat_body("Hang.", max_tokens=300, repetition_penalty=HANG_PENALTY),
+                                  results, "hung"),
+               post_in_background(url, chat_body("Go on for a while.", max_tokens=300), results, "beside")]
+    for sender in senders:
+        sender.join(timeout=120)
+    for key in ("hung", "beside"):
+        assert isinstance(results.get(key), httpx.Response) and results[key].status_code == 200, results.get(key)
+        assert results[key].json()["usage"]["completion_tokens"] >= 50
+    [stalled] = server.events("engine_stalled")  # the planted one alone
+    crowded = server.events("replacement_probe_crowded_out")
+    assert crowded and all(c["steps_during_probe"] >= 5 for c in crowded), crowded
+    assert stamp(stalled) < stamp(crowded[0])
+    # Proven by a later probe, once a place was free: ready, no request blamed.
+    poll(lambda: httpx.get(server.url + "/guardian/status").json()["state"] == "ready", 30, what="ready")
+    assert server.events("request_blamed") == [] and server.events("engine_gave_up") == []

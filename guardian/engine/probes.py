@@ -35,6 +35,10 @@ def no_end_of_sequence(tokenizer) -> Optional[dict]:
     return {int(token): END_OF_SEQUENCE_BIAS for token in ends} if ends else None
 
 
+# How a probe that timed out says so (guardian.health.stall_detection reads it).
+NO_TOKEN_WITHIN = "no token within"
+
+
 class Probes:
     """One engine's probes."""
 
@@ -68,7 +72,7 @@ class Probes:
                 if item is None:
                     break
         except Empty:
-            result["error"] = f"no token within {timeout_s:g} s"
+            result["error"] = f"{NO_TOKEN_WITHIN} {timeout_s:g} s"
             record.cancel()
         result["duration_ms"] = round((time.monotonic() - started) * 1000, 1)
         return result

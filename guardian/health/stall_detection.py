@@ -42,6 +42,7 @@ from guardian.config.tables import CoreSettings, WatchdogSettings
 from guardian.errors import BUSY_STEP_REASON, STOPPING_REASON
 from guardian.observability.counting import RecentEvents
 from guardian.engine.lifecycle import EngineState
+from guardian.engine.probes import NO_TOKEN_WITHIN
 from guardian.engine.record import Stage
 from guardian.health.pace import Pace
 from guardian.health.run_queue import RunQueueWait
@@ -53,6 +54,10 @@ from guardian.plugin_manager import call_each, notify
 from guardian.health.sd_notify import SystemdNotifier
 
 log = structlog.get_logger("guardian.watchdog")
+
+# Steps a replacement loop on trial must make while its verification probe waits for a
+# place, for the probe's timeout to be no stall (``StallDetector._crowded_out``).
+STEPS_THAT_PROVE_MOTION = 5
 
 
 class StallDetector:
@@ -490,16 +495,37 @@ class StallDetector:
         level("probe_finished", ok=outcome["ok"], results=outcome["results"])
 
     def _verify_replacement(self) -> None:
-        """Probe the loop that replaced a stuck one: ready if it generated, else another stall."""
-        stalls_seen = self.engine.lifecycle.stalls  # the loop on trial now is the one probed
+        """Probe the loop that replaced a stuck one: ready if it generated; probed again if
+        the probe only waited for a place while the loop stepped (``_crowded_out``); else
+        another stall."""
+        engine = self.engine
+        stalls_seen = engine.lifecycle.stalls  # the loop on trial now is the one probed
+        steps_before, abandoned = engine.steps, engine.abandoned_loop_threads
         try:
-            if self.run_probes()["ok"]:
-                self.engine.lifecycle.verified(stalls_seen)
-            elif self.engine.lifecycle.on_trial:
+            outcome = self.run_probes()
+            if outcome["ok"]:
+                engine.lifecycle.verified(stalls_seen)
+            elif engine.lifecycle.on_trial and not self._crowded_out(outcome, engine.steps - steps_before, abandoned):
                 self._on_stall(self._restarted_loop_silent_for(time.monotonic()),
                                "the replacement loop failed its probe", stalls_seen)
         finally:
             self._verifying = False
+
+    def _crowded_out(self, outcome: dict, steps: int, abandoned: int) -> bool:
+        """Whether a failed verification only timed out waiting for a place while the loop
+        stepped on: the re-runs of the stall's requests fill stock's batch (or one runs
+        alone, isolated), and a probe queued behind them gets no token within
+        probe_timeout_s from a loop that is working. Judged a stall, it abandoned a working
+        loop and blamed a request. Moving means ``STEPS_THAT_PROVE_MOTION`` steps during the
+        probe (each abandoned loop's returning step may add one) and a fresh heartbeat."""
+        timed_out = all(r.get("name") == "generation" and str(r.get("error", "")).startswith(NO_TOKEN_WITHIN)
+                        for r in outcome["results"] if not r["ok"])
+        age = self.heartbeat_age(time.monotonic())
+        if not timed_out or steps < STEPS_THAT_PROVE_MOTION + abandoned or age >= self.settings.probe_timeout_s / 2:
+            return False
+        log.warning("replacement_probe_crowded_out", steps_during_probe=steps, heartbeat_age_s=round(age, 3),
+                    why="its probe waited for a place while the loop stepped: probed again, no stall")
+        return True
 
     # -- readiness ------------------------------------------------------------
     def heartbeat_fresh(self) -> bool:
