@@ -219,6 +219,19 @@ def test_a_stall_whose_loop_failed_restarted_or_stepped_since_the_verdict_change
     assert stuck.state is S.STALLED and stuck.stalls == 1 and stuck.owner is None
 
 
+def test_a_probe_that_passed_on_a_replacement_that_failed_since_it_began_does_not_make_it_ready():
+    # The probe's token came, then the replacement's step raised: the loop restarts (a
+    # backoff wait, no heartbeat). Made ready by the probe's word, it was judged stalled at once.
+    lifecycle = lifecycle_in(S.STALLED)
+    began = time.monotonic()
+    lifecycle.failed("unknown")  # on trial still (the table), its loop restarting
+    assert not lifecycle.verified(lifecycle.stalls, probed_since=began)
+    assert lifecycle.state is S.STALLED
+    # A probe begun after that failure proves the restarted loop.
+    assert lifecycle.verified(lifecycle.stalls, probed_since=time.monotonic())
+    assert lifecycle.state is S.READY
+
+
 def test_loop_events_from_a_thread_that_does_not_own_the_engine_raise():
     lifecycle = lifecycle_in(S.READY, owned=False)
     for event in sorted(LOOP_EVENTS):

@@ -548,7 +548,7 @@ def test_one_verification_of_a_replacement_loop_at_a_time_however_late_its_threa
     pm.add_hookspecs(hookspecs)
     pm.register(PassingProbe(), name="generation_probe")
     verified = []
-    lifecycle = SimpleNamespace(on_trial=True, stalls=1, verified=lambda stalls_seen: verified.append(1))
+    lifecycle = SimpleNamespace(on_trial=True, stalls=1, verified=lambda stalls_seen, probed_since=None: verified.append(1))
     engine = SimpleNamespace(lifecycle=lifecycle, steps=0, abandoned_loop_threads=0,
                              plugin_view=None, ledger=SimpleNamespace(completed_for_users=0))
     detector = StallDetector(engine, pm, WatchdogSettings())

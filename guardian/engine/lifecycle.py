@@ -154,11 +154,13 @@ class Lifecycle:
         self.backoff_until = time.monotonic() + delay_s
 
     # -- other threads ----------------------------------------------------------
-    def verified(self, stalls_seen: Optional[int] = None) -> bool:
+    def verified(self, stalls_seen: Optional[int] = None, probed_since: Optional[float] = None) -> bool:
         """A probe generated on the loop that replaced a stuck or failed one; refused
         if a stall was taken since the probe began (``stalls`` was ``stalls_seen``):
-        the loop on trial now is another, which no probe has proven."""
-        return self._event("verified", stalls_seen=stalls_seen)
+        the loop on trial now is another, which no probe has proven; or if the loop
+        failed since ``probed_since`` (``time.monotonic()``): it restarts, perhaps waiting
+        out a backoff with no heartbeat, and ready then it was judged stalled at once."""
+        return self._event("verified", stalls_seen=stalls_seen, probed_since=probed_since)
 
     def stalled(self, rung: str, stalls_seen: Optional[int] = None, judged_in: Optional[EngineState] = None,
                 unchanged: Optional[Callable[[], bool]] = None) -> bool:
@@ -201,6 +203,9 @@ class Lifecycle:
                 after = None  # the loop judged failed or restarted since the verdict: stale
             elif after is not None and details.get("unchanged") is not None and not details["unchanged"]():
                 after = None  # its heartbeat moved since the verdict: the step returned
+            elif (details.get("probed_since") is not None and self.trouble_at is not None
+                  and self.trouble_at > details["probed_since"]):
+                after = None  # the loop the probe proved failed since: it restarts
             if after is not None:
                 self._state = after
                 callback = self._record(event, before, after, details)

@@ -500,11 +500,11 @@ class StallDetector:
         another stall."""
         engine = self.engine
         stalls_seen = engine.lifecycle.stalls  # the loop on trial now is the one probed
-        steps_before, abandoned = engine.steps, engine.abandoned_loop_threads
+        steps_before, abandoned, began = engine.steps, engine.abandoned_loop_threads, time.monotonic()
         try:
             outcome = self.run_probes()
             if outcome["ok"]:
-                engine.lifecycle.verified(stalls_seen)
+                engine.lifecycle.verified(stalls_seen, probed_since=began)
             elif engine.lifecycle.on_trial and not self._crowded_out(outcome, engine.steps - steps_before, abandoned):
                 self._on_stall(self._restarted_loop_silent_for(time.monotonic()),
                                "the replacement loop failed its probe", stalls_seen)
