@@ -80,6 +80,25 @@ def test_ledger_says_a_request_waits_only_when_get_would_return_it():
     assert ledger.get_nowait()[0] is second
 
 
+def test_a_rerun_after_the_ledger_closed_is_answered_with_its_error_not_queued():
+    # The engine gives up (the watchdog's thread) while the loop settles a failure: the
+    # re-runs came after the close, and nobody was left to take them or answer them.
+    from guardian.errors import GuardianError
+
+    ledger = RequestLedger()
+    args = SimpleNamespace(max_tokens=16)
+    responses: Queue = Queue()
+    with request_scope("chatcmpl-1", False):
+        record = ledger.put((responses, "request", args))
+    assert ledger.get_nowait()[0] is record
+    taken = ledger.take_in_flight()
+    gave_up = GuardianError("The engine has stopped.", status=503)
+    assert ledger.close(gave_up) == []
+    ledger.rerun(taken)
+    assert not ledger.has_waiting()
+    assert responses.get(timeout=5) is gave_up  # the client is answered with the error, not left waiting
+
+
 def test_request_arriving_mid_decode_starts_at_the_next_steps(start_server):
     """Measured in the long stream's tokens: stock's run would let it make
     about half a second of them before the new request is even taken."""

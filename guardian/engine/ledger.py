@@ -441,9 +441,16 @@ class RequestLedger:
         for record in records:
             record.prepare_rerun(continued=record in continued)
         with self._cond:
-            merged = sorted([*self._reruns, *records], key=rerun_order)
-            self._reruns = deque(merged)
-            self._cond.notify_all()
+            refused = self.closed_error
+            if refused is None:
+                merged = sorted([*self._reruns, *records], key=rerun_order)
+                self._reruns = deque(merged)
+                self._cond.notify_all()
+        if refused is not None:
+            # The engine gave up or stopped as the loop settled its failure: queued now, no
+            # loop would take them, and their clients would wait until they left.
+            for record in records:
+                record.fail(refused)
 
     def close(self, error: GuardianError) -> list[RequestRecord]:
         """Refuse new requests; return every record not yet finished."""
