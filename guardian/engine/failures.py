@@ -429,7 +429,10 @@ class FailureHandler:
     def pin_on_request(self, args, exc: BaseException, where: str) -> bool:
         """A request's sampler or logits processor raised (see
         stock.sampling.guard_request_sampling): end that request and drop it from the
-        batch; the others go on. False when no request in flight has ``args``."""
+        batch; the others go on. False when no request in flight has ``args``. On a loop
+        thread a stall abandoned (its stuck step returned, and sampled), EngineAbandoned:
+        the request with these ``args`` may be running again on the live loop."""
+        self.engine.lifecycle.check_owner()
         record = self.engine.ledger.record_for_args(args)
         if record is None:
             return False
