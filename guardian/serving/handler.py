@@ -108,8 +108,9 @@ class GuardianHandler(Endpoints, stock.handler.DoorCorsHandler):
             # queued, in prefill, generating an answer not yet written (guardian.serving.connection).
             info = current_request()
             self.server.watch_client(self.connection, lambda: client_gone(info))
-            deadlines = self.start_deadlines(info)
-            try:
+            deadlines = []
+            try:  # the watch ends whatever fails from here: it must not outlive the socket
+                deadlines = self.start_deadlines(info)
                 if self.stream and by_supervisor:  # relayed or handed off
                     return self.handle_relayed_stream(request, stop_words)
                 self.handle_completion_answered(request, stop_words)
