@@ -458,8 +458,8 @@ class RequestReader:
         request (a CRLF some clients add, a pipelined request its HTTP/1.0 answer will not
         reach) are dropped and the watch goes on, ``MAX_DRAINS`` times at most. Under TLS they
         are records only the handler's thread may read (a client's close_notify, sent as it
-        closes), and past ``MAX_DRAINS`` they are left unread: the watch goes on by looking for
-        the peer's close beyond them (``_look_again``)."""
+        closes). Those, and whatever comes past ``MAX_DRAINS``, are left unread: the watch goes
+        on by looking for the peer's close beyond them (``_look_again``)."""
         # Never registered again here: the handler's thread may unwatch the socket at any
         # moment and close it, and a registration made between the two outlived the socket
         # (the selector kept its number, and refused every later connection given that
