@@ -328,12 +328,12 @@ class GuardianHandler(Endpoints, stock.handler.DoorCorsHandler):
         # The reader left the body unread (over the limit then: the door's refusals never get
         # here): refused whatever a save made of the limit since. Read now, it would come
         # from the socket with no body deadline, at the client's pace.
-        unread = getattr(self.connection, "body_unread", False)
-        if unread or (limit is not None and length > limit):
+        over = limit is not None and length > limit
+        if over or getattr(self.connection, "body_unread", False):
             # Answered from the header alone; the body is never read into
             # memory, and this connection cannot carry another request.
             self.close_connection = True
-            return self.send_error_json(body_too_large(length, limit if limit is not None and length > limit else None))
+            return self.send_error_json(body_too_large(length, limit if over else None))
         # Stock reads and parses the body, and refuses a bad one (Content-Length,
         # JSON, not an object, parameters) with {"error": "text"} before it
         # calls handle_completion. Until that call its writes go to a buffer,

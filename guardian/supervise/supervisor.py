@@ -721,9 +721,7 @@ class Supervisor:
             came = self.child is not child or self.idle_for(child, time.monotonic()) < self.settings.idle_stop_s
             if not came:
                 child.idle_stop = True
-                self.outage_started = time.monotonic()  # as set_state does (it takes the lock)
-                self.state = State.RESTARTING
-                self.changed.notify_all()
+                self._change_state(State.RESTARTING)
         if came:
             log.info("child_idle_stop_called_off", pid=child.pid, idle_s=round(idle_s, 3),
                      in_flight=self.in_flight.active, held=self.holding, state=self.state)
@@ -818,9 +816,7 @@ class Supervisor:
         with self.changed:  # not over a stop an HTTP thread saw meanwhile (child_stops_on_its_own)
             unhealthy = self.child is child and self.state == State.READY and child.kill_reason is None
             if unhealthy:
-                self.outage_started = time.monotonic()  # as set_state does (it takes the lock)
-                self.state = State.UNHEALTHY
-                self.changed.notify_all()
+                self._change_state(State.UNHEALTHY)
         if unhealthy:
             log.warning("child_unhealthy", pid=child.pid, check=child.last_check)
         failing_for = child.last_check_at - child.last_ok
@@ -954,10 +950,7 @@ class Supervisor:
             child.soft_killed_at = time.monotonic()
             child.hard_kill_at = child.soft_killed_at + grace_s
             if self.exit_code is None:
-                if self.state in SERVING:  # as set_state does (it takes the lock)
-                    self.outage_started = child.soft_killed_at
-                self.state = State.RESTARTING
-                self.changed.notify_all()
+                self._change_state(State.RESTARTING, now=child.soft_killed_at)
         (log.info if routine else log.warning)("child_stopping", pid=child.pid, reason=reason, grace_s=grace_s)
         # Like systemd: a SIGSTOPped process only sees SIGTERM once continued.
         for signum in (signal.SIGTERM, signal.SIGCONT):
@@ -978,10 +971,7 @@ class Supervisor:
             child.soft_killed_at, child.hard_kill_at = now, now + grace_s
             child.stopped_on_its_own = True
             child.kill_reason = f"it is stopping on its own ({seen})"
-            if self.state in SERVING:
-                self.outage_started = now
-            self.state = State.RESTARTING
-            self.changed.notify_all()
+            self._change_state(State.RESTARTING, now=now)
         log.warning("child_stopping", pid=child.pid, reason=child.kill_reason, grace_s=grace_s)
         self.signals.put(signal.SIGCHLD)  # the main loop's wait: its grace, not a health check
 
@@ -997,10 +987,15 @@ class Supervisor:
     def set_state(self, state: str) -> None:
         """Change state; leaving the serving states starts an outage (logged as downtime)."""
         with self.changed:
-            if self.state in SERVING and state not in SERVING:
-                self.outage_started = time.monotonic()
-            self.state = state
-            self.changed.notify_all()
+            self._change_state(state)
+
+    def _change_state(self, state: str, now: Optional[float] = None) -> None:
+        """``set_state`` for a caller that holds ``changed`` (whose lock is no RLock): one that
+        decides on the state and changes it in one hold."""
+        if self.state in SERVING and state not in SERVING:
+            self.outage_started = time.monotonic() if now is None else now
+        self.state = state
+        self.changed.notify_all()
 
     # -- exit ------------------------------------------------------------------
     def finish(self) -> int:
