@@ -84,13 +84,15 @@ def test_a_fault_every_25_steps_under_8_clients_completes_every_request(start_se
         else:
             assert result["body"]["usage"]["completion_tokens"] == 64
     # The engine can take one more step after the last answer went out, and the
-    # fault can land there: the log and the status are read once they agree.
+    # fault can land there: the log and the status are read once they agree and
+    # that restart is over (CI read "restarting" in the ~20 ms between the
+    # failure's count and the new loop's first look for work).
     def settled():
         now = status(server)
         errors = server.events("engine_error")
-        return now["failures_total"] == len(errors) and (now, errors)
+        return now["failures_total"] == len(errors) and now["state"] == "ready" and (now, errors)
 
-    now, errors = poll(settled, 10, what="the status and the log agreeing on the failures")
+    now, errors = poll(settled, 10, what="the status and the log agreeing on the failures, the engine ready")
     assert len(errors) > 5, "more failures than max_failures (5) within the window"
     # Only the first counts: every later one came after tokens were generated.
     assert [e["progressed"] for e in errors] == [False] + [True] * (len(errors) - 1)
@@ -98,7 +100,7 @@ def test_a_fault_every_25_steps_under_8_clients_completes_every_request(start_se
     assert server.proc.poll() is None and server.events("engine_gave_up") == []
     assert server.events("request_blamed") == [] and server.events("request_quarantined") == []
     # Serving while it fails: degraded, in the status, the metrics and the log.
-    assert now["degraded"] and now["state"] == "ready"
+    assert now["degraded"]
     assert now["quarantine"]["quarantined_count"] == 0
     assert now["failures_after_progress"] == len(errors) - 1
     assert now["failure_rate_per_min"] > 5 and now["time_lost_s"] > 0
