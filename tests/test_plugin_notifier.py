@@ -197,9 +197,22 @@ def test_a_restart_storm_is_one_message_and_the_next_says_how_many_were_held_bac
     _, later, *after = [r.json() for r in rx.wait_for("/hook", count=4)]
     assert later["suppressed"] == 13 and "13 more like it" in later["message"], later
     assert [notice["suppressed"] for notice in after] == [0, 0]
+    # storm_window_s, live as well: at 0 no two restarts are within it, so a request's
+    # three restarts send nothing; the window put back, the next request's first
+    # restart counts only the last of those beside itself. One sender sends in order,
+    # so a notice of the 0-s window would have come first.
+    for version, window in ((2, 0.0), (3, 60.0)):
+        server.config.write_text(
+            config + toml_table("notifier", **notifier, dedup_window_s=0.0, storm_window_s=window))
+        server.wait_for_event("config_reloaded", count=version, timeout=30)
+        storm(server, range(4 + version, 5 + version))
+        server.wait_for_event("engine_restarted", count=15 + 3 * version)  # all three in this window
+    *_, first, second, third = [r.json() for r in rx.wait_for("/hook", count=7)]
+    assert [n["details"]["restarts_in_window"] for n in (first, second, third)] == [2, 3, 4]
+    assert len(rx.posts("/hook")) == 7
     server.proc.terminate()
     assert server.proc.wait(timeout=60) == 0
-    assert len(rx.posts("/hook")) == 4  # a stop is no failure: no exit notice
+    assert len(rx.posts("/hook")) == 7  # a stop is no failure: no exit notice
 
 
 def test_giving_up_is_a_message_sent_before_the_process_exits(start_server, receiver):

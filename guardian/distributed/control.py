@@ -29,12 +29,13 @@ from typing import Callable, Optional
 
 import structlog
 
+from guardian.config.tables import WatchdogSettings
+
 log = structlog.get_logger("guardian.group")
 
 # How long rank 0 waits for every other rank to connect, and a rank for rank 0 to
-# accept, by default ([watchdog] join_timeout_s): they passed the rendezvous together
-# moments before.
-JOIN_TIMEOUT_S = 30.0
+# accept, by default: they passed the rendezvous together moments before.
+JOIN_TIMEOUT_S = WatchdogSettings.join_timeout_s.default
 # A hello is a line of a few dozen bytes: a longer one is no rank's.
 MAX_HELLO_BYTES = 4096
 # After an accept that failed, before the next (the listener stays readable).

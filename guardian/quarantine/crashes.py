@@ -45,6 +45,7 @@ from typing import Callable, Iterator, Optional
 
 import structlog
 
+from guardian.config.tables import SupervisorSettings
 from guardian.errors import GuardianError
 from guardian.observability.logs import loggable_line
 from guardian.quarantine.isolation import IsolationGate
@@ -68,9 +69,8 @@ MAX_SUSPECTS = 1024
 # At most this many in-flight records of one child: relays cut while the
 # child lived on (a reset connection) wait there for its death.
 MAX_RELAYS_PER_CHILD = 4096
-# How long a suspect waits to run alone, and others wait behind it, by default
-# ([supervisor] isolation_wait_s).
-ISOLATION_MAX_WAIT_S = 30.0
+# How long a suspect waits to run alone, and others wait behind it, by default.
+ISOLATION_MAX_WAIT_S = SupervisorSettings.isolation_wait_s.default
 
 
 def fingerprint(method: str, target: str, body: bytes) -> str:
