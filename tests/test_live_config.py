@@ -143,6 +143,22 @@ def test_a_broken_save_seen_twice_is_refused_and_said_once(tmp_path, capsys):
     assert live.config.sha256 == in_force and "stall_min_s" in live.last_failure["error_message"]
 
 
+def test_a_disabled_plugins_table_left_in_the_file_is_kept_unread_by_a_save_too(tmp_path):
+    """Start keeps a disabled plugin's table unread (turned off for a while); a save
+    refused it ("no loaded plugin reads [resources]"), so a file that started fine
+    had every later save refused (found by a review, on a live server)."""
+    from guardian.config.live import LiveConfig
+    from guardian.config.loading import load_config
+
+    path = tmp_path / "guardian.toml"
+    kept = '[guardian]\ndisabled_plugins = ["resources"]\n[resources]\nrefuse_above = 0.9\n'
+    path.write_text(kept + "[watchdog]\nstall_min_s = 3.0\n")
+    live = LiveConfig(load_config(path))
+    path.write_text(kept + "[watchdog]\nstall_min_s = 4.0\n")
+    assert live.reload("file_changed") is not None, live.last_failure
+    assert live.config.watchdog.stall_min_s == 4.0
+
+
 def test_a_broken_version_saved_while_another_is_read_is_said_on_its_own(tmp_path, capsys, monkeypatch):
     """A save that lands while a broken version is read: the refusal was filed under the
     new bytes (hashed after the read) with the old version's error, and the new version's

@@ -234,6 +234,10 @@ class LiveConfig:
         tables = dict(new.plugin_tables)
         for name, settings in current.plugin_settings.items():
             new.plugin_settings[name] = parse_settings(type(settings), tables.pop(name, {}), name)
+        for name in new.core.disabled_plugins:
+            # Kept in the file, unread, as at start (guardian.plugin_manager): refused here,
+            # a file that started fine had every later save refused.
+            tables.pop(name, None)
         plugins_changed = any(getattr(new.core, key) != getattr(current.core, key)
                               for key in ("plugins", "disabled_plugins"))
         if tables and not plugins_changed:
