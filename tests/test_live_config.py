@@ -15,6 +15,7 @@ import hashlib
 import os
 import signal
 import textwrap
+import sys
 import threading
 
 import httpx
@@ -686,5 +687,46 @@ def test_a_config_and_a_key_file_given_as_pipes_are_read_once(tmp_path, model_ca
         assert httpx.post(server.url + CHAT, json=chat_body(max_tokens=2), headers=key, timeout=30).status_code == 200
         assert not server.events("api_keys_reloaded")
         assert supervised or not server.events("config_reloaded")
+    finally:
+        server.stop()
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="inotify is Linux's (macOS watches with FSEvents)")
+@pytest.mark.parametrize("mode", BOTH_MODES)
+def test_inotify_at_its_limit_leaves_the_saves_to_the_poll(tmp_path, model_cache, mode):
+    """A user's inotify instances all taken (fs.inotify.max_user_instances, 128 on most
+    Linux; a busy host reaches it): the watch's OSError ended the start once the model had
+    loaded (exit 1), and a service manager's restarts loaded it again and again (found by a
+    review). Now the server serves, says so, and its poll reads each save of the file and
+    of the key file."""
+    from test_supervisor import with_supervisor_hooks
+
+    alice, bob = "sk-alice-0123456789abcdef", "sk-bob-0123456789abcdef0"
+    config, keys = tmp_path / "guardian.toml", tmp_path / "keys.txt"
+    config.write_text("[guardian]\nmax_stop_sequences = 2\n")
+    keys.write_text(f"alice:{alice}\n")
+    port = free_port()
+    args = ["--port", str(port), "--guardian-config", str(config), "--api-key-file", str(keys)]
+    supervised = mode == "supervised"
+    env = with_supervisor_hooks(GUARDIAN_TEST_INOTIFY_LIMIT_REACHED="1")
+    server = (SessionServer if supervised else Server)(
+        spawn_guardian(["--supervise", *args] if supervised else args, tmp_path / "server.log", model_cache, env,
+                       **({"start_new_session": True} if supervised else {})), port, tmp_path / "server.log")
+    try:
+        server.wait_healthy()
+        failed = server.wait_for_event("config_watch_failed", count=2)
+        assert all("inotify instance limit reached" in e["error_message"] for e in failed), failed
+        assert not server.events("config_watch_started")
+        config.write_text("[guardian]\nmax_stop_sequences = 3\n")
+        keys.write_text(f"alice:{alice}\nbob:{bob}\n")
+
+        def three_stops_allowed() -> bool:
+            answer = httpx.post(server.url + CHAT, json=chat_body(max_tokens=2, stop=["a", "b", "c"]),
+                                headers={"Authorization": f"Bearer {alice}"}, timeout=30)
+            return answer.status_code == 200
+
+        poll(three_stops_allowed, 20, interval=0.25, what="the saved max_stop_sequences read by the poll")
+        poll(lambda: httpx.get(server.url + "/v1/models", headers={"Authorization": f"Bearer {bob}"},
+                               timeout=10).status_code == 200, 20, interval=0.25, what="bob's key read by the poll")
     finally:
         server.stop()

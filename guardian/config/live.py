@@ -479,11 +479,20 @@ class ConfigFileWatcher:
         self._handler = Handler()
         try:
             folder_watch.add(self.folder, self._handler)
+        except (OSError, RuntimeError) as e:
+            # Linux's inotify instances or watches ran out (fs.inotify.max_user_instances is
+            # 128 a user on most systems, reached on busy hosts): the poll still reads every
+            # save, POLL_S later. Raised, it ended the start after the model loaded, and a
+            # service manager's restarts loaded it again and again.
+            self._handler = None
+            log.warning("config_watch_failed", file=str(self.path), error_message=str(e),
+                        why=f"no file events: saves are read by polling every {POLL_S:g} s")
         except BaseException:
             self._handler = None
             self.stop()
             raise
-        log.info("config_watch_started", file=str(self.path))
+        else:
+            log.info("config_watch_started", file=str(self.path))
         if read_sha256 is not None and file_sha256(self.path) != read_sha256:
             self.kick("file_changed")
 

@@ -21,7 +21,10 @@ variable; the guardian's own code is not changed.
   same in a guardian).
 - ``GUARDIAN_TEST_LATE_IDLE_STOP_S``: a supervisor that found its child idle for
   ``[supervisor] idle_stop_s`` (and logged ``test_idle_stop_late``) stops it SIGTERM that many
-  seconds later, as on a loaded machine: a request may come between the verdict and the signal."""
+  seconds later, as on a loaded machine: a request may come between the verdict and the signal.
+- ``GUARDIAN_TEST_INOTIFY_LIMIT_REACHED`` (Linux): every inotify instance the process asks
+  for fails as at the kernel's limit (EMFILE, watchdog's "inotify instance limit reached"),
+  which the user's other processes reach on a busy host."""
 
 import os
 import sys
@@ -107,3 +110,15 @@ if os.environ.get("GUARDIAN_TEST_LATE_IDLE_STOP_S") and "--supervise" in sys.ori
         return _stop_idle_child(self, child, idle_s)
 
     supervisor.Supervisor.stop_idle_child = _late_stop_idle_child
+
+if os.environ.get("GUARDIAN_TEST_INOTIFY_LIMIT_REACHED") and sys.platform == "linux":
+    import errno
+
+    from watchdog.observers.inotify_c import InotifyFD
+
+    def _limit_reached(cls):
+        # What watchdog raises when inotify_init fails with EMFILE (the user's instances
+        # are all taken: fs.inotify.max_user_instances).
+        raise OSError(errno.EMFILE, "inotify instance limit reached")
+
+    InotifyFD._create_inotify_fd = classmethod(_limit_reached)
