@@ -97,6 +97,91 @@ def test_a_query_is_hidden_to_the_end_of_its_target():
     assert without_query_values("/readyz?deep=1") == "/readyz?deep=***"
 
 
+def test_a_line_longer_than_the_room_left_in_a_pipe_is_cut_not_waited_for():
+    """"Takes a write" promises room for PIPE_BUF bytes: a 20 KB line (a traceback) into a
+    pipe with 6 KB free blocked its thread, and every thread that logged behind it (found by
+    a review). Now it is cut once its reader has taken nothing for LINE_WAIT_S, and the next
+    line, once there is room, begins on a line of its own after the count of those lost."""
+    import fcntl
+    import logging
+    import os
+    import threading
+
+    from guardian.observability.logs import LINE_WAIT_S, NeverBlockingStreamHandler
+
+    read_end, write_end = os.pipe()
+    stream = os.fdopen(write_end, "w")
+    try:
+        room = 6000
+        os.write(write_end, b"x" * (fcntl.fcntl(write_end, getattr(fcntl, "F_GETPIPE_SZ", 1032)) - room))
+        handler = NeverBlockingStreamHandler(stream)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        assert handler.takes_a_write()  # room for a piece, not for the line
+
+        def log(message: str) -> threading.Thread:
+            thread = threading.Thread(target=handler.handle, daemon=True, args=(
+                logging.LogRecord("test", logging.ERROR, __file__, 0, message, None, None),))
+            thread.start()
+            return thread
+
+        long_line, short_line = log("T" * 20_000), None
+        long_line.join(timeout=LINE_WAIT_S + 5)
+        assert not long_line.is_alive(), "the long line waited for a reader that does not read"
+        short_line = log("short")  # no room left: dropped at once
+        short_line.join(timeout=5)
+        assert not short_line.is_alive()
+        os.set_blocking(read_end, False)
+        while True:  # the reader comes back
+            try:
+                if not os.read(read_end, 1 << 16):
+                    break
+            except BlockingIOError:
+                break
+        os.set_blocking(read_end, True)
+        log("after").join(timeout=5)
+        stream.flush()
+        after = os.read(read_end, 1 << 16).decode()
+        # The cut line ends, then the count (the cut line and the short one), then the line.
+        assert after.startswith("\n"), after[:80]
+        assert after.splitlines()[1:] == ["log_lines_dropped", "after"], after
+        assert handler.dropped == 0 and not handler.cut
+    finally:
+        stream.close()
+        os.close(read_end)
+
+
+def test_a_reader_that_keeps_up_gets_every_long_line_whole():
+    """Pieces, not lines: a reader that reads, however slowly, gets a 300 KB line (more
+    than a pipe holds) whole, and nothing is dropped."""
+    import logging
+    import os
+    import threading
+
+    from guardian.observability.logs import NeverBlockingStreamHandler
+
+    read_end, write_end = os.pipe()
+    stream = os.fdopen(write_end, "w")
+    received = bytearray()
+
+    def read() -> None:
+        while chunk := os.read(read_end, 4096):
+            received.extend(chunk)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        handler = NeverBlockingStreamHandler(stream)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        for line in ("A" * 300_000, "B" * 10):
+            handler.handle(logging.LogRecord("test", logging.ERROR, __file__, 0, line, None, None))
+        stream.close()
+        reader.join(timeout=10)
+        assert received.decode().splitlines() == ["A" * 300_000, "B" * 10]
+        assert handler.dropped == 0
+    finally:
+        os.close(read_end)
+
+
 def test_a_log_reader_that_stops_reading_never_stops_the_server(model_cache, tmp_path):
     """Its output is a pipe nobody reads (a terminal paused with Ctrl-S, a stopped
     mlx.launch, a hung collector): once the pipe was full, every thread that logged

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import logging
+import os
 import re
 import select
 import sys
@@ -232,6 +233,14 @@ class AtMostEvery:
             return left_out
 
 
+# What a stream that polls writable takes without waiting: a pipe's atomic write (4096 on
+# Linux, 512 on macOS).
+PIPE_BUF = getattr(select, "PIPE_BUF", 512)
+# How long a reader that stopped in the middle of a line has to take the rest of it, before
+# the line is cut (the handler's lock, which every thread that logs waits for, is held meanwhile).
+LINE_WAIT_S = 1.0
+
+
 class NeverBlockingStreamHandler(logging.StreamHandler):
     """A stream handler that drops a line rather than wait for a reader that does not read.
 
@@ -244,22 +253,31 @@ class NeverBlockingStreamHandler(logging.StreamHandler):
     the line is dropped and counted, and the next line written says how many went
     (``log_lines_dropped``). A file, or a reader that keeps up, always takes it: the
     order of lines and their timing are as with a plain handler.
+
+    "Takes a write" promises room for ``PIPE_BUF`` bytes, not for a whole line: a
+    traceback of 20 KB into a pipe with 6 KB free blocked its thread, and every thread
+    that logged behind it (found by a review). A line is therefore written a piece of
+    at most ``PIPE_BUF`` bytes at a time, each once the stream takes it; a reader that
+    stops mid-line gets ``LINE_WAIT_S`` to take the rest, then the line is cut there,
+    counted as dropped, and the next line written begins on a line of its own.
     """
 
     def __init__(self, stream=None):
         super().__init__(stream)
         self.dropped = 0  # since the last line written (emit runs under the handler's lock)
+        self.cut = False  # the last line was cut: the next begins with the newline it lacks
         try:
             self._fd: Optional[int] = self.stream.fileno()
         except (AttributeError, OSError, ValueError):  # no descriptor (a test's StringIO): never full
             self._fd = None
 
-    def takes_a_write(self) -> bool:
-        """Whether a write now would not wait (select, not poll: macOS's poll refuses ttys)."""
+    def takes_a_write(self, wait_s: float = 0.0) -> bool:
+        """Whether a write of ``PIPE_BUF`` bytes would not wait, now or within ``wait_s``
+        (select, not poll: macOS's poll refuses ttys)."""
         if self._fd is None:
             return True
         try:
-            return bool(select.select([], [self._fd], [], 0)[1])
+            return bool(select.select([], [self._fd], [], wait_s)[1])
         except (OSError, ValueError):
             return True
 
@@ -271,8 +289,40 @@ class NeverBlockingStreamHandler(logging.StreamHandler):
         if dropped:
             # In a context of its own: the thread that writes it may be serving a request,
             # whose fields (request_id, ...) are no part of this line.
-            contextvars.Context().run(super().emit, self._dropped_record(dropped))
-        super().emit(record)
+            contextvars.Context().run(self._emit_whole, self._dropped_record(dropped))
+        self._emit_whole(record)
+
+    def _emit_whole(self, record: logging.LogRecord) -> None:
+        if self._fd is None:
+            super().emit(record)
+            return
+        try:
+            line = self.format(record) + self.terminator
+            data = line.encode(getattr(self.stream, "encoding", None) or "utf-8", "backslashreplace")
+            self.stream.flush()  # whatever another writer left in the stream's buffer goes first
+            if self.cut:
+                data = b"\n" + data
+            self.cut = not self._write_in_pieces(data)
+            if self.cut:
+                self.dropped += 1
+        except RecursionError:
+            raise
+        except Exception:
+            self.handleError(record)
+
+    def _write_in_pieces(self, data: bytes) -> bool:
+        """Write ``data`` a piece the stream takes at a time; False: cut, its reader
+        took none of the rest within ``LINE_WAIT_S``."""
+        view = memoryview(data)
+        deadline = time.monotonic() + LINE_WAIT_S
+        while view:
+            try:
+                view = view[os.write(self._fd, view[:PIPE_BUF]):]
+            except BlockingIOError:  # a non-blocking descriptor that was full after all
+                pass
+            if view and not self.takes_a_write(max(0.0, deadline - time.monotonic())):
+                return False
+        return True
 
     @staticmethod
     def _dropped_record(count: int) -> logging.LogRecord:
