@@ -54,3 +54,8 @@ def test_the_files_log_level_quiets_the_supervisor_too(start_supervisor, tmp_pat
     supervised = start_supervisor("--guardian-config", str(config))
     assert httpx.post(supervised.url + COMPLETIONS, json=chat_body(max_tokens=2), timeout=30).status_code == 200
     assert not [line for line in supervised.logs() if line.get("level") == "info"]
+    # Live in the supervisor too, as the reference says: it kept the level read at start
+    # (its own lines, at INFO, are said only at the new level).
+    config.write_text('[guardian]\nlog_level = "INFO"\n')
+    [reloaded] = supervised.wait_for_event("supervisor_config_reloaded", timeout=30)
+    assert reloaded["changed"] == ["guardian.log_level"], reloaded

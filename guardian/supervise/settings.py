@@ -29,7 +29,7 @@ DEFAULT_PORT = 8080
 # Retry-After, the deadline of a request it holds (guardian.serving.deadlines), how
 # long requests in flight get to reach their clients when it exits, and how often a
 # cut stream waiting for the next child gets a keepalive comment.
-SUPERVISOR_CORE_SETTINGS = ("retry_after_s", "request_timeout_s", "exit_grace_s", "stream_keepalive_s")
+SUPERVISOR_CORE_SETTINGS = ("retry_after_s", "request_timeout_s", "exit_grace_s", "stream_keepalive_s", "log_level")
 # Of those, what a supervisor of a stock child never uses: a stock child's cut stream ends.
 NOT_FOR_A_STOCK_CHILD = ("stream_keepalive_s",)
 
@@ -170,8 +170,7 @@ def check_stock_tables(config, engine: str) -> None:
         return
     # [access] and [http] are the public port's, which the supervisor serves whatever the child;
     # of [guardian], what the supervisor acts on itself (deadlines, Retry-After, the drain, its log).
-    core_read = (*(name for name in SUPERVISOR_CORE_SETTINGS if name not in NOT_FOR_A_STOCK_CHILD),
-                 "log_format", "log_level")
+    core_read = (*(name for name in SUPERVISOR_CORE_SETTINGS if name not in NOT_FOR_A_STOCK_CHILD), "log_format")
     others = [name for name in config.tables
               if name not in (SupervisorSettings.table_name, AccessSettings.table_name, HttpSettings.table_name,
                               CoreSettings.table_name)]

@@ -50,7 +50,7 @@ from guardian.distributed.launch import (LauncherProcess, dying_with_parent, gro
 from guardian.errors import BUSY_STEP_REASON, SERVER_STOPPING, STOPPING_REASON, GuardianError
 from guardian.exit_codes import (EXIT_BOOT_ERROR, EXIT_OK, EXIT_SUPERVISOR_GAVE_UP, EXIT_UNCAUGHT, EXIT_USAGE,
                                  GROUP_EXIT_CODE_ENV)
-from guardian.observability.logs import configure_logging
+from guardian.observability.logs import configure_logging, set_log_level
 from guardian.access import announce
 from guardian.access.tls import ServerCertificate, load_certificate
 from guardian import handoff, long_lived
@@ -360,6 +360,8 @@ class Supervisor:
         if {"access.protected_mode", "access.public_paths"} & set(changed):
             announce(self.door)  # the door opened or closed: said as at start
         self.core = merged.core
+        if "guardian.log_level" in changed:  # as at start: the file's, else the flag's
+            set_log_level(merged.core.log_level or self.options.log_level or "INFO")
         if self.httpd is not None:  # the public port's connection layer reads its limits at each use
             self.httpd.limits = public_limits(self.options, self.child_args, self.settings, self.core, self.http)
         self.config_sha256 = fresh.sha256  # last: a script that waits for it finds the version in force
