@@ -31,6 +31,7 @@ from guardian.plugin_manager import call_each, notify
 from guardian.admission.unloaded_models import UnloadedModels
 from guardian.admission.validation import RequestBounds, check_body
 from guardian.config.tables import CoreSettings
+from guardian.observability.logs import loggable_line
 
 log = structlog.get_logger("guardian.gate")
 
@@ -179,7 +180,7 @@ class AdmissionGate:
     def _admit(self, request, args, *, engine) -> Optional[Admission]:
         target = self._target_model(args)
         if target is None:
-            log.info("admission_skipped", reason="model_not_local", model=args.model.model)
+            log.info("admission_skipped", reason="model_not_local", model=loggable_line(str(args.model.model)))
             self._decided(None)
             return None
         model_key, tokenizer, limits = target

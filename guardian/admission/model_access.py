@@ -24,6 +24,7 @@ from typing import Optional
 import structlog
 
 from guardian import stock
+from guardian.observability.logs import loggable_line
 
 log = structlog.get_logger("guardian.model_access")
 
@@ -90,8 +91,8 @@ class ModelAccess:
             try:
                 return stock_load(model_path, adapter_path, draft_model_path)
             except Exception as e:
-                log.warning("model_switch_failed", model=model_path, error_type=type(e).__name__,
-                            error_message=str(e))
+                log.warning("model_switch_failed", model=loggable_line(str(model_path)), error_type=type(e).__name__,
+                            error_message=loggable_line(str(e)))
                 if provider.model_key != self.served_key:
                     stock_load("default_model", None, "default_model")
                     log.info("served_model_reloaded", model=self.served_key[0])

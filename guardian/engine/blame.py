@@ -222,6 +222,13 @@ class FailureBudget:
             self._times[failure_id] = self._clock.at(now)
             return failure_id
 
+    def counts(self) -> tuple[int, int]:
+        """``total`` and ``after_progress``, read together: /metrics exports their difference
+        as a counter, which two reads around an ``add`` would take one step back (a reset,
+        to Prometheus)."""
+        with self._lock:
+            return self.total, self.after_progress
+
     def running_again(self, now: Optional[float] = None) -> None:
         """The engine runs again (after a failure's restart, or a stall's), or waits out
         a backoff: the crash loop's clock runs on."""

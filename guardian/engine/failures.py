@@ -411,14 +411,15 @@ class FailureHandler:
 
     def status(self) -> dict:
         """The failures' part of ``GET /guardian/status``'s engine."""
+        total, after_progress = self.budget.counts()
         return {
             "failures_in_window": self.budget.count(progress=self.progress()),
             "failures_forgiven": self.budget.forgiven,
             # Serving while it fails: more than max_failures failures within the
             # window, with progress between them (guardian.engine.blame).
             "degraded": self.degraded,
-            "failures_total": self.budget.total,
-            "failures_after_progress": self.budget.after_progress,
+            "failures_total": total,
+            "failures_after_progress": after_progress,
             "time_lost_s": round(self.budget.time_lost_s, 3),
             **self.budget.rate(),
             "quarantine": self.quarantine.status(),

@@ -546,9 +546,9 @@ def decide_access(pm, door, request: AccessRequest) -> Optional[AccessDecision]:
     # AccessDecision (its client got no reply at all), refuses the request, never lets it in.
     for plugin, decision, error in call_each(pm.hook.check_access, request=request, door=door):
         if error is not None:
-            log.error("access_check_failed", path=request.path, plugin=plugin, exc_info=error)
+            log.error("access_check_failed", path=loggable_line(request.path), plugin=plugin, exc_info=error)
         elif decision is not None and not isinstance(decision, AccessDecision):
-            log.error("access_check_failed", path=request.path, plugin=plugin,
+            log.error("access_check_failed", path=loggable_line(request.path), plugin=plugin,
                       error_message=f"check_access returned {type(decision).__name__}, not an AccessDecision")
         elif decision is not None:
             return decision
