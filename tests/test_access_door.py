@@ -14,6 +14,7 @@ import json
 import os
 import signal
 import socket
+import threading
 import time
 
 import httpx
@@ -24,7 +25,7 @@ from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 from watchdog.observers import Observer
 
-from conftest import BOTH_MODES, ModeServer, chat_body, handlers_settled, poll
+from conftest import BOTH_MODES, ModeServer, chat_body, handlers_settled, poll, scraped, stamp
 from fuzz_client import Bystander
 from test_file_watch import holds_for
 from guardian.config.live import reports_closes
@@ -47,13 +48,13 @@ COMPLETIONS = "/v1/chat/completions"
 class DoorServer(ModeServer):
     """A keyed server: one process, or a supervisor's public port."""
 
-    def __init__(self, kind: str, folder, model_cache):
+    def __init__(self, kind: str, folder, model_cache, config: str = ""):
         self.keys = folder / "keys.txt"
         self.keys.write_text(KEYS)
         # A refusal's close lingers until its client closes, not 2 s (linger_s): beside 4 busy
         # processes a status read came more than 2 s after the last of 40, every linger over.
-        super().__init__(kind, folder, model_cache, "[http]\nlinger_s = 30.0\n", "--api-key-file", str(self.keys),
-                         headers={"Authorization": f"Bearer {ALICE}"})
+        super().__init__(kind, folder, model_cache, "[http]\nlinger_s = 30.0\n" + config,
+                         "--api-key-file", str(self.keys), headers={"Authorization": f"Bearer {ALICE}"})
 
     @property
     def paths(self) -> list[str]:
@@ -445,6 +446,108 @@ def test_the_supervised_child_serves_only_its_supervisor(door_server):
     direct = httpx.post(child + COMPLETIONS, json=chat_body(max_tokens=2), timeout=10)
     assert direct.status_code == 403
     assert httpx.get(child + "/readyz", timeout=10).status_code == 200  # health checks stay open
+
+
+# CORS preflights under --supervise: the door lets them in without a key (a browser sends
+# none with one), so the supervisor answers them itself, whatever its child is doing.
+PREFLIGHT_IDLE_STOP_S = 3.0
+PAGE = "http://localhost:3000"
+PREFLIGHT_ORIGINS = (PAGE, "app://obsidian.md", None, "http://evil.example")  # granted, granted, none, refused
+# What two answers of the same may differ by: when, which program wrote it, the connection's framing.
+NOT_COMPARED = frozenset({"date", "server", "connection", "keep-alive"})
+PASSED = "mlx_guardian_supervisor_requests_passed_total"
+
+
+@pytest.fixture(scope="module")
+def preflight_servers(tmp_path_factory, model_cache):
+    """(a keyed one-process server, a keyed supervisor whose child stops after
+    ``PREFLIGHT_IDLE_STOP_S`` without requests)."""
+    one_process = DoorServer("one_process", tmp_path_factory.mktemp("preflight_one_process"), model_cache)
+    try:
+        supervised = DoorServer("supervised", tmp_path_factory.mktemp("preflight_idle"), model_cache,
+                                f"[supervisor]\nidle_stop_s = {PREFLIGHT_IDLE_STOP_S}\n")
+    except BaseException:
+        one_process.stop()
+        raise
+    yield one_process, supervised
+    supervised.stop()
+    one_process.stop()
+
+
+def preflight(server, origin, path=COMPLETIONS) -> tuple:
+    """A browser's preflight, without a key: (status, headers compared, body), to set beside another's."""
+    headers = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization, content-type",
+               "X-Request-ID": "preflight-1", **({"Origin": origin} if origin else {})}
+    answer = httpx.options(server.url + path, headers=headers, timeout=60)
+    compared = sorted((name.lower(), value) for name, value in answer.headers.multi_items()
+                      if name.lower() not in NOT_COMPARED)
+    return answer.status_code, compared, answer.json() if answer.content else None
+
+
+def supervisor_status(supervised) -> dict:
+    return supervised.get("/guardian/supervisor", ALICE).json()
+
+
+def supervisor_events(supervised, name: str) -> list[dict]:
+    return [e for e in supervised.events(name) if e.get("logger") == "guardian.supervisor"]
+
+
+@pytest.mark.subprocess_mode
+def test_a_preflight_neither_wakes_an_idle_child_nor_waits_for_one_starting(preflight_servers):
+    """A preflight sent on to the child woke an idle-stopped one (the model loaded again, its
+    204 after 7.5 s), and waited in a hold_requests place while one started: anyone without
+    a key kept the model in memory and filled the hold. Answered by the supervisor now, at
+    once, as one process answers it."""
+    one_process, supervised = preflight_servers
+    poll(lambda: supervisor_status(supervised)["state"] == "idle", 60, what="the supervisor idle")
+    load_s = supervisor_events(supervised, "child_ready")[0]["startup_s"]
+    started = len(supervisor_events(supervised, "child_started"))
+    sent = time.monotonic()
+    answer = preflight(supervised, PAGE)
+    waited = time.monotonic() - sent
+    assert answer[0] == 204 and ("access-control-allow-origin", PAGE) in answer[1], answer
+    assert answer == preflight(one_process, PAGE)
+    # No child woke for it: none started (its wake is decided as the request waits for a child).
+    assert supervisor_status(supervised)["state"] == "idle"
+    assert len(supervisor_events(supervised, "child_started")) == started
+    print(f"\nmeasured: a preflight to an idle supervisor took {waited:.3f} s; a child's start {load_s:.2f} s")
+    assert waited < load_s / 2
+
+    # A client with a key wakes it; a preflight while that child starts is answered before it is ready.
+    woken: list = []
+    waker = threading.Thread(target=lambda: woken.append(supervised.get("/v1/models", ALICE)), daemon=True)
+    waker.start()
+    poll(lambda: supervisor_status(supervised)["state"] == "starting", 30, what="a child starting")
+    assert preflight(supervised, PAGE) == answer
+    answered_at = time.time()
+    waker.join(timeout=120)
+    assert woken and woken[0].status_code == 200
+    woken_ready = supervisor_events(supervised, "child_ready")[-1]
+    assert answered_at < stamp(woken_ready), "the preflight waited for the child"
+
+
+@pytest.mark.subprocess_mode
+def test_a_preflight_is_answered_as_one_process_answers_it_and_never_passed_to_the_child(preflight_servers):
+    """Whatever its origin and path, the supervisor's answer is one process's: the door's
+    CORS grant for a page let in, its 403 for one refused (the door's, as before). With a
+    ready child too, none reaches the child (each one did, and kept it from its idle stop)."""
+    one_process, supervised = preflight_servers
+    with httpx.Client(headers={"Authorization": f"Bearer {ALICE}"}, timeout=120) as keyed:
+        assert keyed.get(supervised.url + "/v1/models").status_code == 200  # a ready child, woken if idle
+        ready = supervisor_status(supervised)
+        passed = scraped(supervised, PASSED, via=keyed)
+        for origin in PREFLIGHT_ORIGINS:
+            for path in (COMPLETIONS, "/v1/models", "/health", "/nonesuch"):
+                assert preflight(supervised, origin, path) == preflight(one_process, origin, path), (origin, path)
+        assert scraped(supervised, PASSED, via=keyed) == passed
+    # All of them met that child, ready: none idle-stopped it meanwhile.
+    after = supervisor_status(supervised)
+    assert ready["state"] == after["state"] == "ready", (ready, after)
+    assert ready["child"]["pid"] == after["child"]["pid"], (ready, after)
+    granted = preflight(supervised, PAGE)[1]
+    assert ("access-control-allow-origin", PAGE) in granted and ("vary", "Origin") in granted
+    refused = preflight(supervised, "http://evil.example")
+    assert refused[0] == 403 and refused[2]["error"]["code"] == "origin_not_allowed"
 
 
 def test_explicit_allowed_origins_are_honoured_and_loopback_is_unchanged(start_server):

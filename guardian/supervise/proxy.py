@@ -167,7 +167,10 @@ class PublicServer(HeldConnections, ThreadingHTTPServer):
 
     def dispatch(self, incoming) -> None:
         """A whole request: to the child straight from the reader where it can go
-        (guardian.supervise.fast_handoff), else to a handler thread."""
+        (guardian.supervise.fast_handoff), else to a handler thread. A preflight never
+        goes to the child: a handler answers it (``ProxyHandler.answer_preflight``)."""
+        if is_preflight(incoming):
+            return super().dispatch(incoming)
         try:
             handed_off = try_fast_hand_off(self, incoming)
         except Exception:  # noqa: BLE001 - raised before the hand-off (it handles what may fail after): the handler path answers, the reader lives on
@@ -207,7 +210,7 @@ class ResumedConnection(BufferedConnection):
 
 
 class ProxyHandler(BaseHTTPRequestHandler):
-    """Answers the supervisor's own paths; relays everything else to the child."""
+    """Answers the supervisor's own paths and CORS preflights; relays everything else to the child."""
 
     # Like stock's handler: each response ends its connection, so a stream
     # of unknown length needs no chunked framing.
@@ -279,7 +282,9 @@ class ProxyHandler(BaseHTTPRequestHandler):
             # Read the body first even when refusing: closing a socket with
             # unread data can reset the connection before the client reads.
             body = self.read_body()
-        if path in self.server.own_paths and self.command != "OPTIONS":  # a preflight: the child's, as any
+        if self.command == "OPTIONS":
+            return self.answer_preflight()
+        if path in self.server.own_paths:
             return self.answer_own(path)
         # Its deadlines count from here (or from the reader's hand-off of it).
         self.arrived_at = self.passed.handed_at if self.passed is not None else time.monotonic()
@@ -302,6 +307,25 @@ class ProxyHandler(BaseHTTPRequestHandler):
                 self.serve(path, body, request_fingerprint)
         finally:
             self.stop_watching()
+
+    def answer_preflight(self) -> None:
+        """A CORS preflight (OPTIONS), answered here as the child answers it: 204 with the
+        door's CORS headers for its Origin (``send_cors_headers``, as every answer the
+        supervisor writes has), whatever the child's state. The door lets a preflight in
+        without a key (browsers send none with it), so one sent on to the child let anyone
+        without a key wake an idle-stopped child (a model load), keep it from its idle stop,
+        and take a ``hold_requests`` place while a child started. An Origin the door refuses
+        never comes here (``parse_request`` answers its 403)."""
+        try:
+            self.send_response(204)
+            # Stock's do_OPTIONS answers with the JSON content type of every answer it writes.
+            self.send_header("Content-Type", "application/json")
+            self.send_header(REQUEST_ID_HEADER, self.answer_id())
+            self.send_cors_headers()
+            self.end_headers()
+            self.answered = True
+        except CLIENT_GONE:
+            pass
 
     def answer_own(self, path: str) -> None:
         """A path the supervisor answers itself, whoever the child is: GET or HEAD only,
@@ -1100,6 +1124,14 @@ class ProxyHandler(BaseHTTPRequestHandler):
         key_name = self.access.key_name if self.access is not None else None
         log.debug("proxy_access", client=self.client_address[0], line=loggable_line(format % args),
                   request_id=self.answer_id(), **({"api_key": key_name} if key_name else {}))
+
+
+def is_preflight(incoming) -> bool:
+    """Whether a request the reader has whole is an OPTIONS (a CORS preflight). Its head is
+    canonical by now (guardian.serving.framing): it starts with its method, which is
+    case-sensitive (an ``options`` is another method, which the door does not let in
+    without a key)."""
+    return incoming.buffer.startswith(b"OPTIONS ")
 
 
 def access_lines_wanted() -> bool:
