@@ -84,7 +84,9 @@ def test_a_version_the_child_refuses_changes_the_public_ports_door_no_more(start
                     what="the supervisor's refusal")
     assert "the child refused" in failed["error_message"] and "max_prompt_tokens" in failed["error_message"]
     assert httpx.get(supervised.url + "/v1/models", timeout=5).status_code == 401
-    assert supervised.supervisor()["config_sha256"] == first  # the version it still acts on
+    now = supervised.supervisor()
+    assert now["config_sha256"] == first  # the version it still acts on
+    assert now["config_last_failure"]["error_message"] == failed["error_message"], now  # said without the log too
     # A version that changes nothing the supervisor acts on, which the child refuses: it is
     # not in force here either (config_sha256 named it, a version nothing ran: a hunt).
     config.write_text(f"[access]\npublic_paths = [{public}]\n[prompt_guard]\nmax_prompt_tokens = 0\n"
@@ -97,6 +99,7 @@ def test_a_version_the_child_refuses_changes_the_public_ports_door_no_more(start
     poll(lambda: httpx.get(supervised.url + "/v1/models", timeout=5).status_code == 200, 15,
          what="the mended version's [access] at the public port")
     assert supervised.supervisor()["config_sha256"] == hashlib.sha256(config.read_bytes()).hexdigest()
+    assert supervised.supervisor()["config_last_failure"] is None
     [reloaded] = supervised.supervisor_events("supervisor_config_reloaded")
     assert reloaded["changed"] == ["access.public_paths", "guardian.retry_after_s"]
     # retry_after_s is live at the supervisor too: its own 503s say 7 (no child for a moment).

@@ -197,6 +197,9 @@ class Supervisor:
         self.child_body_limit = child_body_limit(self.config, self.settings.engine)
         self.config_sha256: Optional[str] = self.config.sha256  # the version in force (status)
         self.refused_sha256: Optional[str] = None  # the last version of the file refused
+        # Why it was refused, as a guardian's /guardian/status says under config.last_failure;
+        # None once a version is in force again.
+        self.config_last_failure: Optional[dict] = None
         self.sighup_at = 0.0  # when the last SIGHUP came (epoch seconds)
         # Settings the file changed that the supervisor reads at start only.
         self.pending_restart: tuple = ()
@@ -315,6 +318,7 @@ class Supervisor:
             return self.config_refused(reason, str(e), bytes_read(self.options.guardian_config, before))
         if reason == "file_changed" and fresh.sha256 == self.config_sha256:
             self.refused_sha256 = None  # back to the version in force: one refused before is said again
+            self.config_last_failure = None
             return None
         if reason == "file_changed" and fresh.sha256 == self.refused_sha256:
             return None  # refused already (by the child: not asked again)
@@ -337,7 +341,7 @@ class Supervisor:
                                                f"supervisor keeps its settings too: {refused}", fresh.sha256)
         if not changed and not newly_waiting:
             self.pending_restart = tuple(sorted(waiting))
-            self.config_sha256 = fresh.sha256  # nothing it acts on changed: in force as it stands
+            self.config_in_force(fresh.sha256)  # nothing it acts on changed: in force as it stands
             return
         if refused is NO_VERDICT:
             # Its own file watch decides on its own: the user's new door is put in force here
@@ -352,7 +356,7 @@ class Supervisor:
                         pending_restart=list(self.pending_restart),
                         hint="the supervisor reads these at start; restart it (its child restarts with it)")
         if not changed:
-            self.config_sha256 = fresh.sha256
+            self.config_in_force(fresh.sha256)
             return
         self.config = merged
         self.child_body_limit = body_limit
@@ -364,7 +368,7 @@ class Supervisor:
             set_log_level(merged.core.log_level or self.options.log_level or "INFO")
         if self.httpd is not None:  # the public port's connection layer reads its limits at each use
             self.httpd.limits = public_limits(self.options, self.child_args, self.settings, self.core, self.http)
-        self.config_sha256 = fresh.sha256  # last: a script that waits for it finds the version in force
+        self.config_in_force(fresh.sha256)  # last: a script that waits for it finds the version in force
         log.info("supervisor_config_reloaded", reason=reason, changed=sorted(changed))
 
     def config_refused(self, reason: str, message: str, sha256: Optional[str]) -> None:
@@ -374,8 +378,14 @@ class Supervisor:
         if reason == "file_changed" and sha256 is not None and sha256 == self.refused_sha256:
             return None
         self.refused_sha256 = sha256
+        self.config_last_failure = {"at": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                                    "reason": reason, "error_message": message, "sha256": sha256}
         log.error("supervisor_config_reload_failed", reason=reason, error_message=message)
         return None
+
+    def config_in_force(self, sha256: str) -> None:
+        self.config_last_failure = None
+        self.config_sha256 = sha256
 
     def child_refused(self, sha256: Optional[str], since: Optional[float] = None):
         """Why a ready guardian child refused the file's version ``sha256`` (its
@@ -1172,6 +1182,9 @@ class Supervisor:
             # The version of the file (its bytes' sha256) whose settings the supervisor acts on
             # now, as the child's /guardian/status "config" says of its own; None: no file.
             "config_sha256": self.config_sha256,
+            # Why the last version of the file was refused here (with --engine stock, the only
+            # word on it but the log); None while the file's version is in force.
+            "config_last_failure": self.config_last_failure,
         }
 
 
