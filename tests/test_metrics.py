@@ -14,6 +14,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import textwrap
 
 import httpx
@@ -225,6 +226,10 @@ def test_the_supervisor_counts_a_sigkilled_childs_restart_and_passes_the_childs_
     assert scrape.value("mlx_guardian_supervisor_child_metrics_up") == 1
     assert scrape.value("mlx_guardian_engine_state", state="ready") == 1
     assert scrape.value("mlx_guardian_generation_tokens_total") >= 4
+    # Each process's own: the supervisor's beside the child's, told apart by name.
+    supervisor_rss = scrape.value("mlx_guardian_supervisor_process_resident_memory_bytes")
+    assert 0 < supervisor_rss < scrape.value("process_resident_memory_bytes")  # no mlx, no model
+    assert scrape.value("mlx_guardian_supervisor_process_open_fds") > 0
     os.kill(first, signal.SIGKILL)
     poll(lambda: (pid := child_pid(supervised)) and pid != first, 60, what="a new ready child")
     after = Scrape(supervised.url)
@@ -384,3 +389,26 @@ def test_an_unhealthy_childs_metrics_are_passed_on_too(tmp_path, model_cache):
         except (ProcessLookupError, PermissionError):  # gone; macOS: a zombie leader's group
             pass
         proc.wait(timeout=10)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="compares with prometheus-client's collector, which reads /proc")
+@pytest.mark.parametrize("namespace", ["", "mlx_guardian_supervisor"])
+def test_the_portable_process_metrics_are_prometheus_clients_by_name(namespace):
+    """macOS has no /proc, where prometheus-client's collector reports nothing, so its
+    process_* are read through psutil there: the same names (the supervisor's prefixed)
+    and, here where both work, the same readings."""
+    from prometheus_client import ProcessCollector
+
+    from guardian.observability.metrics import PortableProcessCollector
+
+    def samples(collector) -> dict:
+        return {s.name: s.value for family in collector.collect() for s in family.samples}
+
+    theirs, ours = samples(ProcessCollector(namespace=namespace, registry=None)), samples(
+        PortableProcessCollector(namespace))
+    assert set(ours) == set(theirs), (set(ours) ^ set(theirs))
+    prefix = namespace + "_" if namespace else ""
+    assert ours[prefix + "process_max_fds"] == theirs[prefix + "process_max_fds"]
+    assert abs(ours[prefix + "process_start_time_seconds"] - theirs[prefix + "process_start_time_seconds"]) < 2
+    assert abs(ours[prefix + "process_resident_memory_bytes"] - theirs[prefix + "process_resident_memory_bytes"]) < (
+        64 << 20)

@@ -299,7 +299,8 @@ def metrics_page() -> str:
     lines += ["The one-process server's registry also holds prometheus-client's `ProcessCollector` "
               "(`process_*`: resident memory, CPU, open files; from psutil where there is no `/proc`, as "
               "on macOS) and "
-              "`PlatformCollector` (`python_info`).", ""]
+              "`PlatformCollector` (`python_info`). The supervisor's has the same `process_*` of its own, "
+              "named `mlx_guardian_supervisor_process_*`, beside its child's.", ""]
     return "\n".join(lines)
 
 

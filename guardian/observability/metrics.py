@@ -51,19 +51,21 @@ def gauge(name: str, documentation: str, value) -> GaugeMetricFamily:
     return GaugeMetricFamily(name, documentation, value=float(value))
 
 
-def register_process_metrics(registry: CollectorRegistry) -> None:
+def register_process_metrics(registry: CollectorRegistry, namespace: str = "") -> None:
     """The process's own ``process_*`` metrics (resident memory, CPU, open files): from
     prometheus-client's collector where /proc has them (Linux), else from psutil (macOS,
-    where that collector reports nothing)."""
-    linux = ProcessCollector(registry=None)
-    registry.register(linux if linux.collect() else PortableProcessCollector())
+    where that collector reports nothing). ``namespace``: put before each name with an
+    underscore, as prometheus-client does (the supervisor's, beside its child's own)."""
+    linux = ProcessCollector(namespace=namespace, registry=None)
+    registry.register(linux if linux.collect() else PortableProcessCollector(namespace))
 
 
 class PortableProcessCollector(Collector):
     """prometheus-client's ``process_*`` metrics, with its names and help, read through psutil."""
 
-    def __init__(self):
+    def __init__(self, namespace: str = ""):
         self.process = psutil.Process()
+        self.prefix = namespace + "_" if namespace else ""
 
     def collect(self):
         with self.process.oneshot():
@@ -72,14 +74,15 @@ class PortableProcessCollector(Collector):
             open_fds = self.process.num_fds()
             started = self.process.create_time()
         max_fds = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-        yield GaugeMetricFamily("process_virtual_memory_bytes", "Virtual memory size in bytes.", value=memory.vms)
-        yield GaugeMetricFamily("process_resident_memory_bytes", "Resident memory size in bytes.", value=memory.rss)
-        yield GaugeMetricFamily("process_start_time_seconds",
+        p = self.prefix
+        yield GaugeMetricFamily(p + "process_virtual_memory_bytes", "Virtual memory size in bytes.", value=memory.vms)
+        yield GaugeMetricFamily(p + "process_resident_memory_bytes", "Resident memory size in bytes.", value=memory.rss)
+        yield GaugeMetricFamily(p + "process_start_time_seconds",
                                 "Start time of the process since unix epoch in seconds.", value=started)
-        yield CounterMetricFamily("process_cpu_seconds_total", "Total user and system CPU time spent in seconds.",
+        yield CounterMetricFamily(p + "process_cpu_seconds_total", "Total user and system CPU time spent in seconds.",
                                   value=cpu.user + cpu.system)
-        yield GaugeMetricFamily("process_open_fds", "Number of open file descriptors.", value=open_fds)
-        yield GaugeMetricFamily("process_max_fds", "Maximum number of open file descriptors.", value=max_fds)
+        yield GaugeMetricFamily(p + "process_open_fds", "Number of open file descriptors.", value=open_fds)
+        yield GaugeMetricFamily(p + "process_max_fds", "Maximum number of open file descriptors.", value=max_fds)
 
 
 class ConnectionCollector(Collector):

@@ -90,6 +90,9 @@ class SupervisorMetrics:
         self.child_metrics_up = Gauge(
             P + "child_metrics_up", "Whether this scrape includes the child's engine metrics.", registry=r)
         r.register(SupervisorCollector(supervisor))
+        # Its own memory, CPU and descriptors, beside the child's process_* (a supervisor that
+        # leaks showed nowhere): mlx_guardian_supervisor_process_resident_memory_bytes, ...
+        metrics.register_process_metrics(r, namespace=P.rstrip("_"))
         r.register(metrics.ConnectionCollector(
             lambda: supervisor.httpd.connection_status() if supervisor.httpd is not None else None, P))
 
