@@ -36,14 +36,15 @@ def test_the_door_forgets_the_oldest_request_it_was_never_told_finished():
     from guardian.plugins.access import MAX_TRACKED_REQUESTS, Access
 
     door_plugin = Access()
-    # Tokens per minute on, so that finished requests are charged; prompts of no tokens, so
-    # that only what on_request_finished charges shows in the status.
+    # Tokens per minute on, so that finished requests are charged; prompts of no tokens and
+    # max_tokens of 0 (nothing reserved), so that only what on_request_finished charges shows
+    # in the status.
     settings = SimpleNamespace(client_max_concurrent=0, client_tokens_per_minute=10**9)
     limits = ClientLimits(settings)
     door = SimpleNamespace(limits=limits, settings=settings)
     total = MAX_TRACKED_REQUESTS + 1
     for n in range(total):
-        admission = Admission(None, None, limits=None, tokenize=lambda request: ([], None),
+        admission = Admission(None, SimpleNamespace(max_tokens=0), limits=None, tokenize=lambda request: ([], None),
                               request_id=f"req-{n}", stream=False, client=f"client-{n}")
         assert door_plugin.admit_request(admission, door) is None
         # Never finished: no admission.finish(), no on_request_finished.

@@ -367,9 +367,14 @@ class AccessSettings(Table, name="access"):
         rate_limit_exceeded with Retry-After: 1 (a place frees as soon as one
         of its requests ends). 0: no limit.""", live=True)
     client_tokens_per_minute = Setting(Int(min=0), 0, """
-        Tokens (prompt and generated) each client may use within any minute;
-        past it, 429 rate_limit_exceeded with Retry-After until enough of the
-        minute has passed. 0: no limit.""", live=True)
+        Tokens (prompt and generated) each client may use within any minute.
+        A request reserves its prompt and its max_tokens (stock's --max-tokens
+        when it sends none; at most what the context leaves) at admission; once
+        it ends, what it did not generate is given back. One that would take
+        the client's used and reserved tokens past the limit gets 429
+        rate_limit_exceeded with Retry-After until enough of the minute has
+        passed; one that alone needs more than the limit is let in only when
+        the client has nothing counted. 0: no limit.""", live=True)
     fair_admission = Setting(Bool(), True, """
         When requests wait for the engine, take them round-robin across clients
         (API keys; addresses when there are no keys) instead of first come, first
