@@ -14,7 +14,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import textwrap
 
 import httpx
@@ -390,25 +389,3 @@ def test_an_unhealthy_childs_metrics_are_passed_on_too(tmp_path, model_cache):
             pass
         proc.wait(timeout=10)
 
-
-@pytest.mark.skipif(sys.platform != "linux", reason="compares with prometheus-client's collector, which reads /proc")
-@pytest.mark.parametrize("namespace", ["", "mlx_guardian_supervisor"])
-def test_the_portable_process_metrics_are_prometheus_clients_by_name(namespace):
-    """macOS has no /proc, where prometheus-client's collector reports nothing, so its
-    process_* are read through psutil there: the same names (the supervisor's prefixed)
-    and, here where both work, the same readings."""
-    from prometheus_client import ProcessCollector
-
-    from guardian.observability.metrics import PortableProcessCollector
-
-    def samples(collector) -> dict:
-        return {s.name: s.value for family in collector.collect() for s in family.samples}
-
-    theirs, ours = samples(ProcessCollector(namespace=namespace, registry=None)), samples(
-        PortableProcessCollector(namespace))
-    assert set(ours) == set(theirs), (set(ours) ^ set(theirs))
-    prefix = namespace + "_" if namespace else ""
-    assert ours[prefix + "process_max_fds"] == theirs[prefix + "process_max_fds"]
-    assert abs(ours[prefix + "process_start_time_seconds"] - theirs[prefix + "process_start_time_seconds"]) < 2
-    assert abs(ours[prefix + "process_resident_memory_bytes"] - theirs[prefix + "process_resident_memory_bytes"]) < (
-        64 << 20)

@@ -157,7 +157,8 @@ def test_a_send_buffer_the_kernel_refuses_is_logged_once_and_the_request_served(
     assert [line["event"] for line in logged] == ["http_send_buffer_refused"]
 
 
-def test_without_procs_process_metrics_they_come_from_psutil(monkeypatch):
+@pytest.mark.parametrize("namespace", ["", "mlx_guardian_supervisor"])  # a process's own; a supervisor's beside its child's
+def test_without_procs_process_metrics_they_come_from_psutil(monkeypatch, namespace):
     """prometheus-client's process collector reads /proc, and reports nothing on macOS."""
     from prometheus_client import ProcessCollector
     from prometheus_client.parser import text_string_to_metric_families
@@ -167,15 +168,16 @@ def test_without_procs_process_metrics_they_come_from_psutil(monkeypatch):
         return {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples}
 
     from_proc = observability_metrics.new_registry()
-    observability_metrics.register_process_metrics(from_proc)
-    monkeypatch.setattr(observability_metrics, "ProcessCollector",
-                        lambda registry: ProcessCollector(proc="/no-proc-here", registry=registry))
+    observability_metrics.register_process_metrics(from_proc, namespace)
+    monkeypatch.setattr(observability_metrics, "ProcessCollector", lambda registry, namespace="": ProcessCollector(
+        namespace=namespace, proc="/no-proc-here", registry=registry))
     from_psutil = observability_metrics.new_registry()
-    observability_metrics.register_process_metrics(from_psutil)
+    observability_metrics.register_process_metrics(from_psutil, namespace)
     linux, portable = scraped(from_proc), scraped(from_psutil)
     assert set(portable) == set(linux) and len(linux) == 6
-    assert portable["process_resident_memory_bytes"] > 10e6 and portable["process_open_fds"] > 2
-    assert abs(portable["process_start_time_seconds"] - linux["process_start_time_seconds"]) < 2
+    p = namespace + "_" if namespace else ""
+    assert portable[p + "process_resident_memory_bytes"] > 10e6 and portable[p + "process_open_fds"] > 2
+    assert abs(portable[p + "process_start_time_seconds"] - linux[p + "process_start_time_seconds"]) < 2
 
 
 def test_a_child_whose_supervisor_died_before_the_child_looked_is_orphaned_at_once(monkeypatch):
