@@ -84,6 +84,11 @@ class EngineView:
         None while no model is loaded (a reload or a switch reads the weights)."""
         return self._admission.served_limits()
 
+    def decode_batch_size(self) -> Optional[int]:
+        """How many requests stock decodes at once, in one batch (--decode-concurrency);
+        None where it is not known."""
+        return getattr(self._admission.cli_args, "decode_concurrency", None)
+
     def set_context_length(self, n_tokens: Optional[int]) -> None:
         """The context length the server advertises (``GET /v1/models``); None: the model's."""
         self._admission.served_context_length = n_tokens

@@ -20,6 +20,8 @@ from typing import Callable, Optional
 
 import structlog
 
+from guardian.errors import ClientGoneAbort
+
 log = structlog.get_logger("guardian.context")
 
 
@@ -164,6 +166,15 @@ def client_gone(info: RequestInfo) -> None:
             callback()
         except Exception:
             log.exception("client_gone_callback_failed")
+
+
+def request_ended():
+    """For the current request, waiting its turn: its deadline's error (a 504) once passed;
+    ``ClientGoneAbort`` raised once its client left (nobody to answer). None while it waits."""
+    info = _current.get()
+    if info.client_left:
+        raise ClientGoneAbort()
+    return info.deadline_errors[0] if info.deadline_errors else None
 
 
 def bind_log_fields(**fields) -> None:

@@ -199,6 +199,73 @@ def test_incident_sized_prompt_is_refused_in_under_a_second_beside_a_normal_stre
     assert all(r["status"] == 400 and r["code"] == "context_length_exceeded" for r in rejected)
 
 
+# -- huge prompts beside everyone else ----------------------------------------------
+# Tokenized whole before its length is known: seconds of a tokenizer's copy (a 4 MB one
+# took 7.5 s here beside a server).
+HUGE_PROMPT = {"prompt": "word " * 300_000, "max_tokens": 1}
+# guardian.admission.facts.private_tokenizer's pool.
+TOKENIZER_COPIES = min(4, os.cpu_count() or 1)
+needs_two_copies = pytest.mark.skipif(TOKENIZER_COPIES < 2, reason="one CPU: the pool has one copy to share")
+
+
+def post_timed(url: str, body: dict, ended: dict, name: str, headers: Optional[dict] = None) -> threading.Thread:
+    """POST ``body`` on a thread of its own; ``ended[name]``: (status, code, when it ended)."""
+    def send() -> None:
+        response = httpx.post(url, json=body, headers=headers or {}, timeout=120)
+        error = response.json().get("error") if response.status_code != 200 else None
+        ended[name] = (response.status_code, error and error.get("code"), time.monotonic())
+
+    thread = threading.Thread(target=send, daemon=True)
+    thread.start()
+    return thread
+
+
+def tokenizing(server, count: int) -> None:
+    """Until ``count`` large prompts have a tokenizer's copy (the shared server's log
+    holds the test's own lines)."""
+    server.wait_for_event("large_prompt_tokenizing", count=count, timeout=30)
+
+
+@needs_two_copies
+def test_huge_prompts_being_tokenized_leave_a_tokenizer_for_everyone_else(guarded_server):
+    """Two 4 MB prompts, each refused after 7.5 s of tokenizing, held both copies of this
+    2-core machine's pool, and a "hi" sent meanwhile waited 7.3 s (found by a review): a
+    large prompt now takes all but one copy at most, so the "hi" is answered while they
+    are still tokenized."""
+    server = guarded_server()
+    url, ended = server.url + "/v1/completions", {}
+    huge = [post_timed(url, HUGE_PROMPT, ended, f"huge {i}") for i in range(TOKENIZER_COPIES)]
+    tokenizing(server, TOKENIZER_COPIES - 1)  # the last waits for one of theirs (took the last copy before)
+    post_timed(url, {"prompt": "hi", "max_tokens": 1}, ended, "hi").join(60)
+    for thread in huge:
+        thread.join(120)
+    hi, *rest = ended.pop("hi"), *ended.values()
+    assert hi[0] == 200, hi
+    assert all(status == 400 and code == "context_length_exceeded" for status, code, _ in rest), rest
+    assert hi[2] < min(when for *_, when in rest), "the small prompt waited for a huge one's tokenizer"
+    assert server.health() == 200
+
+
+@needs_two_copies
+def test_a_huge_prompt_waiting_for_a_tokenizer_leaves_at_its_deadline(guarded_server):
+    """A large prompt waiting behind others for a copy (all but one taken by large ones)
+    waited with no end: now its deadline (here the openai SDK's timeout header) ends it,
+    504, while those before it are still tokenized."""
+    server = guarded_server()
+    url, ended = server.url + "/v1/completions", {}
+    # Longer to tokenize than the late one's deadline, by far (~2.5 s here; less on a Mac).
+    longer = {**HUGE_PROMPT, "prompt": "word " * 800_000}
+    first = [post_timed(url, longer, ended, f"huge {i}") for i in range(TOKENIZER_COPIES - 1)]
+    tokenizing(server, TOKENIZER_COPIES - 1)
+    post_timed(url, HUGE_PROMPT, ended, "late", headers={"x-stainless-read-timeout": "0.2"}).join(60)
+    for thread in first:
+        thread.join(120)
+    late, *rest = ended.pop("late"), *ended.values()
+    assert late[:2] == (504, "deadline_exceeded"), late
+    assert late[2] < min(when for *_, when in rest), "the late one waited for a tokenizer past its deadline"
+    assert server.health() == 200
+
+
 def test_text_completion_over_the_context_is_refused(guarded_server, tokenizer):
     server = guarded_server()
     prompt = SENTENCE * 200
@@ -372,6 +439,63 @@ def test_requests_over_the_budget_wait_in_a_bounded_queue_then_get_429(guarded_s
     assert running_result["status"] == 200 and running_result["done"]
     with httpx.Client(timeout=30) as client:
         # Everything finished: the budget is whole again.
+        assert client.post(url, json=chat_body(max_tokens=8)).status_code == 200
+
+
+def test_stocks_batch_holds_every_sequence_at_the_longest_ones_length():
+    """Why the KV budget counts a batch at its largest request: stock's decode batch pads
+    each sequence's cache to the longest one's (``BatchKVCache.extend``), a 10-token one
+    beside a 2,000-token one holds 2,000 too. Should a release stop padding, this fails,
+    and the budget's count is only too careful."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import BatchKVCache
+
+    def filled(n_tokens: int) -> BatchKVCache:
+        cache = BatchKVCache([0])
+        keys = mx.ones((1, 2, n_tokens, 64))
+        cache.update_and_fetch(keys, keys)
+        return cache
+
+    long, short = filled(2000), filled(10)
+    long.extend(short)
+    mx.eval(long.keys)
+    assert long.keys.shape[0] == 2 and long.keys.shape[2] >= 2000, long.keys.shape
+
+
+def test_the_kv_budget_counts_a_batch_at_its_largest_request():
+    from guardian.plugins.prompt_guard import KVBudget
+
+    budget = KVBudget(10, max_queued=0, max_wait_s=0, retry_after_s=1, batch_size=2)
+    assert budget.reserve(4) is None and budget.reserve(1) is None
+    assert budget.in_use == 8  # two at the longest's 4, as stock's batch holds them (summed: 5)
+    assert budget.reserve(1) is None  # a third waits in stock's queue: only two decode at once
+    assert budget.in_use == 8
+    budget.release(4)
+    assert budget.in_use == 2
+    assert budget.reserve(6) is not None  # two at 6: 12, over 10 (summed with the others: 8)
+    assert budget.reserve(5) is None and budget.in_use == 10
+
+
+def test_a_short_request_beside_a_long_one_is_counted_at_the_long_ones_length(guarded_server):
+    """One long request and short ones beside it were let in for the sum of their own
+    KV; stock held each short one at the long one's length (found by a review)."""
+    # A chat of max_tokens 300: two blocks of 256 tokens (262,144 bytes); of 8: one (131,072).
+    # Summed they fit 450,000; as stock's batch holds them, 2 x 262,144 do not.
+    server = guarded_server(kv_budget_bytes=450_000, max_queued=1, max_queue_wait_s=0.5,
+                            faults={"enabled": True, "step_delay_s": 0.02})
+    url = server.url + "/v1/chat/completions"
+    running, running_result, started = start_stream(url, chat_body(max_tokens=300, stream=True))
+    try:
+        assert started.wait(30)
+        with httpx.Client(timeout=30) as client:
+            short = client.post(url, json=chat_body(max_tokens=8))
+        assert short.status_code == 429, short.text
+        error = short.json()["error"]
+        assert error["code"] == "kv_cache_budget_busy" and error["kv_cache_bytes"] == 131_072, error
+    finally:
+        running.join(120)
+    assert running_result["status"] == 200 and running_result["done"]
+    with httpx.Client(timeout=30) as client:
         assert client.post(url, json=chat_body(max_tokens=8)).status_code == 200
 
 

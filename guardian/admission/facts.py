@@ -134,6 +134,29 @@ class Admission:
 
 
 # -- private tokenizers ---------------------------------------------------------
+# A prompt of more characters than this (~64K tokens of English) tokenizes for long enough
+# (a 4 MB one took 7.5 s here) to be kept out of the pool's last copy.
+LARGE_PROMPT_CHARS = 256 * 1024
+# How often a request waiting its turn (a tokenizer's copy, KV memory) looks whether its
+# client left or its deadline passed.
+GAVE_UP_CHECK_S = 0.1
+
+
+def prompt_chars(request) -> int:
+    """About how many characters a stock CompletionRequest's prompt has: every string in
+    its prompt, messages and tools (no copy, no JSON of it)."""
+    stack, total = [request.prompt, request.messages, request.tools], 0
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            total += len(item)
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    return total
+
+
 class TokenizerPool:
     """Private copies of a tokenizer for the HTTP threads.
 
@@ -142,21 +165,36 @@ class TokenizerPool:
     engine thread tokenizes too (stop words, samplers), and an exception
     there would kill the loop. So admission never touches the engine's
     tokenizer: it borrows a deep copy, made on first need, at most ``size``.
+
+    A large prompt (``large``) takes one of ``size - 1`` copies at most, so one
+    is always left for the others: two 4 MB prompts, each to be refused after
+    7.5 s of tokenizing, held both copies of this 2-core machine, and a "hi"
+    sent meanwhile waited 7.3 s (found by a review). A request that waits
+    gives up when ``gave_up`` raises (its client left, its deadline passed).
     """
 
     def __init__(self, tokenizer, size: int):
         # Weak, so that the pool (a value of _pools) does not keep its key alive.
         self._original = weakref.ref(tokenizer)
         self._size = size
+        self._large_at_most = max(1, size - 1)
         self._idle: list = []
         self._made = 0
+        self._large = 0  # copies large prompts hold
         self._cond = threading.Condition()
 
+    def _free_for(self, large: bool) -> bool:
+        if large and self._large >= self._large_at_most:
+            return False
+        return bool(self._idle) or self._made < self._size
+
     @contextlib.contextmanager
-    def borrow(self) -> Iterator[Any]:
+    def borrow(self, large: bool = False, gave_up: Callable[[], None] = lambda: None) -> Iterator[Any]:
         with self._cond:
-            while not self._idle and self._made >= self._size:
-                self._cond.wait()
+            while not self._free_for(large):
+                self._cond.wait(GAVE_UP_CHECK_S)
+                gave_up()
+            self._large += large
             if self._idle:
                 tokenizer = self._idle.pop()
             else:
@@ -168,27 +206,31 @@ class TokenizerPool:
             except BaseException:
                 with self._cond:
                     self._made -= 1
-                    self._cond.notify()
+                    self._large -= large
+                    self._cond.notify_all()
                 raise
         try:
             yield tokenizer
         finally:
             with self._cond:
                 self._idle.append(tokenizer)
-                self._cond.notify()
+                self._large -= large
+                # All: a small prompt may wait behind a large one that cannot take this copy.
+                self._cond.notify_all()
 
 
 _pools: "weakref.WeakKeyDictionary[Any, TokenizerPool]" = weakref.WeakKeyDictionary()
 _pools_lock = threading.Lock()
 
 
-def private_tokenizer(tokenizer) -> contextlib.AbstractContextManager:
-    """Borrow a copy of ``tokenizer`` that no other thread uses meanwhile."""
+def private_tokenizer(tokenizer, large: bool = False,
+                      gave_up: Callable[[], None] = lambda: None) -> contextlib.AbstractContextManager:
+    """Borrow a copy of ``tokenizer`` that no other thread uses meanwhile (``TokenizerPool.borrow``)."""
     with _pools_lock:
         pool = _pools.get(tokenizer)
         if pool is None:
             pool = _pools[tokenizer] = TokenizerPool(tokenizer, size=min(4, os.cpu_count() or 1))
-    return pool.borrow()
+    return pool.borrow(large, gave_up)
 
 
 # -- the model's limits -----------------------------------------------------------

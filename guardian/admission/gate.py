@@ -13,19 +13,23 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import time
 from typing import Callable, Optional
 
 import structlog
 
 from guardian import stock
 from guardian.admission.facts import (
+    LARGE_PROMPT_CHARS,
     Admission,
     ModelLimits,
     private_tokenizer,
+    prompt_chars,
     served_model_config,
     vocab_size_of,
 )
-from guardian.request_context import add_response_headers, at_request_end, bind_log_fields, current_request
+from guardian.request_context import (add_response_headers, at_request_end, bind_log_fields, current_request,
+                                      request_ended)
 from guardian.errors import AbortRequest, ClientGoneAbort, GuardianError, from_stock_exception
 from guardian.plugin_manager import call_each, notify
 from guardian.admission.unloaded_models import UnloadedModels
@@ -34,6 +38,14 @@ from guardian.config.tables import CoreSettings
 from guardian.observability.logs import loggable_line
 
 log = structlog.get_logger("guardian.gate")
+
+
+def gave_up_waiting() -> None:
+    """For a request waiting for a tokenizer (``TokenizerPool.borrow``): ends the wait once
+    its client left (``ClientGoneAbort``) or its deadline passed (its 504)."""
+    error = request_ended()
+    if error is not None:
+        raise AbortRequest(error)
 
 
 class AdmittingGenerator:
@@ -197,16 +209,18 @@ class AdmissionGate:
         )
         try:
             error = self._hooks_verdict(admission, engine)
-        except BaseException as e:  # ClientGoneAbort: its client left while a hook waited (for KV memory)
+            if error is None:
+                # Tokenized here whether or not a hook asked: the engine reuses
+                # the tokens, and it must never see a prompt it cannot run.
+                error = self._check_prompt_tokens(admission)
+        except GuardianError as e:  # tokenizing failed here (a template's error: the client's)
+            error = e
+        except BaseException as e:  # ClientGoneAbort: its client left while it waited (KV memory, a tokenizer)
             admission.refused = True
             admission.finish()  # what the hooks before it took (a client's place, its tokens) is given back
             if isinstance(e, ClientGoneAbort) and self.on_client_left is not None:
                 self.on_client_left()
             raise
-        if error is None:
-            # Tokenized here whether or not a hook asked: the engine reuses
-            # the tokens, and it must never see a prompt it cannot run.
-            error = self._check_prompt_tokens(admission)
         if admission.tokenized is not None:
             admission.log_fields.setdefault("n_prompt_tokens", admission.n_prompt_tokens)
         bind_log_fields(**admission.log_fields)
@@ -279,9 +293,16 @@ class AdmissionGate:
         return None
 
     def _tokenize(self, tokenizer, request, *, args) -> tuple:
-        """Stock's tokenization of ``request``, on a private copy of the tokenizer."""
+        """Stock's tokenization of ``request``, on a private copy of the tokenizer (a large
+        prompt kept off the last copy: ``TokenizerPool``)."""
+        chars = prompt_chars(request)
+        large = chars > LARGE_PROMPT_CHARS
+        waited_since = time.monotonic()
         try:
-            with private_tokenizer(tokenizer) as private:
+            with private_tokenizer(tokenizer, large=large, gave_up=gave_up_waiting) as private:
+                if large:  # seconds of a copy: worth a line (and a test's cue)
+                    log.info("large_prompt_tokenizing", prompt_chars=chars,
+                             waited_ms=round((time.monotonic() - waited_since) * 1000, 1))
                 return stock.requests.tokenize_as_stock(self.model_provider, private, request, args)
         except Exception as e:
             # What stock would have put on the request's queue: its fault.

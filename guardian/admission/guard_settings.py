@@ -36,7 +36,9 @@ class PromptGuardSettings(Table, name="prompt_guard"):
     kv_budget_bytes = Setting(Int(min=0), 0, """
         Bytes of KV cache the admitted, unfinished requests may hold together,
         estimated from the model config (layers, KV heads, head dim, dtype,
-        --kv-bits, sliding-window layers). One request over it gets 400
+        --kv-bits, sliding-window layers), as stock's decode batch holds them:
+        as many as decode at once, each at the largest one's length (its cache
+        pads every sequence to the longest). One request over it gets 400
         kv_cache_budget_exceeded. 0: the device memory mlx reports, minus the
         weights, less kv_budget_margin.""", live=True)
     kv_budget_margin = Setting(Float(min=0.0, max=0.95), 0.25, """

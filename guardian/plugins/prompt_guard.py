@@ -36,32 +36,21 @@ import guardian
 from guardian.admission.memory_cap import MemoryCap
 from guardian.admission.facts import (
     CONTEXT_LENGTH_KEYS,
+    GAVE_UP_CHECK_S,
     Admission,
     ModelLimits,
     describe_bytes,
     device_memory,
 )
-from guardian.errors import ClientGoneAbort, GuardianError
+from guardian.errors import GuardianError
 from guardian.observability.counting import ActiveCount
-from guardian.request_context import current_request
+from guardian.request_context import request_ended
 from guardian.admission.guard_settings import PromptGuardSettings
 
 log = structlog.get_logger("guardian.prompt_guard")
 
-# How often a request waiting for KV memory looks whether its client left or its deadline passed.
-GAVE_UP_CHECK_S = 0.1
-
 # Messages truncation never drops.
 SYSTEM_ROLES = ("system", "developer")
-
-
-def request_ended() -> Optional[GuardianError]:
-    """For a request waiting its turn: its deadline's 504 once passed; ``ClientGoneAbort``
-    raised once its client left (nobody to answer). None while it still waits."""
-    info = current_request()
-    if info.client_left:
-        raise ClientGoneAbort()
-    return info.deadline_errors[0] if info.deadline_errors else None
 
 
 class KVBudget:
@@ -69,9 +58,19 @@ class KVBudget:
 
     Requests are let in first come, first served: a small request does not
     overtake a large one that waits for room.
+
+    Stock decodes its requests in one batch whose cache holds every sequence at
+    the longest one's length (``BatchKVCache.extend`` pads the others to it): a
+    10-token chat beside a 2,000-token one holds 2,000 tokens of KV too. So
+    what admitted requests hold is counted as that batch would hold it: as many
+    as decode at once (``batch_size``, stock's --decode-concurrency), each at the
+    largest reservation. Summed alone, one long request and 31 short ones were
+    let in for about one long request's KV, and held 32 of them (found by a
+    review; ``tests/test_prompt_guard.py`` holds stock to the padding).
     """
 
-    def __init__(self, total_bytes: int, *, max_queued: int, max_wait_s: float, retry_after_s: float):
+    def __init__(self, total_bytes: int, *, max_queued: int, max_wait_s: float, retry_after_s: float,
+                 batch_size: Optional[int] = None):
         self.configured_bytes = total_bytes
         # Lower than configured after the device ran out of memory
         # (guardian.admission.memory_cap); None: no cap.
@@ -79,9 +78,24 @@ class KVBudget:
         self.max_queued = max_queued
         self.max_wait_s = max_wait_s
         self.retry_after_s = retry_after_s
-        self.in_use = 0
+        self.batch_size = batch_size  # None: no bound known, every admitted request counts
+        self._held: list[int] = []  # each admitted request's reservation
         self._waiting: deque[object] = deque()
         self._cond = threading.Condition()
+
+    @property
+    def in_use(self) -> int:
+        """The KV cache admitted requests hold, as stock's batch holds it."""
+        return self._batch_bytes(self._held)
+
+    def _batch_bytes(self, held: list[int]) -> int:
+        if not held:
+            return 0
+        at_once = len(held) if self.batch_size is None else min(len(held), self.batch_size)
+        return at_once * max(held)
+
+    def _fits(self, nbytes: int) -> bool:
+        return self._batch_bytes([*self._held, nbytes]) <= self.total_bytes
 
     @property
     def total_bytes(self) -> int:
@@ -101,8 +115,8 @@ class KVBudget:
         ``gave_up``, looked at every ``GAVE_UP_CHECK_S`` while waiting: the request's own end
         (an error to answer, or an exception it raises), which gives its place up."""
         with self._cond:
-            if not self._waiting and self.in_use + nbytes <= self.total_bytes:
-                self.in_use += nbytes
+            if not self._waiting and self._fits(nbytes):
+                self._held.append(nbytes)
                 return None
             if len(self._waiting) >= self.max_queued:
                 return self._busy("the queue for KV cache memory is full", nbytes)
@@ -113,7 +127,7 @@ class KVBudget:
             started = time.monotonic()
             deadline = started + self.max_wait_s
             try:
-                while not (self._waiting[0] is ticket and self.in_use + nbytes <= self.total_bytes):
+                while not (self._waiting[0] is ticket and self._fits(nbytes)):
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
                         return self._busy(
@@ -123,23 +137,25 @@ class KVBudget:
                     if ended is not None:
                         return ended
                     self._cond.wait(min(remaining, GAVE_UP_CHECK_S))
-                self.in_use += nbytes
+                self._held.append(nbytes)
             finally:
                 self._waiting.remove(ticket)
                 self._cond.notify_all()
         log.info("request_dequeued", waited_ms=round((time.monotonic() - started) * 1000, 1))
         return None
 
-    def update(self, total_bytes: int, *, max_queued: int, max_wait_s: float, retry_after_s: float) -> None:
+    def update(self, total_bytes: int, *, max_queued: int, max_wait_s: float, retry_after_s: float,
+               batch_size: Optional[int] = None) -> None:
         """New limits (a live configuration change); waiting requests look again."""
         with self._cond:
             self.configured_bytes, self.max_queued = total_bytes, max_queued
             self.max_wait_s, self.retry_after_s = max_wait_s, retry_after_s
+            self.batch_size = batch_size
             self._cond.notify_all()
 
     def release(self, nbytes: int) -> None:
         with self._cond:
-            self.in_use -= nbytes
+            self._held.remove(nbytes)
             self._cond.notify_all()
 
     def _busy(self, why: str, nbytes: int) -> GuardianError:
@@ -207,7 +223,8 @@ class PromptGuard:
                 "set max_context_tokens in [prompt_guard] to check prompt lengths",
             )
         budget_bytes, budget_source = self.budget_bytes(limits)
-        budget = dict(max_queued=s.max_queued, max_wait_s=s.max_queue_wait_s, retry_after_s=s.retry_after_s)
+        budget = dict(max_queued=s.max_queued, max_wait_s=s.max_queue_wait_s, retry_after_s=s.retry_after_s,
+                      batch_size=engine.decode_batch_size())
         if self.budget is None:
             self.budget = KVBudget(budget_bytes, **budget)
         else:  # requests in flight keep their share of the one budget
