@@ -384,6 +384,7 @@ class Supervisor:
         return None
 
     def config_in_force(self, sha256: str) -> None:
+        """The file's version ``sha256`` is the one the supervisor acts on (status), none refused."""
         self.config_last_failure = None
         self.config_sha256 = sha256
 
