@@ -692,6 +692,8 @@ def test_a_config_and_a_key_file_given_as_pipes_are_read_once(tmp_path, model_ca
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="inotify is Linux's (macOS watches with FSEvents)")
+@pytest.mark.one_version  # the guardian's watch, whatever stock's version: once, in the lane that ends first
+@pytest.mark.lane_0313
 @pytest.mark.parametrize("mode", BOTH_MODES)
 def test_inotify_at_its_limit_leaves_the_saves_to_the_poll(tmp_path, model_cache, mode):
     """A user's inotify instances all taken (fs.inotify.max_user_instances, 128 on most

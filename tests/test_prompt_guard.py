@@ -227,6 +227,8 @@ def tokenizing(server, count: int) -> None:
 
 
 @needs_two_copies
+@pytest.mark.one_version  # the guardian's pool, whatever stock's version: run once,
+@pytest.mark.lane_0313  # in the lane that ends first
 def test_huge_prompts_being_tokenized_leave_a_tokenizer_for_everyone_else(guarded_server):
     """Two 4 MB prompts, each refused after 7.5 s of tokenizing, held both copies of this
     2-core machine's pool, and a "hi" sent meanwhile waited 7.3 s (found by a review): a
@@ -247,6 +249,8 @@ def test_huge_prompts_being_tokenized_leave_a_tokenizer_for_everyone_else(guarde
 
 
 @needs_two_copies
+@pytest.mark.one_version  # the guardian's pool, whatever stock's version: run once,
+@pytest.mark.lane_0313  # in the lane that ends first
 def test_a_huge_prompt_waiting_for_a_tokenizer_leaves_at_its_deadline(guarded_server):
     """A large prompt waiting behind others for a copy (all but one taken by large ones)
     waited with no end: now its deadline (here the openai SDK's timeout header) ends it,
