@@ -52,9 +52,16 @@ def add_guardian_arguments(parser: argparse.ArgumentParser) -> None:
                            help="print the versions of mlx-guardian, mlx-lm, mlx and Python, and exit")
     except argparse.ArgumentError:
         pass  # a stock that has a --version of its own keeps it
-    CommandLine.add_flags(group)
-    CoreSettings.log_format.add_flag(group)
-    AccessSettings.add_flags(group)
+    try:
+        CommandLine.add_flags(group)
+        CoreSettings.log_format.add_flag(group)
+        AccessSettings.add_flags(group)
+    except argparse.ArgumentError as e:
+        # A stock release that added a flag of one of our names: said plainly, not argparse's
+        # traceback at every start.
+        parser.exit(2, f"mlx-guardian: this mlx-lm's server has a flag of the guardian's own: {e}. "
+                       "Install an mlx-lm this mlx-guardian supports (its pyproject.toml says which), "
+                       "or a newer mlx-guardian.\n")
     # None unless given: the door then grants only pages and apps on this machine
     # (stock's default, "*", let any web page drive the server). Its help says so.
     parser.set_defaults(allowed_origins=None)
@@ -65,7 +72,7 @@ def add_guardian_arguments(parser: argparse.ArgumentParser) -> None:
                            "stock's default was '*'.")
         elif action.dest == "model" and action.help:  # stock's help, and what leaving it out does here
             action.help = (f"{action.help.rstrip('.')}: a folder or a Hugging Face id. Default: a tiny built-in "
-                           "demo model, to try the server (its answers are noise).")
+                           "demo model, to try the server (it answers with sentences of a few built-in stories).")
     keep_stock_abbreviations(parser, stock_flags)
     parser.description = DESCRIPTION
     parser.epilog = other_commands_help()
@@ -114,11 +121,12 @@ def prepare(namespace: argparse.Namespace) -> None:
     except ConfigError as e:
         live, pm = start_from_version_in_force(namespace, e)
     in_force.keep(live.file_version)  # for the next child, if a supervisor's
-    unused = live.file_version.core_keys.get(SupervisorSettings.table_name)
+    # Keys set away from their defaults: the example file's table, every key at its default, is no news.
+    unused = [key for key in live.file_version.core_keys.get(SupervisorSettings.table_name, ())
+              if getattr(live.file_version.supervisor, key) != SupervisorSettings.settings[key].default]
     if unused and not started_by_supervisor():
         # The table is read by a supervisor alone: a file that sets one (launch_args, engine)
-        # for a process started without --supervise ran in-process with no word of it. (The
-        # example file's table, every key commented out, sets none.)
+        # for a process started without --supervise ran in-process with no word of it.
         log.warning("supervisor_table_unused", file=str(namespace.guardian_config), keys=list(unused),
                     hint=f"[supervisor] is read in subprocess mode alone: start with {CommandLine.supervise.flag}")
     live.on_change(lambda change: in_force.keep(live.file_version))

@@ -91,8 +91,26 @@ def test_a_file_with_a_supervisor_table_read_in_process_says_it_is_unused(tmp_pa
     [unused] = [json.loads(line) for line in result.stderr.splitlines() if "supervisor_table_unused" in line]
     assert unused["level"] == "warning" and "--supervise" in unused["hint"], unused
     assert unused["keys"] == ["launch_args"], unused
-    config.write_text("[guardian]\nexit_grace_s = 2\n[supervisor]\n# engine = 'stock'\n")  # as the example file's
+    config.write_text("[guardian]\nexit_grace_s = 2\n[supervisor]\n# engine = 'stock'\n")
     assert "supervisor_table_unused" not in run("--guardian-config", str(config), "--port", "99999").stderr
+    # The example file sets every key at its default: no news (it warned of 21 keys at every start).
+    example = REPO / "config" / "guardian.example.toml"
+    assert "supervisor_table_unused" not in run("--guardian-config", str(example), "--port", "99999").stderr
+
+
+def test_a_stock_flag_of_one_of_the_guardians_names_is_a_clear_exit_2(capsys):
+    """A future mlx-lm that adds, say, --ssl-certfile (uvicorn's and vLLM's name): argparse's
+    "conflicting option string" traceback ended every start."""
+    import argparse
+
+    from guardian.cli import add_guardian_arguments
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--ssl-certfile")  # as stock might one day
+    with pytest.raises(SystemExit) as exited:
+        add_guardian_arguments(parser)
+    assert exited.value.code == 2
+    assert "this mlx-lm's server has a flag of the guardian's own" in capsys.readouterr().err
 
 
 def test_bad_stock_flag_value_is_stocks_usage_error():
