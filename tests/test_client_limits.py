@@ -300,18 +300,11 @@ step_delay_s = 0.005
 """
 
 
-# No limit on requests in flight: requests sent at once meet the tokens' limit alone.
+# The shared server's [access], saved for the reservation tests: no limit on requests in
+# flight (requests sent at once meet the tokens' limit alone), and room for a few of them.
 RESERVING_TOKENS_PER_MINUTE = 1000
-RESERVING_CONFIG = f"""\
-[watchdog]
-probe_interval_s = 600
-[access]
-client_tokens_per_minute = {RESERVING_TOKENS_PER_MINUTE}
-# Steps of 5 ms at least: requests sent at once are all admitted before the first ends.
-[fault_injection]
-enabled = true
-step_delay_s = 0.005
-"""
+RESERVING_CONFIG = CONFIG.replace("client_max_concurrent = 1", "client_max_concurrent = 0").replace(
+    f"client_tokens_per_minute = {TOKENS_PER_MINUTE}", f"client_tokens_per_minute = {RESERVING_TOKENS_PER_MINUTE}")
 # The demo model's end of turn (<|im_end|>, id 2), forced: a request stops at its first token.
 STOP_AT_ONCE = {"logit_bias": {"2": 100}}
 
@@ -326,6 +319,7 @@ def serve(tmp_path_factory, model_cache, config_text: str):
     proc = spawn_guardian(["--port", str(port), "--guardian-config", str(config), "--api-key-file", str(keys)],
                           folder / "server.log", model_cache)
     server = Server(proc, port, folder / "server.log")
+    server.config = config
     try:
         server.wait_healthy()
         yield server
@@ -338,9 +332,20 @@ def served(tmp_path_factory, model_cache):
     yield from serve(tmp_path_factory, model_cache, CONFIG)
 
 
-@pytest.fixture(scope="module")
-def served_reserving(tmp_path_factory, model_cache):
-    yield from serve(tmp_path_factory, model_cache, RESERVING_CONFIG)
+def save_and_wait(server: Server, text: str) -> None:
+    """Save the server's file and wait until it runs that version ([access] is live)."""
+    reloads = len(server.events("config_reloaded"))
+    server.config.write_text(text)
+    server.wait_for_event("config_reloaded", count=reloads + 1, timeout=30)
+
+
+@pytest.fixture
+def served_reserving(served):
+    """The shared server, saved with ``RESERVING_CONFIG`` for the test; as before after it."""
+    assert "client_max_concurrent = 0" in RESERVING_CONFIG and f"= {RESERVING_TOKENS_PER_MINUTE}" in RESERVING_CONFIG
+    save_and_wait(served, RESERVING_CONFIG)
+    yield served
+    save_and_wait(served, CONFIG)
 
 
 def chat(client: httpx.Client, server: Server, name: str, max_tokens: int = 4) -> httpx.Response:
