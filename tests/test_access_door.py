@@ -83,8 +83,19 @@ class DoorServer(ModeServer):
         os.kill(self.proc.pid, signum)
 
 
+@pytest.fixture(scope="module")
+def one_process_door(tmp_path_factory, model_cache):
+    """The module's keyed one-process server (``door_server``'s, and the preflights' yardstick)."""
+    server = DoorServer("one_process", tmp_path_factory.mktemp("one_process"), model_cache)
+    yield server
+    server.stop()
+
+
 @pytest.fixture(scope="module", params=BOTH_MODES)
 def door_server(request, tmp_path_factory, model_cache):
+    if request.param == "one_process":
+        yield request.getfixturevalue("one_process_door")
+        return
     server = DoorServer(request.param, tmp_path_factory.mktemp(request.param), model_cache)
     yield server
     server.stop()
@@ -459,19 +470,13 @@ PASSED = "mlx_guardian_supervisor_requests_passed_total"
 
 
 @pytest.fixture(scope="module")
-def preflight_servers(tmp_path_factory, model_cache):
-    """(a keyed one-process server, a keyed supervisor whose child stops after
-    ``PREFLIGHT_IDLE_STOP_S`` without requests)."""
-    one_process = DoorServer("one_process", tmp_path_factory.mktemp("preflight_one_process"), model_cache)
-    try:
-        supervised = DoorServer("supervised", tmp_path_factory.mktemp("preflight_idle"), model_cache,
-                                f"[supervisor]\nidle_stop_s = {PREFLIGHT_IDLE_STOP_S}\n")
-    except BaseException:
-        one_process.stop()
-        raise
-    yield one_process, supervised
+def preflight_servers(one_process_door, tmp_path_factory, model_cache):
+    """(the module's keyed one-process server, a keyed supervisor whose child stops after
+    ``PREFLIGHT_IDLE_STOP_S`` without requests: [supervisor] is read at start only)."""
+    supervised = DoorServer("supervised", tmp_path_factory.mktemp("preflight_idle"), model_cache,
+                            f"[supervisor]\nidle_stop_s = {PREFLIGHT_IDLE_STOP_S}\n")
+    yield one_process_door, supervised
     supervised.stop()
-    one_process.stop()
 
 
 def preflight(server, origin, path=COMPLETIONS) -> tuple:
