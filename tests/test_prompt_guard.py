@@ -270,6 +270,31 @@ def test_a_huge_prompt_waiting_for_a_tokenizer_leaves_at_its_deadline(guarded_se
     assert server.health() == 200
 
 
+@needs_two_copies
+@pytest.mark.one_version  # the guardian's pool, whatever stock's version: run once,
+@pytest.mark.lane_0313  # in the lane that ends first
+def test_a_huge_prompt_whose_client_leaves_while_it_waits_for_a_tokenizer_waits_no_more(guarded_server):
+    """Its wait ends with its client, not when a copy frees: its handler is gone while those
+    before it are still tokenized, and it never tokenizes."""
+    from conftest import scraped
+
+    server = guarded_server()
+    url, ended = server.url + "/v1/completions", {}
+    longer = {**HUGE_PROMPT, "prompt": "word " * 800_000}  # ~2.5 s of a copy here
+    first = [post_timed(url, longer, ended, f"huge {i}") for i in range(TOKENIZER_COPIES - 1)]
+    tokenizing(server, TOKENIZER_COPIES - 1)
+    with pytest.raises(httpx.TimeoutException):  # the client gives up, and closes its connection
+        httpx.post(url, json=HUGE_PROMPT, timeout=0.3)
+    # The scrape's own handler and those of the first: the late one's has ended.
+    poll(lambda: scraped(server, "mlx_guardian_http_handlers_active") <= TOKENIZER_COPIES, 10,
+         what="the late request's handler ended")
+    assert not ended, "the late one's wait ended only once a copy was free"
+    for thread in first:
+        thread.join(120)
+    assert len(server.events("large_prompt_tokenizing")) == TOKENIZER_COPIES - 1
+    assert server.health() == 200
+
+
 def test_text_completion_over_the_context_is_refused(guarded_server, tokenizer):
     server = guarded_server()
     prompt = SENTENCE * 200
