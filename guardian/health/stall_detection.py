@@ -56,7 +56,6 @@ from guardian.health.sd_notify import SystemdNotifier
 log = structlog.get_logger("guardian.watchdog")
 
 
-
 class StallDetector:
     """The watchdog's thread for one engine: its heartbeat judged, its ladder climbed, probes run."""
 

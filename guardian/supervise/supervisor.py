@@ -318,7 +318,7 @@ class Supervisor:
             return self.config_refused(reason, str(e), bytes_read(self.options.guardian_config, before))
         if reason == "file_changed" and fresh.sha256 == self.config_sha256:
             self.refused_sha256 = None  # back to the version in force: one refused before is said again
-            self.config_last_failure = None
+            self.config_in_force(fresh.sha256)
             return None
         if reason == "file_changed" and fresh.sha256 == self.refused_sha256:
             return None  # refused already (by the child: not asked again)
