@@ -214,6 +214,7 @@ SERVED = [
                 seed=None, logit_bias=None, logprobs=None, top_logprobs=None, stream_options=None,
                 response_format=None, tools=None, tool_choice=None, n=None, user=None, stream=None)),
     (TEXT, {"prompt": "null", "max_tokens": 4, "temperature": None, "top_k": None, "min_p": None}),
+    (CHAT, chat(model=None)),  # the served model, as docs/quickstart.md says (stock: 400)
     # The tokenizer's own arguments at values that leave the prompt a list of tokens.
     (CHAT, chat(chat_template_kwargs={"truncation": False, "padding": "longest", "return_dict": False,
                                       "return_assistant_tokens_mask": False, "max_length": 4096})),
