@@ -61,20 +61,26 @@ def test_stalls_within_the_window_climb_restart_reload_exit(start_server):
     first = post_in_background(url, chat_body("First.", max_tokens=16, repetition_penalty=HANG_PENALTY),
                                results, "first")
     server.wait_for_event("engine_stalled", timeout=30, count=2)
-    # The first request may have been blamed at the second stall; this one makes the third.
+    # The first request's later stalls, alone, are laid to it (it awaits its proof, then is
+    # blamed) and climb nothing; this one's make the ladder's next rungs.
     second = post_in_background(url, chat_body("Second.", max_tokens=16, repetition_penalty=HANG_PENALTY),
                                 results, "second")
+    # Beside the second, or waiting for it, when the engine gives up: told so (503).
+    third = post_in_background(url, chat_body("Third.", max_tokens=4), results, "third")
     assert server.proc.wait(timeout=60) == EXIT_ENGINE_STALLED
-    first.join(timeout=30)
-    second.join(timeout=30)
+    for thread in (first, second, third):
+        thread.join(timeout=30)
     stalls = server.events("engine_stalled")
-    assert [s["action"] for s in stalls] == ["restart", "reload", "exit"]
-    assert [s["stalls_in_window"] for s in stalls] == [1, 2, 3]
-    assert stamp(stalls[-1]) - stamp(stalls[0]) < 120.0  # all three within the window
+    counted = [s for s in stalls if not s["laid_to_requests"] or s["action"] == "exit"]
+    assert [s["action"] for s in counted] == ["restart", "reload", "exit"]
+    assert [s["stalls_in_window"] for s in counted] == [1, 2, 3]
+    laid = [s for s in stalls if s not in counted]
+    assert laid and all(s["action"] == "restart" for s in laid), stalls
+    assert stamp(counted[-1]) - stamp(counted[0]) < 120.0  # all three within the window
     # restart runs on the loaded weights; reload reads them again.
     loads = [stamp(e) for e in server.events("stock_model_loaded")]
     assert len(loads) == 2  # at start, and at the reload rung
-    assert stamp(stalls[1]) <= loads[1] < stamp(stalls[2])
+    assert stamp(counted[1]) <= loads[1] < stamp(counted[2])
     [gave_up] = server.events("engine_gave_up")
     assert gave_up["exit_code"] == EXIT_ENGINE_STALLED
     # Whoever was in flight got an answer, never a dropped connection (the
@@ -263,22 +269,95 @@ def test_stalls_with_requests_served_between_them_start_the_ladder_again(start_s
     assert server.proc.poll() is None and server.events("engine_gave_up") == []
 
 
-def test_a_request_stuck_again_at_the_exit_rung_is_blamed_not_sent_back(start_server):
-    """It hung the loop at the same point twice, alone: its client got the exit's 503
-    (retry), and its retry hung the next process too, and the next."""
+def test_a_request_stuck_alone_again_is_blamed_and_the_process_stays(start_server):
+    """Its second stall came at the exit rung: it was blamed there and the process exited
+    with every other stream on it. A stall laid to a request (alone at its point again:
+    awaiting the proof of the engine, then, the proof passed, blamed) restarts and climbs
+    nothing; its client gets 500, not to be retried (retried, it would hang again)."""
     config = (LOOP_FAULTS
               + table("loop_faults", hang_repetition_penalty=HANG_PENALTY, hang_at_call=2, hang_times=0)
-              + table("watchdog", interval_s=0.05, stall_timeout_s=1.0, probe_timeout_s=1.0,
+              + table("watchdog", interval_s=0.05, stall_timeout_s=1.0, probe_timeout_s=5.0,
                       ladder=["restart", "exit"], ladder_window_s=120.0))
     server = start_server(config)
     with httpx.Client(timeout=60) as client:
         response = client.post(server.url + COMPLETIONS,
                                json=chat_body("Stuck.", max_tokens=16, repetition_penalty=HANG_PENALTY))
-    assert response.status_code == 500, response.text
-    assert response.json()["error"]["code"] == "request_failed_repeatedly"
-    assert response.headers["x-should-retry"] == "false"
-    assert server.proc.wait(timeout=30) == EXIT_ENGINE_STALLED
-    assert [s["action"] for s in server.events("engine_stalled")] == ["restart", "exit"]
+        assert response.status_code == 500, response.text
+        assert response.json()["error"]["code"] == "request_failed_repeatedly"
+        assert response.headers["x-should-retry"] == "false"
+        poll(lambda: server.status("/readyz") == 200, 30, what="ready again")
+        assert client.post(server.url + COMPLETIONS, json=chat_body("Served.", max_tokens=4)).status_code == 200
+    assert server.proc.poll() is None and server.events("engine_gave_up") == []
+    stalls = server.events("engine_stalled")
+    assert [s["action"] for s in stalls] == ["restart"] * len(stalls)
+    assert stalls[0]["laid_to_requests"] == []  # its first stall: nothing known yet
+    assert all(s["laid_to_requests"] == [response.headers["x-request-id"]] for s in stalls[1:])
+    assert "exit" in [s["ladder_rung"] for s in stalls[1:]]
+    [blamed] = server.events("request_blamed")
+    assert blamed["request_id"] == response.headers["x-request-id"]
+    # Blamed once the engine was proven between its stalls alone: a probe completed.
+    [proof] = server.events("proof_probe_queued")
+    assert stamp(proof) < stamp(blamed)
+
+
+def test_a_hanging_request_beside_a_stream_is_blamed_and_the_stream_goes_on(start_server):
+    """Both stall twice together, then run alone, the hanging one first (it has fewer
+    tokens left). Its first stall alone came at the exit rung: the process exited, the
+    culprit blamed or not, and the stream was cut. Now the stream is served whole, the
+    hanging request blamed, and the process keeps serving."""
+    config = (LOOP_FAULTS
+              + table("loop_faults", hang_repetition_penalty=HANG_PENALTY, hang_at_call=2, hang_times=0)
+              + table("watchdog", interval_s=0.05, stall_timeout_s=1.0, probe_timeout_s=5.0,
+                      ladder_window_s=120.0))
+    server = start_server(config)
+    url = server.url + COMPLETIONS
+    results: dict = {}
+    stream_body = chat_body("Go on.", max_tokens=200, stream=True, logit_bias={"0": -100})
+
+    def stream():
+        with httpx.Client(timeout=120) as client:
+            results["stream"] = read_stream(client, url, stream_body)
+
+    streaming = threading.Thread(target=stream, daemon=True)
+    streaming.start()
+    poll(lambda: httpx.get(server.url + "/guardian/status").json()["in_flight"] == 1, 30,
+         what="the stream under way")
+    with httpx.Client(timeout=120) as client:
+        hanging = client.post(url, json=chat_body("Stuck.", max_tokens=16, repetition_penalty=HANG_PENALTY))
+    streaming.join(timeout=120)
+    assert hanging.status_code == 500, hanging.text
+    assert hanging.json()["error"]["code"] == "request_failed_repeatedly"
+    streamed = results["stream"]
+    assert streamed["status"] == 200 and streamed["done"] and streamed["errors"] == [], streamed
+    assert [e["choices"][0]["finish_reason"] for e in streamed["events"] if e["choices"]][-1] == "length"
+    assert server.proc.poll() is None and server.events("engine_gave_up") == []
+    stalls = server.events("engine_stalled")
+    assert "exit" in [s["ladder_rung"] for s in stalls]
+    assert all(s["action"] != "exit" for s in stalls)
+    with httpx.Client(timeout=60) as client:
+        assert client.post(url, json=chat_body("Served.", max_tokens=4)).status_code == 200
+
+
+def test_an_engine_that_hangs_whatever_runs_blames_nobody(start_server):
+    """The device hangs under a request, then under everything after (its re-run, the
+    probes). Blamed at its second stall alone, the request got 500 (not to be retried)
+    for a fault that was the engine's. Now its stalls alone await a proof of the engine,
+    which hangs too: that stall, a probe's, climbs the ladder, which exits (code 5), and
+    the request gets the exit's 503, to retry on the next process."""
+    config = (LOOP_FAULTS
+              + table("loop_faults", hang_repetition_penalty=HANG_PENALTY, hang_at_call=2, hang_times=0, wedge=True)
+              + table("watchdog", interval_s=0.05, stall_timeout_s=1.0, probe_timeout_s=1.0,
+                      ladder_window_s=120.0))
+    server = start_server(config)
+    with httpx.Client(timeout=120) as client:
+        response = client.post(server.url + COMPLETIONS,
+                               json=chat_body("Stuck.", max_tokens=16, repetition_penalty=HANG_PENALTY))
+    assert response.status_code == 503, response.text
+    assert response.json()["error"]["code"] == "engine_failed"
+    assert server.proc.wait(timeout=60) == EXIT_ENGINE_STALLED
+    assert server.events("request_blamed") == []
+    assert [e for e in server.events("loop_fault_hang") if e["kind"] == "wedged_step"]
+    assert server.events("engine_stalled")[-1]["ladder_rung"] == "exit"
 
 
 def test_past_max_abandoned_loops_a_stall_takes_the_exit_rung(start_server):

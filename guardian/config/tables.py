@@ -141,7 +141,9 @@ class WatchdogSettings(Table, name="watchdog"):
         A stall after a user's request was served since the last one starts at the
         first rung again. "restart": abandon the stuck loop thread, start a fresh one on the loaded
         weights; "reload": the same after reading the weights again; "exit": answer
-        every request and exit with code 5 for launchd or systemd.""", live=True)
+        every request and exit with code 5 for launchd or systemd. A stall laid to a
+        request (blamed for it, or stalled alone at its point again and awaiting the
+        probe that proves the engine before it is blamed) restarts and is not counted.""", live=True)
     ladder_window_s = Setting(SECONDS, 600.0, """
         Stalls within this many seconds of each other climb the ladder one rung
         each; a stall after a quiet window starts at its first rung.""", live=True)

@@ -82,8 +82,11 @@ class GroupEngine(GuardianEngine):
             # Over a clean stop asked for meanwhile (mlx.launch's SIGTERM as a rank dies).
             member.on_exit.fail(EXIT_GROUP_FAILED)
 
-    def recover_from_stall(self, reason: str, rung: str) -> None:
+    def judge_stall(self, rung: str, may_stay: bool = True) -> tuple[str, list, list]:
         """No rung but exit: a replacement loop would start at a collective the others are not in."""
+        return EXIT, [], []
+
+    def recover_from_stall(self, reason: str, action: str, decided: list) -> None:
         self.give_up(f"the engine stalled: {reason}")
 
 

@@ -68,6 +68,17 @@ again a request short of memory, as Retry-After says, finds the engine
 proven in between (a blamed request is quarantined: it is not sent again).
 Synthetic probes are never blamed, so a failure with only probes in flight
 counts unless the engine progressed.
+
+A stall (the watchdog's: a step that never returns) is judged the same way
+(``FailureHandler.judge_stall``), its count the watchdog's ladder rather than
+the budget: a suspect stalled alone at its point twice, the engine proven
+between, is blamed; before that it awaits a proof. Blamed at its second stall
+alone with no proof, a request was blamed for an engine that hung whatever
+ran. A stall laid to a request, blamed or awaiting its proof, restarts the
+loop and does not climb the ladder, as a suspect's failures do not count: at
+the exit rung, one hanging request beside a stream ended the process and the
+stream. An engine that hangs whatever runs hangs its proof too, and that
+stall, a probe's, climbs.
 """
 
 from __future__ import annotations

@@ -33,6 +33,14 @@ log = structlog.get_logger("guardian.engine")
 CLASSIFICATIONS = ("metal_resource_limit", "metal_buffer_too_large", "out_of_memory", "unknown")
 
 
+def stall_is_a_requests(decided: list[tuple]) -> list[RequestRecord]:
+    """The requests a stall is laid to: blamed for it, or stalled alone at their point
+    again and awaiting the proof that blames them (guardian.engine.blame). Such a stall
+    is a request's, not the engine's: the watchdog's ladder does not count it, as the
+    failure budget does not count a suspect's failures."""
+    return [record for record, verdict in decided if verdict in (Verdict.BLAME, Verdict.PROVE)]
+
+
 def classify(exc: BaseException) -> str:
     """A stable name for an engine exception: what an operator searches for."""
     text = str(exc)
@@ -91,6 +99,7 @@ class FailureHandler:
         # The engine's step count at its last failure (or stall); and at most how many steps
         # a proof of the engine runs (guardian.engine.blame), set by the recovery plugin.
         self.failed_at_step = 0
+        self._stall_run_of_steps = (0, 0)  # _run_of_steps_ended at the last stall judged
         self.proof_max_steps = 64
         self.last_error: Optional[dict] = None
         self.hit_a_probe = False  # the failure being handled had a probe in flight
@@ -180,12 +189,16 @@ class FailureHandler:
             )
         else:
             self._settle(decided, cause, classification)
-            due, self._proof_due = self._proof_due, None
-            if due is not None:
-                why, steps = due
-                self.engine.probes.queue_proof(why, steps=steps)
+            self._queue_due_proof()
         self.engine.restart_clock.mark("settle")
         return action
+
+    def _queue_due_proof(self) -> None:
+        """Once a failure (or a stall) is settled, queue the proof it asked for, if any."""
+        due, self._proof_due = self._proof_due, None
+        if due is not None:
+            why, steps = due
+            self.engine.probes.queue_proof(why, steps=steps)
 
     def _run_of_steps_ended(self) -> tuple[int, int]:
         """A failure or a stall ends the engine's run of steps: the step count at the end
@@ -378,20 +391,35 @@ class FailureHandler:
         tokens, and was continued there ``max_continuations`` times already."""
         return record.client_has_output and record.stuck_failures >= self.max_continuations
 
-    def settle_stall(self, reason: str) -> None:
-        """Settle the requests of a loop thread a stall abandoned, as after a failure.
-        A stall is the watchdog's to count (its ladder), not the budget's."""
-        decided = self._judge(self.engine.ledger.take_in_flight(), None, steps=self._run_of_steps_ended())
-        self._forgive([r for r, verdict in decided if verdict is Verdict.BLAME])
-        self._settle(decided, TimeoutError(reason), "stall")
+    def judge_stall(self, records: list[RequestRecord]) -> list[tuple]:
+        """Judge the requests of a loop thread a stall abandoned, as after a failure: by
+        their progress, a suspect blamed only once it stalled alone at its point again with
+        the engine working between (a proof; guardian.engine.blame). Blamed at its second
+        stall alone without one, a request was blamed for an engine that hung under
+        whatever ran (a wedged device). A stall is the watchdog's to count (its ladder),
+        not the budget's."""
+        self._stall_run_of_steps = self._run_of_steps_ended()
+        progress = self.progress() if self.engine.probes.proof_prompt is not None else None
+        return self._judge(records, None, progress=progress, steps=self._stall_run_of_steps)
 
-    def blame_before_exit(self, reason: str) -> None:
+    def settle_stall(self, reason: str, decided: Optional[list[tuple]] = None) -> None:
+        """Settle the requests of a loop thread a stall abandoned (``decided``: judged
+        already, while still in flight), as after a failure."""
+        records = self.engine.ledger.take_in_flight()
+        if decided is None:
+            decided = self.judge_stall(records)
+        self._forgive([r for r, verdict in decided if verdict is Verdict.BLAME])
+        self._await_proof(decided, self._stall_run_of_steps[1])
+        self._settle(decided, TimeoutError(reason), "stall")
+        self._queue_due_proof()
+
+    def blame_before_exit(self, reason: str, decided: list[tuple]) -> None:
         """The ladder's last rung: the engine gives up. A request in flight that this stall
-        shows to be the cause (stuck alone at one point again) is answered as blamed, 500
-        and not to be retried, before everyone else gets the exit's 503: retried, it would
-        hang the next process as well."""
-        for record, verdict in self._judge(self.engine.ledger.in_flight(), None, steps=self._run_of_steps_ended()):
-            if verdict is Verdict.BLAME:
+        shows to be the cause (stuck alone at one point again, proven or not: there is no
+        next stall to prove it at) is answered as blamed, 500 and not to be retried, before
+        everyone else gets the exit's 503: retried, it would hang the next process as well."""
+        for record, verdict in decided:
+            if verdict in (Verdict.BLAME, Verdict.PROVE):
                 self._blame(record, TimeoutError(reason), "stall")
 
     def restarted(self, duration_s: float, classification: Optional[str]) -> None:

@@ -25,7 +25,7 @@ import structlog
 
 from guardian import long_lived, stock
 from guardian.config.registry import EXIT, RELOAD, RESTART
-from guardian.engine.failures import FailureHandler
+from guardian.engine.failures import FailureHandler, stall_is_a_requests
 from guardian.engine.ledger import RequestLedger
 from guardian.engine.record import RequestRecord, Stage
 from guardian.engine.lifecycle import EngineAbandoned, EngineState, Lifecycle
@@ -440,23 +440,36 @@ class GuardianEngine(stock.loop.GuardedResponseGenerator):
         stock.loop.stop_generation_thread(self)
         self.on_exit(exit_code)
 
-    def recover_from_stall(self, reason: str, rung: str) -> None:
-        """The watchdog's stall was accepted (``lifecycle.stalled``): act on its ladder rung."""
-        if rung == EXIT:
-            self.failures.blame_before_exit(reason)
+    def judge_stall(self, rung: str, may_stay: bool = True) -> tuple[str, list, list]:
+        """A stall was accepted (``lifecycle.stalled``): judge the requests in flight, once.
+        Return the action to take, the judgment, and the requests the stall is laid to
+        (``failures.stall_is_a_requests``: blamed for it, or stalled alone again and awaiting
+        its proof). Such a stall takes the restart rung whatever the ladder says
+        (``may_stay``: unless max_abandoned_loops made it exit): at the exit rung, one
+        hanging request beside a stream ended the process and the stream, after the
+        request had been found, or before it could be."""
+        decided = self.failures.judge_stall(self.ledger.in_flight())
+        laid_to = stall_is_a_requests(decided)
+        return (RESTART if laid_to and may_stay else rung), decided, laid_to
+
+    def recover_from_stall(self, reason: str, action: str, decided: list) -> None:
+        """Act on a stall as ``judge_stall`` decided."""
+        if action == EXIT:
+            self.failures.blame_before_exit(reason, decided)
             self.give_up(f"the engine stalled: {reason}", exit_code=EXIT_ENGINE_STALLED)
         else:
-            self.replace_stuck_loop(reason, reload=rung == RELOAD)
+            self.replace_stuck_loop(reason, reload=action == RELOAD, decided=decided)
 
-    def replace_stuck_loop(self, reason: str, *, reload: bool) -> None:
-        """Settle the requests of the loop thread a stall abandoned; start a fresh loop.
+    def replace_stuck_loop(self, reason: str, *, reload: bool, decided: Optional[list] = None) -> None:
+        """Settle the requests of the loop thread a stall abandoned (``decided``: as judged
+        by ``failures.judge_stall``); start a fresh loop.
 
         The stuck thread cannot be killed; the lifecycle revoked its
         ownership, so any contact it makes with the guardian raises
         EngineAbandoned. Its requests are settled as after a failure. The
         fresh loop is on trial until a probe generates on it.
         """
-        self.failures.settle_stall(reason)
+        self.failures.settle_stall(reason, decided)
         self.memory.drop_prompt_cache()
         if reload:
             stock.models.reset_model_provider(self.model_provider)

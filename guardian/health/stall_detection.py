@@ -363,7 +363,8 @@ class StallDetector:
         action = ladder[min(stalls_in_window, len(ladder)) - 1]
         reason = f"{why} for {heartbeat_age_s:.1f} s"
         abandoned, most = self.engine.abandoned_loop_threads, self.settings.max_abandoned_loops
-        if most and abandoned >= most and action != "exit":
+        too_many_abandoned = bool(most) and abandoned >= most
+        if too_many_abandoned and action != "exit":
             action = "exit"  # another abandoned loop would hold memory for good: a clean process instead
             reason += f"; {abandoned} abandoned loop threads alive already (max_abandoned_loops {most})"
         stuck_at = stack_of(self.engine.lifecycle.owner)  # before a replacement owns the engine
@@ -376,7 +377,10 @@ class StallDetector:
             return
         if progressed:  # (only once the stall is taken: a refused judgment changes nothing)
             self.stalls = RecentEvents(self.settings.ladder_window_s)
-        self.stalls.add()
+        rung = action
+        action, decided, laid_to = engine.judge_stall(rung, may_stay=not too_many_abandoned)
+        if not laid_to or action == "exit":
+            self.stalls.add()  # a request's stall (blamed, or awaiting its proof) is not climbed from
         self._completed_at_stall = completed
         log.error(
             "engine_stalled",
@@ -384,6 +388,8 @@ class StallDetector:
             paused_credit_s=round(self.paused_credit_s(), 3),
             reason=reason,
             action=action,
+            ladder_rung=rung,
+            laid_to_requests=[r.request_id for r in laid_to],
             stalls_in_window=stalls_in_window,
             completed_since_last_stall=progressed,
             step=self.engine.steps,
@@ -391,7 +397,7 @@ class StallDetector:
             **self.engine.ledger.counts(),
         )
         notify(self.pm.hook.on_stall, engine=self.engine.plugin_view, heartbeat_age_s=heartbeat_age_s, action=action)
-        self.engine.recover_from_stall(reason, action)
+        engine.recover_from_stall(reason, action, decided)
 
     # -- probes -------------------------------------------------------------
     def _maybe_probe(self, now: float) -> None:

@@ -15,6 +15,9 @@ count has to be guessed.
   inside ``BatchGenerator``'s step, as a native deadlock would. Only the
   first ``hang_times`` such requests block (0: every one); or, with
   ``hang_which``, those of these numbers (1-based, a re-run counting as one).
+- ``wedge``: once such a request's step blocks, every later step of stock's
+  ``BatchGenerator.next`` blocks too, whatever it runs, on any loop thread (a
+  device that hung: no probe, no other request generates again).
 - ``hang_loop_start``: the Nth start of stock's loop (its ``load_default``
   on a loop thread; the first start is 1) blocks before the loop ever asks
   for work.
@@ -34,6 +37,7 @@ when the blocked call returns to stock's code.
 
 from __future__ import annotations
 
+import importlib
 import sys
 import threading
 import time
@@ -58,6 +62,7 @@ class LoopFaultsSettings:
     hang_at_call: int = 1
     hang_times: int = 1
     hang_which: list = field(default_factory=list)
+    wedge: bool = False
     hang_loop_start: int = 0
     hang_s: float = 0.0
     log_model_loads: bool = False
@@ -76,6 +81,9 @@ class LoopFaults:
             self._plant_fail_once(settings.fail_once_stop_word)
         if settings.hang_repetition_penalty:
             self._plant_hang_in_step(settings.hang_repetition_penalty)
+        self.wedged = threading.Event()
+        if settings.wedge:
+            self._plant_wedge()
         if settings.hang_loop_start:
             self._plant_hang_at_loop_start(settings.hang_loop_start)
         if settings.log_model_loads or settings.hang_model_load:
@@ -90,6 +98,8 @@ class LoopFaults:
         self.released.set()
 
     def _hang(self, kind: str) -> None:
+        if kind == "step" and self.settings.wedge:
+            self.wedged.set()
         log.warning("loop_fault_hang", kind=kind, thread=threading.current_thread().name)
         self.released.wait(self.settings.hang_s or None)
         log.warning("loop_fault_hang_ended", kind=kind, thread=threading.current_thread().name)
@@ -132,6 +142,19 @@ class LoopFaults:
             return [*processors, blocking_processor]
 
         server.make_logits_processors = make_logits_processors
+
+    def _plant_wedge(self) -> None:
+        # mlx_lm's own class: the guardian's observed subclass calls it through super().next().
+        generate = importlib.import_module("mlx_lm.generate")
+        stock_next = generate.BatchGenerator.next
+        plugin = self
+
+        def next(generator, *args, **kwargs):
+            if plugin.wedged.is_set():
+                plugin._hang("wedged_step")
+            return stock_next(generator, *args, **kwargs)
+
+        generate.BatchGenerator.next = next
 
     def _plant_hang_at_loop_start(self, nth: int) -> None:
         stock_method = server.ModelProvider.load_default
