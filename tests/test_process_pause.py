@@ -157,6 +157,33 @@ def test_a_pause_that_lands_inside_one_of_the_watchdogs_looks_is_still_a_pause(s
     assert server.proc.poll() is None, "the server exited"
 
 
+@pytest.mark.skipif(not hasattr(signal, "SIGSTOP"), reason="SIGSTOP/SIGCONT are POSIX signals")
+def test_a_pause_while_a_replacement_loop_is_probed_is_no_second_stall(start_server):
+    """A stall's replacement loop is on trial until a probe generates on it. The process
+    paused past that probe's deadline: its thread woke to a timed-out probe before the
+    watchdog had looked, and a failed trial is a second stall (the ladder climbed). Now
+    the probe's thread waits for the watchdog's looks, which see the pause, and the loop
+    is probed again. The request's step blocks once (loop_faults); every step takes 0.5 s,
+    so the probe takes a second or more, and the pause comes well inside it."""
+    config = ('[guardian]\nplugins = ["tests.plugins.loop_faults:LoopFaults", '
+              '"tests.plugins.stock_step_faults:StockStepFaults"]\n'
+              + table("loop_faults", hang_repetition_penalty=1.25, hang_at_call=2, hang_times=1)
+              + table("stock_step_faults", delay_s=0.5)
+              + table("watchdog", interval_s=0.05, stall_min_s=1.0, stall_timeout_s=2.0, probe_timeout_s=2.5))
+    server = start_server(config)
+    sender, result = post_in_background(server.url + COMPLETIONS,
+                                        chat_body(max_tokens=4, repetition_penalty=1.25))
+    server.wait_for_event("engine_stalled", timeout=60)
+    pause(server.proc, PAUSE_S + 1.0)
+    sender.join(timeout=120)
+    assert result["response"].status_code == 200, result
+    poll(lambda: server.status("/readyz") == 200, 30, what="the replacement loop proven")
+    assert len(server.events("engine_stalled")) == 1
+    [paused_probe] = server.events("replacement_probe_paused")
+    assert paused_probe["paused_at_s"] > 0
+    assert [e for e in server.events("process_paused") if e["paused_s"] >= PAUSE_S]
+
+
 HOG = "import os, sys, time\nos.sched_setaffinity(0, {int(sys.argv[1])})\nend = time.monotonic() + 120\nwhile time.monotonic() < end: pass\n"
 
 

@@ -76,6 +76,12 @@ class StallDetector:
         self.step_cpu = StepCpu()
         # The heartbeat's clock restarts here after a pause of the whole process.
         self.resumed_at = float("-inf")
+        # The last look that found the process had been paused, for however short (a probe
+        # whose deadline passed in it proves nothing: ``_paused_during``), and how many looks
+        # the watchdog has made, which a probe's thread waits on.
+        self.pause_noticed_at = float("-inf")
+        self.looks = 0
+        self._looked = threading.Condition()
         # Shorter pauses (``_notice_pause``): (when the heartbeat's clock last started, the
         # seconds of pauses since, taken off its age). One tuple, replaced whole: HTTP
         # threads read it (readiness).
@@ -165,6 +171,9 @@ class StallDetector:
         # Each part on its own: a plugin's failing sample must not stop the
         # stall checks or the systemd pings (systemd would kill for a gauge).
         self._contained(self._notice_pause, now, late_s, ran_s, waited_s)
+        with self._looked:
+            self.looks += 1
+            self._looked.notify_all()
         # Switched off ([watchdog] enabled = false: a debugger's breakpoint, say), it neither
         # judges progress nor probes; the rest goes on.
         # Keepalives first: a stall's exit rung ends the process from the progress check.
@@ -208,9 +217,10 @@ class StallDetector:
         if late_s <= min(self.stall_limit_s, self.settings.stall_min_s):
             paused_s = late_s - ran_s
             if paused_s > self.settings.interval_s:
+                self.pause_noticed_at = now
                 self._credit_pause(now, paused_s)
             return
-        self.resumed_at = now
+        self.resumed_at = self.pause_noticed_at = now
         self.pauses += 1
         self.paused_s += late_s
         self.pace.paused()
@@ -507,11 +517,28 @@ class StallDetector:
             outcome = self.run_probes()
             if outcome["ok"]:
                 engine.lifecycle.verified(stalls_seen, probed_since=began)
-            elif engine.lifecycle.on_trial and not self._crowded_out(outcome, engine.steps - steps_before, abandoned):
+            elif (engine.lifecycle.on_trial and not self._paused_during(began)
+                  and not self._crowded_out(outcome, engine.steps - steps_before, abandoned)):
                 self._on_stall(self._restarted_loop_silent_for(time.monotonic()),
                                "the replacement loop failed its probe", stalls_seen)
         finally:
             self._verifying = False
+
+    def _paused_during(self, began: float) -> bool:
+        """Whether the whole process was paused (``_notice_pause``) while a replacement's
+        probe that began at ``began`` ran: its deadline may have passed in the pause, which
+        proves nothing of the loop, and it is probed again. Taken for a stall, a SIGSTOP
+        during the probe climbed the ladder. The watchdog notices a pause at its first look
+        after it, which may come after this thread woke: two looks are waited for (the first
+        may have begun before the pause), a few of its intervals at most."""
+        with self._looked:
+            looks = self.looks
+            self._looked.wait_for(lambda: self.looks >= looks + 2, timeout=4 * self.settings.interval_s)
+        if self.pause_noticed_at < began:
+            return False
+        log.warning("replacement_probe_paused", paused_at_s=round(self.pause_noticed_at - began, 3),
+                    why="the process was paused while the replacement's probe ran: probed again, no stall")
+        return True
 
     def _crowded_out(self, outcome: dict, steps: int, abandoned: int) -> bool:
         """Whether a failed verification only timed out waiting for a place while the loop
