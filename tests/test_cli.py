@@ -307,6 +307,14 @@ def test_stock_engine_reads_only_the_supervisor_table(tmp_path):
     path.write_text("[supervisor]\nengine = 'stock'\n[guardian]\nstream_keepalive_s = 2\n")
     with pytest.raises(ConfigError, match=r"nothing reads \[guardian\] stream_keepalive_s"):
         read_settings(supervisor_options("--guardian-config", str(path))[0])
+    # Per-client limits are applied by a guardian engine as it admits; stock admits everything.
+    # Written at their defaults (a shared file) they limit nothing, and are no error.
+    path.write_text("[supervisor]\nengine = 'stock'\n[access]\nclient_max_concurrent = 0\nfair_admission = true\n")
+    assert read_settings(supervisor_options("--guardian-config", str(path))[0])[0].engine == "stock"
+    for limit in ("client_max_concurrent = 2", "client_tokens_per_minute = 1000", "fair_admission = false"):
+        path.write_text(f"[supervisor]\nengine = 'stock'\n[access]\n{limit}\n")
+        with pytest.raises(ConfigError, match=rf"\[access\] {limit.split()[0]} is applied by a guardian engine"):
+            read_settings(supervisor_options("--guardian-config", str(path))[0])
 
 
 def test_supervisor_bad_table_or_flag_is_a_usage_error(tmp_path):

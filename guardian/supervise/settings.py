@@ -163,6 +163,10 @@ def read_settings(options: argparse.Namespace) -> tuple[SupervisorSettings, Core
     return config.supervisor, config.core
 
 
+# [access] settings a guardian engine applies itself (the access plugin, the ledger), not the door.
+ENGINE_ADMISSION_SETTINGS = ("client_max_concurrent", "client_tokens_per_minute", "fair_admission")
+
+
 def check_stock_tables(config, engine: str) -> None:
     """With --engine stock the file may hold only what the supervisor reads: ConfigError if not
     (at start, and at each save: a version a restart would refuse is refused live too)."""
@@ -181,3 +185,11 @@ def check_stock_tables(config, engine: str) -> None:
     if unread:
         raise ConfigError(f"{config.source}: --engine stock reads only [supervisor], [access], [http] and, of "
                           f"[guardian], {', '.join(core_read)}; nothing reads [guardian] {unread[0]}")
+    # Per-client limits are a guardian engine's, applied as it admits a request: stock admits
+    # every one. Accepted, a limit a user set was silently never applied (a review).
+    defaults = AccessSettings()
+    limits = [key for key in config.core_keys.get(AccessSettings.table_name, ())
+              if key in ENGINE_ADMISSION_SETTINGS and getattr(config.access, key) != getattr(defaults, key)]
+    if limits:
+        raise ConfigError(f"{config.source}: [access] {limits[0]} is applied by a guardian engine as it admits "
+                          f"a request; --engine stock admits every request and would never apply it")
