@@ -389,3 +389,19 @@ def test_an_unhealthy_childs_metrics_are_passed_on_too(tmp_path, model_cache):
             pass
         proc.wait(timeout=10)
 
+
+
+def test_a_scrape_as_the_supervisor_reaps_its_child_leaves_out_the_childs_metrics():
+    """The scrape's thread found the child running, then the supervisor's own thread reaped it
+    and closed its client: httpx raises RuntimeError for a closed client, not one of its own
+    errors, and the scrape answered nothing at all (a review). The same holds for /readyz
+    (``CHILD_GONE_ERRORS``, guardian.supervise.child)."""
+    from types import SimpleNamespace
+
+    from guardian.supervise.metrics import SupervisorMetrics
+
+    client = httpx.Client(base_url="http://127.0.0.1:9")
+    client.close()  # as reap_child does
+    child = SimpleNamespace(hard_killed=False, proc=SimpleNamespace(poll=lambda: None), has_readyz=True, client=client)
+    scraper = SimpleNamespace(supervisor=SimpleNamespace(child=child, health_timeout=1.0))
+    assert SupervisorMetrics.child_exposition(scraper) is None

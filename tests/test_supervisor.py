@@ -141,7 +141,10 @@ def test_proxies_completions_and_streams_and_stops_on_sigterm(start_supervisor, 
         assert result["status"] == 200 and result["done"] and not result["errors"]
         assert len(result["events"]) >= 2
         assert client.get(supervised.url + "/livez").status_code == 200
-        assert client.get(supervised.url + "/readyz").json()["status"] == "ready"  # the child's own
+        ready = client.get(supervised.url + "/readyz", headers={"X-Request-ID": "ready-1"})
+        assert ready.json()["status"] == "ready"  # the child's own
+        # The client's X-Request-ID comes back, as from one process (the child made its own).
+        assert ready.headers.get_list("x-request-id") == ["ready-1"]
     maps = Path(f"/proc/{supervised.proc.pid}/maps")
     if maps.exists():  # Linux: the supervisor itself never loaded mlx
         assert "mlx" not in maps.read_text()
@@ -617,6 +620,8 @@ def test_stock_engine_is_proxied_and_restarted(start_supervisor, model_cache, tm
         named = client.post(supervised.url + COMPLETIONS, json=chat_body(max_tokens=2),
                             headers={"X-Request-ID": "stock-1"})
         assert named.headers.get_list("x-request-id") == ["stock-1"]
+        health = client.get(supervised.url + "/health", headers={"X-Request-ID": "health-1"})
+        assert health.status_code == 200 and health.headers.get_list("x-request-id") == ["health-1"]
         result = read_stream(client, supervised.url + COMPLETIONS, chat_body(max_tokens=4, stream=True))
         assert result["status"] == 200 and result["done"]
         # Stock writes each request line to the log as it came: its query's values are hidden first.

@@ -279,6 +279,12 @@ def signal_quietly(proc: subprocess.Popen, signum: int) -> None:
         pass
 
 
+# What a request to the child through its client may raise when the child is gone: httpx's
+# own errors, and RuntimeError from a client the supervisor closed as it reaped the child
+# while a handler thread was asking it (a /readyz or a scrape answered nothing at all).
+CHILD_GONE_ERRORS = (httpx.HTTPError, RuntimeError)
+
+
 def close_quietly(client: httpx.Client) -> None:
     """Release the pool of a child that is gone; its sockets are already closed."""
     try:

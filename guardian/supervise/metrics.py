@@ -18,7 +18,6 @@ import signal
 import time
 from typing import Optional
 
-import httpx
 from prometheus_client import Counter, Gauge, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -26,6 +25,7 @@ from guardian.observability import metrics
 from guardian.observability.metrics import gauge
 from guardian.access.policy import REFUSALS as ACCESS_REFUSALS
 from guardian.exit_codes import EXIT_ENGINE_FAILED, EXIT_ENGINE_STALLED, EXIT_GROUP_FAILED
+from guardian.supervise.child import CHILD_GONE_ERRORS
 
 P = metrics.PREFIX + "supervisor_"
 # The classic text format, asked of the child too: two expositions in it can
@@ -118,7 +118,7 @@ class SupervisorMetrics:
         try:
             response = child.client.get("/metrics", headers={"Accept": CONTENT_TYPE},
                                         timeout=supervisor.health_timeout)
-        except httpx.HTTPError:
+        except CHILD_GONE_ERRORS:
             return None
         if response.status_code != 200:  # the metrics plugin is disabled in the child
             return None

@@ -40,6 +40,7 @@ from guardian.serving.deadlines import COMPLETION_PATHS, Deadline, deadlines_of,
 from guardian.serving.framing import asks_for_probes, request_path
 from guardian.request_context import REQUEST_ID_HEADER, made_request_id, sane_request_id
 from guardian.supervise import metrics as supervise_metrics
+from guardian.supervise.child import CHILD_GONE_ERRORS
 from guardian.supervise.client_writes import StreamKeepAlive, client_writer
 from guardian.supervise.fast_handoff import (FastHandOff, child_request, forwarded_headers,
                                              try_fast_hand_off)
@@ -614,7 +615,7 @@ class ProxyHandler(BaseHTTPRequestHandler):
             # healthy child; a byte past ASCII: no answer at all, and a traceback logged).
             headers = forwarded_headers((), self.client_address[0], self.access)
             response = child.client.request(self.command, self.target(child), headers=headers, timeout=timeout)
-        except httpx.HTTPError as e:
+        except CHILD_GONE_ERRORS as e:
             reason = f"the child did not answer {path} within {timeout:g} s ({type(e).__name__})"
             return self.send_json(503, supervisor.unavailable_health(reason))
         if supervisor.serving_child(health_check=True) is not child:
@@ -1087,13 +1088,17 @@ class ProxyHandler(BaseHTTPRequestHandler):
 
     def send_whole(self, response: httpx.Response) -> None:
         """A response read whole from the child (its health check), with its status and
-        headers; its CORS headers the supervisor's, as the child was sent no Origin."""
+        headers; its CORS headers the supervisor's, as the child was sent no Origin; its
+        X-Request-ID the client's (the child was sent none: it made one, and a stock child
+        sends none), as every answer the supervisor writes itself."""
         try:
             self.send_response_only(response.status_code, response.reason_phrase)
             for raw_name, raw_value in response.headers.raw:
                 name = raw_name.decode("latin-1")
-                if name.lower() not in HOP_BY_HOP and name.lower() not in CORS_HEADERS:
+                if name.lower() not in HOP_BY_HOP and name.lower() not in CORS_HEADERS \
+                        and name.lower() != REQUEST_ID_HEADER.lower():
                     self.send_header(name, raw_value.decode("latin-1"))
+            self.send_header(REQUEST_ID_HEADER, self.answer_id())
             self.send_cors_headers()
             self.send_header("Connection", "close")
             self.end_headers()
