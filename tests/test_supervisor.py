@@ -1181,10 +1181,32 @@ def test_a_suspect_is_never_let_in_beside_another_running_alone():
         assert first is True
         with gate.admit(suspect=True) as second:
             assert second is REFUSED
-        assert gate.status() == {"suspects_waiting": 0, "suspect_running_alone": True}
+        assert gate.status() == {"suspects_waiting": 0, "suspect_running_alone": True, "suspects_running": 1}
         with gate.admit(suspect=False) as bystander:  # no suspect: goes in once its wait ran out
             assert bystander is False
     assert gate.running == 0 and not gate.alone
+
+
+def test_a_suspect_is_never_let_in_beside_another_let_in_beside_traffic():
+    """Under steady traffic a suspect's wait to run alone runs out and it goes in beside the
+    others; a second suspect's then did too, beside the first, and the next crash struck both
+    (the innocent one's second strike quarantined it). Now the second is refused (503, sent
+    again), and let in once the first has ended."""
+    from guardian.quarantine.isolation import REFUSED, IsolationGate
+
+    gate = IsolationGate(max_wait_s=0.2)
+    assert gate.try_admit()  # steady traffic: a request that is no suspect, running
+    try:
+        with gate.admit(suspect=True) as first:
+            assert first is False  # its wait ran out: beside the traffic
+            with gate.admit(suspect=True) as second:
+                assert second is REFUSED
+            assert gate.status()["suspects_running"] == 1
+        with gate.admit(suspect=True) as after:  # the first ended: its turn, beside the traffic again
+            assert after is False
+    finally:
+        gate.release()
+    assert gate.running == 0 and gate.suspects_running == 0 and not gate.alone
 
 
 def test_suspects_of_one_crash_each_get_their_turn_alone_while_the_line_moves():
@@ -1245,7 +1267,7 @@ def test_a_wait_for_a_turn_ends_at_the_requests_deadline_or_when_its_client_left
         with gate.admit(suspect=False, given_up=left.is_set) as gone:
             assert gone is GAVE_UP
         assert time.monotonic() - started < 3
-        assert gate.status() == {"suspects_waiting": 0, "suspect_running_alone": True}
+        assert gate.status() == {"suspects_waiting": 0, "suspect_running_alone": True, "suspects_running": 1}
     assert gate.running == 0 and not gate.alone
 
 

@@ -6,11 +6,11 @@ in flight at the next crash too. So a suspect waits until nothing else is
 relayed, and requests that arrive meanwhile wait behind it: the next crash,
 if it comes, has one suspect. Waits are bounded; a request that waited
 ``max_wait_s`` goes in regardless (a long stream must not hold the door),
-except a suspect while another suspect runs alone: beside it, a crash of
-either would strike both, and the innocent one's second strike quarantined
-it. That one is refused (``REFUSED``: 503, to be sent again), but only when
-nothing moved: a suspect's wait starts again each time a suspect's turn alone
-ends. Suspects take their turns in the order they came: four suspects of a
+except a suspect while another suspect runs, alone or (its own wait run
+out) beside others: beside it, a crash of either would strike both, and the
+innocent one's second strike quarantined it. That one is refused
+(``REFUSED``: 503, to be sent again), but only when nothing moved: a
+suspect's wait starts again each time a suspect's turn ends. Suspects take their turns in the order they came: four suspects of a
 crash run one after another, and the fourth waits for three turns; a bound on
 the whole wait refused it while the line moved (a group's crash in CI: 503
 crash_check_busy after 30 s behind three turns).
@@ -42,7 +42,8 @@ class IsolationGate:
         self.running = 0  # requests admitted and not yet done, suspects included
         self.line: deque = deque()  # the suspects waiting to run alone, first come first
         self.alone = False  # a suspect runs alone now
-        self.turns_ended = 0  # suspects' turns alone that ended: the line of suspects moved
+        self.suspects_running = 0  # suspects admitted and not yet done, alone or not
+        self.turns_ended = 0  # suspects' runs that ended: the line of suspects moved
 
     @contextmanager
     def admit(self, suspect: bool, until: Optional[float] = None,
@@ -60,9 +61,12 @@ class IsolationGate:
             if alone is GAVE_UP:
                 refused = GAVE_UP
             else:
-                refused = REFUSED if suspect and not alone and self.alone else False
+                # Not beside another suspect, alone or not: one let in beside traffic once its
+                # wait ran out, then a second beside it, and the next crash struck both (a review).
+                refused = REFUSED if suspect and not alone and self.suspects_running else False
             if refused is False:
                 self.running += 1
+                self.suspects_running += suspect
                 self.alone = self.alone or alone
         if refused is not False:
             yield refused
@@ -72,8 +76,9 @@ class IsolationGate:
         finally:
             with self.condition:
                 self.running -= 1
+                self.suspects_running -= suspect
                 self.alone = self.alone and not alone
-                self.turns_ended += alone is True
+                self.turns_ended += suspect
                 self.condition.notify_all()
 
     def try_admit(self) -> bool:
@@ -128,4 +133,5 @@ class IsolationGate:
     def status(self) -> dict:
         """For /guardian/supervisor."""
         with self.condition:
-            return {"suspects_waiting": len(self.line), "suspect_running_alone": self.alone}
+            return {"suspects_waiting": len(self.line), "suspect_running_alone": self.alone,
+                    "suspects_running": self.suspects_running}
