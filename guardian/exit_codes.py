@@ -66,7 +66,9 @@ EXIT_CODES = (
     ExitCode(EXIT_ENGINE_STALLED, "the engine stalled and could not be replaced in-process",
              "the engine stalled and could not be replaced in-process"),
     ExitCode(EXIT_SUPERVISOR_GAVE_UP, "the supervisor gave up",
-             "subprocess mode: more than `--supervisor-max-restarts` restarts within `--supervisor-window`"),
+             "subprocess mode: more than `--supervisor-max-restarts` restarts within `--supervisor-window`, "
+             "or no child could be started (the system refused a port, a descriptor or a process, or the "
+             "interpreter is gone: `child_start_failed`)"),
     ExitCode(EXIT_GROUP_FAILED, "a rank of the group failed, stalled or was lost",
              "under `mlx.launch`: a rank failed, stalled or was lost (died, stopped answering on the "
              "group's control connection), or did not join within `[watchdog] join_timeout_s` "

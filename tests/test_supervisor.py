@@ -232,6 +232,28 @@ def test_children_that_each_served_before_they_were_killed_are_no_crash_loop(sta
     assert [e["restarts"] for e in supervised.supervisor_events("restarts_forgiven")] == [1, 1, 1]
 
 
+@pytest.mark.linux("the supervisor's descriptor limit is lowered from outside (prlimit)")
+def test_a_child_that_cannot_be_started_ends_the_supervisor_with_its_reason(start_supervisor):
+    """The system refused what a child takes (here a descriptor: EMFILE; an interpreter an
+    upgrade removed is the same) as a crashed child was replaced: the error went up through
+    the supervisor's main loop, a traceback, no supervisor_gave_up, and the clients held
+    for the next child were dropped. Now it gives up: exit 6, and says why."""
+    import resource
+
+    supervised = start_supervisor()
+    first_pid = supervised.wait_ready()
+    # Far fewer descriptors than it holds: those open stay, no new one opens.
+    resource.prlimit(supervised.proc.pid, resource.RLIMIT_NOFILE, (8, resource.prlimit(supervised.proc.pid,
+                                                                                     resource.RLIMIT_NOFILE)[1]))
+    os.kill(first_pid, signal.SIGKILL)
+    assert supervised.proc.wait(timeout=60) == EXIT_SUPERVISOR_GAVE_UP
+    [failed] = supervised.supervisor_events("child_start_failed")
+    assert failed["error_type"] == "OSError" and failed["errno"] == errno.EMFILE, failed
+    [gave_up] = supervised.supervisor_events("supervisor_gave_up")
+    assert gave_up["reason"].startswith("no child could be started") and gave_up["exit_code"] == EXIT_SUPERVISOR_GAVE_UP
+    assert "Traceback" not in supervised.log_path.read_text()
+
+
 def test_sigsegv_is_logged_as_a_native_crash_and_restarted(start_supervisor):
     supervised = start_supervisor()
     first_pid = supervised.wait_ready()

@@ -524,7 +524,18 @@ class Supervisor:
 
     # -- the child's life ---------------------------------------------------
     def spawn_child(self) -> None:
-        """Start a child on a free private port."""
+        """Start a child on a free private port; give up (exit 6) where the system refuses
+        what that takes: a port, a descriptor, a process (EMFILE, EAGAIN), the interpreter
+        itself (removed or replaced by an upgrade). The error went up through the main loop:
+        a traceback, no supervisor_gave_up, and the clients held for the child dropped."""
+        try:
+            self._spawn_child()
+        except OSError as e:
+            log.error("child_start_failed", error_type=type(e).__name__, error_message=str(e),
+                      errno=e.errno, generation=self.generation)
+            self.give_up(f"no child could be started ({type(e).__name__}: {e})", EXIT_SUPERVISOR_GAVE_UP)
+
+    def _spawn_child(self) -> None:
         self.children_starting.stop(time.monotonic())  # until a child is ready
         self.generation += 1
         stock_engine = self.settings.engine == "stock"
