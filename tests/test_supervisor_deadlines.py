@@ -159,7 +159,8 @@ def test_a_stream_past_the_clients_read_timeout_is_continued_when_its_child_dies
 FROZEN_CONFIG = "[guardian]\nrequest_timeout_s = 6\n[fault_injection]\nenabled = true\nstep_delay_s = 0.02\n"
 
 
-def answer_from_frozen_child(supervised, pid: int, client: httpx.Client, stream: bool) -> tuple[int, object, float]:
+def answer_from_frozen_child(supervised, pid: int, client: httpx.Client, stream: bool,
+                             headers=None) -> tuple[int, object, float]:
     """A long completion sent, its child frozen (SIGSTOP) once it is under way (a stream's
     first event out), continued after the answer (or 25 s): (status, the answer's JSON
     or the stream's data lines, seconds from sending to the answer's end)."""
@@ -169,11 +170,11 @@ def answer_from_frozen_child(supervised, pid: int, client: httpx.Client, stream:
         started = time.monotonic()
         body = chat_body("Frozen under me.", max_tokens=2000, stream=stream)
         if stream:
-            with client.stream("POST", supervised.url + COMPLETIONS, json=body) as response:
+            with client.stream("POST", supervised.url + COMPLETIONS, json=body, headers=headers) as response:
                 lines.extend(line for line in response.iter_lines() if line.startswith("data: "))
             answered["result"] = (response.status_code, lines)
         else:
-            answer = client.post(supervised.url + COMPLETIONS, json=body)
+            answer = client.post(supervised.url + COMPLETIONS, json=body, headers=headers)
             answered["result"] = (answer.status_code, answer.json())
         answered["took"] = time.monotonic() - started
 
@@ -240,6 +241,26 @@ def test_a_handed_off_request_whose_child_froze_gets_its_504_soon_after_its_dead
             assert "past its deadline (request_timeout_s)" in stopping["reason"], stopping
             pid = supervised.wait_ready(not_pid=pid)
     assert scraped(supervised, "mlx_guardian_supervisor_requests_passed_total", how="handed_off") == 2
+
+
+def test_a_request_a_handler_thread_handed_off_whose_child_froze_gets_its_504_soon_after_its_deadline(
+        start_supervisor, tmp_path):
+    """A handler thread hands requests off too (one held while a child started, a crash
+    suspect, one sent again, a head with a header twice as here): such a request's frozen
+    child was replaced only once it had missed its checks, ~11 s after the freeze, where
+    the reader's hand-offs get theirs 2 s past the deadline (a review)."""
+    config = tmp_path / "frozen.toml"
+    config.write_text(FROZEN_CONFIG)
+    supervised = start_supervisor("--guardian-config", str(config))
+    pid = supervised.wait_ready()
+    twice = [("X-Api-Key", "none"), ("X-Api-Key", "none")]  # no keys: let in, on the handler path
+    with httpx.Client(timeout=20) as client:
+        status, answer, took = answer_from_frozen_child(supervised, pid, client, False, headers=twice)
+    assert took < 6 + 2 + 4, took
+    assert_deadline_exceeded(status, answer, False)
+    [stopping] = [e for e in supervised.supervisor_events("child_stopping") if e["pid"] == pid]
+    assert "past its deadline (request_timeout_s)" in stopping["reason"], stopping
+    assert scraped(supervised, "mlx_guardian_supervisor_requests_passed_total", how="handed_off") == 1
 
 
 @pytest.mark.parametrize("how", [

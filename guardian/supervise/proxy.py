@@ -24,6 +24,7 @@ import socket
 import subprocess
 import threading
 import time
+from dataclasses import dataclass
 from typing import Optional
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import quote
@@ -93,6 +94,15 @@ DEEP_READINESS_MARGIN_S = 5.0
 SSE_CONTENT_TYPE = relay_protocol.SSE_CONTENT_TYPE
 
 
+@dataclass
+class HandlerHandOff:
+    """A hand-off a handler thread made, tracked as the reader's are (``FastHandOff``) for
+    ``PublicServer.overdue_handoff``: its child, its first deadline, its relay on record."""
+    child: object
+    due: Optional[tuple[float, Deadline]]
+    relay: object
+
+
 class PublicServer(HeldConnections, ThreadingHTTPServer):
     """The public host:port, behind the same connection layer as the engine's
     server (guardian.serving.connection): requests read under deadlines, handler threads
@@ -142,7 +152,8 @@ class PublicServer(HeldConnections, ThreadingHTTPServer):
             at, deadline = passed.due
             if now - at <= DEADLINE_BACKSTOP_S:
                 continue
-            progress = passed.relay.stream  # its journal (set as it was handed off), read only now
+            # Its journal (set as it was handed off), read only now.
+            progress = passed.relay.stream if passed.relay is not None else None
             if deadline.until_head and progress is not None and progress.head_sent:
                 continue  # a stream under way: its client's read timeout is over
             late.append((now - at, deadline))
@@ -808,7 +819,13 @@ class ProxyHandler(BaseHTTPRequestHandler):
         # The child watches for the client's leaving now: the client closing once
         # it has the child's answer is no news here.
         self.server.unwatch_client(self.connection)
-        with handed:
+        # Its deadline is the child's to keep; a frozen one keeps none, and is replaced 2 s
+        # past it (``overdue_handoff``), as for the reader's hand-offs: untracked, a request
+        # held for a starting child waited for the frozen one to miss its checks (a review).
+        tracked = HandlerHandOff(child, self.backstop_deadline(), self.relay_record)
+        self.server.handoff_begun(tracked)
+        with handed, contextlib.ExitStack() as tracking:
+            tracking.callback(self.server.handoff_over, tracked)
             if self.relay_record is not None:
                 self.relay_record.stream = handed.progress()
             word = handed.wait()
