@@ -134,6 +134,18 @@ def test_a_client_quiet_for_other_clients_recent_s_is_kept_no_place(monkeypatch)
     now[0] += 2  # bob quiet for longer: the place is alice's, though she sent nothing since
     assert ledger.has_waiting()
     assert take(ledger) is alice[2]
+    # [access] fair_admission_recent_s, read at each look: 10 s, and then 0 (no place kept).
+    recent_s = [10.0]
+    ledger = RequestLedger(fair=Switch(True), capacity=3, recent_s=lambda: recent_s[0])
+    earlier = put(ledger, "bob")
+    assert take(ledger) is earlier
+    earlier.put(None)
+    now[0] += 9
+    alice = [put(ledger, "alice") for _ in range(4)]
+    assert [take(ledger), take(ledger)] == alice[:2]
+    assert take(ledger) is None  # bob sent one 9 s ago: still about
+    recent_s[0] = 0.0
+    assert take(ledger) is alice[2]
 
 
 def test_a_lone_client_takes_every_place():

@@ -381,6 +381,11 @@ class AccessSettings(Table, name="access"):
         When requests wait for the engine, take them round-robin across clients
         (API keys; addresses when there are no keys) instead of first come, first
         served, so that one client's burst cannot delay everyone else's.""", live=True)
+    fair_admission_recent_s = Setting(SECONDS, 60.0, """
+        With fair_admission, the batch's last free place is kept for a client
+        that sent a request within this many seconds and has none in flight, so
+        that its next one starts at once beside another client's flood (which
+        runs one place short meanwhile). 0: no place is kept.""", live=True)
     ssl_certfile = Setting(FilePath(), "", """
         Serve HTTPS with this certificate (PEM, the chain after it); read
         again on SIGHUP. Relative, in this file: to this file's folder. "": plain

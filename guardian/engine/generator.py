@@ -77,11 +77,12 @@ class GuardianEngine(stock.loop.GuardedResponseGenerator):
         # What every request is told once the engine gives up (set by give_up,
         # before the state changes: see error_for).
         self.gave_up_error: Optional[GuardianError] = None
-        # ``access``: the live [access] table, whose fair_admission the ledger follows.
+        # ``access``: the live [access] table, whose fair_admission (and its recent_s) the ledger follows.
         self.ledger = RequestLedger(
             beat=self._loop_polled, on_finished=self._request_finished, on_failed=self._request_failed,
             fair=(lambda: access.fair_admission) if access is not None else (lambda: False),
-            capacity=batch_places(model_provider.cli_args), steps=lambda: self.steps)
+            capacity=batch_places(model_provider.cli_args), steps=lambda: self.steps,
+            **({"recent_s": lambda: access.fair_admission_recent_s} if access is not None else {}))
         self.steps = 0
         self.last_beat = time.monotonic()
         # While the live loop waits for an abandoned one to unwind: until when, at most.

@@ -31,7 +31,8 @@ log = structlog.get_logger("guardian.engine")
 # admitted on their HTTP threads (see RequestLedger.get).
 GATHER_ARRIVING_S = 0.005
 # Fair admission keeps the batch's last free place for a client that sent a
-# request within this many seconds and has nothing in flight.
+# request within this many seconds and has nothing in flight (the default of
+# [access] fair_admission_recent_s).
 OTHER_CLIENTS_RECENT_S = 60.0
 
 
@@ -70,7 +71,8 @@ class RequestLedger:
     takes a row), and when a place frees it hands out the oldest request of
     the waiting client served least recently: round-robin across clients,
     one with nothing in flight first. The last free place is kept while a
-    client that is about (sent a request within ``OTHER_CLIENTS_RECENT_S``)
+    client that is about (sent a request within ``recent_s()``: the live ``[access]
+    fair_admission_recent_s``)
     has nothing in flight: only such a client may take it, so its next
     request starts at once instead of waiting for one of another client's
     to end. A flood beside an interactive client thus runs one place short
@@ -87,7 +89,8 @@ class RequestLedger:
                  on_finished: Callable[[RequestRecord, str], None] = lambda record, outcome: None,
                  on_failed: Callable[[RequestRecord, GuardianError], None] = lambda record, error: None,
                  fair: Callable[[], bool] = lambda: False, capacity: int = 0,
-                 steps: Callable[[], int] = lambda: 0):
+                 steps: Callable[[], int] = lambda: 0,
+                 recent_s: Callable[[], float] = lambda: OTHER_CLIENTS_RECENT_S):
         self.beat = beat
         # The engine's step count, noted on each record the loop takes (guardian.engine.blame).
         self.steps = steps
@@ -101,6 +104,7 @@ class RequestLedger:
         self._this_thread = threading.local()
         self._cond = threading.Condition()
         self.fair = fair
+        self.recent_s = recent_s
         self.capacity = capacity  # places in stock's batch; 0: no limit
         # New requests waiting, by client (None: probes), each oldest first.
         self._waiting: dict[Optional[str], deque[RequestRecord]] = {}
@@ -283,24 +287,24 @@ class RequestLedger:
         return not self._client_in_flight.get(client) or not self._idle_client_about(but=client)
 
     def _idle_client_about(self, but: Optional[str] = None) -> bool:
-        """Whether a client (not ``but``) sent a request within ``OTHER_CLIENTS_RECENT_S`` and
+        """Whether a client (not ``but``) sent a request within ``recent_s()`` and
         has none in flight now: the one the last place is kept for (no lock needed). Judged
         by the time here too: forgotten only at the next request, a client gone for good
         kept the place from a deep queue that sent nothing more."""
         in_flight = self._client_in_flight
-        horizon = time.monotonic() - OTHER_CLIENTS_RECENT_S
+        horizon = time.monotonic() - self.recent_s()
         # copy(): one atomic copy (no Python code runs in it, as may in list(items())' tuples),
         # which the loop's reads need while HTTP threads add to it.
         return any(client != but and seen >= horizon and not in_flight.get(client)
                    for client, seen in self._recent_clients.copy().items())
 
     def _saw(self, client: str) -> None:
-        """Note a request of ``client``; forget clients quiet for OTHER_CLIENTS_RECENT_S."""
+        """Note a request of ``client``; forget clients quiet for ``recent_s()``."""
         now = time.monotonic()
         recent = self._recent_clients
         recent.pop(client, None)
         recent[client] = now  # last: the newest
-        horizon = now - OTHER_CLIENTS_RECENT_S
+        horizon = now - self.recent_s()
         while True:  # ends at the latest at ``client``, just noted
             oldest = next(iter(recent))
             if recent[oldest] >= horizon:

@@ -164,7 +164,8 @@ def read_settings(options: argparse.Namespace) -> tuple[SupervisorSettings, Core
 
 
 # [access] settings a guardian engine applies itself (the access plugin, the ledger), not the door.
-ENGINE_ADMISSION_SETTINGS = ("client_max_concurrent", "client_tokens_per_minute", "fair_admission")
+ENGINE_ADMISSION_SETTINGS = ("client_max_concurrent", "client_tokens_per_minute", "fair_admission",
+                             "fair_admission_recent_s")
 
 
 def check_stock_tables(config, engine: str) -> None:
