@@ -290,6 +290,14 @@ class SupervisorSettings(Table, name="supervisor"):
         A stream cut by its child's death is continued on the next child this many
         times at one point: one that progressed since its last cut counts from 0.""",
         flag="--supervisor-max-resends", metavar="N")
+    deadline_backstop_s = Setting(POSITIVE_SECONDS, 2.0, """
+        A completion's deadline (request_timeout_s, or the client's read
+        timeout) is the child's to keep: a 504, or a stream's error event. A
+        child still silent this long past it keeps none (frozen: SIGSTOP, a
+        stopped VM; or --engine stock, which keeps none): a relayed request is
+        answered by the supervisor, and a child holding a handed-off one
+        answers no check is replaced, which answers it.""",
+        flag="--supervisor-deadline-backstop", metavar="S")
     reap_wait_s = Setting(POSITIVE_SECONDS, 5.0, """
         How long a request whose child closed its connection without an answer
         waits for that child's death to be seen: a crash is reaped within

@@ -85,9 +85,6 @@ HEALTH_PATHS = ("/health", READINESS_PATH)
 # What a target passed on to the child keeps as it is: printable ASCII ("%" too: the
 # client's own escapes stay as the child would read them).
 TARGET_AS_IS = "".join(map(chr, range(0x21, 0x7F)))
-# A relayed request's deadline is the child's to keep; past it by this much, the child
-# kept none (frozen: SIGSTOP, a stopped VM), and the supervisor answers it itself.
-DEADLINE_BACKSTOP_S = 2.0
 # /readyz?deep=1 runs the child's probes now, each within [watchdog] probe_timeout_s:
 # the supervisor waits that long and this much more (Supervisor.deep_readiness_timeout_s).
 DEEP_READINESS_MARGIN_S = 5.0
@@ -140,17 +137,18 @@ class PublicServer(HeldConnections, ThreadingHTTPServer):
 
     def overdue_handoff(self, child, now: float) -> Optional[tuple[float, Deadline]]:
         """The most overdue of the requests handed to ``child``: how far past its deadline
-        it is (more than ``DEADLINE_BACKSTOP_S``), and that deadline; None: none is. A child keeps
+        it is (more than ``[supervisor] deadline_backstop_s``), and that deadline; None: none is. A child keeps
         the deadlines of the requests handed to it (a 504, a stream's error event); one
         that is frozen keeps none, and the supervisor, which cannot answer on a connection
         the child holds, replaces it (``Supervisor.check_health``): on SIGCONT and SIGTERM
         the child answers each overdue request at once."""
         with self._handoffs_due_lock:
             handed = [passed for passed in self._handoffs_due.values() if passed.child is child]
+        backstop_s = self.supervisor.settings.deadline_backstop_s
         late = []
         for passed in handed:
             at, deadline = passed.due
-            if now - at <= DEADLINE_BACKSTOP_S:
+            if now - at <= backstop_s:
                 continue
             # Its journal (set as it was handed off), read only now.
             progress = passed.relay.stream if passed.relay is not None else None
@@ -722,7 +720,7 @@ class ProxyHandler(BaseHTTPRequestHandler):
         """A relayed completion's deadline is the child's to keep: it answers 504 at it, or
         ends a stream with its error event. A frozen child (SIGSTOP, a stopped VM) keeps
         none, and the client waited for its replacement, --supervisor-unhealthy-after (30 s),
-        then got its 504. So the relay is cut ``DEADLINE_BACKSTOP_S`` past it while the
+        then got its 504. So the relay is cut ``[supervisor] deadline_backstop_s`` past it while the
         handler waits on the child, and the supervisor answers (``backstop_answer``). Not
         where the connection is handed off: the child answers on it, and the supervisor
         cannot take it back."""
@@ -731,7 +729,7 @@ class ProxyHandler(BaseHTTPRequestHandler):
         with self._backstop_lock:
             self._backstop_attempt = attempt = object()
             if due is not None:
-                self._backstop_call = self.server.call_at(due[0] + DEADLINE_BACKSTOP_S,
+                self._backstop_call = self.server.call_at(due[0] + self.backstop_s,
                                                           functools.partial(self.backstop_due, attempt))
 
     def backstop_due(self, attempt: object) -> None:
@@ -744,8 +742,8 @@ class ProxyHandler(BaseHTTPRequestHandler):
             if attempt is not self._backstop_attempt or due is None:  # this attempt is over
                 return
             now = time.monotonic()
-            if now < due[0] + DEADLINE_BACKSTOP_S or not self.reading_child:
-                self._backstop_call = self.server.call_at(max(due[0] + DEADLINE_BACKSTOP_S, now + 1.0),
+            if now < due[0] + self.backstop_s or not self.reading_child:
+                self._backstop_call = self.server.call_at(max(due[0] + self.backstop_s, now + 1.0),
                                                           functools.partial(self.backstop_due, attempt))
                 return
             self.backstop, upstream = due[1], self.upstream
@@ -755,6 +753,10 @@ class ProxyHandler(BaseHTTPRequestHandler):
                         "which keeps none")
         if upstream is not None:
             upstream.abort()
+
+    @property
+    def backstop_s(self) -> float:
+        return self.server.supervisor.settings.deadline_backstop_s
 
     def backstop_deadline(self) -> Optional[tuple[float, Deadline]]:
         """``next_deadline`` as it stands now: once the head went out, no read timeout is left."""
