@@ -78,7 +78,9 @@ ran. A stall laid to a request, blamed or awaiting its proof, restarts the
 loop and does not climb the ladder, as a suspect's failures do not count: at
 the exit rung, one hanging request beside a stream ended the process and the
 stream. An engine that hangs whatever runs hangs its proof too, and that
-stall, a probe's, climbs.
+stall, a probe's, climbs; nobody is blamed, and the exit's 503 goes to a
+suspect still awaiting its proof as to everyone. Without a probe plugin the
+engine cannot be proven, and a suspect is blamed as it stalls alone again.
 """
 
 from __future__ import annotations

@@ -402,25 +402,25 @@ class FailureHandler:
         progress = self.progress() if self.engine.probes.proof_prompt is not None else None
         return self._judge(records, None, progress=progress, steps=self._stall_run_of_steps)
 
-    def settle_stall(self, reason: str, decided: Optional[list[tuple]] = None) -> None:
-        """Settle the requests of a loop thread a stall abandoned (``decided``: judged
-        already, while still in flight), as after a failure."""
-        records = self.engine.ledger.take_in_flight()
-        if decided is None:
-            decided = self.judge_stall(records)
+    def settle_stall(self, reason: str, decided: list[tuple]) -> None:
+        """Settle the requests of a loop thread a stall abandoned, as after a failure
+        (``decided``: ``judge_stall``'s judgment of those ``ledger.take_in_flight`` took)."""
         self._forgive([r for r, verdict in decided if verdict is Verdict.BLAME])
         self._await_proof(decided, self._stall_run_of_steps[1])
         self._settle(decided, TimeoutError(reason), "stall")
         self._queue_due_proof()
 
-    def blame_before_exit(self, reason: str, decided: list[tuple]) -> None:
-        """The ladder's last rung: the engine gives up. A request in flight that this stall
-        shows to be the cause (stuck alone at one point again, proven or not: there is no
-        next stall to prove it at) is answered as blamed, 500 and not to be retried, before
-        everyone else gets the exit's 503: retried, it would hang the next process as well."""
-        for record, verdict in decided:
-            if verdict in (Verdict.BLAME, Verdict.PROVE):
-                self._blame(record, TimeoutError(reason), "stall")
+    def blame_before_exit(self, reason: str, decided: list[tuple]) -> list[RequestRecord]:
+        """The ladder's last rung: the engine gives up (max_abandoned_loops made a stall laid
+        to a request exit). A request this stall proves to be the cause (stalled alone at its
+        point again, the engine proven between) is answered as blamed, 500 and not to be
+        retried, before everyone else gets the exit's 503: retried, it would hang the next
+        process as well. Return those blamed. One still awaiting its proof gets the 503: on a
+        device that hung whatever ran, it was blamed for the device."""
+        blamed = [record for record, verdict in decided if verdict is Verdict.BLAME]
+        for record in blamed:
+            self._blame(record, TimeoutError(reason), "stall")
+        return blamed
 
     def restarted(self, duration_s: float, classification: Optional[str]) -> None:
         """A restart's time is lost to the failure that caused it (a stall's to the watchdog)."""

@@ -449,21 +449,24 @@ class GuardianEngine(stock.loop.GuardedResponseGenerator):
         (``may_stay``: unless max_abandoned_loops made it exit): at the exit rung, one
         hanging request beside a stream ended the process and the stream, after the
         request had been found, or before it could be."""
-        decided = self.failures.judge_stall(self.ledger.in_flight())
+        # Taken, then judged: a failure of the loop on trial settling them meanwhile (it takes
+        # them too) finds none, where both judged and queued the same requests again.
+        decided = self.failures.judge_stall(self.ledger.take_in_flight())
         laid_to = stall_is_a_requests(decided)
         return (RESTART if laid_to and may_stay else rung), decided, laid_to
 
     def recover_from_stall(self, reason: str, action: str, decided: list) -> None:
         """Act on a stall as ``judge_stall`` decided."""
         if action == EXIT:
-            self.failures.blame_before_exit(reason, decided)
-            self.give_up(f"the engine stalled: {reason}", exit_code=EXIT_ENGINE_STALLED)
+            blamed = {id(record) for record in self.failures.blame_before_exit(reason, decided)}
+            self.give_up(f"the engine stalled: {reason}", exit_code=EXIT_ENGINE_STALLED,
+                         records=[record for record, _ in decided if id(record) not in blamed])
         else:
             self.replace_stuck_loop(reason, reload=action == RELOAD, decided=decided)
 
-    def replace_stuck_loop(self, reason: str, *, reload: bool, decided: Optional[list] = None) -> None:
+    def replace_stuck_loop(self, reason: str, *, reload: bool, decided: list) -> None:
         """Settle the requests of the loop thread a stall abandoned (``decided``: as judged
-        by ``failures.judge_stall``); start a fresh loop.
+        by ``judge_stall``); start a fresh loop.
 
         The stuck thread cannot be killed; the lifecycle revoked its
         ownership, so any contact it makes with the guardian raises

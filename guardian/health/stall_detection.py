@@ -76,10 +76,10 @@ class StallDetector:
         self.step_cpu = StepCpu()
         # The heartbeat's clock restarts here after a pause of the whole process.
         self.resumed_at = float("-inf")
-        # The last look that found the process had been paused, for however short (a probe
-        # whose deadline passed in it proves nothing: ``_paused_during``), and how many looks
-        # the watchdog has made, which a probe's thread waits on.
-        self.pause_noticed_at = float("-inf")
+        # Seconds of pauses of the whole process the looks have noticed, long or short (a
+        # probe whose deadline passed in one proves nothing: ``_paused_during``), and how many
+        # looks the watchdog has made, which a probe's thread waits on.
+        self.pause_noticed_s = 0.0
         self.looks = 0
         self._looked = threading.Condition()
         # Shorter pauses (``_notice_pause``): (when the heartbeat's clock last started, the
@@ -217,10 +217,11 @@ class StallDetector:
         if late_s <= min(self.stall_limit_s, self.settings.stall_min_s):
             paused_s = late_s - ran_s
             if paused_s > self.settings.interval_s:
-                self.pause_noticed_at = now
+                self.pause_noticed_s += paused_s
                 self._credit_pause(now, paused_s)
             return
-        self.resumed_at = self.pause_noticed_at = now
+        self.resumed_at = now
+        self.pause_noticed_s += late_s
         self.pauses += 1
         self.paused_s += late_s
         self.pace.paused()
@@ -388,9 +389,12 @@ class StallDetector:
         if progressed:  # (only once the stall is taken: a refused judgment changes nothing)
             self.stalls = RecentEvents(self.settings.ladder_window_s)
         rung = action
+        counts = engine.ledger.counts()  # as the stuck loop left them, before they are taken and judged
         action, decided, laid_to = engine.judge_stall(rung, may_stay=not too_many_abandoned)
-        if not laid_to or action == "exit":
-            self.stalls.add()  # a request's stall (blamed, or awaiting its proof) is not climbed from
+        # A stall laid to a request (blamed, or awaiting its proof) is not climbed from.
+        counted = not laid_to or action == "exit"
+        if counted:
+            self.stalls.add()
         self._completed_at_stall = completed
         log.error(
             "engine_stalled",
@@ -401,10 +405,11 @@ class StallDetector:
             ladder_rung=rung,
             laid_to_requests=[r.request_id for r in laid_to],
             stalls_in_window=stalls_in_window,
+            counted=counted,
             completed_since_last_stall=progressed,
             step=self.engine.steps,
             stuck_at=stuck_at,
-            **self.engine.ledger.counts(),
+            **counts,
         )
         notify(self.pm.hook.on_stall, engine=self.engine.plugin_view, heartbeat_age_s=heartbeat_age_s, action=action)
         engine.recover_from_stall(reason, action, decided)
@@ -513,30 +518,34 @@ class StallDetector:
         engine = self.engine
         stalls_seen = engine.lifecycle.stalls  # the loop on trial now is the one probed
         steps_before, abandoned, began = engine.steps, engine.abandoned_loop_threads, time.monotonic()
+        paused_before = self.pause_noticed_s
         try:
             outcome = self.run_probes()
             if outcome["ok"]:
                 engine.lifecycle.verified(stalls_seen, probed_since=began)
-            elif (engine.lifecycle.on_trial and not self._paused_during(began)
-                  and not self._crowded_out(outcome, engine.steps - steps_before, abandoned)):
+            elif (engine.lifecycle.on_trial and not self._crowded_out(outcome, engine.steps - steps_before, abandoned)
+                  and not self._paused_during(began, paused_before)):
                 self._on_stall(self._restarted_loop_silent_for(time.monotonic()),
                                "the replacement loop failed its probe", stalls_seen)
         finally:
             self._verifying = False
 
-    def _paused_during(self, began: float) -> bool:
-        """Whether the whole process was paused (``_notice_pause``) while a replacement's
-        probe that began at ``began`` ran: its deadline may have passed in the pause, which
-        proves nothing of the loop, and it is probed again. Taken for a stall, a SIGSTOP
-        during the probe climbed the ladder. The watchdog notices a pause at its first look
-        after it, which may come after this thread woke: two looks are waited for (the first
-        may have begun before the pause), a few of its intervals at most."""
+    def _paused_during(self, began: float, paused_before: float) -> bool:
+        """Whether a replacement's probe that began at ``began`` failed for a pause of the whole
+        process (``_notice_pause``; ``paused_before``: ``pause_noticed_s`` then): it ran for
+        less than its deadline once the pauses are taken off, which proves nothing of the
+        loop, and it is probed again. Taken for a stall, a SIGSTOP during the probe climbed the
+        ladder. The watchdog notices a pause at its first look after it, which may come after
+        this thread woke: two looks are waited for (the first may have begun before the
+        pause), a few of its intervals at most."""
         with self._looked:
             looks = self.looks
             self._looked.wait_for(lambda: self.looks >= looks + 2, timeout=4 * self.settings.interval_s)
-        if self.pause_noticed_at < began:
+        paused_s = self.pause_noticed_s - paused_before
+        ran_s = time.monotonic() - began - paused_s
+        if paused_s <= 0 or ran_s >= self.settings.probe_timeout_s:
             return False
-        log.warning("replacement_probe_paused", paused_at_s=round(self.pause_noticed_at - began, 3),
+        log.warning("replacement_probe_paused", paused_s=round(paused_s, 3), ran_s=round(ran_s, 3),
                     why="the process was paused while the replacement's probe ran: probed again, no stall")
         return True
 

@@ -583,18 +583,22 @@ class Supervisor:
                 channel.started()
             if listener is not None:
                 listener.close()  # the child's now: its port is freed when it exits
-        client = httpx.Client(
-            base_url=f"http://{CHILD_HOST}:{port}",
-            timeout=httpx.Timeout(None, connect=CHILD_CONNECT_TIMEOUT_S),
-            # Streams can be many at once; the public side bounds nothing either.
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=20),
-            # Plain HTTP to 127.0.0.1: skip loading CA certificates (~40 ms a restart).
-            verify=False,
-            # A guardian child serves only its supervisor: health checks and metrics too.
-            headers={KEY_HEADER: self.relay_key} if not stock_engine else None,
-        )
-        child = Child(proc, port, self.generation, stock=stock_engine, client=client, handoff=channel)
-        note_memory_group(child)
+        try:
+            client = httpx.Client(
+                base_url=f"http://{CHILD_HOST}:{port}",
+                timeout=httpx.Timeout(None, connect=CHILD_CONNECT_TIMEOUT_S),
+                # Streams can be many at once; the public side bounds nothing either.
+                limits=httpx.Limits(max_connections=None, max_keepalive_connections=20),
+                # Plain HTTP to 127.0.0.1: skip loading CA certificates (~40 ms a restart).
+                verify=False,
+                # A guardian child serves only its supervisor: health checks and metrics too.
+                headers={KEY_HEADER: self.relay_key} if not stock_engine else None,
+            )
+            child = Child(proc, port, self.generation, stock=stock_engine, client=client, handoff=channel)
+            note_memory_group(child)
+        except BaseException:
+            proc.kill()  # never tracked: it would serve nobody, and outlive a supervisor giving up
+            raise
         with self.lock:
             self.child = child
         log.info("child_started", pid=proc.pid, port=port, generation=self.generation,
