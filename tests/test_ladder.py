@@ -15,6 +15,7 @@ import threading
 import time
 
 import httpx
+import pytest
 
 from conftest import chat_body, poll, read_stream
 from guardian.exit_codes import EXIT_ENGINE_STALLED
@@ -301,6 +302,8 @@ def test_a_request_stuck_alone_again_is_blamed_and_the_process_stays(start_serve
     assert stamp(proof) < stamp(blamed)
 
 
+@pytest.mark.one_version  # the guardian's ladder, whatever stock's version: once, in the lane that ends first
+@pytest.mark.lane_0313
 def test_a_hanging_request_beside_a_stream_is_blamed_and_the_stream_goes_on(start_server):
     """Both stall twice together, then run alone, the hanging one first (it has fewer
     tokens left). Its first stall alone came at the exit rung: the process exited, the

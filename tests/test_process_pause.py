@@ -158,6 +158,8 @@ def test_a_pause_that_lands_inside_one_of_the_watchdogs_looks_is_still_a_pause(s
 
 
 @pytest.mark.skipif(not hasattr(signal, "SIGSTOP"), reason="SIGSTOP/SIGCONT are POSIX signals")
+@pytest.mark.one_version  # the guardian's watchdog, whatever stock's version: once, in the lane that ends first
+@pytest.mark.lane_0313
 def test_a_pause_while_a_replacement_loop_is_probed_is_no_second_stall(start_server):
     """A stall's replacement loop is on trial until a probe generates on it. The process
     paused past that probe's deadline: its thread woke to a timed-out probe before the
