@@ -524,15 +524,15 @@ class StallDetector:
             if outcome["ok"]:
                 engine.lifecycle.verified(stalls_seen, probed_since=began)
             elif (engine.lifecycle.on_trial and not self._crowded_out(outcome, engine.steps - steps_before, abandoned)
-                  and not self._paused_during(began, paused_before)):
+                  and not self._paused_during(began, outcome["monotonic"], paused_before)):
                 self._on_stall(self._restarted_loop_silent_for(time.monotonic()),
                                "the replacement loop failed its probe", stalls_seen)
         finally:
             self._verifying = False
 
-    def _paused_during(self, began: float, paused_before: float) -> bool:
-        """Whether a replacement's probe that began at ``began`` failed for a pause of the whole
-        process (``_notice_pause``; ``paused_before``: ``pause_noticed_s`` then): it ran for
+    def _paused_during(self, began: float, ended: float, paused_before: float) -> bool:
+        """Whether a replacement's probe that ran from ``began`` to ``ended`` failed for a pause
+        of the whole process (``_notice_pause``; ``paused_before``: ``pause_noticed_s`` then): it ran for
         less than its deadline once the pauses are taken off, which proves nothing of the
         loop, and it is probed again. Taken for a stall, a SIGSTOP during the probe climbed the
         ladder. The watchdog notices a pause at its first look after it, which may come after
@@ -542,7 +542,7 @@ class StallDetector:
             looks = self.looks
             self._looked.wait_for(lambda: self.looks >= looks + 2, timeout=4 * self.settings.interval_s)
         paused_s = self.pause_noticed_s - paused_before
-        ran_s = time.monotonic() - began - paused_s
+        ran_s = ended - began - paused_s
         if paused_s <= 0 or ran_s >= self.settings.probe_timeout_s:
             return False
         log.warning("replacement_probe_paused", paused_s=round(paused_s, 3), ran_s=round(ran_s, 3),
