@@ -11,8 +11,9 @@ out) beside others: beside it, a crash of either would strike both, and the
 innocent one's second strike quarantined it. That one is refused
 (``REFUSED``: 503, to be sent again), but only when nothing moved: a
 suspect's wait starts again each time a suspect's turn ends. Suspects take
-their turns in the order they came: four suspects of a crash run one after another, and the fourth waits for three turns; a bound on
-the whole wait refused it while the line moved (a group's crash in CI: 503
+their turns in the order they came: four suspects of a crash run one after
+another, and the fourth waits for three turns; a bound on the whole wait
+refused it while the line moved (a group's crash in CI: 503
 crash_check_busy after 30 s behind three turns).
 """
 
