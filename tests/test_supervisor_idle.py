@@ -113,3 +113,48 @@ def test_a_request_that_comes_as_the_idle_stop_is_decided_keeps_its_child(start_
     [stopping] = supervised.supervisor_events("child_stopping")
     assert stopping["pid"] == pid and stamp(stopping) > ended - 0.5, (stopping, ended)
     assert len(supervised.supervisor_events("child_started")) == 1
+
+
+def test_a_client_holds_no_more_requests_for_a_starting_child_than_its_limit(start_supervisor, tmp_path):
+    """While a child starts, requests wait for it, at most hold_requests of them (2 here). One
+    client could take every place, and everyone else got 503 hold_queue_full (a review); past
+    its [access] client_max_concurrent it now gets 429 at once, as the child would answer it,
+    and the other client's request is held and served."""
+    keys = tmp_path / "keys"
+    keys.write_text("alice:sk-alice-0123456789abcdef\nbob:sk-bob-0123456789abcdef\n")
+    keys.chmod(0o600)
+    config = tmp_path / "guardian.toml"
+    # The supervisor's status and metrics public here: the test's helpers read them without a key.
+    config.write_text(f'[access]\napi_key_file = "{keys}"\nclient_max_concurrent = 1\n'
+                      'public_paths = ["/health", "/readyz", "/guardian/supervisor", "/metrics"]\n'
+                      '[supervisor]\nhold_requests = 2\n')
+    supervised = start_supervisor("--supervisor-idle-stop", str(IDLE_STOP_S), "--guardian-config", str(config))
+    supervised.wait_ready()
+    poll(lambda: idle(supervised), 30, what="the supervisor idle")
+    results: dict = {}
+
+    def send(name: str, key: str) -> threading.Thread:
+        def post():
+            with httpx.Client(timeout=120) as client:
+                results[name] = client.post(supervised.url + COMPLETIONS, headers={"Authorization": f"Bearer {key}"},
+                                            json=chat_body(f"I am {name}.", max_tokens=4))
+
+        thread = threading.Thread(target=post, daemon=True)
+        thread.start()
+        return thread
+
+    senders = [send("alice-1", "sk-alice-0123456789abcdef")]
+    poll(lambda: supervised.supervisor()["holding"] == 1, 30, interval=0.01, what="alice's first request held")
+    senders.append(send("alice-2", "sk-alice-0123456789abcdef"))
+    poll(lambda: "alice-2" in results or supervised.supervisor()["holding"] == 2, 30, interval=0.01,
+         what="alice's second request answered or held")
+    senders.append(send("bob", "sk-bob-0123456789abcdef"))
+    for sender in senders:
+        sender.join(timeout=120)
+    assert results["alice-1"].status_code == 200 and results["bob"].status_code == 200, results
+    refused = results["alice-2"]
+    assert refused.status_code == 429 and refused.json()["error"]["code"] == "rate_limit_exceeded", refused.text
+    assert "client_max_concurrent" in refused.json()["error"]["message"] and refused.headers["retry-after"] == "1"
+    [not_held] = supervised.supervisor_events("request_not_held")
+    assert not_held["reason"] == "client_share"
+    assert scraped(supervised, "mlx_guardian_supervisor_requests_not_held_total", reason="client_share") == 1

@@ -270,7 +270,9 @@ class SupervisorSettings(Table, name="supervisor"):
         flag="--supervisor-isolation-wait", metavar="S")
     hold_requests = Setting(Int(min=0), 64, """
         Requests that may wait for a ready child while none is (starting,
-        restarting); past this many, 503 + Retry-After at once. 0: no waiting.""",
+        restarting); past this many, 503 + Retry-After at once. 0: no waiting.
+        A client with [access] client_max_concurrent requests waiting already
+        gets 429 at once, as the child would answer it, and takes no place.""",
         flag="--supervisor-hold-requests", metavar="N")
     hold_s = Setting(SECONDS, 30.0, """
         How long a request waits for a ready child before its 503 + Retry-After.""",

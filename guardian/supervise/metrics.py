@@ -48,9 +48,10 @@ class SupervisorMetrics:
                        f"exit_{EXIT_ENGINE_STALLED}", f"exit_{EXIT_GROUP_FAILED}", "unhealthy", "start_timeout"):
             self.child_restarts.labels(reason)
         self.requests_not_held = Counter(
-            P + "requests_not_held", "Requests answered 503 while no child was ready, by why "
-            "(hold_queue_full, hold_timed_out).", ["reason"], registry=r)
-        for reason in ("hold_queue_full", "hold_timed_out"):
+            P + "requests_not_held", "Requests not held while no child was ready, by why: "
+            "hold_queue_full, hold_timed_out (503), client_share (429: the client had [access] "
+            "client_max_concurrent held already).", ["reason"], registry=r)
+        for reason in ("hold_queue_full", "hold_timed_out", "client_share"):
             self.requests_not_held.labels(reason)
         self.requests_deadline_exceeded = Counter(
             P + "requests_deadline_exceeded", "Requests whose deadline the supervisor answered: passed "

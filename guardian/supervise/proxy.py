@@ -33,6 +33,7 @@ import httpx
 import structlog
 
 from guardian import handoff, relay_protocol
+from guardian.access.limits import CONCURRENCY_RETRY_AFTER_S, rate_limited
 from guardian.access.policy import AccessDecision, AccessRequest
 from guardian.access.tls import ServerCertificate
 from guardian.serving.connection import BufferedConnection, HeldConnections, raw_socket
@@ -45,7 +46,7 @@ from guardian.supervise.child import CHILD_GONE_ERRORS
 from guardian.supervise.client_writes import StreamKeepAlive, client_writer
 from guardian.supervise.fast_handoff import (FastHandOff, child_request, forwarded_headers,
                                              try_fast_hand_off)
-from guardian.supervise.state import State
+from guardian.supervise.state import OVER_CLIENT_SHARE, State
 from guardian.supervise.upstream import ChildUnreachable, Upstream, child_deadline_error
 from guardian.quarantine import isolation
 from guardian.quarantine.crashes import fingerprint
@@ -424,9 +425,15 @@ class ProxyHandler(BaseHTTPRequestHandler):
                     return self.deadline_passed(due[1], stream)
                 if self.watched:  # again: a child that had the connection gave it back, or died
                     self.server.watch_client(self.connection, self.client_left)
-                child = supervisor.wait_for_child(given_up=lambda: self.gone, until=due and due[0])
+                child = supervisor.wait_for_child(given_up=lambda: self.gone, until=due and due[0],
+                                                  client=self.access.client if self.access is not None else None)
                 if self.gone:
                     return  # left while held: nobody to answer, nothing to send
+                if child == OVER_CLIENT_SHARE:
+                    share = supervisor.door.settings.client_max_concurrent
+                    return self.give_up(stream, rate_limited(
+                        f"This client has {share} requests waiting for the engine to start already; the "
+                        f"limit is {share} ([access] client_max_concurrent).", CONCURRENCY_RETRY_AFTER_S))
                 if child is None and due is not None and due[0] <= time.monotonic():
                     return self.deadline_passed(due[1], stream)  # it came while held
                 if child is None:

@@ -22,3 +22,6 @@ class State:
 SERVING = (State.READY, State.UNHEALTHY)
 # No child can take requests now, but one is coming: requests wait for it (bounded).
 HOLDING = (State.STARTING, State.RESTARTING)
+# What ``Supervisor.wait_for_child`` answers a request whose client has its [access]
+# client_max_concurrent held already (the caller answers 429).
+OVER_CLIENT_SHARE = "over_client_share"

@@ -68,7 +68,7 @@ from guardian.supervise.child import (Child, DemoModelUnavailable, child_command
 from guardian.supervise.oom_kills import killed_for_memory, note_memory_group
 from guardian.supervise.settings import (abbreviated_flag, acted_on_here, check_stock_tables, child_body_limit,
                                          make_parser, public_door, public_limits, read_file, read_settings)
-from guardian.supervise.state import HOLDING, SERVING, State
+from guardian.supervise.state import HOLDING, OVER_CLIENT_SHARE, SERVING, State
 
 
 log = structlog.get_logger("guardian.supervisor")
@@ -142,6 +142,7 @@ class Supervisor:
         # Notified whenever the state or the child changes: held requests wait on it.
         self.changed = threading.Condition(self.lock)
         self.holding = 0  # requests waiting for a ready child now
+        self.held_by_client: dict[Optional[str], int] = {}  # of those, by client (the door's name)
         self.state = State.STARTING
         self.child: Optional[Child] = None
         self.generation = 0
@@ -1067,14 +1068,17 @@ class Supervisor:
         return self.state in HOLDING or (self.state in SERVING and (child is None or not child.answered))
 
     def wait_for_child(self, given_up: Callable[[], bool] = lambda: False,
-                       until: Optional[float] = None) -> Optional[Child]:
+                       until: Optional[float] = None, client: Optional[str] = None):
         """The child requests go to; while one is coming (starting, restarting), wait for it.
 
         At most ``hold_requests`` wait at once, each at most ``hold_s``;
         None when no child can take the request (the caller answers 503).
         ``given_up()``: its client left (``changed`` is notified then); it waits no more.
         ``until`` (monotonic): the request's deadline, which ends the wait sooner (None
-        then, and the caller answers 504).
+        then, and the caller answers 504). ``client``: who sent it, as the door named it;
+        one that has ``[access] client_max_concurrent`` requests held already gets
+        ``OVER_CLIENT_SHARE`` (the caller answers 429, as the child would): one client
+        took every place while a child started, and everyone else got 503 (a review).
         """
         refused = None
         with self.changed:
@@ -1084,10 +1088,14 @@ class Supervisor:
                 self.changed.notify_all()
                 self.signals.put(WAKE_CHILD)
             if self.holds():
+                share = self.door.settings.client_max_concurrent
                 if self.holding >= self.settings.hold_requests:
                     refused = "hold_queue_full"
+                elif client is not None and share and self.held_by_client.get(client, 0) >= share:
+                    refused = "client_share"
                 else:
                     self.holding += 1
+                    self.held_by_client[client] = self.held_by_client.get(client, 0) + 1
                     try:
                         hold_ends = time.monotonic() + self.settings.hold_s
                         ends = hold_ends if until is None else min(hold_ends, until)
@@ -1098,6 +1106,9 @@ class Supervisor:
                             refused = "hold_timed_out"
                     finally:
                         self.holding -= 1
+                        self.held_by_client[client] -= 1
+                        if not self.held_by_client[client]:
+                            del self.held_by_client[client]
                     if given_up():
                         return None
             child = self.serving()
@@ -1106,6 +1117,8 @@ class Supervisor:
             self.metrics.requests_not_held.labels(refused).inc()
             log.warning("request_not_held", reason=refused, state=self.state, holding=holding,
                         hold_requests=self.settings.hold_requests, hold_s=self.settings.hold_s)
+            if refused == "client_share":
+                return OVER_CLIENT_SHARE
         return child
 
     def wait_reaped(self, child: Child, given_up: Callable[[], bool] = lambda: False,
