@@ -166,7 +166,7 @@ def test_a_pause_while_a_replacement_loop_is_probed_is_no_second_stall(start_ser
     watchdog had looked, and a failed trial is a second stall (the ladder climbed). Now
     the probe's thread waits for the watchdog's looks, which see the pause, and the loop
     is probed again. The request's step blocks once (loop_faults); every step takes 0.5 s,
-    so the probe takes a second or more, and the pause comes well inside it."""
+    so the probe takes a second or more, and the pause comes once it is under way."""
     config = ('[guardian]\nplugins = ["tests.plugins.loop_faults:LoopFaults", '
               '"tests.plugins.stock_step_faults:StockStepFaults"]\n'
               + table("loop_faults", hang_repetition_penalty=1.25, hang_at_call=2, hang_times=1)
@@ -176,6 +176,10 @@ def test_a_pause_while_a_replacement_loop_is_probed_is_no_second_stall(start_ser
     sender, result = post_in_background(server.url + COMPLETIONS,
                                         chat_body(max_tokens=4, repetition_penalty=1.25))
     server.wait_for_event("engine_stalled", timeout=60)
+    # The re-run and the replacement's probe both taken: the probe under way (a clean clone's
+    # run paused before the probe had begun, and it passed after the pause).
+    poll(lambda: httpx.get(server.url + "/guardian/status", timeout=5).json()["in_flight"] >= 2, 30,
+         interval=0.01, what="the replacement's probe under way")
     pause(server.proc, PAUSE_S + 1.0)
     sender.join(timeout=120)
     assert result["response"].status_code == 200, result
