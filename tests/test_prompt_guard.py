@@ -220,6 +220,15 @@ def post_timed(url: str, body: dict, ended: dict, name: str, headers: Optional[d
     return thread
 
 
+def all_copies_but_one_taken(server, url: str, ended: dict) -> list[threading.Thread]:
+    """Large prompts, each ~2.5 s of a copy here, sent until they hold every copy a large
+    prompt may take (all but the last); their threads."""
+    longer = {**HUGE_PROMPT, "prompt": "word " * 800_000}
+    senders = [post_timed(url, longer, ended, f"huge {i}") for i in range(TOKENIZER_COPIES - 1)]
+    tokenizing(server, TOKENIZER_COPIES - 1)
+    return senders
+
+
 def tokenizing(server, count: int) -> None:
     """Until ``count`` large prompts have a tokenizer's copy (the shared server's log
     holds the test's own lines)."""
@@ -258,9 +267,7 @@ def test_a_huge_prompt_waiting_for_a_tokenizer_leaves_at_its_deadline(guarded_se
     server = guarded_server()
     url, ended = server.url + "/v1/completions", {}
     # Longer to tokenize than the late one's deadline, by far (~2.5 s here; less on a Mac).
-    longer = {**HUGE_PROMPT, "prompt": "word " * 800_000}
-    first = [post_timed(url, longer, ended, f"huge {i}") for i in range(TOKENIZER_COPIES - 1)]
-    tokenizing(server, TOKENIZER_COPIES - 1)
+    first = all_copies_but_one_taken(server, url, ended)
     post_timed(url, HUGE_PROMPT, ended, "late", headers={"x-stainless-read-timeout": "0.2"}).join(60)
     for thread in first:
         thread.join(120)
@@ -280,9 +287,7 @@ def test_a_huge_prompt_whose_client_leaves_while_it_waits_for_a_tokenizer_waits_
 
     server = guarded_server()
     url, ended = server.url + "/v1/completions", {}
-    longer = {**HUGE_PROMPT, "prompt": "word " * 800_000}  # ~2.5 s of a copy here
-    first = [post_timed(url, longer, ended, f"huge {i}") for i in range(TOKENIZER_COPIES - 1)]
-    tokenizing(server, TOKENIZER_COPIES - 1)
+    first = all_copies_but_one_taken(server, url, ended)
     with pytest.raises(httpx.TimeoutException):  # the client gives up, and closes its connection
         httpx.post(url, json=HUGE_PROMPT, timeout=0.3)
     # The scrape's own handler and those of the first: the late one's has ended.
