@@ -99,7 +99,6 @@ class FailureHandler:
         # The engine's step count at its last failure (or stall); and at most how many steps
         # a proof of the engine runs (guardian.engine.blame), set by the recovery plugin.
         self.failed_at_step = 0
-        self._stall_run_of_steps = (0, 0)  # _run_of_steps_ended at the last stall judged
         self.proof_max_steps = 64
         self.last_error: Optional[dict] = None
         self.hit_a_probe = False  # the failure being handled had a probe in flight
@@ -398,15 +397,16 @@ class FailureHandler:
         stall alone without one, a request was blamed for an engine that hung under
         whatever ran (a wedged device). A stall is the watchdog's to count (its ladder),
         not the budget's."""
-        self._stall_run_of_steps = self._run_of_steps_ended()
+        run_of_steps = self._run_of_steps_ended()
         progress = self.progress() if self.engine.probes.proof_prompt is not None else None
-        return self._judge(records, None, progress=progress, steps=self._stall_run_of_steps)
+        decided = self._judge(records, None, progress=progress, steps=run_of_steps)
+        self._await_proof(decided, run_of_steps[1])  # queued as they are settled (an exit queues none)
+        return decided
 
     def settle_stall(self, reason: str, decided: list[tuple]) -> None:
         """Settle the requests of a loop thread a stall abandoned, as after a failure
         (``decided``: ``judge_stall``'s judgment of those ``ledger.take_in_flight`` took)."""
         self._forgive([r for r, verdict in decided if verdict is Verdict.BLAME])
-        self._await_proof(decided, self._stall_run_of_steps[1])
         self._settle(decided, TimeoutError(reason), "stall")
         self._queue_due_proof()
 
